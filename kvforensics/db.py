@@ -1,0 +1,67 @@
+"""The evidence database: connection settings and SQL loaded by name from the package."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import duckdb
+
+
+def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
+            threads: int | None = None, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open (or create) an evidence database with the session settings every stage relies on."""
+    con = duckdb.connect(str(path), read_only=read_only)
+    con.execute("SET TimeZone = 'UTC'")
+    if memory_limit:
+        con.execute("SELECT current_setting('memory_limit')")  # validates the connection first
+        con.execute(f"SET memory_limit = '{_checked_size(memory_limit)}'")
+    if threads:
+        con.execute(f"SET threads = {int(threads)}")
+    if not read_only:
+        run_script(con, "schema")
+    return con
+
+
+def _checked_size(value: str) -> str:
+    import re
+
+    if not re.fullmatch(r"\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)", value.strip()):
+        raise ValueError(f"memory_limit {value!r} must look like '2GB' or '512MiB'")
+    return value.strip()
+
+
+@cache
+def sql(name: str) -> str:
+    """The text of ``kvforensics/sql/<name>.sql``."""
+    return (Path(__file__).parent / "sql" / f"{name}.sql").read_text(encoding="utf-8")
+
+
+def statements(text: str) -> list[str]:
+    """Split a SQL script into statements (a statement ends with ';' at the end of a line)."""
+    import re
+
+    parts = re.split(r";[ \t]*(?:--[^\n]*)?\n", text + "\n")
+    return [p.strip() for p in parts if p.strip() and not all(
+        line.strip().startswith("--") or not line.strip() for line in p.strip().splitlines())]
+
+
+def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None) -> None:
+    """Run ``sql/<name>.sql`` statement by statement, giving each the named parameters it uses."""
+    import re
+
+    params = params or {}
+    for stmt in statements(sql(name)):
+        used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stmt))
+        missing = used - set(params)
+        if missing:
+            raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
+        con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
+
+
+def one(con: duckdb.DuckDBPyConnection, query: str, params: dict | list | None = None) -> tuple:
+    """The single row a query returns (fetching it completely, as DuckDB 2 requires)."""
+    rows = con.execute(query, params).fetchall() if params is not None else con.execute(query).fetchall()
+    if len(rows) != 1:
+        raise LookupError(f"expected one row, got {len(rows)}: {query[:80]}")
+    return rows[0]

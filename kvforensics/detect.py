@@ -1,0 +1,192 @@
+"""Detect: run every rule of ``kvforensics/rules`` and combine their findings into confidence tiers.
+
+A rule is two files: ``<id>.sql`` returns ``request_id, strength, evidence`` for the requests it
+flags, using named parameters (``$name``) declared with defaults in ``<id>.yml``, which also holds
+its metadata and its own positive and negative test cases.
+
+Confidence tiers per request (documented in the report's method section):
+  * ``confirmed``: at least one strong signal and at least two rules agree;
+  * ``probable``:  one strong signal alone, or two or more weak signals from different rules;
+  * ``possible``:  a single weak signal. ``possible`` never counts as affected.
+Strong signals: the prompt exceeded the pool of the instance that served it (or of every prefill
+instance of the model), the engine logged an abort for a request the client got 2xx for, a KV
+checksum / corruption finding. Weak: too fast for a real prefill, engine/gateway token-count
+mismatch, a bare transfer failure, exceeding only the smallest of several pools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import duckdb
+import pandas as pd
+import yaml
+
+from kvforensics.errors import ConfigError
+
+RULES_DIR = Path(__file__).parent / "rules"
+AFFECTED_TIERS = ("confirmed", "probable")
+_PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    title: str
+    severity: str
+    description: str
+    sql: str
+    version: str
+    parameters: Mapping[str, Any]
+    parameter_docs: Mapping[str, str]
+    references: tuple[str, ...] = ()
+    false_positives: tuple[str, ...] = ()
+    tests: tuple[Mapping[str, Any], ...] = ()
+    needs_latency_model: bool = False
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def used_parameters(self) -> set[str]:
+        return set(_PARAM.findall(self.sql))
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        params = "".join(f"<li><code>{escape(k)}</code> = {escape(str(v))}</li>" for k, v in self.parameters.items())
+        return (f"<b>{escape(self.id)}</b> ({escape(self.severity)}, version {escape(self.version)}): "
+                f"{escape(self.title)}<ul>{params}</ul>")
+
+
+@cache
+def load_rules(directory: Path = RULES_DIR) -> tuple[Rule, ...]:
+    """Every rule in the directory, sorted by id."""
+    rules = []
+    for yml in sorted(directory.glob("*.yml")):
+        sql_path = yml.with_suffix(".sql")
+        meta = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
+        if not sql_path.exists():
+            raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
+        text = sql_path.read_text(encoding="utf-8")
+        version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
+        params = meta.get("parameters") or {}
+        rules.append(Rule(
+            id=str(meta.get("id", "")), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
+            description=str(meta.get("description", "")).strip(), sql=text, version=version,
+            parameters={k: v.get("default") for k, v in params.items()},
+            parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
+            references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
+            tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
+        ))
+    return tuple(sorted(rules, key=lambda r: r.id))
+
+
+def rule_parameters(rule: Rule, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    params = dict(rule.parameters)
+    for k, v in (overrides or {}).items():
+        if k not in params:
+            raise ConfigError(f"rule '{rule.id}' has no parameter '{k}'; it has {sorted(params)}",
+                              location=f"[rules.{rule.id}]")
+        params[k] = v
+    return params
+
+
+def run_rule(con: duckdb.DuckDBPyConnection, rule: Rule, params: Mapping[str, Any]) -> pd.DataFrame:
+    """The rule's flagged requests: ``request_id, strength, evidence``."""
+    used = rule.used_parameters()
+    args = {k: v for k, v in params.items() if k in used}
+    return con.execute(rule.sql, args or None).df()
+
+
+def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[str, Any]] | None = None,
+           rules: tuple[Rule, ...] | None = None) -> pd.DataFrame:
+    """Run all rules, fit the latency model in between, write ``findings`` and ``request_tiers``."""
+    from kvforensics import latency
+
+    overrides = overrides or {}
+    unknown = set(overrides) - {r.id for r in (rules or load_rules())}
+    if unknown:
+        raise ConfigError(f"[rules] names unknown rule(s) {sorted(unknown)}")
+    rules = rules or load_rules()
+    frames = []
+    con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
+    for rule in [r for r in rules if not r.needs_latency_model]:
+        frames.append(_collect(con, rule, overrides.get(rule.id)))
+    if frames:
+        ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
+        con.register("flagged_ids", ids)
+        con.execute("INSERT INTO flagged_before_latency SELECT request_id FROM flagged_ids").fetchall()
+        con.unregister("flagged_ids")
+    latency.fit_models(con, exclude_table="flagged_before_latency")
+    for rule in [r for r in rules if r.needs_latency_model]:
+        frames.append(_collect(con, rule, overrides.get(rule.id)))
+    found = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters"])
+    con.register("raw_findings", found)
+    con.execute("""
+        CREATE OR REPLACE TABLE request_tiers AS
+        SELECT request_id,
+               CASE WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 AND count(*) >= 2 THEN 'confirmed'
+                    WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 OR count(*) >= 2 THEN 'probable'
+                    ELSE 'possible' END AS confidence,
+               string_agg(rule_id, ' ' ORDER BY rule_id) AS rules
+        FROM raw_findings GROUP BY request_id""").fetchall()
+    con.execute("DELETE FROM findings").fetchall()
+    con.execute("""
+        INSERT INTO findings (request_id, rule_id, rule_version, confidence, parameters, evidence, strength)
+        SELECT f.request_id, f.rule_id, f.rule_version, t.confidence, CAST(f.parameters AS JSON),
+               CAST(f.evidence AS JSON), f.strength
+        FROM raw_findings f JOIN request_tiers t USING (request_id)
+        ORDER BY f.request_id, f.rule_id""").fetchall()
+    con.unregister("raw_findings")
+    return found
+
+
+def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None) -> pd.DataFrame:
+    params = rule_parameters(rule, overrides)
+    df = run_rule(con, rule, params)
+    df["request_id"] = df["request_id"].astype(str)
+    df["evidence"] = df["evidence"].astype(str)
+    df["strength"] = df["strength"].astype(str)
+    df["rule_id"] = rule.id
+    df["rule_version"] = rule.version
+    df["parameters"] = json.dumps(params, sort_keys=True)
+    return df
+
+
+# --- rule test cases -------------------------------------------------------------------------------
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "requests": {"ts": "2026-08-28T00:00:00Z", "account_id": "acct", "model": "m", "status": 200,
+                 "prompt_tokens": 0, "source": "test", "source_file": "test", "source_line": 0, "row_hash": ""},
+    "capacity": {"engine": "sglang", "source": "test", "source_file": "test"},
+    "engine_events": {"source": "test", "source_file": "test", "source_line": 0, "detail": ""},
+    "latency_model": {"usable": True},
+}
+
+
+def load_case_tables(con: duckdb.DuckDBPyConnection, tables: Mapping[str, list[Mapping[str, Any]]]) -> None:
+    """Insert a test case's rows into the canonical tables (unspecified columns get defaults or NULL)."""
+    for table, rows in tables.items():
+        if not rows:
+            continue
+        df = pd.DataFrame([{**_DEFAULTS.get(table, {}), **row} for row in rows])
+        con.register("case_rows", df)
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM case_rows").fetchall()
+        con.unregister("case_rows")
+
+
+def evaluate_case(rule: Rule, case: Mapping[str, Any]) -> pd.DataFrame:
+    """Run one of a rule's test cases in a fresh in-memory evidence database."""
+    from kvforensics.db import connect
+
+    con = connect()
+    try:
+        load_case_tables(con, case.get("tables", {}))
+        return run_rule(con, rule, rule_parameters(rule, case.get("parameters")))
+    finally:
+        con.close()

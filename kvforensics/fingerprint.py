@@ -1,0 +1,53 @@
+"""Keyed fingerprints of text: what lets us match leaked content without keeping the content.
+
+Text is split into lower-cased word shingles (``SHINGLE_WORDS`` consecutive words); each shingle is
+reduced to a 63-bit integer with HMAC-SHA256 under a per-investigation key. Without the key the
+fingerprints cannot be brute-forced back to text by dictionary, and no raw text is ever stored.
+The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is generated once per investigation and kept
+in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key`` (never in the outputs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from pathlib import Path
+
+SHINGLE_WORDS = 8
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def key_for(incident_id: str) -> bytes:
+    """The HMAC key of an investigation: from the environment, else a stored per-incident key."""
+    env = os.environ.get("KVFORENSICS_HMAC_KEY")
+    if env:
+        return bytes.fromhex(env)
+    state = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    path = state / "kvforensics" / "keys" / f"{incident_id}.key"
+    if path.exists():
+        return bytes.fromhex(path.read_text().strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex())
+    return key
+
+
+def shingles(text: str, width: int = SHINGLE_WORDS) -> list[str]:
+    words = [w.lower() for w in _WORD.findall(text)]
+    if len(words) < width:
+        return [" ".join(words)] if words else []
+    return [" ".join(words[i:i + width]) for i in range(len(words) - width + 1)]
+
+
+def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS) -> set[int]:
+    """Distinct keyed 63-bit fingerprints of the text's word shingles."""
+    out = set()
+    for s in shingles(text, width):
+        digest = hmac.new(key, s.encode("utf-8"), hashlib.sha256).digest()
+        out.add(int.from_bytes(digest[:8], "big") >> 1)
+    return out

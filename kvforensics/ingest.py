@@ -1,0 +1,428 @@
+"""Ingest: every input of the incident file into the evidence database, nothing lost.
+
+For every file: its SHA-256, records read, loaded, quarantined and duplicates go to ``load_report``;
+every refused record goes to ``quarantine`` with file, line and reason. Request files already
+loaded (same source, same SHA-256) are skipped, so re-running ingest is idempotent and adding a new
+day's files loads only what is new. Engine logs, changes and content are small and re-read whole.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import duckdb
+import pyarrow as pa
+
+from kvforensics.config import Incident, Source
+from kvforensics.db import one
+from kvforensics.errors import InputError, StrictModeError
+from kvforensics.fingerprint import fingerprints, key_for
+from kvforensics.loaders.requests import FileLoad, load_requests_file
+from kvforensics.loaders.textio import LineStream, decode_line, file_digest, open_binary, printable_raw
+
+
+@dataclass(frozen=True)
+class InputFile:
+    source: str
+    kind: str
+    file: str
+    sha256: str
+    bytes: int
+    records_read: int
+    loaded: int
+    quarantined: int
+    duplicates: int
+    notes: tuple[str, ...]
+
+
+@dataclass
+class IngestResult:
+    files: list[InputFile] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def records_read(self) -> int:
+        return sum(f.records_read for f in self.files)
+
+    @property
+    def quarantined(self) -> int:
+        return sum(f.quarantined for f in self.files)
+
+
+Tick = Callable[[int], None]
+
+
+def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool = False,
+           tick: Tick = lambda n: None, on_file: Callable[[str], None] = lambda name: None) -> IngestResult:
+    """Load every source of the incident into ``con``."""
+    result = IngestResult()
+    plan = [(s, s.files()) for s in incident.sources]
+    for source, files in plan:
+        if not files:
+            raise InputError(f"no file matches path '{source.path}' (looked in {source.base_dir}); "
+                             f"check the path, which is relative to the incident file",
+                             location=f"source '{source.name}'")
+        if source.timezone != "UTC" or source.clock_offset_s:
+            result.assumptions.append(
+                f"source '{source.name}': timestamps without an offset read as {source.timezone}"
+                + (f", clock offset {source.clock_offset_s:+g} s applied" if source.clock_offset_s else ""))
+    # Requests first: engine model names are matched against the gateway's model ids.
+    for source, files in plan:
+        if source.kind == "requests":
+            for path in files:
+                on_file(f"{source.name}: {path.name}")
+                result.files.append(_ingest_requests_file(con, source, path, tick))
+    con.execute("DELETE FROM capacity").fetchall()
+    con.execute("DELETE FROM engine_events").fetchall()
+    con.execute("DELETE FROM changes").fetchall()
+    con.execute("DELETE FROM content_fingerprints").fetchall()
+    con.execute("DELETE FROM content_stats").fetchall()
+    startups: list[tuple[Source, Path, Any]] = []
+    for source, files in plan:
+        if source.kind == "requests":
+            continue
+        for path in files:
+            on_file(f"{source.name}: {path.name}")
+            _forget_file(con, source, path)
+            if source.kind == "engine_log":
+                record, parsed = _ingest_engine_log(con, source, path, incident)
+                startups.extend((source, path, s) for s in parsed.startups)
+                result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.notes)
+            elif source.kind == "changes":
+                record = _ingest_changes(con, source, path)
+            else:
+                record = _ingest_content(con, source, path, incident)
+            result.files.append(record)
+    _build_capacity(con, incident, startups, result)
+    _check_models(con, result)
+    _write_account_patterns(con, incident)
+    if strict:
+        _enforce_strict(con, result)
+    return result
+
+
+def _forget_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
+    params = {"s": source.name, "f": str(path)}
+    con.execute("DELETE FROM load_report WHERE source = $s AND file = $f", params).fetchall()
+    con.execute("DELETE FROM quarantine WHERE source = $s AND file = $f", params).fetchall()
+
+
+def _record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
+            load: FileLoad) -> InputFile:
+    rec = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0], bytes=digest[1],
+                    records_read=load.records_read, loaded=load.loaded, quarantined=load.quarantined,
+                    duplicates=load.duplicates, notes=tuple(load.notes))
+    con.execute("INSERT INTO load_report VALUES ($source, $kind, $file, $sha, $bytes, $read, $loaded, $q, $d, $notes)",
+                {"source": rec.source, "kind": rec.kind, "file": rec.file, "sha": rec.sha256, "bytes": rec.bytes,
+                 "read": rec.records_read, "loaded": rec.loaded, "q": rec.quarantined, "d": rec.duplicates,
+                 "notes": "; ".join(rec.notes) or None}).fetchall()
+    return rec
+
+
+def _ingest_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, tick: Tick) -> InputFile:
+    digest = file_digest(path)
+    seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
+                       "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": digest[0]}).fetchall()
+    if seen:
+        r = seen[0]
+        return InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0], bytes=digest[1],
+                         records_read=r[0], loaded=r[1], quarantined=r[2], duplicates=r[3],
+                         notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])))
+    if digest[1] == 0:
+        return _record(con, source, path, digest, FileLoad(file=path, notes=["empty file"]))
+    load = load_requests_file(con, source, path, tick=tick)
+    if load.records_read == 0 and not load.notes:
+        load.notes.append("empty file")
+    return _record(con, source, path, digest, load)
+
+
+def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident):
+    from kvforensics.loaders.engine_common import parse_engine_log
+
+    digest = file_digest(path)
+    instance = source.instance_for(path)
+    parsed = parse_engine_log(path, fmt=source.format, instance=instance, tz=source.tz,
+                              year=source.year or incident.year, clock_offset_s=source.clock_offset_s)
+    events = parsed.events
+    if events:
+        table = pa.table({
+            "instance": [e.instance for e in events],
+            "ts": pa.array([e.ts for e in events], type=pa.timestamp("us", tz="UTC")),
+            "kind": [e.kind for e in events],
+            "request_id": [e.request_id for e in events],
+            "prompt_tokens": pa.array([e.prompt_tokens for e in events], type=pa.int64()),
+            "limit_tokens": pa.array([e.limit_tokens for e in events], type=pa.int64()),
+            "detail": [e.detail for e in events],
+            "source": [source.name] * len(events),
+            "source_file": [str(path)] * len(events),
+            "source_line": pa.array([e.line for e in events], type=pa.int64()),
+        })
+        con.register("events_batch", table)
+        con.execute("INSERT INTO engine_events SELECT * FROM events_batch").fetchall()
+        con.unregister("events_batch")
+    for q in parsed.quarantined:
+        con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
+                    {"s": source.name, "f": str(path), "l": q.line, "r": q.reason,
+                     "raw": printable_raw(q.raw)}).fetchall()
+    notes = list(parsed.notes)
+    if not parsed.startups:
+        notes.append("no engine start-up found: this file gives no KV pool size")
+    load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(parsed.quarantined),
+                    quarantined=len(parsed.quarantined), notes=notes)
+    return _record(con, source, path, digest, load), parsed
+
+
+def resolve_model(engine_model: str | None, source: Source, aliases: dict[str, str],
+                  gateway_models: list[str]) -> tuple[str | None, str]:
+    """The gateway model id an engine serves, and how we know."""
+    if source.model:
+        return source.model, "source model setting"
+    if engine_model is None:
+        return None, "engine log names no model"
+    if engine_model in aliases:
+        return aliases[engine_model], "alias"
+    lowered = {k.lower(): v for k, v in aliases.items()}
+    if engine_model.lower() in lowered:
+        return lowered[engine_model.lower()], "alias"
+    for g in gateway_models:
+        if g.lower() == engine_model.lower():
+            return g, "same name"
+    suffix_hits = [g for g in gateway_models if g.lower().endswith("/" + engine_model.lower())]
+    if len(suffix_hits) == 1:
+        return suffix_hits[0], "name suffix"
+    return engine_model, "unmatched"
+
+
+def _build_capacity(con: duckdb.DuckDBPyConnection, incident: Incident, startups: list, result: IngestResult) -> None:
+    gateway_models = [r[0] for r in con.execute("SELECT DISTINCT model FROM requests ORDER BY 1").fetchall()]
+    by_instance: dict[str, list] = {}
+    for source, path, s in startups:
+        by_instance.setdefault(s.instance, []).append((source, path, s))
+    rows = []
+    for instance, items in sorted(by_instance.items()):
+        items.sort(key=lambda it: (it[2].ts is None, it[2].ts or datetime.min.replace(tzinfo=timezone.utc),
+                                   str(it[1]), it[2].line))
+        for i, (source, path, s) in enumerate(items):
+            nxt = items[i + 1][2].ts if i + 1 < len(items) else None
+            model, how = resolve_model(s.model, source, dict(incident.model_aliases), gateway_models)
+            if how == "unmatched":
+                result.warnings.append(
+                    f"engine instance '{instance}' serves '{s.model}', which matches no gateway model id; "
+                    f"add it to [models] aliases in the incident file")
+            if s.ts is None:
+                result.warnings.append(f"engine instance '{instance}': start-up at {path.name}:{s.line} has no "
+                                       f"timestamp; its pool cannot be placed in time")
+            rows.append({
+                "instance": instance, "role": s.role, "model": model, "engine_model": s.model,
+                "valid_from": s.ts, "valid_to": nxt, "kv_pool_tokens": s.kv_pool_tokens,
+                "context_length": s.context_length, "page_size": s.page_size, "engine": s.engine,
+                "engine_version": s.engine_version, "version_source": s.version_source,
+                "tp_size": s.tp_size, "dp_size": s.dp_size, "flags": json.dumps(dict(s.flags), sort_keys=True),
+                "startup_refused": str(dict(s.flags).get("startup_refused", "")).lower() == "true",
+                "source": source.name, "source_file": str(path), "source_line": s.line,
+                "pool_source_line": s.pool_source_line,
+            })
+    if not rows:
+        result.warnings.append("no engine start-up found in any engine log: KV pool sizes are unknown, "
+                               "so the pool rule cannot judge any request")
+        return
+    ts_type = pa.timestamp("us", tz="UTC")
+    table = pa.table({
+        k: (pa.array([r[k] for r in rows], type=ts_type) if k in ("valid_from", "valid_to")
+            else pa.array([r[k] for r in rows], type=pa.int64()) if k in (
+                "kv_pool_tokens", "context_length", "page_size", "source_line", "pool_source_line")
+            else pa.array([r[k] for r in rows], type=pa.int32()) if k in ("tp_size", "dp_size")
+            else pa.array([r[k] for r in rows]))
+        for k in rows[0]
+    })
+    con.register("capacity_batch", table)
+    cols = ", ".join(rows[0])
+    con.execute(f"INSERT INTO capacity ({cols}) SELECT {cols} FROM capacity_batch").fetchall()
+    con.unregister("capacity_batch")
+    missing_pool = [r["instance"] for r in rows if r["kv_pool_tokens"] is None]
+    for inst in sorted(set(missing_pool)):
+        result.warnings.append(f"engine instance '{inst}': a start-up logs no KV pool size")
+
+
+def _check_models(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:
+    rows = con.execute("""SELECT r.model, count(*) FROM requests r
+                          WHERE NOT EXISTS (SELECT 1 FROM capacity c WHERE c.model = r.model)
+                          GROUP BY 1 ORDER BY 1""").fetchall()
+    for model, n in rows:
+        result.warnings.append(f"unknown model '{model}': no engine log covers it, so the pool rule cannot "
+                               f"judge its {n} request(s)")
+
+
+def _write_account_patterns(con: duckdb.DuckDBPyConnection, incident: Incident) -> None:
+    con.execute("CREATE OR REPLACE TABLE account_patterns (pattern VARCHAR, account_class VARCHAR, priority INTEGER)"
+                ).fetchall()
+    for p in incident.scope.reporter_accounts:
+        con.execute("INSERT INTO account_patterns VALUES ($p, 'reporter', 1)", {"p": p}).fetchall()
+    for p in incident.scope.internal_accounts:
+        con.execute("INSERT INTO account_patterns VALUES ($p, 'internal', 2)", {"p": p}).fetchall()
+
+
+def _enforce_strict(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:
+    rows = con.execute("SELECT file, line, reason FROM quarantine ORDER BY file, line LIMIT 1").fetchall()
+    if rows:
+        f, line, reason = rows[0]
+        raise StrictModeError(f"{reason} (--strict stops at the first record that would be quarantined)",
+                              location=f"{f}:{line}")
+    stopped = [f for f in result.files if any("ends early" in n for n in f.notes)]
+    if stopped:
+        raise StrictModeError(next(n for n in stopped[0].notes if "ends early" in n), location=stopped[0].file)
+
+
+def _parse_ts(value: str | None, source: Source) -> datetime | None:
+    if value is None or not value.strip():
+        return None
+    v = value.strip()
+    try:
+        num = float(v)
+    except ValueError:
+        num = None
+    if num is not None:
+        scale = 1e9 if abs(num) >= 1e17 else 1e6 if abs(num) >= 1e14 else 1e3 if abs(num) >= 1e11 else 1.0
+        return datetime.fromtimestamp(num / scale, tz=timezone.utc)
+    try:
+        dt = datetime.fromisoformat(v.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=source.tz)
+    from datetime import timedelta
+
+    return (dt + timedelta(seconds=source.clock_offset_s)).astimezone(timezone.utc)
+
+
+def _csv_or_jsonl_records(source: Source, path: Path, load: FileLoad):
+    """(line, raw text, dict | None, problem) for each record of a small CSV or JSONL file."""
+    if source.format == "csv":
+        with open_binary(path) as fh:
+            reader = csv.reader(io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline=""))
+            header = next(reader, None)
+            if header is None:
+                load.notes.append("empty file")
+                return
+            header = [h.strip() for h in header]
+            last = 1
+            for row in reader:
+                start, last = last + 1, reader.line_num
+                if not row:
+                    continue
+                raw = ",".join(row)
+                if len(row) != len(header):
+                    yield start, raw, None, f"expected {len(header)} fields, found {len(row)}"
+                else:
+                    yield start, raw, dict(zip(header, row)), None
+    else:
+        stream = LineStream(path)
+        for n, rawb in stream:
+            if not rawb.strip():
+                continue
+            text = decode_line(rawb)
+            if text is None:
+                yield n, printable_raw(rawb), None, "not UTF-8"
+                continue
+            try:
+                obj = json.loads(text)
+            except ValueError:
+                yield n, text, None, "malformed JSON"
+                continue
+            if not isinstance(obj, dict):
+                yield n, text, None, "not a JSON object"
+                continue
+            yield n, text, obj, None
+        if stream.stopped:
+            load.notes.append(stream.stopped)
+
+
+def _ingest_changes(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> InputFile:
+    digest = file_digest(path)
+    load = FileLoad(file=path)
+    for line, raw, rec, problem in _csv_or_jsonl_records(source, path, load):
+        load.records_read += 1
+        if problem is None:
+            ts_raw = rec.get(source.column("ts"))
+            ts = _parse_ts(str(ts_raw) if ts_raw is not None else None, source)
+            desc = rec.get(source.column("description"))
+            if ts_raw in (None, ""):
+                problem = "missing required field 'ts'"
+            elif ts is None:
+                problem = f"bad timestamp '{str(ts_raw)[:60]}'"
+            elif not desc:
+                problem = "missing required field 'description'"
+        if problem:
+            load.quarantined += 1
+            con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
+                        {"s": source.name, "f": str(path), "l": line, "r": problem,
+                         "raw": printable_raw(raw)}).fetchall()
+            continue
+        load.loaded += 1
+        con.execute("INSERT INTO changes VALUES ($ts, $m, $i, $d, $det, $s, $f, $l)",
+                    {"ts": ts, "m": rec.get(source.column("model")) or None,
+                     "i": rec.get(source.column("instance")) or None, "d": desc,
+                     "det": rec.get(source.column("details")) or None, "s": source.name, "f": str(path),
+                     "l": line}).fetchall()
+    return _record(con, source, path, digest, load)
+
+
+def _ingest_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident) -> InputFile:
+    """Fingerprint prompts and outputs; the text itself is dropped here and never stored."""
+    digest = file_digest(path)
+    load = FileLoad(file=path)
+    key = key_for(incident.id)
+    ids: list[str] = []
+    parts: list[str] = []
+    fps: list[int] = []
+    stats: list[tuple[str, str, int]] = []
+
+    def flush() -> None:
+        if fps:
+            con.register("fp_batch", pa.table({"request_id": ids, "part": parts,
+                                               "fp": pa.array(fps, type=pa.int64())}))
+            con.execute("INSERT INTO content_fingerprints SELECT * FROM fp_batch").fetchall()
+            con.unregister("fp_batch")
+        ids.clear(); parts.clear(); fps.clear()
+
+    for line, _raw, rec, problem in _csv_or_jsonl_records(source, path, load):
+        load.records_read += 1
+        rid = rec.get(source.column("request_id")) if rec else None
+        if problem is None and not rid:
+            problem = "missing required field 'request_id'"
+        if problem:
+            load.quarantined += 1
+            # never copy content text into the quarantine: only the reason and where
+            con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, NULL)",
+                        {"s": source.name, "f": str(path), "l": line, "r": problem}).fetchall()
+            continue
+        load.loaded += 1
+        for part in ("prompt", "output"):
+            text = rec.get(source.column(part))
+            if not isinstance(text, str) or not text:
+                continue
+            got = fingerprints(text, key)
+            stats.append((str(rid), part, len(got)))
+            for fp in got:
+                ids.append(str(rid)); parts.append(part); fps.append(fp)
+        if len(fps) > 500_000:
+            flush()
+    flush()
+    if stats:
+        con.register("stats_batch", pa.table({"request_id": [s[0] for s in stats], "part": [s[1] for s in stats],
+                                              "shingles": pa.array([s[2] for s in stats], type=pa.int64())}))
+        con.execute("INSERT INTO content_stats SELECT * FROM stats_batch").fetchall()
+        con.unregister("stats_batch")
+    load.notes.append("text fingerprinted (keyed HMAC of word shingles); no text stored")
+    return _record(con, source, path, digest, load)
+
+
+def requests_loaded(con: duckdb.DuckDBPyConnection) -> int:
+    return one(con, "SELECT count(*) FROM requests")[0]

@@ -1,0 +1,331 @@
+"""Gateway request logs (JSONL, CSV, Parquet) into the canonical ``requests`` table.
+
+Each file is streamed into a staging table of text fields (one row per record, with its line
+number and the raw record), then typed and validated in SQL (``sql/requests_typed.sql``). Good rows
+go to ``requests``; every other record goes to ``quarantine`` with the reason it was refused.
+Column names are mapped by the incident file; OpenTelemetry GenAI and SGLang ``meta_info`` names
+are recognised without a mapping.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import duckdb
+import pyarrow as pa
+
+from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
+from kvforensics.db import one, run_script
+from kvforensics.errors import InputError
+from kvforensics.loaders.textio import LineStream, decode_line, open_binary, printable_raw
+
+BATCH = 100_000
+
+# Names other systems use for the canonical fields, tried (in order) when the incident file does not
+# map a field and the canonical name is absent: OpenTelemetry GenAI semantic conventions, SGLang's
+# --log-requests JSON (`out.meta_info`), common OpenAI-style exports.
+KNOWN_ALIASES: dict[str, tuple[str, ...]] = {
+    "request_id": ("gen_ai.response.id", "rid", "id", "out.meta_info.id", "requestId"),
+    "ts": ("timestamp", "time", "start_time", "received_at", "created_at", "@timestamp"),
+    "account_id": ("account", "customer_id", "tenant_id", "user", "enduser.id"),
+    "model": ("gen_ai.request.model", "gen_ai.response.model", "model_name", "model_id"),
+    "status": ("http.response.status_code", "status_code", "http_status"),
+    "prompt_tokens": ("gen_ai.usage.input_tokens", "usage.prompt_tokens", "out.meta_info.prompt_tokens",
+                      "input_tokens"),
+    "completion_tokens": ("gen_ai.usage.output_tokens", "usage.completion_tokens",
+                          "out.meta_info.completion_tokens", "output_tokens"),
+    "cached_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
+                      "usage.prompt_tokens_details.cached_tokens", "out.meta_info.cached_tokens"),
+    "ttft_ms": ("time_to_first_token_ms", "ttft"),
+    "latency_ms": ("duration_ms", "e2e_latency_ms", "elapsed_ms"),
+    "prefill_instance": ("prefill_node", "prefill_host"),
+    "decode_instance": ("decode_node", "decode_host"),
+}
+FIELD_COLUMNS = [f"{f}_raw" for f in CANONICAL_REQUEST_FIELDS]
+
+
+@dataclass
+class FileLoad:
+    """What happened to one input file."""
+
+    file: Path
+    records_read: int = 0
+    loaded: int = 0
+    quarantined: int = 0
+    duplicates: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _staging_schema() -> pa.Schema:
+    return pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())]
+                     + [(c, pa.string()) for c in FIELD_COLUMNS])
+
+
+def _json_paths(name: str) -> list[str]:
+    """JSON paths for a column name: a literal key first, then the dotted name as a nested path."""
+    quoted = '$."' + name.replace('"', '\\"') + '"'
+    if "." not in name:
+        return [quoted]
+    return [quoted, "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))]
+
+
+def _candidate_names(source: Source, canonical: str) -> list[str]:
+    if canonical in source.columns:
+        return [source.columns[canonical]]
+    return [canonical, *KNOWN_ALIASES.get(canonical, ())]
+
+
+def _choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
+    """Canonical field -> source column: the mapping, else the canonical name, else a known alias."""
+    chosen: dict[str, str | None] = {}
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        names = _candidate_names(source, canonical)
+        hit = next((n for n in names if n in present), None)
+        if hit is None and canonical in source.columns:
+            hit = source.columns[canonical]
+        chosen[canonical] = hit
+    return chosen
+
+
+def _json_keys(obj: object, prefix: str = "", depth: int = 0) -> Iterator[str]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{prefix}{k}"
+            yield key
+            if depth < 3:
+                yield from _json_keys(v, key + ".", depth + 1)
+
+
+def _sample_json_keys(path: Path, limit: int = 2000) -> set[str]:
+    keys: set[str] = set()
+    stream = LineStream(path)
+    for n, raw in stream:
+        if n > limit:
+            break
+        try:
+            keys.update(_json_keys(json.loads(raw)))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return keys
+
+
+class _Stager:
+    """Appends batches of staged records to the ``staging_requests`` temp table."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.con = con
+        self.schema = _staging_schema()
+        con.execute("CREATE OR REPLACE TEMP TABLE staging_requests (line BIGINT, raw VARCHAR, problem VARCHAR, "
+                    + ", ".join(f"{c} VARCHAR" for c in FIELD_COLUMNS) + ")")
+
+    def add(self, columns: dict[str, list]) -> None:
+        n = len(columns["line"])
+        if n == 0:
+            return
+        arrays = [pa.array(columns.get(f.name, [None] * n), type=f.type) for f in self.schema]
+        batch = pa.Table.from_arrays(arrays, schema=self.schema)
+        self.con.register("staging_batch", batch)
+        self.con.execute("INSERT INTO staging_requests SELECT * FROM staging_batch")
+        self.con.unregister("staging_batch")
+
+
+def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
+                 tick: Callable[[int], None]) -> None:
+    chosen = _choose_columns(source, _sample_json_keys(path))
+    missing = [c for c, col in chosen.items() if col is None and c in ("request_id",)]
+    del missing  # absent fields are reported per record by the typing step
+    stager = _Stager(con)
+    stream = LineStream(path)
+    lines: list[int] = []
+    raws: list[str] = []
+    problems: list[str | None] = []
+    blank = 0
+    for n, raw in stream:
+        if not raw.strip():
+            blank += 1
+            continue
+        text = decode_line(raw)
+        lines.append(n)
+        if text is None:
+            raws.append(printable_raw(raw))
+            problems.append("not UTF-8")
+        else:
+            raws.append(text)
+            problems.append(None)
+        if len(lines) >= BATCH:
+            stager.add({"line": lines, "raw": raws, "problem": problems})
+            tick(len(lines))
+            lines, raws, problems = [], [], []
+    stager.add({"line": lines, "raw": raws, "problem": problems})
+    tick(len(lines))
+    if blank:
+        load.notes.append(f"{blank} blank line(s) skipped")
+    if stream.stopped:
+        load.notes.append(stream.stopped)
+    # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
+    con.execute("""UPDATE staging_requests SET problem = CASE
+                     WHEN NOT json_valid(raw) THEN 'malformed JSON'
+                     WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END
+                   WHERE problem IS NULL""")
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = chosen[canonical]
+        if col is None:
+            continue
+        paths = _json_paths(col)
+        expr = " , ".join(f"json_extract_string(raw, ${i + 1})" for i in range(len(paths)))
+        con.execute(f"UPDATE staging_requests SET {canonical}_raw = coalesce({expr}) WHERE problem IS NULL",
+                    paths)
+    load.notes.extend(_mapping_notes(source, chosen))
+
+
+def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
+    notes = []
+    recognised = {c: col for c, col in chosen.items()
+                  if col is not None and c not in source.columns and col != c}
+    if recognised:
+        notes.append("columns recognised without a mapping: "
+                     + ", ".join(f"{c} <- {col}" for c, col in sorted(recognised.items())))
+    return notes
+
+
+def _require_header(source: Source, path: Path, header: Iterable[str], chosen: dict[str, str | None]) -> None:
+    have = set(header)
+    from kvforensics.config import REQUIRED_REQUEST_FIELDS
+
+    for canonical in REQUIRED_REQUEST_FIELDS:
+        col = chosen.get(canonical)
+        if col is None or col not in have:
+            hint = f"mapped to column '{col}'" if col else "no column of that name"
+            raise InputError(
+                f"required field '{canonical}' is missing ({hint}); the file has columns "
+                f"{sorted(have)}. Map it in the incident file: columns = {{ {canonical} = \"<column>\" }}",
+                location=f"source '{source.name}': {path}")
+    for canonical, col in source.columns.items():
+        if col not in have:
+            raise InputError(f"columns maps '{canonical}' to '{col}', which the file does not have; "
+                             f"it has {sorted(have)}", location=f"source '{source.name}': {path}")
+
+
+def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
+               tick: Callable[[int], None]) -> None:
+    stager = _Stager(con)
+    stream = LineStream(path)
+    with open_binary(path) as fh:
+        text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
+        reader = csv.reader(text)
+        try:
+            header = next(reader)
+        except StopIteration:
+            load.notes.append("empty file")
+            return
+        except (EOFError, OSError) as e:
+            load.notes.append(f"input ends early before the header ({e})")
+            return
+        header = [h.strip() for h in header]
+        chosen = _choose_columns(source, set(header))
+        _require_header(source, path, header, chosen)
+        index = {c: header.index(col) for c, col in chosen.items() if col is not None and col in header}
+        cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
+        last_line = 1
+        try:
+            for row in reader:
+                start = last_line + 1
+                last_line = reader.line_num
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                joined = ",".join(row)
+                problem = None
+                try:
+                    joined.encode("utf-8")
+                except UnicodeEncodeError:
+                    problem = "not UTF-8"
+                    joined = joined.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                if problem is None and len(row) != len(header):
+                    problem = f"expected {len(header)} fields, found {len(row)}"
+                cols["line"].append(start)
+                cols["raw"].append(printable_raw(joined, 2000))
+                cols["problem"].append(problem)
+                for c, i in index.items():
+                    value = row[i].strip() if i < len(row) and problem is None else None
+                    cols[f"{c}_raw"].append(value if value != "" else None)
+                if len(cols["line"]) >= BATCH:
+                    stager.add(cols)
+                    tick(len(cols["line"]))
+                    cols = {k: [] for k in cols}
+        except (EOFError, OSError, csv.Error) as e:
+            load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
+                              f"later records, if any, are lost")
+        stager.add(cols)
+        tick(len(cols["line"]))
+    del stream
+    load.notes.extend(_mapping_notes(source, chosen))
+
+
+def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
+                   tick: Callable[[int], None]) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and OSError variants
+        raise InputError(f"not a readable Parquet file ({e})", location=f"source '{source.name}': {path}") from None
+    header = pf.schema_arrow.names
+    chosen = _choose_columns(source, set(header))
+    _require_header(source, path, header, chosen)
+    stager = _Stager(con)
+    wanted = {c: col for c, col in chosen.items() if col is not None and col in header}
+    offset = 0
+    for batch in pf.iter_batches(batch_size=BATCH, columns=sorted(set(wanted.values()))):
+        n = batch.num_rows
+        cols: dict[str, list] = {"line": list(range(offset + 1, offset + n + 1)), "raw": [None] * n,
+                                 "problem": [None] * n}
+        for c, col in wanted.items():
+            arr = batch.column(col)
+            if pa.types.is_timestamp(arr.type):
+                values = [None if v is None else v.isoformat() for v in arr.to_pylist()]
+            else:
+                values = [None if v is None else str(v) for v in arr.to_pylist()]
+            cols[f"{c}_raw"] = values
+        table = pa.table({k: v for k, v in cols.items() if k.endswith("_raw")})
+        raws = [printable_raw(json.dumps(r, default=str)) for r in table.to_pylist()]
+        cols["raw"] = raws
+        stager.add(cols)
+        tick(n)
+        offset += n
+    load.notes.extend(_mapping_notes(source, chosen))
+
+
+STAGERS = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet}
+
+
+def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
+                       tick: Callable[[int], None] = lambda n: None) -> FileLoad:
+    """Stage, type, validate and load one requests file; quarantine what cannot be loaded."""
+    load = FileLoad(file=path)
+    STAGERS[source.format](con, source, path, load, tick)
+    run_script(con, "requests_typed", {"tz": source.timezone, "offset_s": source.clock_offset_s})
+    _explain_missing(con, source)
+    load.records_read = one(con, "SELECT count(*) FROM typed_requests")[0]
+    naive = one(con, "SELECT count(*) FROM typed_requests WHERE reason IS NULL AND ts_naive")[0]
+    if naive:
+        load.notes.append(f"{naive} timestamp(s) without offset read as {source.timezone}")
+    params = {"source": source.name, "file": str(path)}
+    run_script(con, "requests_merge", params)
+    load.loaded, load.duplicates, load.quarantined = one(
+        con, "SELECT count(*) FILTER (WHERE outcome = 'loaded'), count(*) FILTER (WHERE outcome = 'duplicate'), "
+        "count(*) FILTER (WHERE outcome = 'quarantined') FROM merged_requests")
+    return load
+
+
+def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source) -> None:
+    """Name the source column in 'missing required field' reasons, so the fix is obvious."""
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = source.columns.get(canonical)
+        if col:
+            con.execute("UPDATE typed_requests SET reason = reason || ' (column ' || $col || ')' "
+                        "WHERE reason = 'missing required field ''' || $f || ''''", {"col": col, "f": canonical})

@@ -1,0 +1,128 @@
+-- The canonical tables of evidence.duckdb: the single source of truth for their shape.
+-- All timestamps are TIMESTAMPTZ in UTC (the session time zone is UTC).
+
+CREATE TABLE IF NOT EXISTS requests (
+    request_id        VARCHAR NOT NULL,
+    ts                TIMESTAMPTZ NOT NULL,   -- when the gateway received the request
+    account_id        VARCHAR NOT NULL,
+    model             VARCHAR NOT NULL,
+    status            INTEGER NOT NULL,       -- HTTP status the client got
+    prompt_tokens     BIGINT NOT NULL,
+    completion_tokens BIGINT,
+    cached_tokens     BIGINT,                 -- prefix-cache hits
+    ttft_ms           DOUBLE,
+    latency_ms        DOUBLE,                 -- end to end
+    prefill_instance  VARCHAR,
+    decode_instance   VARCHAR,
+    source            VARCHAR NOT NULL,       -- input name from the incident file
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL,
+    row_hash          VARCHAR NOT NULL        -- hash of the canonical values, to tell duplicates from conflicts
+);
+
+CREATE TABLE IF NOT EXISTS capacity (
+    instance          VARCHAR NOT NULL,
+    role              VARCHAR NOT NULL,       -- prefill | decode | unified
+    model             VARCHAR,                -- gateway model id (after aliases)
+    engine_model      VARCHAR,                -- as the engine named it
+    valid_from        TIMESTAMPTZ,
+    valid_to          TIMESTAMPTZ,            -- NULL while still running
+    kv_pool_tokens    BIGINT,
+    context_length    BIGINT,
+    page_size         BIGINT,
+    engine            VARCHAR NOT NULL,
+    engine_version    VARCHAR,
+    version_source    VARCHAR,
+    tp_size           INTEGER,
+    dp_size           INTEGER,
+    flags             JSON,
+    startup_refused   BOOLEAN,
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT,
+    pool_source_line  BIGINT
+);
+
+CREATE TABLE IF NOT EXISTS engine_events (
+    instance          VARCHAR NOT NULL,
+    ts                TIMESTAMPTZ,
+    kind              VARCHAR NOT NULL,       -- abort_input_too_long | req_time_stats | transfer_failure | ...
+    request_id        VARCHAR,
+    prompt_tokens     BIGINT,
+    limit_tokens      BIGINT,
+    detail            VARCHAR,
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS changes (
+    ts                TIMESTAMPTZ NOT NULL,
+    model             VARCHAR,
+    instance          VARCHAR,
+    description       VARCHAR NOT NULL,
+    details           VARCHAR,
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS content_fingerprints (
+    request_id        VARCHAR NOT NULL,
+    part              VARCHAR NOT NULL,       -- prompt | output
+    fp                BIGINT NOT NULL         -- keyed HMAC of a word shingle, never the text
+);
+
+CREATE TABLE IF NOT EXISTS content_stats (
+    request_id        VARCHAR NOT NULL,
+    part              VARCHAR NOT NULL,
+    shingles          BIGINT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS quarantine (
+    source            VARCHAR NOT NULL,
+    file              VARCHAR NOT NULL,
+    line              BIGINT,
+    reason            VARCHAR NOT NULL,
+    raw               VARCHAR                 -- truncated; never text from a content source
+);
+
+CREATE TABLE IF NOT EXISTS load_report (
+    source            VARCHAR NOT NULL,
+    kind              VARCHAR NOT NULL,
+    file              VARCHAR NOT NULL,
+    sha256            VARCHAR NOT NULL,
+    bytes             BIGINT NOT NULL,
+    records_read      BIGINT NOT NULL,
+    loaded            BIGINT NOT NULL,
+    quarantined       BIGINT NOT NULL,
+    duplicates        BIGINT NOT NULL,
+    notes             VARCHAR
+);
+
+CREATE TABLE IF NOT EXISTS findings (
+    request_id        VARCHAR NOT NULL,
+    rule_id           VARCHAR NOT NULL,
+    rule_version      VARCHAR NOT NULL,       -- content hash of the rule's .sql and .yml
+    confidence        VARCHAR NOT NULL,       -- the request's tier: confirmed | probable | possible
+    strength          VARCHAR,                -- this rule's signal: strong | weak
+    parameters        JSON,
+    evidence          JSON
+);
+
+CREATE TABLE IF NOT EXISTS latency_model (
+    model             VARCHAR NOT NULL,
+    usable            BOOLEAN NOT NULL,
+    reason            VARCHAR,
+    a_ms              DOUBLE,
+    b_ms_per_token    DOUBLE,
+    c_ms_per_token2   DOUBLE,
+    quantile          DOUBLE,
+    n_points          BIGINT,
+    n_bins            BIGINT,
+    min_tokens        BIGINT,
+    max_tokens        BIGINT,
+    r2                DOUBLE,
+    mean_rel_err      DOUBLE,
+    method            VARCHAR
+);
