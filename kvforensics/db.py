@@ -52,7 +52,8 @@ def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = 
 
     params = params or {}
     for stmt in statements(sql(name)):
-        used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", stmt))
+        code = re.sub(r"--[^\n]*", "", stmt)
+        used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
         missing = used - set(params)
         if missing:
             raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")

@@ -52,7 +52,7 @@ class Rule:
     meta: Mapping[str, Any] = field(default_factory=dict)
 
     def used_parameters(self) -> set[str]:
-        return set(_PARAM.findall(self.sql))
+        return set(_PARAM.findall(re.sub(r"--[^\n]*", "", self.sql)))
 
     def _repr_html_(self) -> str:
         from html import escape

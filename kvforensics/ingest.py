@@ -103,6 +103,10 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     _build_capacity(con, incident, startups, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)
+    con.execute("DELETE FROM ingest_notes").fetchall()
+    for kind, notes in (("warning", result.warnings), ("assumption", result.assumptions)):
+        for note in notes:
+            con.execute("INSERT INTO ingest_notes VALUES ($k, $n)", {"k": kind, "n": note}).fetchall()
     if strict:
         _enforce_strict(con, result)
     return result

@@ -126,3 +126,8 @@ CREATE TABLE IF NOT EXISTS latency_model (
     mean_rel_err      DOUBLE,
     method            VARCHAR
 );
+
+CREATE TABLE IF NOT EXISTS ingest_notes (
+    kind              VARCHAR NOT NULL,       -- warning | assumption
+    note              VARCHAR NOT NULL
+);

@@ -1,0 +1,5 @@
+import sys
+
+from kvforensics.cli import main
+
+sys.exit(main())

@@ -1,0 +1,151 @@
+"""Command line: thin shells over the library. Errors print ``Error: ...`` and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from kvforensics import __version__
+from kvforensics.errors import KvForensicsError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("incident", type=Path, help="the incident file (incident.toml)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (evidence.duckdb, scope.json, report)")
+    p.add_argument("--strict", action="store_true", help="fail on the first record that would be quarantined")
+    p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _investigation(args: argparse.Namespace):
+    from kvforensics.investigation import Investigation
+
+    return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
+                              progress=not args.quiet)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    inv = _investigation(args)
+    result = inv.run()
+    s = result.summary
+    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts received foreign data; "
+          f"source accounts: {s['source_accounts']['confirmed']} confirmed, {s['source_accounts']['possible']} possible")
+    for w in s["windows"]:
+        print(f"  {w['model']}: {w['responses']} from {w['first']} to {w['last']}")
+    print(f"report: {args.out / 'report.html'}")
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    inv = _investigation(args)
+    try:
+        r = inv.ingest()
+    finally:
+        inv.close()
+    print(f"{r.records_read} records read, {r.quarantined} quarantined, from {len(r.files)} file(s) "
+          f"into {inv.db_path}")
+    return 0
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    inv = _investigation(args)
+    try:
+        found = inv.detect()
+        tiers = inv.query("SELECT confidence, count(*) AS n FROM request_tiers GROUP BY 1 ORDER BY 1")
+    finally:
+        inv.close()
+    print(f"{len(found)} findings; " + ", ".join(f"{r.confidence}: {r.n}" for r in tiers.itertuples()))
+    return 0
+
+
+def cmd_scope(args: argparse.Namespace) -> int:
+    inv = _investigation(args)
+    try:
+        s = inv.scope().summary
+    finally:
+        inv.close()
+    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    inv = _investigation(args)
+    try:
+        inv.scope()
+        path = inv.report()
+    finally:
+        inv.close()
+    print(f"report: {path}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kvforensics.verify import verify
+
+    problems = verify(args.dir)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{len(problems)} problem(s)")
+        return 1
+    print("inputs unchanged; every figure in scope.json matches evidence.duckdb")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvforensics.simulate.cli import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvforensics", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"kvforensics {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+        "run": (cmd_run, "the whole investigation: ingest, detect, scope, outputs, report"),
+        "ingest": (cmd_ingest, "load every source into evidence.duckdb"),
+        "detect": (cmd_detect, "run the detection rules on an ingested database"),
+        "scope": (cmd_scope, "compute affected responses, recipients, sources and windows"),
+        "report": (cmd_report, "render report.html, report.md and notices"),
+    }
+    for name, (func, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text)
+        _add_common(p)
+        p.set_defaults(func=func)
+    v = sub.add_parser("verify", help="re-hash the inputs and check scope.json against evidence.duckdb")
+    v.add_argument("dir", type=Path, help="an output folder of 'kvforensics run'")
+    v.set_defaults(func=cmd_verify)
+    try:
+        from kvforensics.simulate.cli import add_arguments
+    except ImportError:  # pragma: no cover - the simulator is part of the package
+        add_arguments = None
+    s = sub.add_parser("simulate", help="generate a synthetic incident (the bundled sample, or larger)")
+    if add_arguments:
+        add_arguments(s)
+    s.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvForensicsError as e:
+        if args.debug:
+            raise
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        if args.debug:
+            raise
+        print(f"Error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

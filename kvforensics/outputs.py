@@ -1,0 +1,116 @@
+"""Write the investigation's output folder: scope.json, CSVs, manifest, per-account notices.
+
+Every figure written here is read from the evidence database; ``HEADLINE_QUERIES`` names the query
+behind each headline number so ``kvforensics verify`` (and a reader) can re-derive it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from kvforensics import __version__
+from kvforensics.config import Incident
+from kvforensics.detect import load_rules
+from kvforensics.loaders.textio import file_digest
+from kvforensics.scope import ScopeResult, iso
+
+HEADLINE_QUERIES: dict[str, str] = {
+    "affected_responses": "SELECT count(*) FROM affected_responses",
+    "affected_accounts": "SELECT count(DISTINCT account_id) FROM affected_responses",
+    "source_accounts.confirmed": "SELECT count(DISTINCT account_id) FROM notifications WHERE role = 'data_exposed_confirmed'",
+    "source_accounts.possible": "SELECT count(DISTINCT account_id) FROM notifications WHERE role = 'data_exposed_possible'",
+    "exposure_windows": "SELECT count(*) FROM capacity WHERE kv_pool_tokens < context_length",
+    "windows": "SELECT count(DISTINCT model) FROM affected_responses",
+}
+AFFECTED_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", "prompt_tokens", "pool_tokens",
+                    "ttft_ms", "expected_ttft_ms", "confidence", "rules", "latency_ms", "completion_tokens",
+                    "cached_tokens", "prefill_instance", "decode_instance", "pool_instance"]
+NOTIFICATION_COLUMNS = ["account_id", "account_class", "role", "responses", "first_ts", "last_ts", "request_ids"]
+
+
+def _fmt(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return iso(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path) -> int:
+    rows = con.execute(query).fetchall()
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(columns)
+        for row in rows:
+            w.writerow(["" if v is None else _fmt(v) for v in row])
+    return len(rows)
+
+
+def write_scope_json(result: ScopeResult, out: Path) -> None:
+    (out / "scope.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def write_tables(con: duckdb.DuckDBPyConnection, out: Path) -> None:
+    write_csv(con, f"SELECT {', '.join(AFFECTED_COLUMNS)} FROM affected_responses ORDER BY ts, request_id",
+              AFFECTED_COLUMNS, out / "affected_requests.csv")
+    write_csv(con, f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications "
+                   "ORDER BY role DESC, account_class, account_id", NOTIFICATION_COLUMNS, out / "notifications.csv")
+    write_csv(con, "SELECT source, file, line, reason, raw FROM quarantine ORDER BY source, file, line",
+              ["source", "file", "line", "reason", "raw"], out / "quarantine.csv")
+
+
+def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: ScopeResult,
+                   out: Path, started: datetime) -> dict[str, Any]:
+    import duckdb as _duckdb
+    import pandas as _pandas
+
+    base = incident.base_dir
+    inputs = []
+    for row in con.execute("SELECT source, kind, file, sha256, bytes, records_read, loaded, quarantined, duplicates, "
+                           "notes FROM load_report ORDER BY source, file").fetchall():
+        path = Path(row[2])
+        try:
+            rel = str(path.relative_to(base))
+        except ValueError:
+            rel = str(path)
+        inputs.append({"source": row[0], "kind": row[1], "file": rel, "sha256": row[3], "bytes": row[4],
+                       "records_read": row[5], "loaded": row[6], "quarantined": row[7], "duplicates": row[8],
+                       "notes": row[9].split("; ") if row[9] else []})
+    digest, size = file_digest(incident.path)
+    manifest = {
+        "tool": {"name": "kvforensics", "version": __version__, "python": platform.python_version(),
+                 "duckdb": _duckdb.__version__, "pandas": _pandas.__version__},
+        "incident": {"id": incident.id, "file": incident.path.name, "dir": str(base), "sha256": digest, "bytes": size},
+        "run": {"started": iso(started), "finished": iso(datetime.now(timezone.utc))},
+        "inputs": inputs,
+        "totals": {k: sum(i[k] for i in inputs) for k in ("records_read", "loaded", "quarantined", "duplicates")},
+        "rules": [{"id": r.id, "version": r.version,
+                   "parameters": {**r.parameters, **incident.rule_parameters.get(r.id, {})}} for r in load_rules()],
+        "scope_parameters": scope.parameters,
+        "assumptions": [r[0] for r in con.execute(
+            "SELECT note FROM ingest_notes WHERE kind = 'assumption' ORDER BY note").fetchall()],
+        "warnings": [r[0] for r in con.execute(
+            "SELECT note FROM ingest_notes WHERE kind = 'warning' ORDER BY note").fetchall()],
+        "headline_queries": HEADLINE_QUERIES,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_filename(account_id: str) -> str:
+    """A file name for an account id: untrusted text never becomes a path."""
+    import hashlib
+
+    cleaned = _SAFE.sub("_", account_id).strip("._")[:60] or "account"
+    return f"{cleaned}-{hashlib.sha256(account_id.encode()).hexdigest()[:8]}.md"

@@ -1,0 +1,165 @@
+"""Everything the report shows, read from the evidence database (aggregated in DuckDB)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from kvforensics.config import Incident
+from kvforensics.detect import AFFECTED_TIERS, load_rules
+from kvforensics.scope import iso, summarise
+
+MAX_POINTS = 4000
+
+
+@dataclass
+class ReportData:
+    incident: Incident
+    scope: dict[str, Any]
+    manifest: dict[str, Any]
+    timeline: pd.DataFrame
+    accounts: pd.DataFrame
+    models: pd.DataFrame
+    latency: pd.DataFrame
+    rules: list[dict[str, Any]]
+    behaviour: pd.DataFrame
+    load_report: pd.DataFrame
+    quarantine_reasons: pd.DataFrame
+    capacity: pd.DataFrame
+    sources_per_response: pd.DataFrame
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+
+
+def _df(con: duckdb.DuckDBPyConnection, q: str, params: dict | None = None) -> pd.DataFrame:
+    return con.execute(q, params).df() if params else con.execute(q).df()
+
+
+def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
+    """One table of events from every source, UTC, in time order."""
+    rows: list[dict[str, Any]] = []
+    for ev in incident.events:
+        rows.append({"ts": ev.ts, "kind": "incident file", "title": ev.title, "detail": ev.description})
+    for ts, model, inst, desc, det in con.execute(
+            "SELECT ts, model, instance, description, details FROM changes ORDER BY ts").fetchall():
+        rows.append({"ts": ts, "kind": "config change", "title": desc,
+                     "detail": " ".join(filter(None, [model, inst, det]))})
+    for inst, role, model, vf, pool, ctx, ver in con.execute(
+            "SELECT instance, role, model, valid_from, kv_pool_tokens, context_length, engine_version FROM capacity "
+            "WHERE valid_from IS NOT NULL ORDER BY valid_from, instance").fetchall():
+        exposed = pool is not None and ctx is not None and pool < ctx
+        rows.append({"ts": vf, "kind": "engine start-up",
+                     "title": f"{inst} ({role}) started: KV pool {pool:,} tokens, context {ctx:,}"
+                     if pool and ctx else f"{inst} ({role}) started",
+                     "detail": f"{model or ''}; engine {ver or 'version unknown'}"
+                               + ("; EXPOSED: pool smaller than context" if exposed else "")})
+    for model, first, last, n in con.execute(
+            "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 2").fetchall():
+        rows.append({"ts": first, "kind": "finding", "title": f"first affected response ({model})",
+                     "detail": f"{n} affected responses for this model"})
+        rows.append({"ts": last, "kind": "finding", "title": f"last affected response ({model})", "detail": ""})
+    df = pd.DataFrame(rows, columns=["ts", "kind", "title", "detail"])
+    if not df.empty:
+        df["ts"] = pd.to_datetime(df["ts"], utc=True)
+        df = df.sort_values(["ts", "kind"], kind="stable").reset_index(drop=True)
+    return df
+
+
+def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]]:
+    """Per model with affected responses: request points, pool limits and the prefill curve."""
+    out = {}
+    models = [r[0] for r in con.execute(
+        "SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall()]
+    for model in models:
+        points = _df(con, f"""
+            WITH r AS (
+                SELECT q.request_id, q.account_id, q.prompt_tokens,
+                       coalesce(q.ttft_ms, q.latency_ms) AS observed_ms,
+                       CASE WHEN q.ttft_ms IS NOT NULL THEN 'ttft' ELSE 'e2e latency' END AS measure,
+                       coalesce(t.confidence, 'not flagged') AS confidence
+                FROM analysed_requests q LEFT JOIN request_tiers t USING (request_id)
+                WHERE q.model = $m AND q.status BETWEEN 200 AND 299 AND coalesce(q.ttft_ms, q.latency_ms) > 0
+            )
+            SELECT * FROM r WHERE confidence <> 'not flagged'
+            UNION ALL
+            SELECT * FROM (SELECT * FROM r WHERE confidence = 'not flagged'
+                           ORDER BY (prompt_tokens >= 100000) DESC, hash(request_id) LIMIT {MAX_POINTS})
+            """, {"m": model})
+        pools = _df(con, """SELECT DISTINCT kv_pool_tokens,
+                                   'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' || role || ')' AS label
+                            FROM capacity WHERE model = $m AND role IN ('prefill', 'unified')
+                              AND kv_pool_tokens < context_length ORDER BY 1""", {"m": model})
+        lm = con.execute("SELECT a_ms, b_ms_per_token, c_ms_per_token2, max_tokens FROM latency_model "
+                         "WHERE model = $m AND usable", {"m": model}).fetchall()
+        curve = pd.DataFrame(columns=["prompt_tokens", "expected_ms"])
+        if lm and not points.empty:
+            a, b, c, max_t = lm[0]
+            hi = int(points["prompt_tokens"].max())
+            xs = [int(hi * i / 60) for i in range(1, 61)]
+            curve = pd.DataFrame({"prompt_tokens": xs,
+                                  "expected_ms": [a + b * min(x, max_t) + c * min(x, max_t) ** 2 for x in xs]})
+        out[model] = (points, pools, curve)
+    return out
+
+
+def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> ReportData:
+    manifest_path = out_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    scope = summarise(con, incident)
+    accounts = _df(con, """SELECT account_class, role, count(*) AS accounts, sum(responses) AS records
+                           FROM notifications GROUP BY 1, 2 ORDER BY 2 DESC, 1""")
+    models = _df(con, """
+        SELECT r.model, count(*) AS requests, count(a.request_id) AS affected,
+               count(*) FILTER (WHERE r.status BETWEEN 200 AND 299) AS successful,
+               max(r.prompt_tokens) AS largest_prompt
+        FROM analysed_requests r LEFT JOIN affected_responses a USING (request_id)
+        GROUP BY 1 ORDER BY 1""")
+    latency = _df(con, "SELECT * FROM latency_model ORDER BY model")
+    rule_counts = dict(con.execute("SELECT rule_id, count(*) FROM findings GROUP BY 1").fetchall())
+    affected_counts = dict(con.execute(f"""SELECT rule_id, count(*) FROM findings
+                                            WHERE confidence IN {AFFECTED_TIERS} GROUP BY 1""").fetchall())
+    rules = [{"id": r.id, "title": r.title, "severity": r.severity, "version": r.version,
+              "description": r.description, "parameters": r.parameters,
+              "flagged": rule_counts.get(r.id, 0), "flagged_affected": affected_counts.get(r.id, 0)}
+             for r in load_rules()]
+    behaviour = _df(con, "SELECT * FROM account_behaviour ORDER BY looks_deliberate DESC, oversize_requests DESC")
+    load_report = _df(con, "SELECT source, kind, file, records_read, loaded, quarantined, duplicates, sha256, notes "
+                           "FROM load_report ORDER BY source, file")
+    qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
+    capacity = _df(con, """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
+                                  page_size, engine, engine_version, version_source,
+                                  kv_pool_tokens < context_length AS exposed, source_file, source_line
+                           FROM capacity ORDER BY model, instance, valid_from""")
+    per_response = _df(con, """
+        SELECT a.request_id, count(DISTINCT p.source_request_id) AS candidate_requests,
+               count(DISTINCT p.source_account_id) FILTER (WHERE p.source_account_id <> p.recipient_account_id) AS candidate_accounts,
+               (SELECT count(DISTINCT m.source_account_id) FROM content_matches m
+                 WHERE m.affected_request_id = a.request_id AND m.confirmed
+                   AND m.source_account_id <> m.recipient_account_id) AS confirmed_accounts
+        FROM affected_responses a LEFT JOIN possible_sources p ON p.affected_request_id = a.request_id
+        GROUP BY a.request_id ORDER BY a.request_id""")
+    return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
+                      accounts=accounts, models=models, latency=latency, rules=rules, behaviour=behaviour,
+                      load_report=load_report, quarantine_reasons=qreasons, capacity=capacity,
+                      sources_per_response=per_response)
+
+
+def hourly_affected(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    return _df(con, "SELECT date_trunc('hour', ts) AS hour, model, count(*) AS responses FROM affected_responses "
+                    "GROUP BY 1, 2 ORDER BY 1")
+
+
+def exposure_spans(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    df = _df(con, """SELECT instance || ' (' || role || ', pool ' || format('{:,}', kv_pool_tokens) || ')' AS label,
+                            valid_from AS start,
+                            coalesce(valid_to, (SELECT max(ts) FROM requests)) AS "end"
+                     FROM capacity WHERE kv_pool_tokens < context_length AND valid_from IS NOT NULL
+                     ORDER BY valid_from, instance""")
+    return df
+
+
+__all__ = ["ReportData", "build", "money_frames", "hourly_affected", "exposure_spans", "timeline_events", "iso"]

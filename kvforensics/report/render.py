@@ -1,0 +1,124 @@
+"""Render the disclosure report (HTML, Markdown) and per-account notices from the evidence database."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
+
+from kvforensics import __version__
+from kvforensics.config import Incident
+from kvforensics.report import charts
+from kvforensics.report.data import ReportData, build, exposure_spans, hourly_affected, money_frames
+from kvforensics.scope import iso
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def chart_svg(chart: Any) -> str:
+    """A chart as inline SVG (no JavaScript, no network)."""
+    import vl_convert as vlc
+
+    return vlc.vegalite_to_svg(chart.to_json())
+
+
+def _fmt_ts(value: Any) -> str:
+    if value is None or (isinstance(value, float) and pd.isna(value)) or value is pd.NaT:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (datetime, pd.Timestamp)):
+        return iso(pd.Timestamp(value).to_pydatetime()) or ""
+    return str(value)
+
+
+def _fmt_num(value: Any, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and pd.isna(value)):
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int,)) or (isinstance(value, float) and digits == 0 and float(value).is_integer()):
+        return f"{int(value):,}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    try:
+        return f"{int(value):,}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _env(autoescape: bool) -> Environment:
+    env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined,
+                      autoescape=select_autoescape(["html", "j2"]) if autoescape else False,
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["ts"] = _fmt_ts
+    env.filters["num"] = _fmt_num
+    env.filters["md"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+    return env
+
+
+def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True) -> dict[str, Any]:
+    data: ReportData = build(con, incident, out_dir)
+    money = money_frames(con)
+    chart_svgs: dict[str, str] = {}
+    if svg:
+        for model, (points, pools, curve) in money.items():
+            chart_svgs[f"money:{model}"] = chart_svg(charts.money_chart(
+                points, pools, curve, title=f"{model}: prompt tokens vs time to first token"))
+        windows = exposure_spans(con)
+        events = data.timeline[data.timeline["kind"].isin(["incident file", "finding"])][["ts", "title"]]
+        chart_svgs["timeline"] = chart_svg(charts.timeline_chart(hourly_affected(con), windows, events))
+    s = data.scope
+    first = min((w["first"] for w in s["windows"]), default=None)
+    last = max((w["last"] for w in s["windows"]), default=None)
+    return {
+        "incident": incident, "data": data, "s": s, "charts": {k: Markup(v) for k, v in chart_svgs.items()},
+        "money_models": list(money), "first_affected": first, "last_affected": last,
+        "generated": iso(datetime.now(timezone.utc)), "version": __version__,
+        "notices": _notice_rows(con),
+        "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
+    }
+
+
+def _notice_rows(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    return con.execute("SELECT account_id, account_class, role, responses, first_ts, last_ts, request_ids "
+                       "FROM notifications ORDER BY account_class, account_id, role").df()
+
+
+def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> Path:
+    """Write report.html, report.md and notices/; returns the HTML path."""
+    ctx = build_context(con, incident, out_dir)
+    html = _env(True).get_template("report.html.j2").render(**ctx)
+    (out_dir / "report.html").write_text(html, encoding="utf-8")
+    md = _env(False).get_template("report.md.j2").render(**ctx)
+    (out_dir / "report.md").write_text(md, encoding="utf-8")
+    write_notices(con, incident, out_dir)
+    return out_dir / "report.html"
+
+
+def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> list[Path]:
+    """One Markdown notice per account with only that account's facts; internal/reporter kept apart."""
+    from kvforensics.outputs import safe_filename
+
+    env = _env(False)
+    template = env.get_template("notice.md.j2")
+    rows = _notice_rows(con)
+    written = []
+    for account_id, group in rows.groupby("account_id", sort=True):
+        cls = str(group["account_class"].iloc[0])
+        folder = out_dir / "notices" / ("customers" if cls == "customer" else cls)
+        folder.mkdir(parents=True, exist_ok=True)
+        received = con.execute("""SELECT request_id, ts, model, prompt_tokens, confidence FROM affected_responses
+                                  WHERE account_id = $a ORDER BY ts""", {"a": account_id}).df()
+        path = folder / safe_filename(str(account_id))
+        path.write_text(template.render(incident=incident, account_id=account_id, account_class=cls,
+                                        roles=group.to_dict("records"), received=received.to_dict("records")),
+                        encoding="utf-8")
+        written.append(path)
+    return written

@@ -1,0 +1,113 @@
+"""Scope: affected responses, recipients, possible and confirmed sources, windows, exploitation.
+
+All of it is SQL over the evidence database (``sql/scope.sql``, ``sql/exploitation.sql``,
+``sql/notifications.sql``); this module runs it with the investigation's parameters and gathers the
+headline numbers of ``scope.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+import duckdb
+
+from kvforensics.config import Incident
+from kvforensics.db import one, run_script
+
+SCOPE_PARAMETERS: dict[str, Any] = {
+    "horizon_factor": 1.5,            # x pool: pages can outlive a pool's worth of writes while held
+    "min_matching_shingles": 3,       # 8-word shingles an output must share with a prompt to confirm it
+    "max_accounts_per_shingle": 3,    # shingles seen in this many accounts' texts are boilerplate
+    "long_fraction": 0.5,             # long-context request: prompt >= this x the engine limit
+    "near_pool_fraction": 0.02,       # probing: oversize prompts within 2% above the limit
+    "min_oversize": 10,               # deliberate: at least this many oversize prompts, and
+    "burst_per_hour": 10,             #   a burst of this many in an hour, or
+    "repeat_threshold": 5,            #   the same prompt length this often, or most of them near the pool
+}
+CLASSES = ("customer", "internal", "reporter")
+
+
+def iso(ts: datetime | None) -> str | None:
+    """UTC ISO-8601 with a trailing Z (the output contract's timestamp format)."""
+    if ts is None:
+        return None
+    ts = ts.astimezone(timezone.utc)
+    text = ts.strftime("%Y-%m-%dT%H:%M:%S")
+    if ts.microsecond:
+        text += f".{ts.microsecond // 1000:03d}"
+    return text + "Z"
+
+
+@dataclass
+class ScopeResult:
+    summary: dict[str, Any]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        s = self.summary
+        rows = "".join(f"<tr><td>{escape(c)}</td><td>{v['responses']}</td><td>{v['accounts']}</td></tr>"
+                       for c, v in s["by_account_class"].items())
+        return (f"<p><b>{s['affected_responses']}</b> affected responses, <b>{s['affected_accounts']}</b> "
+                f"accounts received foreign data; source accounts: {s['source_accounts']['confirmed']} "
+                f"confirmed, {s['source_accounts']['possible']} possible.</p>"
+                f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>")
+
+
+def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
+          overrides: Mapping[str, Any] | None = None) -> ScopeResult:
+    params = {**SCOPE_PARAMETERS, **(overrides or {})}
+    period = {"start": incident.scope.start, "end": incident.scope.end}
+    run_script(con, "scope", {**params, **period})
+    run_script(con, "exploitation", params)
+    run_script(con, "notifications", {})
+    return ScopeResult(summary=summarise(con, incident), parameters=params)
+
+
+def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, Any]:
+    by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
+    for cls, responses, accounts in con.execute(
+            "SELECT account_class, count(*), count(DISTINCT account_id) FROM affected_responses GROUP BY 1").fetchall():
+        by_class[cls] = {"responses": responses, "accounts": accounts}
+    affected, accounts = one(con, "SELECT count(*), count(DISTINCT account_id) FROM affected_responses")
+    windows = [{"model": m, "first": iso(f), "last": iso(last), "responses": n}
+               for m, f, last, n in con.execute(
+                   "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall()]
+    by_model = {m: n for m, n in con.execute(
+        """SELECT r.model, count(a.request_id) FROM (SELECT DISTINCT model FROM analysed_requests) r
+           LEFT JOIN affected_responses a ON a.model = r.model GROUP BY 1 ORDER BY 1""").fetchall()}
+    exposure = [{"instance": i, "role": role, "model": m, "start": iso(s), "end": iso(e), "pool_tokens": p,
+                 "context_length": c, "engine_version": v}
+                for i, role, m, s, e, p, c, v in con.execute(
+                    """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length, engine_version
+                       FROM capacity WHERE kv_pool_tokens < context_length
+                       ORDER BY valid_from NULLS LAST, instance""").fetchall()]
+    confirmed, possible = (one(con, "SELECT count(DISTINCT account_id) FROM notifications WHERE role = $r",
+                               {"r": r})[0] for r in ("data_exposed_confirmed", "data_exposed_possible"))
+    tiers = {t: n for t, n in con.execute(
+        "SELECT confidence, count(*) FROM affected_responses GROUP BY 1").fetchall()}
+    suspects = one(con, "SELECT count(*) FROM suspect_responses")[0]
+    deliberate = [r[0] for r in con.execute(
+        "SELECT account_id FROM account_behaviour WHERE looks_deliberate AND account_class = 'customer' "
+        "ORDER BY 1").fetchall()]
+    period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
+    return {
+        "incident": incident.id,
+        "affected_responses": affected,
+        "affected_accounts": accounts,
+        "by_account_class": by_class,
+        "by_confidence": {"confirmed": tiers.get("confirmed", 0), "probable": tiers.get("probable", 0)},
+        "possible_responses_not_counted": suspects,
+        "responses_by_model": by_model,
+        "windows": windows,
+        "exposure_windows": exposure,
+        "source_accounts": {"confirmed": confirmed, "possible": possible},
+        "exploitation": {"accounts_looking_deliberate": deliberate,
+                         "conclusion": "signs of deliberate exploitation" if deliberate
+                         else "no sign of deliberate exploitation"},
+        "analysed_period": {"first_request": iso(period[0]), "last_request": iso(period[1]), "requests": period[2],
+                            "start": iso(incident.scope.start), "end": iso(incident.scope.end)},
+    }

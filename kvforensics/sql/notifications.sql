@@ -1,0 +1,30 @@
+-- One row per (account, role) to notify. Sources exclude the recipient's own account: a response
+-- carrying your own earlier data is not an exposure of your data to someone else.
+CREATE OR REPLACE TABLE notifications AS
+WITH received AS (
+    SELECT account_id, account_class, 'received_foreign_data' AS role, count(*) AS responses,
+           min(ts) AS first_ts, max(ts) AS last_ts,
+           string_agg(request_id, ' ' ORDER BY ts, request_id) AS request_ids
+    FROM affected_responses GROUP BY account_id, account_class
+), confirmed AS (
+    SELECT DISTINCT m.source_account_id AS account_id, m.source_request_id AS request_id
+    FROM content_matches m
+    WHERE m.confirmed AND m.source_account_id <> m.recipient_account_id
+), possible AS (
+    SELECT DISTINCT p.source_account_id AS account_id, p.source_request_id AS request_id
+    FROM possible_sources p
+    WHERE p.source_account_id <> p.recipient_account_id
+      AND p.source_account_id NOT IN (SELECT account_id FROM confirmed)
+), sourced AS (
+    SELECT 'data_exposed_confirmed' AS role, * FROM confirmed
+    UNION ALL SELECT 'data_exposed_possible' AS role, * FROM possible
+), exposed AS (
+    SELECT s.account_id, ac.account_class, s.role, count(*) AS responses, min(r.ts) AS first_ts, max(r.ts) AS last_ts,
+           string_agg(s.request_id, ' ' ORDER BY r.ts, s.request_id) AS request_ids
+    FROM sourced s JOIN requests r ON r.request_id = s.request_id
+    JOIN account_classes ac ON ac.account_id = s.account_id
+    GROUP BY s.account_id, ac.account_class, s.role
+)
+SELECT * FROM received
+UNION ALL SELECT * FROM exposed
+ORDER BY role DESC, account_class, account_id;

@@ -1,0 +1,138 @@
+-- Scope: affected responses and who they concern. Parameters: $start, $end (analysed period,
+-- NULL = open), $horizon_factor, $min_matching_shingles, $max_accounts_per_shingle.
+
+-- Every account with its class: reporter and internal globs from the incident file, else customer.
+CREATE OR REPLACE TABLE account_classes AS
+WITH a AS (SELECT DISTINCT account_id FROM requests),
+m AS (
+    SELECT a.account_id, p.account_class,
+           row_number() OVER (PARTITION BY a.account_id ORDER BY p.priority, p.pattern) AS pick
+    FROM a JOIN account_patterns p ON a.account_id GLOB p.pattern
+)
+SELECT a.account_id, coalesce(m.account_class, 'customer') AS account_class
+FROM a LEFT JOIN m ON m.account_id = a.account_id AND m.pick = 1;
+
+CREATE OR REPLACE TABLE analysed_requests AS
+SELECT r.* FROM requests r
+WHERE (CAST($start AS TIMESTAMPTZ) IS NULL OR r.ts >= CAST($start AS TIMESTAMPTZ))
+  AND (CAST($end AS TIMESTAMPTZ) IS NULL OR r.ts < CAST($end AS TIMESTAMPTZ));
+
+-- The expected (fastest real) prefill time of each request's uncached tokens, where a model exists.
+CREATE OR REPLACE TEMP TABLE expected_prefill AS
+SELECT r.request_id,
+       m.a_ms + m.b_ms_per_token * LEAST(r.prompt_tokens - coalesce(r.cached_tokens, 0), m.max_tokens)
+              + m.c_ms_per_token2 * LEAST(r.prompt_tokens - coalesce(r.cached_tokens, 0), m.max_tokens)
+                                  * LEAST(r.prompt_tokens - coalesce(r.cached_tokens, 0), m.max_tokens) AS expected_ttft_ms
+FROM analysed_requests r JOIN latency_model m ON m.model = r.model AND m.usable;
+
+CREATE OR REPLACE TABLE affected_responses AS
+SELECT r.request_id, r.ts, r.account_id, ac.account_class, r.model, r.prompt_tokens, r.completion_tokens,
+       r.cached_tokens,
+       CAST(json_extract_string(f.evidence, '$.kv_pool_tokens') AS BIGINT) AS pool_tokens,
+       json_extract_string(f.evidence, '$.instance') AS pool_instance,
+       r.ttft_ms, r.latency_ms, round(e.expected_ttft_ms, 1) AS expected_ttft_ms, t.confidence, t.rules,
+       r.prefill_instance, r.decode_instance, r.status
+FROM request_tiers t
+JOIN analysed_requests r ON r.request_id = t.request_id
+JOIN account_classes ac ON ac.account_id = r.account_id
+LEFT JOIN findings f ON f.request_id = t.request_id AND f.rule_id = 'prompt_exceeds_kv_pool'
+LEFT JOIN expected_prefill e ON e.request_id = t.request_id
+WHERE t.confidence IN ('confirmed', 'probable');
+
+CREATE OR REPLACE TABLE suspect_responses AS
+SELECT r.request_id, r.ts, r.account_id, ac.account_class, r.model, r.prompt_tokens, t.confidence, t.rules
+FROM request_tiers t
+JOIN analysed_requests r ON r.request_id = t.request_id
+JOIN account_classes ac ON ac.account_id = r.account_id
+WHERE t.confidence = 'possible';
+
+-- Possible sources. On decode instance D, a page freed at time f survives until D has allocated
+-- (and written) about a pool's worth of tokens after f. The turnover horizon of an affected response
+-- at time t is therefore: requests on D whose pages were freed before t, after which fewer than
+-- horizon_factor x pool(D) tokens were written on D. Affected responses write only 1 + output tokens
+-- (the stub), so their reservations do not count as overwriting. Requests without a decode instance
+-- are grouped by model, with the sum of the model's decode pools.
+CREATE OR REPLACE TEMP TABLE kv_writes AS
+SELECT r.request_id, r.account_id, r.model,
+       coalesce(r.decode_instance, '(model) ' || r.model) AS kv_group,
+       r.decode_instance IS NOT NULL AS instance_known,
+       r.ts + to_microseconds(CAST(coalesce(r.ttft_ms, 0) * 1000 AS BIGINT)) AS alloc_ts,
+       r.ts + to_microseconds(CAST(coalesce(r.latency_ms, r.ttft_ms, 0) * 1000 AS BIGINT)) AS free_ts,
+       CASE WHEN a.request_id IS NOT NULL THEN 1 + coalesce(r.completion_tokens, 0)
+            ELSE r.prompt_tokens + coalesce(r.completion_tokens, 0) END AS written_tokens,
+       a.request_id IS NOT NULL AS is_affected
+FROM requests r
+LEFT JOIN affected_responses a ON a.request_id = r.request_id
+WHERE r.status BETWEEN 200 AND 299;
+
+CREATE OR REPLACE TEMP TABLE kv_timeline AS
+WITH ev AS (
+    SELECT kv_group, alloc_ts AS t, 0 AS marker, written_tokens AS w, request_id FROM kv_writes
+    UNION ALL
+    SELECT kv_group, free_ts AS t, 1 AS marker, 0 AS w, request_id FROM kv_writes
+)
+SELECT kv_group, t, marker, request_id,
+       sum(w) OVER (PARTITION BY kv_group ORDER BY t, marker, request_id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
+FROM ev;
+
+CREATE OR REPLACE TEMP TABLE group_pools AS
+WITH a AS (SELECT * FROM kv_writes WHERE is_affected)
+SELECT a.request_id,
+       CASE WHEN a.instance_known THEN max(c.kv_pool_tokens) FILTER (WHERE c.instance = a.kv_group)
+            ELSE sum(c.kv_pool_tokens) FILTER (WHERE c.model = a.model AND c.role = 'decode') END AS pool_tokens
+FROM a LEFT JOIN capacity c
+  ON c.valid_from <= a.alloc_ts AND (c.valid_to IS NULL OR a.alloc_ts < c.valid_to)
+ AND (c.instance = a.kv_group OR c.model = a.model)
+GROUP BY a.request_id, a.instance_known, a.kv_group;
+
+CREATE OR REPLACE TABLE possible_sources AS
+WITH a AS (
+    SELECT w.request_id, w.account_id, w.kv_group, w.alloc_ts, tl.cum_written - w.written_tokens AS cum_before,
+           p.pool_tokens
+    FROM kv_writes w
+    JOIN kv_timeline tl ON tl.request_id = w.request_id AND tl.marker = 0
+    JOIN group_pools p ON p.request_id = w.request_id
+    WHERE w.is_affected
+), s AS (
+    SELECT w.request_id, w.account_id, w.kv_group, w.free_ts, w.is_affected, tl.cum_written AS cum_at_free
+    FROM kv_writes w
+    JOIN kv_timeline tl ON tl.request_id = w.request_id AND tl.marker = 1
+)
+SELECT a.request_id AS affected_request_id, a.account_id AS recipient_account_id,
+       s.request_id AS source_request_id, s.account_id AS source_account_id, a.kv_group,
+       a.cum_before - s.cum_at_free AS tokens_written_since,
+       a.pool_tokens
+FROM a JOIN s
+  ON s.kv_group = a.kv_group
+ AND s.free_ts <= a.alloc_ts
+ AND s.request_id <> a.request_id
+ AND NOT s.is_affected
+ AND a.cum_before - s.cum_at_free < $horizon_factor * coalesce(a.pool_tokens, 0);
+
+-- Confirmed sources: shingles of an affected response's output found in an earlier request's prompt
+-- or output. Shingles shared by many accounts are boilerplate and do not count.
+CREATE OR REPLACE TEMP TABLE common_shingles AS
+SELECT c.fp FROM content_fingerprints c JOIN requests r ON r.request_id = c.request_id
+GROUP BY c.fp HAVING count(DISTINCT r.account_id) >= $max_accounts_per_shingle;
+
+CREATE OR REPLACE TABLE content_matches AS
+WITH out_fp AS (
+    SELECT a.request_id, a.account_id, a.ts, c.fp
+    FROM affected_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
+    WHERE c.fp NOT IN (SELECT fp FROM common_shingles)
+), hits AS (
+    SELECT o.request_id AS affected_request_id, o.account_id AS recipient_account_id,
+           c.request_id AS source_request_id, r.account_id AS source_account_id,
+           count(DISTINCT o.fp) AS matching_shingles
+    FROM out_fp o
+    JOIN content_fingerprints c ON c.fp = o.fp AND c.request_id <> o.request_id
+    JOIN requests r ON r.request_id = c.request_id AND r.ts < o.ts
+    GROUP BY 1, 2, 3, 4
+)
+SELECT h.*, s.shingles AS output_shingles,
+       round(h.matching_shingles / GREATEST(s.shingles, 1), 4) AS match_fraction,
+       h.matching_shingles >= $min_matching_shingles AS confirmed,
+       EXISTS (SELECT 1 FROM possible_sources p WHERE p.affected_request_id = h.affected_request_id
+                 AND p.source_request_id = h.source_request_id) AS within_horizon
+FROM hits h
+LEFT JOIN content_stats s ON s.request_id = h.affected_request_id AND s.part = 'output';
