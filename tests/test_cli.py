@@ -1,0 +1,85 @@
+"""The command line end to end on a small incident, with exact exit codes and messages."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+from kvforensics.cli import main
+
+
+def test_run_end_to_end(mini_incident, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("1 affected responses, 1 accounts received foreign data")
+    scope = json.loads((out / "scope.json").read_text())
+    assert scope["affected_responses"] == 1
+    assert scope["windows"] == [{"model": "@cf/zai-org/glm-5.3", "first": "2026-08-28T10:00:00Z",
+                                 "last": "2026-08-28T10:00:00Z", "responses": 1}]
+    assert [(w["instance"], w["pool_tokens"], w["start"], w["end"]) for w in scope["exposure_windows"]] == [
+        ("p0", 681280, "2026-08-27T14:00:00Z", "2026-09-09T12:00:00Z")]
+    rows = list(csv.DictReader((out / "affected_requests.csv").open()))
+    assert [(r["request_id"], r["confidence"], r["rules"]) for r in rows] == [
+        ("r-leak", "confirmed", "engine_abort_but_success prefill_too_fast prompt_exceeds_kv_pool")]
+    # the correctly rejected oversize request is not affected
+    assert "r-400" not in (out / "affected_requests.csv").read_text()
+    assert main(["verify", str(out)]) == 0
+
+
+def test_rerun_is_idempotent(mini_incident, tmp_path):
+    out = tmp_path / "out"
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    first = json.loads((out / "scope.json").read_text())
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    second = json.loads((out / "scope.json").read_text())
+    assert first == second
+    manifest = json.loads((out / "manifest.json").read_text())
+    gw = [i for i in manifest["inputs"] if i["source"] == "gateway"][0]
+    assert gw["records_read"] == 402 and gw["loaded"] == 402
+    import duckdb
+
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM requests").fetchall() == [(402,)]
+    assert con.execute("SELECT count(*) FROM load_report WHERE source = 'gateway'").fetchall() == [(1,)]
+
+
+def test_missing_incident_file_exits_2(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == f"Error: incident file not found: {tmp_path / 'missing.toml'}\n"
+
+
+def test_no_matching_files_exits_2(mini_incident, tmp_path, capsys):
+    text = mini_incident.read_text().replace('path = "gateway/*.jsonl"', 'path = "nowhere/*.jsonl"')
+    mini_incident.write_text(text)
+    assert main(["run", str(mini_incident), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"Error: source 'gateway': no file matches path 'nowhere/*.jsonl' (looked in {mini_incident.parent}); "
+        "check the path, which is relative to the incident file\n")
+
+
+def test_strict_fails_on_first_bad_record(mini_incident, tmp_path, capsys):
+    with (mini_incident.parent / "gateway" / "day1.jsonl").open("a") as fh:
+        fh.write("{broken\n")
+    assert main(["run", str(mini_incident), "--out", str(tmp_path / "o"), "--quiet", "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and err.rstrip().endswith(
+        "day1.jsonl:403: malformed JSON (--strict stops at the first record that would be quarantined)")
+
+
+def test_unknown_model_is_reported(mini_incident, tmp_path):
+    with (mini_incident.parent / "gateway" / "day1.jsonl").open("a") as fh:
+        fh.write(json.dumps({"rid": "x1", "received_at": "2026-08-28T10:00:00Z", "account_id": "a",
+                             "model": "@cf/unknown/model", "http_status": 200, "prompt_tokens": 5}) + "\n")
+    out = tmp_path / "out"
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert ("unknown model '@cf/unknown/model': no engine log covers it, so the pool rule cannot judge its "
+            "1 request(s)") in manifest["warnings"]
+
+
+def test_python_dash_m(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvforensics", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("kvforensics ")

@@ -1,0 +1,153 @@
+"""Ingest of gateway request logs: bad input gets an exact reason and nothing is lost."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvforensics.config import Source
+from kvforensics.db import connect
+from kvforensics.errors import InputError
+from kvforensics.loaders.requests import load_requests_file
+
+COLUMNS = {"request_id": "rid", "ts": "received_at", "status": "http_status"}
+
+
+def rec(rid, **kw):
+    base = {"rid": rid, "received_at": "2026-08-28T10:00:00Z", "account_id": "a1", "model": "m",
+            "http_status": 200, "prompt_tokens": 100}
+    base.update(kw)
+    return json.dumps(base)
+
+
+def source(tmp_path: Path, fmt="jsonl", tz="UTC", columns=COLUMNS, offset=0.0) -> Source:
+    return Source(name="gw", kind="requests", path="*", format=fmt, timezone=tz, base_dir=tmp_path,
+                  columns=columns, clock_offset_s=offset)
+
+
+def load(tmp_path, name, text: str | bytes, **kw):
+    p = tmp_path / name
+    if name.endswith(".gz"):
+        p.write_bytes(gzip.compress(text.encode() if isinstance(text, str) else text, mtime=0))
+    else:
+        p.write_bytes(text.encode() if isinstance(text, str) else text)
+    con = connect()
+    result = load_requests_file(con, source(tmp_path, **kw), p)
+    reasons = [r[0] for r in con.execute("SELECT reason FROM quarantine ORDER BY line").fetchall()]
+    return con, result, reasons
+
+
+def test_corrupt_jsonl_fixture_set(tmp_path):
+    lines = [
+        rec("ok1"),
+        "{not json",
+        "[1, 2, 3]",
+        rec("bad_ts", received_at="31/08/2026 10:00"),
+        rec("bad_status", http_status="OK"),
+        rec("bad_tokens", prompt_tokens="many"),
+        rec("neg", prompt_tokens=-5),
+        json.dumps({"rid": "no_account", "received_at": "2026-08-28T10:00:00Z", "model": "m", "http_status": 200,
+                    "prompt_tokens": 1}),
+        rec("ok1"),                                   # exact duplicate: at-least-once shipping
+        rec("ok1", account_id="someone-else"),        # same id, conflicting values
+        rec("cache", prompt_tokens=10, cached_tokens=11),
+        rec("ttft", ttft_ms="fast"),
+        "",
+        rec("ok2", ttft_ms=12.5),
+    ]
+    raw = ("\n".join(lines) + "\n").encode() + b'{"rid": "latin1", "x": "caf\xe9"}\n'
+    con, r, reasons = load(tmp_path, "gw.jsonl", raw)
+    assert (r.records_read, r.loaded, r.quarantined, r.duplicates) == (14, 2, 11, 1)
+    assert r.records_read == r.loaded + r.quarantined + r.duplicates
+    assert reasons == [
+        "malformed JSON",
+        "not a JSON object",
+        "bad timestamp '31/08/2026 10:00'",
+        "status is not an HTTP status code: 'OK'",
+        "prompt_tokens is not a non-negative integer: 'many'",
+        "prompt_tokens is not a non-negative integer: '-5'",
+        "missing required field 'account_id'",
+        f"duplicate request_id with conflicting values (kept the record at {tmp_path / 'gw.jsonl'}:1)",
+        "cached_tokens (11) exceeds prompt_tokens (10)",
+        "ttft_ms is not a non-negative number: 'fast'",
+        "not UTF-8",
+    ]
+    assert "1 blank line(s) skipped" in r.notes
+
+
+def test_missing_mapped_field_names_the_source_column(tmp_path):
+    con, r, reasons = load(tmp_path, "gw.jsonl", json.dumps({"received_at": "2026-08-28T10:00:00Z"}) + "\n")
+    assert reasons == ["missing required field 'request_id' (column rid)"]
+
+
+def test_timestamps_normalised_to_utc(tmp_path):
+    lines = [rec("iso_z"), rec("offset", received_at="2026-08-28T12:00:00+02:00"),
+             rec("naive", received_at="2026-08-28 03:00:00"), rec("epoch_s", received_at=1787911200),
+             rec("epoch_ms", received_at=1787911200000)]
+    con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join(lines), tz="America/Los_Angeles")
+    assert reasons == []
+    got = {rid: ts.isoformat() for rid, ts in con.execute("SELECT request_id, ts FROM requests").fetchall()}
+    assert set(got.values()) == {"2026-08-28T10:00:00+00:00"}
+    assert "1 timestamp(s) without offset read as America/Los_Angeles" in r.notes
+
+
+def test_clock_offset_is_applied(tmp_path):
+    con, r, _ = load(tmp_path, "gw.jsonl", rec("a"), offset=-30.0)
+    assert con.execute("SELECT ts FROM requests").fetchall()[0][0].isoformat() == "2026-08-28T09:59:30+00:00"
+
+
+def test_truncated_gzip_loads_what_it_can(tmp_path):
+    full = gzip.compress(("\n".join(rec(f"r{i}") for i in range(2000)) + "\n").encode(), mtime=0)
+    p = tmp_path / "gw.jsonl.gz"
+    p.write_bytes(full[: len(full) // 2])
+    con = connect()
+    r = load_requests_file(con, source(tmp_path), p)
+    assert 0 < r.loaded < 2000
+    assert r.records_read == r.loaded + r.quarantined + r.duplicates
+    assert any(n.startswith("input ends early after line") for n in r.notes)
+
+
+def test_csv_and_parquet_with_mapping(tmp_path):
+    import pandas as pd
+
+    df = pd.DataFrame({"rid": ["c1", "c2"], "received_at": ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z"],
+                       "account_id": ["a", "b"], "model": ["m", "m"], "http_status": [200, 400],
+                       "prompt_tokens": [10, 20], "extra": ["x", "y"]})
+    df.to_csv(tmp_path / "gw.csv", index=False)
+    con = connect()
+    r = load_requests_file(con, source(tmp_path, fmt="csv"), tmp_path / "gw.csv")
+    assert (r.records_read, r.loaded) == (2, 2)
+    df.to_parquet(tmp_path / "gw.parquet")
+    con = connect()
+    r = load_requests_file(con, source(tmp_path, fmt="parquet"), tmp_path / "gw.parquet")
+    assert (r.records_read, r.loaded) == (2, 2)
+    assert con.execute("SELECT sum(prompt_tokens) FROM requests").fetchall()[0][0] == 30
+
+
+def test_csv_missing_required_column_is_a_clear_error(tmp_path):
+    (tmp_path / "gw.csv").write_text("rid,received_at,model,http_status,prompt_tokens\nr1,2026-08-28T10:00:00Z,m,200,5\n")
+    with pytest.raises(InputError) as e:
+        load_requests_file(connect(), source(tmp_path, fmt="csv"), tmp_path / "gw.csv")
+    assert str(e.value) == (
+        f"source 'gw': {tmp_path / 'gw.csv'}: required field 'account_id' is missing (no column of that name); "
+        "the file has columns ['http_status', 'model', 'prompt_tokens', 'received_at', 'rid']. "
+        "Map it in the incident file: columns = { account_id = \"<column>\" }")
+
+
+def test_opentelemetry_names_are_recognised_without_a_mapping(tmp_path):
+    line = json.dumps({"gen_ai.response.id": "otel1", "timestamp": "2026-08-28T10:00:00Z", "account_id": "a",
+                       "gen_ai.request.model": "m", "http.response.status_code": 200,
+                       "gen_ai.usage.input_tokens": 900, "gen_ai.usage.output_tokens": 5,
+                       "gen_ai.usage.cache_read.input_tokens": 100})
+    con, r, reasons = load(tmp_path, "gw.jsonl", line, columns={})
+    assert reasons == []
+    assert con.execute("SELECT request_id, prompt_tokens, cached_tokens FROM requests").fetchall() == [("otel1", 900, 100)]
+    assert any("gen_ai.usage.input_tokens" in n for n in r.notes)
+
+
+def test_empty_file_loads_nothing(tmp_path):
+    con, r, reasons = load(tmp_path, "gw.jsonl", "")
+    assert (r.records_read, r.loaded, r.quarantined) == (0, 0, 0)
