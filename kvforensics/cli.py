@@ -17,13 +17,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="fail on the first record that would be quarantined")
     p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--no-pdf", action="store_true", help="skip report.pdf (it needs a local Chromium)")
 
 
 def _investigation(args: argparse.Namespace):
     from kvforensics.investigation import Investigation
 
     return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
-                              progress=not args.quiet)
+                              progress=not args.quiet, pdf=not args.no_pdf)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

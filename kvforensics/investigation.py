@@ -27,6 +27,7 @@ class Investigation:
     strict: bool = False
     memory_limit: str | None = None
     progress: bool = True
+    pdf: bool = True
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
@@ -87,8 +88,14 @@ class Investigation:
     def report(self) -> Path:
         from kvforensics.report.render import render_report
 
-        stage("report: report.html, report.md, notices", self.progress)
-        return render_report(self.con, self.incident, self.out_dir)
+        from kvforensics.report.render import render_pdf
+
+        stage("report: report.html, report.md, report.pdf, notices", self.progress)
+        path = render_report(self.con, self.incident, self.out_dir)
+        problem = render_pdf(self.out_dir) if self.pdf else "report.pdf not requested"
+        if problem:
+            stage(f"[yellow]note:[/] {problem}", self.progress)
+        return path
 
     def run(self) -> ScopeResult:
         """Every stage, in order; returns the headline numbers."""

@@ -84,3 +84,22 @@ def write_mini(root: Path, rows: list[dict] | None = None, incident: str = INCID
 @pytest.fixture
 def mini_incident(tmp_path: Path) -> Path:
     return write_mini(tmp_path / "mini")
+
+
+SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample" / "incident.toml"
+
+
+@pytest.fixture(scope="session")
+def sample_incident() -> Path:
+    assert SAMPLE.exists(), "data/sample is missing: run `kvforensics simulate --seed 7 --out data/sample`"
+    return SAMPLE
+
+
+@pytest.fixture(scope="session")
+def sample_run(tmp_path_factory, sample_incident) -> Path:
+    """The whole investigation of the bundled sample, run once per test session."""
+    from kvforensics.investigation import run
+
+    out = tmp_path_factory.mktemp("sample-run")
+    run(sample_incident, out, progress=False)
+    return out

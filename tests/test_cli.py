@@ -12,7 +12,7 @@ from kvforensics.cli import main
 
 def test_run_end_to_end(mini_incident, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("1 affected responses, 1 accounts received foreign data")
     scope = json.loads((out / "scope.json").read_text())
@@ -31,9 +31,9 @@ def test_run_end_to_end(mini_incident, tmp_path, capsys):
 
 def test_rerun_is_idempotent(mini_incident, tmp_path):
     out = tmp_path / "out"
-    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     first = json.loads((out / "scope.json").read_text())
-    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     second = json.loads((out / "scope.json").read_text())
     assert first == second
     manifest = json.loads((out / "manifest.json").read_text())
@@ -54,7 +54,7 @@ def test_missing_incident_file_exits_2(tmp_path, capsys):
 def test_no_matching_files_exits_2(mini_incident, tmp_path, capsys):
     text = mini_incident.read_text().replace('path = "gateway/*.jsonl"', 'path = "nowhere/*.jsonl"')
     mini_incident.write_text(text)
-    assert main(["run", str(mini_incident), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert main(["run", str(mini_incident), "--out", str(tmp_path / "o"), "--quiet", "--no-pdf"]) == 2
     assert capsys.readouterr().err == (
         f"Error: source 'gateway': no file matches path 'nowhere/*.jsonl' (looked in {mini_incident.parent}); "
         "check the path, which is relative to the incident file\n")
@@ -74,7 +74,7 @@ def test_unknown_model_is_reported(mini_incident, tmp_path):
         fh.write(json.dumps({"rid": "x1", "received_at": "2026-08-28T10:00:00Z", "account_id": "a",
                              "model": "@cf/unknown/model", "http_status": 200, "prompt_tokens": 5}) + "\n")
     out = tmp_path / "out"
-    assert main(["run", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert ("unknown model '@cf/unknown/model': no engine log covers it, so the pool rule cannot judge its "
             "1 request(s)") in manifest["warnings"]

@@ -102,6 +102,13 @@ def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     return out_dir / "report.html"
 
 
+def render_pdf(out_dir: Path) -> str | None:
+    """report.pdf from report.html; None when written, else why not."""
+    from kvforensics.report.pdf import html_to_pdf
+
+    return html_to_pdf(out_dir / "report.html", out_dir / "report.pdf")
+
+
 def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> list[Path]:
     """One Markdown notice per account with only that account's facts; internal/reporter kept apart."""
     from kvforensics.outputs import safe_filename

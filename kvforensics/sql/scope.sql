@@ -110,9 +110,11 @@ FROM a JOIN s
  AND a.cum_before - s.cum_at_free < $horizon_factor * coalesce(a.pool_tokens, 0);
 
 -- Confirmed sources: shingles of an affected response's output found in an earlier request's prompt
--- or output. Shingles shared by many accounts are boilerplate and do not count.
+-- or output. Shingles shared by many accounts' own texts are boilerplate and do not count (affected
+-- outputs are left out of that count: they repeat other accounts' text by definition).
 CREATE OR REPLACE TEMP TABLE common_shingles AS
 SELECT c.fp FROM content_fingerprints c JOIN requests r ON r.request_id = c.request_id
+WHERE c.request_id NOT IN (SELECT request_id FROM affected_responses)
 GROUP BY c.fp HAVING count(DISTINCT r.account_id) >= $max_accounts_per_shingle;
 
 CREATE OR REPLACE TABLE content_matches AS
@@ -126,6 +128,7 @@ WITH out_fp AS (
            count(DISTINCT o.fp) AS matching_shingles
     FROM out_fp o
     JOIN content_fingerprints c ON c.fp = o.fp AND c.request_id <> o.request_id
+     AND c.request_id NOT IN (SELECT request_id FROM affected_responses)   -- their KV was a 1-token stub
     JOIN requests r ON r.request_id = c.request_id AND r.ts < o.ts
     GROUP BY 1, 2, 3, 4
 )

@@ -1,0 +1,687 @@
+"""vLLM engine logs (V0, V1 and 0.33) -> start-ups (KV pool, max_model_len, role, version) and events.
+
+Envelopes (reference §2.1): ``INFO 08-27 14:00:03 file.py:123] msg`` (0.6.3),
+``INFO 08-27 14:00:03 [file.py:123] msg`` (0.8 - 0.10), worker and process prefixes
+(``(VllmWorker rank=1 pid=N) ``, ``(EngineCore_0 pid=N) ``, 0.33's ``(APIServer pid=1) ``), ANSI
+colours and Docker's ``--timestamps`` RFC3339 prefix. The stamps have **no year**: the caller's
+``year`` is used, rolled over at a December -> January change, and the assumption is noted.
+
+A start-up begins at the first start-up line (version line or banner, ``args:``, ``non-default
+args:``, engine config, KV cache lines) after the previous start-up became ready (``Application
+startup complete``) or at the start of the file; a second version / args line also starts one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+from kvforensics.loaders.engine_common import (
+    _INHERITED_TS_NOTE,
+    DockerSkewCheck,
+    EngineEvent,
+    EngineLine,
+    EngineLogParse,
+    LocalClock,
+    PoolReport,
+    PoolReports,
+    QuarantinedLine,
+    StartupRecord,
+    add_note,
+    as_int,
+    flag_value,
+    parse_repr_fields,
+    raw_for_quarantine,
+    split_outer_prefixes,
+    truncate_detail,
+)
+
+ENGINE = "vllm"
+DEFAULT_BLOCK_SIZE = 16
+
+_LEVELS = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL"
+_ENV = re.compile(
+    rf"^(?P<level>{_LEVELS})\s+(?P<month>\d{{2}})-(?P<day>\d{{2}}) (?P<time>\d{{2}}:\d{{2}}:\d{{2}})"
+    r"(?:[.,](?P<frac>\d{1,6}))?\s+(?:\[(?P<loc>[^\]]*)\]|(?P<loc2>[^\s\]]+:\d+)\])\s?"
+)
+# a level word followed by something stamp-like that is not a valid envelope
+_LOOSE_ENV = re.compile(
+    rf"^(?:{_LEVELS}) +(?P<stamp>\w{{1,2}}[-/]\w{{1,2}} +\w{{1,2}}:\w{{1,2}}(?::\w{{1,2}})?)"
+)
+
+# start-up lines
+_VERSION_API = re.compile(r"vLLM API server version (?P<v>\S+)")
+_VERSION_SERVER = re.compile(r"vLLM server version (?P<v>[^\s,]+),? serving model (?P<model>\S+)")
+_BANNER_VERSION = re.compile(r"[\u2580-\u259f].*\bversion\s+(?P<v>\d\S*)\s*$")
+_BANNER_MODEL = re.compile(r"[\u2580-\u259f].*\bmodel\s+(?P<model>\S+)\s*$")
+_BANNER = re.compile(r"[\u2580-\u259f]")  # the block characters of the ASCII-art logo
+_ARGS = re.compile(r"(?<!non-default )\bargs: (?=Namespace\()")
+_NON_DEFAULT = re.compile(r"non-default args: (?=\{)")
+_ENGINE_INIT = re.compile(r"Initializing (?:an|a V0|a V1|a) LLM engine \(v(?P<v>[^)]+)\) with config: ")
+_BLOCKS = re.compile(r"# (?P<dev>[A-Za-z]+) blocks: (?P<n>\d+)(?:, # CPU blocks: (?P<cpu>\d+))?")
+_KV_SIZE = re.compile(r"(?P<dev>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<n>[\d,]+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>[\d.]+)x")
+_REFUSE_V0 = re.compile(
+    r"The model's max seq len \((?P<len>\d+)\) is larger than the maximum number of tokens that can be "
+    r"stored in KV cache \((?P<pool>\d+)\)"
+)
+_REFUSE_V1 = re.compile(
+    r"To serve at least one request with the models?'s max seq len \((?P<len>\d+)\)"
+    r"(?:.*?estimated maximum model length is (?P<est>\d+))?"
+)
+_AVAILABLE_KV = re.compile(r"Available KV cache memory: (?P<gib>[\d.]+) GiB")
+_OTHER_STARTUP = re.compile(
+    r"Starting to load model|Loading model weights took|Model loading took|Memory profiling|"
+    r"Available KV cache memory|the rest of the memory reserved for KV Cache"
+)
+_READY = re.compile(
+    r"Application startup complete|Starting vLLM (?:API )?server (?:\d+ )?on|Uvicorn running on"
+)
+_KV_ROLE = re.compile(r"kv_role['\"]?\s*[:=]\s*['\"]?(?P<role>kv_producer|kv_consumer|kv_both)")
+_KV_CONNECTOR = re.compile(r"kv_connector['\"]?\s*[:=]\s*['\"]?(?P<c>[\w.]+)")
+
+_FLAG_KEYS = (
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "kv_cache_dtype",
+    "block_size",
+    "max_model_len",
+    "num_gpu_blocks_override",
+    "quantization",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "kv_transfer_config",
+    "swap_space",
+    "cpu_offload_gb",
+)
+
+# events
+_FRONTEND_REQUESTED = re.compile(
+    r"This model's maximum context length is (?P<m>\d+) tokens\. However, you requested (?P<t>\d+) tokens "
+    r"(?:\((?P<n>\d+) in the messages, (?P<c>\d+) in the completion\)|in the messages)"
+)
+_ABORTED = re.compile(r"\bAborted request(?:\(s\))? (?P<ids>.+?)\.?\s*$")
+
+
+@dataclass(frozen=True)
+class _EventRule:
+    kind: str
+    pattern: re.Pattern[str]
+    prompt: str | None = None
+    limit: str | None = None
+    rid: str | None = None
+
+
+_EVENT_RULES: tuple[_EventRule, ...] = (
+    _EventRule(
+        "abort_input_too_long",
+        re.compile(r"Input prompt \((?P<n>\d+) tokens\) is too long and exceeds limit of (?P<m>\d+)"),
+        "n",
+        "m",
+    ),
+    _EventRule(
+        "abort_input_too_long",
+        re.compile(r"Input prompt \((?P<n>\d+) tokens\) \+ lookahead slots \(\d+\) is too long"),
+        "n",
+    ),
+    _EventRule(
+        "abort_other",
+        re.compile(r"Failing the request (?P<rid>\S+) because there's not enough kv cache blocks"),
+        rid="rid",
+    ),
+    _EventRule(
+        "abort_input_too_long",
+        re.compile(
+            r"The (?:\w+ )?prompt \(length (?P<n>\d+)\) (?:plus the number of requested output tokens "
+            r"\(at least 1\) )?is longer than the maximum model length of (?P<m>\d+)"
+        ),
+        "n",
+        "m",
+    ),
+    _EventRule(
+        "abort_other",
+        re.compile(
+            r"'max_tokens' or 'max_completion_tokens' is too large: \d+\. This model's maximum context "
+            r"length is (?P<m>\d+) tokens and your request has (?P<n>\d+) input tokens"
+        ),
+        "n",
+        "m",
+    ),
+    _EventRule(
+        "abort_input_too_long",
+        re.compile(
+            r"This model's maximum context length is (?P<m>\d+) tokens\. However, your "
+            r"(?:request has |prompt contains (?:at least )?)(?P<n>\d+) input tokens"
+        ),
+        "n",
+        "m",
+    ),
+    _EventRule("transfer_failure", re.compile(r"pulling kv_caches for (?P<rid>\S+) failed"), rid="rid"),
+)
+
+
+@dataclass
+class _Line:
+    number: int
+    ts: datetime | None
+    process: str  # outer (Name pid=N) prefix without the pid; "" for the driver / API server
+    msg: str
+    envelope: str  # "vllm" | "none"
+
+
+@dataclass
+class _Startup:
+    line: int
+    ts: datetime | None
+    markers: set[str] = field(default_factory=set)
+    ready_line: int | None = None
+    version: tuple[str, int] | None = None
+    args: dict[str, object] = field(default_factory=dict)  # args: Namespace(...)
+    args_line: int | None = None
+    non_default: dict[str, object] = field(default_factory=dict)
+    non_default_line: int | None = None
+    config: dict[str, object] = field(default_factory=dict)  # engine config string
+    config_line: int | None = None
+    serving_model: tuple[str, int] | None = None
+    blocks: list[tuple[int, str, int, str]] = field(default_factory=list)  # line, process, blocks, device
+    kv_tokens: list[tuple[int, str, int, str]] = field(default_factory=list)  # line, process, tokens, device
+    concurrency: tuple[int, float, int] | None = None  # max_len, ratio, line
+    refusal: tuple[int, int | None, int, str] | None = None  # max_len, pool/estimate, line, kind
+    kv_role: tuple[str, int] | None = None
+    kv_connector: str | None = None
+    available_kv_gib: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class _YearTracker:
+    """vLLM stamps have no year: start from the given year and roll over at December -> January."""
+
+    def __init__(self, year: int | None) -> None:
+        self.year = year
+        self.initial = year
+        self.source = "given" if year is not None else None
+        self.prev_month: int | None = None
+        self.rollovers: list[tuple[int, int]] = []
+        self.late_lines = 0
+
+    def adopt(self, year: int, source: str) -> None:
+        if self.year is None:
+            self.year = self.initial = year
+            self.source = source
+
+    def year_for(self, month: int, line: int) -> int | None:
+        if self.year is None:
+            return None
+        if self.prev_month is not None:
+            if month < self.prev_month - 6:  # December -> January: a new year
+                self.year += 1
+                self.rollovers.append((line, self.year))
+            elif month > self.prev_month + 6:  # a late line from just before the new year
+                self.late_lines += 1
+                return self.year - 1
+        self.prev_month = month
+        return self.year
+
+    def notes(self) -> list[str]:
+        if self.initial is None:
+            return []
+        out = [f"vLLM timestamps carry no year: {self.initial} assumed ({self.source})"]
+        for line, year in self.rollovers:
+            out.append(
+                f"vLLM timestamps roll over from December to January at line {line}: {year} from there on"
+            )
+        return out
+
+
+class _VllmParser:
+    def __init__(self, instance: str, tz: ZoneInfo, year: int | None, clock_offset_s: float) -> None:
+        self.instance = instance
+        self.tz = tz
+        self.clock = LocalClock(tz, clock_offset_s)
+        self.years = _YearTracker(year)
+        self.skew = DockerSkewCheck()
+        self.out = EngineLogParse()
+        self.current: _Startup | None = None
+        self.unyeared_lines = 0
+        self.nul_lines = 0
+        self.last_ts: datetime | None = None
+        self.inherited_ts = 0
+
+    def feed(self, number: int, text: str | None, raw: bytes) -> None:
+        self.out.lines_read += 1
+        if text is None:
+            self._quarantine(number, "not UTF-8", raw)
+            return
+        if "\x00" in text:
+            stripped = text.replace("\x00", "")
+            if not stripped.strip():
+                self._quarantine(number, "only NUL bytes (a file hole left by a crash?)", raw)
+                return
+            self.nul_lines += 1
+            text = stripped
+        try:
+            line = self._envelope(number, text, raw)
+            if line is not None and line.ts is not None:
+                self.last_ts = line.ts
+            if line is not None:
+                self._startup_line(line)
+                self._event(line)
+        except Exception as e:  # noqa: BLE001 - never crash on one bad line: record it and go on
+            self._quarantine(number, f"internal parser error ({type(e).__name__}: {e})", raw)
+
+    def _quarantine(self, number: int, reason: str, raw: bytes | str) -> None:
+        self.out.quarantined.append(QuarantinedLine(number, reason, raw_for_quarantine(raw)))
+
+    def _envelope(self, number: int, text: str, raw: bytes) -> _Line | None:
+        outer = split_outer_prefixes(text)
+        rest = outer.rest
+        process = outer.process or ""
+        docker_ts = self.clock.shift(outer.docker_ts)
+        if docker_ts is not None and self.years.year is None:
+            try:
+                self.years.adopt(docker_ts.astimezone(self.tz).year, "from the Docker --timestamps prefix")
+            except OverflowError:
+                pass
+        m = _ENV.match(rest)
+        if m is None:
+            loose = _LOOSE_ENV.match(rest)
+            if loose:
+                self._quarantine(number, f"bad timestamp '{loose['stamp']}'", raw)
+                return None
+            return _Line(number, docker_ts, process, rest, "none")
+        month, day = int(m["month"]), int(m["day"])
+        hh, mm, ss = (int(x) for x in m["time"].split(":"))
+        frac = int((m["frac"] or "0").ljust(6, "0"))
+        stamp = f"{m['month']}-{m['day']} {m['time']}"
+        ts: datetime | None = None
+        try:
+            datetime(2000, month, day, hh, mm, ss)  # valid in a leap year
+        except ValueError:
+            self._quarantine(number, f"bad timestamp '{stamp}'", raw)
+            return None
+        year = self.years.year_for(month, number)
+        if year is None:
+            self.unyeared_lines += 1
+        else:
+            try:
+                local = datetime(year, month, day, hh, mm, ss, frac)
+            except ValueError:
+                self._quarantine(number, f"bad timestamp '{stamp}' (not a date in {year})", raw)
+                return None
+            try:
+                ts = self.clock.to_utc(local, number)
+            except ValueError as e:
+                self._quarantine(number, f"bad timestamp '{stamp}' ({e})", raw)
+                return None
+            self.skew.observe(number, ts, outer.docker_ts)
+        if ts is None:
+            ts = docker_ts
+        return _Line(number, ts, process, rest[m.end() :], "vllm")
+
+    # -- start-ups ----------------------------------------------------------------------------
+
+    def _begin(self, line: _Line, marker: str | None) -> _Startup:
+        st = self.current
+        if st is None or st.ready_line is not None or (marker is not None and marker in st.markers):
+            if st is not None and st.ready_line is None:
+                add_note(st.notes, f"did not become ready (next start-up begins at line {line.number})")
+            self._finish_current()
+            st = _Startup(line=line.number, ts=line.ts)
+            self.current = st
+        if marker is not None:
+            st.markers.add(marker)
+        if st.ts is None and line.ts is not None:
+            st.ts = line.ts
+        return st
+
+    def _startup_line(self, line: _Line) -> None:
+        msg = line.msg
+        if _READY.search(msg):
+            if self.current is not None and self.current.ready_line is None:
+                self.current.ready_line = line.number
+            return
+        if (m := _VERSION_API.search(msg)) or (m := _BANNER_VERSION.search(msg)):
+            st = self._begin(line, "version")
+            st.version = st.version or (m["v"], line.number)
+            return
+        if m := _VERSION_SERVER.search(msg):
+            st = self._begin(line, "version")
+            st.version = st.version or (m["v"], line.number)
+            st.serving_model = st.serving_model or (m["model"], line.number)
+            return
+        if m := _BANNER_MODEL.search(msg):
+            st = self._begin(line, None)
+            st.serving_model = st.serving_model or (m["model"], line.number)
+            return
+        if m := _ARGS.search(msg):
+            st = self._begin(line, "args")
+            st.args, complete = parse_repr_fields(msg[m.end() :])
+            st.args_line = line.number
+            self._kv_transfer(st, msg, line.number)
+            if not complete:
+                add_note(
+                    st.notes,
+                    f"args dump at line {line.number} is cut off; fields after the cut were not read",
+                )
+            return
+        if m := _NON_DEFAULT.search(msg):
+            st = self._begin(line, "non_default")
+            st.non_default, _ = parse_repr_fields(msg[m.end() :])
+            st.non_default_line = line.number
+            self._kv_transfer(st, msg, line.number)
+            return
+        if m := _ENGINE_INIT.search(msg):
+            st = self._begin(line, None)
+            st.version = st.version or (m["v"], line.number)
+            if st.config_line is None:
+                st.config, _ = parse_repr_fields(msg[m.end() :])
+                st.config_line = line.number
+            self._kv_transfer(st, msg, line.number)
+            return
+        refusal = _REFUSE_V0.search(msg)
+        if refusal:
+            st = self._begin(line, None)
+            st.refusal = st.refusal or (int(refusal["len"]), int(refusal["pool"]), line.number, "v0")
+            return
+        refusal = _REFUSE_V1.search(msg)
+        if refusal:
+            st = self._begin(line, None)
+            est = int(refusal["est"]) if refusal["est"] else None
+            st.refusal = st.refusal or (int(refusal["len"]), est, line.number, "v1")
+            return
+        found = False
+        if m := _BLOCKS.search(msg):
+            st = self._begin(line, None)
+            st.blocks.append((line.number, line.process, int(m["n"]), m["dev"]))
+            found = True
+        if m := _KV_SIZE.search(msg):
+            st = self._begin(line, None)
+            st.kv_tokens.append((line.number, line.process, int(m["n"].replace(",", "")), m["dev"]))
+            found = True
+        if m := _CONCURRENCY.search(msg):
+            st = self._begin(line, None)
+            st.concurrency = (int(m["len"].replace(",", "")), float(m["x"]), line.number)
+            found = True
+        if found:
+            return
+        if m := _AVAILABLE_KV.search(msg):
+            st = self._begin(line, None)
+            st.available_kv_gib = m["gib"]
+            return
+        if _OTHER_STARTUP.search(msg) or _BANNER.search(msg):
+            self._begin(line, None)
+
+    @staticmethod
+    def _kv_transfer(st: _Startup, msg: str, number: int) -> None:
+        if (m := _KV_ROLE.search(msg)) and st.kv_role is None:
+            st.kv_role = (m["role"], number)
+        if (m := _KV_CONNECTOR.search(msg)) and st.kv_connector is None:
+            st.kv_connector = m["c"]
+
+    def _finish_current(self) -> None:
+        if self.current is not None:
+            self.out.startups.append(self._record(self.current))
+            self.current = None
+
+    def _record(self, st: _Startup) -> StartupRecord:
+        flags: dict[str, str] = {}
+        evidence: dict[str, int] = {}
+
+        def note(text: str) -> None:
+            add_note(self.out.notes, f"start-up at line {st.line}: {text}")
+
+        for n in st.notes:
+            note(n)
+
+        # the same setting can come from the engine config line, args or non-default args:
+        # the engine config is the resolved value, args the requested one
+        sources: list[tuple[dict[str, object], int | None]] = [
+            (st.config, st.config_line),
+            (st.args, st.args_line),
+            (st.non_default, st.non_default_line),
+        ]
+
+        def setting(*keys: str) -> tuple[object, int | None]:
+            for values, line_no in sources:
+                for key in keys:
+                    value = values.get(key)
+                    if value is not None and value != "None":
+                        return value, line_no
+            return None, None
+
+        for values, _ in reversed(sources):
+            for key, value in values.items():
+                if key in _FLAG_KEYS or "kv_transfer" in key or "kv_connector" in key:
+                    flags[key] = flag_value(value)
+        if st.ready_line is not None:
+            evidence["ready"] = st.ready_line
+
+        # version
+        version = version_source = None
+        if st.version is not None:
+            version, evidence["engine_version"] = st.version
+            version_source = "log"
+
+        # role
+        role = "unified"
+        if st.kv_role is not None:
+            kv_role, evidence["role"] = st.kv_role
+            flags["kv_role"] = kv_role
+            role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_role, "unified")
+            if kv_role == "kv_both":
+                note("kv_role kv_both: the instance both sends and receives KV; read as unified")
+        if st.kv_connector:
+            flags["kv_connector"] = st.kv_connector
+
+        # model
+        model: str | None = None
+        served, served_line = setting("served_model_name")
+        if isinstance(served, list | tuple):
+            served = served[0] if served else None
+        if isinstance(served, str) and served:
+            model, evidence["model"] = served, served_line or st.line
+        elif st.serving_model is not None:
+            model, evidence["model"] = st.serving_model
+        else:
+            name, name_line = setting("model", "model_tag")
+            if isinstance(name, str) and name:
+                model, evidence["model"] = name, name_line or st.line
+
+        # parallelism
+        tp_value, tp_line = setting("tensor_parallel_size")
+        tp_size = as_int(tp_value)
+        if tp_size is not None and tp_line is not None:
+            evidence["tp_size"] = tp_line
+        dp_value, dp_line = setting("data_parallel_size")
+        dp_size = as_int(dp_value)
+        if dp_size is not None and dp_line is not None:
+            evidence["dp_size"] = dp_line
+
+        # context length (max_model_len)
+        context_length: int | None = None
+        ctx_value, ctx_line = setting("max_seq_len")
+        if as_int(ctx_value) is not None:
+            context_length = as_int(ctx_value)
+        elif st.concurrency is not None:
+            context_length, ctx_line = st.concurrency[0], st.concurrency[2]
+        elif st.refusal is not None:
+            context_length, ctx_line = st.refusal[0], st.refusal[2]
+        else:
+            ctx_value, ctx_line = setting("max_model_len")
+            context_length = as_int(ctx_value)
+        if context_length is not None and ctx_line is not None:
+            evidence["context_length"] = ctx_line
+
+        # block size (page size)
+        bs_value, bs_line = setting("block_size")
+        block_size = as_int(bs_value)
+        if block_size is not None and bs_line is not None:
+            evidence["page_size"] = bs_line
+        else:
+            block_size = DEFAULT_BLOCK_SIZE
+            flags["block_size_source"] = (
+                f"default (not logged; vLLM's CUDA default block_size is {DEFAULT_BLOCK_SIZE})"
+            )
+            if st.blocks:
+                note(
+                    f"block_size not logged; the CUDA default of {DEFAULT_BLOCK_SIZE} is used to turn blocks into tokens"
+                )
+
+        # KV pool: vLLM prints the size once per worker, often all from one process (0.8.x prints it
+        # before unify_kv_cache_configs() shrinks every worker to the minimum): every line counts
+        pool = PoolReports()
+        for line_no, process, blocks, device in st.blocks:
+            source = f"# {device} blocks x block_size {block_size}"
+            pool.add(
+                PoolReport(line_no, process or "engine", blocks * block_size, source), group=str(line_no)
+            )
+        for line_no, process, tokens, device in st.kv_tokens:
+            pool.add(
+                PoolReport(line_no, process or "engine", tokens, f"{device} KV cache size"),
+                group=str(line_no),
+            )
+        if st.refusal is not None:
+            max_len, value, line_no, kind = st.refusal
+            flags["startup_refused"] = "true"
+            evidence["startup_refused"] = line_no
+            if kind == "v0" and value is not None:
+                pool.add(PoolReport(line_no, "engine", value, "max seq len refusal"), group="refusal")
+            elif value is not None:
+                flags["estimated_max_model_len"] = str(value)
+        best = pool.effective()
+        kv_pool_tokens = best.tokens if best else None
+        pool_line = best.line if best else None
+        if best is not None:
+            evidence["kv_pool_tokens"] = best.line
+            flags["kv_pool_reports"] = pool.summary()
+            if len({r.tokens for r in pool.reports()}) > 1:
+                note(f"workers report different KV cache sizes ({pool.summary()}); the smallest is used")
+        elif st.refusal is not None and st.refusal[1] is not None:
+            kv_pool_tokens, pool_line = st.refusal[1], st.refusal[2]
+            evidence["kv_pool_tokens"] = pool_line
+            flags["kv_pool_source"] = "estimated maximum model length from the start-up refusal"
+        elif st.concurrency is not None:
+            max_len, ratio, line_no = st.concurrency
+            kv_pool_tokens, pool_line = int(max_len * ratio), line_no
+            evidence["kv_pool_tokens"] = line_no
+            flags["kv_pool_source"] = "approximate: max_model_len x maximum concurrency (2 decimals)"
+            note(f"no KV cache size line; pool approximated as {max_len} x {ratio} from line {line_no}")
+        if st.kv_tokens and context_length and st.concurrency:
+            flags["kv_pool_note"] = (
+                "V1 token counts are derived (hybrid / sliding-window models may hold fewer physical slots)"
+            )
+        if st.available_kv_gib is not None:
+            flags["available_kv_cache_gib"] = st.available_kv_gib
+        if dp_size is not None and dp_size > 1 and kv_pool_tokens is not None:
+            flags["kv_pool_scope"] = (
+                f"per engine (data_parallel_size={dp_size}); one request can use at most this"
+            )
+
+        return StartupRecord(
+            instance=self.instance,
+            ts=st.ts,
+            line=st.line,
+            engine=ENGINE,
+            engine_version=version,
+            version_source=version_source,
+            role=role,
+            model=model,
+            kv_pool_tokens=kv_pool_tokens,
+            pool_source_line=pool_line,
+            context_length=context_length,
+            page_size=block_size,
+            tp_size=tp_size,
+            dp_size=dp_size,
+            flags=flags,
+            evidence=evidence,
+        )
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _emit(self, line: _Line, kind: str, rid: str | None, prompt: int | None, limit: int | None) -> None:
+        ts = line.ts
+        if ts is None and line.envelope == "none" and self.last_ts is not None:
+            ts = self.last_ts  # a traceback / continuation line: the time of the line it follows
+            self.inherited_ts += 1
+        self.out.events.append(
+            EngineEvent(self.instance, ts, line.number, kind, rid, prompt, limit, truncate_detail(line.msg))
+        )
+
+    def _event(self, line: _Line) -> None:
+        msg = line.msg
+        for rule in _EVENT_RULES:
+            m = rule.pattern.search(msg)
+            if m:
+                self._emit(
+                    line,
+                    rule.kind,
+                    m[rule.rid] if rule.rid else None,
+                    int(m[rule.prompt]) if rule.prompt else None,
+                    int(m[rule.limit]) if rule.limit else None,
+                )
+                return
+        m = _FRONTEND_REQUESTED.search(msg)
+        if m:
+            limit = int(m["m"])
+            if m["n"] is not None:  # messages + completion: too long only if the messages alone are
+                prompt = int(m["n"])
+                self._emit(
+                    line, "abort_input_too_long" if prompt > limit else "abort_other", None, prompt, limit
+                )
+            else:
+                self._emit(line, "abort_input_too_long", None, int(m["t"]), limit)
+            return
+        m = _ABORTED.search(msg)
+        if m:
+            ids = re.findall(r"[^\s,\[\]'\"()]+", m["ids"])
+            for rid in ids or [None]:
+                self._emit(line, "abort_other", rid, None, None)
+
+    def finish(self) -> EngineLogParse:
+        self._finish_current()
+        notes = self.out.notes
+        for n in self.years.notes():
+            add_note(notes, n)
+        if self.years.late_lines:
+            add_note(
+                notes,
+                f"{self.years.late_lines} December line(s) after the new year were dated to the old year",
+            )
+        if self.unyeared_lines:
+            add_note(
+                notes,
+                f"{self.unyeared_lines} vLLM line(s) carry no year and no year was given: their timestamps are "
+                "left empty (give the incident year)",
+            )
+        if self.inherited_ts:
+            add_note(notes, _INHERITED_TS_NOTE.format(n=self.inherited_ts))
+        if self.nul_lines:
+            add_note(
+                notes, f"{self.nul_lines} line(s) contained NUL bytes, which were removed before reading"
+            )
+        for n in self.clock.notes() + self.skew.notes():
+            add_note(notes, n)
+        return self.out
+
+
+def parse_lines(
+    lines: Iterable[EngineLine],
+    *,
+    instance: str,
+    tz: ZoneInfo,
+    year: int | None = None,
+    clock_offset_s: float = 0.0,
+) -> EngineLogParse:
+    """Parse vLLM log lines (as yielded by :func:`~kvforensics.loaders.engine_common.open_lines`)."""
+    parser = _VllmParser(instance, tz, year, clock_offset_s)
+    for number, text, raw in lines:
+        parser.feed(number, text, raw)
+    return parser.finish()

@@ -1,0 +1,101 @@
+"""``kvforensics simulate``: a thin shell over :func:`kvforensics.simulate.simulate`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from kvforensics.errors import KvForensicsError
+from kvforensics.simulate.run import SimulationResult, simulate
+from kvforensics.simulate.scenario import (
+    COLUMN_STYLES,
+    GATEWAY_FORMATS,
+    SGLANG_LOG_VERSIONS,
+    TIMESTAMP_STYLES,
+    Scenario,
+    load_scenario_file,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default 7, the sample)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="total gateway requests (default 20000); large values stream to disk",
+    )
+    parser.add_argument("--format", choices=GATEWAY_FORMATS, default=None, help="gateway log format")
+    parser.add_argument(
+        "--affected", type=int, default=None, help="number of affected responses (default 155)"
+    )
+    parser.add_argument(
+        "--exploiters", type=int, default=None, help="accounts that probe on purpose (default 0)"
+    )
+    parser.add_argument("--engine-timezone", default=None, help="IANA zone of engine log timestamps")
+    parser.add_argument(
+        "--timestamps", choices=TIMESTAMP_STYLES, default=None, help="gateway timestamp style"
+    )
+    parser.add_argument("--columns", choices=COLUMN_STYLES, default=None, help="gateway column names")
+    parser.add_argument(
+        "--sglang-version", choices=SGLANG_LOG_VERSIONS, default=None, help="engine log format"
+    )
+    parser.add_argument(
+        "--scenario-file",
+        type=Path,
+        default=None,
+        help="TOML of Scenario overrides (top level or [scenario]); flags win",
+    )
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    base = load_scenario_file(args.scenario_file) if args.scenario_file else Scenario()
+    flags = {
+        "seed": args.seed,
+        "requests": args.requests,
+        "gateway_format": args.format,
+        "affected": args.affected,
+        "exploiters": args.exploiters,
+        "engine_timezone": args.engine_timezone,
+        "gateway_timestamps": args.timestamps,
+        "gateway_columns": args.columns,
+        "sglang_version": args.sglang_version,
+    }
+    return base.with_overrides({k: v for k, v in flags.items() if v is not None})
+
+
+def summary(result: SimulationResult, console: Console) -> None:
+    console.print(
+        f"Wrote {result.out_dir}: {result.requests:,} requests ({result.gateway_lines:,} gateway lines), "
+        f"{result.affected} affected responses from {result.affected_accounts} accounts, "
+        f"{len(result.engine_logs)} engine logs."
+    )
+    for note in result.notes:
+        console.print(f"Note: {note}")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        result = simulate(scenario_from_args(args), args.out)
+    except KvForensicsError as exc:
+        console.print(f"Error: {exc}", markup=False)
+        return 2
+    summary(result, console)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="kvforensics simulate", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

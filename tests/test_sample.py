@@ -1,0 +1,138 @@
+"""The bundled sample incident end to end, scored against the simulator's ground truth.
+
+The toolkit never reads ``ground_truth.json``; only these tests do.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+import duckdb
+import pytest
+
+pytestmark = pytest.mark.slow
+ZULU = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?Z$")
+
+
+@pytest.fixture(scope="module")
+def truth(sample_incident) -> dict:
+    return json.loads((sample_incident.parent / "ground_truth.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def scope(sample_run) -> dict:
+    return json.loads((sample_run / "scope.json").read_text())
+
+
+def rows(path: Path) -> list[dict]:
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def accounts(con, role_like: str) -> set[str]:
+    return {r[0] for r in con.execute("SELECT account_id FROM notifications WHERE role LIKE ?", [role_like]).fetchall()}
+
+
+def test_headline_numbers(scope):
+    assert scope["affected_responses"] == 155
+    assert scope["windows"] and {w["model"] for w in scope["windows"]} == {"@cf/zai-org/glm-5.3"}
+    w = scope["windows"][0]
+    assert "2026-08-27" <= w["first"] < w["last"] <= "2026-09-09T23:59:59Z"
+    assert all(n == 0 for m, n in scope["responses_by_model"].items() if m != "@cf/zai-org/glm-5.3")
+    assert "@cf/zai-org/glm-5.2" in scope["responses_by_model"]
+    exposed = [e for e in scope["exposure_windows"] if e["model"] == "@cf/zai-org/glm-5.3"]
+    assert exposed and all(e["pool_tokens"] == 681280 and e["context_length"] == 1048576 and e["role"] == "prefill"
+                           for e in exposed)
+    assert all(e["start"].startswith("2026-08-27") and e["end"].startswith("2026-09-09") for e in exposed)
+    assert not [e for e in scope["exposure_windows"] if e["model"] != "@cf/zai-org/glm-5.3"]
+    assert scope["by_account_class"]["internal"]["responses"] > 0
+    assert scope["by_account_class"]["reporter"]["responses"] > 0
+    assert scope["exploitation"]["accounts_looking_deliberate"] == []
+
+
+def test_recipients_are_exact(sample_run, truth):
+    got = {r["request_id"] for r in rows(sample_run / "affected_requests.csv")}
+    assert got == {a["request_id"] for a in truth["affected"]}
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    assert accounts(con, "received_foreign_data") == {a["account_id"] for a in truth["affected"]}
+
+
+def score(got: set[str], want: set[str]) -> tuple[float, float]:
+    tp = len(got & want)
+    return tp / max(len(got), 1), tp / max(len(want), 1)
+
+
+def test_source_accounts_against_ground_truth(sample_run, truth):
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    want_confirmed = set().union(*(set(a["content_leaked_from_accounts"]) - {a["account_id"]} for a in truth["affected"]))
+    want_possible = set().union(*(set(a["pages_read_from_accounts"]) - {a["account_id"]} for a in truth["affected"]))
+    precision, recall = score(accounts(con, "data_exposed_confirmed"), want_confirmed)
+    print(f"confirmed sources (with content): precision {precision:.3f}, recall {recall:.3f}")
+    assert precision >= 0.95 and recall >= 0.95
+    precision, recall = score(accounts(con, "data_exposed_%"), want_possible)
+    print(f"possible sources: precision {precision:.3f}, recall {recall:.3f}")
+    assert recall >= 0.95
+
+
+def test_outputs_follow_the_contract(sample_run, scope):
+    for name in ["scope.json", "affected_requests.csv", "notifications.csv", "report.html", "report.md",
+                 "manifest.json", "quarantine.csv", "evidence.duckdb"]:
+        assert (sample_run / name).exists(), name
+    for w in scope["windows"]:
+        assert ZULU.match(w["first"]) and ZULU.match(w["last"])
+    for r in rows(sample_run / "affected_requests.csv"):
+        assert ZULU.match(r["ts"]) and r["confidence"] in ("confirmed", "probable")
+    for r in rows(sample_run / "notifications.csv"):
+        assert r["role"] in ("received_foreign_data", "data_exposed_confirmed", "data_exposed_possible")
+        assert ZULU.match(r["first_ts"]) and ZULU.match(r["last_ts"])
+    manifest = json.loads((sample_run / "manifest.json").read_text())
+    for item in manifest["inputs"]:
+        assert re.fullmatch(r"[0-9a-f]{64}", item["sha256"])
+        assert item["records_read"] == item["loaded"] + item["quarantined"] + item["duplicates"] or item["kind"] == "engine_log"
+
+
+def test_figures_agree_across_outputs(sample_run, scope):
+    """scope.json, the CSVs, the report and the database tell the same story."""
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    affected = rows(sample_run / "affected_requests.csv")
+    notifications = rows(sample_run / "notifications.csv")
+    assert len(affected) == scope["affected_responses"] == con.execute(
+        "SELECT count(*) FROM affected_responses").fetchall()[0][0]
+    assert len({r["account_id"] for r in affected}) == scope["affected_accounts"]
+    received = [r for r in notifications if r["role"] == "received_foreign_data"]
+    assert sum(int(r["responses"]) for r in received) == scope["affected_responses"]
+    assert sorted(" ".join(r["request_ids"] for r in received).split()) == sorted(r["request_id"] for r in affected)
+    for cls, v in scope["by_account_class"].items():
+        assert v["responses"] == sum(1 for r in affected if r["account_class"] == cls)
+    assert scope["source_accounts"]["confirmed"] == len({r["account_id"] for r in notifications
+                                                         if r["role"] == "data_exposed_confirmed"})
+    html = (sample_run / "report.html").read_text()
+    md = (sample_run / "report.md").read_text()
+    assert f'id="fig-affected-responses">{scope["affected_responses"]}<' in html
+    assert f'id="fig-affected-accounts">{scope["affected_accounts"]}<' in html
+    assert f"**{scope['affected_responses']}** affected responses" in md
+    for w in scope["windows"]:
+        assert w["first"] in html and w["last"] in md
+    from kvforensics.verify import verify
+
+    assert verify(sample_run) == []
+
+
+def test_raw_text_never_leaves_ingest(sample_run, sample_incident):
+    import gzip
+
+    with gzip.open(sample_incident.parent / "content" / "content.jsonl.gz", "rt") as fh:
+        texts = [json.loads(line) for _, line in zip(range(200), fh)]
+    phrases = {" ".join(t["prompt"].split()[:6]) for t in texts if t.get("prompt")}
+    outputs = [p for p in sample_run.rglob("*") if p.is_file() and p.suffix in (".csv", ".json", ".md", ".html")]
+    for path in outputs:
+        body = path.read_text(errors="replace")
+        leaked = [p for p in phrases if p in body]
+        assert not leaked, f"{path.name} contains content text"
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    for table, in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
+        cols = [c[0] for c in con.execute(f'DESCRIBE "{table}"').fetchall()]
+        assert "prompt" not in cols and "output" not in cols
