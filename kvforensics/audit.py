@@ -16,7 +16,8 @@ rests on. **Missing evidence is never a pass**: a setting the log does not show 
    leaves prompts within 6 tokens of the context length to the scheduler rather than the context
    check; only the engine fix, check 2, makes that refusal safe on the PD path.) vLLM refuses to
    start when the pool cannot hold ``max_model_len``: such a start-up served nothing
-   (``not_applicable``); ``pool >= max_model_len`` passes.
+   (``not_applicable``); ``pool >= max_model_len`` passes. Scheduler aborts in the log whose limit
+   contradicts the pool and context read turn a pass into ``unknown`` (the readings are in doubt).
 2. **Engine version** vs the first release with the complete PD reject-path fix (SGLang 0.5.22),
    from the log, a ``/get_server_info`` dump, or the format-inferred range (the detail says which).
    A range whose upper bound is below 0.5.22 fails; one that straddles it is ``unknown``. Only
@@ -25,16 +26,22 @@ rests on. **Missing evidence is never a pass**: a setting the log does not show 
    server args: a flag whose name holds ``defer`` and ``release``
    (``disaggregation_defer_kv_release``) must be on; one holding ``mooncake``/``transfer`` and
    ``batch``/``max`` (``disaggregation_mooncake_transfer_batch_size``) must be a positive number.
+   An absent or ``None`` setting is ``unknown`` (the engine default is not in the log).
 4. **KV checksum / canary** (``disaggregation_enable_kv_checksum``, ``kv_canary`` not ``none``)
    and evidence that requests are verified. Checksum mismatches, canary violations or context
-   corruption in the interval fail (any role). Detection on but no verification in the log is
-   ``unknown``: SGLang logs failures only, so a quiet log does not show that anything is checked.
+   corruption in the interval fail (any role). Detection off fails when the logged options are
+   all off (an option missing from a ``server_args`` dump does not exist in that build); neither
+   option logged is ``unknown``. Detection on but no verification in the log is ``unknown``:
+   SGLang logs failures only, so a quiet log does not show that anything is checked.
 5. **Load balancer does not abort before the first token on client disconnect**, from the
    deployment manifest only (``unknown`` without one). Disaggregated roles only.
 
 A check-1 ``fail`` is **exposed** on a prefill or decode role, or where the role is unknown (no
 ``server_args`` line and nothing else to tell): the deploy gate fails closed. A unified server
-answers those prompts with an error, so its check-1 fail is listed but not exposed.
+answers those prompts with an error, so its check-1 fail is listed but not exposed. A restart that
+logs no ``server_args`` takes the role (and model) of the instance's previous start-up, or the
+``disaggregation_mode`` of a ``server_info`` dump, and the verdict says so; with neither, checks
+2-5 turn a would-be ``fail`` into ``unknown`` (it only matters if the instance is disaggregated).
 :attr:`AuditReport.exit_code` is 1 when anything is exposed, 0 when clean (unknowns alone do not
 fail; they are listed) and 2 when nothing could be audited; unreadable inputs raise
 :class:`~kvforensics.errors.InputError` (the CLI exits 2).
@@ -43,7 +50,9 @@ Inputs
 ------
 * engine logs (SGLang or vLLM, any version the loaders read), or an evidence database's
   ``capacity`` and ``engine_events`` tables (:func:`audit_database`; evidence lines there are the
-  start-up's first line where the database does not keep the exact line);
+  start-up's first line where the database does not keep the exact line). An event belongs to
+  the last start-up before it in its file, else (a rotated file) to the start-up running at its
+  time;
 * optional ``/get_server_info`` JSON dumps (:func:`read_server_info`): the raw dump, or
   ``{"instance": ..., "captured_at": "<ISO-8601>", "server_info": {...}}``. The instance is the
   ``instance`` key, else the file name through the instance template (with ``.json`` and a
@@ -1405,9 +1414,9 @@ def _check_corruption_detection(s: _Startup) -> _Judged:
     state = ", ".join(described)
     if not enabled:
         missing = (
-            " (--kv-canary not logged)"
+            " (--kv-canary is not among the logged server args)"
             if canary is None
-            else " (--disaggregation-enable-kv-checksum not logged)"
+            else " (--disaggregation-enable-kv-checksum is not among the logged server args)"
             if checksum is None
             else ""
         )

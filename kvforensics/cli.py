@@ -95,6 +95,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from kvforensics import audit
+    from kvforensics.progress import console
+
+    kwargs = {"server_info": list(args.server_info), "manifest": args.manifest}
+    if args.incident:
+        from kvforensics.config import load_incident
+
+        report = audit.audit_incident(load_incident(args.incident), **kwargs)
+    else:
+        if not args.sources:
+            print("Error: name engine logs to audit, or --incident incident.toml", file=sys.stderr)
+            return 2
+        report = audit.audit_paths(list(args.sources), fmt=args.format, tz=args.timezone, year=args.year, **kwargs)
+    if args.json:
+        print(report.to_json())
+    elif args.markdown:
+        print(report.to_markdown())
+    else:
+        report.render_terminal(console)
+    return report.exit_code
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvforensics.simulate.cli import run
 
@@ -117,6 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _add_common(p)
         p.set_defaults(func=func)
+    a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if exposed)")
+    a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
+    a.add_argument("--incident", type=Path, help="audit the engine logs of an incident file instead")
+    a.add_argument("--server-info", type=Path, action="append", default=[], help="a /get_server_info JSON dump")
+    a.add_argument("--manifest", type=Path, help="deployment manifest (TOML/YAML) with load-balancer settings")
+    a.add_argument("--format", default="auto", choices=["auto", "sglang", "vllm"])
+    a.add_argument("--timezone", default="UTC", help="IANA zone of the log timestamps")
+    a.add_argument("--year", type=int, help="year for vLLM timestamps, which carry none")
+    a.add_argument("--json", action="store_true", help="print JSON")
+    a.add_argument("--markdown", action="store_true", help="print Markdown")
+    a.set_defaults(func=cmd_audit)
     v = sub.add_parser("verify", help="re-hash the inputs and check scope.json against evidence.duckdb")
     v.add_argument("dir", type=Path, help="an output folder of 'kvforensics run'")
     v.set_defaults(func=cmd_verify)

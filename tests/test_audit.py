@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -44,15 +45,15 @@ def verdict(report: AuditReport, check: int, startup: int = 0, instance: str | N
     return rows[startup]
 
 
-def audit_one(name: str, **kwargs: object) -> AuditReport:
+def audit_one(name: str, **kwargs: Any) -> AuditReport:
     folder = ENGINE if (ENGINE / name).exists() else AUDIT
-    return audit_paths([folder / name], year=2026, **kwargs)  # type: ignore[arg-type]
+    return audit_paths([folder / name], year=2026, **kwargs)
 
 
-def pd_pair(**kwargs: object) -> AuditReport:
+def pd_pair(**kwargs: Any) -> AuditReport:
     return audit_paths(
         [AUDIT / "glm53-prefill-0.log", AUDIT / "glm53-decode-0.log"], model_aliases=GLM53, **kwargs
-    )  # type: ignore[arg-type]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +99,11 @@ def test_pool_vs_context_in_every_engine_log_format(
 ) -> None:
     v = verdict(audit_one(name), 1, startup)
     assert (v.role, v.status, v.exposed, Path(v.evidence_file or "").name, v.evidence_line) == (
-        role, status, exposed, name, line,
+        role,
+        status,
+        exposed,
+        name,
+        line,
     )
 
 
@@ -112,7 +117,9 @@ def test_pd_prefill_pool_below_context_is_exposed_with_the_exact_limit_and_the_v
         "2 scheduler abort(s) in this start-up (first at glm53-prefill-0.log:9)"
     )
     assert (v.model, v.startup_from, v.startup_to) == (
-        "@cf/zai-org/glm-5.3", utc("2026-08-27 15:42:00"), utc("2026-09-09 14:05:00"),
+        "@cf/zai-org/glm-5.3",
+        utc("2026-08-27 15:42:00"),
+        utc("2026-09-09 14:05:00"),
     )
 
 
@@ -148,17 +155,20 @@ def test_unified_pool_below_context_fails_but_is_not_exposed() -> None:
     v = verdict(audit_one("sglang-0.5.23-ray-post-capture.log"), 1)
     assert v.detail == (
         "KV pool 119,808 < context 131,072 (after the post-capture resize): the scheduler limit is "
-        "min(131,071, 119,807) - 5 = 119,802, so prompts of 119,802-131,071 tokens pass the context check and "
-        "are aborted by the scheduler; a unified server answers them with an error, so nothing is served from "
-        "stale KV; set --context-length <= 119,808 (the pool) so the context check refuses them up front; the "
-        "log shows 1 scheduler abort(s) in this start-up (first at sglang-0.5.23-ray-post-capture.log:17)"
+        "min(131,071, 119,807) - 5 = 119,802, so prompts of 119,802-131,071 tokens pass the context check "
+        "and are aborted by the scheduler; a unified server answers them with an error, so nothing is served "
+        "from stale KV; set --context-length <= 119,808 (the pool) so the context check refuses them up "
+        "front; the log shows 1 scheduler abort(s) in this start-up (first at "
+        "sglang-0.5.23-ray-post-capture.log:17)"
     )
     assert not v.exposed
 
 
 def test_multi_rank_pool_is_the_smallest_rank_and_dp_attention_pool_is_per_replica() -> None:
     v = verdict(audit_one("sglang-0.4.3-tp8.log"), 1)
-    assert v.detail.startswith("KV pool 59,868 < context 163,840: the scheduler limit is min(163,839, 59,867) - 5")
+    assert v.detail.startswith(
+        "KV pool 59,868 < context 163,840: the scheduler limit is min(163,839, 59,867) - 5"
+    )
     dp = verdict(audit_one("sglang-0.4.6-dp-attention.log"), 1)
     assert "(per DP replica, dp_size=2)" in dp.detail
 
@@ -207,11 +217,24 @@ def test_vllm_start_up_that_refused_to_start_served_nothing() -> None:
 
 def record(**overrides: object) -> StartupRecord:
     """A start-up record with nothing known but what the test says."""
-    base: dict[str, object] = dict(
-        instance="node", ts=utc("2026-09-01 00:00:00"), line=1, engine="sglang", engine_version=None,
-        version_source=None, role="prefill", model=None, kv_pool_tokens=None, pool_source_line=None,
-        context_length=None, page_size=None, tp_size=None, dp_size=None, flags={}, evidence={},
-    )
+    base: dict[str, object] = {
+        "instance": "node",
+        "ts": utc("2026-09-01 00:00:00"),
+        "line": 1,
+        "engine": "sglang",
+        "engine_version": None,
+        "version_source": None,
+        "role": "prefill",
+        "model": None,
+        "kv_pool_tokens": None,
+        "pool_source_line": None,
+        "context_length": None,
+        "page_size": None,
+        "tp_size": None,
+        "dp_size": None,
+        "flags": {},
+        "evidence": {},
+    }
     base.update(overrides)
     return StartupRecord(**base)  # type: ignore[arg-type]
 
@@ -225,16 +248,28 @@ def test_missing_pool_or_context_is_unknown_never_pass() -> None:
 
 
 def test_unknown_role_with_pool_below_context_fails_closed() -> None:
-    rec = record(role="unified", kv_pool_tokens=1000, context_length=4096, pool_source_line=3,
-                 flags={"role_source": "default (no server_args line)"})
+    rec = record(
+        role="unified",
+        kv_pool_tokens=1000,
+        context_length=4096,
+        pool_source_line=3,
+        flags={"role_source": "default (no server_args line)"},
+    )
     v = verdict(audit_startups([rec]), 1)
     assert (v.role, v.status, v.exposed) == ("unknown", "fail", True)
     assert "the role is unknown (no server_args line)" in v.detail
 
 
 def test_vllm_pd_pool_below_max_model_len_without_refusal_is_exposed() -> None:
-    rec = record(engine="vllm", role="decode", kv_pool_tokens=100_000, context_length=131_072,
-                 pool_source_line=9, engine_version="0.8.5", version_source="log")
+    rec = record(
+        engine="vllm",
+        role="decode",
+        kv_pool_tokens=100_000,
+        context_length=131_072,
+        pool_source_line=9,
+        engine_version="0.8.5",
+        version_source="log",
+    )
     v = verdict(audit_startups([rec]), 1)
     assert (v.status, v.exposed) == ("fail", True)
     assert v.detail == (
@@ -244,8 +279,13 @@ def test_vllm_pd_pool_below_max_model_len_without_refusal_is_exposed() -> None:
 
 
 def test_vllm_approximate_pool_too_close_to_call_is_unknown() -> None:
-    rec = record(engine="vllm", role="unified", kv_pool_tokens=131_072, context_length=131_072,
-                 flags={"kv_pool_source": "approximate: max_model_len x maximum concurrency (2 decimals)"})
+    rec = record(
+        engine="vllm",
+        role="unified",
+        kv_pool_tokens=131_072,
+        context_length=131_072,
+        flags={"kv_pool_source": "approximate: max_model_len x maximum concurrency (2 decimals)"},
+    )
     assert verdict(audit_startups([rec]), 1).status == "unknown"
 
 
@@ -271,7 +311,8 @@ def test_version_range_straddling_the_fix_is_unknown_and_logged_fixed_version_pa
     before = verdict(report, 2, 0, "glm53-decode-0")
     assert (before.status, before.evidence_line) == ("unknown", 1)
     assert before.detail.endswith(
-        "the range includes releases before and after 0.5.22; give a /get_server_info dump to confirm the build"
+        "the range includes releases before and after 0.5.22; give a /get_server_info dump to confirm the "
+        "build"
     )
     after = verdict(report, 2, 1, "glm53-prefill-0")
     assert (after.status, after.evidence_line) == ("pass", 12)
@@ -285,7 +326,9 @@ def test_version_from_server_info_says_so_and_points_into_the_dump() -> None:
     report = pd_pair(server_info=[AUDIT / "glm53-prefill-0.server_info.json"])
     v = verdict(report, 2, 0, "glm53-prefill-0")
     assert (v.status, Path(v.evidence_file or "").name, v.evidence_line) == (
-        "fail", "glm53-prefill-0.server_info.json", 17,
+        "fail",
+        "glm53-prefill-0.server_info.json",
+        17,
     )
     assert v.detail.startswith("SGLang 0.5.20 (from glm53-prefill-0.server_info.json) < 0.5.22: ")
 
@@ -329,7 +372,8 @@ def test_log_and_server_info_versions_that_disagree_are_unknown(tmp_path: Path) 
     v = verdict(audit_startups([rec], source_file="node.log", server_info=[read_server_info(dump)]), 2)
     assert v.status == "unknown"
     assert v.detail == (
-        "the log says SGLang 0.5.15 (node.log:4) but node.server_info.json says 0.5.22: confirm which build runs"
+        "the log says SGLang 0.5.15 (node.log:4) but node.server_info.json says 0.5.22: confirm which build "
+        "runs"
     )
 
 
@@ -356,26 +400,35 @@ def test_absent_settings_are_unknown_and_a_default_is_not_evidence() -> None:
     )
     unset = verdict(pd_pair(), 3, 1, "glm53-decode-0")
     assert unset.status == "unknown"
-    assert "Mooncake transfer batch cap not set (disaggregation_mooncake_transfer_batch_size=None)" in unset.detail
+    assert (
+        "Mooncake transfer batch cap not set (disaggregation_mooncake_transfer_batch_size=None)"
+        in unset.detail
+    )
 
 
 def test_settings_from_server_info_fill_what_the_log_lacks() -> None:
     report = pd_pair(server_info=[AUDIT / "glm53-prefill-0.server_info.json"])
     v = verdict(report, 3, 0, "glm53-prefill-0")
     assert (v.status, Path(v.evidence_file or "").name, v.evidence_line) == (
-        "fail", "glm53-prefill-0.server_info.json", 10,
+        "fail",
+        "glm53-prefill-0.server_info.json",
+        10,
     )
     assert v.detail.startswith("deferred KV release off (disaggregation_defer_kv_release=false); ")
 
 
 def test_other_transfer_backends_and_unified_servers() -> None:
-    rec = record(flags={"disaggregation_transfer_backend": "nixl", "disaggregation_defer_kv_release": "true"},
-                 evidence={"server_args": 1})
+    rec = record(
+        flags={"disaggregation_transfer_backend": "nixl", "disaggregation_defer_kv_release": "true"},
+        evidence={"server_args": 1},
+    )
     v = verdict(audit_startups([rec]), 3)
     assert (v.status, v.detail) == (
         "pass",
-        "deferred KV release on (disaggregation_defer_kv_release=true); transfer backend nixl: the Mooncake "
-        "batch cap does not apply",
+        (
+            "deferred KV release on (disaggregation_defer_kv_release=true); transfer backend nixl: the "
+            "Mooncake batch cap does not apply"
+        ),
     )
     assert verdict(audit_one("sglang-0.5.23-ray-post-capture.log"), 3).status == "not_applicable"
     assert verdict(audit_one("vllm-0.10.1-pd-producer-docker.log"), 3).detail == (
@@ -403,12 +456,21 @@ def test_detection_off_fails_and_absent_is_unknown() -> None:
     off = verdict(pd_pair(), 4, 0, "glm53-prefill-0")
     assert (off.status, off.detail) == (
         "fail",
-        "corruption detection is off (disaggregation_enable_kv_checksum=false, kv_canary=none): turn on "
-        "--disaggregation-enable-kv-checksum or --kv-canary where the model supports it",
+        (
+            "corruption detection is off (disaggregation_enable_kv_checksum=false, kv_canary=none): turn on "
+            "--disaggregation-enable-kv-checksum or --kv-canary where the model supports it"
+        ),
+    )
+    older = verdict(audit_one("sglang-0.5.15-pd-prefill-tp8.log"), 4)  # the build predates --kv-canary
+    assert (older.status, older.evidence_line) == ("fail", 1)
+    assert older.detail.startswith(
+        "corruption detection is off (disaggregation_enable_kv_checksum=false) (--kv-canary is not among "
+        "the logged server args): "
     )
     absent = verdict(audit_one("sglang-0.5.4-pd-prefill.log"), 4)
     assert (absent.status, absent.detail) == (
-        "unknown", "neither --disaggregation-enable-kv-checksum nor --kv-canary is in the server args",
+        "unknown",
+        "neither --disaggregation-enable-kv-checksum nor --kv-canary is in the server args",
     )
 
 
@@ -427,8 +489,12 @@ def test_mismatches_and_corruption_in_the_interval_fail_with_their_line() -> Non
 
 
 def test_events_in_a_file_without_a_start_up_are_placed_by_time() -> None:
-    rec = record(kv_pool_tokens=10, context_length=5, flags={"disaggregation_enable_kv_checksum": "true"},
-                 evidence={"server_args": 1})
+    rec = record(
+        kv_pool_tokens=10,
+        context_length=5,
+        flags={"disaggregation_enable_kv_checksum": "true"},
+        evidence={"server_args": 1},
+    )
     later = EngineEvent("node", utc("2026-09-02 00:00:00"), 7, "checksum_mismatch", "r1", None, None, "x")
     report = audit_startups([("node.log", rec)], [("node.log.1", later)])
     v = verdict(report, 4)
@@ -443,38 +509,51 @@ def test_events_in_a_file_without_a_start_up_are_placed_by_time() -> None:
 def test_without_a_manifest_the_load_balancer_is_unknown() -> None:
     v = verdict(pd_pair(), 5, 0, "glm53-prefill-0")
     assert (v.status, v.detail) == (
-        "unknown", "no deployment manifest given: the load balancer's abort-on-disconnect behaviour is unknown",
+        "unknown",
+        "no deployment manifest given: the load balancer's abort-on-disconnect behaviour is unknown",
     )
     assert verdict(audit_one("sglang-0.5.23-ray-post-capture.log"), 5).status == "not_applicable"
 
 
-@pytest.mark.parametrize(("manifest", "default_line", "override_line"), [
-    ("manifest.toml", 4, 7), ("manifest.yaml", 7, 6),
-])
+@pytest.mark.parametrize(
+    ("manifest", "default_line", "override_line"),
+    [
+        ("manifest.toml", 4, 7),
+        ("manifest.yaml", 7, 6),
+    ],
+)
 def test_manifest_toml_and_yaml(manifest: str, default_line: int, override_line: int) -> None:
     report = pd_pair(manifest=AUDIT / manifest)
     ok = verdict(report, 5, 0, "glm53-prefill-0")
-    assert (ok.status, Path(ok.evidence_file or "").name, ok.evidence_line) == ("pass", manifest, default_line)
-    assert ok.detail == "load balancer 'sgl-model-gateway' aborts only after the first token on client disconnect"
+    assert (ok.status, Path(ok.evidence_file or "").name, ok.evidence_line) == (
+        "pass",
+        manifest,
+        default_line,
+    )
+    assert (
+        ok.detail
+        == "load balancer 'sgl-model-gateway' aborts only after the first token on client disconnect"
+    )
     bad = verdict(report, 5, 0, "glm53-decode-0")
     assert (bad.status, bad.evidence_line) == ("fail", override_line)
     assert bad.detail == (
         "load balancer 'sgl-model-gateway' aborts a request on client disconnect even before its first token "
         "(setting for instance glm53-decode-0): that abort needs prefill/decode coordination; set "
-        "abort_on_client_disconnect = \"after_first_token\" or \"never\""
+        'abort_on_client_disconnect = "after_first_token" or "never"'
     )
 
 
 def test_manifest_model_overrides_booleans_and_gaps(tmp_path: Path) -> None:
     path = tmp_path / "lb.toml"
-    path.write_text('[load_balancer]\n[load_balancer.models."@cf/zai-org/glm-5.3"]\n'
-                    "abort_on_client_disconnect = false\n")
+    path.write_text(
+        '[load_balancer]\n[load_balancer.models."@cf/zai-org/glm-5.3"]\nabort_on_client_disconnect = false\n'
+    )
     manifest = read_manifest(path)
     report = pd_pair(manifest=manifest)
     assert verdict(report, 5, 0, "glm53-prefill-0").detail == (
         "the load balancer never aborts on client disconnect (setting for model @cf/zai-org/glm-5.3)"
     )
-    path.write_text("[load_balancer]\nname = \"lb\"\n")
+    path.write_text('[load_balancer]\nname = "lb"\n')
     assert verdict(pd_pair(manifest=path), 5).status == "unknown"
     path.write_text("[deployment]\nreplicas = 2\n")
     assert verdict(pd_pair(manifest=path), 5).detail == "the manifest has no [load_balancer] table"
@@ -482,7 +561,7 @@ def test_manifest_model_overrides_booleans_and_gaps(tmp_path: Path) -> None:
 
 def test_a_bad_manifest_value_is_an_input_error(tmp_path: Path) -> None:
     path = tmp_path / "lb.toml"
-    path.write_text("[load_balancer]\nabort_on_client_disconnect = \"sometimes\"\n")
+    path.write_text('[load_balancer]\nabort_on_client_disconnect = "sometimes"\n')
     with pytest.raises(InputError) as err:
         read_manifest(path)
     assert str(err.value) == (
@@ -521,16 +600,31 @@ flag_values = st.sampled_from(["true", "false", "none", "64", "0", "log", ""])
     context=st.none() | st.integers(1, 3_000_000),
     version=st.none() | st.sampled_from(["0.5.15", "0.5.22", "0.6.0"]),
     flags=st.dictionaries(
-        st.sampled_from(["disaggregation_defer_kv_release", "disaggregation_mooncake_transfer_batch_size",
-                         "disaggregation_enable_kv_checksum", "kv_canary", "role_source", "startup_refused"]),
+        st.sampled_from(
+            [
+                "disaggregation_defer_kv_release",
+                "disaggregation_mooncake_transfer_batch_size",
+                "disaggregation_enable_kv_checksum",
+                "kv_canary",
+                "role_source",
+                "startup_refused",
+            ]
+        ),
         flag_values,
     ),
 )
-def test_no_pass_without_the_evidence_it_needs(engine: str, role: str, pool: int | None,
-                                               context: int | None, version: str | None,
-                                               flags: dict[str, str]) -> None:
-    rec = record(engine=engine, role=role, kv_pool_tokens=pool, context_length=context, flags=flags,
-                 engine_version=version, version_source="log" if version else None)
+def test_no_pass_without_the_evidence_it_needs(
+    engine: str, role: str, pool: int | None, context: int | None, version: str | None, flags: dict[str, str]
+) -> None:
+    rec = record(
+        engine=engine,
+        role=role,
+        kv_pool_tokens=pool,
+        context_length=context,
+        flags=flags,
+        engine_version=version,
+        version_source="log" if version else None,
+    )
     report = audit_startups([rec], source_file="x.log")
     by_check = {v.check: v for v in report.verdicts}
     if by_check[1].status == "pass":
@@ -570,8 +664,9 @@ def test_server_info_for_an_unknown_instance_is_noted_not_used(tmp_path: Path) -
     dump = tmp_path / "elsewhere.server_info.json"
     dump.write_text(json.dumps({"version": "0.5.22"}))
     report = pd_pair(server_info=[dump])
-    assert report.notes == [f"{dump}: server_info for instance 'elsewhere', which has no start-up in the "
-                            "engine logs; not used"]
+    assert report.notes == [
+        (f"{dump}: server_info for instance 'elsewhere', which has no start-up in the engine logs; not used")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,8 +675,12 @@ def test_server_info_for_an_unknown_instance_is_noted_not_used(tmp_path: Path) -
 
 
 def hostile_report() -> AuditReport:
-    rec = record(model="<script>alert(1)</script>|[bold]x[/bold]", kv_pool_tokens=5, context_length=10,
-                 pool_source_line=2)
+    rec = record(
+        model="<script>alert(1)</script>|[bold]x[/bold]",
+        kv_pool_tokens=5,
+        context_length=10,
+        pool_source_line=2,
+    )
     return audit_startups([rec], source_file="n.log")
 
 
@@ -589,20 +688,39 @@ def test_json_frame_markdown_html_and_terminal() -> None:
     report = pd_pair(manifest=AUDIT / "manifest.toml")
     doc = json.loads(report.to_json())
     assert doc["summary"] == {
-        "exposed": True, "exit_code": 1, "startups": 4, "instances": 2, "exposed_startups": 2,
+        "exposed": True,
+        "exit_code": 1,
+        "startups": 4,
+        "instances": 2,
+        "exposed_startups": 2,
         "verdicts": {"pass": 7, "fail": 6, "unknown": 7, "not_applicable": 0},
     }
     assert doc["verdicts"][0]["startup_from"] == "2026-08-27T15:36:00Z"
     frame = report.to_frame()
     assert len(frame) == 20 and str(frame["startup_from"].dtype) == "datetime64[us, UTC]"
-    assert list(frame.columns[:12]) == ["instance", "role", "model", "startup_from", "startup_to", "check",
-                                        "check_name", "status", "exposed", "detail", "evidence_file",
-                                        "evidence_line"]
+    assert list(frame.columns[:12]) == [
+        "instance",
+        "role",
+        "model",
+        "startup_from",
+        "startup_to",
+        "check",
+        "check_name",
+        "status",
+        "exposed",
+        "detail",
+        "evidence_file",
+        "evidence_line",
+    ]
     md = report.to_markdown()
-    assert md.startswith("**EXPOSED: 2 start-up(s) serve prompts beyond their KV pool. 4 start-up(s) of 2 "
-                         "instance(s): 7 pass, 6 fail, 7 unknown, 0 not applicable.**")
-    assert "| glm53-prefill-0 | prefill | @cf/zai-org/glm-5.3 | 2026-08-27 15:42 → 2026-09-09 14:05 | 1. KV pool " \
-           "vs context length | FAIL (exposed) |" in md
+    assert md.startswith(
+        "**EXPOSED: 2 start-up(s) serve prompts beyond their KV pool. 4 start-up(s) of 2 "
+        "instance(s): 7 pass, 6 fail, 7 unknown, 0 not applicable.**"
+    )
+    assert (
+        "| glm53-prefill-0 | prefill | @cf/zai-org/glm-5.3 | 2026-08-27 15:42 → 2026-09-09 14:05 | 1. KV "
+        "pool vs context length | FAIL (exposed) |" in md
+    )
 
 
 def test_untrusted_strings_are_escaped_everywhere() -> None:
@@ -622,37 +740,85 @@ def test_untrusted_strings_are_escaped_everywhere() -> None:
 # The evidence database
 # ---------------------------------------------------------------------------------------------
 
-CAPACITY_COLUMNS = ("instance, role, model, engine_model, valid_from, valid_to, kv_pool_tokens, context_length, "
-                    "page_size, engine, engine_version, version_source, tp_size, dp_size, flags, startup_refused, "
-                    "source, source_file, source_line, pool_source_line")
+CAPACITY_COLUMNS = (
+    "instance, role, model, engine_model, valid_from, valid_to, kv_pool_tokens, context_length, "
+    "page_size, engine, engine_version, version_source, tp_size, dp_size, flags, startup_refused, "
+    "source, source_file, source_line, pool_source_line"
+)
 
 
 def test_audit_database_from_capacity_rows() -> None:
     con = db.connect()
     flags = json.dumps({"disaggregation_mode": "prefill", "engine_version_spec": ">0.5.9,<0.5.20"})
     for row in (
-        ("glm53-prefill-0", "prefill", "@cf/zai-org/glm-5.3", "zai-org/GLM-5.3-FP8", utc("2026-08-27 15:42:00"),
-         utc("2026-09-09 14:05:00"), 681280, 1048576, 64, "sglang", ">0.5.9,<0.5.20 (inferred: x)",
-         "inferred from format", 8, 1, flags, False, "engines", "engine/glm53-prefill-0.log", 1, 34),
-        ("glm53-prefill-0", "prefill", "@cf/zai-org/glm-5.3", "zai-org/GLM-5.3-FP8", utc("2026-09-09 14:05:00"),
-         None, 2042880, 1048576, 64, "sglang", "0.5.22", "log", 8, 1, flags, False, "engines",
-         "engine/glm53-prefill-0.log", 2872, 2905),
+        (
+            "glm53-prefill-0",
+            "prefill",
+            "@cf/zai-org/glm-5.3",
+            "zai-org/GLM-5.3-FP8",
+            utc("2026-08-27 15:42:00"),
+            utc("2026-09-09 14:05:00"),
+            681280,
+            1048576,
+            64,
+            "sglang",
+            ">0.5.9,<0.5.20 (inferred: x)",
+            "inferred from format",
+            8,
+            1,
+            flags,
+            False,
+            "engines",
+            "engine/glm53-prefill-0.log",
+            1,
+            34,
+        ),
+        (
+            "glm53-prefill-0",
+            "prefill",
+            "@cf/zai-org/glm-5.3",
+            "zai-org/GLM-5.3-FP8",
+            utc("2026-09-09 14:05:00"),
+            None,
+            2042880,
+            1048576,
+            64,
+            "sglang",
+            "0.5.22",
+            "log",
+            8,
+            1,
+            flags,
+            False,
+            "engines",
+            "engine/glm53-prefill-0.log",
+            2872,
+            2905,
+        ),
     ):
-        con.execute(f"INSERT INTO capacity ({CAPACITY_COLUMNS}) VALUES "
-                    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", list(row))
+        con.execute(
+            f"INSERT INTO capacity ({CAPACITY_COLUMNS}) VALUES "
+            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            list(row),
+        )
     con.execute(
-        "INSERT INTO engine_events VALUES ('glm53-prefill-0', ?, 'abort_input_too_long', 'r1', 702311, 681274, "
-        "'Input length (702311 tokens) exceeds the maximum allowed length (681274 tokens). Use a shorter input "
-        "or enable --allow-auto-truncate., self.rid=''r1''', 'engines', 'engine/glm53-prefill-0.log', 40)",
+        "INSERT INTO engine_events VALUES ('glm53-prefill-0', ?, 'abort_input_too_long', 'r1', 702311, "
+        "681274, 'Input length (702311 tokens) exceeds the maximum allowed length (681274 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate., self.rid=''r1''', 'engines', "
+        "'engine/glm53-prefill-0.log', 40)",
         [utc("2026-08-28 10:00:00")],
     )
     report = audit_database(con)
     first, second = verdict(report, 1, 0), verdict(report, 1, 1)
     assert (first.status, first.exposed, first.evidence_file, first.evidence_line) == (
-        "fail", True, "engine/glm53-prefill-0.log", 34,
+        "fail",
+        True,
+        "engine/glm53-prefill-0.log",
+        34,
     )
-    assert first.detail.endswith("the log shows 1 scheduler abort(s) in this start-up (first at "
-                                 "glm53-prefill-0.log:40)")
+    assert first.detail.endswith(
+        "the log shows 1 scheduler abort(s) in this start-up (first at glm53-prefill-0.log:40)"
+    )
     assert (first.startup_from, first.startup_to) == (utc("2026-08-27 15:42:00"), utc("2026-09-09 14:05:00"))
     assert (second.status, second.exposed, second.evidence_line) == ("pass", False, 2905)
     assert verdict(report, 2, 1).detail.startswith("SGLang 0.5.22 (from the log) >= 0.5.22")
@@ -670,9 +836,20 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
         parse = parse_engine_log(path, fmt="auto", instance=path.stem, tz=ZoneInfo("UTC"), year=2026)
         startups += [(path, s) for s in parse.startups]
         for e in parse.events:
-            con.execute("INSERT INTO engine_events VALUES (?, ?, ?, ?, ?, ?, ?, 'engines', ?, ?)",
-                        [e.instance, e.ts, e.kind, e.request_id, e.prompt_tokens, e.limit_tokens, e.detail,
-                         str(path), e.line])
+            con.execute(
+                "INSERT INTO engine_events VALUES (?, ?, ?, ?, ?, ?, ?, 'engines', ?, ?)",
+                [
+                    e.instance,
+                    e.ts,
+                    e.kind,
+                    e.request_id,
+                    e.prompt_tokens,
+                    e.limit_tokens,
+                    e.detail,
+                    str(path),
+                    e.line,
+                ],
+            )
     by_instance: dict[str, list[tuple[Path, StartupRecord]]] = {}
     for path, s in startups:
         by_instance.setdefault(s.instance, []).append((path, s))
@@ -683,10 +860,28 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
             con.execute(
                 f"INSERT INTO capacity ({CAPACITY_COLUMNS}) VALUES "
                 "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'engines', ?, ?, ?)",
-                [s.instance, s.role, s.model, s.model, s.ts, valid_to, s.kv_pool_tokens, s.context_length,
-                 s.page_size, s.engine, s.engine_version, s.version_source, s.tp_size, s.dp_size,
-                 json.dumps(s.flags), s.flags.get("startup_refused") == "true", str(path), s.line,
-                 s.pool_source_line])
+                [
+                    s.instance,
+                    s.role,
+                    s.model,
+                    s.model,
+                    s.ts,
+                    valid_to,
+                    s.kv_pool_tokens,
+                    s.context_length,
+                    s.page_size,
+                    s.engine,
+                    s.engine_version,
+                    s.version_source,
+                    s.tp_size,
+                    s.dp_size,
+                    json.dumps(s.flags),
+                    s.flags.get("startup_refused") == "true",
+                    str(path),
+                    s.line,
+                    s.pool_source_line,
+                ],
+            )
     from_db = audit_database(con)
     from_logs = audit_paths(ALL_LOGS, year=2026)
 
@@ -697,8 +892,11 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
 
     def pool_evidence(r: AuditReport) -> list[tuple[str | None, int | None]]:
         # the database keeps no refusal line: there a refused vLLM start-up points at its pool line
-        return [(v.evidence_file, v.evidence_line) for v in r.verdicts
-                if v.check == 1 and v.status != "not_applicable"]
+        return [
+            (v.evidence_file, v.evidence_line)
+            for v in r.verdicts
+            if v.check == 1 and v.status != "not_applicable"
+        ]
 
     assert pool_evidence(from_db) == pool_evidence(from_logs)
 
@@ -707,7 +905,7 @@ def test_the_event_kinds_the_sql_reads_are_the_audited_ones() -> None:
     from kvforensics.audit import AUDIT_EVENT_KINDS
 
     text = db.sql("audit_events")
-    listed = text[text.index("WHERE kind IN"):].split(")")[0]
+    listed = text[text.index("WHERE kind IN") :].split(")")[0]
     assert sorted(k.strip(" '\n(") for k in listed.split("IN")[1].split(",")) == sorted(AUDIT_EVENT_KINDS)
 
 
@@ -716,8 +914,10 @@ def test_the_event_kinds_the_sql_reads_are_the_audited_ones() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not (SAMPLE / "incident.toml").exists(),
-                    reason="data/sample is not generated yet (kvforensics simulate --seed 7 --out data/sample)")
+@pytest.mark.skipif(
+    not (SAMPLE / "incident.toml").exists(),
+    reason="data/sample is not generated yet (kvforensics simulate --seed 7 --out data/sample)",
+)
 def test_sample_incident_glm53_prefill_exposed_27_aug_to_9_sep_and_glm52_clean() -> None:
     from kvforensics.config import load_incident
 
@@ -727,14 +927,18 @@ def test_sample_incident_glm53_prefill_exposed_27_aug_to_9_sep_and_glm52_clean()
     assert glm53_prefill, "no glm-5.3 prefill start-up found in data/sample/engine"
     exposed = [v for v in glm53_prefill if v.exposed]
     assert exposed and all(
-        v.startup_from is not None and v.startup_from.date().isoformat() == "2026-08-27"
-        and v.startup_to is not None and v.startup_to.date().isoformat() == "2026-09-09"
+        v.startup_from is not None
+        and v.startup_from.date().isoformat() == "2026-08-27"
+        and v.startup_to is not None
+        and v.startup_to.date().isoformat() == "2026-09-09"
         for v in exposed
     )
     assert {v.instance for v in exposed} == {v.instance for v in glm53_prefill}
     after = [v for v in glm53_prefill if not v.exposed]
-    assert after and all(v.status == "pass" and v.startup_from is not None
-                         and v.startup_from >= utc("2026-09-09 00:00:00") for v in after)
+    assert after and all(
+        v.status == "pass" and v.startup_from is not None and v.startup_from >= utc("2026-09-09 00:00:00")
+        for v in after
+    )
     glm52 = [v for v in report.verdicts if v.model == "@cf/zai-org/glm-5.2"]
     assert glm52 and all(not v.exposed for v in glm52)
     assert all(v.status == "pass" for v in glm52 if v.check == 1)

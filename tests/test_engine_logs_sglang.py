@@ -381,8 +381,9 @@ INFO:     Started server process [1]
 """)
     [s] = p.startups
     assert (s.model, s.tp_size, s.role, s.kv_pool_tokens) == ("m", 2, "decode", 5000)
-    assert "start-up at line 1: server_args dump at line 1 is cut off; fields after the cut were not read" in (
-        p.notes
+    assert (
+        "start-up at line 1: server_args dump at line 1 is cut off; fields after the cut were not read"
+        in (p.notes)
     )
 
 
@@ -395,3 +396,157 @@ sglang version: 0.5.22
     [s] = p.startups
     assert (s.engine_version, s.version_source, s.role) == ("0.5.22", "log", "prefill")
     assert s.evidence["role"] == 3
+
+
+EVENT_EXAMPLES = [
+    # (message after the envelope, kind, request_id, prompt_tokens, limit_tokens)
+    (
+        (
+            "Input length (160062 tokens) exceeds the maximum allowed length (59862 tokens). Use a shorter input "
+            "or enable --allow-auto-truncate., self.rid='a1'"
+        ),
+        "abort_input_too_long",
+        "a1",
+        160062,
+        59862,
+    ),
+    (
+        "Request b2 exceeds the maximum number of tokens: 700000 > 681280",
+        "abort_input_too_long",
+        "b2",
+        700000,
+        681280,
+    ),
+    (
+        (
+            "Multimodal prompt is too long after expanding multimodal tokens. After expanding "
+            "len(req.origin_input_ids_unpadded)=100 => 70000 >= 65530., self.rid='c3'"
+        ),
+        "abort_input_too_long",
+        "c3",
+        70000,
+        65530,
+    ),
+    (
+        "The input (140000 tokens) is longer than the model's context length (131072 tokens).",
+        "abort_input_too_long",
+        None,
+        140000,
+        131072,
+    ),
+    (
+        "The input (140000 tokens) is longer than the model's context length (131072 tokens). Truncating the input.",
+        "input_truncated",
+        None,
+        140000,
+        131072,
+    ),
+    (
+        (
+            "Request length is longer than the KV cache pool size or the max context length. Truncated. "
+            "len(req.origin_input_ids)=90000, max_req_input_len=81914."
+        ),
+        "input_truncated",
+        None,
+        90000,
+        81914,
+    ),
+    (
+        (
+            "Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a total "
+            "of 9000 tokens: 8000 tokens from the input messages and 1000 tokens for the completion. Please reduce "
+            "the number of tokens in the input messages or the completion to fit within the limit."
+        ),
+        "abort_other",
+        None,
+        8000,
+        8192,
+    ),
+    (
+        "Request d4 requires too many SWA KV tokens for decode preallocation: 9000 > 8192",
+        "abort_other",
+        "d4",
+        None,
+        8192,
+    ),
+    (
+        "Request e5 exceeds the unified FULL/SWA KV byte budget: full=1, swa=2",
+        "abort_other",
+        "e5",
+        None,
+        None,
+    ),
+    (
+        "KV checksum mismatch req=f6 bootstrap_room=1 expected=0x1 got=0x2",
+        "checksum_mismatch",
+        "f6",
+        None,
+        None,
+    ),
+    (
+        (
+            "Context corruption detected: Request g7 (bootstrap_room=1) received metadata from bootstrap_room=2. "
+            "Metadata buffer index: 3. This indicates metadata buffer index collision."
+        ),
+        "context_corruption",
+        "g7",
+        None,
+        None,
+    ),
+    (
+        "Decode handshake failed for request rank=0 decode_req.req.rid='h8' decode_req.req.bootstrap_room=9",
+        "transfer_failure",
+        "h8",
+        None,
+        None,
+    ),
+    (
+        (
+            "Metadata unexpectedly not ready after readiness gate: request i9, bootstrap_room=1, "
+            "metadata_buffer_index=2"
+        ),
+        "transfer_failure",
+        "i9",
+        None,
+        None,
+    ),
+    ("Session 10.0.0.1:17777 failed.", "transfer_failure", None, None, None),
+    ("Failed to send kv chunk of 5512 to 10.0.0.2:8998", "transfer_failure", None, None, None),
+    ("AUX_DATA length mismatch for bootstrap_room 5512", "transfer_failure", None, None, None),
+    (
+        "Prefill transfer kvcache error, layers_current_pp_stage is out of range: 3",
+        "transfer_failure",
+        None,
+        None,
+        None,
+    ),
+    (
+        "KV cache canary violation detected (kernel_kind=SWEEP_V_SWA, slot_idx=1, position=2)",
+        "canary_violation",
+        None,
+        None,
+        None,
+    ),
+    (
+        "Out of memory even after retracting all other requests in the decode batch. Aborting the last request.",
+        "abort_other",
+        None,
+        None,
+        None,
+    ),
+    ("Abort request because client disconnected, rid=j10", "abort_other", "j10", None, None),
+    (
+        "Receive: obj=GenerateReqInput(rid='k11'), abort=False",
+        None,
+        None,
+        None,
+        None,
+    ),  # request log: not an event
+]
+
+
+def test_every_sglang_event_form_is_recognised() -> None:
+    for message, kind, rid, prompt, limit in EVENT_EXAMPLES:
+        p = parse(f"[2026-08-27 10:00:00] {message}")
+        got = [(e.kind, e.request_id, e.prompt_tokens, e.limit_tokens) for e in p.events]
+        assert got == ([(kind, rid, prompt, limit)] if kind else []), message

@@ -25,8 +25,7 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from kvforensics.loaders.engine_common import (
-    _INHERITED_TS_NOTE,
-    contains_any,
+    INHERITED_TS_NOTE,
     DockerSkewCheck,
     EngineEvent,
     EngineLine,
@@ -38,6 +37,7 @@ from kvforensics.loaders.engine_common import (
     StartupRecord,
     add_note,
     as_int,
+    contains_any,
     flag_value,
     parse_repr_fields,
     raw_for_quarantine,
@@ -295,7 +295,9 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
     _EventRule(
         "abort_input_too_long",
         ("Multimodal prompt is too long",),
-        re.compile(r"Multimodal prompt is too long after expanding multimodal tokens\..*?=> (?P<n>\d+) >= (?P<m>\d+)"),
+        re.compile(
+            r"Multimodal prompt is too long after expanding multimodal tokens\..*?=> (?P<n>\d+) >= (?P<m>\d+)"
+        ),
         "n",
         "m",
     ),
@@ -417,7 +419,8 @@ _REQ_TIME_STATS_NEEDLES = ("ReqTimeStats(", "Req Time Stats(")
 _GENERIC_ABORT_NEEDLES = ("bort", "BORT")
 _EVENT_NEEDLES = tuple(
     dict.fromkeys(
-        [n for rule in _EVENT_RULES for n in rule.needles] + [*_REQ_TIME_STATS_NEEDLES, *_GENERIC_ABORT_NEEDLES]
+        [n for rule in _EVENT_RULES for n in rule.needles]
+        + [*_REQ_TIME_STATS_NEEDLES, *_GENERIC_ABORT_NEEDLES]
     )
 )
 _GENERIC_ABORT = re.compile(r"(?i)\babort|FINISH_ABORT")
@@ -1072,7 +1075,7 @@ class _SglangParser:
                 f"{self.dedup_dropped} copies of rid-less error lines printed by several TP ranks were counted once",
             )
         if self.inherited_ts:
-            add_note(notes, _INHERITED_TS_NOTE.format(n=self.inherited_ts))
+            add_note(notes, INHERITED_TS_NOTE.format(n=self.inherited_ts))
         if self.nul_lines:
             add_note(
                 notes, f"{self.nul_lines} line(s) contained NUL bytes, which were removed before reading"

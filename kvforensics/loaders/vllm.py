@@ -20,7 +20,7 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from kvforensics.loaders.engine_common import (
-    _INHERITED_TS_NOTE,
+    INHERITED_TS_NOTE,
     DockerSkewCheck,
     EngineEvent,
     EngineLine,
@@ -32,6 +32,7 @@ from kvforensics.loaders.engine_common import (
     StartupRecord,
     add_note,
     as_int,
+    contains_any,
     flag_value,
     parse_repr_fields,
     raw_for_quarantine,
@@ -80,6 +81,25 @@ _OTHER_STARTUP = re.compile(
 _READY = re.compile(
     r"Application startup complete|Starting vLLM (?:API )?server (?:\d+ )?on|Uvicorn running on"
 )
+# literals one of which is in every start-up line above (the banner is caught by its non-ASCII blocks)
+_STARTUP_NEEDLES = (
+    "Application startup complete",
+    "Starting vLLM",
+    "Uvicorn running",
+    "server version",
+    "args: ",
+    "LLM engine (v",
+    "max seq len",
+    " blocks: ",
+    "KV cache size",
+    "Maximum concurrency",
+    "Available KV cache memory",
+    "Starting to load model",
+    "Loading model weights",
+    "Model loading took",
+    "Memory profiling",
+    "reserved for KV Cache",
+)
 _KV_ROLE = re.compile(r"kv_role['\"]?\s*[:=]\s*['\"]?(?P<role>kv_producer|kv_consumer|kv_both)")
 _KV_CONNECTOR = re.compile(r"kv_connector['\"]?\s*[:=]\s*['\"]?(?P<c>[\w.]+)")
 
@@ -107,6 +127,14 @@ _FLAG_KEYS = (
 _FRONTEND_REQUESTED = re.compile(
     r"This model's maximum context length is (?P<m>\d+) tokens\. However, you requested (?P<t>\d+) tokens "
     r"(?:\((?P<n>\d+) in the messages, (?P<c>\d+) in the completion\)|in the messages)"
+)
+_EVENT_NEEDLES = (
+    "Input prompt (",
+    "Failing the request",
+    "prompt (length",
+    "maximum context length",
+    "pulling kv_caches",
+    "Aborted request",
 )
 _ABORTED = re.compile(r"\bAborted request(?:\(s\))? (?P<ids>.+?)\.?\s*$")
 
@@ -254,6 +282,7 @@ class _VllmParser:
         self.nul_lines = 0
         self.last_ts: datetime | None = None
         self.inherited_ts = 0
+        self._last_stamp: tuple[str, int | None, datetime | None] = ("", None, None)
 
     def feed(self, number: int, text: str | None, raw: bytes) -> None:
         self.out.lines_read += 1
@@ -272,8 +301,11 @@ class _VllmParser:
             if line is not None and line.ts is not None:
                 self.last_ts = line.ts
             if line is not None:
-                self._startup_line(line)
-                self._event(line)
+                msg = line.msg
+                if contains_any(msg, _STARTUP_NEEDLES) or not msg.isascii():
+                    self._startup_line(line)
+                if contains_any(msg, _EVENT_NEEDLES):
+                    self._event(line)
         except Exception as e:  # noqa: BLE001 - never crash on one bad line: record it and go on
             self._quarantine(number, f"internal parser error ({type(e).__name__}: {e})", raw)
 
@@ -298,10 +330,20 @@ class _VllmParser:
                 return None
             return _Line(number, docker_ts, process, rest, "none")
         month, day = int(m["month"]), int(m["day"])
-        hh, mm, ss = (int(x) for x in m["time"].split(":"))
-        frac = int((m["frac"] or "0").ljust(6, "0"))
         stamp = f"{m['month']}-{m['day']} {m['time']}"
-        ts: datetime | None = None
+        full_stamp = m.group(0)
+        if full_stamp == self._last_stamp[0] and self.years.year == self._last_stamp[1]:
+            # the same second (or millisecond) as the previous line: the same instant
+            self.years.year_for(month, number)
+            ts = self._last_stamp[2]
+            if ts is None:
+                self.unyeared_lines += 1
+                ts = docker_ts
+            return _Line(number, ts, process, rest[m.end() :], "vllm")
+        time = m["time"]
+        hh, mm, ss = int(time[0:2]), int(time[3:5]), int(time[6:8])
+        frac = int((m["frac"] or "0").ljust(6, "0"))
+        ts = None
         try:
             datetime(2000, month, day, hh, mm, ss)  # valid in a leap year
         except ValueError:
@@ -322,6 +364,7 @@ class _VllmParser:
                 self._quarantine(number, f"bad timestamp '{stamp}' ({e})", raw)
                 return None
             self.skew.observe(number, ts, outer.docker_ts)
+        self._last_stamp = (full_stamp, year, ts)
         if ts is None:
             ts = docker_ts
         return _Line(number, ts, process, rest[m.end() :], "vllm")
@@ -662,7 +705,7 @@ class _VllmParser:
                 "left empty (give the incident year)",
             )
         if self.inherited_ts:
-            add_note(notes, _INHERITED_TS_NOTE.format(n=self.inherited_ts))
+            add_note(notes, INHERITED_TS_NOTE.format(n=self.inherited_ts))
         if self.nul_lines:
             add_note(
                 notes, f"{self.nul_lines} line(s) contained NUL bytes, which were removed before reading"

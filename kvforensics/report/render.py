@@ -72,8 +72,17 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
             chart_svgs[f"money:{model}"] = chart_svg(charts.money_chart(
                 points, pools, curve, title=f"{model}: prompt tokens vs time to first token"))
         windows = exposure_spans(con)
+        hourly = hourly_affected(con)
         events = data.timeline[data.timeline["kind"].isin(["incident file", "finding"])][["ts", "title"]]
-        chart_svgs["timeline"] = chart_svg(charts.timeline_chart(hourly_affected(con), windows, events))
+        span = pd.concat([pd.to_datetime(windows["start"], utc=True), pd.to_datetime(windows["end"], utc=True),
+                          pd.to_datetime(hourly["hour"], utc=True)]).dropna()
+        if not span.empty:  # the chart covers the exposure; earlier events stay in the table
+            lo, hi = span.min() - pd.Timedelta(days=2), span.max() + pd.Timedelta(days=2)
+            events = events[(events["ts"] >= lo) & (events["ts"] <= hi)]
+        chart_svgs["timeline"] = chart_svg(charts.timeline_chart(hourly, windows, events))
+    from kvforensics.audit import audit_database
+
+    audit = audit_database(con)
     s = data.scope
     first = min((w["first"] for w in s["windows"]), default=None)
     last = max((w["last"] for w in s["windows"]), default=None)
@@ -82,6 +91,8 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "money_models": list(money), "first_affected": first, "last_affected": last,
         "generated": iso(datetime.now(timezone.utc)), "version": __version__,
         "notices": _notice_rows(con),
+        "audit_headline": audit.headline(), "audit_html": Markup(audit._repr_html_()),
+        "audit_md": audit.to_markdown(),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
     }
 
