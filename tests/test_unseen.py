@@ -70,3 +70,14 @@ def test_exposure_windows_match_the_simulated_deployment(investigated):
     got = {(w["instance"], w["pool_tokens"], w["start"], w["end"]) for w in scope["exposure_windows"]}
     want = {(w["instance"], w["pool_tokens"], w["start"], w["end"]) for w in truth["exposure_windows"]}
     assert got == want
+
+
+def test_deliberate_exploitation_is_flagged(tmp_path):
+    """Accounts that probe just above the pool, in bursts, repeating prompts, are called out; nobody else."""
+    result = simulate(Scenario(seed=31, requests=5000, accounts=120, affected=30, affected_customer_accounts=8,
+                               internal_affected=4, reporter_affected=1, exploiters=2), tmp_path / "data")
+    run(result.incident_toml, tmp_path / "out", progress=False, pdf=False)
+    truth = json.loads(result.ground_truth.read_text())
+    scope = json.loads((tmp_path / "out" / "scope.json").read_text())
+    assert sorted(scope["exploitation"]["accounts_looking_deliberate"]) == sorted(truth["exploiter_accounts"])
+    assert scope["exploitation"]["conclusion"] == "signs of deliberate exploitation"
