@@ -25,6 +25,7 @@ SCOPE_PARAMETERS: dict[str, Any] = {
     "min_oversize": 10,               # deliberate: at least this many oversize prompts, and
     "burst_per_hour": 10,             #   a burst of this many in an hour, or
     "repeat_threshold": 5,            #   the same prompt length this often, or most of them near the pool
+    "min_hourly": 10,                 # an empty hour is a log gap when the source's median hour has this many
 }
 CLASSES = ("customer", "internal", "reporter")
 
@@ -64,6 +65,7 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     run_script(con, "scope", {**params, **period})
     run_script(con, "exploitation", params)
     run_script(con, "notifications", {})
+    run_script(con, "gaps", params)
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
 
@@ -94,6 +96,9 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
         "SELECT account_id FROM account_behaviour WHERE looks_deliberate AND account_class = 'customer' "
         "ORDER BY 1").fetchall()]
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
+    gaps = [{"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}
+            for src, inst, a, b, n, d in con.execute(
+                "SELECT source, instance, start, \"end\", requests, description FROM log_gaps ORDER BY start").fetchall()]
     return {
         "incident": incident.id,
         "affected_responses": affected,
@@ -108,6 +113,7 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
         "exploitation": {"accounts_looking_deliberate": deliberate,
                          "conclusion": "signs of deliberate exploitation" if deliberate
                          else "no sign of deliberate exploitation"},
+        "log_gaps": gaps,
         "analysed_period": {"first_request": iso(period[0]), "last_request": iso(period[1]), "requests": period[2],
                             "start": iso(incident.scope.start), "end": iso(incident.scope.end)},
     }

@@ -83,3 +83,18 @@ def test_unknown_model_is_reported(mini_incident, tmp_path):
 def test_python_dash_m(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvforensics", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("kvforensics ")
+
+
+def test_log_gaps_are_called_out(tmp_path):
+    from conftest import mini_requests, write_mini
+
+    rows = mini_requests()
+    for r in rows[:5]:
+        r["prefill_instance"] = "p9"          # an instance whose engine log we do not have
+    path = write_mini(tmp_path / "data", rows)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--no-pdf"]) == 0
+    gaps = json.loads((out / "scope.json").read_text())["log_gaps"]
+    engine = [g for g in gaps if g["source"] == "engine_log"]
+    assert [(g["instance"], g["requests"]) for g in engine] == [("p9", 5)]
+    assert "no start-up in its engine log covers them" in (out / "report.html").read_text()
