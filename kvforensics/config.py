@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from kvforensics.errors import ConfigError
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
-REQUEST_FORMATS = ("jsonl", "csv", "parquet")
+REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
 CANONICAL_REQUEST_FIELDS = (
     "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
@@ -97,6 +97,7 @@ class Incident:
     scope: ScopeConfig
     events: tuple[Event, ...] = ()
     model_aliases: Mapping[str, str] = field(default_factory=dict)
+    hardware: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     rule_parameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     memory_limit: str | None = None
     year: int | None = None
@@ -253,10 +254,17 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                             title=_require(ev, "title", where), description=ev.get("description", "")))
     models = data.get("models", {})
     aliases = models.get("aliases", {}) if isinstance(models, Mapping) else {}
+    hardware = models.get("hardware", {}) if isinstance(models, Mapping) else {}
+    if hardware:
+        from kvforensics.hardware import spec_from_config
+
+        for model, raw in hardware.items():
+            spec_from_config(model, raw)  # validate early, with the key's location
     rules = data.get("rules", {})
     settings = data.get("settings", {})
     year = settings.get("year")
     return Incident(id=incident_id, title=title, path=path.resolve(), sources=sources, scope=scope,
                     events=tuple(sorted(events, key=lambda e: e.ts)), model_aliases=dict(aliases),
+                    hardware={k: dict(v) for k, v in hardware.items()},
                     rule_parameters={k: dict(v) for k, v in rules.items()},
                     memory_limit=settings.get("memory_limit"), year=year)

@@ -98,3 +98,35 @@ def test_log_gaps_are_called_out(tmp_path):
     engine = [g for g in gaps if g["source"] == "engine_log"]
     assert [(g["instance"], g["requests"]) for g in engine] == [("p9", 5)]
     assert "no start-up in its engine log covers them" in (out / "report.html").read_text()
+
+
+def test_physical_bound_in_report(tmp_path):
+    from conftest import INCIDENT, write_mini
+
+    hw = INCIDENT + '''
+[models.hardware."@cf/zai-org/glm-5.3"]
+active_params = 32e9
+layers = 78
+hidden_size = 6144
+n_gpus = 8
+gpu = "H200_SXM"
+precision = "fp8"
+'''
+    path = write_mini(tmp_path / "data", incident=hw)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--no-pdf"]) == 0
+    md = (out / "report.md").read_text()
+    # 700,000 uncached tokens on 8 x H200 (FP8, 100% of peak) need >= 32.5 s; the leak took 150 ms
+    assert ("no prefill of these prompts can take less than 32.5 s; the 1 affected responses took a median 150 ms, "
+            "at least 217 times faster than the hardware allows") in md
+    assert "times faster than the hardware allows" in md
+
+
+def test_bad_hardware_spec_is_a_config_error(tmp_path, capsys):
+    from conftest import INCIDENT, write_mini
+
+    path = write_mini(tmp_path / "data", incident=INCIDENT + '[models.hardware."m"]\ngpu = "TPUv9"\n')
+    assert main(["run", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        "Error: [models.hardware.\"m\"]: gpu must be one of ['A100_SXM', 'B200_HGX', 'H100_SXM', 'H200_SXM'] "
+        "(or give peak_flops_per_gpu)\n")

@@ -83,6 +83,11 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     from kvforensics.audit import audit_database
 
     audit = audit_database(con)
+    from kvforensics.hardware import physical_bounds, spec_from_config
+
+    specs = {m: spec_from_config(m, raw) for m, raw in incident.hardware.items()}
+    physical = physical_bounds(specs, con.execute(
+        "SELECT model, prompt_tokens, cached_tokens, ttft_ms, latency_ms FROM affected_responses").df()) if specs else []
     s = data.scope
     first = min((w["first"] for w in s["windows"]), default=None)
     last = max((w["last"] for w in s["windows"]), default=None)
@@ -91,6 +96,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "money_models": list(money), "first_affected": first, "last_affected": last,
         "generated": iso(datetime.now(timezone.utc)), "version": __version__,
         "notices": _notice_rows(con),
+        "physical": physical, "hardware": incident.hardware,
         "audit_headline": audit.headline(), "audit_html": Markup(audit._repr_html_()),
         "audit_md": audit.to_markdown(),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
