@@ -210,14 +210,34 @@ class LineStream(Iterator[EngineLine]):
 
     def _chunks(self) -> Iterator[bytes]:
         if self.compression == "gzip":
-            with gzip.GzipFile(fileobj=self._fh, mode="rb") as gz:
-                while chunk := gz.read(_CHUNK):
-                    yield chunk
+            yield from self._gzip_chunks()
         elif self.compression == "zstd":
             yield from self._zstd_chunks()
         else:
             while chunk := self._fh.read(_CHUNK):
                 yield chunk
+
+    def _gzip_chunks(self) -> Iterator[bytes]:
+        # GzipFile.read() discards what it decompressed when the stream ends early; a raw
+        # decompressobj yields every byte it could recover, then we check the member ended.
+        dobj = zlib.decompressobj(wbits=31)
+        fed = False
+        while data := self._fh.read(_CHUNK):
+            while data:
+                fed = True
+                out = dobj.decompress(data)
+                if out:
+                    yield out
+                if dobj.eof:  # end of one gzip member; concatenated members may follow
+                    data = dobj.unused_data
+                    dobj = zlib.decompressobj(wbits=31)
+                    fed = False
+                    if data and not data.startswith(_GZIP_MAGIC):
+                        break  # trailing garbage after the last member is ignored, as gzip does
+                else:
+                    data = b""
+        if fed and not dobj.eof:
+            raise EOFError("gzip stream ended before its end-of-stream marker (file truncated?)")
 
     def _zstd_chunks(self) -> Iterator[bytes]:
         # stream_reader() silently stops at a truncated frame; decompressobj() lets us check eof.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -44,28 +43,28 @@ def file_digest(path: Path) -> tuple[str, int]:
 
 @dataclass
 class LineStream:
-    """Iterates ``(line_number, bytes)`` over a file; ``stopped`` explains an early end."""
+    """Iterates ``(line_number, bytes)`` over a file; ``stopped`` explains an early end.
+
+    Built on :func:`kvforensics.loaders.engine_common.open_lines`, which recognises gzip and zstd by
+    their magic bytes and notices a truncated stream of either (the incomplete last line is not
+    yielded: half a record must not pass for a record).
+    """
 
     path: Path
     stopped: str | None = None
     lines: int = 0
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        n = 0
-        try:
-            with open_binary(self.path) as fh:
-                for n, line in enumerate(fh, start=1):
-                    self.lines = n
-                    yield n, line.rstrip(b"\r\n")
-        except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
-            self.stopped = f"input ends early after line {n} ({type(e).__name__}: {e}); " \
-                           f"later records, if any, are lost"
+        from kvforensics.loaders.engine_common import open_lines
+
+        stream = open_lines(self.path)
+        for n, _text, raw in stream:
             self.lines = n
-        except Exception as e:  # zstandard raises its own ZstdError
-            if type(e).__name__ != "ZstdError":
-                raise
-            self.stopped = f"input ends early after line {n} (ZstdError: {e}); later records, if any, are lost"
-            self.lines = n
+            yield n, raw
+        if stream.truncated is not None:
+            t = stream.truncated
+            self.stopped = (f"input ends early after line {t.after_line} ({t.describe()}); "
+                            f"later records, if any, are lost")
 
 
 def decode_line(raw: bytes) -> str | None:
