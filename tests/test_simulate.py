@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.simulate import Scenario, simulate
@@ -79,7 +79,7 @@ OTHER_MESSAGES = [
 ]
 KNOWN = [KV_LINE, SUMMARY, ABORT, TIME_STATS, SERVER_ARGS_OLD, SERVER_ARGS_NEW, *OTHER_MESSAGES]
 
-SMALL = {"requests": 5_000}
+SMALL = {"requests": 3_000}
 SCENARIOS = {
     "small-default": Scenario(**SMALL),
     "kite-la-otel": Scenario(
@@ -215,15 +215,12 @@ def engine_lines(folder: Path) -> dict[str, list[str]]:
 
 
 def test_same_seed_gives_byte_identical_files(tmp_path: Path) -> None:
-    scenario = Scenario(seed=21, requests=3_000, affected=9)
+    scenario = Scenario(seed=21, requests=2_000, affected=9)
     simulate(scenario, tmp_path / "a")
     simulate(scenario, tmp_path / "b")
+    simulate(Scenario(seed=22, requests=2_000, affected=9), tmp_path / "c")
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
-
-
-def test_different_seeds_differ(generated: dict[str, Path], tmp_path: Path) -> None:
-    simulate(Scenario(seed=8, requests=5_000), tmp_path)
-    assert digest(tmp_path)["ground_truth.json"] != digest(generated["small-default"])["ground_truth.json"]
+    assert digest(tmp_path / "a")["ground_truth.json"] != digest(tmp_path / "c")["ground_truth.json"]
 
 
 # --- The incident, exactly ---------------------------------------------------------------------
@@ -510,7 +507,7 @@ def test_sample_is_small_complete_and_up_to_date(sample_copy: Path) -> None:
         )
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
     seed=st.integers(0, 10_000),
     affected=st.integers(0, 60),
@@ -539,6 +536,7 @@ def test_unseen_scenarios_have_exactly_n_affected(
     gt = truth(out)
     assert len(gt["affected"]) == affected
     assert all(pool < a["prompt_tokens"] < context for a in gt["affected"])
-    aborts = [m for lines in engine_lines(out).values() for line in lines if (m := ABORT.search(line))]
+    messages = [ENVELOPE.match(line).group(3) for lines in engine_lines(out).values() for line in lines]
+    aborts = [m for message in messages if (m := ABORT.match(message))]
     assert sorted(m.group(3) for m in aborts) == sorted(a["request_id"] for a in gt["affected"])
     assert all(int(m.group(2)) == pool - 6 for m in aborts)

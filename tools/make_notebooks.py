@@ -25,6 +25,9 @@ NOTEBOOKS = {
         ("md", "KV pool per engine instance and start-up: the capacity intervals every rule joins against."),
         ("code", "inv.query('SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length, engine_version, source_line FROM capacity ORDER BY model, instance, valid_from')"),
         ("code", "inv.query(\"SELECT kind, note FROM ingest_notes ORDER BY kind, note\")"),
+        ("md", "## Is any deployment exposed?\nThe five operator checks per instance and start-up "
+               "(pass / fail / unknown, each with its evidence line)."),
+        ("code", "from kvforensics.audit import audit_database\n\naudit = audit_database(inv.con)\nprint(audit.headline())\naudit"),
         ("code", "inv.close()"),
     ],
     "02-detect.ipynb": [

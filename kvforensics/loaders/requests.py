@@ -4,7 +4,10 @@ Each file is streamed into a staging table of text fields (one row per record, w
 number and the raw record), then typed and validated in SQL (``sql/requests_typed.sql``). Good rows
 go to ``requests``; every other record goes to ``quarantine`` with the reason it was refused.
 Column names are mapped by the incident file; OpenTelemetry GenAI and SGLang ``meta_info`` names
-are recognised without a mapping.
+are recognised without a mapping (SGLang's seconds-valued latencies are converted to milliseconds,
+and without a status column the status is derived from ``finish_reason``). SGLang's own
+``--log-requests`` output is read by ``loaders/sglang_requests.py`` into the same staging table, also
+when it is given as ``jsonl`` (recognised by its ``"event": "request.*"`` records).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -22,6 +25,7 @@ import pyarrow as pa
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
 from kvforensics.db import one, run_script
 from kvforensics.errors import InputError
+from kvforensics.loaders import sglang_requests
 from kvforensics.loaders.textio import LineStream, decode_line, open_binary, printable_raw
 
 BATCH = 100_000
@@ -30,22 +34,32 @@ BATCH = 100_000
 # map a field and the canonical name is absent: OpenTelemetry GenAI semantic conventions, SGLang's
 # --log-requests JSON (`out.meta_info`), common OpenAI-style exports.
 KNOWN_ALIASES: dict[str, tuple[str, ...]] = {
-    "request_id": ("gen_ai.response.id", "rid", "id", "out.meta_info.id", "requestId"),
-    "ts": ("timestamp", "time", "start_time", "received_at", "created_at", "@timestamp"),
+    "request_id": ("gen_ai.response.id", "rid", "id", "out.meta_info.id", "meta_info.id", "requestId"),
+    "ts": ("timestamp", "time", "start_time", "received_at", "created_at", "@timestamp",
+           "request_received_ts", "meta_info.request_received_ts", "out.meta_info.request_received_ts"),
     "account_id": ("account", "customer_id", "tenant_id", "user", "enduser.id"),
     "model": ("gen_ai.request.model", "gen_ai.response.model", "model_name", "model_id"),
     "status": ("http.response.status_code", "status_code", "http_status"),
     "prompt_tokens": ("gen_ai.usage.input_tokens", "usage.prompt_tokens", "out.meta_info.prompt_tokens",
-                      "input_tokens"),
+                      "meta_info.prompt_tokens", "input_tokens"),
     "completion_tokens": ("gen_ai.usage.output_tokens", "usage.completion_tokens",
-                          "out.meta_info.completion_tokens", "output_tokens"),
+                          "out.meta_info.completion_tokens", "meta_info.completion_tokens", "output_tokens"),
     "cached_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
-                      "usage.prompt_tokens_details.cached_tokens", "out.meta_info.cached_tokens"),
-    "ttft_ms": ("time_to_first_token_ms", "ttft"),
-    "latency_ms": ("duration_ms", "e2e_latency_ms", "elapsed_ms"),
+                      "usage.prompt_tokens_details.cached_tokens", "out.meta_info.cached_tokens",
+                      "meta_info.cached_tokens"),
+    "ttft_ms": ("time_to_first_token_ms", "ttft", "first_token_latency", "meta_info.first_token_latency",
+                "out.meta_info.first_token_latency"),
+    "latency_ms": ("duration_ms", "e2e_latency_ms", "elapsed_ms", "e2e_latency", "meta_info.e2e_latency",
+                   "out.meta_info.e2e_latency"),
     "prefill_instance": ("prefill_node", "prefill_host"),
     "decode_instance": ("decode_node", "decode_host"),
 }
+# Aliases whose values are seconds (SGLang meta_info); the canonical fields are milliseconds.
+SECONDS_ALIASES = frozenset(f"{prefix}{name}" for prefix in ("", "meta_info.", "out.meta_info.")
+                            for name in ("e2e_latency", "first_token_latency"))
+# Where an SGLang-shaped record keeps its finish reason, from which a status is derived when the
+# record has no status column (the engine's view: abort -> its status_code or 500, otherwise 200).
+FINISH_REASON_KEYS = ("finish_reason", "meta_info.finish_reason", "out.meta_info.finish_reason")
 FIELD_COLUMNS = [f"{f}_raw" for f in CANONICAL_REQUEST_FIELDS]
 
 
@@ -134,11 +148,17 @@ class _Stager:
         self.con.unregister("staging_batch")
 
 
+def _json_path(name: str) -> str:
+    return "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))
+
+
 def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                 tick: Callable[[int], None]) -> None:
-    chosen = _choose_columns(source, _sample_json_keys(path))
-    missing = [c for c, col in chosen.items() if col is None and c in ("request_id",)]
-    del missing  # absent fields are reported per record by the typing step
+                 tick: Callable[[int], None]) -> Mapping[str, str]:
+    if sglang_requests.recognises(path):
+        load.notes.append("recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"")
+        return _stage_sglang_requests(con, source, path, load, tick)
+    keys = _sample_json_keys(path)
+    chosen = _choose_columns(source, keys)
     stager = _Stager(con)
     stream = LineStream(path)
     lines: list[int] = []
@@ -177,10 +197,38 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         if col is None:
             continue
         paths = _json_paths(col)
-        expr = " , ".join(f"json_extract_string(raw, ${i + 1})" for i in range(len(paths)))
-        con.execute(f"UPDATE staging_requests SET {canonical}_raw = coalesce({expr}) WHERE problem IS NULL",
-                    paths)
+        # a field that holds an object, an array or a boolean is not a value of that field
+        types = ", ".join(f"json_type(raw, ${i + 1})" for i in range(len(paths)))
+        con.execute(f"""UPDATE staging_requests
+                        SET problem = '{canonical} must be a string or a number, not a JSON '
+                                      || lower(coalesce({types}))
+                        WHERE problem IS NULL AND coalesce({types}) IN ('OBJECT', 'ARRAY', 'BOOLEAN')""", paths)
+        expr = "coalesce(" + ", ".join(f"json_extract_string(raw, ${i + 1})" for i in range(len(paths))) + ")"
+        if col in SECONDS_ALIASES and canonical not in source.columns:
+            # seconds -> milliseconds; a value that is not a number is kept as it is, to be refused
+            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+        con.execute(f"UPDATE staging_requests SET {canonical}_raw = {expr} WHERE problem IS NULL", paths)
     load.notes.extend(_mapping_notes(source, chosen))
+    if chosen["status"] is None:
+        finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
+        if finish_reason is not None:
+            _derive_status(con, finish_reason)
+            load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
+                              "or 500 without one; otherwise 200), as the records have no status column")
+    return {}
+
+
+def _derive_status(con: duckdb.DuckDBPyConnection, finish_reason: str) -> None:
+    base = _json_path(finish_reason)
+    con.execute("""UPDATE staging_requests SET status_raw = CASE
+                     WHEN json_type(raw, $fr) = 'OBJECT' THEN
+                         CASE WHEN lower(json_extract_string(raw, $type)) = 'abort'
+                              THEN coalesce(json_extract_string(raw, $code), '500') ELSE '200' END
+                     WHEN json_type(raw, $fr) = 'VARCHAR' THEN
+                         CASE WHEN lower(json_extract_string(raw, $fr)) LIKE '%abort%' THEN '500' ELSE '200' END
+                   END
+                   WHERE problem IS NULL""",
+                {"fr": base, "type": base + '."type"', "code": base + '."status_code"'})
 
 
 def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
@@ -212,7 +260,7 @@ def _require_header(source: Source, path: Path, header: Iterable[str], chosen: d
 
 
 def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-               tick: Callable[[int], None]) -> None:
+               tick: Callable[[int], None]) -> Mapping[str, str]:
     stager = _Stager(con)
     stream = LineStream(path)
     with open_binary(path) as fh:
@@ -222,10 +270,10 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
             header = next(reader)
         except StopIteration:
             load.notes.append("empty file")
-            return
-        except (EOFError, OSError) as e:
-            load.notes.append(f"input ends early before the header ({e})")
-            return
+            return {}
+        except (EOFError, OSError, csv.Error) as e:
+            load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
+            return {}
         header = [h.strip() for h in header]
         chosen = _choose_columns(source, set(header))
         _require_header(source, path, header, chosen)
@@ -264,10 +312,11 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
         tick(len(cols["line"]))
     del stream
     load.notes.extend(_mapping_notes(source, chosen))
+    return {}
 
 
 def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                   tick: Callable[[int], None]) -> None:
+                   tick: Callable[[int], None]) -> Mapping[str, str]:
     import pyarrow.parquet as pq
 
     try:
@@ -298,17 +347,46 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
         tick(n)
         offset += n
     load.notes.extend(_mapping_notes(source, chosen))
+    return {}
 
 
-STAGERS = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet}
+def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
+                           tick: Callable[[int], None]) -> Mapping[str, str]:
+    """SGLang --log-requests output (text or JSON): one staged record per request."""
+    stager = _Stager(con)
+    reader = sglang_requests.RequestLogReader(source, path)
+    cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{c: [] for c in FIELD_COLUMNS}}
+    for record in reader:
+        cols["line"].append(record.line)
+        cols["raw"].append(record.raw)
+        cols["problem"].append(record.problem)
+        for canonical in CANONICAL_REQUEST_FIELDS:
+            cols[f"{canonical}_raw"].append(record.values.get(canonical))
+        if len(cols["line"]) >= BATCH:
+            stager.add(cols)
+            tick(len(cols["line"]))
+            cols = {k: [] for k in cols}
+    stager.add(cols)
+    tick(len(cols["line"]))
+    load.notes.extend(reader.notes)
+    return sglang_requests.reason_rewrites(source)
+
+
+StagerFn = Callable[[duckdb.DuckDBPyConnection, Source, Path, FileLoad, Callable[[int], None]], Mapping[str, str]]
+# format -> stager; a stager returns rewrites of the typing step's reasons for its format
+STAGERS: dict[str, StagerFn] = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet,
+                                sglang_requests.FORMAT: _stage_sglang_requests}
 
 
 def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
                        tick: Callable[[int], None] = lambda n: None) -> FileLoad:
     """Stage, type, validate and load one requests file; quarantine what cannot be loaded."""
     load = FileLoad(file=path)
-    STAGERS[source.format](con, source, path, load, tick)
+    rewrites = STAGERS[source.format](con, source, path, load, tick)
     run_script(con, "requests_typed", {"tz": source.timezone, "offset_s": source.clock_offset_s})
+    for before, after in rewrites.items():
+        con.execute("UPDATE typed_requests SET reason = $after WHERE reason = $before",
+                    {"before": before, "after": after})
     _explain_missing(con, source)
     load.records_read = one(con, "SELECT count(*) FROM typed_requests")[0]
     naive = one(con, "SELECT count(*) FROM typed_requests WHERE reason IS NULL AND ts_naive")[0]

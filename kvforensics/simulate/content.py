@@ -59,9 +59,12 @@ class ContentWriter:
 
     def leaked_output(self, sources: list[Text]) -> str:
         """Garbled generation stitched from runs of the sources' prompts and outputs."""
+        if not sources:  # only never-written pages were read: plain garbage
+            return self.phrase(14, 24)
         parts = [self.phrase(3, 8)]
         for src in sources:
-            text = src.prompt if self.rng.random() < 0.65 else src.output
+            use_prompt = self.rng.random() < 0.65 or len(src.output.split()) < RUN_WORDS
+            text = src.prompt if use_prompt else src.output
             words = text.split()
             run = int(self.rng.integers(RUN_WORDS, min(len(words), RUN_WORDS + 8) + 1))
             first = int(self.rng.integers(0, len(words) - run + 1))

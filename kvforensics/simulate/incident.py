@@ -15,6 +15,8 @@ from kvforensics.simulate.scenario import Scenario
 from kvforensics.simulate.traffic import (
     STREAM_INCIDENT,
     AccountTable,
+    exposure_end,
+    safe_prompts,
     sample_quantiles,
     to_ms,
     ttft_noise,
@@ -345,4 +347,14 @@ def incident_rows(s: Scenario, dep: Deployment, accounts: AccountTable) -> tuple
     frames += reporter_rows(rng, s, w, plan.reporter)
     frames += exploiter_rows(rng, s, w, plan)
     frames += trap_rows(rng, s, dep, w, accounts)
-    return pd.concat([f for f in frames if len(f)], ignore_index=True), plan
+    out = pd.concat([f for f in frames if len(f)], ignore_index=True)
+    ordinary = (out["kind"] == "background").to_numpy()
+    out.loc[ordinary, "prompt_tokens"] = safe_prompts(
+        rng,
+        out["prompt_tokens"].to_numpy()[ordinary],
+        out["model_idx"].to_numpy()[ordinary],
+        out["ts_ms"].to_numpy()[ordinary],
+        s,
+        exposure_end(s, dep),
+    )
+    return out, plan

@@ -6,6 +6,7 @@ depend on how hours are grouped into chunks (the large-N path streams hour by ho
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -96,10 +97,15 @@ def arrival_offsets(rng: np.random.Generator, n: int, span_ms: int) -> np.ndarra
     return np.floor(cum[:-1] / cum[-1] * span_ms).astype(np.int64)
 
 
+@functools.cache
+def _log_quantiles(quantiles: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    levels = np.linspace(0.0, 1.0, len(quantiles))
+    return levels, np.log(np.maximum(np.asarray(quantiles, dtype=float), 1.0))
+
+
 def sample_quantiles(rng: np.random.Generator, quantiles: tuple[float, ...], n: int) -> np.ndarray:
     """Inverse-CDF sampling with log-linear interpolation between the stored quantiles."""
-    levels = np.linspace(0.0, 1.0, len(quantiles))
-    logq = np.log(np.maximum(np.asarray(quantiles, dtype=float), 1.0))
+    levels, logq = _log_quantiles(quantiles)
     return np.exp(np.interp(rng.random(n), levels, logq))
 
 
@@ -172,8 +178,8 @@ def background_hour(
     n: int,
     live_ms: dict[ModelKey, int],
     exposure_end_ms: int,
-) -> pd.DataFrame:
-    """All background requests received in one hour of the period."""
+) -> dict[str, np.ndarray]:
+    """All background requests received in one hour of the period (columns; accounts as indices)."""
     rng = np.random.default_rng([s.seed, STREAM_HOURS, hour])
     hour_start = to_ms(s.start) + hour * HOUR_MS
     ts = hour_start + arrival_offsets(rng, n, HOUR_MS)
@@ -192,27 +198,24 @@ def background_hour(
     long_len = np.exp(rng.uniform(np.log(LONG_CONTEXT_MIN), np.log(LONG_CONTEXT_MAX), n)).astype(np.int64)
     prompt = np.where(long, long_len, prompt)
     prompt = safe_prompts(rng, prompt, model, ts, s, exposure_end_ms)
-    return pd.DataFrame(
-        {
-            "ts_ms": ts,
-            "account": np.asarray(accounts.names, dtype=object)[account],
-            "model_idx": model.astype(np.int8),
-            "prompt_tokens": prompt,
-            "completion_tokens": output,
-            "cached_tokens": cached_prefix(rng, prompt, s.page_size),
-            "stream": rng.random(n) < 0.72,
-            "u_status": rng.random(n),
-            "u_ttft_missing": rng.random(n),
-            "queue_ms": queue_ms(rng, n),
-            "noise": ttft_noise(rng, n),
-            "tpot_noise": rng.lognormal(0.0, 0.15, n),
-            "u_route": rng.random(n),
-            "u_route_decode": rng.random(n),
-            "u_bootstrap": rng.random(n),
-            "force_prefill": np.full(n, -1, dtype=np.int8),
-            "kind": "background",
-        }
-    )
+    return {
+        "ts_ms": ts,
+        "account": account,
+        "model_idx": model.astype(np.int8),
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "cached_tokens": cached_prefix(rng, prompt, s.page_size),
+        "stream": rng.random(n) < 0.72,
+        "u_status": rng.random(n),
+        "u_ttft_missing": rng.random(n),
+        "queue_ms": queue_ms(rng, n),
+        "noise": ttft_noise(rng, n),
+        "tpot_noise": rng.lognormal(0.0, 0.15, n),
+        "u_route": rng.random(n),
+        "u_route_decode": rng.random(n),
+        "u_bootstrap": rng.random(n),
+        "force_prefill": np.full(n, -1, dtype=np.int8),
+    }
 
 
 def iter_background(
@@ -221,12 +224,15 @@ def iter_background(
     counts = hour_counts(s, total)
     live_ms = {k: to_ms(dep.live_from(k)) for k in MODEL_KEYS}
     exposure_end_ms = exposure_end(s, dep)
+    names = np.asarray(accounts.names, dtype=object)
     for first in range(0, len(counts), hours_per_chunk):
-        frames = [
+        hours = [
             background_hour(s, dep, accounts, h, int(counts[h]), live_ms, exposure_end_ms)
             for h in range(first, min(first + hours_per_chunk, len(counts)))
         ]
-        yield pd.concat(frames, ignore_index=True)
+        columns = {key: np.concatenate([h[key] for h in hours]) for key in hours[0]}
+        columns["account"] = names[columns["account"]]
+        yield pd.DataFrame(columns).assign(kind="background")
 
 
 def exposure_end(s: Scenario, dep: Deployment) -> int:

@@ -1,6 +1,8 @@
 -- Type and validate staged request records. Parameters: $tz (IANA zone for timestamps without an
 -- offset), $offset_s (clock offset in seconds added to every timestamp of the source).
--- The first failing check names the record's quarantine reason.
+-- The first failing check names the record's quarantine reason. Nothing here may raise on any
+-- input text: conversions are guarded (epoch range, TRY_CAST, finite and in-range checks), so a bad
+-- value quarantines its record instead of stopping the load.
 CREATE OR REPLACE TEMP TABLE typed_requests AS
 WITH s AS (
     SELECT *, trim(ts_raw) AS t FROM staging_requests
@@ -16,20 +18,32 @@ WITH s AS (
         TRY_CAST(ttft_ms_raw AS DOUBLE) AS ttft_num,
         TRY_CAST(latency_ms_raw AS DOUBLE) AS latency_num
     FROM s
+), scaled AS (
+    SELECT *,
+        -- epoch seconds from seconds / milliseconds / microseconds / nanoseconds by magnitude
+        CASE WHEN NOT ts_epoch OR t_num IS NULL OR NOT isfinite(t_num) THEN NULL
+             WHEN abs(t_num) >= 1e17 THEN t_num / 1e9
+             WHEN abs(t_num) >= 1e14 THEN t_num / 1e6
+             WHEN abs(t_num) >= 1e11 THEN t_num / 1e3
+             ELSE t_num END AS epoch_s
+    FROM parsed
 ), stamped AS (
     SELECT *,
         CASE
             WHEN t IS NULL OR t = '' THEN NULL
-            WHEN ts_epoch THEN
-                CASE WHEN abs(t_num) >= 1e17 THEN to_timestamp(t_num / 1e9)
-                     WHEN abs(t_num) >= 1e14 THEN to_timestamp(t_num / 1e6)
-                     WHEN abs(t_num) >= 1e11 THEN to_timestamp(t_num / 1e3)
-                     ELSE to_timestamp(t_num) END
+            WHEN ts_epoch THEN CASE WHEN abs(epoch_s) < 1e11 THEN to_timestamp(epoch_s) END
             WHEN ts_has_offset THEN TRY_CAST(t AS TIMESTAMPTZ)
             ELSE timezone($tz, TRY_CAST(t AS TIMESTAMP))
-        END + to_microseconds(CAST(round($offset_s * 1e6) AS BIGINT)) AS ts_utc,
+        END + to_microseconds(CAST(round($offset_s * 1e6) AS BIGINT)) AS ts_any,
         NOT ts_epoch AND NOT ts_has_offset AS ts_naive
-    FROM parsed
+    FROM scaled
+), bounded AS (
+    -- a log of served requests cannot predate 1970 or lie centuries ahead; such values are garbage
+    -- (and years past 9999 cannot be read back by most clients)
+    SELECT *,
+        CASE WHEN isfinite(ts_any) AND ts_any >= TIMESTAMPTZ '1970-01-01 00:00:00+00'
+                  AND ts_any < TIMESTAMPTZ '2200-01-01 00:00:00+00' THEN ts_any END AS ts_utc
+    FROM stamped
 )
 SELECT
     line, raw,
@@ -41,15 +55,24 @@ SELECT
         WHEN nullif(trim(account_id_raw), '') IS NULL THEN 'missing required field ''account_id'''
         WHEN nullif(trim(model_raw), '') IS NULL THEN 'missing required field ''model'''
         WHEN status_raw IS NULL THEN 'missing required field ''status'''
-        WHEN status_num IS NULL OR status_num <> floor(status_num) OR status_num < 100 OR status_num > 599
+        WHEN status_num IS NULL OR NOT isfinite(status_num) OR status_num <> floor(status_num)
+             OR status_num < 100 OR status_num > 599
             THEN 'status is not an HTTP status code: ''' || left(status_raw, 40) || ''''
         WHEN prompt_tokens_raw IS NULL THEN 'missing required field ''prompt_tokens'''
-        WHEN prompt_num IS NULL OR prompt_num <> floor(prompt_num) OR prompt_num < 0
+        WHEN prompt_num IS NULL OR NOT isfinite(prompt_num) OR prompt_num <> floor(prompt_num) OR prompt_num < 0
             THEN 'prompt_tokens is not a non-negative integer: ''' || left(prompt_tokens_raw, 40) || ''''
-        WHEN completion_tokens_raw IS NOT NULL AND (completion_num IS NULL OR completion_num <> floor(completion_num) OR completion_num < 0)
+        WHEN prompt_num > 9007199254740991
+            THEN 'prompt_tokens is out of range: ''' || left(prompt_tokens_raw, 40) || ''''
+        WHEN completion_tokens_raw IS NOT NULL AND (completion_num IS NULL OR NOT isfinite(completion_num)
+             OR completion_num <> floor(completion_num) OR completion_num < 0)
             THEN 'completion_tokens is not a non-negative integer: ''' || left(completion_tokens_raw, 40) || ''''
-        WHEN cached_tokens_raw IS NOT NULL AND (cached_num IS NULL OR cached_num <> floor(cached_num) OR cached_num < 0)
+        WHEN completion_num > 9007199254740991
+            THEN 'completion_tokens is out of range: ''' || left(completion_tokens_raw, 40) || ''''
+        WHEN cached_tokens_raw IS NOT NULL AND (cached_num IS NULL OR NOT isfinite(cached_num)
+             OR cached_num <> floor(cached_num) OR cached_num < 0)
             THEN 'cached_tokens is not a non-negative integer: ''' || left(cached_tokens_raw, 40) || ''''
+        WHEN cached_num > 9007199254740991
+            THEN 'cached_tokens is out of range: ''' || left(cached_tokens_raw, 40) || ''''
         WHEN cached_num > prompt_num
             THEN 'cached_tokens (' || CAST(CAST(cached_num AS BIGINT) AS VARCHAR) || ') exceeds prompt_tokens ('
                  || CAST(CAST(prompt_num AS BIGINT) AS VARCHAR) || ')'
@@ -63,12 +86,13 @@ SELECT
     ts_naive,
     trim(account_id_raw) AS account_id,
     trim(model_raw) AS model,
-    CAST(status_num AS INTEGER) AS status,
-    CAST(prompt_num AS BIGINT) AS prompt_tokens,
-    CAST(completion_num AS BIGINT) AS completion_tokens,
-    CAST(cached_num AS BIGINT) AS cached_tokens,
+    -- TRY_CAST: refused records are typed too, and their values may not fit
+    TRY_CAST(status_num AS INTEGER) AS status,
+    TRY_CAST(prompt_num AS BIGINT) AS prompt_tokens,
+    TRY_CAST(completion_num AS BIGINT) AS completion_tokens,
+    TRY_CAST(cached_num AS BIGINT) AS cached_tokens,
     ttft_num AS ttft_ms,
     latency_num AS latency_ms,
     nullif(trim(prefill_instance_raw), '') AS prefill_instance,
     nullif(trim(decode_instance_raw), '') AS decode_instance
-FROM stamped;
+FROM bounded;

@@ -1,0 +1,81 @@
+"""Generated data sets, cached in the work directory by request count, gateway format and seed.
+
+A data set is the simulator's output folder (``incident.toml``, ``gateway/``, ``engine/``, ...). It
+is generated into a temporary folder and renamed into place only when the simulator succeeded, so
+an interrupted generation is never mistaken for a cached one. ``dataset.json`` beside it records
+how long generation took and what it produced.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from measure import run_measured
+
+MARKER = "dataset.json"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    root: Path
+    requests: int
+    format: str
+    seed: int
+    info: dict
+
+    @property
+    def incident_toml(self) -> Path:
+        return self.root / "incident.toml"
+
+    @property
+    def gateway_files(self) -> list[Path]:
+        suffix = ".jsonl.gz" if self.format == "jsonl" else ".parquet"
+        return sorted(p for p in (self.root / "gateway").iterdir() if p.name.endswith(suffix))
+
+    @property
+    def gateway_glob(self) -> str:
+        suffix = "*.jsonl.gz" if self.format == "jsonl" else "*.parquet"
+        return str(self.root / "gateway" / suffix)
+
+
+def dataset_dir(workdir: Path, requests: int, fmt: str, seed: int) -> Path:
+    return workdir / "data" / f"{fmt}-n{requests}-seed{seed}"
+
+
+def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_path: Path,
+                   timeout_s: float | None = None) -> Dataset:
+    """The cached data set, generating it with ``kvforensics simulate`` when absent."""
+    final = dataset_dir(workdir, requests, fmt, seed)
+    marker = final / MARKER
+    if marker.exists():
+        return Dataset(final, requests, fmt, seed, json.loads(marker.read_text(encoding="utf-8")))
+    partial = final.with_name(final.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    m = run_measured([sys.executable, "-m", "kvforensics", "simulate", "--seed", str(seed),
+                      "--requests", str(requests), "--format", fmt, "--out", str(partial)],
+                     log_path=log_path, timeout_s=timeout_s)
+    if not m.ok:
+        raise RuntimeError(f"simulate --requests {requests} --format {fmt} failed (exit {m.returncode}); "
+                           f"see {log_path}:\n{m.stderr_tail}")
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    truth = json.loads((final / "ground_truth.json").read_text(encoding="utf-8"))
+    gateway = [p for p in (final / "gateway").iterdir() if p.is_file()]
+    info = {
+        "requests": requests, "format": fmt, "seed": seed,
+        "generate_wall_s": round(m.wall_s, 2), "generate_peak_rss_mb": round(m.peak_rss_mb, 1),
+        "gateway_files": len(gateway), "gateway_bytes": sum(p.stat().st_size for p in gateway),
+        "gateway_lines": truth["counts"]["gateway_lines"], "unique_requests": truth["counts"]["requests"],
+        "affected_responses": truth["counts"]["affected_responses"],
+        "page_simulation": truth["page_simulation"],
+    }
+    # incident.toml paths are relative to the file, so the rename keeps the data set usable.
+    (final / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return Dataset(final, requests, fmt, seed, info)

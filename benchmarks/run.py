@@ -1,0 +1,341 @@
+"""kvforensics benchmarks: ingest (issue 3) and the whole pipeline (issue 8) on generated data.
+
+    python benchmarks/run.py --requests 10000000 [--format jsonl|parquet|both] [--memory-limit 1GB]
+                             [--stages ingest,pipeline] [--workdir /tmp/kvf-bench] [--pandas-baseline]
+
+Generates the data with ``kvforensics simulate`` (cached in the work directory by request count,
+format and seed), runs every measured step in its own process (``steps.py``; peak RSS is that
+process's own high-water mark from ``wait4``), prints one table per stage and writes the results to
+``benchmarks/results/<date>-<N>.json``. Timings are measured, never asserted. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from datasets import Dataset, ensure_dataset  # noqa: E402
+from measure import BENCH_DIR, Measured, python_argv, run_measured  # noqa: E402
+
+REPO = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+DEFAULT_LIMITS = {"ingest": "1GB", "pipeline": "2GB"}      # issue 3 / issue 8
+PIPELINE = ["ingest", "audit", "detect", "scope", "outputs", "report"]
+PANDAS_PHASES = {"ingest": ("read", "capacity"), "detect": ("detect",), "scope": ("scope",)}
+
+
+# --- the machine and the code measured ---------------------------------------------------------------
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gb = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gb": mem_gb, "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(), "duckdb": version("duckdb"), "pandas": version("pandas"),
+        "pyarrow": version("pyarrow"), "kvforensics": version("kvforensics"),
+    }
+
+
+def code_state() -> dict[str, Any]:
+    """The commit, whether the package had local changes, and a hash of its sources as measured."""
+    digest = hashlib.sha256()
+    for p in sorted((REPO / "kvforensics").rglob("*")):
+        if p.is_file() and p.suffix in (".py", ".sql", ".yml"):
+            digest.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    dirty = git("status", "--porcelain", "--", "kvforensics")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "package_locally_modified": bool(dirty),
+            "package_sha256": digest.hexdigest()[:16]}
+
+
+# --- running steps -----------------------------------------------------------------------------------
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workdir: Path = args.workdir
+        self.log = self.workdir / "logs" / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
+
+    def step(self, name: str, ds: Dataset, *, out: Path | None = None, memory_limit: str | None = None,
+             extra: tuple[str, ...] = (), label: str | None = None) -> dict[str, Any]:
+        label = label or name
+        report = self.workdir / "reports" / f"{ds.format}-n{ds.requests}-{label}.json"
+        report.parent.mkdir(parents=True, exist_ok=True)
+        argv = python_argv("steps.py", name, "--incident", str(ds.incident_toml), "--report", str(report), *extra)
+        if out is not None:
+            argv += ["--out", str(out)]
+        if memory_limit:
+            argv += ["--memory-limit", memory_limit]
+        if self.args.threads:
+            argv += ["--threads", str(self.args.threads)]
+        if name.startswith("floor"):
+            argv += ["--temp-dir", str(self.workdir / "duckdb-tmp")]
+        if label in self.args.profile or name in self.args.profile:
+            prof = self.workdir / "profiles" / f"{ds.format}-n{ds.requests}-{label}.prof"
+            prof.parent.mkdir(parents=True, exist_ok=True)
+            argv += ["--profile", str(prof)]
+        print(f"  {label:<16}", end="", flush=True)
+        m = run_measured(argv, report_path=report, log_path=self.log, timeout_s=self.args.timeout)
+        entry = summarise_step(label, m, memory_limit)
+        if m.ok:
+            print(f"{entry['seconds']:>9.2f} s  {entry['peak_rss_mb']:>8.0f} MB", flush=True)
+        else:
+            print(f"  FAILED (exit {m.returncode}, {m.wall_s:.0f} s, {m.peak_rss_mb:.0f} MB): "
+                  f"{entry['error']}", flush=True)
+        return entry
+
+    # issue 3: gateway files only, 1 GB
+    def ingest_stage(self, ds: Dataset) -> dict[str, Any]:
+        limit = self.args.memory_limit or DEFAULT_LIMITS["ingest"]
+        out = self.fresh(ds, "ingest")
+        steps = [self.step("floor-count", ds, memory_limit=limit),
+                 self.step("floor-scan", ds, memory_limit=limit),
+                 self.step("ingest", ds, out=out, memory_limit=limit, extra=("--requests-only",),
+                           label="ingest-requests")]
+        if not self.args.keep_evidence:
+            shutil.rmtree(out, ignore_errors=True)
+        return {"memory_limit": limit, "floor": "floor-count", "steps": steps}
+
+    # issue 8: every stage on one evidence database, 2 GB
+    def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
+        limit = self.args.memory_limit or DEFAULT_LIMITS["pipeline"]
+        out = self.fresh(ds, "pipeline")
+        steps = [self.step("floor-oversize", ds, memory_limit=limit)]
+        for name in PIPELINE:
+            entry = self.step(name, ds, out=out, memory_limit=limit)
+            steps.append(entry)
+            if not entry["ok"]:
+                break
+        result: dict[str, Any] = {"memory_limit": limit, "floor": "floor-oversize", "steps": steps}
+        if self.args.pandas_baseline:
+            steps.append(self.step("pandas", ds, out=out))
+            result["agreement"] = agreement(out)
+            if result["agreement"] is not None:
+                print(f"  agreement with pandas: {result['agreement']['summary']}")
+        if not self.args.keep_evidence:
+            shutil.rmtree(out, ignore_errors=True)
+        return result
+
+    def fresh(self, ds: Dataset, stage: str) -> Path:
+        out = self.workdir / "runs" / f"{ds.format}-n{ds.requests}-seed{ds.seed}" / stage
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        return out
+
+
+def summarise_step(label: str, m: Measured, memory_limit: str | None) -> dict[str, Any]:
+    r = dict(m.report)
+    entry: dict[str, Any] = {
+        "step": label, "ok": m.ok, "exit_code": m.returncode, "memory_limit": memory_limit,
+        "seconds": r.pop("seconds", None), "process_seconds": round(m.wall_s, 3), "cpu_seconds": round(m.cpu_s, 2),
+        "peak_rss_mb": round(m.peak_rss_mb, 1), "rows": r.pop("rows", None), "rows_per_s": r.pop("rows_per_s", None),
+    }
+    r.pop("step", None)
+    entry["details"] = r
+    if not m.ok:
+        lines = [ln for ln in m.stderr_tail.strip().splitlines() if ln.strip()]
+        entry["error"] = ("killed at the timeout" if m.returncode == -9 else lines[-1] if lines else "no output")[:300]
+    return entry
+
+
+def agreement(out: Path) -> dict[str, Any] | None:
+    ours, theirs = out / "kvforensics_answers.json", out / "pandas_answers.json"
+    if not (ours.exists() and theirs.exists()):
+        return None
+    a = json.loads(ours.read_text(encoding="utf-8"))
+    b = json.loads(theirs.read_text(encoding="utf-8"))
+    keys = ["affected", "recipients", "by_class", "possible_source_pairs", "possible_source_pairs_sha256",
+            "possible_source_accounts"]
+    same = {k: a.get(k) == b.get(k) for k in keys}
+    only_ours = sorted(set(a["affected"]) - set(b["affected"]))
+    only_pandas = sorted(set(b["affected"]) - set(a["affected"]))
+    summary = ("same affected set ({n}), recipients, possible-source pairs ({p})".format(
+        n=len(a["affected"]), p=a["possible_source_pairs"]) if all(same.values())
+        else "DIFFERENT: " + ", ".join(k for k, v in same.items() if not v))
+    return {"same": same, "all_same": all(same.values()), "summary": summary,
+            "affected_only_kvforensics": only_ours[:20], "affected_only_pandas": only_pandas[:20]}
+
+
+# --- tables ------------------------------------------------------------------------------------------
+
+def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Table rows with the ratios: x floor = seconds / floor seconds; pandas x = pandas / ours."""
+    steps = {s["step"]: s for s in result["steps"]}
+    floor = steps.get(result["floor"])
+    floor_s = floor["seconds"] if floor and floor["ok"] else None
+    pandas = steps.get("pandas")
+    phases = pandas["details"].get("phases", {}) if pandas and pandas["ok"] else {}
+    rows = []
+    for s in result["steps"]:
+        row = dict(s)
+        row["x_floor"] = (s["seconds"] / floor_s) if (floor_s and s["ok"] and s["step"] != result["floor"]
+                                                     and not s["step"].startswith("floor")) else None
+        names = PANDAS_PHASES.get(s["step"])
+        row["pandas_x"] = (sum(phases[p] for p in names) / s["seconds"]) if names and phases and s["ok"] else None
+        rows.append(row)
+    if stage == "pipeline":
+        ours = [steps[n] for n in PIPELINE if n in steps]
+        if ours and all(s["ok"] for s in ours) and len(ours) == len(PIPELINE):
+            for label, names in (("pipeline total", PIPELINE), ("ingest+detect+scope", ["ingest", "detect", "scope"])):
+                secs = sum(steps[n]["seconds"] for n in names)
+                n_rows = steps["ingest"]["rows"]
+                like = sum(sum(phases[p] for p in PANDAS_PHASES[n]) for n in ["ingest", "detect", "scope"])
+                rows.append({"step": label, "ok": True, "rows": n_rows, "seconds": secs,
+                             "rows_per_s": round(n_rows / secs) if secs else None,
+                             "peak_rss_mb": max(steps[n]["peak_rss_mb"] for n in names),
+                             "x_floor": secs / floor_s if floor_s else None,
+                             "pandas_x": (like / secs) if phases else None})
+    return rows
+
+
+def render_table(title: str, rows: list[dict[str, Any]]) -> str:
+    head = ["step", "rows", "wall s", "rows/s", "peak RSS MB", "x floor", "pandas x"]
+
+    def fmt(r: dict[str, Any]) -> list[str]:
+        if not r["ok"]:
+            return [r["step"], "-", f"FAILED: {r.get('error', '')[:60]}", "", f"{r['peak_rss_mb']:.0f}", "", ""]
+        return [r["step"], f"{r['rows']:,}" if r.get("rows") is not None else "-",
+                f"{r['seconds']:.2f}", f"{r['rows_per_s']:,.0f}" if r.get("rows_per_s") else "-",
+                f"{r['peak_rss_mb']:,.0f}", f"{r['x_floor']:.2f}" if r.get("x_floor") else "-",
+                f"{r['pandas_x']:.1f}" if r.get("pandas_x") else "-"]
+
+    body = [fmt(r) for r in rows]
+    widths = [max(len(head[i]), *(len(b[i]) for b in body)) for i in range(len(head))]
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))
+    out = [title, line, "-" * len(line)]
+    for b in body:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    return "\n".join(out)
+
+
+def header(info: dict[str, Any], code: dict[str, Any]) -> str:
+    return (f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gb']} GB RAM, {info['os']}\n"
+            f"software: Python {info['python']}, DuckDB {info['duckdb']}, pandas {info['pandas']}, "
+            f"pyarrow {info['pyarrow']}\n"
+            f"kvforensics {info['kvforensics']} at {code['commit']}"
+            f"{' + local changes' if code['package_locally_modified'] else ''} (sources {code['package_sha256']})")
+
+
+# --- results file ------------------------------------------------------------------------------------
+
+def write_results(requests: int, run: dict[str, Any], results_dir: Path) -> Path:
+    """Merge into ``<date>-<N>.json``: one entry per format and stage, the latest run wins."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{dt.date.today().isoformat()}-{requests}.json"
+    doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"requests": requests, "runs": {}}
+    doc.update({k: v for k, v in run.items() if k != "runs"})
+    doc["runs"].update(run["runs"])
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", default="200000",
+                   help="gateway requests to generate; several as a comma list (200000,1000000)")
+    p.add_argument("--format", choices=["jsonl", "parquet", "both"], default="both")
+    p.add_argument("--memory-limit", default=None,
+                   help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)")
+    p.add_argument("--stages", default="ingest,pipeline", help="ingest, pipeline, or both (comma list)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
+    p.add_argument("--pandas-baseline", action="store_true", help="also run the pandas implementation")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before a step is killed")
+    p.add_argument("--profile", default="", help="steps to run under cProfile (comma list, e.g. ingest,scope)")
+    p.add_argument("--keep-evidence", action="store_true", help="keep the evidence databases in the workdir")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    args.requests = [int(x.replace("_", "")) for x in args.requests.split(",") if x]
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = set(args.stages) - {"ingest", "pipeline"}
+    if bad:
+        p.error(f"unknown stage(s) {sorted(bad)}; use ingest and/or pipeline")
+    args.profile = {s.strip() for s in args.profile.split(",") if s.strip()}
+    args.formats = ["jsonl", "parquet"] if args.format == "both" else [args.format]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    runner = Runner(args)
+    info, code = machine(), code_state()
+    free_gb = shutil.disk_usage(args.workdir).free / 1e9
+    print(header(info, code))
+    print(f"workdir: {args.workdir} ({free_gb:.0f} GB free); log: {runner.log}\n")
+    failed = False
+    for n in args.requests:
+        run: dict[str, Any] = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": info,
+                               "code": code, "args": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path)
+                                                          else v) for k, v in vars(args).items()},
+                               "runs": {}}
+        tables = []
+        for fmt in args.formats:
+            print(f"== {n:,} requests, {fmt}: data set", end="", flush=True)
+            ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout)
+            print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines, "
+                  f"generated in {ds.info['generate_wall_s']:,.0f} s)")
+            entry: dict[str, Any] = {"dataset": ds.info}
+            for stage in args.stages:
+                result = runner.ingest_stage(ds) if stage == "ingest" else runner.pipeline_stage(ds)
+                result["table"] = stage_rows(stage, result)
+                entry[stage] = result
+                failed |= not all(s["ok"] for s in result["steps"])
+                title = (f"{stage} | {n:,} requests | {fmt} | memory_limit {result['memory_limit']}"
+                         f" | x floor = wall / {result['floor']}; pandas x = pandas wall / ours")
+                tables.append(render_table(title, result["table"]))
+                if result.get("agreement"):
+                    tables.append(f"agreement with pandas: {result['agreement']['summary']}")
+            run["runs"][fmt] = entry
+            path = write_results(n, run, args.results_dir)
+        print()
+        print(header(info, code))
+        for t in tables:
+            print()
+            print(t)
+        print(f"\nresults: {path}\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""One measured step, run by ``benchmarks/run.py`` in its own process (so peak RSS is per step).
+
+    python benchmarks/steps.py <step> --report R.json [options]
+
+Steps: the DuckDB floors (``floor-count``, ``floor-scan``, ``floor-oversize``), the kvforensics stages
+(``ingest``, ``audit``, ``detect``, ``scope``, ``outputs``, ``report``, each on the evidence database
+the previous one left in ``--out``) and ``pandas`` (the baseline in ``pandas_baseline.py``). Each
+writes a JSON report: ``seconds`` is the timed work only (imports, connection set-up and the
+floor's capacity preparation are outside it), ``rows`` what the step went through, plus counts
+the harness checks (rows loaded, affected responses, ...). ``--profile FILE`` runs the timed work
+under cProfile and dumps the stats there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+BENCH_DIR = Path(__file__).resolve().parent
+SQL_DIR = BENCH_DIR / "sql"
+
+
+@contextmanager
+def timed(result: dict[str, Any], key: str, profile: Path | None) -> Iterator[None]:
+    prof = cProfile.Profile() if profile else None
+    start = time.perf_counter()
+    if prof:
+        prof.enable()
+    try:
+        yield
+    finally:
+        if prof:
+            prof.disable()
+        result[key] = round(time.perf_counter() - start, 3)
+        if prof and profile:
+            prof.dump_stats(str(profile))
+
+
+def bench_sql(name: str) -> str:
+    return (SQL_DIR / f"{name}.sql").read_text(encoding="utf-8")
+
+
+def duckdb_connection(memory_limit: str | None, threads: int | None, temp_dir: Path | None):
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    con.execute("SET TimeZone = 'UTC'")
+    if memory_limit:
+        con.execute(f"SET memory_limit = '{memory_limit}'")
+    if threads:
+        con.execute(f"SET threads = {int(threads)}")
+    if temp_dir:
+        con.execute(f"SET temp_directory = '{temp_dir}'")
+    return con
+
+
+def gateway_source(incident_path: Path):
+    from kvforensics.config import load_incident
+
+    incident = load_incident(incident_path)
+    sources = incident.sources_of("requests")
+    if len(sources) != 1:
+        raise SystemExit(f"expected one requests source in {incident_path}, found {len(sources)}")
+    return incident, sources[0]
+
+
+def reader_sql(fmt: str) -> str:
+    return "read_json($files, format = 'newline_delimited')" if fmt == "jsonl" else "read_parquet($files)"
+
+
+# --- floors ------------------------------------------------------------------------------------------
+
+def step_floor_count(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """``SELECT count(*)`` over the gateway files: what issue 3 calls the floor."""
+    _, source = gateway_source(args.incident)
+    files = [str(p) for p in source.files()]
+    con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    with timed(result, "seconds", args.profile):
+        result["rows"] = con.execute(f"SELECT count(*) FROM {reader_sql(source.format)}", {"files": files}).fetchone()[0]
+
+
+def step_floor_scan(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Every column decoded (``count(col)`` of each): a count(*) of Parquet reads only the footers."""
+    _, source = gateway_source(args.incident)
+    files = [str(p) for p in source.files()]
+    con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader_sql(source.format)}", {"files": files}).fetchall()]
+    exprs = ", ".join(f'count("{c}")' for c in cols)
+    with timed(result, "seconds", args.profile):
+        row = con.execute(f"SELECT count(*), {exprs} FROM {reader_sql(source.format)}", {"files": files}).fetchone()
+    result["rows"] = row[0]
+    result["columns"] = len(cols)
+
+
+def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The bare oversize scan of issue 8: one query over the gateway files joined to the capacity
+    intervals (built from the engine logs by our parser, outside the timed part)."""
+    import pandas_baseline
+
+    incident, source = gateway_source(args.incident)
+    capacity = pandas_baseline.load_capacity(incident, gateway_models=None)
+    files = [str(p) for p in source.files()]
+    con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    con.register("capacity", capacity)
+    col = {c: source.column(c) for c in ("request_id", "ts", "status", "prompt_tokens", "prefill_instance")}
+    text = bench_sql("floor_oversize").format(
+        reader=reader_sql(source.format), **{k: f'"{v}"' for k, v in col.items()})
+    with timed(result, "seconds", args.profile):
+        rows, served, oversize = con.execute(text, {"files": files, "reject_margin": 6}).fetchone()
+    result.update(rows=rows, served_2xx=served, oversize=oversize)
+
+
+# --- kvforensics stages -------------------------------------------------------------------------------
+
+def investigation(args: argparse.Namespace, *, requests_only: bool = False):
+    from kvforensics.config import load_incident
+    from kvforensics.investigation import Investigation
+
+    incident = load_incident(args.incident)
+    if requests_only:
+        incident = dataclasses.replace(incident, sources=tuple(incident.sources_of("requests")))
+    inv = Investigation.open(incident, args.out, memory_limit=args.memory_limit, progress=False, pdf=False)
+    if args.threads:
+        inv.con.execute(f"SET threads = {int(args.threads)}")
+    if args.temp_dir:
+        inv.con.execute(f"SET temp_directory = '{args.temp_dir}'")
+    return inv
+
+
+def _request_count(inv) -> int:
+    return int(inv.con.execute("SELECT count(*) FROM requests").fetchone()[0])
+
+
+def step_ingest(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    inv = investigation(args, requests_only=args.requests_only)
+    try:
+        with timed(result, "seconds", args.profile):
+            r = inv.ingest()
+        requests_files = [f for f in r.files if f.kind == "requests"]
+        result.update(rows=sum(f.records_read for f in requests_files),
+                      loaded=sum(f.loaded for f in requests_files),
+                      duplicates=sum(f.duplicates for f in requests_files),
+                      quarantined=sum(f.quarantined for f in requests_files),
+                      other_records=sum(f.records_read for f in r.files if f.kind != "requests"),
+                      warnings=r.warnings)
+        with timed(result, "checkpoint_seconds", None):
+            inv.con.execute("CHECKPOINT").fetchall()
+    finally:
+        inv.close()
+
+
+def step_audit(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    from kvforensics.audit import audit_database
+
+    inv = investigation(args)
+    try:
+        with timed(result, "seconds", args.profile):
+            report = audit_database(inv.con)
+        result.update(rows=_request_count(inv), exit_code=report.exit_code, headline=report.headline())
+    finally:
+        inv.close()
+
+
+def step_detect(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    inv = investigation(args)
+    try:
+        with timed(result, "seconds", args.profile):
+            found = inv.detect()
+        result["rows"] = _request_count(inv)
+        result["findings"] = len(found)
+        result["tiers"] = dict(inv.con.execute(
+            "SELECT confidence, count(*) FROM request_tiers GROUP BY 1 ORDER BY 1").fetchall())
+        result["latency_models"] = [list(r) for r in inv.con.execute(
+            "SELECT model, usable, n_points FROM latency_model ORDER BY 1").fetchall()]
+        inv.con.execute("CHECKPOINT").fetchall()
+    finally:
+        inv.close()
+
+
+def step_scope(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    inv = investigation(args)
+    try:
+        with timed(result, "seconds", args.profile):
+            s = inv.scope().summary
+        result["rows"] = _request_count(inv)
+        result["affected_responses"] = s["affected_responses"]
+        result["affected_accounts"] = s["affected_accounts"]
+        result["source_accounts"] = s["source_accounts"]
+        result["possible_source_pairs"] = int(inv.con.execute("SELECT count(*) FROM possible_sources").fetchone()[0])
+        inv.con.execute("CHECKPOINT").fetchall()
+        _write_answers(inv, args.out / "kvforensics_answers.json")
+    finally:
+        inv.close()
+
+
+def _write_answers(inv, path: Path) -> None:
+    """The answers the pandas baseline is checked against (affected set, recipients, sources)."""
+    import hashlib
+
+    con = inv.con
+    affected = [r[0] for r in con.execute("SELECT request_id FROM affected_responses ORDER BY 1").fetchall()]
+    recipients = dict(con.execute(
+        "SELECT account_id, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall())
+    classes = dict(con.execute(
+        "SELECT account_class, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall())
+    digest = hashlib.sha256()
+    pairs = 0
+    cur = con.execute("SELECT affected_request_id, source_request_id FROM possible_sources ORDER BY 1, 2")
+    while batch := cur.fetchmany(100_000):
+        for a, s in batch:
+            digest.update(f"{a}|{s}\n".encode())
+        pairs += len(batch)
+    sources = int(con.execute("SELECT count(DISTINCT source_account_id) FROM possible_sources").fetchone()[0])
+    path.write_text(json.dumps({"affected": affected, "recipients": recipients, "by_class": classes,
+                                "possible_source_pairs": pairs, "possible_source_pairs_sha256": digest.hexdigest(),
+                                "possible_source_accounts": sources}, indent=1) + "\n", encoding="utf-8")
+
+
+def step_outputs(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    from kvforensics.scope import SCOPE_PARAMETERS, ScopeResult, summarise
+
+    inv = investigation(args)
+    try:
+        # the scope stage's result, re-read from the database (cheap), as `kvforensics report` would need
+        inv.scope_result = ScopeResult(summary=summarise(inv.con, inv.incident), parameters=dict(SCOPE_PARAMETERS))
+        with timed(result, "seconds", args.profile):
+            inv.write_outputs()
+        result["rows"] = _request_count(inv)
+    finally:
+        inv.close()
+
+
+def step_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    inv = investigation(args)
+    try:
+        with timed(result, "seconds", args.profile):
+            path = inv.report()
+        result["rows"] = _request_count(inv)
+        result["html_bytes"] = path.stat().st_size
+    finally:
+        inv.close()
+
+
+def step_pandas(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    import pandas_baseline
+
+    with timed(result, "seconds", args.profile):
+        answers = pandas_baseline.investigate(args.incident, phases=result.setdefault("phases", {}))
+    result["rows"] = answers.pop("rows_read")
+    result.update({k: v for k, v in answers.items() if k != "affected" and k != "recipients"})
+    (args.out / "pandas_answers.json").write_text(json.dumps(answers, indent=1) + "\n", encoding="utf-8")
+
+
+STEPS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
+    "floor-count": step_floor_count, "floor-scan": step_floor_scan, "floor-oversize": step_floor_oversize,
+    "ingest": step_ingest, "audit": step_audit, "detect": step_detect, "scope": step_scope,
+    "outputs": step_outputs, "report": step_report, "pandas": step_pandas,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=sorted(STEPS))
+    p.add_argument("--incident", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="evidence/output folder of the kvforensics stages")
+    p.add_argument("--report", type=Path, required=True, help="JSON written on success")
+    p.add_argument("--memory-limit", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--temp-dir", type=Path, default=None)
+    p.add_argument("--requests-only", action="store_true", help="ingest: the gateway source only")
+    p.add_argument("--profile", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(BENCH_DIR))
+    result: dict[str, Any] = {"step": args.step}
+    STEPS[args.step](args, result)
+    result["rows_per_s"] = round(result["rows"] / result["seconds"]) if result.get("seconds") else None
+    args.report.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
