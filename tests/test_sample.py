@@ -136,3 +136,8 @@ def test_raw_text_never_leaves_ingest(sample_run, sample_incident):
     for table, in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
         cols = [c[0] for c in con.execute(f'DESCRIBE "{table}"').fetchall()]
         assert "prompt" not in cols and "output" not in cols
+
+
+def test_report_states_the_physical_bound(sample_run):
+    md = (sample_run / "report.md").read_text()
+    assert "times faster than the hardware allows" in md

@@ -166,6 +166,18 @@ def incident_toml(dep: Deployment, with_content: bool) -> str:
         "[models]",
         f"aliases = {{ {aliases} }}",
         "",
+        # The simulated GLM-5.x shape (deployment.py) on H100s in FP8, for the physical prefill bound.
+        f"[models.hardware.{toml_string(models['target'].gateway_model)}]",
+        "active_params = 40e9",
+        "layers = 78",
+        "hidden_size = 12288",
+        "attention_heads = 64",
+        "qk_head_dim = 192",
+        "v_head_dim = 128",
+        f"n_gpus = {s.tp_size}",
+        'gpu = "H100_SXM"',
+        'precision = "fp8"',
+        "",
     ]
     events = [
         (
