@@ -152,8 +152,15 @@ def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
 
     digest = file_digest(path)
     instance = source.instance_for(path)
+    year = source.year or incident.year
+    derived = year is None and source.format in ("vllm", "auto")
+    if derived:
+        year = _year_for_yearless_stamps(con, path)
     parsed = parse_engine_log(path, fmt=source.format, instance=instance, tz=source.tz,
-                              year=source.year or incident.year, clock_offset_s=source.clock_offset_s)
+                              year=year, clock_offset_s=source.clock_offset_s)
+    if derived and any("carry no year" in n for n in parsed.notes):
+        parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
+                            f"modification time); set [settings] year or the source's year to override")
     events = parsed.events
     if events:
         table = pa.table({
@@ -181,6 +188,14 @@ def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
     load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(parsed.quarantined),
                     quarantined=len(parsed.quarantined), notes=notes)
     return _record(con, source, path, digest, load), parsed
+
+
+def _year_for_yearless_stamps(con: duckdb.DuckDBPyConnection, path: Path) -> int:
+    """vLLM stamps carry no year: the first request's year, else the file's modification year."""
+    first = one(con, "SELECT min(ts) FROM requests")[0]
+    if first is not None:
+        return int(first.year)
+    return datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc).year
 
 
 def resolve_model(engine_model: str | None, source: Source, aliases: dict[str, str],
