@@ -141,3 +141,41 @@ def test_raw_text_never_leaves_ingest(sample_run, sample_incident):
 def test_report_states_the_physical_bound(sample_run):
     md = (sample_run / "report.md").read_text()
     assert "times faster than the hardware allows" in md
+
+
+def _table(html: str, table_id: str) -> list[list[str]]:
+    from bs4 import BeautifulSoup
+
+    table = BeautifulSoup(html, "html.parser").find("table", id=table_id)
+    assert table is not None, table_id
+    return [[td.get_text(strip=True) for td in tr.find_all("td")] for tr in table.find("tbody").find_all("tr")]
+
+
+def _n(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def test_every_report_table_matches_scope_and_database(sample_run, scope):
+    """The numbers in the report's tables are the numbers in scope.json and evidence.duckdb."""
+    html = (sample_run / "report.html").read_text()
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    by_class = {r[0]: (_n(r[1]), _n(r[2])) for r in _table(html, "t-by-class")}
+    assert by_class == {c: (v["responses"], v["accounts"]) for c, v in scope["by_account_class"].items()}
+    roles = {(r[0], r[1]): (_n(r[2]), _n(r[3])) for r in _table(html, "t-roles")}
+    assert roles == {(role, cls): (n, recs) for role, cls, n, recs in con.execute(
+        "SELECT role, account_class, count(*), sum(responses) FROM notifications GROUP BY 1, 2").fetchall()}
+    models = {r[0]: (_n(r[1]), _n(r[2]), _n(r[3])) for r in _table(html, "t-models")}
+    assert models == {m: (n, ok, aff) for m, n, ok, aff in con.execute(
+        """SELECT r.model, count(*), count(*) FILTER (WHERE r.status BETWEEN 200 AND 299), count(a.request_id)
+           FROM requests r LEFT JOIN affected_responses a USING (request_id) GROUP BY 1""").fetchall()}
+    assert {m: v[2] for m, v in models.items()} == scope["responses_by_model"]
+    exposure = [(r[0], r[1], r[3], r[4], _n(r[5]), _n(r[6])) for r in _table(html, "t-exposure")]
+    assert exposure == [(w["instance"], w["role"], w["start"], w["end"], w["pool_tokens"], w["context_length"])
+                        for w in scope["exposure_windows"]]
+    rules = {r[0]: (_n(r[3]), _n(r[4])) for r in _table(html, "t-rules")}
+    assert rules == {rid: (n, aff) for rid, n, aff in con.execute(
+        """SELECT rule_id, count(*), count(*) FILTER (WHERE confidence IN ('confirmed', 'probable'))
+           FROM findings GROUP BY 1""").fetchall()} | {r: (0, 0) for r in rules if rules[r] == (0, 0)}
+    loads = [(_n(r[2]), _n(r[3]), _n(r[4]), _n(r[5])) for r in _table(html, "t-load")]
+    assert sorted(loads) == sorted(con.execute(
+        "SELECT records_read, loaded, quarantined, duplicates FROM load_report").fetchall())
