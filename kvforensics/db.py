@@ -14,8 +14,11 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
     con = duckdb.connect(str(path), read_only=read_only)
     con.execute("SET TimeZone = 'UTC'")
     if memory_limit:
-        con.execute("SELECT current_setting('memory_limit')")  # validates the connection first
-        con.execute(f"SET memory_limit = '{_checked_size(memory_limit)}'")
+        # Validated against a strict pattern above, so it is safe to inline (SET takes no parameters).
+        con.execute(f"SET memory_limit = '{_checked_size(memory_limit)}'").fetchall()
+        if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
+            con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
+        con.execute("SET preserve_insertion_order = false").fetchall()
     if threads:
         con.execute(f"SET threads = {int(threads)}")
     if not read_only:
@@ -27,7 +30,9 @@ def _checked_size(value: str) -> str:
     import re
 
     if not re.fullmatch(r"\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)", value.strip()):
-        raise ValueError(f"memory_limit {value!r} must look like '2GB' or '512MiB'")
+        from kvforensics.errors import ConfigError
+
+        raise ConfigError(f"memory_limit {value!r} must look like '2GB' or '512MiB'")
     return value.strip()
 
 

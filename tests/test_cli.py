@@ -6,6 +6,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from kvforensics.cli import main
 
@@ -130,3 +131,21 @@ def test_bad_hardware_spec_is_a_config_error(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "Error: [models.hardware.\"m\"]: gpu must be one of ['A100_SXM', 'B200_HGX', 'H100_SXM', 'H200_SXM'] "
         "(or give peak_flops_per_gpu)\n")
+
+
+def test_adding_a_new_days_file_loads_only_what_is_new(mini_incident, tmp_path):
+    out = tmp_path / "out"
+    assert main(["ingest", str(mini_incident), "--out", str(out), "--quiet"]) == 0
+    day2 = mini_incident.parent / "gateway" / "day2.jsonl"
+    day2.write_text(json.dumps({"rid": "d2-1", "received_at": "2026-08-29T10:00:00Z", "account_id": "a",
+                                "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 5}) + "\n")
+    before = (mini_incident.parent / "gateway" / "day1.jsonl").read_bytes()
+    from kvforensics.investigation import Investigation
+
+    inv = Investigation.open(mini_incident, out, progress=False)
+    result = inv.ingest()
+    inv.close()
+    gateway = {Path(f.file).name: f for f in result.files if f.source == "gateway"}
+    assert "already loaded (same SHA-256): not read again" in gateway["day1.jsonl"].notes
+    assert (gateway["day2.jsonl"].records_read, gateway["day2.jsonl"].loaded) == (1, 1)
+    assert (mini_incident.parent / "gateway" / "day1.jsonl").read_bytes() == before, "inputs are never modified"
