@@ -38,9 +38,10 @@ def spec_from_config(model: str, raw: Mapping[str, Any]) -> latency.HardwareSpec
         if gpu is None:
             raise ConfigError(f"gpu must be one of {sorted(GPUS)} (or give peak_flops_per_gpu)", location=where)
         precision = str(raw.get("precision", "bf16")).lower()
-        peak = gpu.fp8_dense_flops if precision == "fp8" else gpu.bf16_dense_flops
-        if peak is None:
+        chosen = gpu.fp8_dense_flops if precision == "fp8" else gpu.bf16_dense_flops
+        if chosen is None:
             raise ConfigError(f"{gpu.name} has no {precision} tensor cores", location=where)
+        peak = chosen
     args = {k: raw[k] for k in _SPEC_KEYS if k in raw}
     try:
         return latency.HardwareSpec(peak_flops_per_gpu=peak, **args)

@@ -340,7 +340,7 @@ def _csv_or_jsonl_records(source: Source, path: Path, load: FileLoad):
                 if len(row) != len(header):
                     yield start, raw, None, f"expected {len(header)} fields, found {len(row)}"
                 else:
-                    yield start, raw, dict(zip(header, row)), None
+                    yield start, raw, dict(zip(header, row, strict=True)), None
     else:
         stream = LineStream(path)
         for n, rawb in stream:
@@ -409,7 +409,9 @@ def _ingest_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, 
                                                "fp": pa.array(fps, type=pa.int64())}))
             con.execute("INSERT INTO content_fingerprints SELECT * FROM fp_batch").fetchall()
             con.unregister("fp_batch")
-        ids.clear(); parts.clear(); fps.clear()
+        ids.clear()
+        parts.clear()
+        fps.clear()
 
     for line, _raw, rec, problem in _csv_or_jsonl_records(source, path, load):
         load.records_read += 1
@@ -429,8 +431,9 @@ def _ingest_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, 
                 continue
             got = fingerprints(text, key)
             stats.append((str(rid), part, len(got)))
-            for fp in got:
-                ids.append(str(rid)); parts.append(part); fps.append(fp)
+            ids.extend([str(rid)] * len(got))
+            parts.extend([part] * len(got))
+            fps.extend(got)
         if len(fps) > 500_000:
             flush()
     flush()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import INCIDENT, mini_requests, write_mini
+
 from kvforensics.investigation import run
 
 EVIL_ACCOUNT = '<script>alert("acct")</script>'

@@ -125,7 +125,7 @@ def test_raw_text_never_leaves_ingest(sample_run, sample_incident):
     import gzip
 
     with gzip.open(sample_incident.parent / "content" / "content.jsonl.gz", "rt") as fh:
-        texts = [json.loads(line) for _, line in zip(range(200), fh)]
+        texts = [json.loads(line) for _, line in zip(range(200), fh, strict=False)]
     phrases = {" ".join(t["prompt"].split()[:6]) for t in texts if t.get("prompt")}
     outputs = [p for p in sample_run.rglob("*") if p.is_file() and p.suffix in (".csv", ".json", ".md", ".html")]
     for path in outputs:

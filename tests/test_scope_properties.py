@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvforensics.config import ScopeConfig, load_incident
+from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.scope import scope
 

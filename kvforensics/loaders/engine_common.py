@@ -15,7 +15,6 @@ stopped. :func:`parse_engine_log` is the entry point the ingest stage calls.
 from __future__ import annotations
 
 import ast
-import gzip
 import itertools
 import re
 import warnings

@@ -14,7 +14,7 @@ CONFIDENCE_COLOURS = alt.Scale(domain=["confirmed", "probable", "possible", "not
 
 
 def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, *, title: str,
-                interactive: bool = False) -> alt.LayerChart:
+                interactive: bool = False) -> alt.LayerChart | alt.FacetChart:
     """Prompt tokens vs time to first token per request, with the pool limit and the prefill curve.
 
     ``points``: prompt_tokens, observed_ms, confidence, request_id, account_id, measure.
