@@ -23,10 +23,14 @@ def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, 
     x = alt.X("prompt_tokens:Q", title="prompt tokens", scale=alt.Scale(zero=True),
               axis=alt.Axis(format="~s"))
     y = alt.Y("observed_ms:Q", title="time to first token (ms, log)", scale=alt.Scale(type="log"))
-    dots = alt.Chart(points).mark_circle(size=28, opacity=0.75).encode(
+    dots = alt.Chart(points).mark_circle(size=28).encode(
         x=x, y=y, color=alt.Color("confidence:N", scale=CONFIDENCE_COLOURS, title="finding"),
         tooltip=["request_id:N", "account_id:N", "prompt_tokens:Q", "observed_ms:Q", "measure:N", "confidence:N"],
+        opacity=alt.value(0.75),
     )
+    if interactive:  # click a legend entry to highlight one tier
+        pick = alt.selection_point(fields=["confidence"], bind="legend")
+        dots = dots.add_params(pick).encode(opacity=alt.condition(pick, alt.value(0.85), alt.value(0.08)))
     layers: list[alt.Chart] = []
     if not curve.empty:
         layers.append(alt.Chart(curve).mark_line(color="#2c3e50", strokeDash=[6, 3]).encode(
