@@ -151,3 +151,34 @@ def test_opentelemetry_names_are_recognised_without_a_mapping(tmp_path):
 def test_empty_file_loads_nothing(tmp_path):
     con, r, reasons = load(tmp_path, "gw.jsonl", "")
     assert (r.records_read, r.loaded, r.quarantined) == (0, 0, 0)
+
+
+def test_values_that_cannot_be_stored_are_quarantined_not_raised(tmp_path):
+    lines = [
+        rec("big_status", http_status=1e20),
+        rec("big_prompt", prompt_tokens=10**30),
+        rec("inf_prompt", prompt_tokens="Infinity"),
+        rec("big_cached", cached_tokens=10**19, prompt_tokens=5),
+        rec("epoch_overflow", received_at=1e300),
+        rec("infinite_ts", received_at="infinity"),
+        rec("far_future", received_at="294000-01-01"),
+        rec("before_1970", received_at="1969-12-31T23:59:59Z"),
+        json.dumps({"rid": {"nested": [1]}, "received_at": "2026-08-28T10:00:00Z", "account_id": "a",
+                    "model": "m", "http_status": 200, "prompt_tokens": 1}),
+        rec("bool_account", account_id=True),
+        rec("ok"),
+    ]
+    con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join(lines) + "\n")
+    assert (r.records_read, r.loaded, r.quarantined) == (11, 1, 10)
+    assert reasons == [
+        "status is not an HTTP status code: '100000000000000000000.0'",
+        "prompt_tokens is out of range: '1000000000000000000000000000000'",
+        "prompt_tokens is not a non-negative integer: 'Infinity'",
+        "cached_tokens is out of range: '10000000000000000000'",
+        "bad timestamp '1e300'",
+        "bad timestamp 'infinity'",
+        "bad timestamp '294000-01-01'",
+        "bad timestamp '1969-12-31T23:59:59Z'",
+        "request_id must be a string or a number, not a JSON object",
+        "account_id must be a string or a number, not a JSON boolean",
+    ]

@@ -7,11 +7,21 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvforensics.config import Source, load_incident
 from kvforensics.db import connect
 from kvforensics.ingest import ingest
 from kvforensics.loaders.requests import load_requests_file
-from kvforensics.loaders.sglang_requests import NO_ACCOUNT, ReprDump, read_line, recognises
+from kvforensics.loaders.sglang_requests import (
+    NO_ACCOUNT,
+    ReprDump,
+    _top_level_items,
+    _top_level_items_by_token,
+    read_line,
+    recognises,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 ORPHAN = ("Receive line without a Finish line in this file (the client disconnected, the request was still "
@@ -176,8 +186,8 @@ def test_account_from_a_mapped_header_and_its_absence_named(tmp_path):
         assert quarantine == [(2, f"no account id in the request log (columns.account_id = '{mapped}' is absent)")]
     con, r, rows, quarantine = load(p, model="m")
     assert [(row[0], row[2]) for row in rows] == [("h1", "route-1"), ("h2", "route-2")]
-    assert ("account_id read from the x-smg-routing-key header (the router's routing key): check that your router "
-            "sets it to the account") in r.notes
+    assert ("account_id read from the router's routing key (the x-smg-routing-key header, else obj.routing_key): "
+            "check that your router sets it to the account") in r.notes
 
 
 def test_level3_untruncated_prompt_is_read_quickly_and_never_copied(tmp_path):
@@ -198,7 +208,7 @@ def test_level3_untruncated_prompt_is_read_quickly_and_never_copied(tmp_path):
         "no model in the request log (set model = \"<gateway model id>\" on the source)"] * 2
     raws = [row[0] for row in con.execute("SELECT raw FROM quarantine").fetchall()]
     assert raws and not any("CONFIDENTIAL" in raw or "brown" in raw for raw in raws)
-    assert json.loads(raws[0])["meta_info"]["prompt_tokens"] == 700000
+    assert json.loads(raws[0])["meta_info"]["prompt_tokens"] == "700000"  # as written in the line
     con, r, rows, quarantine = load(p, columns={"account_id": "obj.rid"}, model="m")
     assert [(row[0], row[1], row[5]) for row in rows] == [("big1", utc("2026-08-28T10:00:00"), 700000),
                                                           ("big2", utc("2026-08-28T10:00:01.8"), 700000)]
@@ -244,10 +254,12 @@ def test_meta_info_shaped_gateway_jsonl_is_recognised_without_a_mapping(tmp_path
 
 
 def test_recognises_request_logs_but_not_engine_logs_or_gateway_jsonl(tmp_path):
-    assert all(recognises(p) for p in FIXTURES.glob("*.log") if "0.3.6" not in p.name)
+    assert all(recognises(p) for p in FIXTURES.glob("*.log"))
     engine = Path(__file__).parent / "fixtures" / "engine_logs" / "sglang-0.5.15-pd-prefill-tp8.log"
     assert not recognises(engine)
-    assert not recognises(write(tmp_path, [json.dumps({"rid": "r", "event": "login"})], "gw.jsonl"))
+    gateway = [json.dumps({"rid": "r", "event": "login"}),
+               json.dumps({"rid": "r", "event": "request.finished", "account_id": "a", "status": 200})]
+    assert not recognises(write(tmp_path, gateway, "gw.jsonl"))
 
 
 def test_repr_reader_keeps_quoted_text_whole():
@@ -288,3 +300,10 @@ format = "sglang"
     assert con.execute("SELECT source, records_read, loaded, quarantined FROM load_report ORDER BY source"
                        ).fetchall()[0] == ("engine-requests", 3, 3, 0)
     assert con.execute("SELECT count(*) FROM requests").fetchall() == [(3,)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="()[]{},'\"\\ab1 =:", max_size=40), data=st.data())
+def test_fast_item_splitter_agrees_with_the_token_scanner(text, data):
+    start = data.draw(st.integers(0, len(text)))
+    assert _top_level_items(text, start) == _top_level_items_by_token(text, start)

@@ -192,22 +192,29 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
                      WHEN NOT json_valid(raw) THEN 'malformed JSON'
                      WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END
                    WHERE problem IS NULL""")
+    paths: list[str] = []
+    wrong_type: list[str] = []
+    extract: list[str] = []
     for canonical in CANONICAL_REQUEST_FIELDS:
         col = chosen[canonical]
         if col is None:
             continue
-        paths = _json_paths(col)
+        first = len(paths) + 1
+        paths.extend(_json_paths(col))
+        numbers = range(first, len(paths) + 1)
+        types = "coalesce(" + ", ".join(f"json_type(raw, ${i})" for i in numbers) + ")"
         # a field that holds an object, an array or a boolean is not a value of that field
-        types = ", ".join(f"json_type(raw, ${i + 1})" for i in range(len(paths)))
-        con.execute(f"""UPDATE staging_requests
-                        SET problem = '{canonical} must be a string or a number, not a JSON '
-                                      || lower(coalesce({types}))
-                        WHERE problem IS NULL AND coalesce({types}) IN ('OBJECT', 'ARRAY', 'BOOLEAN')""", paths)
-        expr = "coalesce(" + ", ".join(f"json_extract_string(raw, ${i + 1})" for i in range(len(paths))) + ")"
+        wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
+                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower({types})")
+        expr = "coalesce(" + ", ".join(f"json_extract_string(raw, ${i})" for i in numbers) + ")"
         if col in SECONDS_ALIASES and canonical not in source.columns:
             # seconds -> milliseconds; a value that is not a number is kept as it is, to be refused
             expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
-        con.execute(f"UPDATE staging_requests SET {canonical}_raw = {expr} WHERE problem IS NULL", paths)
+        extract.append(f"{canonical}_raw = {expr}")
+    if paths:  # two passes over the staged lines, whatever the number of fields
+        con.execute(f"UPDATE staging_requests SET problem = CASE {' '.join(wrong_type)} END WHERE problem IS NULL",
+                    paths)
+        con.execute(f"UPDATE staging_requests SET {', '.join(extract)} WHERE problem IS NULL", paths)
     load.notes.extend(_mapping_notes(source, chosen))
     if chosen["status"] is None:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)

@@ -103,12 +103,49 @@ _META_SKIP = ("logprobs", "hidden_states", "routed_experts", "output_ids", "embe
 # --------------------------------------------------------------------------------------------
 
 
+def _nested_item_pattern(depth: int) -> re.Pattern[str]:
+    """One item of a repr list: strings, bracket groups nested up to *depth*, other characters but commas.
+
+    Possessive repetition: the match never backtracks, so a line costs one pass in the regex engine.
+    (A closing bracket of another kind than the opening one is accepted, as the slow scanner does.)
+    """
+    string = r"'[^'\\]*+(?:\\.[^'\\]*+)*+'|\"[^\"\\]*+(?:\\.[^\"\\]*+)*+\""
+    plain = r"[^()\[\]{}'\"]"
+    group = rf"[(\[{{](?:{string}|{plain})*+[)\]}}]"
+    for _ in range(depth - 1):
+        group = rf"[(\[{{](?:{string}|{plain}|{group})*+[)\]}}]"
+    return re.compile(rf"(?:{string}|{group}|[^,()\[\]{{}}'\"])*+")
+
+
+_ITEM = _nested_item_pattern(12)
+
+
 def _top_level_items(text: str, start: int) -> tuple[list[tuple[int, int]], int | None]:
     """Spans of the comma-separated items of ``text[start:]`` up to its unmatched closing bracket.
 
     Quoted strings are skipped whole, so commas and brackets inside a prompt cannot split an item
     (or forge one). Returns the spans and the index of the closing bracket (None if the text ended).
+    Each item is one regex match; text the pattern cannot take (nesting deeper than it handles, an
+    unterminated quote) goes to a token-by-token scan.
     """
+    spans: list[tuple[int, int]] = []
+    pos = start
+    n = len(text)
+    while True:
+        end = _ITEM.match(text, pos).end()  # type: ignore[union-attr]  # matches the empty string at worst
+        spans.append((pos, end))
+        if end >= n:
+            return spans, None
+        c = text[end]
+        if c == ",":
+            pos = end + 1
+        elif c in ")]}":
+            return spans, end
+        else:
+            return _top_level_items_by_token(text, start)
+
+
+def _top_level_items_by_token(text: str, start: int) -> tuple[list[tuple[int, int]], int | None]:
     depth = 0
     item_start = start
     spans: list[tuple[int, int]] = []
@@ -130,8 +167,31 @@ def _top_level_items(text: str, start: int) -> tuple[list[tuple[int, int]], int 
     return spans, None
 
 
-def _literal(text: str) -> object:
-    if not text or len(text) > 10_000:
+_INT = re.compile(r"-?\d{1,4000}")
+_FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+_WORDS: dict[str, object] = {"None": None, "True": True, "False": False, "inf": math.inf, "-inf": -math.inf,
+                             "nan": math.nan}
+
+
+def _literal(text: str, *, fallback: bool = True) -> object:
+    """A Python literal from its repr; the text itself when it is not one.
+
+    Scalars (the fields read here) take a fast path; anything else goes to ``ast.literal_eval``
+    unless *fallback* is off.
+    """
+    if not text:
+        return text
+    if text in _WORDS:
+        return _WORDS[text]
+    c = text[0]
+    if c in "'\"":
+        if len(text) >= 2 and text[-1] == c and "\\" not in text and c not in text[1:-1]:
+            return text[1:-1]
+    elif _INT.fullmatch(text):
+        return int(text)
+    elif _FLOAT.fullmatch(text):
+        return float(text)
+    if not fallback or len(text) > 10_000:
         return text
     try:
         with warnings.catch_warnings():
@@ -142,63 +202,85 @@ def _literal(text: str) -> object:
 
 
 class ReprDump:
-    """The fields of ``Name(a=1, ...)`` or ``{'a': 1, ...}``, each value parsed only when asked for."""
+    """The fields of ``Name(a=1, ...)`` or ``{'a': 1, ...}``, split only as far as a lookup needs.
 
-    __slots__ = ("items",)
+    Values are parsed when asked for, so the prompt of a level-3 line is never parsed at all.
+    """
 
-    def __init__(self, items: dict[str, str]) -> None:
-        self.items = items
+    __slots__ = ("_text", "_items", "_pos", "_is_dict")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._items: dict[str, str] = {}
+        self._is_dict = text.startswith("{")
+        m = None if self._is_dict else _CALL.match(text)
+        self._pos: int | None = 1 if self._is_dict else (m.end() if m else 0)  # None once fully split
 
     @classmethod
     def parse(cls, text: str) -> ReprDump | None:
         text = text.strip()
-        if text.startswith("{"):
-            spans, _ = _top_level_items(text, 1)
-            items: dict[str, str] = {}
+        if text.startswith("{") or _CALL.match(text):
+            return cls(text)
+        return None
+
+    def _next_item(self) -> None:
+        """Split off the next item (``self._pos`` is None when there are no more)."""
+        text, pos = self._text, self._pos
+        assert pos is not None
+        end = _ITEM.match(text, pos).end()  # type: ignore[union-attr]  # matches the empty string at worst
+        if end < len(text) and text[end] not in ",)]}":
+            # nesting deeper than the pattern takes, or an unterminated quote: the token scanner
+            spans, _ = _top_level_items_by_token(text, pos)
             for a, b in spans:
-                item = text[a:b].strip()
-                if not item:
-                    continue
-                key_match = _STRING.match(item)
-                if key_match:
-                    key = _literal(key_match.group())
-                    rest = item[key_match.end():].lstrip()
-                    if not rest.startswith(":"):
-                        continue
-                    value = rest[1:]
-                else:
-                    key, sep, value = item.partition(":")
-                    if not sep:
-                        continue
-                    key = key.strip()
-                items.setdefault(str(key), value.strip())
-            return cls(items)
-        m = _CALL.match(text)
-        if m is None:
-            return None
-        spans, _ = _top_level_items(text, m.end())
-        items = {}
-        for a, b in spans:
-            name, sep, value = text[a:b].partition("=")
+                self._add(text[a:b])
+            self._pos = None
+            return
+        self._add(text[pos:end])
+        self._pos = end + 1 if end < len(text) and text[end] == "," else None
+
+    def _add(self, item: str) -> None:
+        item = item.strip()
+        if self._is_dict:
+            key_match = _STRING.match(item)
+            if key_match:
+                key: object = _literal(key_match.group())
+                rest = item[key_match.end():].lstrip()
+                if not rest.startswith(":"):
+                    return
+                value = rest[1:]
+            else:
+                key, sep, value = item.partition(":")
+                if not sep:
+                    return
+                key = key.strip()
+            self._items.setdefault(str(key), value.strip())
+        else:
+            name, sep, value = item.partition("=")
             name = name.strip()
             if sep and _NAME.fullmatch(name):
-                items.setdefault(name, value.strip())
-        return cls(items)
+                self._items.setdefault(name, value.strip())
+
+    @property
+    def items(self) -> dict[str, str]:
+        """Field name -> the field's source text, for every field."""
+        while self._pos is not None:
+            self._next_item()
+        return self._items
 
     def get(self, key: str) -> object:
-        raw = self.items.get(key)
+        while key not in self._items and self._pos is not None:
+            self._next_item()
+        raw = self._items.get(key)
         return None if raw is None else _repr_value(raw)
 
     def keys(self) -> list[str]:
         return list(self.items)
 
 
-def _repr_value(raw: str) -> object:
+def _repr_value(raw: str, *, fallback: bool = True) -> object:
     if raw.startswith("{") or _CALL.match(raw):
-        return ReprDump.parse(raw)
-    if raw == "None":
-        return None
-    return _literal(raw)
+        return ReprDump(raw)
+    return _literal(raw, fallback=fallback)
 
 
 def _get(node: object, key: str) -> object:
@@ -219,13 +301,17 @@ def _get_header(headers: object, name: str) -> object:
 
 
 def _plain(node: object, depth: int = 0) -> object:
-    """A JSON-able copy of small scalar parts of a record (for the quarantine's raw column)."""
-    if isinstance(node, (Mapping, ReprDump)):
+    """A JSON-able copy of the small parts of a record (for the quarantine's raw column).
+
+    Text dumps are not parsed for this: their values are shown as written, long ones elided.
+    """
+    if isinstance(node, ReprDump):
+        return {k: (v if len(v) <= 200 else f"<{len(v)} chars>") for k, v in node.items.items()
+                if not any(s in k for s in _META_SKIP)}
+    if isinstance(node, Mapping):
         if depth > 2:
             return "{...}"
-        keys = node.keys()
-        return {str(k): _plain(_get(node, k), depth + 1) for k in keys
-                if not any(s in str(k) for s in _META_SKIP)}
+        return {str(k): _plain(v, depth + 1) for k, v in node.items() if not any(s in str(k) for s in _META_SKIP)}
     if isinstance(node, (list, tuple)):
         return f"[{len(node)} items]"
     if isinstance(node, str) and len(node) > 200:
@@ -378,10 +464,11 @@ def recognises(path: Path) -> bool:
         if seen > _SNIFF_LINES:
             break
         text = raw.decode("utf-8", "replace")
-        if not (_JSON_EVENT.search(text) or "Receive: obj=" in text or "Finish: obj=" in text):
+        if not (_JSON_EVENT.search(text) or "Receive: obj=" in text or "Finish: obj=" in text or "in=" in text):
             continue
         event = read_line(0, text)
-        if event is not None and event.kind in ("receive", "finish", "openai"):
+        # SGLang's records always carry the request object; a gateway's own "event" field does not make one
+        if event is not None and event.kind in ("receive", "finish") and isinstance(event.obj, (dict, ReprDump)):
             return True
     return False
 
@@ -633,9 +720,6 @@ class RequestLogReader:
                              else _seconds_to_ms(_get(meta, "first_token_latency")))
         for canonical in ("prefill_instance", "decode_instance"):
             values[canonical] = _text(self._lookup(root, columns[canonical])) if canonical in columns else None
-        for canonical, value in values.items():
-            if value is not None and "\x00" in value:
-                values[canonical] = value.replace("\x00", "")
 
         summary = {"line": "Finish", "rid": _plain(rid), "receive_line": pending.line if pending else None,
                    "headers": _plain(headers), "meta_info": _plain(meta)}
@@ -684,8 +768,8 @@ class RequestLogReader:
                 f"headers ({ROUTING_KEY_HEADER} plus SGLANG_LOG_REQUEST_HEADERS); map the one that carries the "
                 "account with columns = { account_id = \"headers.<name>\" }")
         elif c("finish") and "account_id" not in self.source.columns:
-            notes.append(f"account_id read from the {ROUTING_KEY_HEADER} header (the router's routing key): "
-                         "check that your router sets it to the account")
+            notes.append(f"account_id read from the router's routing key (the {ROUTING_KEY_HEADER} header, else "
+                         "obj.routing_key): check that your router sets it to the account")
         if c("model_setting"):
             notes.append(f"model set from the source's model setting ({self.source.model})")
         if c("model_served"):
@@ -714,14 +798,15 @@ class RequestLogReader:
 
 def reason_rewrites(source: Source) -> dict[str, str]:
     """Typing-step reasons for a missing field, reworded for an SGLang request log."""
-    account = NO_ACCOUNT
-    if "account_id" in source.columns:
-        account = (f"no account id in the request log (columns.account_id = '{source.columns['account_id']}' "
-                   "is absent)")
-    return {
-        "missing required field 'request_id'": NO_ID,
-        "missing required field 'ts'": NO_TS,
-        "missing required field 'account_id'": account,
-        "missing required field 'model'": NO_MODEL,
-        "missing required field 'status'": NO_STATUS,
-    }
+    defaults = {"request_id": NO_ID, "ts": NO_TS, "account_id": NO_ACCOUNT, "model": NO_MODEL, "status": NO_STATUS}
+    rewrites = {}
+    for canonical, reason in defaults.items():
+        if canonical in source.columns:
+            name = "account id" if canonical == "account_id" else canonical
+            reason = f"no {name} in the request log (columns.{canonical} = '{source.columns[canonical]}' is absent)"
+        rewrites[f"missing required field '{canonical}'"] = reason
+    if "prompt_tokens" in source.columns:
+        rewrites["missing required field 'prompt_tokens'"] = (
+            f"no prompt_tokens in the request log (columns.prompt_tokens = '{source.columns['prompt_tokens']}' "
+            "is absent)")
+    return rewrites
