@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/kvforensics: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,spark]'
 	touch $@
 
 setup: $(BIN)/kvforensics

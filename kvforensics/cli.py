@@ -18,13 +18,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--no-pdf", action="store_true", help="skip report.pdf (it needs a local Chromium)")
+    p.add_argument("--engine", choices=["duckdb", "spark"], default="duckdb",
+                   help="where detect and scope run (ingest is always DuckDB; spark needs the 'spark' extra)")
+    p.add_argument("--spark-master", help="Spark master URL for --engine spark (default local[2])")
 
 
 def _investigation(args: argparse.Namespace):
+    from kvforensics.errors import ConfigError
     from kvforensics.investigation import Investigation
 
+    if args.spark_master and args.engine != "spark":
+        raise ConfigError("--spark-master needs --engine spark")
+
     return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
-                              progress=not args.quiet, pdf=not args.no_pdf)
+                              progress=not args.quiet, pdf=not args.no_pdf, engine=args.engine,
+                              spark_master=args.spark_master)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 A rule is two files: ``<id>.sql`` returns ``request_id, strength, evidence`` for the requests it
 flags, using named parameters (``$name``) declared with defaults in ``<id>.yml``, which also holds
-its metadata and its own positive and negative test cases.
+its metadata and its own positive and negative test cases. The SQL is portable
+(``kvforensics.engines.portable``): ``Rule.template`` is the file, ``Rule.sql`` its DuckDB rendering.
 
 Confidence tiers per request (documented in the report's method section):
   * ``confirmed``: at least one strong signal and at least two rules agree;
@@ -22,13 +23,17 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 import pandas as pd
 import yaml
 
+from kvforensics.engines.portable import EngineError, render
 from kvforensics.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvforensics.engines.spark import SparkEngine
 
 RULES_DIR = Path(__file__).parent / "rules"
 AFFECTED_TIERS = ("confirmed", "probable")
@@ -41,7 +46,7 @@ class Rule:
     title: str
     severity: str
     description: str
-    sql: str
+    sql: str                     # the template rendered for DuckDB
     version: str
     parameters: Mapping[str, Any]
     parameter_docs: Mapping[str, str]
@@ -50,6 +55,7 @@ class Rule:
     tests: tuple[Mapping[str, Any], ...] = ()
     needs_latency_model: bool = False
     meta: Mapping[str, Any] = field(default_factory=dict)
+    template: str = ""           # the portable text of <id>.sql (helpers not yet expanded)
 
     def used_parameters(self) -> set[str]:
         return set(_PARAM.findall(re.sub(r"--[^\n]*", "", self.sql)))
@@ -72,15 +78,20 @@ def load_rules(directory: Path = RULES_DIR) -> tuple[Rule, ...]:
         if not sql_path.exists():
             raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
         text = sql_path.read_text(encoding="utf-8")
+        try:
+            duckdb_sql = render(text, "duckdb")
+        except EngineError as e:
+            raise ConfigError(f"rule {yml.stem}: {e}", location=str(sql_path)) from None
         version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
         params = meta.get("parameters") or {}
         rules.append(Rule(
             id=str(meta.get("id", "")), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
-            description=str(meta.get("description", "")).strip(), sql=text, version=version,
+            description=str(meta.get("description", "")).strip(), sql=duckdb_sql, version=version,
             parameters={k: v.get("default") for k, v in params.items()},
             parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
             references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
             tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
+            template=text,
         ))
     return tuple(sorted(rules, key=lambda r: r.id))
 
@@ -103,8 +114,13 @@ def run_rule(con: duckdb.DuckDBPyConnection, rule: Rule, params: Mapping[str, An
 
 
 def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-           rules: tuple[Rule, ...] | None = None) -> pd.DataFrame:
-    """Run all rules, fit the latency model in between, write ``findings`` and ``request_tiers``."""
+           rules: tuple[Rule, ...] | None = None, spark: SparkEngine | None = None) -> pd.DataFrame:
+    """Run all rules, fit the latency model in between, write ``findings`` and ``request_tiers``.
+
+    With ``spark`` (a :class:`kvforensics.engines.spark.SparkEngine` holding the canonical tables),
+    the rules run on Spark; the latency fit (an aggregate over ``requests``) and the combination of
+    the collected findings into tiers run on the evidence database either way.
+    """
     from kvforensics import latency
 
     overrides = overrides or {}
@@ -115,15 +131,17 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     frames = []
     con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
     for rule in [r for r in rules if not r.needs_latency_model]:
-        frames.append(_collect(con, rule, overrides.get(rule.id)))
+        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
     if frames:
         ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
         con.register("flagged_ids", ids)
         con.execute("INSERT INTO flagged_before_latency SELECT request_id FROM flagged_ids").fetchall()
         con.unregister("flagged_ids")
     latency.fit_models(con, exclude_table="flagged_before_latency")
+    if spark is not None:
+        spark.push_tables(con, ["latency_model"])
     for rule in [r for r in rules if r.needs_latency_model]:
-        frames.append(_collect(con, rule, overrides.get(rule.id)))
+        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
     found = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
         columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters"])
     con.register("raw_findings", found)
@@ -146,9 +164,10 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     return found
 
 
-def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None) -> pd.DataFrame:
+def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None,
+             spark: SparkEngine | None = None) -> pd.DataFrame:
     params = rule_parameters(rule, overrides)
-    df = run_rule(con, rule, params)
+    df = spark.run_rule(con, rule, params) if spark is not None else run_rule(con, rule, params)
     df["request_id"] = df["request_id"].astype(str)
     df["evidence"] = df["evidence"].astype(str)
     df["strength"] = df["strength"].astype(str)

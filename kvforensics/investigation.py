@@ -13,6 +13,7 @@ import pandas as pd
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
+from kvforensics.errors import ConfigError
 from kvforensics.ingest import IngestResult, ingest
 from kvforensics.progress import record_progress, stage
 from kvforensics.scope import ScopeResult, scope
@@ -28,10 +29,20 @@ class Investigation:
     memory_limit: str | None = None
     progress: bool = True
     pdf: bool = True
+    engine: str = "duckdb"               # where detect and scope run: duckdb | spark
+    spark_master: str | None = None      # Spark master URL (default local[2])
+    spark_requests_table: str | None = None  # else [settings] spark_requests_table
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
     _con: duckdb.DuckDBPyConnection | None = None
+    _spark: Any = None
+
+    def __post_init__(self) -> None:
+        from kvforensics.engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @classmethod
     def open(cls, incident: str | Path | Incident, out_dir: str | Path, **kwargs: Any) -> "Investigation":
@@ -50,6 +61,18 @@ class Investigation:
             self._con = connect(self.db_path, memory_limit=self.memory_limit or self.incident.memory_limit)
         return self._con
 
+    @property
+    def spark(self) -> Any:
+        """The Spark engine of a ``--engine spark`` investigation (None on DuckDB)."""
+        if self.engine != "spark":
+            return None
+        if self._spark is None:
+            from kvforensics.engines.spark import SparkEngine, requests_table_setting
+
+            table = self.spark_requests_table or requests_table_setting(self.incident)
+            self._spark = SparkEngine.start(self.spark_master, table)
+        return self._spark
+
     def close(self) -> None:
         if self._con is not None:
             self._con.close()
@@ -67,12 +90,13 @@ class Investigation:
     def detect(self) -> pd.DataFrame:
         from kvforensics.detect import detect
 
-        stage("detect: rules and latency model", self.progress)
-        return detect(self.con, overrides=self.incident.rule_parameters)
+        stage(f"detect: rules and latency model{' (rules on Spark)' if self.spark else ''}", self.progress)
+        return detect(self.con, overrides=self.incident.rule_parameters, spark=self.spark)
 
     def scope(self) -> ScopeResult:
-        stage("scope: affected responses, recipients, sources, windows", self.progress)
-        self.scope_result = scope(self.con, self.incident)
+        stage(f"scope: affected responses, recipients, sources, windows{' (on Spark)' if self.spark else ''}",
+              self.progress)
+        self.scope_result = scope(self.con, self.incident, spark=self.spark)
         return self.scope_result
 
     def write_outputs(self) -> dict[str, Any]:

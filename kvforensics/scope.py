@@ -1,20 +1,25 @@
 """Scope: affected responses, recipients, possible and confirmed sources, windows, exploitation.
 
-All of it is SQL over the evidence database (``sql/scope.sql``, ``sql/exploitation.sql``,
-``sql/notifications.sql``); this module runs it with the investigation's parameters and gathers the
-headline numbers of ``scope.json``.
+All of it is portable SQL (``sql/scope.sql``, ``sql/exploitation.sql``, ``sql/notifications.sql``,
+``sql/gaps.sql``); this module runs it with the investigation's parameters, on the evidence database
+or, with ``spark``, on Spark with the result tables written back, and gathers the headline numbers of
+``scope.json`` from the evidence database.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 
 from kvforensics.config import Incident
-from kvforensics.db import one, run_script
+from kvforensics.db import one
+from kvforensics.engines.portable import run_duckdb_script
+
+if TYPE_CHECKING:
+    from kvforensics.engines.spark import SparkEngine
 
 SCOPE_PARAMETERS: dict[str, Any] = {
     "horizon_factor": 1.5,            # x pool: pages can outlive a pool's worth of writes while held
@@ -58,14 +63,19 @@ class ScopeResult:
                 f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>")
 
 
+SCOPE_SCRIPTS = ("scope", "exploitation", "notifications", "gaps")
+
+
 def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
-          overrides: Mapping[str, Any] | None = None) -> ScopeResult:
+          overrides: Mapping[str, Any] | None = None, spark: SparkEngine | None = None) -> ScopeResult:
     params = {**SCOPE_PARAMETERS, **(overrides or {})}
     period = {"start": incident.scope.start, "end": incident.scope.end}
-    run_script(con, "scope", {**params, **period})
-    run_script(con, "exploitation", params)
-    run_script(con, "notifications", {})
-    run_script(con, "gaps", params)
+    scripts = [(name, {**params, **period}) for name in SCOPE_SCRIPTS]
+    if spark is not None:
+        spark.run_scripts(con, scripts)
+    else:
+        for name, script_params in scripts:
+            run_duckdb_script(con, name, script_params)
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
 

@@ -4,7 +4,8 @@
 WITH hits AS (
     SELECT r.request_id, r.prompt_tokens, e.prompt_tokens AS engine_prompt_tokens, e.instance,
            e.source_file, e.source_line,
-           row_number() OVER (PARTITION BY r.request_id ORDER BY e.ts, e.source_file, e.source_line) AS pick
+           row_number() OVER (PARTITION BY r.request_id ORDER BY e.ts NULLS LAST, e.source_file NULLS LAST,
+                                               e.source_line NULLS LAST) AS pick
     FROM requests r
     JOIN engine_events e ON e.request_id = r.request_id
     WHERE r.status BETWEEN 200 AND 299
@@ -13,7 +14,7 @@ WITH hits AS (
       AND abs(e.prompt_tokens - r.prompt_tokens) > GREATEST($min_abs_diff, $max_rel_diff * r.prompt_tokens)
 )
 SELECT request_id, 'weak' AS strength,
-       json_object('gateway_prompt_tokens', prompt_tokens, 'engine_prompt_tokens', engine_prompt_tokens,
-                   'instance', instance, 'log_line', source_file || ':' || CAST(source_line AS VARCHAR)) AS evidence
+       {{ json_object('gateway_prompt_tokens', prompt_tokens, 'engine_prompt_tokens', engine_prompt_tokens,
+                      'instance', instance, 'log_line', source_file || ':' || CAST(source_line AS STRING)) }} AS evidence
 FROM hits
 WHERE pick = 1

@@ -25,8 +25,9 @@ WITH r AS (
     FROM bounded
 )
 SELECT request_id, 'weak' AS strength,
-       json_object('measure', measure, 'observed_ms', round(observed_ms, 1),
-                   'expected_min_ms', round(expected_min_ms, 1), 'uncached_tokens', uncached_tokens,
-                   'evaluated_at_tokens', n_eval, 'speedup', round(expected_min_ms / GREATEST(observed_ms, 1), 1)) AS evidence
+       {{ json_object('measure', measure, 'observed_ms', {{ round_double(observed_ms, 1) }},
+                      'expected_min_ms', {{ round_double(expected_min_ms, 1) }}, 'uncached_tokens', uncached_tokens,
+                      'evaluated_at_tokens', n_eval,
+                      'speedup', {{ round_double(expected_min_ms / GREATEST(observed_ms, 1), 1) }}) }} AS evidence
 FROM judged
 WHERE observed_ms IS NOT NULL AND observed_ms < $max_fraction * expected_min_ms

@@ -23,7 +23,8 @@ WITH served AS (
     WHERE c.role = 'decode' AND c.kv_pool_tokens IS NOT NULL
 ), model_pools AS (
     SELECT s.request_id, s.prompt_tokens, c.instance, c.kv_pool_tokens, c.context_length,
-           row_number() OVER (PARTITION BY s.request_id ORDER BY c.kv_pool_tokens, c.instance) AS smallest_first,
+           row_number() OVER (PARTITION BY s.request_id ORDER BY c.kv_pool_tokens NULLS LAST,
+                                                                c.instance NULLS LAST) AS smallest_first,
            max(LEAST(c.kv_pool_tokens, coalesce(c.context_length, c.kv_pool_tokens)))
                OVER (PARTITION BY s.request_id) AS largest_limit
     FROM served s
@@ -43,14 +44,14 @@ WITH served AS (
 ), exceeded AS (
     SELECT *,
            LEAST(kv_pool_tokens, coalesce(context_length, kv_pool_tokens)) - $reject_margin AS engine_limit_tokens,
-           row_number() OVER (PARTITION BY request_id ORDER BY priority) AS pick
+           row_number() OVER (PARTITION BY request_id ORDER BY priority NULLS LAST) AS pick
     FROM candidates
     WHERE prompt_tokens >= LEAST(kv_pool_tokens, coalesce(context_length, kv_pool_tokens)) - $reject_margin
 )
 SELECT request_id,
        CASE WHEN basis = 'smallest_prefill_pool_of_model' THEN 'weak' ELSE 'strong' END AS strength,
-       json_object('basis', basis, 'instance', instance, 'kv_pool_tokens', kv_pool_tokens,
-                   'context_length', context_length, 'engine_limit_tokens', engine_limit_tokens,
-                   'prompt_tokens', prompt_tokens) AS evidence
+       {{ json_object('basis', basis, 'instance', instance, 'kv_pool_tokens', kv_pool_tokens,
+                      'context_length', context_length, 'engine_limit_tokens', engine_limit_tokens,
+                      'prompt_tokens', prompt_tokens) }} AS evidence
 FROM exceeded
 WHERE pick = 1

@@ -4,7 +4,7 @@ CREATE OR REPLACE TABLE notifications AS
 WITH received AS (
     SELECT account_id, account_class, 'received_foreign_data' AS role, count(*) AS responses,
            min(ts) AS first_ts, max(ts) AS last_ts,
-           string_agg(request_id, ' ' ORDER BY ts, request_id) AS request_ids
+           {{ string_agg_ordered(request_id, ' ', ts, request_id) }} AS request_ids
     FROM affected_responses GROUP BY account_id, account_class
 ), confirmed AS (
     SELECT DISTINCT m.source_account_id AS account_id, m.source_request_id AS request_id
@@ -20,11 +20,11 @@ WITH received AS (
     UNION ALL SELECT 'data_exposed_possible' AS role, * FROM possible
 ), exposed AS (
     SELECT s.account_id, ac.account_class, s.role, count(*) AS responses, min(r.ts) AS first_ts, max(r.ts) AS last_ts,
-           string_agg(s.request_id, ' ' ORDER BY r.ts, s.request_id) AS request_ids
+           {{ string_agg_ordered(s.request_id, ' ', r.ts, s.request_id) }} AS request_ids
     FROM sourced s JOIN requests r ON r.request_id = s.request_id
     JOIN account_classes ac ON ac.account_id = s.account_id
     GROUP BY s.account_id, ac.account_class, s.role
 )
 SELECT * FROM received
 UNION ALL SELECT * FROM exposed
-ORDER BY role DESC, account_class, account_id;
+ORDER BY role DESC NULLS LAST, account_class NULLS LAST, account_id NULLS LAST;

@@ -6,16 +6,16 @@ CREATE OR REPLACE TABLE account_classes AS
 WITH a AS (SELECT DISTINCT account_id FROM requests),
 m AS (
     SELECT a.account_id, p.account_class,
-           row_number() OVER (PARTITION BY a.account_id ORDER BY p.priority, p.pattern) AS pick
-    FROM a JOIN account_patterns p ON a.account_id GLOB p.pattern
+           row_number() OVER (PARTITION BY a.account_id ORDER BY p.priority NULLS LAST, p.pattern NULLS LAST) AS pick
+    FROM a JOIN account_patterns p ON {{ glob_match(a.account_id, p.pattern) }}
 )
 SELECT a.account_id, coalesce(m.account_class, 'customer') AS account_class
 FROM a LEFT JOIN m ON m.account_id = a.account_id AND m.pick = 1;
 
 CREATE OR REPLACE TABLE analysed_requests AS
 SELECT r.* FROM requests r
-WHERE (CAST($start AS TIMESTAMPTZ) IS NULL OR r.ts >= CAST($start AS TIMESTAMPTZ))
-  AND (CAST($end AS TIMESTAMPTZ) IS NULL OR r.ts < CAST($end AS TIMESTAMPTZ));
+WHERE ({{ as_timestamp($start) }} IS NULL OR r.ts >= {{ as_timestamp($start) }})
+  AND ({{ as_timestamp($end) }} IS NULL OR r.ts < {{ as_timestamp($end) }});
 
 -- The expected (fastest real) prefill time of each request's uncached tokens, where a model exists.
 CREATE OR REPLACE TEMP TABLE expected_prefill AS
@@ -28,9 +28,9 @@ FROM analysed_requests r JOIN latency_model m ON m.model = r.model AND m.usable;
 CREATE OR REPLACE TABLE affected_responses AS
 SELECT r.request_id, r.ts, r.account_id, ac.account_class, r.model, r.prompt_tokens, r.completion_tokens,
        r.cached_tokens,
-       CAST(json_extract_string(f.evidence, '$.kv_pool_tokens') AS BIGINT) AS pool_tokens,
-       json_extract_string(f.evidence, '$.instance') AS pool_instance,
-       r.ttft_ms, r.latency_ms, round(e.expected_ttft_ms, 1) AS expected_ttft_ms, t.confidence, t.rules,
+       CAST({{ json_text(f.evidence, 'kv_pool_tokens') }} AS BIGINT) AS pool_tokens,
+       {{ json_text(f.evidence, 'instance') }} AS pool_instance,
+       r.ttft_ms, r.latency_ms, {{ round_double(e.expected_ttft_ms, 1) }} AS expected_ttft_ms, t.confidence, t.rules,
        r.prefill_instance, r.decode_instance, r.status
 FROM request_tiers t
 JOIN analysed_requests r ON r.request_id = t.request_id
@@ -56,8 +56,8 @@ CREATE OR REPLACE TEMP TABLE kv_writes AS
 SELECT r.request_id, r.account_id, r.model,
        coalesce(r.decode_instance, '(model) ' || r.model) AS kv_group,
        r.decode_instance IS NOT NULL AS instance_known,
-       r.ts + to_microseconds(CAST(coalesce(r.ttft_ms, 0) * 1000 AS BIGINT)) AS alloc_ts,
-       r.ts + to_microseconds(CAST(coalesce(r.latency_ms, r.ttft_ms, 0) * 1000 AS BIGINT)) AS free_ts,
+       {{ add_milliseconds(r.ts, coalesce(r.ttft_ms, 0)) }} AS alloc_ts,
+       {{ add_milliseconds(r.ts, coalesce(r.latency_ms, r.ttft_ms, 0)) }} AS free_ts,
        CASE WHEN a.request_id IS NOT NULL THEN 1 + coalesce(r.completion_tokens, 0)
             ELSE r.prompt_tokens + coalesce(r.completion_tokens, 0) END AS written_tokens,
        a.request_id IS NOT NULL AS is_affected
@@ -72,14 +72,15 @@ WITH ev AS (
     SELECT kv_group, free_ts AS t, 1 AS marker, 0 AS w, request_id FROM kv_writes
 )
 SELECT kv_group, t, marker, request_id,
-       sum(w) OVER (PARTITION BY kv_group ORDER BY t, marker, request_id ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
+       sum(w) OVER (PARTITION BY kv_group ORDER BY t NULLS LAST, marker NULLS LAST, request_id NULLS LAST
+                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
 FROM ev;
 
 CREATE OR REPLACE TEMP TABLE group_pools AS
 WITH a AS (SELECT * FROM kv_writes WHERE is_affected)
 SELECT a.request_id,
-       CASE WHEN a.instance_known THEN max(c.kv_pool_tokens) FILTER (WHERE c.instance = a.kv_group)
-            ELSE sum(c.kv_pool_tokens) FILTER (WHERE c.model = a.model AND c.role = 'decode') END AS pool_tokens
+       CASE WHEN a.instance_known THEN max(CASE WHEN c.instance = a.kv_group THEN c.kv_pool_tokens END)
+            ELSE sum(CASE WHEN c.model = a.model AND c.role = 'decode' THEN c.kv_pool_tokens END) END AS pool_tokens
 FROM a LEFT JOIN capacity c
   ON c.valid_from <= a.alloc_ts AND (c.valid_to IS NULL OR a.alloc_ts < c.valid_to)
  AND (c.instance = a.kv_group OR c.model = a.model)
@@ -128,14 +129,16 @@ WITH out_fp AS (
            count(DISTINCT o.fp) AS matching_shingles
     FROM out_fp o
     JOIN content_fingerprints c ON c.fp = o.fp AND c.request_id <> o.request_id
-     AND c.request_id NOT IN (SELECT request_id FROM affected_responses)   -- their KV was a 1-token stub
     JOIN requests r ON r.request_id = c.request_id AND r.ts < o.ts
+    WHERE c.request_id NOT IN (SELECT request_id FROM affected_responses)   -- their KV was a 1-token stub
     GROUP BY 1, 2, 3, 4
+), horizon AS (
+    SELECT DISTINCT affected_request_id, source_request_id FROM possible_sources
 )
 SELECT h.*, s.shingles AS output_shingles,
-       round(h.matching_shingles / GREATEST(s.shingles, 1), 4) AS match_fraction,
+       {{ round_double(h.matching_shingles / GREATEST(s.shingles, 1), 4) }} AS match_fraction,
        h.matching_shingles >= $min_matching_shingles AS confirmed,
-       EXISTS (SELECT 1 FROM possible_sources p WHERE p.affected_request_id = h.affected_request_id
-                 AND p.source_request_id = h.source_request_id) AS within_horizon
+       p.affected_request_id IS NOT NULL AS within_horizon
 FROM hits h
-LEFT JOIN content_stats s ON s.request_id = h.affected_request_id AND s.part = 'output';
+LEFT JOIN content_stats s ON s.request_id = h.affected_request_id AND s.part = 'output'
+LEFT JOIN horizon p ON p.affected_request_id = h.affected_request_id AND p.source_request_id = h.source_request_id;
