@@ -79,6 +79,20 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
 
+def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | None, at: str | None) -> str | None:
+    """The config change that explains a window's edge: same instance (or model), within 6 h before it
+    to 1 h after it (deployment tools log the change before the engine finishes starting)."""
+    if at is None:
+        return None
+    rows = con.execute(
+        """SELECT description FROM changes
+           WHERE (instance = $i OR (instance IS NULL AND model = $m))
+             AND ts BETWEEN CAST($t AS TIMESTAMPTZ) - INTERVAL 6 HOUR AND CAST($t AS TIMESTAMPTZ) + INTERVAL 1 HOUR
+           ORDER BY abs(epoch(ts) - epoch(CAST($t AS TIMESTAMPTZ))), instance NULLS LAST LIMIT 1""",
+        {"i": instance, "m": model, "t": at}).fetchall()
+    return rows[0][0] if rows else None
+
+
 def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, Any]:
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(
@@ -97,6 +111,9 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
                     """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length, engine_version
                        FROM capacity WHERE kv_pool_tokens < context_length
                        ORDER BY valid_from NULLS LAST, instance""").fetchall()]
+    for w in exposure:
+        w["opened_by_change"] = _nearest_change(con, w["instance"], w["model"], w["start"])
+        w["closed_by_change"] = _nearest_change(con, w["instance"], w["model"], w["end"])
     confirmed, possible = (one(con, "SELECT count(DISTINCT account_id) FROM notifications WHERE role = $r",
                                {"r": r})[0] for r in ("data_exposed_confirmed", "data_exposed_possible"))
     tiers = {t: n for t, n in con.execute(

@@ -179,3 +179,9 @@ def test_every_report_table_matches_scope_and_database(sample_run, scope):
     loads = [(_n(r[2]), _n(r[3]), _n(r[4]), _n(r[5])) for r in _table(html, "t-load")]
     assert sorted(loads) == sorted(con.execute(
         "SELECT records_read, loaded, quarantined, duplicates FROM load_report").fetchall())
+
+
+def test_exposure_windows_are_joined_with_config_changes(scope):
+    for w in scope["exposure_windows"]:
+        assert w["opened_by_change"] == "Deploy @cf/zai-org/glm-5.3 (prefill)"
+        assert w["closed_by_change"].startswith("Restart prefill")
