@@ -182,3 +182,54 @@ def test_values_that_cannot_be_stored_are_quarantined_not_raised(tmp_path):
         "request_id must be a string or a number, not a JSON object",
         "account_id must be a string or a number, not a JSON boolean",
     ]
+
+
+def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch):
+    """The fast path (DuckDB reads the lines) and the Python reader load and refuse the same records."""
+    import kvforensics.loaders.requests as requests_loader
+
+    lines = [rec("ok1"), "{not json", "[1, 2, 3]", rec("bad_ts", received_at="31/08/2026 10:00"),
+             rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5), "", "   ",
+             rec("obj", account_id={"nested": 1}), rec("ok1"), rec("ok1", account_id="x"),
+             rec("ok2", ttft_ms=12.5, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20)]
+    (tmp_path / "gw.jsonl").write_text("\n".join(lines) + "\n")
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        con = connect()
+        r = load_requests_file(con, source(tmp_path, tz="Europe/Berlin"), tmp_path / "gw.jsonl")
+        results[fast] = ((r.records_read, r.loaded, r.quarantined, r.duplicates), sorted(r.notes),
+                         con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall(),
+                         con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+    assert results[True] == results[False]
+    assert results[True][0] == (11, 2, 8, 1)
+
+
+def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
+    import pandas as pd
+
+    import kvforensics.loaders.requests as requests_loader
+
+    df = pd.DataFrame({"rid": ["p1", "p2", "p3", "p1"],
+                       "received_at": pd.to_datetime(["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z",
+                                                      "2026-08-28T12:00:00Z", "2026-08-28T10:00:00Z"]),
+                       "local": pd.to_datetime(["2026-08-28 12:00:00"] * 4),
+                       "account_id": ["a", "b", None, "a"], "model": ["m"] * 4, "http_status": [200, 400, 200, 200],
+                       "prompt_tokens": [10, 20, 30, 10]})
+    df.to_parquet(tmp_path / "gw.parquet")
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        for ts_col in ("received_at", "local"):
+            con = connect()
+            src = source(tmp_path, fmt="parquet", tz="Europe/Berlin", columns={**COLUMNS, "ts": ts_col})
+            r = load_requests_file(con, src, tmp_path / "gw.parquet")
+            results[fast, ts_col] = ((r.records_read, r.loaded, r.quarantined, r.duplicates),
+                                     con.execute("SELECT line, reason FROM quarantine").fetchall(),
+                                     con.execute("SELECT request_id, ts FROM requests ORDER BY 1").fetchall())
+    expected = {"received_at": ["2026-08-28T10:00:00+00:00", "2026-08-28T11:00:00+00:00"],
+                "local": ["2026-08-28T10:00:00+00:00", "2026-08-28T10:00:00+00:00"]}  # 12:00 in Berlin
+    for ts_col in ("received_at", "local"):
+        assert results[True, ts_col] == results[False, ts_col]
+        assert results[True, ts_col][0] == (4, 2, 1, 1)
+        assert [t.isoformat() for _, t in results[True, ts_col][2]] == expected[ts_col]

@@ -29,6 +29,9 @@ from kvforensics.loaders import sglang_requests
 from kvforensics.loaders.textio import LineStream, decode_line, open_binary, printable_raw
 
 BATCH = 100_000
+# Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
+# remain the fallback for what DuckDB refuses: non-UTF-8 bytes, truncated streams, CR line ends).
+FAST_STAGING = True
 
 # Names other systems use for the canonical fields, tried (in order) when the incident file does not
 # map a field and the canonical name is absent: OpenTelemetry GenAI semantic conventions, SGLang's
@@ -159,6 +162,9 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         return _stage_sglang_requests(con, source, path, load, tick)
     keys = _sample_json_keys(path)
     chosen = _choose_columns(source, keys)
+    if FAST_STAGING and _stage_jsonl_in_duckdb(con, source, path, chosen, load, tick):
+        _finish_jsonl(con, source, chosen, keys, load)
+        return {}
     stager = _Stager(con)
     stream = LineStream(path)
     lines: list[int] = []
@@ -215,6 +221,92 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         con.execute(f"UPDATE staging_requests SET problem = CASE {' '.join(wrong_type)} END WHERE problem IS NULL",
                     paths)
         con.execute(f"UPDATE staging_requests SET {', '.join(extract)} WHERE problem IS NULL", paths)
+    _finish_jsonl(con, source, chosen, keys, load)
+    return {}
+
+
+def _field_expressions(source: Source, chosen: Mapping[str, str | None]
+                       ) -> tuple[list[str], list[str], dict[str, str]]:
+    """JSON paths, the wrong-type checks and the value of each canonical field, over the lists
+    ``t`` (json_type) and ``v`` (json_extract_string) of one parse of the record."""
+    paths: list[str] = []
+    wrong_type: list[str] = []
+    values: dict[str, str] = {}
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = chosen[canonical]
+        if col is None:
+            continue
+        first = len(paths) + 1
+        paths.extend(_json_paths(col))
+        numbers = range(first, len(paths) + 1)
+        types = "coalesce(" + ", ".join(f"t[{i}]" for i in numbers) + ")"
+        wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
+                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower({types})")
+        expr = "coalesce(" + ", ".join(f"v[{i}]" for i in numbers) + ")"
+        if col in SECONDS_ALIASES and canonical not in source.columns:
+            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+        values[canonical] = expr
+    return paths, wrong_type, values
+
+
+def _has_carriage_returns(path: Path, sample: int = 1 << 20) -> bool:
+    with open_binary(path) as fh:
+        return b"\r" in fh.read(sample)
+
+
+def _stage_jsonl_in_duckdb(con: duckdb.DuckDBPyConnection, source: Source, path: Path,
+                           chosen: Mapping[str, str | None], load: FileLoad, tick: Callable[[int], None]) -> bool:
+    """Stage a JSONL file with DuckDB's own reader: every physical line a row (a delimiter valid JSON
+    cannot contain unescaped, no quoting), numbered WITH ORDINALITY, each record parsed once for all
+    fields. Returns False (and stages nothing) when DuckDB cannot read the file as clean UTF-8 text
+    (non-UTF-8 bytes, a truncated stream, CR line ends that would shift line numbers): the Python
+    reader then takes the file, line by line, and quarantines what it must."""
+    try:
+        if _has_carriage_returns(path):
+            return False
+    except (OSError, EOFError, ValueError):
+        return False
+    paths, wrong_type, values = _field_expressions(source, chosen)
+    fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
+                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in CANONICAL_REQUEST_FIELDS)
+    type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
+    query = f"""
+        CREATE OR REPLACE TEMP TABLE staging_requests AS
+        WITH lines AS (
+            SELECT ordinality AS line, raw
+            FROM read_csv($file, columns = {{'raw': 'VARCHAR'}}, header = false, delim = chr(1), quote = '',
+                          escape = '', auto_detect = false, strict_mode = false) WITH ORDINALITY
+        ), checked AS (
+            SELECT line, raw,
+                   CASE WHEN NOT json_valid(raw) THEN 'malformed JSON'
+                        WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END AS first_problem
+            FROM lines WHERE raw IS NOT NULL AND trim(raw) <> ''
+        ), parsed AS (
+            SELECT line, raw, first_problem,
+                   CASE WHEN first_problem IS NULL THEN json_type(raw, $paths) END AS t,
+                   CASE WHEN first_problem IS NULL THEN json_extract_string(raw, $paths) END AS v
+            FROM checked
+        ), judged AS (
+            SELECT line, raw, t, v, coalesce(first_problem, {type_check}) AS problem FROM parsed
+        )
+        SELECT line, raw, problem, {fields} FROM judged"""
+    try:
+        con.execute(query, {"file": str(path), "paths": paths or ["$.__none__"]}).fetchall()
+        total = one(con, "SELECT count(*) FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
+                         "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false)",
+                    {"file": str(path)})[0]
+    except duckdb.Error:
+        con.execute("DROP TABLE IF EXISTS staging_requests").fetchall()
+        return False
+    staged = one(con, "SELECT count(*) FROM staging_requests")[0]
+    tick(staged)
+    if total > staged:
+        load.notes.append(f"{total - staged} blank line(s) skipped")
+    return True
+
+
+def _finish_jsonl(con: duckdb.DuckDBPyConnection, source: Source, chosen: Mapping[str, str | None],
+                  keys: set[str], load: FileLoad) -> None:
     load.notes.extend(_mapping_notes(source, chosen))
     if chosen["status"] is None:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
@@ -222,7 +314,6 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
             _derive_status(con, finish_reason)
             load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
                               "or 500 without one; otherwise 200), as the records have no status column")
-    return {}
 
 
 def _derive_status(con: duckdb.DuckDBPyConnection, finish_reason: str) -> None:
@@ -333,8 +424,11 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
     header = pf.schema_arrow.names
     chosen = _choose_columns(source, set(header))
     _require_header(source, path, header, chosen)
-    stager = _Stager(con)
     wanted = {c: col for c, col in chosen.items() if col is not None and col in header}
+    if FAST_STAGING and _stage_parquet_in_duckdb(con, path, pf.schema_arrow, wanted, tick):
+        load.notes.extend(_mapping_notes(source, chosen))
+        return {}
+    stager = _Stager(con)
     offset = 0
     for batch in pf.iter_batches(batch_size=BATCH, columns=sorted(set(wanted.values()))):
         n = batch.num_rows
@@ -355,6 +449,44 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
         offset += n
     load.notes.extend(_mapping_notes(source, chosen))
     return {}
+
+
+def _quote_identifier(name: str) -> str:
+    """A column name as a SQL identifier (the name exists in the file's schema; quotes are doubled)."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _stage_parquet_in_duckdb(con: duckdb.DuckDBPyConnection, path: Path, schema: pa.Schema,
+                             wanted: Mapping[str, str], tick: Callable[[int], None]) -> bool:
+    """Stage a Parquet file in one DuckDB scan: values as text (timestamps as ISO-8601, with 'Z' when
+    the column carries a zone), the line being the row number, the raw record as JSON."""
+    exprs = []
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = wanted.get(canonical)
+        if col is None:
+            exprs.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
+            continue
+        ident = _quote_identifier(col)
+        kind = schema.field(col).type
+        if pa.types.is_timestamp(kind) and kind.tz is not None:
+            value = f"strftime(timezone('UTC', {ident}), '%Y-%m-%dT%H:%M:%S.%fZ')"
+        elif pa.types.is_timestamp(kind):
+            value = f"strftime({ident}, '%Y-%m-%dT%H:%M:%S.%f')"
+        else:
+            value = f"CAST({ident} AS VARCHAR)"
+        exprs.append(f"{value} AS {canonical}_raw")
+    raw_fields = ", ".join(f"'{c}': {_quote_identifier(col)}" for c, col in wanted.items())
+    query = f"""CREATE OR REPLACE TEMP TABLE staging_requests AS
+                SELECT file_row_number + 1 AS line, left(CAST(to_json({{{raw_fields}}}) AS VARCHAR), 2000) AS raw,
+                       CAST(NULL AS VARCHAR) AS problem, {', '.join(exprs)}
+                FROM read_parquet($file, file_row_number = true)"""
+    try:
+        con.execute(query, {"file": str(path)}).fetchall()
+    except duckdb.Error:
+        con.execute("DROP TABLE IF EXISTS staging_requests").fetchall()
+        return False
+    tick(one(con, "SELECT count(*) FROM staging_requests")[0])
+    return True
 
 
 def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
