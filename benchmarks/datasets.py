@@ -8,6 +8,7 @@ how long generation took and what it produced.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -42,6 +43,16 @@ class Dataset:
         return str(self.root / "gateway" / suffix)
 
 
+def simulator_sha256() -> str:
+    """A hash of the simulator's sources: a cached data set made by other code is reported."""
+    root = Path(__file__).resolve().parent.parent / "kvforensics" / "simulate"
+    digest = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.suffix in (".py", ".json"):
+            digest.update(p.name.encode() + b"\0" + p.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def dataset_dir(workdir: Path, requests: int, fmt: str, seed: int) -> Path:
     return workdir / "data" / f"{fmt}-n{requests}-seed{seed}"
 
@@ -52,11 +63,14 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
     final = dataset_dir(workdir, requests, fmt, seed)
     marker = final / MARKER
     if marker.exists():
-        return Dataset(final, requests, fmt, seed, json.loads(marker.read_text(encoding="utf-8")))
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        info["simulator_changed_since"] = info.get("simulator_sha256") != simulator_sha256()
+        return Dataset(final, requests, fmt, seed, info)
     partial = final.with_name(final.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
     partial.parent.mkdir(parents=True, exist_ok=True)
+    sim_hash = simulator_sha256()
     m = run_measured([sys.executable, "-m", "kvforensics", "simulate", "--seed", str(seed),
                       "--requests", str(requests), "--format", fmt, "--out", str(partial)],
                      log_path=log_path, timeout_s=timeout_s)
@@ -74,7 +88,7 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
         "gateway_files": len(gateway), "gateway_bytes": sum(p.stat().st_size for p in gateway),
         "gateway_lines": truth["counts"]["gateway_lines"], "unique_requests": truth["counts"]["requests"],
         "affected_responses": truth["counts"]["affected_responses"],
-        "page_simulation": truth["page_simulation"],
+        "page_simulation": truth["page_simulation"], "simulator_sha256": sim_hash,
     }
     # incident.toml paths are relative to the file, so the rename keeps the data set usable.
     (final / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

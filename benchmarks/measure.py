@@ -33,6 +33,7 @@ class Measured:
     cpu_s: float
     report: dict[str, Any] = field(default_factory=dict)
     stderr_tail: str = ""
+    other_cpu_s: float | None = None   # CPU seconds other processes used meanwhile (noise)
 
     @property
     def ok(self) -> bool:
@@ -50,11 +51,13 @@ def run_measured(argv: list[str], *, log_path: Path, report_path: Path | None = 
         log.write(f"\n$ {' '.join(argv)}\n".encode())
         log.flush()
         offset = log.tell()
+        busy_before = _busy_cpu_s()
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})},
                                 start_new_session=True)
         status, usage = _wait(proc, None if timeout_s is None else start + timeout_s)
         wall = time.perf_counter() - start
+        busy_after = _busy_cpu_s()
     code = os.waitstatus_to_exitcode(status) if status is not None else -9
     stderr_tail = ""
     if code != 0:
@@ -67,7 +70,24 @@ def run_measured(argv: list[str], *, log_path: Path, report_path: Path | None = 
     return Measured(argv=argv, returncode=code, wall_s=wall,
                     peak_rss_mb=(usage.ru_maxrss / 1024.0) if usage else float("nan"),
                     cpu_s=(usage.ru_utime + usage.ru_stime) if usage else float("nan"),
-                    report=report, stderr_tail=stderr_tail)
+                    report=report, stderr_tail=stderr_tail,
+                    other_cpu_s=_other(busy_before, busy_after, usage))
+
+
+def _busy_cpu_s() -> float | None:
+    """Busy CPU seconds of the whole machine so far (/proc/stat), or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _other(before: float | None, after: float | None, usage) -> float | None:
+    if before is None or after is None or usage is None:
+        return None
+    return round(max(0.0, (after - before) - (usage.ru_utime + usage.ru_stime)), 1)
 
 
 def _wait(proc: subprocess.Popen, deadline: float | None):
@@ -92,6 +112,18 @@ def _wait(proc: subprocess.Popen, deadline: float | None):
             timer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
     return (None if killed.is_set() else status), usage
+
+
+def package_sha256() -> str:
+    """A hash of the kvforensics sources (.py, .sql, .yml) as they are on disk now."""
+    import hashlib
+
+    root = BENCH_DIR.parent
+    digest = hashlib.sha256()
+    for p in sorted((root / "kvforensics").rglob("*")):
+        if p.is_file() and p.suffix in (".py", ".sql", ".yml"):
+            digest.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def python_argv(script: str, *args: str) -> list[str]:

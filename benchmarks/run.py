@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import os
 import platform
@@ -26,8 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from datasets import Dataset, ensure_dataset  # noqa: E402
-from measure import BENCH_DIR, Measured, python_argv, run_measured  # noqa: E402
+from datasets import Dataset, dataset_dir, ensure_dataset  # noqa: E402
+from measure import BENCH_DIR, Measured, package_sha256, python_argv, run_measured  # noqa: E402
 
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -71,11 +70,6 @@ def machine() -> dict[str, Any]:
 
 def code_state() -> dict[str, Any]:
     """The commit, whether the package had local changes, and a hash of its sources as measured."""
-    digest = hashlib.sha256()
-    for p in sorted((REPO / "kvforensics").rglob("*")):
-        if p.is_file() and p.suffix in (".py", ".sql", ".yml"):
-            digest.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes())
-
     def git(*args: str) -> str | None:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
@@ -84,7 +78,7 @@ def code_state() -> dict[str, Any]:
 
     dirty = git("status", "--porcelain", "--", "kvforensics")
     return {"commit": git("rev-parse", "--short", "HEAD"), "package_locally_modified": bool(dirty),
-            "package_sha256": digest.hexdigest()[:16]}
+            "package_sha256": package_sha256()}
 
 
 # --- running steps -----------------------------------------------------------------------------------
@@ -113,11 +107,18 @@ class Runner:
             prof = self.workdir / "profiles" / f"{ds.format}-n{ds.requests}-{label}.prof"
             prof.parent.mkdir(parents=True, exist_ok=True)
             argv += ["--profile", str(prof)]
+        if self.args.trace_sql and not name.startswith("floor"):
+            trace = self.workdir / "traces" / f"{ds.format}-n{ds.requests}-{label}.sql.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            argv += ["--trace-sql", str(trace)]
         print(f"  {label:<16}", end="", flush=True)
         m = run_measured(argv, report_path=report, log_path=self.log, timeout_s=self.args.timeout)
         entry = summarise_step(label, m, memory_limit)
         if m.ok:
-            print(f"{entry['seconds']:>9.2f} s  {entry['peak_rss_mb']:>8.0f} MB", flush=True)
+            noisy = noise(entry)
+            print(f"{entry['seconds']:>9.2f} s  {entry['peak_rss_mb']:>8.0f} MB"
+                  + (f"  (noise: other processes used {entry['other_cpu_seconds']:.0f} CPU s meanwhile)"
+                     if noisy else ""), flush=True)
         else:
             print(f"  FAILED (exit {m.returncode}, {m.wall_s:.0f} s, {m.peak_rss_mb:.0f} MB): "
                   f"{entry['error']}", flush=True)
@@ -133,7 +134,7 @@ class Runner:
                            label="ingest-requests")]
         if not self.args.keep_evidence:
             shutil.rmtree(out, ignore_errors=True)
-        return {"memory_limit": limit, "floor": "floor-count", "steps": steps}
+        return {"memory_limit": limit, "floors": ["floor-count", "floor-scan"], "steps": steps}
 
     # issue 8: every stage on one evidence database, 2 GB
     def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
@@ -145,7 +146,7 @@ class Runner:
             steps.append(entry)
             if not entry["ok"]:
                 break
-        result: dict[str, Any] = {"memory_limit": limit, "floor": "floor-oversize", "steps": steps}
+        result: dict[str, Any] = {"memory_limit": limit, "floors": ["floor-oversize"], "steps": steps}
         if self.args.pandas_baseline:
             steps.append(self.step("pandas", ds, out=out))
             result["agreement"] = agreement(out)
@@ -167,9 +168,11 @@ def summarise_step(label: str, m: Measured, memory_limit: str | None) -> dict[st
     entry: dict[str, Any] = {
         "step": label, "ok": m.ok, "exit_code": m.returncode, "memory_limit": memory_limit,
         "seconds": r.pop("seconds", None), "process_seconds": round(m.wall_s, 3), "cpu_seconds": round(m.cpu_s, 2),
+        "other_cpu_seconds": m.other_cpu_s, "package_sha256": m.report.get("package_sha256"),
         "peak_rss_mb": round(m.peak_rss_mb, 1), "rows": r.pop("rows", None), "rows_per_s": r.pop("rows_per_s", None),
     }
     r.pop("step", None)
+    r.pop("package_sha256", None)
     entry["details"] = r
     if not m.ok:
         lines = [ln for ln in m.stderr_tail.strip().splitlines() if ln.strip()]
@@ -197,54 +200,81 @@ def agreement(out: Path) -> dict[str, Any] | None:
 
 # --- tables ------------------------------------------------------------------------------------------
 
+def noise(entry: dict[str, Any]) -> bool:
+    """Other processes used more than 10% of one core during the step: its timing is suspect."""
+    other = entry.get("other_cpu_seconds")
+    return bool(other and entry.get("process_seconds") and other > 0.1 * entry["process_seconds"])
+
+
 def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Table rows with the ratios: x floor = seconds / floor seconds; pandas x = pandas / ours."""
+    """Table rows with the ratios: x <floor> = seconds / floor seconds; pandas x = pandas / ours."""
     steps = {s["step"]: s for s in result["steps"]}
-    floor = steps.get(result["floor"])
-    floor_s = floor["seconds"] if floor and floor["ok"] else None
+    floors = {f: steps[f]["seconds"] for f in result["floors"] if f in steps and steps[f]["ok"]}
     pandas = steps.get("pandas")
     phases = pandas["details"].get("phases", {}) if pandas and pandas["ok"] else {}
+
+    def ratios(row: dict[str, Any]) -> dict[str, Any]:
+        measured = row["ok"] and not row["step"].startswith("floor")
+        row["x"] = {f: (row["seconds"] / fs if measured and fs else None) for f, fs in floors.items()}
+        return row
+
     rows = []
     for s in result["steps"]:
-        row = dict(s)
-        row["x_floor"] = (s["seconds"] / floor_s) if (floor_s and s["ok"] and s["step"] != result["floor"]
-                                                     and not s["step"].startswith("floor")) else None
+        row = ratios(dict(s))
         names = PANDAS_PHASES.get(s["step"])
         row["pandas_x"] = (sum(phases[p] for p in names) / s["seconds"]) if names and phases and s["ok"] else None
+        row["noisy"] = noise(s)
         rows.append(row)
     if stage == "pipeline":
         ours = [steps[n] for n in PIPELINE if n in steps]
-        if ours and all(s["ok"] for s in ours) and len(ours) == len(PIPELINE):
-            for label, names in (("pipeline total", PIPELINE), ("ingest+detect+scope", ["ingest", "detect", "scope"])):
+        if len(ours) == len(PIPELINE) and all(s["ok"] for s in ours):
+            like_names = ["ingest", "detect", "scope"]
+            like = sum(sum(phases[p] for p in PANDAS_PHASES[n]) for n in like_names) if phases else None
+            for label, names in (("pipeline total", PIPELINE), ("ingest+detect+scope", like_names)):
                 secs = sum(steps[n]["seconds"] for n in names)
                 n_rows = steps["ingest"]["rows"]
-                like = sum(sum(phases[p] for p in PANDAS_PHASES[n]) for n in ["ingest", "detect", "scope"])
-                rows.append({"step": label, "ok": True, "rows": n_rows, "seconds": secs,
-                             "rows_per_s": round(n_rows / secs) if secs else None,
-                             "peak_rss_mb": max(steps[n]["peak_rss_mb"] for n in names),
-                             "x_floor": secs / floor_s if floor_s else None,
-                             "pandas_x": (like / secs) if phases else None})
+                rows.append(ratios({"step": label, "ok": True, "rows": n_rows, "seconds": secs,
+                                    "rows_per_s": round(n_rows / secs) if secs else None,
+                                    "peak_rss_mb": max(steps[n]["peak_rss_mb"] for n in names),
+                                    "pandas_x": (like / secs) if like else None,
+                                    "noisy": any(noise(steps[n]) for n in names)}))
     return rows
 
 
-def render_table(title: str, rows: list[dict[str, Any]]) -> str:
-    head = ["step", "rows", "wall s", "rows/s", "peak RSS MB", "x floor", "pandas x"]
+def render_table(title: str, rows: list[dict[str, Any]], floors: list[str], markdown: bool = False) -> str:
+    head = ["step", "rows", "wall s", "rows/s", "peak RSS MB", *(f"x {f.removeprefix('floor-')}" for f in floors),
+            "pandas x"]
 
     def fmt(r: dict[str, Any]) -> list[str]:
         if not r["ok"]:
-            return [r["step"], "-", f"FAILED: {r.get('error', '')[:60]}", "", f"{r['peak_rss_mb']:.0f}", "", ""]
-        return [r["step"], f"{r['rows']:,}" if r.get("rows") is not None else "-",
+            return [r["step"], "-", f"FAILED: {r.get('error', '')[:70]}", "", f"{r['peak_rss_mb']:,.0f}",
+                    *("" for _ in floors), ""]
+        return [r["step"] + (" *" if r.get("noisy") else ""),
+                f"{r['rows']:,}" if r.get("rows") is not None else "-",
                 f"{r['seconds']:.2f}", f"{r['rows_per_s']:,.0f}" if r.get("rows_per_s") else "-",
-                f"{r['peak_rss_mb']:,.0f}", f"{r['x_floor']:.2f}" if r.get("x_floor") else "-",
+                f"{r['peak_rss_mb']:,.0f}",
+                *(f"{r['x'][f]:.2f}" if r.get("x", {}).get(f) else "-" for f in floors),
                 f"{r['pandas_x']:.1f}" if r.get("pandas_x") else "-"]
 
     body = [fmt(r) for r in rows]
+    notes = []
+    if any(r.get("noisy") for r in rows):
+        notes.append("* other processes used > 10% of a core during this step: its time is suspect")
+    versions = {r["package_sha256"] for r in rows if r.get("package_sha256")}
+    if len(versions) > 1:
+        notes.append(f"note: the kvforensics sources changed between steps ({', '.join(sorted(versions))})")
+    if markdown:
+        md = [f"**{title}**", "", "| " + " | ".join(head) + " |",
+              "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |"]
+        md += ["| " + " | ".join(c.replace("*", "\\*") for c in b) + " |" for b in body]
+        return "\n".join(md + ([""] + notes if notes else []))
     widths = [max(len(head[i]), *(len(b[i]) for b in body)) for i in range(len(head))]
-    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths)))
-    out = [title, line, "-" * len(line)]
-    for b in body:
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
-    return "\n".join(out)
+
+    def join(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    line = join(head)
+    return "\n".join([title, line, "-" * len(line), *(join(b) for b in body), *notes])
 
 
 def header(info: dict[str, Any], code: dict[str, Any]) -> str:
@@ -282,8 +312,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before a step is killed")
     p.add_argument("--profile", default="", help="steps to run under cProfile (comma list, e.g. ingest,scope)")
+    p.add_argument("--regenerate", action="store_true", help="generate the data sets again, ignoring the cache")
+    p.add_argument("--trace-sql", action="store_true",
+                   help="time every DuckDB statement of the kvforensics steps (<workdir>/traces/*.sql.json)")
     p.add_argument("--keep-evidence", action="store_true", help="keep the evidence databases in the workdir")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--show", type=Path, help="print the tables of a results JSON file and exit")
+    p.add_argument("--markdown", action="store_true", help="with --show: Markdown tables (for README.md)")
     args = p.parse_args(argv)
     args.requests = [int(x.replace("_", "")) for x in args.requests.split(",") if x]
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -295,8 +330,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def show(path: Path, markdown: bool = False) -> int:
+    """Print the tables of a results file again (ratios recomputed from its steps)."""
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    print(header(doc["machine"], doc["code"]).replace("\n", "  \n" if markdown else "\n"))
+    for fmt, entry in doc["runs"].items():
+        for stage in ("ingest", "pipeline"):
+            if stage not in entry:
+                continue
+            result = entry[stage]
+            result.setdefault("floors", [result["floor"]] if "floor" in result else [])
+            print()
+            print(render_table(f"{stage} | {doc['requests']:,} requests | {fmt} | memory_limit {result['memory_limit']}",
+                               stage_rows(stage, result), result["floors"], markdown))
+            if result.get("agreement"):
+                print(f"agreement with pandas: {result['agreement']['summary']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.show:
+        return show(args.show, args.markdown)
     args.workdir.mkdir(parents=True, exist_ok=True)
     runner = Runner(args)
     info, code = machine(), code_state()
@@ -312,18 +367,22 @@ def main(argv: list[str] | None = None) -> int:
         tables = []
         for fmt in args.formats:
             print(f"== {n:,} requests, {fmt}: data set", end="", flush=True)
+            if args.regenerate:
+                shutil.rmtree(dataset_dir(args.workdir, n, fmt, args.seed), ignore_errors=True)
             ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout)
             print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines, "
                   f"generated in {ds.info['generate_wall_s']:,.0f} s)")
+            if ds.info.get("simulator_changed_since"):
+                print("  note: cached data set made by another simulator version (--regenerate to remake it)")
             entry: dict[str, Any] = {"dataset": ds.info}
             for stage in args.stages:
                 result = runner.ingest_stage(ds) if stage == "ingest" else runner.pipeline_stage(ds)
                 result["table"] = stage_rows(stage, result)
                 entry[stage] = result
                 failed |= not all(s["ok"] for s in result["steps"])
-                title = (f"{stage} | {n:,} requests | {fmt} | memory_limit {result['memory_limit']}"
-                         f" | x floor = wall / {result['floor']}; pandas x = pandas wall / ours")
-                tables.append(render_table(title, result["table"]))
+                title = (f"{stage} | {n:,} requests | {fmt} | memory_limit {result['memory_limit']} | "
+                         "x <floor> = wall / floor wall; pandas x = pandas wall / ours")
+                tables.append(render_table(title, result["table"], result["floors"]))
                 if result.get("agreement"):
                     tables.append(f"agreement with pandas: {result['agreement']['summary']}")
             run["runs"][fmt] = entry
