@@ -110,9 +110,7 @@ class Investigation:
         return outputs.write_manifest(self.con, self.incident, self.scope_result, self.out_dir, self.started)
 
     def report(self) -> Path:
-        from kvforensics.report.render import render_report
-
-        from kvforensics.report.render import render_pdf
+        from kvforensics.report.render import render_pdf, render_report
 
         stage("report: report.html, report.md, report.pdf, notices", self.progress)
         path = render_report(self.con, self.incident, self.out_dir)

@@ -17,7 +17,7 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -194,33 +194,9 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     if stream.stopped:
         load.notes.append(stream.stopped)
     # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
-    con.execute("""UPDATE staging_requests SET problem = CASE
-                     WHEN NOT json_valid(raw) THEN 'malformed JSON'
-                     WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END
-                   WHERE problem IS NULL""")
-    paths: list[str] = []
-    wrong_type: list[str] = []
-    extract: list[str] = []
-    for canonical in CANONICAL_REQUEST_FIELDS:
-        col = chosen[canonical]
-        if col is None:
-            continue
-        first = len(paths) + 1
-        paths.extend(_json_paths(col))
-        numbers = range(first, len(paths) + 1)
-        types = "coalesce(" + ", ".join(f"json_type(raw, ${i})" for i in numbers) + ")"
-        # a field that holds an object, an array or a boolean is not a value of that field
-        wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
-                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower({types})")
-        expr = "coalesce(" + ", ".join(f"json_extract_string(raw, ${i})" for i in numbers) + ")"
-        if col in SECONDS_ALIASES and canonical not in source.columns:
-            # seconds -> milliseconds; a value that is not a number is kept as it is, to be refused
-            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
-        extract.append(f"{canonical}_raw = {expr}")
-    if paths:  # two passes over the staged lines, whatever the number of fields
-        con.execute(f"UPDATE staging_requests SET problem = CASE {' '.join(wrong_type)} END WHERE problem IS NULL",
-                    paths)
-        con.execute(f"UPDATE staging_requests SET {', '.join(extract)} WHERE problem IS NULL", paths)
+    con.execute("ALTER TABLE staging_requests RENAME TO python_lines").fetchall()
+    _extract_json_fields(con, source, chosen, "SELECT line, raw, problem FROM python_lines", {})
+    con.execute("DROP TABLE python_lines").fetchall()
     _finish_jsonl(con, source, chosen, keys, load)
     return {}
 
@@ -249,6 +225,34 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
     return paths, wrong_type, values
 
 
+def _extract_json_fields(con: duckdb.DuckDBPyConnection, source: Source, chosen: Mapping[str, str | None],
+                         lines_sql: str, params: dict[str, Any]) -> None:
+    """``staging_requests`` from a relation of ``line, raw, problem``: each record parsed once for all
+    fields (json_type / json_extract_string over the list of paths); blank lines dropped."""
+    paths, wrong_type, values = _field_expressions(source, chosen)
+    fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
+                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in CANONICAL_REQUEST_FIELDS)
+    type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
+    query = f"""
+        CREATE OR REPLACE TEMP TABLE staging_requests AS
+        WITH lines AS ({lines_sql}),
+        checked AS (
+            SELECT line, raw,
+                   coalesce(problem, CASE WHEN NOT json_valid(raw) THEN 'malformed JSON'
+                                          WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END) AS first_problem
+            FROM lines WHERE raw IS NOT NULL AND trim(raw) <> ''
+        ), parsed AS (
+            SELECT line, raw, first_problem,
+                   CASE WHEN first_problem IS NULL THEN json_type(raw, $paths) END AS t,
+                   CASE WHEN first_problem IS NULL THEN json_extract_string(raw, $paths) END AS v
+            FROM checked
+        ), judged AS (
+            SELECT line, raw, t, v, coalesce(first_problem, {type_check}) AS problem FROM parsed
+        )
+        SELECT line, raw, problem, {fields} FROM judged ORDER BY line"""
+    con.execute(query, {**params, "paths": paths or ["$.__none__"]}).fetchall()
+
+
 def _has_carriage_returns(path: Path, sample: int = 1 << 20) -> bool:
     with open_binary(path) as fh:
         return b"\r" in fh.read(sample)
@@ -266,32 +270,11 @@ def _stage_jsonl_in_duckdb(con: duckdb.DuckDBPyConnection, source: Source, path:
             return False
     except (OSError, EOFError, ValueError):
         return False
-    paths, wrong_type, values = _field_expressions(source, chosen)
-    fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
-                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in CANONICAL_REQUEST_FIELDS)
-    type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
-    query = f"""
-        CREATE OR REPLACE TEMP TABLE staging_requests AS
-        WITH lines AS (
-            SELECT ordinality AS line, raw
-            FROM read_csv($file, columns = {{'raw': 'VARCHAR'}}, header = false, delim = chr(1), quote = '',
-                          escape = '', auto_detect = false, strict_mode = false) WITH ORDINALITY
-        ), checked AS (
-            SELECT line, raw,
-                   CASE WHEN NOT json_valid(raw) THEN 'malformed JSON'
-                        WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END AS first_problem
-            FROM lines WHERE raw IS NOT NULL AND trim(raw) <> ''
-        ), parsed AS (
-            SELECT line, raw, first_problem,
-                   CASE WHEN first_problem IS NULL THEN json_type(raw, $paths) END AS t,
-                   CASE WHEN first_problem IS NULL THEN json_extract_string(raw, $paths) END AS v
-            FROM checked
-        ), judged AS (
-            SELECT line, raw, t, v, coalesce(first_problem, {type_check}) AS problem FROM parsed
-        )
-        SELECT line, raw, problem, {fields} FROM judged"""
+    lines = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
+             "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
+             "auto_detect = false, strict_mode = false) WITH ORDINALITY")
     try:
-        con.execute(query, {"file": str(path), "paths": paths or ["$.__none__"]}).fetchall()
+        _extract_json_fields(con, source, chosen, lines, {"file": str(path)})
         total = one(con, "SELECT count(*) FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
                          "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false)",
                     {"file": str(path)})[0]
