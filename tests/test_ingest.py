@@ -205,6 +205,23 @@ def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch):
     assert results[True][0] == (11, 2, 8, 1)
 
 
+def test_control_bytes_anywhere_in_a_file_lose_no_line(tmp_path):
+    """A 0x01 (the fast reader's delimiter) or a lone CR deep in a file must neither cut a record
+    short nor shift line numbers: the record is quarantined whole, at its own line."""
+    filler = [rec(f"f{i}", prompt_tokens=100 + i) for i in range(30_000)]  # > 1 MiB before the bad lines
+    lines = [*filler, "\x01", rec("cut") + "\x01tail", '{"rid": "cr",\r "x": 1}', rec("last")]
+    (tmp_path / "gw.jsonl").write_bytes(("\n".join(lines) + "\n").encode())
+    con = connect()
+    r = load_requests_file(con, source(tmp_path), tmp_path / "gw.jsonl")
+    assert (r.records_read, r.loaded, r.quarantined) == (30_004, 30_001, 3)
+    bad = con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall()
+    assert [(line, reason) for line, reason, _ in bad] == [
+        (30_001, "malformed JSON"), (30_002, "malformed JSON"),
+        (30_003, "missing required field 'ts' (column received_at)")]  # a CR between tokens is JSON whitespace
+    assert "tail" in bad[1][2]
+    assert con.execute("SELECT source_line FROM requests WHERE request_id = 'last'").fetchall() == [(30_004,)]
+
+
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
     import pandas as pd
 

@@ -26,7 +26,7 @@ from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
 from kvforensics.db import one, run_script
 from kvforensics.errors import InputError
 from kvforensics.loaders import sglang_requests
-from kvforensics.loaders.textio import LineStream, decode_line, open_binary, printable_raw
+from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
 
 BATCH = 100_000
 # Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
@@ -253,9 +253,16 @@ def _extract_json_fields(con: duckdb.DuckDBPyConnection, source: Source, chosen:
     con.execute(query, {**params, "paths": paths or ["$.__none__"]}).fetchall()
 
 
-def _has_carriage_returns(path: Path, sample: int = 1 << 20) -> bool:
+def _lines_are_plain(path: Path) -> bool:
+    """True when no byte of the (decompressed) file is a CR or the 0x01 that DuckDB's line reader
+    uses as its delimiter: either would make DuckDB split or cut a physical line (shifting line
+    numbers, or silently dropping the text after the 0x01). The whole stream is scanned, at memchr
+    speed; a file that fails the scan goes to the Python reader, which keeps every byte."""
     with open_binary(path) as fh:
-        return b"\r" in fh.read(sample)
+        while chunk := fh.read(CHUNK):
+            if b"\r" in chunk or b"\x01" in chunk:
+                return False
+    return True
 
 
 def _stage_jsonl_in_duckdb(con: duckdb.DuckDBPyConnection, source: Source, path: Path,
@@ -263,12 +270,12 @@ def _stage_jsonl_in_duckdb(con: duckdb.DuckDBPyConnection, source: Source, path:
     """Stage a JSONL file with DuckDB's own reader: every physical line a row (a delimiter valid JSON
     cannot contain unescaped, no quoting), numbered WITH ORDINALITY, each record parsed once for all
     fields. Returns False (and stages nothing) when DuckDB cannot read the file as clean UTF-8 text
-    (non-UTF-8 bytes, a truncated stream, CR line ends that would shift line numbers): the Python
+    (non-UTF-8 bytes, a truncated stream, a CR or 0x01 byte that would split or cut a line): the Python
     reader then takes the file, line by line, and quarantines what it must."""
     try:
-        if _has_carriage_returns(path):
+        if not _lines_are_plain(path):
             return False
-    except (OSError, EOFError, ValueError):
+    except Exception:  # noqa: BLE001 - any read failure (truncated gzip/zstd, I/O): the Python reader says why
         return False
     lines = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
              "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
