@@ -51,13 +51,16 @@ def statements(text: str) -> list[str]:
         line.strip().startswith("--") or not line.strip() for line in p.strip().splitlines())]
 
 
-def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None) -> None:
-    """Run ``sql/<name>.sql`` statement by statement, giving each the named parameters it uses."""
+def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None, *,
+               text: str | None = None) -> None:
+    """Run ``sql/<name>.sql`` (or ``text``, a script built from it) statement by statement, giving
+    each the named parameters it uses."""
     import re
 
     params = params or {}
-    for stmt in statements(sql(name)):
+    for stmt in statements(sql(name) if text is None else text):
         code = re.sub(r"--[^\n]*", "", stmt)
+        code = re.sub(r"'(?:[^']|'')*'", "''", code)  # a '$' inside a string literal is not a parameter
         used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
         missing = used - set(params)
         if missing:

@@ -181,7 +181,7 @@ def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str,
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "requests": {"ts": "2026-08-28T00:00:00Z", "account_id": "acct", "model": "m", "status": 200,
-                 "prompt_tokens": 0, "source": "test", "source_file": "test", "source_line": 0, "row_hash": ""},
+                 "prompt_tokens": 0, "source": "test", "source_file": "test", "source_line": 0},
     "capacity": {"engine": "sglang", "source": "test", "source_file": "test"},
     "engine_events": {"source": "test", "source_file": "test", "source_line": 0, "detail": ""},
     "latency_model": {"usable": True},

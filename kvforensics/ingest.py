@@ -23,7 +23,7 @@ from kvforensics.config import Incident, Source
 from kvforensics.db import one
 from kvforensics.errors import InputError, StrictModeError
 from kvforensics.fingerprint import fingerprints, key_for
-from kvforensics.loaders.requests import FileLoad, load_requests_file
+from kvforensics.loaders.requests import FileLoad, load_requests_files
 from kvforensics.loaders.textio import LineStream, decode_line, file_digest, open_binary, printable_raw
 
 
@@ -76,9 +76,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     # Requests first: engine model names are matched against the gateway's model ids.
     for source, files in plan:
         if source.kind == "requests":
-            for path in files:
-                on_file(f"{source.name}: {path.name}")
-                result.files.append(_ingest_requests_file(con, source, path, tick))
+            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file))
     con.execute("DELETE FROM capacity").fetchall()
     con.execute("DELETE FROM engine_events").fetchall()
     con.execute("DELETE FROM changes").fetchall()
@@ -130,21 +128,37 @@ def _record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: 
     return rec
 
 
-def _ingest_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, tick: Tick) -> InputFile:
-    digest = file_digest(path)
-    seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
-                       "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": digest[0]}).fetchall()
-    if seen:
-        r = seen[0]
-        return InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0], bytes=digest[1],
-                         records_read=r[0], loaded=r[1], quarantined=r[2], duplicates=r[3],
-                         notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])))
-    if digest[1] == 0:
-        return _record(con, source, path, digest, FileLoad(file=path, notes=["empty file"]))
-    load = load_requests_file(con, source, path, tick=tick)
-    if load.records_read == 0 and not load.notes:
-        load.notes.append("empty file")
-    return _record(con, source, path, digest, load)
+def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files: list[Path], tick: Tick,
+                           on_file: Callable[[str], None]) -> list[InputFile]:
+    """Load the source's files that are new (by SHA-256; a file loaded before is reported, not read
+    again), each file's load report written in the same transaction as its records."""
+    records: dict[Path, InputFile] = {}
+    digests: dict[Path, tuple[str, int]] = {}
+    todo: list[Path] = []
+    for path in files:
+        digest = file_digest(path)
+        seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
+                           "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": digest[0]}).fetchall()
+        if seen:
+            r = seen[0]
+            records[path] = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0],
+                                      bytes=digest[1], records_read=r[0], loaded=r[1], quarantined=r[2],
+                                      duplicates=r[3],
+                                      notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])))
+        elif digest[1] == 0:
+            records[path] = _record(con, source, path, digest, FileLoad(file=path, notes=["empty file"]))
+        else:
+            digests[path] = digest
+            todo.append(path)
+
+    def merged(load: FileLoad) -> None:
+        if load.records_read == 0 and not load.notes:
+            load.notes.append("empty file")
+        records[load.file] = _record(con, source, load.file, digests[load.file], load)
+
+    load_requests_files(con, source, todo, tick=tick, on_file=lambda p: on_file(f"{source.name}: {p.name}"),
+                        on_merged=merged)
+    return [records[path] for path in files]
 
 
 def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident):

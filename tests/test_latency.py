@@ -671,7 +671,7 @@ def _requests_frame() -> pd.DataFrame:
     df = pd.concat([glm, tiny], ignore_index=True)
     df["ts"] = pd.Timestamp("2026-08-27T00:00:00Z")
     df["account_id"] = "acct"
-    df["source"], df["source_file"], df["source_line"], df["row_hash"] = "gw", "gw.jsonl", df.index + 1, "h"
+    df["source"], df["source_file"], df["source_line"] = "gw", "gw.jsonl", df.index + 1
     return df
 
 

@@ -7,6 +7,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +25,14 @@ from kvforensics.loaders.sglang_requests import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
+
+
+@pytest.fixture(autouse=True)
+def _keep_typed(monkeypatch):
+    """The tests read the typed records of the last load (loaded or not) from typed_all."""
+    import kvforensics.loaders.requests as requests_loader
+
+    monkeypatch.setattr(requests_loader, "KEEP_BATCH_TABLES", True)
 ORPHAN = ("Receive line without a Finish line in this file (the client disconnected, the request was still "
           "running when the log ends, or it finished in a later file)")
 ROW_COLUMNS = ("request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens, "
@@ -51,7 +60,7 @@ def load(path: Path, **kw):
 def typed(con) -> list[tuple]:
     """The typed values of every record, loaded or not (the staging step's reading of the log)."""
     return con.execute("SELECT line, request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, "
-                       "cached_tokens, ttft_ms, latency_ms FROM typed_requests ORDER BY line").fetchall()
+                       "cached_tokens, ttft_ms, latency_ms FROM typed_all ORDER BY line").fetchall()
 
 
 def write(tmp_path: Path, lines: list[str], name: str = "requests.log") -> Path:

@@ -23,7 +23,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
-from kvforensics.db import one, run_script
+from kvforensics.db import one, run_script, sql
 from kvforensics.errors import InputError
 from kvforensics.loaders import sglang_requests
 from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
@@ -155,16 +155,47 @@ def _json_path(name: str) -> str:
     return "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))
 
 
+@dataclass
+class Staged:
+    """One file's staged records, as SQL the typing step reads from.
+
+    ``relation`` yields ``line, raw, problem, <field>_raw ...``: the ``staging_requests`` temp table the
+    Python readers filled, or a DuckDB reader query (with ``params``) that is read, parsed and typed
+    in one streaming pass. ``raw_relation`` (``line, raw``), when set, gives the raw text the relation
+    leaves out (Parquet builds it only for the records that are refused). ``rewrites`` map the typing
+    step's reasons to the format's own words; ``lines`` is the file's physical line count when the
+    reader knows it (to report blank lines); ``ticked`` says the reader already reported progress."""
+
+    relation: str
+    params: dict[str, Any] = field(default_factory=dict)
+    raw_relation: str | None = None
+    rewrites: Mapping[str, str] = field(default_factory=dict)
+    lines: int | None = None
+    ticked: bool = True
+
+
+def _python_staged(rewrites: Mapping[str, str] | None = None) -> Staged:
+    return Staged("staging_requests", rewrites=rewrites or {})
+
+
 def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                 tick: Callable[[int], None]) -> Mapping[str, str]:
+                 tick: Callable[[int], None], fast: bool = True) -> Staged:
     if sglang_requests.recognises(path):
         load.notes.append("recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"")
-        return _stage_sglang_requests(con, source, path, load, tick)
+        return _stage_sglang_requests(con, source, path, load, tick, fast)
     keys = _sample_json_keys(path)
     chosen = _choose_columns(source, keys)
-    if FAST_STAGING and _stage_jsonl_in_duckdb(con, source, path, chosen, load, tick):
-        _finish_jsonl(con, source, chosen, keys, load)
-        return {}
+    finish_reason = None
+    if chosen["status"] is None:
+        finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
+    load.notes.extend(_mapping_notes(source, chosen))
+    if finish_reason is not None:
+        load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
+                          "or 500 without one; otherwise 200), as the records have no status column")
+    if fast and FAST_STAGING:
+        staged = _stage_jsonl_in_duckdb(source, path, chosen, finish_reason)
+        if staged is not None:
+            return staged
     stager = _Stager(con)
     stream = LineStream(path)
     lines: list[int] = []
@@ -195,10 +226,11 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         load.notes.append(stream.stopped)
     # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
     con.execute("ALTER TABLE staging_requests RENAME TO python_lines").fetchall()
-    _extract_json_fields(con, source, chosen, "SELECT line, raw, problem FROM python_lines", {})
+    relation, params = _json_fields_relation(source, chosen, "SELECT line, raw, problem FROM python_lines",
+                                             finish_reason)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE python_lines").fetchall()
-    _finish_jsonl(con, source, chosen, keys, load)
-    return {}
+    return _python_staged()
 
 
 def _field_expressions(source: Source, chosen: Mapping[str, str | None]
@@ -225,16 +257,32 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
     return paths, wrong_type, values
 
 
-def _extract_json_fields(con: duckdb.DuckDBPyConnection, source: Source, chosen: Mapping[str, str | None],
-                         lines_sql: str, params: dict[str, Any]) -> None:
-    """``staging_requests`` from a relation of ``line, raw, problem``: each record parsed once for all
-    fields (json_type / json_extract_string over the list of paths); blank lines dropped."""
+# The status an SGLang-shaped record implies when it has no status column: abort -> its status_code
+# (or 500), anything else 200. $fr, $fr_type, $fr_code are JSON paths (parameters).
+_STATUS_FROM_FINISH_REASON = """CASE
+    WHEN json_type(raw, $fr) = 'OBJECT' THEN
+        CASE WHEN lower(json_extract_string(raw, $fr_type)) = 'abort'
+             THEN coalesce(json_extract_string(raw, $fr_code), '500') ELSE '200' END
+    WHEN json_type(raw, $fr) = 'VARCHAR' THEN
+        CASE WHEN lower(json_extract_string(raw, $fr)) LIKE '%abort%' THEN '500' ELSE '200' END
+END"""
+
+
+def _json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines_sql: str,
+                          finish_reason: str | None) -> tuple[str, dict[str, Any]]:
+    """The staged relation over a relation of ``line, raw, problem``: each record parsed once for all
+    fields (json_type / json_extract_string over the list of paths); blank lines dropped. Returns the
+    query and its parameters (the JSON paths: never spliced into the text)."""
     paths, wrong_type, values = _field_expressions(source, chosen)
+    params: dict[str, Any] = {"paths": paths or ["$.__none__"]}
+    if finish_reason is not None and "status" not in values:
+        base = _json_path(finish_reason)
+        values["status"] = _STATUS_FROM_FINISH_REASON
+        params.update(fr=base, fr_type=base + '."type"', fr_code=base + '."status_code"')
     fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
                        else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in CANONICAL_REQUEST_FIELDS)
     type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
     query = f"""
-        CREATE OR REPLACE TEMP TABLE staging_requests AS
         WITH lines AS ({lines_sql}),
         checked AS (
             SELECT line, raw,
@@ -249,74 +297,46 @@ def _extract_json_fields(con: duckdb.DuckDBPyConnection, source: Source, chosen:
         ), judged AS (
             SELECT line, raw, t, v, coalesce(first_problem, {type_check}) AS problem FROM parsed
         )
-        SELECT line, raw, problem, {fields} FROM judged ORDER BY line"""
-    con.execute(query, {**params, "paths": paths or ["$.__none__"]}).fetchall()
+        SELECT line, raw, problem, {fields} FROM judged"""
+    return query, params
 
 
-def _lines_are_plain(path: Path) -> bool:
-    """True when no byte of the (decompressed) file is a CR or the 0x01 that DuckDB's line reader
-    uses as its delimiter: either would make DuckDB split or cut a physical line (shifting line
-    numbers, or silently dropping the text after the 0x01). The whole stream is scanned, at memchr
-    speed; a file that fails the scan goes to the Python reader, which keeps every byte."""
+def _plain_line_count(path: Path) -> int | None:
+    """The number of physical lines of the (decompressed) file, or None when a byte in it is a CR or
+    the 0x01 that DuckDB's line reader uses as its delimiter: either would make DuckDB split or cut
+    a physical line (shifting line numbers, or silently dropping the text after the 0x01). The whole
+    stream is scanned at memchr speed; a file that fails goes to the Python reader, which keeps
+    every byte. A last line without a newline counts, as it does for the Python reader."""
+    count = 0
+    last = b"\n"
     with open_binary(path) as fh:
         while chunk := fh.read(CHUNK):
             if b"\r" in chunk or b"\x01" in chunk:
-                return False
-    return True
+                return None
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
 
 
-def _stage_jsonl_in_duckdb(con: duckdb.DuckDBPyConnection, source: Source, path: Path,
-                           chosen: Mapping[str, str | None], load: FileLoad, tick: Callable[[int], None]) -> bool:
+def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str | None],
+                           finish_reason: str | None) -> Staged | None:
     """Stage a JSONL file with DuckDB's own reader: every physical line a row (a delimiter valid JSON
     cannot contain unescaped, no quoting), numbered WITH ORDINALITY, each record parsed once for all
-    fields. Returns False (and stages nothing) when DuckDB cannot read the file as clean UTF-8 text
-    (non-UTF-8 bytes, a truncated stream, a CR or 0x01 byte that would split or cut a line): the Python
-    reader then takes the file, line by line, and quarantines what it must."""
+    fields. None when DuckDB cannot read the file as clean text (a CR or 0x01 byte, a truncated or
+    unreadable stream): the Python reader then takes the file, line by line, and quarantines what it
+    must. Bytes that are not UTF-8 make the typing query fail; the loader then retries the file with
+    the Python reader too."""
     try:
-        if not _lines_are_plain(path):
-            return False
+        lines = _plain_line_count(path)
     except Exception:  # noqa: BLE001 - any read failure (truncated gzip/zstd, I/O): the Python reader says why
-        return False
-    lines = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
-             "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
-             "auto_detect = false, strict_mode = false) WITH ORDINALITY")
-    try:
-        _extract_json_fields(con, source, chosen, lines, {"file": str(path)})
-        total = one(con, "SELECT count(*) FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
-                         "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false)",
-                    {"file": str(path)})[0]
-    except duckdb.Error:
-        con.execute("DROP TABLE IF EXISTS staging_requests").fetchall()
-        return False
-    staged = one(con, "SELECT count(*) FROM staging_requests")[0]
-    tick(staged)
-    if total > staged:
-        load.notes.append(f"{total - staged} blank line(s) skipped")
-    return True
-
-
-def _finish_jsonl(con: duckdb.DuckDBPyConnection, source: Source, chosen: Mapping[str, str | None],
-                  keys: set[str], load: FileLoad) -> None:
-    load.notes.extend(_mapping_notes(source, chosen))
-    if chosen["status"] is None:
-        finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
-        if finish_reason is not None:
-            _derive_status(con, finish_reason)
-            load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
-                              "or 500 without one; otherwise 200), as the records have no status column")
-
-
-def _derive_status(con: duckdb.DuckDBPyConnection, finish_reason: str) -> None:
-    base = _json_path(finish_reason)
-    con.execute("""UPDATE staging_requests SET status_raw = CASE
-                     WHEN json_type(raw, $fr) = 'OBJECT' THEN
-                         CASE WHEN lower(json_extract_string(raw, $type)) = 'abort'
-                              THEN coalesce(json_extract_string(raw, $code), '500') ELSE '200' END
-                     WHEN json_type(raw, $fr) = 'VARCHAR' THEN
-                         CASE WHEN lower(json_extract_string(raw, $fr)) LIKE '%abort%' THEN '500' ELSE '200' END
-                   END
-                   WHERE problem IS NULL""",
-                {"fr": base, "type": base + '."type"', "code": base + '."status_code"'})
+        return None
+    if lines is None:
+        return None
+    reader = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
+              "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
+              "auto_detect = false, strict_mode = false) WITH ORDINALITY")
+    relation, params = _json_fields_relation(source, chosen, reader, finish_reason)
+    return Staged(f"({relation})", {**params, "file": str(path)}, lines=lines, ticked=False)
 
 
 def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
@@ -348,7 +368,7 @@ def _require_header(source: Source, path: Path, header: Iterable[str], chosen: d
 
 
 def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-               tick: Callable[[int], None]) -> Mapping[str, str]:
+               tick: Callable[[int], None], fast: bool = True) -> Staged:
     stager = _Stager(con)
     stream = LineStream(path)
     with open_binary(path) as fh:
@@ -358,10 +378,10 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
             header = next(reader)
         except StopIteration:
             load.notes.append("empty file")
-            return {}
+            return _python_staged()
         except (EOFError, OSError, csv.Error) as e:
             load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
-            return {}
+            return _python_staged()
         header = [h.strip() for h in header]
         chosen = _choose_columns(source, set(header))
         _require_header(source, path, header, chosen)
@@ -400,11 +420,11 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
         tick(len(cols["line"]))
     del stream
     load.notes.extend(_mapping_notes(source, chosen))
-    return {}
+    return _python_staged()
 
 
 def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                   tick: Callable[[int], None]) -> Mapping[str, str]:
+                   tick: Callable[[int], None], fast: bool = True) -> Staged:
     import pyarrow.parquet as pq
 
     try:
@@ -415,9 +435,9 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
     chosen = _choose_columns(source, set(header))
     _require_header(source, path, header, chosen)
     wanted = {c: col for c, col in chosen.items() if col is not None and col in header}
-    if FAST_STAGING and _stage_parquet_in_duckdb(con, path, pf.schema_arrow, wanted, tick):
+    if fast and FAST_STAGING:
         load.notes.extend(_mapping_notes(source, chosen))
-        return {}
+        return _stage_parquet_in_duckdb(path, pf.schema_arrow, wanted)
     stager = _Stager(con)
     offset = 0
     for batch in pf.iter_batches(batch_size=BATCH, columns=sorted(set(wanted.values()))):
@@ -438,7 +458,7 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
         tick(n)
         offset += n
     load.notes.extend(_mapping_notes(source, chosen))
-    return {}
+    return _python_staged()
 
 
 def _quote_identifier(name: str) -> str:
@@ -446,10 +466,10 @@ def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _stage_parquet_in_duckdb(con: duckdb.DuckDBPyConnection, path: Path, schema: pa.Schema,
-                             wanted: Mapping[str, str], tick: Callable[[int], None]) -> bool:
-    """Stage a Parquet file in one DuckDB scan: values as text (timestamps as ISO-8601, with 'Z' when
-    the column carries a zone), the line being the row number, the raw record as JSON."""
+def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str, str]) -> Staged:
+    """Stage a Parquet file as one DuckDB scan: values as text (timestamps as ISO-8601, with 'Z' when
+    the column carries a zone), the line being the row number. The raw record (the mapped columns as
+    JSON) is built only for the records the typing step refuses."""
     exprs = []
     for canonical in CANONICAL_REQUEST_FIELDS:
         col = wanted.get(canonical)
@@ -466,21 +486,15 @@ def _stage_parquet_in_duckdb(con: duckdb.DuckDBPyConnection, path: Path, schema:
             value = f"CAST({ident} AS VARCHAR)"
         exprs.append(f"{value} AS {canonical}_raw")
     raw_fields = ", ".join(f"'{c}': {_quote_identifier(col)}" for c, col in wanted.items())
-    query = f"""CREATE OR REPLACE TEMP TABLE staging_requests AS
-                SELECT file_row_number + 1 AS line, left(CAST(to_json({{{raw_fields}}}) AS VARCHAR), 2000) AS raw,
-                       CAST(NULL AS VARCHAR) AS problem, {', '.join(exprs)}
-                FROM read_parquet($file, file_row_number = true)"""
-    try:
-        con.execute(query, {"file": str(path)}).fetchall()
-    except duckdb.Error:
-        con.execute("DROP TABLE IF EXISTS staging_requests").fetchall()
-        return False
-    tick(one(con, "SELECT count(*) FROM staging_requests")[0])
-    return True
+    relation = (f"(SELECT file_row_number + 1 AS line, CAST(NULL AS VARCHAR) AS raw, CAST(NULL AS VARCHAR) AS problem, "
+                f"{', '.join(exprs)} FROM read_parquet($file, file_row_number = true))")
+    raw = (f"(SELECT file_row_number + 1 AS line, CAST(to_json({{{raw_fields}}}) AS VARCHAR) AS raw "
+           f"FROM read_parquet($file, file_row_number = true))")
+    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False)
 
 
 def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                           tick: Callable[[int], None]) -> Mapping[str, str]:
+                           tick: Callable[[int], None], fast: bool = True) -> Staged:
     """SGLang --log-requests output (text or JSON): one staged record per request."""
     stager = _Stager(con)
     reader = sglang_requests.RequestLogReader(source, path)
@@ -498,41 +512,159 @@ def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path:
     stager.add(cols)
     tick(len(cols["line"]))
     load.notes.extend(reader.notes)
-    return sglang_requests.reason_rewrites(source)
+    return _python_staged(sglang_requests.reason_rewrites(source))
 
 
-StagerFn = Callable[[duckdb.DuckDBPyConnection, Source, Path, FileLoad, Callable[[int], None]], Mapping[str, str]]
-# format -> stager; a stager returns rewrites of the typing step's reasons for its format
+StagerFn = Callable[[duckdb.DuckDBPyConnection, Source, Path, FileLoad, Callable[[int], None], bool], Staged]
+# format -> stager
 STAGERS: dict[str, StagerFn] = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet,
                                 sglang_requests.FORMAT: _stage_sglang_requests}
+
+
+# Records typed before their duplicates are resolved and they are written to `requests`: a batch of
+# files is merged at once (one pass over `requests` per batch, not per file), and a batch is closed
+# once it holds this many records, which bounds the temp space the typed records take.
+MERGE_ROWS = 20_000_000
+# Keep the last batch's temp tables (typed_all, repeated, ...) after a load, to inspect them.
+KEEP_BATCH_TABLES = False
+
+TYPED_ALL = """CREATE OR REPLACE TEMP TABLE typed_all (
+    file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
+    ts_naive BOOLEAN, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
+    completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
+    prefill_instance VARCHAR, decode_instance VARCHAR)"""
+CONFLICT = "duplicate request_id with conflicting values%"
+MISSING = "UPDATE typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
 
 
 def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
                        tick: Callable[[int], None] = lambda n: None) -> FileLoad:
     """Stage, type, validate and load one requests file; quarantine what cannot be loaded."""
-    load = FileLoad(file=path)
-    rewrites = STAGERS[source.format](con, source, path, load, tick)
-    run_script(con, "requests_typed", {"tz": source.timezone, "offset_s": source.clock_offset_s})
-    for before, after in rewrites.items():
-        con.execute("UPDATE typed_requests SET reason = $after WHERE reason = $before",
-                    {"before": before, "after": after})
-    _explain_missing(con, source)
-    load.records_read = one(con, "SELECT count(*) FROM typed_requests")[0]
-    naive = one(con, "SELECT count(*) FROM typed_requests WHERE reason IS NULL AND ts_naive")[0]
-    if naive:
-        load.notes.append(f"{naive} timestamp(s) without offset read as {source.timezone}")
-    params = {"source": source.name, "file": str(path)}
-    run_script(con, "requests_merge", params)
-    load.loaded, load.duplicates, load.quarantined = one(
-        con, "SELECT count(*) FILTER (WHERE outcome = 'loaded'), count(*) FILTER (WHERE outcome = 'duplicate'), "
-        "count(*) FILTER (WHERE outcome = 'quarantined') FROM merged_requests")
+    (load,) = load_requests_files(con, source, [path], tick=tick)
     return load
 
 
-def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source) -> None:
+def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: Iterable[Path], *,
+                        tick: Callable[[int], None] = lambda n: None,
+                        on_file: Callable[[Path], None] = lambda path: None,
+                        on_merged: Callable[[FileLoad], None] = lambda load: None) -> list[FileLoad]:
+    """Load the files of one source, in order: each file is read and typed (one streaming pass where
+    DuckDB can read it), then a batch of files is merged into ``requests`` at once: duplicates
+    resolved against everything loaded before, conflicts and refused records quarantined.
+    ``on_merged`` is called for every file of a batch inside the batch's transaction (the ingest
+    records its load report there), so a batch lands whole or not at all."""
+    loads: list[FileLoad] = []
+    batch: list[tuple[int, FileLoad, Path, bool]] = []
+    rows = 0
+    _new_batch(con)
+    for path in paths:
+        on_file(path)
+        file_no = len(batch)
+        load, fast = _type_file(con, source, path, file_no, tick)
+        con.execute("INSERT INTO load_files VALUES ($n, $f)", {"n": file_no, "f": str(path)}).fetchall()
+        batch.append((file_no, load, path, fast))
+        loads.append(load)
+        rows += load.records_read
+        if rows >= MERGE_ROWS:
+            _merge_batch(con, source, batch, on_merged)
+            batch, rows = [], 0
+            _new_batch(con)
+    if batch:
+        _merge_batch(con, source, batch, on_merged)
+    if not KEEP_BATCH_TABLES:
+        for name in ("typed_all", "load_files", "repeated_ids", "repeated", "merge_counts", "staging_requests"):
+            con.execute(f"DROP TABLE IF EXISTS {name}").fetchall()
+    return loads
+
+
+def _new_batch(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(TYPED_ALL).fetchall()
+    con.execute("CREATE OR REPLACE TEMP TABLE load_files (file_no INTEGER, file VARCHAR)").fetchall()
+
+
+def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int,
+               tick: Callable[[int], None]) -> tuple[FileLoad, bool]:
+    """Stage and type one file into ``typed_all``; a DuckDB reader that fails on the file (bytes
+    that are not UTF-8, an unreadable Parquet page) hands it to the Python reader. Also returns
+    whether the DuckDB reader was kept."""
+    load = FileLoad(file=path)
+    staged = STAGERS[source.format](con, source, path, load, tick, True)
+    fast = staged.relation != "staging_requests"
+    try:
+        _type_staged(con, source, staged, file_no)
+    except duckdb.Error:
+        if not fast:
+            raise
+        con.execute("DELETE FROM typed_all WHERE file_no = $n", {"n": file_no}).fetchall()
+        load, fast = FileLoad(file=path), False
+        staged = STAGERS[source.format](con, source, path, load, tick, False)
+        _type_staged(con, source, staged, file_no)
+    load.records_read = one(con, "SELECT count(*) FROM typed_all WHERE file_no = $n", {"n": file_no})[0]
+    if not staged.ticked:
+        tick(load.records_read)
+    if staged.lines is not None and staged.lines > load.records_read:
+        load.notes.append(f"{staged.lines - load.records_read} blank line(s) skipped")
+    return load, fast
+
+
+def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged, file_no: int) -> None:
+    text = sql("requests_typed").replace("{staging}", staged.relation)
+    params = {**staged.params, "file_no": file_no, "tz": source.timezone, "offset_s": source.clock_offset_s}
+    run_script(con, "requests_typed", params, text=text)
+    n = {"n": file_no}
+    for before, after in staged.rewrites.items():
+        con.execute("UPDATE typed_all SET reason = $after WHERE file_no = $n AND reason = $before",
+                    {**n, "before": before, "after": after}).fetchall()
+    _explain_missing(con, source, file_no)
+    if staged.raw_relation is not None and one(
+            con, "SELECT count(*) FROM typed_all WHERE file_no = $n AND reason IS NOT NULL", n)[0]:
+        con.execute(f"UPDATE typed_all SET raw = left(r.raw, 2000) FROM {staged.raw_relation} r "
+                    "WHERE typed_all.file_no = $n AND typed_all.reason IS NOT NULL AND typed_all.line = r.line",
+                    {**staged.params, **n}).fetchall()
+
+
+def _merge_batch(con: duckdb.DuckDBPyConnection, source: Source, batch: list[tuple[int, FileLoad, Path, bool]],
+                 on_merged: Callable[[FileLoad], None]) -> None:
+    con.begin()
+    try:
+        run_script(con, "requests_merge", {"source": source.name})
+        counts = {r[0]: r[1:] for r in con.execute(
+            "SELECT file_no, records_read, loaded, quarantined, duplicates, naive FROM merge_counts").fetchall()}
+        for file_no, load, _, _ in batch:
+            read, loaded, quarantined, duplicates, naive = counts[file_no]
+            if read != load.records_read:
+                raise RuntimeError(f"{load.file}: {read} typed records, {load.records_read} counted")
+            load.loaded, load.quarantined, load.duplicates = loaded, quarantined, duplicates
+            if naive:
+                load.notes.append(f"{naive} timestamp(s) without offset read as {source.timezone}")
+        conflicted = {r[0] for r in con.execute(
+            "SELECT DISTINCT file_no FROM repeated WHERE outcome = 'conflict'").fetchall()}
+        for file_no, _, path, fast in batch:
+            if file_no in conflicted:
+                _fill_conflict_raw(con, source, path, fast)
+        for _, load, _, _ in batch:
+            on_merged(load)
+        con.commit()
+    except BaseException:
+        con.rollback()
+        raise
+
+
+def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Path, fast: bool) -> None:
+    """The raw text of a file's conflicting duplicates, read again from the file (rare: the typing
+    pass keeps raw text only for the records it refuses)."""
+    staged = STAGERS[source.format](con, source, path, FileLoad(file=path), lambda n: None, fast)
+    relation = staged.raw_relation or f"(SELECT line, raw FROM {staged.relation})"
+    con.execute(f"UPDATE quarantine SET raw = left(r.raw, 2000) FROM {relation} r "
+                "WHERE quarantine.source = $source AND quarantine.file = $path AND quarantine.raw IS NULL "
+                "AND quarantine.line = r.line AND quarantine.reason LIKE $conflict",
+                {**staged.params, "source": source.name, "path": str(path), "conflict": CONFLICT}).fetchall()
+
+
+def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source, file_no: int) -> None:
     """Name the source column in 'missing required field' reasons, so the fix is obvious."""
     for canonical in CANONICAL_REQUEST_FIELDS:
         col = source.columns.get(canonical)
         if col:
-            con.execute("UPDATE typed_requests SET reason = reason || ' (column ' || $col || ')' "
-                        "WHERE reason = 'missing required field ''' || $f || ''''", {"col": col, "f": canonical})
+            con.execute(MISSING, {"col": col, "n": file_no,
+                                  "missing": f"missing required field '{canonical}'"}).fetchall()

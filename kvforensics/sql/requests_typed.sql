@@ -1,11 +1,17 @@
--- Type and validate staged request records. Parameters: $tz (IANA zone for timestamps without an
--- offset), $offset_s (clock offset in seconds added to every timestamp of the source).
+-- Type and validate the staged records of one file, appending them to `typed_all` (created by the
+-- loader: one row per record of every file of the batch). {staging} is the file's staged relation
+-- (line, raw, problem, <field>_raw ...): a temp table the Python readers filled, or the DuckDB
+-- reader query itself, so the common case reads, parses and types in one streaming pass.
+-- Parameters: $file_no, $tz (IANA zone for timestamps without an offset), $offset_s (clock offset in
+-- seconds added to every timestamp of the source), plus those of the staged relation.
 -- The first failing check names the record's quarantine reason. Nothing here may raise on any
 -- input text: conversions are guarded (epoch range, TRY_CAST, finite and in-range checks), so a bad
--- value quarantines its record instead of stopping the load.
-CREATE OR REPLACE TEMP TABLE typed_requests AS
+-- value quarantines its record instead of stopping the load. The raw text is kept for refused
+-- records only.
+INSERT INTO typed_all
+SELECT $file_no, * FROM (
 WITH s AS (
-    SELECT *, trim(ts_raw) AS t FROM staging_requests
+    SELECT *, trim(ts_raw) AS t FROM {staging}
 ), parsed AS (
     SELECT *,
         regexp_full_match(coalesce(t, ''), '-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?') AS ts_epoch,
@@ -45,7 +51,10 @@ WITH s AS (
                   AND ts_any < TIMESTAMPTZ '2200-01-01 00:00:00+00' THEN ts_any END AS ts_utc
     FROM stamped
 )
-SELECT
+SELECT line, reason, CASE WHEN reason IS NOT NULL THEN left(raw, 2000) END AS raw,
+    request_id, ts, ts_naive, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
+    ttft_ms, latency_ms, prefill_instance, decode_instance
+FROM (SELECT
     line, raw,
     CASE
         WHEN problem IS NOT NULL THEN problem
@@ -95,4 +104,4 @@ SELECT
     latency_num AS latency_ms,
     nullif(trim(prefill_instance_raw), '') AS prefill_instance,
     nullif(trim(decode_instance_raw), '') AS decode_instance
-FROM bounded;
+FROM bounded));

@@ -16,8 +16,7 @@ CREATE TABLE IF NOT EXISTS requests (
     decode_instance   VARCHAR,
     source            VARCHAR NOT NULL,       -- input name from the incident file
     source_file       VARCHAR NOT NULL,
-    source_line       BIGINT NOT NULL,
-    row_hash          VARCHAR NOT NULL        -- hash of the canonical values, to tell duplicates from conflicts
+    source_line       BIGINT NOT NULL
 );
 
 CREATE TABLE IF NOT EXISTS capacity (
