@@ -76,6 +76,36 @@ def test_corrupt_jsonl_fixture_set(tmp_path):
         "not UTF-8",
     ]
     assert "1 blank line(s) skipped" in r.notes
+    (conflict_raw,) = con.execute("SELECT raw FROM quarantine WHERE reason LIKE 'duplicate%'").fetchone()
+    assert json.loads(conflict_raw)["account_id"] == "someone-else"  # read again from its line
+
+
+@pytest.mark.parametrize("merge_rows", [1, 1000], ids=["batch-per-file", "one-batch"])
+def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, monkeypatch, merge_rows):
+    """One batch of several files, then a later load: the record kept is the earliest loaded (earlier
+    load, then file order, then line); exact copies count as duplicates, others are conflicts whose
+    raw text names what differed; every file's counts add up."""
+    import kvforensics.loaders.requests as requests_loader
+    from kvforensics.loaders.requests import load_requests_files
+
+    monkeypatch.setattr(requests_loader, "MERGE_ROWS", merge_rows)
+    (tmp_path / "a.jsonl").write_text("\n".join([rec("x"), rec("y"), rec("x")]) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join([rec("x", account_id="other"), rec("z"), rec("y")]) + "\n")
+    (tmp_path / "c.jsonl").write_text("\n".join([rec("z", prompt_tokens=7), rec("w"), rec("x")]) + "\n")
+    con = connect()
+    src = source(tmp_path)
+    first = load_requests_files(con, src, [tmp_path / "a.jsonl", tmp_path / "b.jsonl"])
+    later = load_requests_files(con, src, [tmp_path / "c.jsonl"])
+    counts = [(r.file.name, r.records_read, r.loaded, r.quarantined, r.duplicates) for r in first + later]
+    assert counts == [("a.jsonl", 3, 2, 0, 1), ("b.jsonl", 3, 1, 1, 1), ("c.jsonl", 3, 1, 1, 1)]
+    kept = con.execute("SELECT request_id, source_file, source_line FROM requests ORDER BY 1").fetchall()
+    assert [(rid, Path(f).name, line) for rid, f, line in kept] == [
+        ("w", "c.jsonl", 2), ("x", "a.jsonl", 1), ("y", "a.jsonl", 2), ("z", "b.jsonl", 2)]
+    bad = con.execute("SELECT file, line, reason, raw FROM quarantine ORDER BY file").fetchall()
+    assert [(Path(f).name, line) for f, line, _, _ in bad] == [("b.jsonl", 1), ("c.jsonl", 1)]
+    assert bad[0][2].endswith(f"(kept the record at {tmp_path / 'a.jsonl'}:1)")
+    assert bad[1][2].endswith(f"(kept the record at {tmp_path / 'b.jsonl'}:2)")
+    assert json.loads(bad[0][3])["account_id"] == "other" and json.loads(bad[1][3])["prompt_tokens"] == 7
 
 
 def test_missing_mapped_field_names_the_source_column(tmp_path):
@@ -220,6 +250,35 @@ def test_control_bytes_anywhere_in_a_file_lose_no_line(tmp_path):
         (30_003, "missing required field 'ts' (column received_at)")]  # a CR between tokens is JSON whitespace
     assert "tail" in bad[1][2]
     assert con.execute("SELECT source_line FROM requests WHERE request_id = 'last'").fetchall() == [(30_004,)]
+
+
+def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path):
+    """The fast path must really be taken for clean JSONL (plain and gzip) and Parquet, and given up
+    (not failed) for bytes DuckDB refuses."""
+    import gzip
+
+    import pandas as pd
+
+    lines = [rec("a"), rec("b", received_at="2026-08-28 03:00:00"), "", "{broken"]
+    (tmp_path / "clean.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "clean.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    (tmp_path / "latin1.jsonl").write_bytes(("\n".join(lines) + "\n").encode() + b'{"rid": "caf\xe9"}\n')
+    pd.DataFrame({"rid": ["p1", "p2"], "received_at": ["2026-08-28T10:00:00Z", "bad"], "account_id": ["a", "b"],
+                  "model": ["m", "m"], "http_status": [200, 200], "prompt_tokens": [1, 2]}).to_parquet(
+        tmp_path / "gw.parquet")
+    readers = {}
+    for name, fmt in [("clean.jsonl", "jsonl"), ("clean.jsonl.gz", "jsonl"), ("latin1.jsonl", "jsonl"),
+                      ("gw.parquet", "parquet")]:
+        con = connect()
+        r = load_requests_file(con, source(tmp_path, fmt=fmt), tmp_path / name)
+        readers[name] = (r.reader, r.records_read, r.loaded, r.quarantined)
+        raw = con.execute("SELECT raw FROM quarantine").fetchall()
+        assert len(raw) == r.quarantined and all(text for (text,) in raw)  # refused records keep their text
+        if fmt == "parquet":
+            assert json.loads(raw[0][0]) == {"request_id": "p2", "ts": "bad", "account_id": "b", "model": "m",
+                                             "status": 200, "prompt_tokens": 2}
+    assert readers == {"clean.jsonl": ("duckdb", 3, 2, 1), "clean.jsonl.gz": ("duckdb", 3, 2, 1),
+                       "latin1.jsonl": ("python", 4, 2, 2), "gw.parquet": ("duckdb", 2, 1, 1)}
 
 
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):

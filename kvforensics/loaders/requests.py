@@ -76,6 +76,7 @@ class FileLoad:
     quarantined: int = 0
     duplicates: int = 0
     notes: list[str] = field(default_factory=list)
+    reader: str = ""  # "duckdb" when DuckDB's own reader staged the file, "python" for the Python readers
 
 
 def _staging_schema() -> pa.Schema:
@@ -592,13 +593,14 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
     fast = staged.relation != "staging_requests"
     try:
         _type_staged(con, source, staged, file_no)
-    except duckdb.Error:
+    except (duckdb.InvalidInputException, duckdb.IOException):  # what DuckDB's readers raise on bad bytes
         if not fast:
             raise
         con.execute("DELETE FROM typed_all WHERE file_no = $n", {"n": file_no}).fetchall()
         load, fast = FileLoad(file=path), False
         staged = STAGERS[source.format](con, source, path, load, tick, False)
         _type_staged(con, source, staged, file_no)
+    load.reader = "duckdb" if fast else "python"
     load.records_read = one(con, "SELECT count(*) FROM typed_all WHERE file_no = $n", {"n": file_no})[0]
     if not staged.ticked:
         tick(load.records_read)

@@ -1,5 +1,5 @@
 -- Type and validate the staged records of one file, appending them to `typed_all` (created by the
--- loader: one row per record of every file of the batch). {staging} is the file's staged relation
+-- loader: one row per record of every file of the batch). The placeholder in FROM below is the file's staged relation
 -- (line, raw, problem, <field>_raw ...): a temp table the Python readers filled, or the DuckDB
 -- reader query itself, so the common case reads, parses and types in one streaming pass.
 -- Parameters: $file_no, $tz (IANA zone for timestamps without an offset), $offset_s (clock offset in
