@@ -214,25 +214,48 @@ def test_values_that_cannot_be_stored_are_quarantined_not_raised(tmp_path):
     ]
 
 
-def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch):
-    """The fast path (DuckDB reads the lines) and the Python reader load and refuse the same records."""
+DIRTY = [rec("ok1"), "{not json", "[1, 2, 3]", rec("bad_ts", received_at="31/08/2026 10:00"),
+         rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5), "", "   ",
+         rec("obj", account_id={"nested": 1}), rec("ok1"), rec("ok1", account_id="x"),
+         rec("ok2", ttft_ms=12.5, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20)]
+# every line a JSON object (so DuckDB's NDJSON reader can take it), with values that are easy to read
+# differently: wrong JSON types, nulls, huge and fractional numbers, unicode, keys in other cases
+CLEAN = [rec("ok1"), rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5),
+         rec("obj", account_id={"nested": 1}), rec("arr", model=[1]), rec("bool", prompt_tokens=True),
+         rec("ok1"), rec("ok1", account_id="x"), rec("null_ttft", ttft_ms=None), rec("frac", prompt_tokens=2.5),
+         rec("ok2", ttft_ms=12.50, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20),
+         rec("exp", prompt_tokens=1e3), rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600"),
+         rec("epoch", received_at=1787911200.5), json.dumps({"RID": "upper", "rid": "lower", "received_at": 1,
+                                                              "account_id": "a", "model": "m", "http_status": 200,
+                                                              "prompt_tokens": 1}),
+         rec("esc", model='m\\"quoted"\n'), rec(""), rec("missing_tokens", prompt_tokens=None)]
+
+
+@pytest.mark.parametrize("lines", [DIRTY, CLEAN], ids=["dirty", "clean"])
+def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
+    """DuckDB's NDJSON reader, DuckDB's line reader and the Python reader load and refuse the same
+    records with the same reasons, values and notes."""
     import kvforensics.loaders.requests as requests_loader
 
-    lines = [rec("ok1"), "{not json", "[1, 2, 3]", rec("bad_ts", received_at="31/08/2026 10:00"),
-             rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5), "", "   ",
-             rec("obj", account_id={"nested": 1}), rec("ok1"), rec("ok1", account_id="x"),
-             rec("ok2", ttft_ms=12.5, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20)]
     (tmp_path / "gw.jsonl").write_text("\n".join(lines) + "\n")
     results = {}
-    for fast in (True, False):
+    readers = {}
+    for fast, json_reader in ((True, True), (True, False), (False, False)):
         monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        monkeypatch.setattr(requests_loader, "JSON_READER", json_reader)
         con = connect()
         r = load_requests_file(con, source(tmp_path, tz="Europe/Berlin"), tmp_path / "gw.jsonl")
-        results[fast] = ((r.records_read, r.loaded, r.quarantined, r.duplicates), sorted(r.notes),
-                         con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall(),
-                         con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
-    assert results[True] == results[False]
-    assert results[True][0] == (11, 2, 8, 1)
+        readers[fast, json_reader] = r.reader
+        results[fast, json_reader] = (
+            (r.records_read, r.loaded, r.quarantined, r.duplicates), sorted(r.notes),
+            con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall(),
+            con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+    assert results[True, True] == results[True, False] == results[False, False]
+    if lines is DIRTY:
+        assert results[True, True][0] == (11, 2, 8, 1)
+        assert readers == {(True, True): "duckdb-lines", (True, False): "duckdb-lines", (False, False): "python"}
+    else:
+        assert readers == {(True, True): "duckdb-json", (True, False): "duckdb-lines", (False, False): "python"}
 
 
 def test_control_bytes_anywhere_in_a_file_lose_no_line(tmp_path):
@@ -277,8 +300,12 @@ def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path
         if fmt == "parquet":
             assert json.loads(raw[0][0]) == {"request_id": "p2", "ts": "bad", "account_id": "b", "model": "m",
                                              "status": 200, "prompt_tokens": 2}
-    assert readers == {"clean.jsonl": ("duckdb", 3, 2, 1), "clean.jsonl.gz": ("duckdb", 3, 2, 1),
-                       "latin1.jsonl": ("python", 4, 2, 2), "gw.parquet": ("duckdb", 2, 1, 1)}
+    assert readers == {"clean.jsonl": ("duckdb-lines", 3, 2, 1), "clean.jsonl.gz": ("duckdb-lines", 3, 2, 1),
+                       "latin1.jsonl": ("python", 4, 2, 2), "gw.parquet": ("duckdb-parquet", 2, 1, 1)}
+    # without the blank and the broken line, DuckDB's NDJSON reader takes the file
+    (tmp_path / "tidy.jsonl").write_text("\n".join([rec("a"), rec("b", http_status="x")]) + "\n")
+    r = load_requests_file(connect(), source(tmp_path), tmp_path / "tidy.jsonl")
+    assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-json", 2, 1, 1)
 
 
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):

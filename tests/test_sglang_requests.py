@@ -60,7 +60,7 @@ def load(path: Path, **kw):
 def typed(con) -> list[tuple]:
     """The typed values of every record, loaded or not (the staging step's reading of the log)."""
     return con.execute("SELECT line, request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, "
-                       "cached_tokens, ttft_ms, latency_ms FROM typed_all ORDER BY line").fetchall()
+                       "cached_tokens, ttft_ms, latency_ms FROM kvf_batch.typed_all ORDER BY line").fetchall()
 
 
 def write(tmp_path: Path, lines: list[str], name: str = "requests.log") -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -32,6 +33,9 @@ BATCH = 100_000
 # Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
 # remain the fallback for what DuckDB refuses: non-UTF-8 bytes, truncated streams, CR line ends).
 FAST_STAGING = True
+# For JSONL whose mapped columns are top-level keys, try DuckDB's NDJSON reader first (one parse per
+# record); files it cannot number exactly fall back to the line reader.
+JSON_READER = True
 
 # Names other systems use for the canonical fields, tried (in order) when the incident file does not
 # map a field and the canonical name is absent: OpenTelemetry GenAI semantic conventions, SGLang's
@@ -76,7 +80,7 @@ class FileLoad:
     quarantined: int = 0
     duplicates: int = 0
     notes: list[str] = field(default_factory=list)
-    reader: str = ""  # "duckdb" when DuckDB's own reader staged the file, "python" for the Python readers
+    reader: str = ""  # duckdb-json / duckdb-lines / duckdb-parquet (DuckDB's readers) or python
 
 
 def _staging_schema() -> pa.Schema:
@@ -173,6 +177,11 @@ class Staged:
     rewrites: Mapping[str, str] = field(default_factory=dict)
     lines: int | None = None
     ticked: bool = True
+    # the relation must yield exactly ``lines`` records (one per physical line), else ``retry`` stages
+    # the file another way; ``retry`` is also taken when the reader raises on the file
+    exact_lines: bool = False
+    retry: Callable[[], Staged] | None = None
+    reader: str = "python"  # which reader staged the file, for the load's record
 
 
 def _python_staged(rewrites: Mapping[str, str] | None = None) -> Staged:
@@ -321,12 +330,17 @@ def _plain_line_count(path: Path) -> int | None:
 
 def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str | None],
                            finish_reason: str | None) -> Staged | None:
-    """Stage a JSONL file with DuckDB's own reader: every physical line a row (a delimiter valid JSON
-    cannot contain unescaped, no quoting), numbered WITH ORDINALITY, each record parsed once for all
-    fields. None when DuckDB cannot read the file as clean text (a CR or 0x01 byte, a truncated or
-    unreadable stream): the Python reader then takes the file, line by line, and quarantines what it
-    must. Bytes that are not UTF-8 make the typing query fail; the loader then retries the file with
-    the Python reader too."""
+    """Stage a JSONL file with DuckDB's own readers. None when DuckDB cannot read the file as clean
+    text (a CR or 0x01 byte, a truncated or unreadable stream): the Python reader then takes the
+    file, line by line, and quarantines what it must.
+
+    First choice, when every mapped column is a top-level key: ``read_json`` with those keys as JSON
+    columns, numbered WITH ORDINALITY: one parse per record by DuckDB's NDJSON reader, and the line
+    numbers are right exactly when the reader yields one record per physical line. A file with a
+    blank or malformed line fails that check (or makes the reader raise) and is staged again by the
+    second choice: every physical line a row of ``read_csv`` (a delimiter valid JSON cannot contain
+    unescaped, no quoting), each record parsed for all fields with the JSON functions. Bytes that
+    are not UTF-8 make either reader fail; the loader then hands the file to the Python reader."""
     try:
         lines = _plain_line_count(path)
     except Exception:  # noqa: BLE001 - any read failure (truncated gzip/zstd, I/O): the Python reader says why
@@ -337,7 +351,40 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
               "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
               "auto_detect = false, strict_mode = false) WITH ORDINALITY")
     relation, params = _json_fields_relation(source, chosen, reader, finish_reason)
-    return Staged(f"({relation})", {**params, "file": str(path)}, lines=lines, ticked=False)
+
+    def by_lines() -> Staged:
+        return Staged(f"({relation})", {**params, "file": str(path)}, lines=lines, ticked=False, reader="duckdb-lines")
+
+    keys = [c for c in dict.fromkeys(chosen.values()) if c is not None]
+    if not JSON_READER or finish_reason is not None or any("." in k for k in keys) or not keys:
+        return by_lines()
+    return Staged(_json_columns_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "JSON")},
+                  raw_relation=f"(SELECT line, raw FROM ({reader}))", lines=lines, ticked=False, exact_lines=True,
+                  retry=by_lines, reader="duckdb-json")
+
+
+def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], keys: list[str]) -> str:
+    """The staged relation over ``read_json`` with the mapped keys as JSON columns ($columns, a
+    parameter: no key is spliced into the query; the columns are renamed by position)."""
+    names = [f"k{i}" for i in range(len(keys))]
+    wrong_type = []
+    fields = []
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = chosen[canonical]
+        if col is None:
+            fields.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
+            continue
+        k = names[keys.index(col)]
+        wrong_type.append(f"WHEN json_type({k}) IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
+                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower(json_type({k}))")
+        expr = f"json_extract_string({k}, '$')"
+        if col in SECONDS_ALIASES and canonical not in source.columns:
+            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+        fields.append(f"CASE WHEN problem IS NULL THEN {expr} END AS {canonical}_raw")
+    problem = f"CASE {' '.join(wrong_type)} END"
+    return (f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, problem, {', '.join(fields)} FROM "
+            f"(SELECT *, {problem} AS problem FROM read_json($file, format = 'newline_delimited', "
+            f"columns = $columns) WITH ORDINALITY AS j({', '.join(names)}, line)))")
 
 
 def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
@@ -491,7 +538,7 @@ def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str,
                 f"{', '.join(exprs)} FROM read_parquet($file, file_row_number = true))")
     raw = (f"(SELECT file_row_number + 1 AS line, CAST(to_json({{{raw_fields}}}) AS VARCHAR) AS raw "
            f"FROM read_parquet($file, file_row_number = true))")
-    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False)
+    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False, reader="duckdb-parquet")
 
 
 def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
@@ -529,13 +576,13 @@ MERGE_ROWS = 20_000_000
 # Keep the last batch's temp tables (typed_all, repeated, ...) after a load, to inspect them.
 KEEP_BATCH_TABLES = False
 
-TYPED_ALL = """CREATE OR REPLACE TEMP TABLE typed_all (
+TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
     ts_naive BOOLEAN, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
     completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
     prefill_instance VARCHAR, decode_instance VARCHAR)"""
 CONFLICT = "duplicate request_id with conflicting values%"
-MISSING = "UPDATE typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
+MISSING = "UPDATE kvf_batch.typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
 
 
 def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
@@ -557,30 +604,58 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
     loads: list[FileLoad] = []
     batch: list[tuple[int, FileLoad, Path, bool]] = []
     rows = 0
+    pending = list(paths)
+    workers = _typing_workers(con)
     _new_batch(con)
-    for path in paths:
-        on_file(path)
-        file_no = len(batch)
-        load, fast = _type_file(con, source, path, file_no, tick)
-        con.execute("INSERT INTO load_files VALUES ($n, $f)", {"n": file_no, "f": str(path)}).fetchall()
-        batch.append((file_no, load, path, fast))
-        loads.append(load)
-        rows += load.records_read
-        if rows >= MERGE_ROWS:
-            _merge_batch(con, source, batch, on_merged)
-            batch, rows = [], 0
-            _new_batch(con)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        while pending:
+            group, pending = pending[:workers], pending[workers:]
+            numbered = [(len(batch) + i, path) for i, path in enumerate(group)]
+            for _, path in numbered:
+                on_file(path)
+            futures = [pool.submit(_type_file_on_cursor, con, source, path, file_no, tick) for file_no, path in numbered]
+            for (file_no, path), future in zip(numbered, futures, strict=True):
+                load, fast = future.result()
+                con.execute("INSERT INTO kvf_batch.load_files VALUES ($n, $f)",
+                            {"n": file_no, "f": str(path)}).fetchall()
+                batch.append((file_no, load, path, fast))
+                loads.append(load)
+                rows += load.records_read
+            if rows >= MERGE_ROWS:
+                _merge_batch(con, source, batch, on_merged)
+                batch, rows = [], 0
+                _new_batch(con)
     if batch:
         _merge_batch(con, source, batch, on_merged)
     if not KEEP_BATCH_TABLES:
-        for name in ("typed_all", "load_files", "repeated_ids", "repeated", "merge_counts", "staging_requests"):
+        for name in ("kvf_batch.typed_all", "kvf_batch.load_files", "repeated_ids", "repeated", "merge_counts"):
             con.execute(f"DROP TABLE IF EXISTS {name}").fetchall()
     return loads
 
 
+def _typing_workers(con: duckdb.DuckDBPyConnection) -> int:
+    """Files typed at once: DuckDB reads a gzip stream (and a small file) on one thread, so files
+    are read side by side, one per DuckDB thread (at most 4)."""
+    threads = one(con, "SELECT current_setting('threads')")[0]
+    return max(1, min(int(threads), 4))
+
+
 def _new_batch(con: duckdb.DuckDBPyConnection) -> None:
+    """The batch tables live in an attached in-memory database (spilled like any other under the
+    memory limit), which every cursor of the connection sees, so files can be typed concurrently."""
+    con.execute("ATTACH IF NOT EXISTS ':memory:' AS kvf_batch").fetchall()
     con.execute(TYPED_ALL).fetchall()
-    con.execute("CREATE OR REPLACE TEMP TABLE load_files (file_no INTEGER, file VARCHAR)").fetchall()
+    con.execute("CREATE OR REPLACE TABLE kvf_batch.load_files (file_no INTEGER, file VARCHAR)").fetchall()
+
+
+def _type_file_on_cursor(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int,
+                         tick: Callable[[int], None]) -> tuple[FileLoad, bool]:
+    cur = con.cursor()
+    try:
+        cur.execute("SET TimeZone = 'UTC'").fetchall()
+        return _type_file(cur, source, path, file_no, tick)
+    finally:
+        cur.close()
 
 
 def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int,
@@ -590,18 +665,25 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
     whether the DuckDB reader was kept."""
     load = FileLoad(file=path)
     staged = STAGERS[source.format](con, source, path, load, tick, True)
-    fast = staged.relation != "staging_requests"
-    try:
-        _type_staged(con, source, staged, file_no)
-    except (duckdb.InvalidInputException, duckdb.IOException):  # what DuckDB's readers raise on bad bytes
-        if not fast:
-            raise
-        con.execute("DELETE FROM typed_all WHERE file_no = $n", {"n": file_no}).fetchall()
-        load, fast = FileLoad(file=path), False
-        staged = STAGERS[source.format](con, source, path, load, tick, False)
-        _type_staged(con, source, staged, file_no)
-    load.reader = "duckdb" if fast else "python"
-    load.records_read = one(con, "SELECT count(*) FROM typed_all WHERE file_no = $n", {"n": file_no})[0]
+    n = {"n": file_no}
+    while True:
+        fast = staged.relation != "staging_requests"
+        try:
+            _type_staged(con, source, staged, file_no)
+            if not staged.exact_lines or one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n", n)[0] \
+                    == staged.lines:
+                break
+        except (duckdb.InvalidInputException, duckdb.IOException):  # what DuckDB's readers raise on bad input
+            if not fast:
+                raise
+        con.execute("DELETE FROM kvf_batch.typed_all WHERE file_no = $n", n).fetchall()
+        if staged.retry is not None:
+            staged = staged.retry()
+        else:
+            load = FileLoad(file=path)
+            staged = STAGERS[source.format](con, source, path, load, tick, False)
+    load.reader = staged.reader
+    load.records_read = one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n", n)[0]
     if not staged.ticked:
         tick(load.records_read)
     if staged.lines is not None and staged.lines > load.records_read:
@@ -615,14 +697,14 @@ def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged,
     run_script(con, "requests_typed", params, text=text)
     n = {"n": file_no}
     for before, after in staged.rewrites.items():
-        con.execute("UPDATE typed_all SET reason = $after WHERE file_no = $n AND reason = $before",
+        con.execute("UPDATE kvf_batch.typed_all SET reason = $after WHERE file_no = $n AND reason = $before",
                     {**n, "before": before, "after": after}).fetchall()
     _explain_missing(con, source, file_no)
     if staged.raw_relation is not None and one(
-            con, "SELECT count(*) FROM typed_all WHERE file_no = $n AND reason IS NOT NULL", n)[0]:
-        con.execute(f"UPDATE typed_all SET raw = left(r.raw, 2000) FROM {staged.raw_relation} r "
-                    "WHERE typed_all.file_no = $n AND typed_all.reason IS NOT NULL AND typed_all.line = r.line",
-                    {**staged.params, **n}).fetchall()
+            con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n AND reason IS NOT NULL", n)[0]:
+        query = (f"UPDATE kvf_batch.typed_all SET raw = left(r.raw, 2000) FROM {staged.raw_relation} r "
+                 "WHERE kvf_batch.typed_all.file_no = $n AND kvf_batch.typed_all.reason IS NOT NULL AND kvf_batch.typed_all.line = r.line")
+        con.execute(query, _used(query, {**staged.params, **n})).fetchall()
 
 
 def _merge_batch(con: duckdb.DuckDBPyConnection, source: Source, batch: list[tuple[int, FileLoad, Path, bool]],
@@ -657,10 +739,19 @@ def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
     pass keeps raw text only for the records it refuses)."""
     staged = STAGERS[source.format](con, source, path, FileLoad(file=path), lambda n: None, fast)
     relation = staged.raw_relation or f"(SELECT line, raw FROM {staged.relation})"
-    con.execute(f"UPDATE quarantine SET raw = left(r.raw, 2000) FROM {relation} r "
-                "WHERE quarantine.source = $source AND quarantine.file = $path AND quarantine.raw IS NULL "
-                "AND quarantine.line = r.line AND quarantine.reason LIKE $conflict",
-                {**staged.params, "source": source.name, "path": str(path), "conflict": CONFLICT}).fetchall()
+    query = (f"UPDATE quarantine SET raw = left(r.raw, 2000) FROM {relation} r "
+             "WHERE quarantine.source = $source AND quarantine.file = $path AND quarantine.raw IS NULL "
+             "AND quarantine.line = r.line AND quarantine.reason LIKE $conflict")
+    con.execute(query, _used(query, {**staged.params, "source": source.name, "path": str(path),
+                                     "conflict": CONFLICT})).fetchall()
+
+
+def _used(query: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters a query uses (DuckDB refuses unused named parameters)."""
+    import re
+
+    names = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", query))
+    return {k: v for k, v in params.items() if k in names}
 
 
 def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source, file_no: int) -> None:

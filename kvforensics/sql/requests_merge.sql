@@ -1,4 +1,4 @@
--- Merge a batch of typed records (`typed_all`: every record of the batch's files, `load_files`:
+-- Merge a batch of typed records (`kvf_batch.typed_all`: every record of the batch's files, `kvf_batch.load_files`:
 -- file_no -> file name, in load order) into `requests`. Parameters: $source.
 -- A request id seen before with identical canonical values is a duplicate (at-least-once shipping);
 -- with different values it is quarantined as a conflict, naming where the kept record came from.
@@ -7,9 +7,9 @@
 -- before, go through that comparison; every other record is inserted as it is.
 
 CREATE OR REPLACE TEMP TABLE repeated_ids AS
-SELECT request_id FROM typed_all WHERE reason IS NULL GROUP BY request_id HAVING count(*) > 1
+SELECT request_id FROM kvf_batch.typed_all WHERE reason IS NULL GROUP BY request_id HAVING count(*) > 1
 UNION
-SELECT t.request_id FROM typed_all t SEMI JOIN requests r ON r.request_id = t.request_id WHERE t.reason IS NULL;
+SELECT t.request_id FROM kvf_batch.typed_all t SEMI JOIN requests r ON r.request_id = t.request_id WHERE t.reason IS NULL;
 
 CREATE OR REPLACE TEMP TABLE repeated AS
 WITH candidates AS (
@@ -21,8 +21,8 @@ WITH candidates AS (
     SELECT t.file_no, f.file, t.line, t.request_id, t.ts, t.account_id, t.model,
            t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.ttft_ms, t.latency_ms,
            t.prefill_instance, t.decode_instance
-    FROM typed_all t SEMI JOIN repeated_ids i ON i.request_id = t.request_id
-    JOIN load_files f ON f.file_no = t.file_no
+    FROM kvf_batch.typed_all t SEMI JOIN repeated_ids i ON i.request_id = t.request_id
+    JOIN kvf_batch.load_files f ON f.file_no = t.file_no
     WHERE t.reason IS NULL
 ), ranked AS (
     SELECT *, row_number() OVER (PARTITION BY request_id ORDER BY file_no, line) AS nth FROM candidates
@@ -43,8 +43,8 @@ FROM ranked c JOIN ranked w ON w.request_id = c.request_id AND w.nth = 1;
 INSERT INTO requests
 SELECT t.request_id, t.ts, t.account_id, t.model, t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
        t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line
-FROM typed_all t ANTI JOIN repeated_ids i ON i.request_id = t.request_id
-JOIN load_files f ON f.file_no = t.file_no
+FROM kvf_batch.typed_all t ANTI JOIN repeated_ids i ON i.request_id = t.request_id
+JOIN kvf_batch.load_files f ON f.file_no = t.file_no
 WHERE t.reason IS NULL
 UNION ALL
 SELECT request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
@@ -53,7 +53,7 @@ FROM repeated WHERE outcome = 'loaded';
 
 INSERT INTO quarantine
 SELECT $source, f.file, t.line, t.reason, t.raw
-FROM typed_all t JOIN load_files f ON f.file_no = t.file_no
+FROM kvf_batch.typed_all t JOIN kvf_batch.load_files f ON f.file_no = t.file_no
 WHERE t.reason IS NOT NULL;
 
 -- the raw text of these (rare) records is filled in by the loader, which reads their lines again
@@ -66,7 +66,7 @@ CREATE OR REPLACE TEMP TABLE merge_counts AS
 WITH typed AS (
     SELECT file_no, count(*) AS records_read, count(reason) AS refused,
            count(*) FILTER (WHERE reason IS NULL AND ts_naive) AS naive
-    FROM typed_all GROUP BY file_no
+    FROM kvf_batch.typed_all GROUP BY file_no
 ), decided AS (
     SELECT file_no, count(*) FILTER (WHERE outcome = 'duplicate') AS duplicates,
            count(*) FILTER (WHERE outcome = 'conflict') AS conflicts
@@ -78,4 +78,4 @@ SELECT f.file_no, coalesce(t.records_read, 0) AS records_read,
        coalesce(t.records_read, 0) - coalesce(t.refused, 0) - coalesce(d.conflicts, 0) - coalesce(d.duplicates, 0)
            AS loaded,
        coalesce(t.naive, 0) AS naive
-FROM load_files f LEFT JOIN typed t ON t.file_no = f.file_no LEFT JOIN decided d ON d.file_no = f.file_no;
+FROM kvf_batch.load_files f LEFT JOIN typed t ON t.file_no = f.file_no LEFT JOIN decided d ON d.file_no = f.file_no;

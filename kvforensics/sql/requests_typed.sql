@@ -1,4 +1,4 @@
--- Type and validate the staged records of one file, appending them to `typed_all` (created by the
+-- Type and validate the staged records of one file, appending them to `kvf_batch.typed_all` (created by the
 -- loader: one row per record of every file of the batch). The placeholder in FROM below is the file's staged relation
 -- (line, raw, problem, <field>_raw ...): a temp table the Python readers filled, or the DuckDB
 -- reader query itself, so the common case reads, parses and types in one streaming pass.
@@ -8,7 +8,7 @@
 -- input text: conversions are guarded (epoch range, TRY_CAST, finite and in-range checks), so a bad
 -- value quarantines its record instead of stopping the load. The raw text is kept for refused
 -- records only.
-INSERT INTO typed_all
+INSERT INTO kvf_batch.typed_all
 SELECT $file_no, * FROM (
 WITH s AS (
     SELECT *, trim(ts_raw) AS t FROM {staging}
