@@ -130,11 +130,12 @@ class Runner:
         out = self.fresh(ds, "ingest")
         steps = [self.step("floor-count", ds, memory_limit=limit),
                  self.step("floor-scan", ds, memory_limit=limit),
+                 self.step("floor-load", ds, out=out, memory_limit=limit),
                  self.step("ingest", ds, out=out, memory_limit=limit, extra=("--requests-only",),
                            label="ingest-requests")]
         if not self.args.keep_evidence:
             shutil.rmtree(out, ignore_errors=True)
-        return {"memory_limit": limit, "floors": ["floor-count", "floor-scan"], "steps": steps}
+        return {"memory_limit": limit, "floors": ["floor-count", "floor-scan", "floor-load"], "steps": steps}
 
     # issue 8: every stage on one evidence database, 2 GB
     def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
@@ -201,9 +202,10 @@ def agreement(out: Path) -> dict[str, Any] | None:
 # --- tables ------------------------------------------------------------------------------------------
 
 def noise(entry: dict[str, Any]) -> bool:
-    """Other processes used more than 10% of one core during the step: its timing is suspect."""
+    """Other processes used more than 10% of one core (and over a CPU second) during the step: its
+    timing is suspect."""
     other = entry.get("other_cpu_seconds")
-    return bool(other and entry.get("process_seconds") and other > 0.1 * entry["process_seconds"])
+    return bool(other and entry.get("process_seconds") and other > max(1.0, 0.1 * entry["process_seconds"]))
 
 
 def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:

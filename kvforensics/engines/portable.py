@@ -306,6 +306,7 @@ class TableStatement:
     temporary: bool
     query: str          # the template of the query
     text: str           # the whole statement's template
+    view: bool = False  # marked '-- portable: view': DuckDB keeps it as a view over its inputs (no copy)
 
 
 def script_statements(name: str) -> list[TableStatement]:
@@ -319,14 +320,30 @@ def script_statements(name: str) -> list[TableStatement]:
         if not m:
             raise EngineError(f"sql/{name}.sql: a portable script statement is "
                               f"'CREATE OR REPLACE [TEMP] TABLE name AS query', got {code[:60]!r}")
-        out.append(TableStatement(m.group(2), bool(m.group(1)), m.group(3), code))
+        view = any(line.strip() == "-- portable: view" for line in stmt.splitlines())
+        if view and used_parameters(code):
+            raise EngineError(f"sql/{name}.sql, table {m.group(2)}: a view cannot take parameters")
+        out.append(TableStatement(m.group(2), bool(m.group(1)), m.group(3), code, view))
     return out
+
+
+def create_duckdb_view(con: duckdb.DuckDBPyConnection, stmt: TableStatement) -> None:
+    """A view statement on DuckDB: replaces a table of that name left by an earlier version."""
+    kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = 'main' "
+                       "AND table_name = $n", {"n": stmt.name}).fetchall()
+    if kind and kind[0][0] != "VIEW":
+        con.execute(f'DROP TABLE "{stmt.name}"').fetchall()
+    temp = "TEMP " if stmt.temporary else ""
+    con.execute(f'CREATE OR REPLACE {temp}VIEW "{stmt.name}" AS {render(stmt.query, "duckdb")}').fetchall()
 
 
 def run_duckdb_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None) -> None:
     """Run a portable ``sql/<name>.sql`` on DuckDB, giving each statement the parameters it uses."""
     params = params or {}
     for stmt in script_statements(name):
+        if stmt.view:
+            create_duckdb_view(con, stmt)
+            continue
         used = used_parameters(stmt.text)
         missing = used - set(params)
         if missing:

@@ -31,6 +31,7 @@ import pandas as pd
 from kvforensics.engines.portable import (
     EngineError,
     TableStatement,
+    create_duckdb_view,
     render,
     run_duckdb_script,
     script_statements,
@@ -261,8 +262,11 @@ class SparkEngine:
                     self._replace_view(stmt.name, df)
                     if not stmt.temporary:
                         persistent.append(stmt)
-            for stmt in persistent:
-                self._write_back(con, stmt.name, types[stmt.name])
+            for stmt in persistent:  # in script order, so a view's inputs are written back before it
+                if stmt.view:
+                    create_duckdb_view(con, stmt)
+                else:
+                    self._write_back(con, stmt.name, types[stmt.name])
         finally:
             for name in [n for n in self._cached if n != "requests"]:   # free the script tables
                 self._cached.pop(name).unpersist()

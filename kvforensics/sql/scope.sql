@@ -12,10 +12,15 @@ m AS (
 SELECT a.account_id, coalesce(m.account_class, 'customer') AS account_class
 FROM a LEFT JOIN m ON m.account_id = a.account_id AND m.pick = 1;
 
+CREATE OR REPLACE TABLE analysis_period AS
+SELECT {{ as_timestamp($start) }} AS period_start, {{ as_timestamp($end) }} AS period_end;
+
+-- The requests of the analysed period: a view on DuckDB (the requests are not copied).
 CREATE OR REPLACE TABLE analysed_requests AS
-SELECT r.* FROM requests r
-WHERE ({{ as_timestamp($start) }} IS NULL OR r.ts >= {{ as_timestamp($start) }})
-  AND ({{ as_timestamp($end) }} IS NULL OR r.ts < {{ as_timestamp($end) }});
+-- portable: view
+SELECT r.* FROM requests r CROSS JOIN analysis_period p
+WHERE (p.period_start IS NULL OR r.ts >= p.period_start)
+  AND (p.period_end IS NULL OR r.ts < p.period_end);
 
 -- The expected (fastest real) prefill time of each request's uncached tokens, where a model exists.
 CREATE OR REPLACE TEMP TABLE expected_prefill AS
@@ -52,7 +57,11 @@ WHERE t.confidence = 'possible';
 -- horizon_factor x pool(D) tokens were written on D. Affected responses write only 1 + output tokens
 -- (the stub), so their reservations do not count as overwriting. Requests without a decode instance
 -- are grouped by model, with the sum of the model's decode pools.
+-- Only the groups that served an affected response matter, and in them only what was written up to
+-- the last affected allocation (later events change no earlier running total); the rest of the
+-- traffic is left out before the timeline's sort.
 CREATE OR REPLACE TEMP TABLE kv_writes AS
+WITH w AS (
 SELECT r.request_id, r.account_id, r.model,
        coalesce(r.decode_instance, '(model) ' || r.model) AS kv_group,
        r.decode_instance IS NOT NULL AS instance_known,
@@ -63,7 +72,12 @@ SELECT r.request_id, r.account_id, r.model,
        a.request_id IS NOT NULL AS is_affected
 FROM requests r
 LEFT JOIN affected_responses a ON a.request_id = r.request_id
-WHERE r.status BETWEEN 200 AND 299;
+WHERE r.status BETWEEN 200 AND 299
+), reach AS (
+    SELECT kv_group, max(alloc_ts) AS last_alloc FROM w WHERE is_affected GROUP BY kv_group
+)
+SELECT w.* FROM w JOIN reach ON reach.kv_group = w.kv_group
+WHERE w.alloc_ts <= reach.last_alloc OR w.free_ts <= reach.last_alloc;
 
 CREATE OR REPLACE TEMP TABLE kv_timeline AS
 WITH ev AS (
