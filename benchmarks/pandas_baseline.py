@@ -284,7 +284,7 @@ def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> 
     sources = possible_sources(served, set(affected["request_id"]), cap)
     lap("scope")
     digest = hashlib.sha256()
-    for a, s in sorted(zip(sources["affected_request_id"], sources["source_request_id"])):
+    for a, s in sorted(zip(sources["affected_request_id"], sources["source_request_id"], strict=True)):
         digest.update(f"{a}|{s}\n".encode())
     return {
         "rows_read": rows_read,

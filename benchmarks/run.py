@@ -273,7 +273,7 @@ def render_table(title: str, rows: list[dict[str, Any]], floors: list[str], mark
     widths = [max(len(head[i]), *(len(b[i]) for b in body)) for i in range(len(head))]
 
     def join(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     line = join(head)
     return "\n".join([title, line, "-" * len(line), *(join(b) for b in body), *notes])

@@ -321,118 +321,6 @@ def step_report(args: argparse.Namespace, result: dict[str, Any]) -> None:
         inv.close()
 
 
-def step_proto_ingest(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """PROTOTYPE, not kvforensics: the requests loader with the Python staging replaced by DuckDB's
-    readers (sql/proto_stage_*.sql), then the package's own requests_typed.sql and requests_merge.sql
-    per file. What ingest could cost without changing typing, validation or dedup."""
-    from kvforensics.config import CANONICAL_REQUEST_FIELDS
-    from kvforensics.db import connect, run_script
-
-    _, source = gateway_source(args.incident)
-    con = connect(args.out / "evidence.duckdb", memory_limit=args.memory_limit, threads=args.threads)
-    names = {f: source.column(f) for f in CANONICAL_REQUEST_FIELDS}
-    loaded = duplicates = quarantined = rows = 0
-    with timed(result, "seconds", args.profile):
-        for path in source.files():
-            if source.format == "jsonl":
-                paths = ['$."' + names[f].replace('"', '\\"') + '"' for f in CANONICAL_REQUEST_FIELDS]
-                fields = ", ".join(f"v[{i + 1}] AS {f}_raw" for i, f in enumerate(CANONICAL_REQUEST_FIELDS))
-                wrong = " ".join(f"WHEN t[{i + 1}] IN ('OBJECT', 'ARRAY', 'BOOLEAN') THEN '{f} must be a string or "
-                                 f"a number, not a JSON ' || lower(t[{i + 1}])"
-                                 for i, f in enumerate(CANONICAL_REQUEST_FIELDS))
-                con.execute(bench_sql("proto_stage_jsonl").format(fields=fields, wrong_type=wrong),
-                            {"file": str(path), "paths": paths})
-            else:
-                import pyarrow.parquet as pq
-
-                present = set(pq.ParquetFile(path).schema_arrow.names)
-                cols = {f: c for f, c in names.items() if c in present}
-                fields = ", ".join(f'CAST("{cols[f]}" AS VARCHAR) AS {f}_raw' if f in cols
-                                   else f"CAST(NULL AS VARCHAR) AS {f}_raw" for f in CANONICAL_REQUEST_FIELDS)
-                raw = "to_json(struct_pack(" + ", ".join(f'"{c}" := "{c}"' for c in cols.values()) + "))::VARCHAR"
-                con.execute(bench_sql("proto_stage_parquet").format(fields=fields, raw=raw), {"file": str(path)})
-            run_script(con, "requests_typed", {"tz": source.timezone, "offset_s": source.clock_offset_s})
-            run_script(con, "requests_merge", {"source": source.name, "file": str(path)})
-            n, ld, dp, q = con.execute(
-                "SELECT count(*), count(*) FILTER (WHERE outcome = 'loaded'), count(*) FILTER (WHERE outcome = "
-                "'duplicate'), count(*) FILTER (WHERE outcome = 'quarantined') FROM merged_requests").fetchone()
-            rows += n
-            loaded += ld
-            duplicates += dp
-            quarantined += q
-    result.update(rows=rows, loaded=loaded, duplicates=duplicates, quarantined=quarantined)
-    con.close()
-
-
-def step_proto_ingest_once(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """PROTOTYPE, not kvforensics: read -> stage -> type in one streaming statement per file (the
-    package's requests_typed.sql with its staging table replaced by the reader query and its output
-    appended to one table), then duplicates resolved once for the source (sql/proto_dedup.sql)."""
-    import duckdb
-    import pandas as pd
-
-    from kvforensics.config import CANONICAL_REQUEST_FIELDS
-    from kvforensics.db import connect, sql, statements
-
-    _, source = gateway_source(args.incident)
-    con = connect(args.out / "evidence.duckdb", memory_limit=args.memory_limit, threads=args.threads)
-    names = {f: source.column(f) for f in CANONICAL_REQUEST_FIELDS}
-    (typed,) = statements(sql("requests_typed"))
-    head = "CREATE OR REPLACE TEMP TABLE typed_requests AS"
-    if head not in typed or typed.count("FROM staging_requests") != 1:
-        raise SystemExit("requests_typed.sql changed shape; update the prototype")
-    files = source.files()
-    with timed(result, "seconds", args.profile):
-        for file_no, path in enumerate(files):
-            params: dict[str, Any] = {"file": str(path), "tz": source.timezone, "offset_s": source.clock_offset_s}
-            if source.format == "jsonl":
-                params["paths"] = ['$."' + names[f].replace('"', '\\"') + '"' for f in CANONICAL_REQUEST_FIELDS]
-                fields = ", ".join(f"v[{i + 1}] AS {f}_raw" for i, f in enumerate(CANONICAL_REQUEST_FIELDS))
-                wrong = " ".join(f"WHEN t[{i + 1}] IN ('OBJECT', 'ARRAY', 'BOOLEAN') THEN '{f} must be a string or "
-                                 f"a number, not a JSON ' || lower(t[{i + 1}])"
-                                 for i, f in enumerate(CANONICAL_REQUEST_FIELDS))
-                stage = bench_sql("proto_stage_jsonl").format(fields=fields, wrong_type=wrong)
-            else:
-                import pyarrow.parquet as pq
-
-                present = set(pq.ParquetFile(path).schema_arrow.names)
-                cols = {f: c for f, c in names.items() if c in present}
-                fields = ", ".join(f'CAST("{cols[f]}" AS VARCHAR) AS {f}_raw' if f in cols
-                                   else f"CAST(NULL AS VARCHAR) AS {f}_raw" for f in CANONICAL_REQUEST_FIELDS)
-                raw = "to_json(struct_pack(" + ", ".join(f'"{c}" := "{c}"' for c in cols.values()) + "))::VARCHAR"
-                stage = bench_sql("proto_stage_parquet").format(fields=fields, raw=raw)
-            stage_select = stage.split("CREATE OR REPLACE TEMP TABLE staging_requests AS", 1)[1].strip().rstrip(";")
-            stage_select = "\n".join(ln for ln in stage_select.splitlines() if not ln.strip().startswith("--"))
-            body = typed.split(head, 1)[1].replace("FROM staging_requests", f"FROM ({stage_select}) AS staging_requests")
-            if file_no == 0:
-                con.execute(f"CREATE OR REPLACE TEMP TABLE typed_all AS SELECT 0 AS file_no, * FROM ({body}) LIMIT 0",
-                            params)
-            insert = (f"INSERT INTO typed_all SELECT {file_no} AS file_no, "
-                      "* REPLACE (CASE WHEN reason IS NOT NULL THEN raw END AS raw) FROM ({})")
-            try:
-                con.execute(insert.format(body), params)
-            except duckdb.Error as e:
-                result.setdefault("fallback_errors", []).append(f"{path.name}: {str(e).splitlines()[0][:200]}")
-                # the reader refused the file (not UTF-8, truncated, ...): the package's Python stager
-                # reads it line by line, as today, and the same typing runs on its staging table
-                from kvforensics.loaders.requests import STAGERS, FileLoad
-
-                STAGERS[source.format](con, source, path, FileLoad(file=path), lambda n: None)
-                con.execute(insert.format(typed.split(head, 1)[1]),
-                            {"tz": source.timezone, "offset_s": source.clock_offset_s})
-                result["fallback_files"] = result.get("fallback_files", 0) + 1
-        con.register("proto_files_df", pd.DataFrame({"file_no": range(len(files)), "file": [str(p) for p in files]}))
-        con.execute("CREATE OR REPLACE TEMP TABLE proto_files AS SELECT * FROM proto_files_df")
-        for stmt in statements(bench_sql("proto_dedup")):
-            uses_source = "$source" in re.sub(r"--[^\n]*", "", stmt)
-            con.execute(stmt, {"source": source.name} if uses_source else None)
-    result["rows"] = con.execute("SELECT count(*) FROM typed_all").fetchone()[0]
-    result["loaded"] = con.execute("SELECT count(*) FROM requests").fetchone()[0]
-    result["quarantined"] = con.execute("SELECT count(*) FROM quarantine").fetchone()[0]
-    result["duplicates"] = result["rows"] - result["loaded"] - result["quarantined"]
-    con.close()
-
-
 def step_proto_sources(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """PROTOTYPE, not kvforensics: on a database the scope step has run on, rebuild kv_writes and
     group_pools with the package's scope.sql, then time the package's kv_timeline + possible_sources
@@ -488,8 +376,7 @@ STEPS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
     "floor-count": step_floor_count, "floor-scan": step_floor_scan, "floor-load": step_floor_load,
     "floor-oversize": step_floor_oversize,
     "ingest": step_ingest, "audit": step_audit, "detect": step_detect, "scope": step_scope,
-    "outputs": step_outputs, "report": step_report, "pandas": step_pandas, "proto-ingest": step_proto_ingest,
-    "proto-ingest-once": step_proto_ingest_once, "proto-sources": step_proto_sources,
+    "outputs": step_outputs, "report": step_report, "pandas": step_pandas, "proto-sources": step_proto_sources,
 }
 
 
