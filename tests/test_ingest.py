@@ -228,7 +228,8 @@ CLEAN = [rec("ok1"), rec("bad_status", http_status="OK"), rec("neg", prompt_toke
          rec("epoch", received_at=1787911200.5), json.dumps({"RID": "upper", "rid": "lower", "received_at": 1,
                                                               "account_id": "a", "model": "m", "http_status": 200,
                                                               "prompt_tokens": 1}),
-         rec("esc", model='m\\"quoted"\n'), rec(""), rec("missing_tokens", prompt_tokens=None)]
+         rec("esc", model='m\\"quoted"\n'), rec("huge_int", prompt_tokens=10**30), rec("u64", cached_tokens=10**19),
+         rec("neg_zero", ttft_ms=-0.0), rec("tiny", latency_ms=1e-300), rec("false", account_id=False), rec(""), rec("missing_tokens", prompt_tokens=None)]
 
 
 @pytest.mark.parametrize("lines", [DIRTY, CLEAN], ids=["dirty", "clean"])

@@ -375,9 +375,12 @@ def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], key
             fields.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
             continue
         k = names[keys.index(col)]
-        wrong_type.append(f"WHEN json_type({k}) IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
-                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower(json_type({k}))")
-        expr = f"json_extract_string({k}, '$')"
+        # k is the value as serialised JSON, so its first character tells its type: only strings
+        # need unescaping, numbers are their own text (json_extract_string would return the same)
+        for first, kind in (("{", "object"), ("[", "array"), ("t", "boolean"), ("f", "boolean")):
+            wrong_type.append(f"WHEN starts_with({k}, '{first}') "
+                              f"THEN '{canonical} must be a string or a number, not a JSON {kind}'")
+        expr = f"CASE WHEN starts_with({k}, '\"') THEN json_extract_string({k}, '$') ELSE CAST({k} AS VARCHAR) END"
         if col in SECONDS_ALIASES and canonical not in source.columns:
             expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
         fields.append(f"CASE WHEN problem IS NULL THEN {expr} END AS {canonical}_raw")
