@@ -10,13 +10,18 @@
 -- records only.
 INSERT INTO kvf_batch.typed_all
 SELECT $file_no, * FROM (
-WITH s AS (
-    SELECT *, trim(ts_raw) AS t FROM {staging}
+WITH trimmed AS (
+    SELECT *, trim(ts_raw) AS t, nullif(trim(request_id_raw), '') AS request_id_t,
+           nullif(trim(account_id_raw), '') AS account_id_t, nullif(trim(model_raw), '') AS model_t
+    FROM {staging}
+), s AS (
+    SELECT *, regexp_full_match(coalesce(t, ''), '-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?') AS ts_epoch
+    FROM trimmed
 ), parsed AS (
     SELECT *,
-        regexp_full_match(coalesce(t, ''), '-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?') AS ts_epoch,
         regexp_matches(coalesce(t, ''), '[T ][0-9]{2}:[0-9]{2}.*([zZ]|[+-][0-9]{2}:?[0-9]{2}|UTC|GMT)$') AS ts_has_offset,
-        TRY_CAST(t AS DOUBLE) AS t_num,
+        -- only numbers are read as numbers (a failed cast costs more than the regex)
+        CASE WHEN ts_epoch THEN TRY_CAST(t AS DOUBLE) END AS t_num,
         TRY_CAST(status_raw AS DOUBLE) AS status_num,
         TRY_CAST(prompt_tokens_raw AS DOUBLE) AS prompt_num,
         TRY_CAST(completion_tokens_raw AS DOUBLE) AS completion_num,
@@ -58,11 +63,11 @@ FROM (SELECT
     line, raw,
     CASE
         WHEN problem IS NOT NULL THEN problem
-        WHEN nullif(trim(request_id_raw), '') IS NULL THEN 'missing required field ''request_id'''
+        WHEN request_id_t IS NULL THEN 'missing required field ''request_id'''
         WHEN t IS NULL OR t = '' THEN 'missing required field ''ts'''
         WHEN ts_utc IS NULL THEN 'bad timestamp ''' || left(t, 60) || ''''
-        WHEN nullif(trim(account_id_raw), '') IS NULL THEN 'missing required field ''account_id'''
-        WHEN nullif(trim(model_raw), '') IS NULL THEN 'missing required field ''model'''
+        WHEN account_id_t IS NULL THEN 'missing required field ''account_id'''
+        WHEN model_t IS NULL THEN 'missing required field ''model'''
         WHEN status_raw IS NULL THEN 'missing required field ''status'''
         WHEN status_num IS NULL OR NOT isfinite(status_num) OR status_num <> floor(status_num)
              OR status_num < 100 OR status_num > 599
@@ -90,11 +95,11 @@ FROM (SELECT
         WHEN latency_ms_raw IS NOT NULL AND (latency_num IS NULL OR latency_num < 0 OR isnan(latency_num) OR isinf(latency_num))
             THEN 'latency_ms is not a non-negative number: ''' || left(latency_ms_raw, 40) || ''''
     END AS reason,
-    trim(request_id_raw) AS request_id,
+    coalesce(request_id_t, trim(request_id_raw)) AS request_id,
     ts_utc AS ts,
     ts_naive,
-    trim(account_id_raw) AS account_id,
-    trim(model_raw) AS model,
+    coalesce(account_id_t, trim(account_id_raw)) AS account_id,
+    coalesce(model_t, trim(model_raw)) AS model,
     -- TRY_CAST: refused records are typed too, and their values may not fit
     TRY_CAST(status_num AS INTEGER) AS status,
     TRY_CAST(prompt_num AS BIGINT) AS prompt_tokens,
