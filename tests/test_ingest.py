@@ -337,3 +337,24 @@ def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
         assert results[True, ts_col] == results[False, ts_col]
         assert results[True, ts_col][0] == (4, 2, 1, 1)
         assert [t.isoformat() for _, t in results[True, ts_col][2]] == expected[ts_col]
+
+
+def test_an_evidence_database_of_the_earlier_schema_is_migrated(tmp_path):
+    """Databases written when requests carried a row_hash column load new files after connect()."""
+    import duckdb
+
+    path = tmp_path / "evidence.duckdb"
+    old = duckdb.connect(str(path))
+    old.execute("CREATE TABLE requests (request_id VARCHAR NOT NULL, ts TIMESTAMPTZ NOT NULL, account_id VARCHAR NOT NULL, "
+                "model VARCHAR NOT NULL, status INTEGER NOT NULL, prompt_tokens BIGINT NOT NULL, "
+                "completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE, "
+                "prefill_instance VARCHAR, decode_instance VARCHAR, source VARCHAR NOT NULL, "
+                "source_file VARCHAR NOT NULL, source_line BIGINT NOT NULL, row_hash VARCHAR NOT NULL)")
+    old.execute("INSERT INTO requests VALUES ('x', '2026-08-28 10:00:00+00', 'a1', 'm', 200, 100, NULL, NULL, NULL, "
+                "NULL, NULL, NULL, 'gw', 'old.jsonl', 1, 'h')")
+    old.close()
+    (tmp_path / "gw.jsonl").write_text("\n".join([rec("x"), rec("y")]) + "\n")
+    con = connect(path)
+    r = load_requests_file(con, source(tmp_path), tmp_path / "gw.jsonl")
+    assert (r.records_read, r.loaded, r.duplicates) == (2, 1, 1)
+    assert "row_hash" not in [c[0] for c in con.execute("DESCRIBE requests").fetchall()]

@@ -144,6 +144,17 @@ def add_note(notes: list[str], note: str) -> None:
         notes.append(note)
 
 
+def add_reading_notes(notes: list[str], *, inherited_ts: int, nul_lines: int, clock: Any, skew: Any) -> None:
+    """The notes every engine-log parser ends with: timestamps inherited by continuation lines, NUL
+    bytes removed, and what the clock (time zone / offset) and the skew check assumed."""
+    if inherited_ts:
+        add_note(notes, INHERITED_TS_NOTE.format(n=inherited_ts))
+    if nul_lines:
+        add_note(notes, f"{nul_lines} line(s) contained NUL bytes, which were removed before reading")
+    for n in clock.notes() + skew.notes():
+        add_note(notes, n)
+
+
 # --------------------------------------------------------------------------------------------
 # Streaming lines from plain, gzip and zstd files
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from kvforensics.loaders.engine_common import (
-    INHERITED_TS_NOTE,
     DockerSkewCheck,
     EngineEvent,
     EngineLine,
@@ -31,6 +30,7 @@ from kvforensics.loaders.engine_common import (
     QuarantinedLine,
     StartupRecord,
     add_note,
+    add_reading_notes,
     as_int,
     contains_any,
     flag_value,
@@ -704,14 +704,8 @@ class _VllmParser:
                 f"{self.unyeared_lines} vLLM line(s) carry no year and no year was given: their timestamps are "
                 "left empty (give the incident year)",
             )
-        if self.inherited_ts:
-            add_note(notes, INHERITED_TS_NOTE.format(n=self.inherited_ts))
-        if self.nul_lines:
-            add_note(
-                notes, f"{self.nul_lines} line(s) contained NUL bytes, which were removed before reading"
-            )
-        for n in self.clock.notes() + self.skew.notes():
-            add_note(notes, n)
+        add_reading_notes(notes, inherited_ts=self.inherited_ts, nul_lines=self.nul_lines, clock=self.clock,
+                          skew=self.skew)
         return self.out
 
 

@@ -18,6 +18,8 @@ CREATE TABLE IF NOT EXISTS requests (
     source_file       VARCHAR NOT NULL,
     source_line       BIGINT NOT NULL
 );
+-- evidence databases written before duplicates were compared by value carry a hash column
+ALTER TABLE requests DROP COLUMN IF EXISTS row_hash;
 
 CREATE TABLE IF NOT EXISTS capacity (
     instance          VARCHAR NOT NULL,
