@@ -24,7 +24,7 @@ from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
 from kvforensics.db import connect
 from kvforensics.loaders.requests import FileLoad, load_requests_file
 
-FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+FAST = settings(max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 60)), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.data_too_large])
 COMPRESSION_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd")  # gzip, zstd: recognised whatever the file name
 SGLANG_FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
@@ -242,3 +242,33 @@ def test_sglang_request_log_never_crashes_and_accounts_for_every_request(lines, 
     rows = con.execute("SELECT ts, latency_ms, ttft_ms FROM requests").fetchall()
     assert all(ts is not None and (lat is None or math.isfinite(lat)) and (tt is None or math.isfinite(tt))
                for ts, lat, tt in rows)
+
+
+@FAST
+@given(garbage=st.lists(garbage_records(), max_size=12), n_valid=st.integers(0, 4), data=st.data(),
+       ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]), blank=st.booleans())
+def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, data, ts_style, blank):
+    """DuckDB's NDJSON reader, DuckDB's line reader and the Python reader load, refuse and count the
+    same records with the same reasons, values and notes, whatever the values' JSON types."""
+    import kvforensics.loaders.requests as requests_loader
+
+    lines = [json.dumps(g) for g in garbage]
+    for i in range(n_valid):
+        rec = data.draw(valid_records(i))
+        lines.insert(data.draw(st.integers(0, len(lines))), json.dumps({**rec, "ts": _ts_text(rec["ts"], ts_style)}))
+    if blank:
+        lines.insert(data.draw(st.integers(0, len(lines))), "")
+    payload = ("\n".join(lines) + "\n").encode()
+    results = {}
+    previous = (requests_loader.FAST_STAGING, requests_loader.JSON_READER)
+    try:
+        for fast, json_reader in ((True, True), (True, False), (False, False)):
+            requests_loader.FAST_STAGING, requests_loader.JSON_READER = fast, json_reader
+            con, load = _load("jsonl", "gw.jsonl", payload)
+            results[fast, json_reader] = (
+                (load.records_read, load.loaded, load.quarantined, load.duplicates), sorted(load.notes),
+                con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line, reason").fetchall(),
+                con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+    finally:
+        requests_loader.FAST_STAGING, requests_loader.JSON_READER = previous
+    assert results[True, True] == results[True, False] == results[False, False]
