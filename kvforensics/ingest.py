@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -76,7 +76,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     # Requests first: engine model names are matched against the gateway's model ids.
     for source, files in plan:
         if source.kind == "requests":
-            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file))
+            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases))
     con.execute("DELETE FROM capacity").fetchall()
     con.execute("DELETE FROM engine_events").fetchall()
     con.execute("DELETE FROM changes").fetchall()
@@ -129,7 +129,7 @@ def _record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: 
 
 
 def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files: list[Path], tick: Tick,
-                           on_file: Callable[[str], None]) -> list[InputFile]:
+                           on_file: Callable[[str], None], aliases: Mapping[str, str]) -> list[InputFile]:
     """Load the source's files that are new (by SHA-256; a file loaded before is reported, not read
     again), each file's load report written in the same transaction as its records."""
     records: dict[Path, InputFile] = {}
@@ -157,7 +157,7 @@ def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files
         records[load.file] = _record(con, source, load.file, digests[load.file], load)
 
     load_requests_files(con, source, todo, tick=tick, on_file=lambda p: on_file(f"{source.name}: {p.name}"),
-                        on_merged=merged)
+                        on_merged=merged, model_aliases=aliases)
     return [records[path] for path in files]
 
 

@@ -316,3 +316,37 @@ format = "sglang"
 def test_fast_item_splitter_agrees_with_the_token_scanner(text, data):
     start = data.draw(st.integers(0, len(text)))
     assert _top_level_items(text, start) == _top_level_items_by_token(text, start)
+
+
+def test_model_aliases_rename_the_engines_model_names_so_requests_match_their_capacity(tmp_path):
+    """Without a model setting, an engine's request log names the model the engine's way; the
+    incident's [models] aliases (matched case-insensitively) give the gateway id, as they do for the
+    capacity built from the same engine's log, so the oversize rule can join the two."""
+    log = (FIXTURES / "sglang-0.5.23-text-level2.log").read_text()
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "gemma-0.log").write_text(log)
+    (tmp_path / "incident.toml").write_text("""
+[incident]
+id = "sglang-requests-aliases"
+
+[models]
+aliases = { "GEMMA-3-27B" = "@cf/google/gemma-3-27b-it" }
+
+[[sources]]
+name = "engine-requests"
+kind = "requests"
+path = "engine/*.log"
+format = "sglang_requests"
+
+[[sources]]
+name = "engines"
+kind = "engine_log"
+path = "engine/*.log"
+format = "sglang"
+""")
+    con = connect()
+    ingest(con, load_incident(tmp_path / "incident.toml"))
+    assert con.execute("SELECT DISTINCT model FROM requests").fetchall() == [("@cf/google/gemma-3-27b-it",)]
+    assert con.execute("SELECT DISTINCT model FROM capacity").fetchall() == [("@cf/google/gemma-3-27b-it",)]
+    (notes,) = con.execute("SELECT notes FROM load_report WHERE source = 'engine-requests'").fetchone()
+    assert "3 record(s) named the model the engine's way; renamed to the gateway's model id" in notes

@@ -598,12 +598,15 @@ def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
 def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: Iterable[Path], *,
                         tick: Callable[[int], None] = lambda n: None,
                         on_file: Callable[[Path], None] = lambda path: None,
-                        on_merged: Callable[[FileLoad], None] = lambda load: None) -> list[FileLoad]:
+                        on_merged: Callable[[FileLoad], None] = lambda load: None,
+                        model_aliases: Mapping[str, str] | None = None) -> list[FileLoad]:
     """Load the files of one source, in order: each file is read and typed (one streaming pass where
     DuckDB can read it), then a batch of files is merged into ``requests`` at once: duplicates
     resolved against everything loaded before, conflicts and refused records quarantined.
     ``on_merged`` is called for every file of a batch inside the batch's transaction (the ingest
-    records its load report there), so a batch lands whole or not at all."""
+    records its load report there), so a batch lands whole or not at all. ``model_aliases`` (the
+    incident's ``[models] aliases``: engine model name -> gateway model id) rename the models of
+    request logs written by an engine, which name models the engine's way."""
     loads: list[FileLoad] = []
     batch: list[tuple[int, FileLoad, Path, bool]] = []
     rows = 0
@@ -619,6 +622,8 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
             futures = [pool.submit(_type_file_on_cursor, con, source, path, file_no, tick) for file_no, path in numbered]
             for (file_no, path), future in zip(numbered, futures, strict=True):
                 load, fast = future.result()
+                if model_aliases and source.format == sglang_requests.FORMAT:
+                    _apply_model_aliases(con, file_no, model_aliases, load)
                 con.execute("INSERT INTO kvf_batch.load_files VALUES ($n, $f)",
                             {"n": file_no, "f": str(path)}).fetchall()
                 batch.append((file_no, load, path, fast))
@@ -634,6 +639,28 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
         for name in ("kvf_batch.typed_all", "kvf_batch.load_files", "repeated_ids", "repeated", "merge_counts"):
             con.execute(f"DROP TABLE IF EXISTS {name}").fetchall()
     return loads
+
+
+def _apply_model_aliases(con: duckdb.DuckDBPyConnection, file_no: int, aliases: Mapping[str, str],
+                         load: FileLoad) -> None:
+    """Engine model names -> gateway model ids (exact name first, else case-insensitive), before the
+    merge, so the records compare with the gateway's own and match the capacity of their model."""
+    exact = list(aliases.items())
+    lowered = {k.lower(): v for k, v in reversed(exact)}
+    con.execute("CREATE OR REPLACE TEMP TABLE alias_map (engine VARCHAR, gateway VARCHAR, exact BOOLEAN)").fetchall()
+    con.executemany("INSERT INTO alias_map VALUES (?, ?, ?)",
+                    [(k, v, True) for k, v in exact] + [(k, v, False) for k, v in lowered.items()])
+    renamed = con.execute("""
+        UPDATE kvf_batch.typed_all AS t SET model = m.gateway
+        FROM (SELECT DISTINCT ON (t2.model) t2.model AS engine, a.gateway
+              FROM (SELECT DISTINCT model FROM kvf_batch.typed_all WHERE file_no = $n) t2
+              JOIN alias_map a ON (a.exact AND a.engine = t2.model) OR (NOT a.exact AND a.engine = lower(t2.model))
+              ORDER BY t2.model, a.exact DESC) m
+        WHERE t.file_no = $n AND t.model = m.engine AND t.model <> m.gateway""", {"n": file_no}).fetchall()
+    con.execute("DROP TABLE alias_map").fetchall()
+    if renamed and renamed[0][0]:
+        load.notes.append(f"{renamed[0][0]} record(s) named the model the engine's way; renamed to the gateway's "
+                          "model id through [models] aliases")
 
 
 def _typing_workers(con: duckdb.DuckDBPyConnection) -> int:

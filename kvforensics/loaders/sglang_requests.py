@@ -33,8 +33,8 @@ name that is not a root is looked up as a header, then in ``meta_info``, then in
   "no account id in the request log (map one with columns.account_id)", and a note says how many.
 * ``model``: the source's ``model`` setting (explicit configuration wins), else ``obj.model``
   (some builds carry it), else the ``served_model_name`` (or ``model_path``) of this file's latest
-  ``server_args`` line. These are engine names: set ``model`` to the gateway's model id when
-  ``[models] aliases`` rename the model.
+  ``server_args`` line. These are engine names: the loader renames them to gateway model ids
+  through the incident's ``[models] aliases`` (as the capacity of the engine logs is), and says so.
 * ``status``: the engine's view, not the HTTP status a gateway in front may have returned:
   ``finish_reason`` of type ``abort`` gives its ``status_code`` (500 when it has none), any other
   finish reason 200.
