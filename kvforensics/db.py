@@ -55,17 +55,24 @@ def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = 
                text: str | None = None) -> None:
     """Run ``sql/<name>.sql`` (or ``text``, a script built from it) statement by statement, giving
     each the named parameters it uses."""
-    import re
 
     params = params or {}
     for stmt in statements(sql(name) if text is None else text):
-        code = re.sub(r"--[^\n]*", "", stmt)
-        code = re.sub(r"'(?:[^']|'')*'", "''", code)  # a '$' inside a string literal is not a parameter
-        used = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
+        used = parameters_used(stmt)
         missing = used - set(params)
         if missing:
             raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
         con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
+
+
+def parameters_used(statement: str) -> set[str]:
+    """The ``$name`` parameters a statement uses (outside comments and string literals): DuckDB
+    refuses named parameters a statement does not use."""
+    import re
+
+    code = re.sub(r"--[^\n]*", "", statement)
+    code = re.sub(r"'(?:[^']|'')*'", "''", code)
+    return set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
 
 
 def one(con: duckdb.DuckDBPyConnection, query: str, params: dict | list | None = None) -> tuple:

@@ -24,7 +24,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
-from kvforensics.db import one, run_script, sql
+from kvforensics.db import one, parameters_used, run_script, sql
 from kvforensics.errors import InputError
 from kvforensics.loaders import sglang_requests
 from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
@@ -778,9 +778,7 @@ def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
 
 def _used(query: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """The parameters a query uses (DuckDB refuses unused named parameters)."""
-    import re
-
-    names = set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", query))
+    names = parameters_used(query)
     return {k: v for k, v in params.items() if k in names}
 
 
