@@ -281,27 +281,33 @@ def test_repr_reader_keeps_quoted_text_whole():
     assert event is not None and (event.kind, event.ts, event.rid) == ("receive", "2026-08-28T10:00:00.250000", "r1")
 
 
-def test_incident_file_accepts_the_format_and_ingest_reads_the_engines_own_log(tmp_path):
-    log = (FIXTURES / "sglang-0.5.23-text-level2.log").read_text()
+def _engine_request_incident(tmp_path: Path, *, models: str = "", source_model: str = "") -> Path:
+    """An incident whose requests come from an SGLang engine's own log (0.5.23, level 2), with that
+    log also read as an engine log; ``models`` and ``source_model`` are extra TOML lines."""
     (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "gemma-0.log").write_text(log)
-    (tmp_path / "incident.toml").write_text("""
+    (tmp_path / "engine" / "gemma-0.log").write_text((FIXTURES / "sglang-0.5.23-text-level2.log").read_text())
+    path = tmp_path / "incident.toml"
+    path.write_text(f"""
 [incident]
 id = "sglang-requests"
-
+{models}
 [[sources]]
 name = "engine-requests"
 kind = "requests"
 path = "engine/*.log"
 format = "sglang_requests"
-model = "gemma-3-27b"
-
+{source_model}
 [[sources]]
 name = "engines"
 kind = "engine_log"
 path = "engine/*.log"
 format = "sglang"
 """)
+    return path
+
+
+def test_incident_file_accepts_the_format_and_ingest_reads_the_engines_own_log(tmp_path):
+    _engine_request_incident(tmp_path, source_model='model = "gemma-3-27b"')
     incident = load_incident(tmp_path / "incident.toml")
     assert incident.sources[0].format == "sglang_requests"
     con = connect()
@@ -322,28 +328,8 @@ def test_model_aliases_rename_the_engines_model_names_so_requests_match_their_ca
     """Without a model setting, an engine's request log names the model the engine's way; the
     incident's [models] aliases (matched case-insensitively) give the gateway id, as they do for the
     capacity built from the same engine's log, so the oversize rule can join the two."""
-    log = (FIXTURES / "sglang-0.5.23-text-level2.log").read_text()
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "gemma-0.log").write_text(log)
-    (tmp_path / "incident.toml").write_text("""
-[incident]
-id = "sglang-requests-aliases"
-
-[models]
-aliases = { "GEMMA-3-27B" = "@cf/google/gemma-3-27b-it" }
-
-[[sources]]
-name = "engine-requests"
-kind = "requests"
-path = "engine/*.log"
-format = "sglang_requests"
-
-[[sources]]
-name = "engines"
-kind = "engine_log"
-path = "engine/*.log"
-format = "sglang"
-""")
+    _engine_request_incident(
+        tmp_path, models='[models]\naliases = { "GEMMA-3-27B" = "@cf/google/gemma-3-27b-it" }\n')
     con = connect()
     ingest(con, load_incident(tmp_path / "incident.toml"))
     assert con.execute("SELECT DISTINCT model FROM requests").fetchall() == [("@cf/google/gemma-3-27b-it",)]
