@@ -358,3 +358,17 @@ def test_an_evidence_database_of_the_earlier_schema_is_migrated(tmp_path):
     r = load_requests_file(con, source(tmp_path), tmp_path / "gw.jsonl")
     assert (r.records_read, r.loaded, r.duplicates) == (2, 1, 1)
     assert "row_hash" not in [c[0] for c in con.execute("DESCRIBE requests").fetchall()]
+
+
+def test_a_reader_error_whose_message_python_cannot_decode_falls_back(tmp_path):
+    """DuckDB's NDJSON reader refuses a JSON array line with an error message that quotes the line
+    cut inside a 4-byte character (found by hypothesis); the line reader then takes the file."""
+    lines = [b'{"decode_instance": null, "request_id": "dup-1"}',
+             json.dumps([{"": None, "\x1f\x1f\x1f\x1f": None, "\U00010000\U00010000": None}]).encode()]
+    (tmp_path / "gw.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    src = Source(name="gw", kind="requests", path="*", format="jsonl", timezone="UTC", base_dir=tmp_path, columns={})
+    con = connect()
+    r = load_requests_file(con, src, tmp_path / "gw.jsonl")
+    assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-lines", 2, 0, 2)
+    assert [reason for (reason,) in con.execute("SELECT reason FROM quarantine ORDER BY line").fetchall()] == [
+        "missing required field 'ts'", "not a JSON object"]

@@ -703,7 +703,9 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
             if not staged.exact_lines or one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n", n)[0] \
                     == staged.lines:
                 break
-        except (duckdb.InvalidInputException, duckdb.IOException):  # what DuckDB's readers raise on bad input
+        # what DuckDB's readers raise on bad input; UnicodeDecodeError when DuckDB's message about it
+        # quotes the input cut inside a multi-byte character and Python cannot decode the message
+        except (duckdb.InvalidInputException, duckdb.IOException, UnicodeDecodeError):
             if not fast:
                 raise
         con.execute("DELETE FROM kvf_batch.typed_all WHERE file_no = $n", n).fetchall()
