@@ -80,15 +80,28 @@ def test_corrupt_jsonl_fixture_set(tmp_path):
     assert json.loads(conflict_raw)["account_id"] == "someone-else"  # read again from its line
 
 
+@pytest.mark.parametrize("collide", [False, True], ids=["id-hash", "colliding-hash"])
 @pytest.mark.parametrize("merge_rows", [1, 1000], ids=["batch-per-file", "one-batch"])
-def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, monkeypatch, merge_rows):
+def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, monkeypatch, merge_rows, collide):
     """One batch of several files, then a later load: the record kept is the earliest loaded (earlier
     load, then file order, then line); exact copies count as duplicates, others are conflicts whose
-    raw text names what differed; every file's counts add up."""
+    raw text names what differed; every file's counts add up. The merge finds repeated ids by a hash
+    of the id: with a hash that collides for most ids, nothing changes."""
+    import kvforensics.db as db
     import kvforensics.loaders.requests as requests_loader
     from kvforensics.loaders.requests import load_requests_files
 
     monkeypatch.setattr(requests_loader, "MERGE_ROWS", merge_rows)
+    if collide:
+        def colliding(name: str, original=db.sql) -> str:
+            text = original(name)
+            if name in ("requests_typed", "requests_merge"):
+                assert "hash(request_id)" in text or "hash(r.request_id)" in text
+                text = text.replace("hash(request_id)", "(hash(request_id) % 2)").replace(
+                    "hash(r.request_id)", "(hash(r.request_id) % 2)")
+            return text
+        monkeypatch.setattr(db, "sql", colliding)
+        monkeypatch.setattr(requests_loader, "sql", colliding)
     (tmp_path / "a.jsonl").write_text("\n".join([rec("x"), rec("y"), rec("x")]) + "\n")
     (tmp_path / "b.jsonl").write_text("\n".join([rec("x", account_id="other"), rec("z"), rec("y")]) + "\n")
     (tmp_path / "c.jsonl").write_text("\n".join([rec("z", prompt_tokens=7), rec("w"), rec("x")]) + "\n")
@@ -232,31 +245,55 @@ CLEAN = [rec("ok1"), rec("bad_status", http_status="OK"), rec("neg", prompt_toke
          rec("neg_zero", ttft_ms=-0.0), rec("tiny", latency_ms=1e-300), rec("false", account_id=False), rec(""), rec("missing_tokens", prompt_tokens=None)]
 
 
-@pytest.mark.parametrize("lines", [DIRTY, CLEAN], ids=["dirty", "clean"])
+# every record loads, with values whose text a reader could get wrong: numbers where text is expected
+# (in exponent form too, which the text reader must give up), text where numbers are expected, floats,
+# huge integers, unicode and escapes, epoch timestamps, ids that read as JSON literals
+VALID = [rec("ok1"), rec(12345), rec(123456789012345678901234567890), rec("str_num", prompt_tokens="42"),
+         rec("float_int", prompt_tokens=1e3, completion_tokens=7.0), rec("ttft", ttft_ms=0.1, latency_ms=1e-7),
+         rec("epoch_s", received_at=1787911200.5), rec("epoch_ms", received_at=1787911200123),
+         rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600", model='m\\"q"\n'), rec("neg_zero", ttft_ms=-0.0),
+         rec("ok1"), rec("naive", received_at="2026-08-28 03:00:00"), rec("instances", prefill_instance=7,
+                                                                         decode_instance="d-1e-5")]
+EXPONENT_ID = rec(1.5e20)  # DuckDB's text for it (1.5e+20) differs from the JSON reader's digits
+LITERAL_ID = rec("true")  # a string the text reader cannot tell from the JSON literal
+READERS = {"text": (True, ("text",)), "json": (True, ("json",)), "lines": (True, ()), "python": (False, ())}
+
+
+@pytest.mark.parametrize("lines", [DIRTY, CLEAN, VALID, VALID + [EXPONENT_ID], VALID + [LITERAL_ID]],
+                         ids=["dirty", "clean", "valid", "exponent-id", "literal-id"])
 def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
-    """DuckDB's NDJSON reader, DuckDB's line reader and the Python reader load and refuse the same
-    records with the same reasons, values and notes."""
+    """DuckDB's NDJSON reader (values as text, values as JSON), DuckDB's line reader and the Python
+    reader load and refuse the same records with the same reasons, values and notes. Each is forced
+    first; a reader that cannot keep a file hands it on, and which one loaded it is checked."""
     import kvforensics.loaders.requests as requests_loader
 
     (tmp_path / "gw.jsonl").write_text("\n".join(lines) + "\n")
     results = {}
     readers = {}
-    for fast, json_reader in ((True, True), (True, False), (False, False)):
+    for name, (fast, json_readers) in READERS.items():
         monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
-        monkeypatch.setattr(requests_loader, "JSON_READER", json_reader)
+        monkeypatch.setattr(requests_loader, "JSON_READERS", json_readers)
         con = connect()
         r = load_requests_file(con, source(tmp_path, tz="Europe/Berlin"), tmp_path / "gw.jsonl")
-        readers[fast, json_reader] = r.reader
-        results[fast, json_reader] = (
+        readers[name] = r.reader
+        results[name] = (
             (r.records_read, r.loaded, r.quarantined, r.duplicates), sorted(r.notes),
             con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall(),
             con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
-    assert results[True, True] == results[True, False] == results[False, False]
+    assert results["text"] == results["json"] == results["lines"] == results["python"]
     if lines is DIRTY:
-        assert results[True, True][0] == (11, 2, 8, 1)
-        assert readers == {(True, True): "duckdb-lines", (True, False): "duckdb-lines", (False, False): "python"}
+        assert results["text"][0] == (11, 2, 8, 1)
+        assert readers == {"text": "duckdb-lines", "json": "duckdb-lines", "lines": "duckdb-lines", "python": "python"}
+    elif lines is CLEAN:  # refused records: the text reader gives the file to the next reader
+        assert readers == {"text": "duckdb-lines", "json": "duckdb-json", "lines": "duckdb-lines", "python": "python"}
     else:
-        assert readers == {(True, True): "duckdb-json", (True, False): "duckdb-lines", (False, False): "python"}
+        kept = "duckdb-json-text" if lines is VALID else "duckdb-lines"
+        assert readers == {"text": kept, "json": "duckdb-json", "lines": "duckdb-lines", "python": "python"}
+        assert results["text"][0] == (len(lines), len(lines) - 1, 0, 1)
+    if lines is VALID:
+        values = {r[0]: r for r in results["text"][3]}
+        assert values["123456789012345678901234567890"][5] == 100 and values["str_num"][5] == 42
+        assert values["float_int"][5:7] == (1000, 7) and values["instances"][10:12] == ("7", "d-1e-5")
 
 
 def test_control_bytes_anywhere_in_a_file_lose_no_line(tmp_path):
@@ -303,10 +340,15 @@ def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path
                                              "status": 200, "prompt_tokens": 2}
     assert readers == {"clean.jsonl": ("duckdb-lines", 3, 2, 1), "clean.jsonl.gz": ("duckdb-lines", 3, 2, 1),
                        "latin1.jsonl": ("python", 4, 2, 2), "gw.parquet": ("duckdb-parquet", 2, 1, 1)}
-    # without the blank and the broken line, DuckDB's NDJSON reader takes the file
+    # without the blank and the broken line, DuckDB's NDJSON reader takes the file: reading values as
+    # JSON when a record is refused, as text when every record loads (plain and gzip)
     (tmp_path / "tidy.jsonl").write_text("\n".join([rec("a"), rec("b", http_status="x")]) + "\n")
     r = load_requests_file(connect(), source(tmp_path), tmp_path / "tidy.jsonl")
     assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-json", 2, 1, 1)
+    for name, compress in (("valid.jsonl", bytes), ("valid.jsonl.gz", gzip.compress)):
+        (tmp_path / name).write_bytes(compress(("\n".join([rec("a"), rec("b", http_status="404")]) + "\n").encode()))
+        r = load_requests_file(connect(), source(tmp_path), tmp_path / name)
+        assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-json-text", 2, 2, 0)
 
 
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):

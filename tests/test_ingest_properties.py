@@ -259,16 +259,64 @@ def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, da
     if blank:
         lines.insert(data.draw(st.integers(0, len(lines))), "")
     payload = ("\n".join(lines) + "\n").encode()
+    _assert_jsonl_readers_agree(payload)
+
+
+def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
+    """Load the payload with each JSONL reader forced first; all must give the same counts, notes,
+    quarantine and rows. Returns which reader loaded the file in each case."""
+    import kvforensics.loaders.requests as requests_loader
+
     results = {}
-    previous = (requests_loader.FAST_STAGING, requests_loader.JSON_READER)
+    readers = {}
+    previous = (requests_loader.FAST_STAGING, requests_loader.JSON_READERS)
     try:
-        for fast, json_reader in ((True, True), (True, False), (False, False)):
-            requests_loader.FAST_STAGING, requests_loader.JSON_READER = fast, json_reader
+        for name, fast, json_readers in (("text", True, ("text",)), ("json", True, ("json",)), ("lines", True, ()),
+                                         ("python", False, ())):
+            requests_loader.FAST_STAGING, requests_loader.JSON_READERS = fast, json_readers
             con, load = _load("jsonl", "gw.jsonl", payload)
-            results[fast, json_reader] = (
+            readers[name] = load.reader
+            results[name] = (
                 (load.records_read, load.loaded, load.quarantined, load.duplicates), sorted(load.notes),
-                con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line, reason").fetchall(),
+                # a conflict names the file (in each load's own temporary folder) holding the kept record
+                con.execute("SELECT line, replace(reason, $dir, '<dir>'), raw FROM quarantine ORDER BY line, reason",
+                            {"dir": str(load.file.parent)}).fetchall(),
                 con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
     finally:
-        requests_loader.FAST_STAGING, requests_loader.JSON_READER = previous
-    assert results[True, True] == results[True, False] == results[False, False]
+        requests_loader.FAST_STAGING, requests_loader.JSON_READERS = previous
+    assert results["text"] == results["json"] == results["lines"] == results["python"]
+    return readers
+
+
+# values that load, in JSON types and spellings a reader could misread: numbers where text is
+# expected (exponent forms included), numeric text and integral floats where numbers are expected
+loose_text = st.one_of(name_text, st.integers(-(10**25), 10**25),
+                       st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: x == x),
+                       st.sampled_from(["true", "false", "null", "{x}", "[1]", "1e5", "-2.5E-3", "0x1"]))
+
+
+@st.composite
+def loose_valid_records(draw: st.DrawFn, index: int) -> dict:
+    rec = draw(valid_records(index))
+    for f in ("account_id", "model", "prefill_instance", "decode_instance"):
+        if rec[f] is not None and draw(st.integers(0, 3)) == 0:
+            rec[f] = draw(loose_text)
+    for f in ("status", "prompt_tokens", "completion_tokens"):
+        if rec[f] is not None:
+            rec[f] = draw(st.sampled_from([rec[f], str(rec[f]), float(rec[f])]))
+    if draw(st.integers(0, 3)) == 0:
+        rec["request_id"] = draw(st.integers(0, 10**25) | st.floats(1, 1e300) | st.sampled_from(["true", "[x]"]))
+    return rec
+
+
+@FAST
+@given(data=st.data(), n=st.integers(1, 6), ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]))
+def test_the_jsonl_readers_agree_on_loose_valid_records(data, n, ts_style):
+    """Records that all load (or collide as duplicate ids) but spell their values loosely: the text
+    reader keeps the file only when it reads every value exactly as the JSON reader does."""
+    lines = []
+    for i in range(n):
+        rec = data.draw(loose_valid_records(i))
+        lines.append(json.dumps({**rec, "ts": _ts_text(rec["ts"], ts_style)}))
+    readers = _assert_jsonl_readers_agree(("\n".join(lines) + "\n").encode())
+    assert readers["json"] == "duckdb-json" and readers["text"] in ("duckdb-json-text", "duckdb-lines")

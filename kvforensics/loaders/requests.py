@@ -13,9 +13,11 @@ when it is given as ``jsonl`` (recognised by its ``"event": "request.*"`` record
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -33,9 +35,11 @@ BATCH = 100_000
 # Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
 # remain the fallback for what DuckDB refuses: non-UTF-8 bytes, truncated streams, CR line ends).
 FAST_STAGING = True
-# For JSONL whose mapped columns are top-level keys, try DuckDB's NDJSON reader first (one parse per
-# record); files it cannot number exactly fall back to the line reader.
-JSON_READER = True
+# For JSONL whose mapped columns are top-level keys, DuckDB's NDJSON reader is tried first (one parse
+# per record), in these ways, in order: "text" reads every column as text (the cheapest; kept only for
+# a file whose every record it can load unambiguously), "json" reads them as JSON values (their types
+# kept). A file neither can number exactly falls back to the line reader.
+JSON_READERS: tuple[str, ...] = ("text", "json")
 
 # Names other systems use for the canonical fields, tried (in order) when the incident file does not
 # map a field and the canonical name is absent: OpenTelemetry GenAI semantic conventions, SGLang's
@@ -180,6 +184,8 @@ class Staged:
     # the relation must yield exactly ``lines`` records (one per physical line), else ``retry`` stages
     # the file another way; ``retry`` is also taken when the reader raises on the file
     exact_lines: bool = False
+    # kept only when it refuses no record (it cannot tell every refusal's reason or raw text)
+    clean_only: bool = False
     retry: Callable[[], Staged] | None = None
     reader: str = "python"  # which reader staged the file, for the load's record
 
@@ -243,6 +249,14 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     return _python_staged()
 
 
+def _in_milliseconds(source: Source, canonical: str, column: str, expr: str) -> str:
+    """A duration the record gives in seconds under a known name (SGLang's ``e2e_latency``), in
+    milliseconds as text; an explicit mapping in the incident file is taken as milliseconds."""
+    if column in SECONDS_ALIASES and canonical not in source.columns:
+        return f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+    return expr
+
+
 def _field_expressions(source: Source, chosen: Mapping[str, str | None]
                        ) -> tuple[list[str], list[str], dict[str, str]]:
     """JSON paths, the wrong-type checks and the value of each canonical field, over the lists
@@ -261,8 +275,7 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
         wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
                           f"THEN '{canonical} must be a string or a number, not a JSON ' || lower({types})")
         expr = "coalesce(" + ", ".join(f"v[{i}]" for i in numbers) + ")"
-        if col in SECONDS_ALIASES and canonical not in source.columns:
-            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+        expr = _in_milliseconds(source, canonical, col, expr)
         values[canonical] = expr
     return paths, wrong_type, values
 
@@ -319,7 +332,7 @@ def _plain_line_count(path: Path) -> int | None:
     every byte. A last line without a newline counts, as it does for the Python reader."""
     count = 0
     last = b"\n"
-    with open_binary(path) as fh:
+    with open_binary(path, fast_gzip=True) as fh:
         while chunk := fh.read(CHUNK):
             if b"\r" in chunk or b"\x01" in chunk:
                 return None
@@ -356,33 +369,83 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
         return Staged(f"({relation})", {**params, "file": str(path)}, lines=lines, ticked=False, reader="duckdb-lines")
 
     keys = [c for c in dict.fromkeys(chosen.values()) if c is not None]
-    if not JSON_READER or finish_reason is not None or any("." in k for k in keys) or not keys:
+    if finish_reason is not None or any("." in k for k in keys) or not keys:
         return by_lines()
-    return Staged(_json_columns_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "JSON")},
-                  raw_relation=f"(SELECT line, raw FROM ({reader}))", lines=lines, ticked=False, exact_lines=True,
-                  retry=by_lines, reader="duckdb-json")
+
+    raw_lines = f"(SELECT line, raw FROM ({reader}))"
+
+    def as_json(then: Callable[[], Staged]) -> Staged:
+        return Staged(_json_columns_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "JSON")},
+                      raw_relation=raw_lines, lines=lines, ticked=False, exact_lines=True, retry=then, reader="duckdb-json")
+
+    def as_text(then: Callable[[], Staged]) -> Staged:
+        return Staged(_json_text_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "VARCHAR")},
+                      raw_relation=raw_lines, lines=lines, ticked=False, exact_lines=True, clean_only=True, retry=then,
+                      reader="duckdb-json-text")
+
+    staged: Callable[[], Staged] = by_lines
+    for way in reversed(JSON_READERS):
+        staged = functools.partial({"text": as_text, "json": as_json}[way], staged)
+    return staged()
+
+
+# A value DuckDB's NDJSON reader hands over as text may have been something else: an object, array or
+# boolean (serialised), or a number it printed in exponent form (where the JSON reader keeps the
+# digits). That matters only for the fields kept as text: in a number or timestamp field such a text
+# fails the typing, and a refused record gives the file up anyway. The range test picks texts that
+# start like a number ('-', '.', '/' or a digit) before the regular expression runs.
+_TEXT_FIELDS = ("request_id", "account_id", "model", "prefill_instance", "decode_instance")
+_AMBIGUOUS_TEXT = ("starts_with({k}, '{{') OR starts_with({k}, '[') OR {k} IN ('true', 'false') "
+                   "OR ({k} >= '-' AND {k} < ':' AND regexp_full_match({k}, '-?[0-9][0-9.]*[eE][-+]?[0-9]+'))")
+
+
+def _positional_names(keys: list[str]) -> list[str]:
+    """Names of the mapped keys' columns in ``read_json``'s output (renamed by position)."""
+    return [f"k{i}" for i in range(len(keys))]
+
+
+def _keyed_fields(chosen: Mapping[str, str | None], keys: list[str]) -> Iterator[tuple[str, str | None, str | None]]:
+    """Every canonical field with its mapped key and that key's positional column (None, None when unmapped)."""
+    names = _positional_names(keys)
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        col = chosen[canonical]
+        yield canonical, col, None if col is None else names[keys.index(col)]
+
+
+def _json_text_relation(source: Source, chosen: Mapping[str, str | None], keys: list[str]) -> str:
+    """The staged relation over ``read_json`` with the mapped keys as text columns ($columns, a
+    parameter): DuckDB unescapes strings and prints numbers itself, the cheapest way to stage. It
+    cannot see a value's JSON type, so a record holding a value whose text is ambiguous (see
+    ``_AMBIGUOUS_TEXT``) is refused, and a file with any refused record is staged again by the JSON
+    reader, which names every reason exactly."""
+    names = _positional_names(keys)
+    text_keys = dict.fromkeys(names[keys.index(chosen[f])] for f in _TEXT_FIELDS if chosen[f] is not None)
+    ambiguous = " OR ".join(f"({_AMBIGUOUS_TEXT.format(k=k)})" for k in text_keys) or "false"
+    fields = [f"{_in_milliseconds(source, canonical, col, k)} AS {canonical}_raw" if k is not None
+              else f"CAST(NULL AS VARCHAR) AS {canonical}_raw" for canonical, col, k in _keyed_fields(chosen, keys)]
+    return (f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, "
+            f"CASE WHEN coalesce({ambiguous}, false) THEN 'value of ambiguous JSON type' END AS problem, "
+            f"{', '.join(fields)} FROM read_json($file, format = 'newline_delimited', columns = $columns) "
+            f"WITH ORDINALITY AS j({', '.join(names)}, line))")
 
 
 def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], keys: list[str]) -> str:
     """The staged relation over ``read_json`` with the mapped keys as JSON columns ($columns, a
     parameter: no key is spliced into the query; the columns are renamed by position)."""
-    names = [f"k{i}" for i in range(len(keys))]
+    names = _positional_names(keys)
     wrong_type = []
     fields = []
-    for canonical in CANONICAL_REQUEST_FIELDS:
-        col = chosen[canonical]
-        if col is None:
+    for canonical, col, k in _keyed_fields(chosen, keys):
+        if col is None or k is None:
             fields.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
             continue
-        k = names[keys.index(col)]
         # k is the value as serialised JSON, so its first character tells its type: only strings
         # need unescaping, numbers are their own text (json_extract_string would return the same)
         for first, kind in (("{", "object"), ("[", "array"), ("t", "boolean"), ("f", "boolean")):
             wrong_type.append(f"WHEN starts_with({k}, '{first}') "
                               f"THEN '{canonical} must be a string or a number, not a JSON {kind}'")
         expr = f"CASE WHEN starts_with({k}, '\"') THEN json_extract_string({k}, '$') ELSE CAST({k} AS VARCHAR) END"
-        if col in SECONDS_ALIASES and canonical not in source.columns:
-            expr = f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
+        expr = _in_milliseconds(source, canonical, col, expr)
         fields.append(f"CASE WHEN problem IS NULL THEN {expr} END AS {canonical}_raw")
     problem = f"CASE {' '.join(wrong_type)} END"
     return (f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, problem, {', '.join(fields)} FROM "
@@ -574,8 +637,12 @@ STAGERS: dict[str, StagerFn] = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parqu
 
 # Records typed before their duplicates are resolved and they are written to `requests`: a batch of
 # files is merged at once (one pass over `requests` per batch, not per file), and a batch is closed
-# once it holds this many records, which bounds the temp space the typed records take.
-MERGE_ROWS = 20_000_000
+# once it holds this many records. None: as many as fit in half of DuckDB's memory limit (a
+# typed record takes ~200 bytes in memory; a batch that spills to disk costs more to merge than the
+# extra passes over `requests` that smaller batches take), within BATCH_ROWS_RANGE.
+MERGE_ROWS: int | None = None
+BATCH_ROWS_RANGE = (500_000, 20_000_000)
+TYPED_RECORD_BYTES = 200
 # Keep the last batch's temp tables (typed_all, repeated, ...) after a load, to inspect them.
 KEEP_BATCH_TABLES = False
 
@@ -583,7 +650,7 @@ TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
     ts_naive BOOLEAN, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
     completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
-    prefill_instance VARCHAR, decode_instance VARCHAR)"""
+    prefill_instance VARCHAR, decode_instance VARCHAR, id_hash UBIGINT)"""
 CONFLICT = "duplicate request_id with conflicting values%"
 MISSING = "UPDATE kvf_batch.typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
 
@@ -610,28 +677,39 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
     loads: list[FileLoad] = []
     batch: list[tuple[int, FileLoad, Path, bool]] = []
     rows = 0
-    pending = list(paths)
+    pending = iter(paths)
     workers = _typing_workers(con)
+    # files being typed, in load order; a new one starts as soon as one is done (no lockstep rounds)
+    in_flight: deque[tuple[int, Path, Future[tuple[FileLoad, bool]]]] = deque()
+    numbered = 0  # files of the current batch handed to the typing cursors
+    batch_rows = MERGE_ROWS or _batch_rows(con)
     _new_batch(con)
+
+    def finish() -> None:
+        nonlocal rows
+        file_no, path, future = in_flight.popleft()
+        load, fast = future.result()
+        if model_aliases and source.format == sglang_requests.FORMAT:
+            _apply_model_aliases(con, file_no, model_aliases, load)
+        con.execute("INSERT INTO kvf_batch.load_files VALUES ($n, $f)", {"n": file_no, "f": str(path)}).fetchall()
+        batch.append((file_no, load, path, fast))
+        loads.append(load)
+        rows += load.records_read
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        while pending:
-            group, pending = pending[:workers], pending[workers:]
-            numbered = [(len(batch) + i, path) for i, path in enumerate(group)]
-            for _, path in numbered:
+        while True:
+            while len(in_flight) < workers and (path := next(pending, None)) is not None:
                 on_file(path)
-            futures = [pool.submit(_type_file_on_cursor, con, source, path, file_no, tick) for file_no, path in numbered]
-            for (file_no, path), future in zip(numbered, futures, strict=True):
-                load, fast = future.result()
-                if model_aliases and source.format == sglang_requests.FORMAT:
-                    _apply_model_aliases(con, file_no, model_aliases, load)
-                con.execute("INSERT INTO kvf_batch.load_files VALUES ($n, $f)",
-                            {"n": file_no, "f": str(path)}).fetchall()
-                batch.append((file_no, load, path, fast))
-                loads.append(load)
-                rows += load.records_read
-            if rows >= MERGE_ROWS:
+                in_flight.append((numbered, path, pool.submit(_type_file_on_cursor, con, source, path, numbered, tick)))
+                numbered += 1
+            if not in_flight:
+                break
+            finish()
+            if rows >= batch_rows:
+                while in_flight:  # files already being typed belong to this batch
+                    finish()
                 _merge_batch(con, source, batch, on_merged)
-                batch, rows = [], 0
+                batch, rows, numbered = [], 0, 0
                 _new_batch(con)
     if batch:
         _merge_batch(con, source, batch, on_merged)
@@ -661,6 +739,22 @@ def _apply_model_aliases(con: duckdb.DuckDBPyConnection, file_no: int, aliases: 
     if renamed and renamed[0][0]:
         load.notes.append(f"{renamed[0][0]} record(s) named the model the engine's way; renamed to the gateway's "
                           "model id through [models] aliases")
+
+
+_SIZE_UNITS = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _batch_rows(con: duckdb.DuckDBPyConnection) -> int:
+    """Records per merged batch under the connection's memory limit (see MERGE_ROWS)."""
+    setting = str(one(con, "SELECT current_setting('memory_limit')")[0]).strip()
+    number, _, unit = setting.partition(" ")
+    try:
+        limit = float(number) * _SIZE_UNITS[unit.strip().lower() or "bytes"]
+    except (ValueError, KeyError):  # an unexpected spelling: the largest batch, as before
+        return BATCH_ROWS_RANGE[1]
+    low, high = BATCH_ROWS_RANGE
+    return int(min(max(limit / 2 / TYPED_RECORD_BYTES, low), high))
 
 
 def _typing_workers(con: duckdb.DuckDBPyConnection) -> int:
@@ -700,8 +794,7 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
         fast = staged.relation != "staging_requests"
         try:
             _type_staged(con, source, staged, file_no)
-            if not staged.exact_lines or one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n", n)[0] \
-                    == staged.lines:
+            if _reader_kept(con, staged, file_no):
                 break
         # what DuckDB's readers raise on bad input; UnicodeDecodeError when DuckDB's message about it
         # quotes the input cut inside a multi-byte character and Python cannot decode the message
@@ -721,6 +814,16 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
     if staged.lines is not None and staged.lines > load.records_read:
         load.notes.append(f"{staged.lines - load.records_read} blank line(s) skipped")
     return load, fast
+
+
+def _reader_kept(con: duckdb.DuckDBPyConnection, staged: Staged, file_no: int) -> bool:
+    """Whether the file's records as staged stand: one per physical line where the reader must
+    number them exactly, none refused where the reader cannot tell why."""
+    if not staged.exact_lines and not staged.clean_only:
+        return True
+    records, refused = one(con, "SELECT count(*), count(reason) FROM kvf_batch.typed_all WHERE file_no = $n",
+                           {"n": file_no})
+    return (not staged.exact_lines or records == staged.lines) and (not staged.clean_only or refused == 0)
 
 
 def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged, file_no: int) -> None:

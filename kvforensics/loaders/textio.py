@@ -16,11 +16,21 @@ from typing import BinaryIO, Iterator
 CHUNK = 1 << 20
 
 
-def open_binary(path: Path) -> BinaryIO:
-    """Open a file read-only, decompressing ``.gz`` and ``.zst`` transparently."""
+def open_binary(path: Path, *, fast_gzip: bool = False) -> BinaryIO:
+    """Open a file read-only, decompressing ``.gz`` and ``.zst`` transparently. ``fast_gzip``
+    decompresses gzip with ISA-L (python-isal, 2-3x faster than zlib) where it is installed; its
+    readers raise on a truncated or corrupt stream like :mod:`gzip`'s, so it suits callers that
+    only need to know whether the whole stream reads (the JSONL line count), not where it stops."""
     raw = open(path, "rb")  # noqa: SIM115 - the caller closes the wrapper, which closes this
     name = path.name.lower()
     if name.endswith(".gz"):
+        if fast_gzip:
+            try:
+                from isal import igzip
+            except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+                pass
+            else:
+                return igzip.IGzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
     if name.endswith(".zst") or name.endswith(".zstd"):
         import zstandard

@@ -4,24 +4,28 @@
 -- with different values it is quarantined as a conflict, naming where the kept record came from.
 -- The record kept is the one loaded earliest: a record already in `requests`, else the first of the
 -- batch in load order (file, then line). Only ids that occur more than once, or were loaded
--- before, go through that comparison; every other record is inserted as it is.
+-- before, go through that comparison; every other record is inserted as it is. Ids are found by their
+-- hash (typed_all.id_hash): ids whose hash repeats are compared by their text in `repeated`, so a hash
+-- collision between two different ids only sends both through the comparison, where each is the
+-- first of its own id and is loaded.
 
 CREATE OR REPLACE TEMP TABLE repeated_ids AS
-SELECT request_id FROM kvf_batch.typed_all WHERE reason IS NULL GROUP BY request_id HAVING count(*) > 1
+SELECT id_hash FROM kvf_batch.typed_all WHERE reason IS NULL GROUP BY id_hash HAVING count(*) > 1
 UNION
-SELECT t.request_id FROM kvf_batch.typed_all t SEMI JOIN requests r ON r.request_id = t.request_id WHERE t.reason IS NULL;
+SELECT t.id_hash FROM kvf_batch.typed_all t SEMI JOIN (SELECT hash(request_id) AS id_hash FROM requests) r
+    ON r.id_hash = t.id_hash WHERE t.reason IS NULL;
 
 CREATE OR REPLACE TEMP TABLE repeated AS
 WITH candidates AS (
     SELECT -1 AS file_no, r.source_file AS file, r.source_line AS line, r.request_id, r.ts, r.account_id, r.model,
            r.status, r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.ttft_ms, r.latency_ms,
            r.prefill_instance, r.decode_instance
-    FROM requests r SEMI JOIN repeated_ids i ON i.request_id = r.request_id
+    FROM requests r SEMI JOIN repeated_ids i ON i.id_hash = hash(r.request_id)
     UNION ALL
     SELECT t.file_no, f.file, t.line, t.request_id, t.ts, t.account_id, t.model,
            t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.ttft_ms, t.latency_ms,
            t.prefill_instance, t.decode_instance
-    FROM kvf_batch.typed_all t SEMI JOIN repeated_ids i ON i.request_id = t.request_id
+    FROM kvf_batch.typed_all t SEMI JOIN repeated_ids i ON i.id_hash = t.id_hash
     JOIN kvf_batch.load_files f ON f.file_no = t.file_no
     WHERE t.reason IS NULL
 ), ranked AS (
@@ -43,7 +47,7 @@ FROM ranked c JOIN ranked w ON w.request_id = c.request_id AND w.nth = 1;
 INSERT INTO requests
 SELECT t.request_id, t.ts, t.account_id, t.model, t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
        t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line
-FROM kvf_batch.typed_all t ANTI JOIN repeated_ids i ON i.request_id = t.request_id
+FROM kvf_batch.typed_all t ANTI JOIN repeated_ids i ON i.id_hash = t.id_hash
 JOIN kvf_batch.load_files f ON f.file_no = t.file_no
 WHERE t.reason IS NULL
 UNION ALL

@@ -58,7 +58,10 @@ WITH trimmed AS (
 )
 SELECT line, reason, CASE WHEN reason IS NOT NULL THEN left(raw, 2000) END AS raw,
     request_id, ts, ts_naive, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
-    ttft_ms, latency_ms, prefill_instance, decode_instance
+    ttft_ms, latency_ms, prefill_instance, decode_instance,
+    -- what the merge groups and joins on to find repeated ids (8 bytes instead of the text; a
+    -- collision only makes the merge compare two records by their ids, which tells them apart)
+    hash(request_id) AS id_hash
 FROM (SELECT
     line, raw,
     CASE
