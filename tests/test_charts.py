@@ -36,3 +36,28 @@ def test_timeline_shares_one_time_axis():
     spec = charts.timeline_chart(hourly, windows, events, interactive=True).to_dict()
     assert spec["resolve"]["scale"]["x"] == "shared"
     assert len(spec["vconcat"]) == 2
+
+
+def test_altair_is_imported_without_rfc3987_syntax_which_stays_importable():
+    """The charts module keeps jsonschema from compiling rfc3987_syntax's grammars (seconds per
+    report run) while importing Altair; charts still validate, and the package imports later."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import pandas as pd\n"
+        "import kvforensics.report.charts as c\n"
+        "assert 'rfc3987_syntax' not in sys.modules, 'rfc3987_syntax was loaded'\n"
+        "c.alt.Chart(pd.DataFrame({'a': [1]})).mark_point().encode(x='a:Q').to_dict()\n"
+        "try:\n"
+        "    c.alt.Chart(pd.DataFrame({'a': [1]})).mark_point().encode(x='a:Q').properties(width='wide').to_dict()\n"
+        "except Exception as e:\n"
+        "    assert 'wide' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('an invalid spec passed validation')\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('rfc3987_syntax') is None or __import__('rfc3987_syntax')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -6,8 +6,28 @@ Aggregation happens in DuckDB (``report/data.py``); these functions only draw. E
 
 from __future__ import annotations
 
-import altair as alt
+import sys
+
 import pandas as pd
+
+
+def _import_altair():  # noqa: ANN202 - returns the altair module
+    """Import Altair without letting jsonschema load rfc3987_syntax, when jsonschema is not loaded
+    yet: that optional package compiles ~40 Lark grammars on import (1.5-3 s on 2 cores, more than
+    the whole report takes at 10M requests), for IRI format checks Altair never uses. It is only
+    hidden during this import; importing it later works as usual."""
+    hide = "jsonschema" not in sys.modules and "rfc3987_syntax" not in sys.modules
+    if hide:
+        sys.modules["rfc3987_syntax"] = None  # type: ignore[assignment] - makes `import` raise ImportError
+    try:
+        import altair
+    finally:
+        if hide and sys.modules.get("rfc3987_syntax", 0) is None:
+            del sys.modules["rfc3987_syntax"]
+    return altair
+
+
+alt = _import_altair()
 
 CONFIDENCE_COLOURS = alt.Scale(domain=["confirmed", "probable", "possible", "not flagged"],
                                range=["#c0392b", "#e67e22", "#f1c40f", "#95a5a6"])

@@ -133,16 +133,23 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     env = _env(False)
     template = env.get_template("notice.md.j2")
     rows = _notice_rows(con)
+    # every account's received responses in one query (not one per account), grouped here
+    received_by_account: dict[object, list[dict]] = {}
+    for rec in con.execute("""SELECT account_id, request_id, ts, model, prompt_tokens, confidence
+                              FROM affected_responses ORDER BY account_id, ts, request_id""").df().to_dict("records"):
+        received_by_account.setdefault(rec.pop("account_id"), []).append(rec)
+    roles_by_account: dict[object, list[dict]] = {}
+    for rec in rows.to_dict("records"):
+        roles_by_account.setdefault(rec["account_id"], []).append(rec)
     written = []
-    for account_id, group in rows.groupby("account_id", sort=True):
-        cls = str(group["account_class"].iloc[0])
+    for account_id in sorted(roles_by_account):
+        roles = roles_by_account[account_id]
+        cls = str(roles[0]["account_class"])
         folder = out_dir / "notices" / ("customers" if cls == "customer" else cls)
         folder.mkdir(parents=True, exist_ok=True)
-        received = con.execute("""SELECT request_id, ts, model, prompt_tokens, confidence FROM affected_responses
-                                  WHERE account_id = $a ORDER BY ts""", {"a": account_id}).df()
         path = folder / safe_filename(str(account_id))
         path.write_text(template.render(incident=incident, account_id=account_id, account_class=cls,
-                                        roles=group.to_dict("records"), received=received.to_dict("records")),
+                                        roles=roles, received=received_by_account.get(account_id, [])),
                         encoding="utf-8")
         written.append(path)
     return written
