@@ -381,6 +381,53 @@ def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
         assert [t.isoformat() for _, t in results[True, ts_col][2]] == expected[ts_col]
 
 
+def test_parquet_number_columns_of_every_type_read_as_their_text_would(tmp_path, monkeypatch):
+    """DuckDB's Parquet reader hands integer and float64 columns to the typing as numbers, others as
+    text: loaded values and refusal messages match the Python reader's for each Arrow type."""
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import kvforensics.loaders.requests as requests_loader
+
+    n = 7
+    table = pa.table({
+        "rid": [f"r{i}" for i in range(n)],
+        "received_at": ["2026-08-28T10:00:00Z"] * n,
+        "account_id": ["a"] * n, "model": ["m"] * n,
+        "http_status": pa.array([200, 404, 99, 200, 200, 200, 200], pa.int16()),
+        "prompt_tokens": pa.array([10, 2**63 - 1, 5, 3, 9007199254740993, 4, 5], pa.uint64()),
+        "completion_tokens": pa.array([1.0, 2.5, None, 1e20, 3.0, float("nan"), -0.0], pa.float64()),
+        "cached_tokens": pa.array([decimal.Decimal("1.000"), None, decimal.Decimal("0.500"), None, None, None, None],
+                                  pa.decimal128(10, 3)),
+        "ttft_ms": pa.array([0.1, 12.25, None, 3.5, 1e-7, 2.0, float("inf")], pa.float32()),
+        "latency_ms": pa.array([100, -1, None, 5, 6, 7, 8], pa.int64()),
+    })
+    pq.write_table(table, tmp_path / "gw.parquet")
+    results = {}
+    for fast in (True, False):
+        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        con = connect()
+        r = load_requests_file(con, source(tmp_path, fmt="parquet"), tmp_path / "gw.parquet")
+        results[fast] = ((r.records_read, r.loaded, r.quarantined),
+                         con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall(),
+                         con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+    assert results[True] == results[False]
+    assert results[True][0] == (7, 1, 6)
+    assert [reason for _, reason in results[True][1]] == [
+        "prompt_tokens is out of range: '9223372036854775807'",
+        "status is not an HTTP status code: '99'",
+        "completion_tokens is out of range: '1e+20'",
+        "prompt_tokens is out of range: '9007199254740993'",
+        "completion_tokens is not a non-negative integer: 'nan'",
+        "ttft_ms is not a non-negative number: 'inf'",
+    ]
+    (loaded,) = results[True][2]
+    # the float32 0.1 keeps its exact value, as the Python reader reads it
+    assert loaded[0] == "r0" and loaded[4:10] == (200, 10, 1, 1, 0.10000000149011612, 100.0)
+
+
 def test_an_evidence_database_of_the_earlier_schema_is_migrated(tmp_path):
     """Databases written when requests carried a row_hash column load new files after connect()."""
     import duckdb

@@ -395,6 +395,7 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
 # fails the typing, and a refused record gives the file up anyway. The range test picks texts that
 # start like a number ('-', '.', '/' or a digit) before the regular expression runs.
 _TEXT_FIELDS = ("request_id", "account_id", "model", "prefill_instance", "decode_instance")
+_NUMBER_FIELDS = ("status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms")
 _AMBIGUOUS_TEXT = ("starts_with({k}, '{{') OR starts_with({k}, '[') OR {k} IN ('true', 'false') "
                    "OR ({k} >= '-' AND {k} < ':' AND regexp_full_match({k}, '-?[0-9][0-9.]*[eE][-+]?[0-9]+'))")
 
@@ -596,6 +597,11 @@ def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str,
             value = f"strftime(timezone('UTC', {ident}), '%Y-%m-%dT%H:%M:%S.%fZ')"
         elif pa.types.is_timestamp(kind):
             value = f"strftime({ident}, '%Y-%m-%dT%H:%M:%S.%f')"
+        elif canonical in _NUMBER_FIELDS and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+            # kept a number: the typing casts it to DOUBLE (exactly, as the Python reader does; the
+            # text of a float32 would be its shortest float32 spelling, which reads back as another
+            # double) and prints it for a refusal as CAST AS VARCHAR would have
+            value = ident
         else:
             value = f"CAST({ident} AS VARCHAR)"
         exprs.append(f"{value} AS {canonical}_raw")

@@ -1,6 +1,7 @@
 -- Type and validate the staged records of one file, appending them to `kvf_batch.typed_all` (created by the
 -- loader: one row per record of every file of the batch). The placeholder in FROM below is the file's staged relation
--- (line, raw, problem, <field>_raw ...): a temp table the Python readers filled, or the DuckDB
+-- (line, raw, problem, <field>_raw ...; text, except that a number field may come as a DuckDB number, see
+-- the Parquet stager): a temp table the Python readers filled, or the DuckDB
 -- reader query itself, so the common case reads, parses and types in one streaming pass.
 -- Parameters: $file_no, $tz (IANA zone for timestamps without an offset), $offset_s (clock offset in
 -- seconds added to every timestamp of the source), plus those of the staged relation.
@@ -74,29 +75,29 @@ FROM (SELECT
         WHEN status_raw IS NULL THEN 'missing required field ''status'''
         WHEN status_num IS NULL OR NOT isfinite(status_num) OR status_num <> floor(status_num)
              OR status_num < 100 OR status_num > 599
-            THEN 'status is not an HTTP status code: ''' || left(status_raw, 40) || ''''
+            THEN 'status is not an HTTP status code: ''' || left(CAST(status_raw AS VARCHAR), 40) || ''''
         WHEN prompt_tokens_raw IS NULL THEN 'missing required field ''prompt_tokens'''
         WHEN prompt_num IS NULL OR NOT isfinite(prompt_num) OR prompt_num <> floor(prompt_num) OR prompt_num < 0
-            THEN 'prompt_tokens is not a non-negative integer: ''' || left(prompt_tokens_raw, 40) || ''''
+            THEN 'prompt_tokens is not a non-negative integer: ''' || left(CAST(prompt_tokens_raw AS VARCHAR), 40) || ''''
         WHEN prompt_num > 9007199254740991
-            THEN 'prompt_tokens is out of range: ''' || left(prompt_tokens_raw, 40) || ''''
+            THEN 'prompt_tokens is out of range: ''' || left(CAST(prompt_tokens_raw AS VARCHAR), 40) || ''''
         WHEN completion_tokens_raw IS NOT NULL AND (completion_num IS NULL OR NOT isfinite(completion_num)
              OR completion_num <> floor(completion_num) OR completion_num < 0)
-            THEN 'completion_tokens is not a non-negative integer: ''' || left(completion_tokens_raw, 40) || ''''
+            THEN 'completion_tokens is not a non-negative integer: ''' || left(CAST(completion_tokens_raw AS VARCHAR), 40) || ''''
         WHEN completion_num > 9007199254740991
-            THEN 'completion_tokens is out of range: ''' || left(completion_tokens_raw, 40) || ''''
+            THEN 'completion_tokens is out of range: ''' || left(CAST(completion_tokens_raw AS VARCHAR), 40) || ''''
         WHEN cached_tokens_raw IS NOT NULL AND (cached_num IS NULL OR NOT isfinite(cached_num)
              OR cached_num <> floor(cached_num) OR cached_num < 0)
-            THEN 'cached_tokens is not a non-negative integer: ''' || left(cached_tokens_raw, 40) || ''''
+            THEN 'cached_tokens is not a non-negative integer: ''' || left(CAST(cached_tokens_raw AS VARCHAR), 40) || ''''
         WHEN cached_num > 9007199254740991
-            THEN 'cached_tokens is out of range: ''' || left(cached_tokens_raw, 40) || ''''
+            THEN 'cached_tokens is out of range: ''' || left(CAST(cached_tokens_raw AS VARCHAR), 40) || ''''
         WHEN cached_num > prompt_num
             THEN 'cached_tokens (' || CAST(CAST(cached_num AS BIGINT) AS VARCHAR) || ') exceeds prompt_tokens ('
                  || CAST(CAST(prompt_num AS BIGINT) AS VARCHAR) || ')'
         WHEN ttft_ms_raw IS NOT NULL AND (ttft_num IS NULL OR ttft_num < 0 OR isnan(ttft_num) OR isinf(ttft_num))
-            THEN 'ttft_ms is not a non-negative number: ''' || left(ttft_ms_raw, 40) || ''''
+            THEN 'ttft_ms is not a non-negative number: ''' || left(CAST(ttft_ms_raw AS VARCHAR), 40) || ''''
         WHEN latency_ms_raw IS NOT NULL AND (latency_num IS NULL OR latency_num < 0 OR isnan(latency_num) OR isinf(latency_num))
-            THEN 'latency_ms is not a non-negative number: ''' || left(latency_ms_raw, 40) || ''''
+            THEN 'latency_ms is not a non-negative number: ''' || left(CAST(latency_ms_raw AS VARCHAR), 40) || ''''
     END AS reason,
     coalesce(request_id_t, trim(request_id_raw)) AS request_id,
     ts_utc AS ts,
