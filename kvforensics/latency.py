@@ -640,7 +640,7 @@ CREATE OR REPLACE TABLE latency_model (
 """
 
 _OBSERVATIONS_SQL: Final = """
-CREATE OR REPLACE TEMP TABLE latency_observation AS
+CREATE OR REPLACE TEMP VIEW latency_observation AS
 SELECT r.model,
        CAST(r.prompt_tokens - coalesce(r.cached_tokens, 0) AS DOUBLE) AS uncached,
        CAST(r.ttft_ms AS DOUBLE) AS ttft_ms
@@ -662,11 +662,20 @@ GROUP BY model
 ORDER BY model
 """
 
+# One model's usable points, which every step of that model's fit reads (not the whole of
+# latency_observation filtered by model each time: at 100M requests that was a scan of all of them
+# per query).
+_POINTS_SQL: Final = """
+CREATE OR REPLACE TEMP TABLE latency_points AS
+SELECT uncached, ttft_ms
+FROM temp.latency_observation
+WHERE model = $model AND uncached >= 1 AND ttft_ms > 0
+"""
+
 _BIN_TTFT_SQL: Final = """
 SELECT CAST(floor(log10(uncached) * $per_decade) AS BIGINT) AS bin,
        count(*) AS points, median(uncached) AS n_median, quantile_cont(ttft_ms, $q) AS value
-FROM temp.latency_observation
-WHERE model = $model AND uncached >= 1 AND ttft_ms > 0
+FROM temp.latency_points
 GROUP BY bin
 ORDER BY bin
 """
@@ -674,8 +683,7 @@ ORDER BY bin
 _RATIO_CTE: Final = """
 WITH obs AS (
     SELECT uncached, ttft_ms / ($a + $b * uncached + $c * uncached * uncached) AS ratio
-    FROM temp.latency_observation
-    WHERE model = $model AND uncached >= 1 AND ttft_ms > 0
+    FROM temp.latency_points
 )
 """
 
@@ -710,15 +718,15 @@ SELECT count(*) FROM obs WHERE ratio >= $far AND ratio < $scale
 
 _TOKEN_RANGE_SQL: Final = """
 SELECT CAST(min(uncached) AS BIGINT), CAST(max(uncached) AS BIGINT)
-FROM temp.latency_observation
-WHERE model = $model AND uncached >= 1 AND ttft_ms > 0
-  AND list_contains($bins, CAST(floor(log10(uncached) * $per_decade) AS BIGINT))
+FROM temp.latency_points
+WHERE list_contains($bins, CAST(floor(log10(uncached) * $per_decade) AS BIGINT))
 """
 
 
 @dataclass(frozen=True)
 class _DuckDBSample:
-    """One model's points in ``temp.latency_observation``, aggregated by DuckDB."""
+    """One model's points in ``temp.latency_points`` (filled for that model before its fit),
+    aggregated by DuckDB."""
 
     con: duckdb.DuckDBPyConnection
     model: str
@@ -728,14 +736,14 @@ class _DuckDBSample:
         return self.points
 
     def _curve_params(self, curve: PrefillCurve) -> dict[str, Any]:
-        return {"model": self.model, "a": curve.a_ms, "b": curve.b_ms_per_token, "c": curve.c_ms_per_token2}
+        return {"a": curve.a_ms, "b": curve.b_ms_per_token, "c": curve.c_ms_per_token2}
 
     def bin_quantiles(
         self, q: float, per_decade: int, curve: PrefillCurve | None, far: float
     ) -> list[_BinStat]:
         if curve is None:
             rows = self.con.execute(
-                _BIN_TTFT_SQL, {"model": self.model, "per_decade": per_decade, "q": q}
+                _BIN_TTFT_SQL, {"per_decade": per_decade, "q": q}
             ).fetchall()
         else:
             params = {**self._curve_params(curve), "per_decade": per_decade, "q": q, "far": far}
@@ -743,7 +751,7 @@ class _DuckDBSample:
         return [_BinStat(int(b), int(p), float(m), float(v)) for b, p, m, v in rows]
 
     def token_range(self, per_decade: int, bins: Sequence[int]) -> tuple[int, int]:
-        params = {"model": self.model, "per_decade": per_decade, "bins": [int(b) for b in bins]}
+        params = {"per_decade": per_decade, "bins": [int(b) for b in bins]}
         lo, hi = self.con.execute(_TOKEN_RANGE_SQL, params).fetchone() or (0, 0)
         return int(lo), int(hi)
 
@@ -778,8 +786,8 @@ def fit_models(
     (NULL cached counts as 0), minus requests listed in ``exclude_table`` (any table with a
     ``request_id`` column, e.g. responses already flagged). Requests without a model are not
     attributable and not used. All per-bin and per-point aggregation runs in DuckDB (a temp
-    table ``latency_observation`` is created and dropped), so only a few dozen numbers per
-    model reach Python. The keyword arguments are those of :func:`fit_lower_envelope`.
+    view ``latency_observation`` and, per model, a temp table ``latency_points`` are created and
+    dropped), so only a few dozen numbers per model reach Python. The keyword arguments are those of :func:`fit_lower_envelope`.
 
     Raises :class:`LatencyModelError` if ``exclude_table`` is not a plain identifier or a table
     is missing.
@@ -811,10 +819,12 @@ def fit_models(
             notes = []
             if unusable_points:
                 notes.append(f"{unusable_points} requests not used: no uncached tokens or TTFT <= 0")
+            con.execute(_POINTS_SQL, {"model": model})
             sample = _DuckDBSample(con, str(model), int(usable_points))
             fits[str(model)] = _fit_envelope(sample, settings, notes)
     finally:
-        con.execute("DROP TABLE IF EXISTS temp.latency_observation")
+        con.execute("DROP TABLE IF EXISTS temp.latency_points")
+        con.execute("DROP VIEW IF EXISTS temp.latency_observation")
     _write_latency_model(con, fits)
     return fits
 

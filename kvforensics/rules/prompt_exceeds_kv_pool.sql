@@ -7,6 +7,12 @@ WITH served AS (
     SELECT request_id, ts, model, prompt_tokens, prefill_instance, decode_instance
     FROM requests
     WHERE status BETWEEN 200 AND 299
+), lowest_limit AS (
+    -- no prefill pool anywhere lets a smaller prompt through: requests below this cannot be flagged
+    -- by their model's pools, so they skip the per-request ranking (which at 100M requests spills)
+    SELECT min(LEAST(kv_pool_tokens, coalesce(context_length, kv_pool_tokens))) - $reject_margin AS tokens
+    FROM capacity
+    WHERE role = 'prefill' AND kv_pool_tokens IS NOT NULL
 ), on_prefill AS (
     SELECT s.request_id, s.prompt_tokens, c.instance, c.kv_pool_tokens, c.context_length,
            'prefill_instance' AS basis, 1 AS priority
@@ -28,6 +34,7 @@ WITH served AS (
            max(LEAST(c.kv_pool_tokens, coalesce(c.context_length, c.kv_pool_tokens)))
                OVER (PARTITION BY s.request_id) AS largest_limit
     FROM served s
+    JOIN lowest_limit l ON s.prompt_tokens >= l.tokens
     JOIN capacity c ON c.model = s.model
                    AND c.valid_from <= s.ts AND (c.valid_to IS NULL OR s.ts < c.valid_to)
     WHERE s.prefill_instance IS NULL AND c.role = 'prefill' AND c.kv_pool_tokens IS NOT NULL
