@@ -651,7 +651,9 @@ WHERE r.status BETWEEN 200 AND 299
   {exclusion}
 """
 
-_EXCLUSION_SQL: Final = "AND NOT EXISTS (SELECT 1 FROM {table} AS x WHERE x.request_id = r.request_id)"
+# NOT IN over the (small) exclusion table's non-null ids: a correlated NOT EXISTS was planned as a
+# scan-and-probe of every request (33 s instead of 2.5 s at 100M requests)
+_EXCLUSION_SQL: Final = "AND r.request_id NOT IN (SELECT x.request_id FROM {table} AS x WHERE x.request_id IS NOT NULL)"
 
 _MODEL_COUNTS_SQL: Final = """
 SELECT model,

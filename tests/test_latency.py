@@ -712,7 +712,10 @@ def test_fit_models_matches_the_in_memory_fit_and_writes_latency_model() -> None
         pd.isna(rows.loc[1, "a_ms"]) and rows.loc[1, "reason"] == "only 12 usable points (need at least 30)"
     )
     assert con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'latency_observation'"
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name IN ('latency_observation', 'latency_points')"
+    ).fetchone() == (0,)
+    assert con.execute(
+        "SELECT count(*) FROM duckdb_views() WHERE view_name = 'latency_observation'"
     ).fetchone() == (0,)
 
 

@@ -3,16 +3,17 @@
 -- in force (or, for requests that carry no instance, on the prefill instances serving the model then);
 -- also a prompt larger than the decode instance's pool.
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
-WITH served AS (
-    SELECT request_id, ts, model, prompt_tokens, prefill_instance, decode_instance
-    FROM requests
-    WHERE status BETWEEN 200 AND 299
-), lowest_limit AS (
-    -- no prefill pool anywhere lets a smaller prompt through: requests below this cannot be flagged
-    -- by their model's pools, so they skip the per-request ranking (which at 100M requests spills)
+WITH lowest_limit AS (
+    -- no pool anywhere rejects a smaller prompt, so only prompts at or above this can be flagged: the
+    -- joins and rankings below see only those (at 100M requests, all served requests spilled)
     SELECT min(LEAST(kv_pool_tokens, coalesce(context_length, kv_pool_tokens))) - $reject_margin AS tokens
     FROM capacity
-    WHERE role = 'prefill' AND kv_pool_tokens IS NOT NULL
+    WHERE kv_pool_tokens IS NOT NULL
+), served AS (
+    SELECT r.request_id, r.ts, r.model, r.prompt_tokens, r.prefill_instance, r.decode_instance
+    FROM requests r
+    JOIN lowest_limit l ON r.prompt_tokens >= l.tokens
+    WHERE r.status BETWEEN 200 AND 299
 ), on_prefill AS (
     SELECT s.request_id, s.prompt_tokens, c.instance, c.kv_pool_tokens, c.context_length,
            'prefill_instance' AS basis, 1 AS priority
@@ -34,7 +35,6 @@ WITH served AS (
            max(LEAST(c.kv_pool_tokens, coalesce(c.context_length, c.kv_pool_tokens)))
                OVER (PARTITION BY s.request_id) AS largest_limit
     FROM served s
-    JOIN lowest_limit l ON s.prompt_tokens >= l.tokens
     JOIN capacity c ON c.model = s.model
                    AND c.valid_from <= s.ts AND (c.valid_to IS NULL OR s.ts < c.valid_to)
     WHERE s.prefill_instance IS NULL AND c.role = 'prefill' AND c.kv_pool_tokens IS NOT NULL
