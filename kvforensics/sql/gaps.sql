@@ -32,8 +32,10 @@ SELECT 'engine_log' AS source, r.prefill_instance AS instance, min(r.ts) AS star
        count(*) AS requests,
        'requests name this prefill instance, but no start-up in its engine log covers them: its KV pool is unknown then'
 FROM requests r
-WHERE r.prefill_instance IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM capacity c WHERE c.instance = r.prefill_instance
-                  AND c.valid_from <= r.ts AND (c.valid_to IS NULL OR r.ts < c.valid_to))
+-- an outer join keeping the requests no start-up covers (a correlated NOT EXISTS on the timestamp had
+-- DuckDB deduplicate every (instance, ts) pair first: 36 s at 100M requests)
+LEFT JOIN capacity c ON c.instance = r.prefill_instance
+                    AND c.valid_from <= r.ts AND (c.valid_to IS NULL OR r.ts < c.valid_to)
+WHERE r.prefill_instance IS NOT NULL AND c.instance IS NULL
 GROUP BY r.prefill_instance
 ORDER BY start NULLS LAST;

@@ -74,7 +74,14 @@ FROM requests r
 LEFT JOIN affected_responses a ON a.request_id = r.request_id
 WHERE r.status BETWEEN 200 AND 299
 ), reach AS (
-    SELECT kv_group, max(alloc_ts) AS last_alloc FROM w WHERE is_affected GROUP BY kv_group
+    -- from the affected responses themselves, not from w: a second reference to w would have it
+    -- materialised, every served request of the period (which spilled at 100M requests)
+    SELECT coalesce(r.decode_instance, '(model) ' || r.model) AS kv_group,
+           max({{ add_milliseconds(r.ts, coalesce(r.ttft_ms, 0)) }}) AS last_alloc
+    FROM requests r
+    JOIN affected_responses a ON a.request_id = r.request_id
+    WHERE r.status BETWEEN 200 AND 299
+    GROUP BY 1
 )
 SELECT w.* FROM w JOIN reach ON reach.kv_group = w.kv_group
 WHERE w.alloc_ts <= reach.last_alloc OR w.free_ts <= reach.last_alloc;
