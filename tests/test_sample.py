@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 
 import duckdb
+import numpy as np
+import pandas as pd
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -185,3 +187,58 @@ def test_exposure_windows_are_joined_with_config_changes(scope):
     for w in scope["exposure_windows"]:
         assert w["opened_by_change"] == "Deploy @cf/zai-org/glm-5.3 (prefill)"
         assert w["closed_by_change"].startswith("Restart prefill")
+
+
+def _microseconds(ts: pd.Series, ms: pd.Series) -> pd.Series:
+    """ts + ms milliseconds at microsecond resolution, rounded half to even (as the scope SQL does)."""
+    return ts + pd.to_timedelta(np.round(ms.to_numpy(dtype=float) * 1000).astype("int64"), unit="us")
+
+
+def test_possible_sources_match_a_brute_force_turnover_horizon(sample_run):
+    """Every (affected response, possible source) pair, recomputed in pandas over each KV group's whole
+    timeline (no minute windows, no cut): the scope SQL, which sorts only the minutes an affected
+    response's horizon can reach, must give exactly the same pairs and token counts."""
+    con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
+    from kvforensics.scope import SCOPE_PARAMETERS
+
+    factor = SCOPE_PARAMETERS["horizon_factor"]  # the sample incident file does not override it
+    req = con.execute("SELECT request_id, account_id, model, ts, ttft_ms, latency_ms, prompt_tokens, "
+                      "completion_tokens, decode_instance FROM requests WHERE status BETWEEN 200 AND 299").df()
+    affected = set(r for (r,) in con.execute("SELECT request_id FROM affected_responses").fetchall())
+    cap = con.execute("SELECT instance, role, model, kv_pool_tokens, valid_from, valid_to FROM capacity").df()
+    req["kv_group"] = req["decode_instance"].fillna("(model) " + req["model"])
+    req["alloc"] = _microseconds(req["ts"], req["ttft_ms"].fillna(0))
+    req["free"] = _microseconds(req["ts"], req["latency_ms"].fillna(req["ttft_ms"]).fillna(0))
+    req["is_affected"] = req["request_id"].isin(affected)
+    req["written"] = np.where(req["is_affected"], 1 + req["completion_tokens"].fillna(0),
+                              req["prompt_tokens"] + req["completion_tokens"].fillna(0))
+    want = set()
+    cut_something = False
+    for group, g in req.groupby("kv_group"):
+        if not g["is_affected"].any():
+            continue
+        ev = pd.concat([pd.DataFrame({"t": g["alloc"], "marker": 0, "w": g["written"], "rid": g["request_id"]}),
+                        pd.DataFrame({"t": g["free"], "marker": 1, "w": 0, "rid": g["request_id"]})])
+        ev = ev.sort_values(["t", "marker", "rid"], kind="stable").reset_index(drop=True)
+        ev["cum"] = ev["w"].cumsum()
+        cum_alloc = dict(zip(ev.loc[ev.marker == 0, "rid"], ev.loc[ev.marker == 0, "cum"]))
+        cum_free = dict(zip(ev.loc[ev.marker == 1, "rid"], ev.loc[ev.marker == 1, "cum"]))
+        for a in g[g["is_affected"]].itertuples():
+            valid = cap[(cap.valid_from <= a.alloc) & (cap.valid_to.isna() | (a.alloc < cap.valid_to))]
+            if pd.notna(a.decode_instance):
+                pool = valid.loc[valid.instance == group, "kv_pool_tokens"].max()
+            else:
+                pool = valid.loc[(valid.model == a.model) & (valid.role == "decode"), "kv_pool_tokens"].sum(min_count=1)
+            horizon = factor * (0 if pd.isna(pool) else pool)
+            cum_before = cum_alloc[a.request_id] - a.written
+            for s in g[(~g["is_affected"]) & (g["free"] <= a.alloc) & (g["request_id"] != a.request_id)].itertuples():
+                since = cum_before - cum_free[s.request_id]
+                if since < horizon:
+                    want.add((a.request_id, s.request_id, int(since)))
+                else:
+                    cut_something = True
+    got = set((a, s, int(n)) for a, s, n in con.execute(
+        "SELECT affected_request_id, source_request_id, tokens_written_since FROM possible_sources").fetchall())
+    assert cut_something, "the sample never reaches past a horizon: the test would not exercise the cut"
+    assert len(want) > 100
+    assert got == want

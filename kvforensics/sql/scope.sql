@@ -59,7 +59,9 @@ WHERE t.confidence = 'possible';
 -- are grouped by model, with the sum of the model's decode pools.
 -- Only the groups that served an affected response matter, and in them only what was written up to
 -- the last affected allocation (later events change no earlier running total); the rest of the
--- traffic is left out before the timeline's sort.
+-- traffic is left out before the timeline's sort, and so are the minutes no affected response's
+-- horizon reaches (kv_windows below). tests/test_sample.py checks the pairs against a brute-force
+-- running total over each group's whole timeline.
 CREATE OR REPLACE TEMP TABLE kv_writes AS
 WITH w AS (
 SELECT r.request_id, r.account_id, r.model,
@@ -86,17 +88,6 @@ WHERE r.status BETWEEN 200 AND 299
 SELECT w.* FROM w JOIN reach ON reach.kv_group = w.kv_group
 WHERE w.alloc_ts <= reach.last_alloc OR w.free_ts <= reach.last_alloc;
 
-CREATE OR REPLACE TEMP TABLE kv_timeline AS
-WITH ev AS (
-    SELECT kv_group, alloc_ts AS t, 0 AS marker, written_tokens AS w, request_id FROM kv_writes
-    UNION ALL
-    SELECT kv_group, free_ts AS t, 1 AS marker, 0 AS w, request_id FROM kv_writes
-)
-SELECT kv_group, t, marker, request_id,
-       sum(w) OVER (PARTITION BY kv_group ORDER BY t NULLS LAST, marker NULLS LAST, request_id NULLS LAST
-                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
-FROM ev;
-
 CREATE OR REPLACE TEMP TABLE group_pools AS
 WITH a AS (SELECT * FROM kv_writes WHERE is_affected)
 SELECT a.request_id,
@@ -107,6 +98,64 @@ FROM a LEFT JOIN capacity c
  AND (c.instance = a.kv_group OR c.model = a.model)
 GROUP BY a.request_id, a.instance_known, a.kv_group;
 
+-- Where each affected response's horizon can reach. Tokens written per group and minute, and their
+-- running total: an affected response cannot have read pages freed before the latest minute B after
+-- which (up to its own minute) at least the horizon was written, since all of that was written
+-- after those pages were freed. Only the minutes from B to the response's own need the exact,
+-- per-event running total below; a response with no such B keeps its group's whole history.
+CREATE OR REPLACE TEMP TABLE kv_minutes AS
+WITH ev AS (
+    SELECT kv_group, date_trunc('minute', alloc_ts) AS minute, written_tokens AS w FROM kv_writes
+    UNION ALL
+    SELECT kv_group, date_trunc('minute', free_ts) AS minute, 0 AS w FROM kv_writes
+), per_minute AS (
+    SELECT kv_group, minute, sum(w) AS w FROM ev GROUP BY kv_group, minute
+)
+SELECT kv_group, minute,
+       sum(w) OVER (PARTITION BY kv_group ORDER BY minute NULLS LAST ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+           AS cum_to_end
+FROM per_minute;
+
+CREATE OR REPLACE TEMP TABLE kv_windows AS
+WITH a AS (
+    SELECT w.request_id, w.kv_group, date_trunc('minute', w.alloc_ts) AS minute,
+           $horizon_factor * coalesce(p.pool_tokens, 0) AS horizon
+    FROM kv_writes w JOIN group_pools p ON p.request_id = w.request_id
+    WHERE w.is_affected
+), before_own AS (
+    SELECT a.request_id, max(m.cum_to_end) AS cum_prev
+    FROM a JOIN kv_minutes m ON m.kv_group = a.kv_group AND m.minute < a.minute
+    GROUP BY a.request_id
+), cut AS (
+    SELECT a.request_id, max(m.minute) AS start_minute
+    FROM a
+    JOIN before_own b ON b.request_id = a.request_id
+    JOIN kv_minutes m ON m.kv_group = a.kv_group AND m.minute < a.minute AND b.cum_prev - m.cum_to_end >= a.horizon
+    GROUP BY a.request_id
+)
+SELECT a.request_id, a.kv_group, a.minute, c.start_minute
+FROM a LEFT JOIN cut c ON c.request_id = a.request_id;
+
+CREATE OR REPLACE TEMP TABLE kv_kept_minutes AS
+SELECT DISTINCT m.kv_group, m.minute
+FROM kv_minutes m
+JOIN kv_windows k ON k.kv_group = m.kv_group AND m.minute <= k.minute
+                 AND (k.start_minute IS NULL OR m.minute >= k.start_minute);
+
+CREATE OR REPLACE TEMP TABLE kv_timeline AS
+WITH ev AS (
+    SELECT kv_group, alloc_ts AS t, 0 AS marker, written_tokens AS w, request_id FROM kv_writes
+    UNION ALL
+    SELECT kv_group, free_ts AS t, 1 AS marker, 0 AS w, request_id FROM kv_writes
+), kept AS (
+    SELECT ev.* FROM ev
+    JOIN kv_kept_minutes k ON k.kv_group = ev.kv_group AND k.minute = date_trunc('minute', ev.t)
+)
+SELECT kv_group, t, marker, request_id,
+       sum(w) OVER (PARTITION BY kv_group ORDER BY t NULLS LAST, marker NULLS LAST, request_id NULLS LAST
+                    ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
+FROM kept;
+
 CREATE OR REPLACE TABLE possible_sources AS
 WITH a AS (
     SELECT w.request_id, w.account_id, w.kv_group, w.alloc_ts, tl.cum_written - w.written_tokens AS cum_before,
@@ -115,6 +164,8 @@ WITH a AS (
     JOIN kv_timeline tl ON tl.request_id = w.request_id AND tl.marker = 0
     JOIN group_pools p ON p.request_id = w.request_id
     WHERE w.is_affected
+), reach AS (
+    SELECT request_id, start_minute FROM kv_windows
 ), s AS (
     SELECT w.request_id, w.account_id, w.kv_group, w.free_ts, w.is_affected, tl.cum_written AS cum_at_free
     FROM kv_writes w
@@ -124,8 +175,10 @@ SELECT a.request_id AS affected_request_id, a.account_id AS recipient_account_id
        s.request_id AS source_request_id, s.account_id AS source_account_id, a.kv_group,
        a.cum_before - s.cum_at_free AS tokens_written_since,
        a.pool_tokens
-FROM a JOIN s
+FROM a JOIN reach r ON r.request_id = a.request_id
+JOIN s
   ON s.kv_group = a.kv_group
+ AND (r.start_minute IS NULL OR s.free_ts >= r.start_minute)
  AND s.free_ts <= a.alloc_ts
  AND s.request_id <> a.request_id
  AND NOT s.is_affected
