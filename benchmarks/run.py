@@ -295,7 +295,8 @@ def write_results(requests: int, run: dict[str, Any], results_dir: Path) -> Path
     path = results_dir / f"{dt.date.today().isoformat()}-{requests}.json"
     doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"requests": requests, "runs": {}}
     doc.update({k: v for k, v in run.items() if k != "runs"})
-    doc["runs"].update(run["runs"])
+    for fmt, entry in run["runs"].items():  # stage by stage: a pipeline-only run keeps the ingest stage
+        doc["runs"].setdefault(fmt, {}).update(entry)
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
     return path
 

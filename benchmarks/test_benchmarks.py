@@ -19,6 +19,15 @@ sys.path.insert(0, str(BENCH))
 from measure import run_measured  # noqa: E402
 
 
+def test_a_later_run_of_the_day_replaces_only_the_stages_it_ran(tmp_path: Path) -> None:
+    from run import write_results
+
+    write_results(5, {"runs": {"parquet": {"dataset": {"n": 1}, "ingest": {"steps": "first"}}}}, tmp_path)
+    path = write_results(5, {"runs": {"parquet": {"dataset": {"n": 2}, "pipeline": {"steps": "second"}}}}, tmp_path)
+    assert json.loads(path.read_text())["runs"]["parquet"] == {
+        "dataset": {"n": 2}, "ingest": {"steps": "first"}, "pipeline": {"steps": "second"}}
+
+
 def test_peak_rss_is_the_childs_own(tmp_path: Path) -> None:
     big = run_measured([sys.executable, "-c", "x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096])"],
                        log_path=tmp_path / "log")
