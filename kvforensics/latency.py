@@ -789,7 +789,8 @@ def fit_models(
     ``request_id`` column, e.g. responses already flagged). Requests without a model are not
     attributable and not used. All per-bin and per-point aggregation runs in DuckDB (a temp
     view ``latency_observation`` and, per model, a temp table ``latency_points`` are created and
-    dropped), so only a few dozen numbers per model reach Python. The keyword arguments are those of :func:`fit_lower_envelope`.
+    dropped), so only a few dozen numbers per model reach Python. The keyword arguments are those
+    of :func:`fit_lower_envelope`.
 
     Raises :class:`LatencyModelError` if ``exclude_table`` is not a plain identifier or a table
     is missing.
