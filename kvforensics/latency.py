@@ -731,7 +731,6 @@ class _DuckDBSample:
     aggregated by DuckDB."""
 
     con: duckdb.DuckDBPyConnection
-    model: str
     points: int
 
     def point_count(self) -> int:
@@ -823,7 +822,7 @@ def fit_models(
             if unusable_points:
                 notes.append(f"{unusable_points} requests not used: no uncached tokens or TTFT <= 0")
             con.execute(_POINTS_SQL, {"model": model})
-            sample = _DuckDBSample(con, str(model), int(usable_points))
+            sample = _DuckDBSample(con, int(usable_points))
             fits[str(model)] = _fit_envelope(sample, settings, notes)
     finally:
         con.execute("DROP TABLE IF EXISTS temp.latency_points")

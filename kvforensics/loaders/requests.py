@@ -420,7 +420,7 @@ def _json_text_relation(source: Source, chosen: Mapping[str, str | None], keys: 
     ``_AMBIGUOUS_TEXT``) is refused, and a file with any refused record is staged again by the JSON
     reader, which names every reason exactly."""
     names = _positional_names(keys)
-    text_keys = dict.fromkeys(names[keys.index(chosen[f])] for f in _TEXT_FIELDS if chosen[f] is not None)
+    text_keys = dict.fromkeys(k for canonical, _, k in _keyed_fields(chosen, keys) if canonical in _TEXT_FIELDS and k)
     ambiguous = " OR ".join(f"({_AMBIGUOUS_TEXT.format(k=k)})" for k in text_keys) or "false"
     fields = [f"{_in_milliseconds(source, canonical, col, k)} AS {canonical}_raw" if k is not None
               else f"CAST(NULL AS VARCHAR) AS {canonical}_raw" for canonical, col, k in _keyed_fields(chosen, keys)]
@@ -437,7 +437,7 @@ def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], key
     wrong_type = []
     fields = []
     for canonical, col, k in _keyed_fields(chosen, keys):
-        if col is None or k is None:
+        if col is None or k is None:  # both or neither (the check tells the type checker)
             fields.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
             continue
         # k is the value as serialised JSON, so its first character tells its type: only strings

@@ -164,8 +164,6 @@ WITH a AS (
     JOIN kv_timeline tl ON tl.request_id = w.request_id AND tl.marker = 0
     JOIN group_pools p ON p.request_id = w.request_id
     WHERE w.is_affected
-), reach AS (
-    SELECT request_id, start_minute FROM kv_windows
 ), s AS (
     SELECT w.request_id, w.account_id, w.kv_group, w.free_ts, w.is_affected, tl.cum_written AS cum_at_free
     FROM kv_writes w
@@ -175,7 +173,7 @@ SELECT a.request_id AS affected_request_id, a.account_id AS recipient_account_id
        s.request_id AS source_request_id, s.account_id AS source_account_id, a.kv_group,
        a.cum_before - s.cum_at_free AS tokens_written_since,
        a.pool_tokens
-FROM a JOIN reach r ON r.request_id = a.request_id
+FROM a JOIN kv_windows r ON r.request_id = a.request_id
 JOIN s
   ON s.kv_group = a.kv_group
  AND (r.start_minute IS NULL OR s.free_ts >= r.start_minute)
