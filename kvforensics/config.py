@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from kvforensics.errors import ConfigError
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
-REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests")
+REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
 CANONICAL_REQUEST_FIELDS = (
     "request_id", "ts", "account_id", "model", "status", "prompt_tokens",

@@ -28,7 +28,7 @@ import pyarrow as pa
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
 from kvforensics.db import one, parameters_used, run_script, sql
 from kvforensics.errors import InputError
-from kvforensics.loaders import sglang_requests
+from kvforensics.loaders import otlp, sglang_requests
 from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
 
 BATCH = 100_000
@@ -638,7 +638,7 @@ def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path:
 StagerFn = Callable[[duckdb.DuckDBPyConnection, Source, Path, FileLoad, Callable[[int], None], bool], Staged]
 # format -> stager
 STAGERS: dict[str, StagerFn] = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet,
-                                sglang_requests.FORMAT: _stage_sglang_requests}
+                                sglang_requests.FORMAT: _stage_sglang_requests, otlp.FORMAT: otlp.stage}
 
 
 # Records typed before their duplicates are resolved and they are written to `requests`: a batch of

@@ -1,0 +1,586 @@
+"""OpenTelemetry traces exported as OTLP/JSON, as a requests source: ``format = "otlp_json"``.
+
+The input is what the OpenTelemetry Collector's file exporter writes (one ``TracesData`` /
+``ExportTraceServiceRequest`` JSON object per line), or one such object as a whole JSON document
+(an OTLP/HTTP request body saved to a file; a JSON array of them is also read):
+``{"resourceSpans": [{"resource": {"attributes": [...]}, "scopeSpans": [{"scope": {...},
+"spans": [{"traceId", "spanId", "name", "startTimeUnixNano", "attributes": [...], "events": [...],
+"status": {"code": ...}}]}]}]}``. Encoding rules followed (OTLP specification, "JSON Protobuf
+Encoding"): ids are hex strings (base64, protobuf's default JSON mapping, is also accepted and
+converted), 64-bit integers (``intValue``, times in nanoseconds) may be strings or numbers, enums
+(span kind, status code) are integers (their protobuf names are also accepted), and
+``attributes`` are lists of ``{"key", "value": {"stringValue" | "intValue" | "doubleValue" |
+"boolValue" | "bytesValue" | "arrayValue" | "kvlistValue"}}``.
+Sources: https://opentelemetry.io/docs/specs/otlp/#json-protobuf-encoding,
+https://github.com/open-telemetry/opentelemetry-proto/blob/main/opentelemetry/proto/trace/v1/trace.proto,
+https://github.com/open-telemetry/opentelemetry-collector-contrib/tree/main/exporter/fileexporter.
+
+**One record per GenAI span**: a span with at least one ``gen_ai.*`` attribute is one model call,
+unless its ``gen_ai.operation.name`` names an agent or tool step (``invoke_agent``,
+``create_agent``, ``execute_tool``), which is not. Other spans (HTTP, database, agent and tool
+spans) are skipped and counted in the file's notes; lines holding metrics or logs
+(``resourceMetrics`` / ``resourceLogs``) likewise.
+
+**The record** is the span flattened to one JSON object (what ``columns`` maps against, and what
+the quarantine shows as ``raw``): the span's attributes under their own names (GenAI semantic
+conventions: ``gen_ai.request.model``, ``gen_ai.usage.input_tokens``, ...), the resource's attributes
+(``service.instance.id``, ...) where the span has no attribute of that name, and the values below,
+which the reader derives (``columns`` of the ``otlp`` preset name them; see ``presets/otlp.toml``):
+
+* ``otlp.location``: ``resourceSpans[i].scopeSpans[j].spans[k]`` within the line's export;
+  ``otlp.trace_id``, ``otlp.span_id``, ``otlp.parent_span_id`` (lower-case hex), ``otlp.span_name``,
+  ``otlp.span_kind`` (``SERVER``, ``CLIENT``, ...), ``otlp.scope_name``, ``otlp.scope_version``;
+* ``otlp.start_time_unix_nano``, ``otlp.end_time_unix_nano``, ``otlp.duration_ms`` (end - start);
+* ``otlp.status_code`` (``UNSET`` / ``OK`` / ``ERROR``) and ``otlp.status_message``;
+* ``otlp.request_id``: ``gen_ai.response.id``, else ``gen_ai.request.id`` (vLLM's own spans), else the
+  span id (a span re-exported by an at-least-once pipeline keeps its id, so it is a duplicate);
+* ``otlp.account_id``: ``tenant.id``, else ``enduser.id``, else ``user.id``; absent when the span has
+  none of them (the record is then quarantined, saying to map the attribute that names the customer);
+* ``otlp.model``: ``gen_ai.request.model`` (the id the client asked for), else ``gen_ai.response.model``;
+* ``otlp.http_status``: ``http.response.status_code``, else the older ``http.status_code``, else the
+  span status: ``ERROR`` -> 500, ``OK`` / ``UNSET`` -> 200;
+* ``otlp.input_tokens`` / ``otlp.output_tokens``: ``gen_ai.usage.input_tokens`` /
+  ``gen_ai.usage.output_tokens``, else the older ``gen_ai.usage.prompt_tokens`` /
+  ``gen_ai.usage.completion_tokens``; ``otlp.cache_read_input_tokens``:
+  ``gen_ai.usage.cache_read.input_tokens``, else ``gen_ai.usage.cache_read_input_tokens``;
+* ``otlp.time_to_first_token_ms``: the first of the attributes ``gen_ai.response.time_to_first_chunk``,
+  ``gen_ai.latency.time_to_first_token`` (vLLM), ``gen_ai.response.time_to_first_token`` (seconds,
+  times 1000), else the time of the span's first ``first_token`` / ``first_chunk`` event (with or
+  without a ``gen_ai.`` prefix) after the span's start.
+
+Prompt and output text never leave this module: attributes that carry message content
+(``gen_ai.input.messages``, ``gen_ai.prompt.*``, ...) keep only their length, and span events (where
+older conventions put content) are read for the first-token time only.
+
+**Line numbers.** A record's ``line`` is the physical line on which its span is: in a file of one
+export per line, the line of that export (all spans of one export share it; ``otlp.location`` and
+``otlp.span_id`` in ``raw`` tell them apart); in a whole-file document, the line on which the span's
+object opens. A line that is not JSON, an export that is not an object with ``resourceSpans``, and a
+span that breaks the structure (not an object, no valid ``spanId``/``traceId``, attributes that are
+not key/value pairs) are records of their own, quarantined with the reason and location.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import bisect
+import json
+import json.scanner
+import math
+import tomllib
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvforensics.config import Source
+from kvforensics.loaders.engine_common import open_lines
+
+if TYPE_CHECKING:
+    import duckdb
+
+    from kvforensics.loaders.requests import FileLoad, Staged
+
+FORMAT = "otlp_json"
+PRESET = Path(__file__).resolve().parent.parent / "presets" / "otlp.toml"
+BATCH = 50_000
+MALFORMED_RAW_CHARS = 300  # of a line that is not JSON (it may hold captured prompt text further on)
+
+# gen_ai.operation.name values of spans that are not a model call (GenAI agent and tool spans)
+NOT_MODEL_CALLS = frozenset({"invoke_agent", "create_agent", "execute_tool"})
+# attributes that carry prompt or output text (GenAI, OpenLLMetry and OpenInference names)
+CONTENT_ATTRIBUTES = frozenset({"gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
+                                "gen_ai.tool.call.arguments", "gen_ai.tool.call.result", "gen_ai.tool.definitions",
+                                "gen_ai.prompt", "gen_ai.completion", "input.value", "output.value", "llm.prompts"})
+CONTENT_PREFIXES = ("gen_ai.prompt.", "gen_ai.completion.", "llm.input_messages.", "llm.output_messages.")
+# the derived values: each the first attribute of its list that the span has
+FALLBACKS: dict[str, tuple[str, ...]] = {
+    "otlp.account_id": ("tenant.id", "enduser.id", "user.id"),
+    "otlp.model": ("gen_ai.request.model", "gen_ai.response.model"),
+    "otlp.input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
+    "otlp.output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"),
+    "otlp.cache_read_input_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens"),
+}
+REQUEST_ID_ATTRIBUTES = ("gen_ai.response.id", "gen_ai.request.id")
+HTTP_STATUS_ATTRIBUTES = ("http.response.status_code", "http.status_code")
+TTFT_SECONDS_ATTRIBUTES = ("gen_ai.response.time_to_first_chunk", "gen_ai.latency.time_to_first_token",
+                           "gen_ai.response.time_to_first_token")
+FIRST_TOKEN_EVENTS = frozenset({"first_token", "first_chunk", "gen_ai.first_token", "gen_ai.first_chunk"})
+SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
+STATUS_CODES = ("UNSET", "OK", "ERROR")
+STATUS_HTTP = {"UNSET": 200, "OK": 200, "ERROR": 500}
+
+# The typing step's reasons for a missing field, in the words of a span (only where the field is
+# mapped to the derived value that says where it was looked for).
+MISSING_REASONS = {
+    "account_id": ("otlp.account_id", "no account on the span (none of the attributes "
+                   + ", ".join(FALLBACKS["otlp.account_id"])
+                   + "); map the attribute that names the customer: columns.account_id = \"<attribute>\""),
+    "model": ("otlp.model", "no model on the span (neither gen_ai.request.model nor gen_ai.response.model)"),
+    "prompt_tokens": ("otlp.input_tokens", "no input token count on the span (neither gen_ai.usage.input_tokens "
+                      "nor gen_ai.usage.prompt_tokens)"),
+    "ts": ("otlp.start_time_unix_nano", "span has no startTimeUnixNano"),
+}
+
+
+class SpanProblem(ValueError):
+    """A span (or a part of an export) that breaks the OTLP structure."""
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """One staged record: a GenAI span flattened to JSON, or a part of the file that cannot be read."""
+
+    line: int
+    raw: str
+    problem: str | None = None
+
+
+@dataclass
+class TraceExportReader:
+    """Iterates the records of one OTLP/JSON file; ``notes`` and ``skipped`` say what else it held."""
+
+    path: Path
+    notes: list[str] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
+    keys: set[str] = field(default_factory=set)  # every key of the flattened records
+    base64_ids: bool = False
+
+    def __iter__(self) -> Iterator[SpanRecord]:
+        stream = open_lines(self.path)
+        lines = iter(stream)
+        blank = 0
+        first: tuple[int, str | None, bytes] | None = None
+        for first in lines:
+            if first[1] is None or first[1].strip():
+                break
+            blank += 1
+        else:
+            first = None
+        if first is not None:
+            n, text, raw = first
+            if text is not None and _opens_document(text):
+                # the first line opens a value it does not close: the file may be one JSON document
+                yield from self._document_or_lines([first, *lines])
+            else:
+                for n, text, raw in (first, *lines):
+                    if text is not None and not text.strip():
+                        blank += 1
+                        continue
+                    yield from self._line_records(n, text, raw)
+        if blank:
+            self.notes.append(f"{blank} blank line(s) skipped")
+        if stream.truncated is not None:
+            t = stream.truncated
+            self.notes.append(f"input ends early after line {t.after_line} ({t.describe()}); "
+                              "later records, if any, are lost")
+        self._closing_notes()
+
+    def _document_or_lines(self, numbered: list[tuple[int, str | None, bytes]]) -> Iterator[SpanRecord]:
+        first = numbered[0][0]
+        if all(t is not None for _, t, _ in numbered):
+            text = "\n".join(t or "" for _, t, _ in numbered)
+            try:
+                document, opened_at = _decode_with_offsets(text)
+            except ValueError as e:
+                self.notes.append(f"line {first} opens a JSON value that the line does not close, and the file is "
+                                  f"not one JSON document either ({e}); each line read as an export of its own")
+            else:
+                self.notes.append("read as one JSON document; a record's line is where its span opens")
+                line_at = _line_numbers(text, first)
+
+                def line_of(obj: object, default: int) -> int:
+                    offset = opened_at.get(id(obj))
+                    return default if offset is None else line_at(offset)
+
+                exports = document if isinstance(document, list) else [document]
+                for i, export in enumerate(exports):
+                    where = f"[{i}]." if isinstance(document, list) else ""
+                    yield from self._export_records(export, line_of(export, first), where, line_of)
+                return
+        for n, text, raw in numbered:
+            if text is None or text.strip():
+                yield from self._line_records(n, text, raw)
+
+    def _line_records(self, n: int, text: str | None, raw: bytes) -> Iterator[SpanRecord]:
+        if text is None:
+            yield SpanRecord(n, raw[:MALFORMED_RAW_CHARS].decode("utf-8", "backslashreplace"), "not UTF-8")
+            return
+        try:
+            export = json.loads(text)
+        except ValueError:
+            yield SpanRecord(n, text[:MALFORMED_RAW_CHARS], "malformed JSON")
+            return
+        yield from self._export_records(export, n, "", lambda obj, default: default)
+
+    def _export_records(self, export: object, n: int, where: str,
+                        line_of: Callable[[object, int], int]) -> Iterator[SpanRecord]:
+        if not isinstance(export, dict):
+            yield _problem(n, where.rstrip(".") or "line", "not a JSON object", export)
+            return
+        if "resourceSpans" not in export and "resource_spans" not in export:
+            other = next((k for k in ("resourceMetrics", "resourceLogs", "resourceProfiles") if k in export), None)
+            if other is not None:
+                self.skipped[f"export(s) of {other[len('resource'):].lower()}, not traces,"] += 1
+                return
+            yield _problem(n, where.rstrip(".") or "line", "not an OTLP/JSON trace export (no resourceSpans)", export)
+            return
+        try:
+            resources = list(_items(export, ("resourceSpans", "resource_spans")))
+        except SpanProblem as e:
+            yield _problem(n, where.rstrip(".") or "line", str(e), export)
+            return
+        for i, resource_spans in resources:
+            at = f"{where}resourceSpans[{i}]"
+            try:
+                resource = _attributes(_object(_get(_object(resource_spans, "resourceSpans entry"), "resource", None)
+                                               or {}, "resource"))
+                scopes = list(_items(resource_spans, ("scopeSpans", "scope_spans")))
+            except SpanProblem as e:
+                yield _problem(line_of(resource_spans, n), at, str(e), resource_spans)
+                continue
+            for j, scope_spans in scopes:
+                sat = f"{at}.scopeSpans[{j}]"
+                try:
+                    scope = _object(_get(_object(scope_spans, "scopeSpans entry"), "scope", None) or {}, "scope")
+                    spans = list(_items(scope_spans, ("spans",)))
+                except SpanProblem as e:
+                    yield _problem(line_of(scope_spans, n), sat, str(e), scope_spans)
+                    continue
+                for k, span in spans:
+                    record = self._span_record(span, f"{sat}.spans[{k}]", resource, scope, line_of(span, n))
+                    if record is not None:
+                        yield record
+
+    def _span_record(self, span: object, at: str, resource: Mapping[str, Any], scope: Mapping[str, Any],
+                     line: int) -> SpanRecord | None:
+        try:
+            attributes = _attributes(_object(span, "span"))
+            if not any(k.startswith("gen_ai.") for k in attributes):
+                self.skipped["span(s) without gen_ai.* attributes (not model calls)"] += 1
+                return None
+            operation = attributes.get("gen_ai.operation.name")
+            if isinstance(operation, str) and operation in NOT_MODEL_CALLS:
+                self.skipped[f"GenAI {operation} span(s) (agent or tool steps, not model calls)"] += 1
+                return None
+            assert isinstance(span, dict)
+            trace_id = self._hex_id(_get(span, "traceId", None, "trace_id"), 16, "traceId")
+            span_id = self._hex_id(_get(span, "spanId", None, "span_id"), 8, "spanId")
+        except SpanProblem as e:
+            ids = {k: span.get(k) for k in ("traceId", "spanId", "name")
+                   if isinstance(span, dict) and isinstance(span.get(k), str)}
+            return SpanRecord(line, _json_text({"otlp.location": at, **ids}), str(e))
+        record = self._derived(span, at, trace_id, span_id, attributes, scope)
+        for source in (attributes, resource):
+            for key, value in source.items():
+                if key not in record:
+                    record[key] = _without_content(key, value)
+        self.keys.update(record)
+        return SpanRecord(line, _json_text(record))
+
+    def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
+                 attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
+        status = _get(span, "status", {})
+        status_code = _enum(status.get("code") if isinstance(status, dict) else None, STATUS_CODES, "STATUS_CODE_")
+        start = _nanos(_get(span, "startTimeUnixNano", None, "start_time_unix_nano"))
+        end = _nanos(_get(span, "endTimeUnixNano", None, "end_time_unix_nano"))
+        parent = _get(span, "parentSpanId", None, "parent_span_id")
+        record: dict[str, Any] = {
+            "otlp.location": at,
+            "otlp.request_id": _first(attributes, REQUEST_ID_ATTRIBUTES, span_id),
+            "otlp.start_time_unix_nano": start,
+            "otlp.account_id": _first(attributes, FALLBACKS["otlp.account_id"]),
+            "otlp.model": _first(attributes, FALLBACKS["otlp.model"]),
+            "otlp.http_status": _first(attributes, HTTP_STATUS_ATTRIBUTES, STATUS_HTTP.get(status_code or "UNSET", 200)),
+        }
+        for key in ("otlp.input_tokens", "otlp.output_tokens", "otlp.cache_read_input_tokens"):
+            record[key] = _first(attributes, FALLBACKS[key])
+        record["otlp.time_to_first_token_ms"] = _ttft_ms(span, attributes, start)
+        record["otlp.duration_ms"] = ((end - start) / 1e6 if isinstance(start, int) and isinstance(end, int)
+                                      and end >= start else None)
+        record.update({
+            "otlp.end_time_unix_nano": end,
+            "otlp.status_code": status_code,
+            "otlp.status_message": status.get("message") if isinstance(status, dict) else None,
+            "otlp.span_name": _get(span, "name", None),
+            "otlp.span_kind": _enum(_get(span, "kind", None), SPAN_KINDS, "SPAN_KIND_"),
+            "otlp.span_id": span_id,
+            "otlp.trace_id": trace_id,
+            "otlp.parent_span_id": self._hex_id(parent, 8, "parentSpanId") if parent else None,
+            "otlp.scope_name": scope.get("name"),
+            "otlp.scope_version": scope.get("version"),
+        })
+        # times as text: exact nanoseconds (the typing reads an epoch number by its magnitude)
+        for key in ("otlp.start_time_unix_nano", "otlp.end_time_unix_nano"):
+            if isinstance(record[key], int):
+                record[key] = str(record[key])
+        return {k: v for k, v in record.items() if v is not None}
+
+    def _hex_id(self, value: object, size: int, name: str) -> str:
+        """An OTLP id as lower-case hex: hex as the OTLP/JSON encoding prescribes, or the base64 of
+        protobuf's default JSON mapping (some encoders write it), converted."""
+        if not isinstance(value, str) or not value:
+            raise SpanProblem(f"no {name}")
+        if len(value) == 2 * size:
+            try:
+                bytes.fromhex(value)
+                return value.lower()
+            except ValueError:
+                pass
+        try:
+            decoded = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            decoded = b""
+        if len(decoded) == size:
+            self.base64_ids = True
+            return decoded.hex()
+        raise SpanProblem(f"{name} {value[:40]!r} is not {size} bytes in hex")
+
+    def _closing_notes(self) -> None:
+        for what, count in sorted(self.skipped.items()):
+            self.notes.append(f"{count} {what} skipped")
+        if self.base64_ids:
+            self.notes.append("span ids in base64 (protobuf's default JSON mapping, not OTLP/JSON's hex) read as hex")
+
+
+def _problem(line: int, at: str, reason: str, part: object) -> SpanRecord:
+    """A part of an export that cannot be read: its location and the start of its JSON as ``raw``."""
+    return SpanRecord(line, f"{at}: {_json_text(part)[:MALFORMED_RAW_CHARS]}", reason)
+
+
+def _json_text(value: object) -> str:
+    """JSON text of a record; a number JSON cannot hold (inf, nan) is kept as its text, for the
+    typing to refuse, and a lone surrogate escaped."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=str)
+    except ValueError:
+        text = json.dumps(_finite(value), ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(_finite(value), default=str)
+    return text
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _object(value: object, what: str = "") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpanProblem(f"{what or 'value'} is not a JSON object")
+    return value
+
+
+def _opens_document(text: str) -> bool:
+    """Whether a line is the start of a JSON value that goes on past the line's end (a pretty-printed
+    document), rather than a complete value or a malformed line."""
+    stripped = text.strip()
+    if not stripped.startswith(("{", "[")):
+        return False
+    try:
+        json.loads(stripped)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(stripped)
+    return False
+
+
+def _get(obj: Mapping[str, Any], key: str, default: Any, snake: str | None = None) -> Any:
+    """A field by its lowerCamelCase JSON name, or by its protobuf name (receivers accept both)."""
+    if key in obj:
+        return obj[key]
+    return obj.get(snake, default) if snake else default
+
+
+def _items(obj: object, keys: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
+    """The entries of a repeated field (absent or null: none)."""
+    value = next((v for k in keys if (v := _object(obj).get(k)) is not None), [])
+    if not isinstance(value, list):
+        raise SpanProblem(f"{keys[0]} is not a list")
+    yield from enumerate(value)
+
+
+def _attributes(obj: dict[str, Any]) -> dict[str, Any]:
+    """``attributes`` (a list of key/value pairs) as a dict of plain values."""
+    pairs = obj.get("attributes") or []
+    if not isinstance(pairs, list):
+        raise SpanProblem("attributes is not a list")
+    return _key_values(pairs, "attribute")
+
+
+def _key_values(pairs: Iterable[object], what: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, dict) or not isinstance(pair.get("key"), str):
+            raise SpanProblem(f"{what} #{i + 1} is not a {{key, value}} pair")
+        values[pair["key"]] = _any_value(pair.get("value"))
+    return values
+
+
+def _any_value(value: object) -> Any:
+    """An ``AnyValue`` as a plain value. ``intValue`` is a decimal string in OTLP/JSON (a number is
+    accepted); a value that is not what its type says is kept as its text, so that a canonical field
+    mapped to it is quarantined with that text rather than read as something else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SpanProblem("an attribute value is not an AnyValue object")
+    if "stringValue" in value:
+        return value["stringValue"]
+    if "intValue" in value:
+        v = value["intValue"]
+        if isinstance(v, str):
+            try:
+                return int(v)
+            except ValueError:
+                return v
+        return v
+    if "doubleValue" in value:
+        v = value["doubleValue"]
+        if isinstance(v, str):  # "NaN", "Infinity" and numbers as text (protobuf JSON)
+            try:
+                f = float(v)
+            except ValueError:
+                return v
+            return f if math.isfinite(f) else v
+        return v
+    if "boolValue" in value:
+        return value["boolValue"]
+    if "bytesValue" in value:
+        return value["bytesValue"]
+    if "arrayValue" in value:
+        inner = value["arrayValue"] or {}
+        items = inner.get("values") or [] if isinstance(inner, dict) else None
+        if not isinstance(items, list):
+            raise SpanProblem("an arrayValue has no list of values")
+        return [_any_value(v) for v in items]
+    if "kvlistValue" in value:
+        inner = value["kvlistValue"] or {}
+        items = inner.get("values") or [] if isinstance(inner, dict) else None
+        if not isinstance(items, list):
+            raise SpanProblem("a kvlistValue has no list of values")
+        return _key_values(items, "kvlistValue entry")
+    return None  # an empty AnyValue: no value
+
+
+def _without_content(key: str, value: Any) -> Any:
+    if key in CONTENT_ATTRIBUTES or key.startswith(CONTENT_PREFIXES):
+        return f"[{len(json.dumps(value, default=str))} characters of content not kept]"
+    return value
+
+
+def _first(attributes: Mapping[str, Any], keys: Iterable[str], default: Any = None) -> Any:
+    return next((attributes[k] for k in keys if attributes.get(k) is not None), default)
+
+
+def _enum(value: object, names: tuple[str, ...], prefix: str) -> str | None:
+    """An OTLP enum (an integer in OTLP/JSON; its protobuf name accepted) by its short name."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return names[value] if 0 <= value < len(names) else str(value)
+    if isinstance(value, str):
+        return value.removeprefix(prefix) if value.startswith(prefix) else value
+    return None
+
+
+def _nanos(value: object) -> Any:
+    """A fixed64 time: a decimal string or a number; anything else is kept for the typing to refuse."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: object) -> Any:
+    seconds = _first(attributes, TTFT_SECONDS_ATTRIBUTES)
+    if seconds is not None:
+        return seconds * 1000 if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) else seconds
+    events = span.get("events") or []
+    if not isinstance(start, int) or not isinstance(events, list):
+        return None
+    times = [_nanos(_get(e, "timeUnixNano", None, "time_unix_nano")) for e in events
+             if isinstance(e, dict) and e.get("name") in FIRST_TOKEN_EVENTS]
+    times = [t for t in times if isinstance(t, int) and t >= start]
+    return (min(times) - start) / 1e6 if times else None
+
+
+def _line_numbers(text: str, first_line: int) -> Callable[[int], int]:
+    """Offset in ``text`` -> its physical line number (``text`` begins on ``first_line``)."""
+    newlines = [i for i, c in enumerate(text) if c == "\n"]
+    return lambda offset: first_line + bisect.bisect_left(newlines, offset)
+
+
+def _decode_with_offsets(text: str) -> tuple[Any, dict[int, int]]:
+    """Parse a JSON document, recording where each object opens (``id(obj) -> offset``), with the
+    json module's pure-Python scanner (whole-file documents only: it is slower than the C one)."""
+    decoder = json.JSONDecoder()
+    opened_at: dict[int, int] = {}
+    parse_object = decoder.parse_object
+
+    def located(s_and_end: tuple[str, int], *args: Any) -> tuple[Any, int]:
+        obj, end = parse_object(s_and_end, *args)
+        opened_at[id(obj)] = s_and_end[1] - 1
+        return obj, end
+
+    decoder.parse_object = located  # type: ignore[assignment]
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+    return decoder.decode(text), opened_at
+
+
+def preset_columns() -> dict[str, str]:
+    """The canonical fields the ``otlp`` preset maps (``presets/otlp.toml``): the format's own mapping,
+    also used when a source names the format without the preset."""
+    with PRESET.open("rb") as fh:
+        return dict(tomllib.load(fh).get("columns", {}))
+
+
+def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
+          tick: Callable[[int], None], fast: bool = True) -> Staged:
+    """Stage one OTLP/JSON file: one record per GenAI span (and per unreadable part), each
+    flattened to JSON, then every canonical field extracted by the JSON loader's SQL."""
+    import pyarrow as pa
+
+    from kvforensics.loaders import requests as gateway
+
+    mapped = replace(source, columns={**preset_columns(), **source.columns})
+    reader = TraceExportReader(path)
+    con.execute("CREATE OR REPLACE TEMP TABLE otlp_records (line BIGINT, raw VARCHAR, problem VARCHAR)").fetchall()
+    schema = pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())])
+    batch: list[SpanRecord] = []
+
+    def flush() -> None:
+        if batch:
+            table = pa.Table.from_arrays([pa.array([getattr(r, f.name) for r in batch], type=f.type)
+                                          for f in schema], schema=schema)
+            con.register("otlp_batch", table)
+            con.execute("INSERT INTO otlp_records SELECT * FROM otlp_batch").fetchall()
+            con.unregister("otlp_batch")
+            tick(len(batch))
+            batch.clear()
+
+    for record in reader:
+        batch.append(record)
+        if len(batch) >= BATCH:
+            flush()
+    flush()
+    chosen = gateway._choose_columns(mapped, reader.keys)
+    relation, params = gateway._json_fields_relation(mapped, chosen, "SELECT line, raw, problem FROM otlp_records", None)
+    con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
+    con.execute("DROP TABLE otlp_records").fetchall()
+    load.notes.extend(reader.notes)
+    rewrites = {f"missing required field '{canonical}'": reason
+                for canonical, (derived, reason) in MISSING_REASONS.items() if mapped.columns.get(canonical) == derived}
+    return gateway._python_staged(rewrites)

@@ -1,0 +1,290 @@
+"""OpenTelemetry OTLP/JSON trace exports as a requests source (``preset = "otlp"``): one request per
+GenAI span, every other span skipped and counted, every unreadable part quarantined where it is.
+The fixtures are written from the OTLP specification and the GenAI semantic conventions (see
+``tests/fixtures/otlp/README.md``)."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from kvforensics.config import Source, load_incident
+from kvforensics.db import connect
+from kvforensics.loaders.otlp import MISSING_REASONS, TraceExportReader, preset_columns
+from kvforensics.loaders.requests import load_requests_file, load_requests_files
+from kvforensics.presets import load_preset
+
+FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
+EXPORT = FIXTURES / "collector-file-exporter.jsonl"
+DOCUMENT = FIXTURES / "otlp-http-request.json"
+FIELDS = ("request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens, ttft_ms, "
+          "latency_ms, prefill_instance, decode_instance, source_line")
+NO_ACCOUNT = MISSING_REASONS["account_id"][1]
+
+
+def utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc)
+
+
+# the three GenAI model-call spans of line 1 of the export, as canonical requests (source_line last)
+CHAT = ("chatcmpl-001", utc("2026-09-08T22:00:01.25"), "acct-17", "glm-5.3", 200, 120000, 256, 4096, 412.0, 3500.0,
+        None, None)
+ERRORED = ("b7ad6b7169203331", utc("2026-09-08T22:00:10"), "acct-9", "glm-5.3", 500, 900, 0, None, 300.0, 900.0,
+           None, None)
+VLLM = ("cmpl-77", utc("2026-09-08T22:00:20"), "acct-3", "glm-5.3", 200, 64000, 12, None, 50.0, 2000.0, None, None)
+
+
+def incident_source(tmp_path: Path, path: Path, extra: str = "", preset: bool = True) -> Source:
+    toml = tmp_path / "incident.toml"
+    how = 'preset = "otlp"' if preset else 'format = "otlp_json"'
+    toml.write_text(f"""[incident]
+id = "otlp-test"
+[[sources]]
+name = "traces"
+kind = "requests"
+path = {json.dumps(str(path))}
+{how}
+{extra}
+""", encoding="utf-8")
+    (source,) = load_incident(toml).sources
+    return source
+
+
+def load(source: Source, path: Path):
+    con = connect()
+    result = load_requests_file(con, source, path)
+    rows = con.execute(f"SELECT {FIELDS} FROM requests ORDER BY ts").fetchall()
+    quarantine = con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line, reason").fetchall()
+    return con, result, rows, quarantine
+
+
+def test_collector_file_export_through_the_preset(tmp_path):
+    source = incident_source(tmp_path, EXPORT)
+    assert source.format == "otlp_json"
+    _, r, rows, quarantine = load(source, EXPORT)
+    # line 1: three GenAI spans (the HTTP span skipped); line 2: malformed; line 3: the chat span again;
+    # line 4: metrics; line 5: a tool span (skipped), a span with a bad id, a span without an account
+    assert (r.records_read, r.loaded, r.quarantined, r.duplicates) == (7, 3, 3, 1)
+    assert r.reader == "python"
+    assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]
+    assert [(line, reason) for line, reason, _ in quarantine] == [
+        (2, "malformed JSON"),
+        (5, NO_ACCOUNT),
+        (5, "spanId 'xyz' is not 8 bytes in hex"),
+    ]
+    raws = {reason: raw for _, reason, raw in quarantine}
+    assert json.loads(raws["spanId 'xyz' is not 8 bytes in hex"])["otlp.location"] == "resourceSpans[0].scopeSpans[0].spans[1]"
+    unaccounted = json.loads(raws[NO_ACCOUNT])
+    assert unaccounted["otlp.location"] == "resourceSpans[0].scopeSpans[0].spans[2]"
+    assert unaccounted["otlp.span_id"] == "00f067aa0ba902b9"
+    assert unaccounted["service.instance.id"] == "glm53-decode-1"  # resource attributes come along
+    assert raws["malformed JSON"].startswith('{"resourceSpans":[{"resource"')
+    assert sorted(r.notes) == [
+        "1 GenAI execute_tool span(s) (agent or tool steps, not model calls) skipped",
+        "1 blank line(s) skipped",
+        "1 export(s) of metrics, not traces, skipped",
+        "1 span(s) without gen_ai.* attributes (not model calls) skipped",
+    ]
+
+
+def test_the_format_alone_maps_as_the_preset_does(tmp_path):
+    assert preset_columns() == load_preset("otlp")["columns"]
+    _, r, rows, _ = load(incident_source(tmp_path, EXPORT, preset=False), EXPORT)
+    assert (r.records_read, r.loaded, r.quarantined, r.duplicates) == (7, 3, 3, 1)
+    assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]
+
+
+def test_a_users_columns_override_the_preset_field_by_field(tmp_path):
+    source = incident_source(tmp_path, EXPORT, 'columns = { account_id = "enduser.id", prefill_instance = '
+                                               '"server.address", decode_instance = "service.instance.id" }')
+    _, r, rows, quarantine = load(source, EXPORT)
+    # enduser.id instead of the tenant; the vLLM span has only user.id, so it now lacks an account
+    assert [row[:4] for row in rows] == [CHAT[:3] + ("glm-5.3",), ERRORED[:2] + ("someone@acct-9", "glm-5.3")]
+    assert [row[10:] for row in rows] == [("glm53-prefill-0.pd.svc", "gw-0", 1), (None, "gw-0", 1)]
+    assert [(line, reason) for line, reason, _ in quarantine if "account_id" in reason] == [
+        (1, "missing required field 'account_id' (column enduser.id)"),
+        (5, "missing required field 'account_id' (column enduser.id)"),
+    ]
+    assert (r.loaded, r.quarantined) == (2, 4)
+
+
+def test_a_whole_file_document_numbers_each_span_by_the_line_it_opens_on(tmp_path):
+    _, r, rows, quarantine = load(incident_source(tmp_path, DOCUMENT), DOCUMENT)
+    assert quarantine == []
+    assert (r.records_read, r.loaded) == (3, 3)
+    lines = DOCUMENT.read_text(encoding="utf-8").splitlines()
+    for request_id, *_, line in rows:
+        span_id = {"chatcmpl-001": "eee19b7ec3c1b174", "b7ad6b7169203331": "b7ad6b7169203331",
+                   "cmpl-77": "00f067aa0ba902b7"}[request_id]
+        assert lines[line - 1].strip() == "{"
+        assert lines[line + 1].strip() == f'"spanId": "{span_id}",'
+    assert [row[:-1] for row in rows] == [CHAT, ERRORED, VLLM]
+    assert "read as one JSON document; a record's line is where its span opens" in r.notes
+
+
+def test_a_truncated_gzip_export_loads_every_complete_line(tmp_path):
+    text = EXPORT.read_bytes()
+    full = gzip.compress(text * 40, mtime=0)
+    path = tmp_path / "traces.jsonl.gz"
+    path.write_bytes(full[: len(full) * 3 // 4])
+    con, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]  # every later copy is a duplicate
+    assert r.records_read == r.loaded + r.quarantined + r.duplicates > 7
+    assert any(n.startswith("input ends early after line") for n in r.notes)
+    last = con.execute("SELECT max(line) FROM quarantine").fetchone()[0]
+    assert last < 6 * 40
+
+
+def test_the_same_span_exported_twice_is_one_request_across_files(tmp_path):
+    one = tmp_path / "a.jsonl"
+    two = tmp_path / "b.jsonl"
+    first_line = EXPORT.read_text(encoding="utf-8").splitlines()[0]
+    one.write_text(first_line + "\n", encoding="utf-8")
+    two.write_text("\n" + first_line + "\n", encoding="utf-8")
+    con = connect()
+    loads = load_requests_files(con, incident_source(tmp_path, tmp_path / "*.jsonl"), [one, two])
+    assert [(x.loaded, x.duplicates, x.quarantined) for x in loads] == [(3, 0, 0), (0, 3, 0)]
+    assert con.execute("SELECT count(*), count(DISTINCT source_file) FROM requests").fetchone() == (3, 1)
+
+
+def test_a_span_id_reused_with_other_values_is_a_conflict(tmp_path):
+    line = json.loads(EXPORT.read_text(encoding="utf-8").splitlines()[0])
+    attributes = line["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
+    changed = json.loads(json.dumps(line))
+    for a in changed["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]:
+        if a["key"] == "gen_ai.usage.output_tokens":
+            a["value"] = {"intValue": "999"}
+    assert attributes != changed["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"]
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps(changed) + "\n", encoding="utf-8")
+    _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert (r.loaded, r.duplicates, r.quarantined) == (3, 2, 1)
+    assert [(q[0], q[1]) for q in quarantine] == [
+        (2, f"duplicate request_id with conflicting values (kept the record at {path}:1)")]
+    assert rows[0][6] == 256
+
+
+def reader_records(tmp_path: Path, lines: list[object]) -> tuple[list[tuple[int, str | None, dict | str]], list[str]]:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    reader = TraceExportReader(path)
+    out = []
+    for rec in reader:
+        try:
+            raw: dict | str = json.loads(rec.raw)
+        except ValueError:
+            raw = rec.raw
+        out.append((rec.line, rec.problem, raw))
+    return out, reader.notes
+
+
+def span(span_id: str = "00f067aa0ba902b7", **attributes: dict) -> dict:
+    return {"traceId": "4bf92f3577b34da6a3ce929d0e0e4736", "spanId": span_id, "startTimeUnixNano": "1788904820000000000",
+            "attributes": [{"key": k, "value": v} for k, v in attributes.items()]}
+
+
+def export(*spans: object, resource: list | None = None) -> dict:
+    return {"resourceSpans": [{"resource": {"attributes": resource or []}, "scopeSpans": [{"spans": list(spans)}]}]}
+
+
+def b64(hex_id: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex_id)).decode()
+
+
+GENAI = {"gen_ai.operation.name": {"stringValue": "chat"}}
+
+
+def test_a_value_the_typing_refuses_quarantines_its_span_with_the_value(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    bad = span(**GENAI, **{"gen_ai.request.model": {"stringValue": "m"}, "tenant.id": {"stringValue": "a"},
+                           "gen_ai.usage.input_tokens": {"intValue": "seven"}})
+    good = span("00f067aa0ba902b8", **GENAI, **{"gen_ai.request.model": {"stringValue": "m"},
+                                                "tenant.id": {"stringValue": "a"},
+                                                "gen_ai.usage.input_tokens": {"intValue": "70"}})
+    path.write_text(json.dumps(export(bad, good)) + "\n", encoding="utf-8")
+    _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert [(q[0], q[1]) for q in quarantine] == [(1, "prompt_tokens is not a non-negative integer: 'seven'")]
+    assert json.loads(quarantine[0][2])["otlp.location"] == "resourceSpans[0].scopeSpans[0].spans[0]"
+    assert [(row[0], row[5], row[-1]) for row in rows] == [("00f067aa0ba902b8", 70, 1)]
+
+
+def test_broken_structure_is_quarantined_where_it_is(tmp_path):
+    records, _ = reader_records(tmp_path, [
+        [1, 2],
+        {"resourceSpans": {"not": "a list"}},
+        {"resourceSpans": ["not an object"]},
+        {"resourceSpans": [{"scopeSpans": [{"scope": "x", "spans": []}]}]},
+        export("not a span"),
+        export({**span(), "attributes": {"gen_ai.system": "x"}}),
+        export({**span(), "attributes": [{"value": {"stringValue": "no key"}}]}),
+        export(span(span_id="", **GENAI)),
+        {"hello": "world"},
+        "{\"resourceSpans\": [",
+    ])
+    assert [(line, problem) for line, problem, _ in records] == [
+        (1, "not a JSON object"),
+        (2, "resourceSpans is not a list"),
+        (3, "resourceSpans entry is not a JSON object"),
+        (4, "scope is not a JSON object"),
+        (5, "span is not a JSON object"),
+        (6, "attributes is not a list"),
+        (7, "attribute #1 is not a {key, value} pair"),
+        (8, "no spanId"),
+        (9, "not an OTLP/JSON trace export (no resourceSpans)"),
+        (10, "malformed JSON"),
+    ]
+    assert records[3][2] == 'resourceSpans[0].scopeSpans[0]: {"scope": "x", "spans": []}'
+
+
+def test_attribute_values_follow_the_otlp_json_encoding(tmp_path):
+    attributes = {**GENAI,
+                  "gen_ai.usage.input_tokens": {"intValue": "7"},
+                  "gen_ai.usage.output_tokens": {"intValue": 8},
+                  "int.text": {"intValue": "seven"},
+                  "double": {"doubleValue": "NaN"},
+                  "flag": {"boolValue": True},
+                  "list": {"arrayValue": {"values": [{"stringValue": "a"}, {"intValue": "2"}]}},
+                  "map": {"kvlistValue": {"values": [{"key": "k", "value": {"doubleValue": 1.5}}]}},
+                  "empty": {},
+                  "gen_ai.prompt.0.content": {"stringValue": "a prompt"},
+                  "gen_ai.output.messages": {"stringValue": "an answer"}}
+    base64_span = {**span(**attributes), "spanId": b64("00f067aa0ba902b7"),
+                   "traceId": b64("4bf92f3577b34da6a3ce929d0e0e4736"),
+                   "kind": "SPAN_KIND_CLIENT", "status": {"code": "STATUS_CODE_ERROR"}}
+    records, notes = reader_records(tmp_path, [export(base64_span, resource=[{"key": "flag", "value": {"boolValue": False}},
+                                                                             {"key": "host", "value": {"stringValue": "h"}}])])
+    ((line, problem, record),) = records
+    assert (line, problem) == (1, None)
+    assert record["otlp.span_id"] == "00f067aa0ba902b7" and record["otlp.trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert (record["otlp.span_kind"], record["otlp.status_code"], record["otlp.http_status"]) == ("CLIENT", "ERROR", 500)
+    assert (record["otlp.input_tokens"], record["otlp.output_tokens"]) == (7, 8)
+    assert (record["int.text"], record["double"], record["flag"], record["host"]) == ("seven", "NaN", True, "h")
+    assert (record["list"], record["map"], record["empty"]) == (["a", 2], {"k": 1.5}, None)
+    assert record["gen_ai.prompt.0.content"] == "[10 characters of content not kept]"
+    assert "an answer" not in json.dumps(record)
+    assert "span ids in base64 (protobuf's default JSON mapping, not OTLP/JSON's hex) read as hex" in notes
+
+
+@pytest.mark.parametrize(("attributes", "events", "ttft"), [
+    ({"gen_ai.response.time_to_first_chunk": {"doubleValue": 0.25}}, [], 250.0),
+    ({"gen_ai.latency.time_to_first_token": {"doubleValue": 0.5}}, [], 500.0),
+    ({}, [{"name": "gen_ai.first_chunk", "timeUnixNano": "1788904820125000000"},
+          {"name": "first_token", "timeUnixNano": "1788904820100000000"}], 100.0),
+    ({}, [{"name": "gen_ai.content.completion", "timeUnixNano": "1788904820100000000"}], None),
+])
+def test_time_to_first_token_from_an_attribute_or_the_first_token_event(tmp_path, attributes, events, ttft):
+    records, _ = reader_records(tmp_path, [export({**span(**GENAI, **attributes), "events": events})])
+    assert records[0][2].get("otlp.time_to_first_token_ms") == ttft
+
+
+def test_content_is_never_kept_in_quarantine(tmp_path):
+    _, _, _, quarantine = load(incident_source(tmp_path, EXPORT), EXPORT)
+    for _, _, raw in quarantine:
+        assert "secret" not in raw
+    records, _ = reader_records(tmp_path, [line for line in EXPORT.read_text(encoding="utf-8").splitlines() if line])
+    assert not any("secret" in json.dumps(r) for _, _, r in records if isinstance(r, dict))
