@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvforensics.errors import ConfigError
+from kvforensics.instances import InstanceMatching, instances_from_config
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
@@ -101,6 +102,7 @@ class Incident:
     rule_parameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     memory_limit: str | None = None
     year: int | None = None
+    instances: InstanceMatching = field(default_factory=InstanceMatching)  # [instances]
 
     @property
     def base_dir(self) -> Path:
@@ -267,4 +269,5 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     events=tuple(sorted(events, key=lambda e: e.ts)), model_aliases=dict(aliases),
                     hardware={k: dict(v) for k, v in hardware.items()},
                     rule_parameters={k: dict(v) for k, v in rules.items()},
-                    memory_limit=settings.get("memory_limit"), year=year)
+                    memory_limit=settings.get("memory_limit"), year=year,
+                    instances=instances_from_config(data.get("instances"), f"{label}: [instances]"))

@@ -20,9 +20,10 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Incident, Source
-from kvforensics.db import one
+from kvforensics.db import one, run_script
 from kvforensics.errors import InputError, StrictModeError
 from kvforensics.fingerprint import fingerprints, key_for
+from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.requests import FileLoad, load_requests_files
 from kvforensics.loaders.textio import LineStream, decode_line, file_digest, open_binary, printable_raw
 
@@ -73,7 +74,9 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             result.assumptions.append(
                 f"source '{source.name}': timestamps without an offset read as {source.timezone}"
                 + (f", clock offset {source.clock_offset_s:+g} s applied" if source.clock_offset_s else ""))
-    # Requests first: engine model names are matched against the gateway's model ids.
+    # Requests first: engine model names are matched against the gateway's model ids. Records loaded
+    # before get their gateway instance names back, so that re-delivered ones compare equal.
+    run_script(con, "instance_restore")
     for source, files in plan:
         if source.kind == "requests":
             result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases))
@@ -99,6 +102,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                 record = _ingest_content(con, source, path, incident)
             result.files.append(record)
     _build_capacity(con, incident, startups, result)
+    _match_instance_names(con, incident, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)
     con.execute("DELETE FROM ingest_notes").fetchall()
@@ -234,43 +238,56 @@ def resolve_model(engine_model: str | None, source: Source, aliases: dict[str, s
 
 
 def _build_capacity(con: duckdb.DuckDBPyConnection, incident: Incident, startups: list, result: IngestResult) -> None:
+    """One capacity row per start-up, in force from its first line until it ended (kvforensics/instances.py)."""
     gateway_models = [r[0] for r in con.execute("SELECT DISTINCT model FROM requests ORDER BY 1").fetchall()]
-    by_instance: dict[str, list] = {}
-    for source, path, s in startups:
-        by_instance.setdefault(s.instance, []).append((source, path, s))
+    items = sorted(startups, key=lambda it: (it[2].instance, it[2].ts is None,
+                                             it[2].ts or datetime.min.replace(tzinfo=timezone.utc),
+                                             str(it[1]), it[2].line))
+    models = []
+    for source, path, s in items:
+        model, how = resolve_model(s.model, source, dict(incident.model_aliases), gateway_models)
+        models.append(model)
+        if how == "unmatched":
+            result.warnings.append(
+                f"engine instance '{s.instance}' serves '{s.model}', which matches no gateway model id; "
+                f"add it to [models] aliases in the incident file")
+        if s.ts is None:
+            result.warnings.append(f"engine instance '{s.instance}': start-up at {path.name}:{s.line} has no "
+                                   f"timestamp; its pool cannot be placed in time")
+    placed = [PlacedStartup(instance=s.instance, role=s.role, model=model, ts=s.ts, file=str(path), line=s.line,
+                            last_ts=s.last_ts, last_line=s.last_line, shutdown_ts=s.shutdown_ts,
+                            shutdown_line=s.shutdown_line)
+              for (_source, path, s), model in zip(items, models, strict=True)]
+    ends = lifetimes(placed, incident.instances.handover_s)
     rows = []
-    for instance, items in sorted(by_instance.items()):
-        items.sort(key=lambda it: (it[2].ts is None, it[2].ts or datetime.min.replace(tzinfo=timezone.utc),
-                                   str(it[1]), it[2].line))
-        for i, (source, path, s) in enumerate(items):
-            nxt = items[i + 1][2].ts if i + 1 < len(items) else None
-            model, how = resolve_model(s.model, source, dict(incident.model_aliases), gateway_models)
-            if how == "unmatched":
-                result.warnings.append(
-                    f"engine instance '{instance}' serves '{s.model}', which matches no gateway model id; "
-                    f"add it to [models] aliases in the incident file")
-            if s.ts is None:
-                result.warnings.append(f"engine instance '{instance}': start-up at {path.name}:{s.line} has no "
-                                       f"timestamp; its pool cannot be placed in time")
-            rows.append({
-                "instance": instance, "role": s.role, "model": model, "engine_model": s.model,
-                "valid_from": s.ts, "valid_to": nxt, "kv_pool_tokens": s.kv_pool_tokens,
-                "context_length": s.context_length, "page_size": s.page_size, "engine": s.engine,
-                "engine_version": s.engine_version, "version_source": s.version_source,
-                "tp_size": s.tp_size, "dp_size": s.dp_size, "flags": json.dumps(dict(s.flags), sort_keys=True),
-                "startup_refused": str(dict(s.flags).get("startup_refused", "")).lower() == "true",
-                "source": source.name, "source_file": str(path), "source_line": s.line,
-                "pool_source_line": s.pool_source_line,
-            })
+    for (source, path, s), model, end in zip(items, models, ends, strict=True):
+        if end.end_reason == "log_end":
+            result.assumptions.append(
+                f"engine instance '{s.instance}': its log ends at {path.name}:{end.end_line} and "
+                f"'{end.successor}' took over ({model}, {s.role}): retired from {end.valid_to:%Y-%m-%d %H:%M:%S}Z")
+        rows.append({
+            "instance": s.instance, "role": s.role, "model": model, "engine_model": s.model,
+            "valid_from": s.ts, "valid_to": end.valid_to, "kv_pool_tokens": s.kv_pool_tokens,
+            "context_length": s.context_length, "page_size": s.page_size, "engine": s.engine,
+            "engine_version": s.engine_version, "version_source": s.version_source,
+            "tp_size": s.tp_size, "dp_size": s.dp_size, "flags": json.dumps(dict(s.flags), sort_keys=True),
+            "startup_refused": str(dict(s.flags).get("startup_refused", "")).lower() == "true",
+            "source": source.name, "source_file": str(path), "source_line": s.line,
+            "pool_source_line": s.pool_source_line, "end_reason": end.end_reason, "end_ts": end.end_ts,
+            "end_file": end.end_file, "end_line": end.end_line, "successor": end.successor,
+            "last_ts": s.last_ts, "last_line": s.last_line,
+        })
     if not rows:
         result.warnings.append("no engine start-up found in any engine log: KV pool sizes are unknown, "
                                "so the pool rule cannot judge any request")
         return
     ts_type = pa.timestamp("us", tz="UTC")
     table = pa.table({
-        k: (pa.array([r[k] for r in rows], type=ts_type) if k in ("valid_from", "valid_to")
+        k: (pa.array([r[k] for r in rows], type=ts_type) if k in ("valid_from", "valid_to", "end_ts", "last_ts")
             else pa.array([r[k] for r in rows], type=pa.int64()) if k in (
-                "kv_pool_tokens", "context_length", "page_size", "source_line", "pool_source_line")
+                "kv_pool_tokens", "context_length", "page_size", "source_line", "pool_source_line", "end_line",
+                "last_line")
+            else pa.array([r[k] for r in rows], type=pa.string()) if k in ("end_reason", "end_file", "successor")
             else pa.array([r[k] for r in rows], type=pa.int32()) if k in ("tp_size", "dp_size")
             else pa.array([r[k] for r in rows]))
         for k in rows[0]
@@ -282,6 +299,53 @@ def _build_capacity(con: duckdb.DuckDBPyConnection, incident: Incident, startups
     missing_pool = [r["instance"] for r in rows if r["kv_pool_tokens"] is None]
     for inst in sorted(set(missing_pool)):
         result.warnings.append(f"engine instance '{inst}': a start-up logs no KV pool size")
+
+
+def _match_instance_names(con: duckdb.DuckDBPyConnection, incident: Incident, result: IngestResult) -> None:
+    """Requests name the engine instance their gateway instance name matches ([instances], see
+    kvforensics/instances.py); how each name matched goes to ``instance_names``. Names no engine log
+    knows are a warning with the config to add."""
+    counts = dict(con.execute("""
+        SELECT name, count(*) FROM (
+            SELECT prefill_instance AS name FROM requests WHERE prefill_instance IS NOT NULL
+            UNION ALL
+            SELECT decode_instance AS name FROM requests WHERE decode_instance IS NOT NULL) n
+        GROUP BY 1""").fetchall())
+    engines = [r[0] for r in con.execute("SELECT DISTINCT instance FROM capacity").fetchall()]
+    matches = match_instance_names(counts, engines, incident.instances)
+    con.execute("DELETE FROM instance_names").fetchall()
+    if matches:
+        con.register("instance_names_batch", pa.table({
+            "gateway_name": [m.gateway_name for m in matches],
+            "engine_instance": pa.array([m.engine_instance for m in matches], type=pa.string()),
+            "matched_by": [m.matched_by for m in matches],
+            "candidates": pa.array([", ".join(m.candidates) or None for m in matches], type=pa.string()),
+            "requests": pa.array([counts[m.gateway_name] for m in matches], type=pa.int64()),
+        }))
+        con.execute("INSERT INTO instance_names SELECT * FROM instance_names_batch").fetchall()
+        con.unregister("instance_names_batch")
+        run_script(con, "instance_rename")
+    renamed: dict[str, list] = {}
+    for m in matches:
+        if m.engine_instance is not None and m.engine_instance != m.gateway_name:
+            renamed.setdefault(m.matched_by, []).append(m)
+    for how, ms in sorted(renamed.items()):
+        examples = ", ".join(f"'{m.gateway_name}' -> '{m.engine_instance}'" for m in ms[:3])
+        result.assumptions.append(
+            f"{len(ms)} gateway instance name(s) matched to engine instances by {how} ({examples}"
+            f"{', ...' if len(ms) > 3 else ''}); the gateway's names are in table instance_names")
+    known = set(engines)
+    unknown = [m for m in matches if m.engine_instance is None or m.engine_instance not in known]
+    if unknown:
+        n = sum(counts[m.gateway_name] for m in unknown)
+        examples = ", ".join(f"'{m.gateway_name}'" + (f" (fits {', '.join(m.candidates)})" if m.candidates else "")
+                             for m in unknown[:3])
+        example = unknown[0].gateway_name
+        result.warnings.append(
+            f"{n} request(s) name {len(unknown)} instance(s) no engine log knows ({examples}"
+            f"{', ...' if len(unknown) > 3 else ''}): the pool rule cannot judge them by instance; "
+            f"add [instances] map = {{ \"{example}\" = \"<engine instance>\" }} or "
+            f"match = \"<regex with a (?P<instance>...) group>\" to the incident file, or the missing engine logs")
 
 
 def _check_models(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:

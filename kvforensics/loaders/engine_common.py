@@ -74,7 +74,8 @@ INHERITED_TS_NOTE = (
 
 @dataclass(frozen=True)
 class StartupRecord:
-    """One start-up of one engine instance; it holds until the instance's next start-up."""
+    """One start-up of one engine instance; it holds until the instance's next start-up, its own
+    shutdown lines, or the end of its log (``kvforensics/instances.py`` decides which)."""
 
     instance: str
     ts: datetime | None  # UTC, tz-aware: first line of the start-up (first stamped line if it has none)
@@ -92,6 +93,11 @@ class StartupRecord:
     dp_size: int | None
     flags: dict[str, str]  # selected server args and derived facts (disaggregation_*, kv_pool_* ...)
     evidence: dict[str, int]  # field -> line number it came from
+    last_line: int | None = None  # the last line of the log that belongs to this start-up
+    last_ts: datetime | None = None  # UTC time of its last stamped line: the last sign of life in the log
+    shutdown_line: int | None = None  # first line saying the server stops (loaders/shutdown.py)
+    shutdown_ts: datetime | None = None  # its time (a line without a stamp: the last stamped line before it)
+    shutdown_reason: str | None = None  # e.g. "SIGTERM received", "HTTP server shutting down"
 
 
 @dataclass(frozen=True)

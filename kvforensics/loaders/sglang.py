@@ -44,6 +44,7 @@ from kvforensics.loaders.engine_common import (
     split_outer_prefixes,
     truncate_detail,
 )
+from kvforensics.loaders.shutdown import shutdown_reason
 
 ENGINE = "sglang"
 
@@ -465,6 +466,9 @@ class _Startup:
     role_hint: tuple[str, int, str] | None = None
     abort_limits: list[tuple[int, int]] = field(default_factory=list)  # (limit, line)
     notes: list[str] = field(default_factory=list)
+    last_line: int | None = None
+    last_ts: datetime | None = None
+    shutdown: tuple[int, datetime | None, str] | None = None  # line, time, what it says
 
     def clue(self, key: str, line: int) -> None:
         self.clues.setdefault(key, line)
@@ -582,6 +586,10 @@ class _SglangParser:
         if st is not None:
             if st.ts is None and line.ts is not None:
                 st.ts = line.ts
+            st.last_line = line.number
+            st.last_ts = line.ts or st.last_ts
+            if st.shutdown is None and (why := shutdown_reason(msg)) is not None:
+                st.shutdown = (line.number, line.ts or self.last_ts, why)
             if line.rank and line.envelope != "gpu":
                 self._ranks(st, line)
             if line.envelope == "gpu":
@@ -603,7 +611,7 @@ class _SglangParser:
 
     def _new_startup(self, line: _Line) -> _Startup:
         self._finish_current()
-        st = _Startup(line=line.number, ts=line.ts)
+        st = _Startup(line=line.number, ts=line.ts, last_line=line.number, last_ts=line.ts)
         if self.pending_version and line.number - self.pending_version[1] <= 50:
             st.exact_version = self.pending_version
         self.pending_version = None
@@ -619,6 +627,7 @@ class _SglangParser:
             st is None
             or st.server_args is not None
             or st.fired_up_line is not None
+            or st.shutdown is not None
             or st.summary
             or st.kv_allocs
         ):
@@ -661,7 +670,7 @@ class _SglangParser:
     def _startup_line(self, line: _Line) -> None:
         msg = line.msg
         st = self.current
-        if st is None or st.fired_up_line is not None:
+        if st is None or st.fired_up_line is not None or st.shutdown is not None:
             st = self._new_startup(line)
         else:
             restart = _RESTART_MARKER.search(msg)
@@ -935,6 +944,11 @@ class _SglangParser:
             dp_size=dp_size,
             flags=flags,
             evidence=evidence,
+            last_line=st.last_line,
+            last_ts=st.last_ts,
+            shutdown_line=st.shutdown[0] if st.shutdown else None,
+            shutdown_ts=st.shutdown[1] if st.shutdown else None,
+            shutdown_reason=st.shutdown[2] if st.shutdown else None,
         )
 
     @staticmethod

@@ -39,6 +39,7 @@ from kvforensics.loaders.engine_common import (
     split_outer_prefixes,
     truncate_detail,
 )
+from kvforensics.loaders.shutdown import shutdown_reason
 
 ENGINE = "vllm"
 DEFAULT_BLOCK_SIZE = 16
@@ -227,6 +228,9 @@ class _Startup:
     kv_connector: str | None = None
     available_kv_gib: str | None = None
     notes: list[str] = field(default_factory=list)
+    last_line: int | None = None
+    last_ts: datetime | None = None
+    shutdown: tuple[int, datetime | None, str] | None = None  # line, time, what it says
 
 
 class _YearTracker:
@@ -306,6 +310,7 @@ class _VllmParser:
                     self._startup_line(line)
                 if contains_any(msg, _EVENT_NEEDLES):
                     self._event(line)
+                self._lifetime(line)
         except Exception as e:  # noqa: BLE001 - never crash on one bad line: record it and go on
             self._quarantine(number, f"internal parser error ({type(e).__name__}: {e})", raw)
 
@@ -373,8 +378,9 @@ class _VllmParser:
 
     def _begin(self, line: _Line, marker: str | None) -> _Startup:
         st = self.current
-        if st is None or st.ready_line is not None or (marker is not None and marker in st.markers):
-            if st is not None and st.ready_line is None:
+        if (st is None or st.ready_line is not None or st.shutdown is not None
+                or (marker is not None and marker in st.markers)):
+            if st is not None and st.ready_line is None and st.shutdown is None:
                 add_note(st.notes, f"did not become ready (next start-up begins at line {line.number})")
             self._finish_current()
             st = _Startup(line=line.number, ts=line.ts)
@@ -461,6 +467,16 @@ class _VllmParser:
             return
         if _OTHER_STARTUP.search(msg) or _BANNER.search(msg):
             self._begin(line, None)
+
+    def _lifetime(self, line: _Line) -> None:
+        """The start-up's last line, and the first line saying the server stops."""
+        st = self.current
+        if st is None:
+            return
+        st.last_line = line.number
+        st.last_ts = line.ts or st.last_ts
+        if st.shutdown is None and (why := shutdown_reason(line.msg)) is not None:
+            st.shutdown = (line.number, line.ts or self.last_ts, why)
 
     @staticmethod
     def _kv_transfer(st: _Startup, msg: str, number: int) -> None:
@@ -645,6 +661,11 @@ class _VllmParser:
             dp_size=dp_size,
             flags=flags,
             evidence=evidence,
+            last_line=st.last_line,
+            last_ts=st.last_ts,
+            shutdown_line=st.shutdown[0] if st.shutdown else None,
+            shutdown_ts=st.shutdown[1] if st.shutdown else None,
+            shutdown_reason=st.shutdown[2] if st.shutdown else None,
         )
 
     # -- events -------------------------------------------------------------------------------

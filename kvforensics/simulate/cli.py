@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvforensics.errors import KvForensicsError
+from kvforensics.simulate.exports import EXPORT_STYLES, ExportResult, export_incident
 from kvforensics.simulate.run import SimulationResult, simulate
 from kvforensics.simulate.scenario import (
     COLUMN_STYLES,
@@ -51,6 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="TOML of Scenario overrides (top level or [scenario]); flags win",
     )
+    parser.add_argument(
+        "--export",
+        choices=EXPORT_STYLES,
+        default=None,
+        help="write the incident as production exports instead: LiteLLM spend-log CSV, "
+        "Grafana Loki and kubectl pod logs, pods replaced in rollouts (see simulate/exports.py)",
+    )
+    parser.add_argument(
+        "--logcli-timezone",
+        default="UTC",
+        help="with --export: IANA zone logcli printed the Loki timestamps in (its --timezone)",
+    )
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
@@ -79,14 +92,26 @@ def summary(result: SimulationResult, console: Console) -> None:
         console.print(f"Note: {note}")
 
 
+def export_summary(result: ExportResult, console: Console) -> None:
+    retired = sum(pod.successor_start is not None for pod in result.pods)
+    console.print(
+        f"Wrote {result.out_dir}: {result.requests:,} LiteLLM spend-log rows, {result.affected} affected "
+        f"responses from {result.affected_accounts} accounts; {len(result.pods)} pods ({retired} replaced in "
+        f"rollouts) in a Loki export ({result.loki_export.name}) and {len(result.kubectl_logs)} kubectl logs."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
-        result = simulate(scenario_from_args(args), args.out)
+        scenario = scenario_from_args(args)
+        if args.export:
+            export_summary(export_incident(scenario, args.out, args.logcli_timezone), console)
+        else:
+            summary(simulate(scenario, args.out), console)
     except KvForensicsError as exc:
         console.print(f"Error: {exc}", markup=False)
         return 2
-    summary(result, console)
     return 0
 
 

@@ -241,9 +241,8 @@ def ground_truth(
     }
 
 
-def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
-    s = scenario
-    out_dir = Path(out_dir)
+def planned_incident(s: Scenario) -> tuple[Deployment, pd.DataFrame, AffectedPlan, int]:
+    """The deployment, the incident's own requests and their plan, and how many background requests fit."""
     dep = build_deployment(s)
     incident, plan = incident_rows(s, dep, build_accounts(s))
     background = s.requests - len(incident)
@@ -252,6 +251,13 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
             f"requests={s.requests} leaves no room for background traffic; use >= {len(incident) + 1_000}",
             location="scenario",
         )
+    return dep, incident, plan, background
+
+
+def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
+    s = scenario
+    out_dir = Path(out_dir)
+    dep, incident, plan, background = planned_incident(s)
     model_ids = [dep.models[k].gateway_model for k in MODEL_KEYS]
     gateway = GatewayWriter(s, out_dir / "gateway", model_ids, compresslevel=6 if s.simulates_pages else 1)
     logs = build_engine_logs(dep, np.random.default_rng([s.seed, STREAM_IDS, 1]))

@@ -41,7 +41,42 @@ CREATE TABLE IF NOT EXISTS capacity (
     source            VARCHAR NOT NULL,
     source_file       VARCHAR NOT NULL,
     source_line       BIGINT,
-    pool_source_line  BIGINT
+    pool_source_line  BIGINT,
+    -- how the start-up ended (kvforensics/instances.py): next_startup | shutdown | log_end (retired: a
+    -- successor took over) | NULL (its log merely stops: still running when collected, valid_to NULL)
+    end_reason        VARCHAR,
+    end_ts            TIMESTAMPTZ,            -- the evidence of the end: shutdown line, next start-up, last line
+    end_file          VARCHAR,
+    end_line          BIGINT,
+    successor         VARCHAR,                -- log_end: the instance that took over
+    last_ts           TIMESTAMPTZ,            -- its last stamped line: how far its log goes
+    last_line         BIGINT
+);
+-- evidence databases written before start-ups had ends
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS end_reason VARCHAR;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS end_ts TIMESTAMPTZ;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS end_file VARCHAR;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS end_line BIGINT;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS successor VARCHAR;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS last_ts TIMESTAMPTZ;
+ALTER TABLE capacity ADD COLUMN IF NOT EXISTS last_line BIGINT;
+
+-- Instance names the gateway used, and the engine instance each was matched to (kvforensics/instances.py).
+-- requests.prefill_instance / decode_instance hold the engine instance where one matched.
+CREATE TABLE IF NOT EXISTS instance_names (
+    gateway_name      VARCHAR NOT NULL,
+    engine_instance   VARCHAR,                -- NULL: unmatched or ambiguous
+    matched_by        VARCHAR NOT NULL,       -- map | exact | match | host | first_label | ambiguous | unmatched
+    candidates        VARCHAR,                -- ambiguous: the engine instances it fits
+    requests          BIGINT NOT NULL         -- requests naming it (prefill or decode)
+);
+
+-- The gateway's own values of the requests whose instance columns were renamed: restored before the
+-- next ingest, so that re-delivered records compare equal with what was loaded.
+CREATE TABLE IF NOT EXISTS instance_renames (
+    request_id        VARCHAR NOT NULL,
+    prefill_instance  VARCHAR,
+    decode_instance   VARCHAR
 );
 
 CREATE TABLE IF NOT EXISTS engine_events (

@@ -1,0 +1,666 @@
+"""A simulated incident written the way production systems export it (``--export litellm-loki``).
+
+The same seeded incident as :func:`kvforensics.simulate.simulate`, but in the files a responder is
+handed, with no preprocessing:
+
+* the gateway log is a LiteLLM proxy's ``LiteLLM_SpendLogs`` table exported from Postgres with
+  ``\\copy "LiteLLM_SpendLogs" TO 'LiteLLM_SpendLogs.csv' CSV HEADER``: the columns of LiteLLM's
+  ``schema.prisma`` model, timestamps as Postgres prints ``timestamp(3)`` without zone (UTC values,
+  trailing zeros of the fraction dropped), JSON columns as ``jsonb`` prints them (keys shortest
+  first, ``", "`` and ``": "``), NULL as an empty field and the empty string as ``""``; the team is
+  the customer account; rejected requests are logged as LiteLLM logs failures (``status`` =
+  ``failure``, the HTTP code in ``metadata.error_information.error_code``, the request id the
+  proxy's call id) and rows come in table order (written as requests complete);
+* every engine instance is a Kubernetes pod of a Deployment, replaced in rollouts with
+  ``maxSurge: 0`` (no spare GPUs): the old pod gets SIGTERM a few seconds before its successor, with
+  a new name, prints its first line. A retired pod's log ends with SGLang's shutdown lines or simply
+  stops (alternating, so both occur in every rollout);
+* the PD fleet of the exposed model (prefill and decode pods of every generation) is one Grafana
+  Loki export, ``logcli query --output=jsonl`` (newest first, pods interleaved, timestamps in the
+  zone logcli ran in); the other models' pods are ``kubectl logs --timestamps <pod>`` files;
+* the exposed model is first deployed "dark" with a safe KV pool (above its context length) days
+  before the rollout that introduces the small pool and opens its route, so a retired pod that
+  stayed in force would hide the exposure (only the smallest pool in force would be exceeded).
+
+``ground_truth.json`` holds the affected request ids, every pod with how its log ends, the exposure
+windows per pod and the trap request ids (under the ids the export gives them).
+
+Formats, as documented upstream:
+
+* LiteLLM ``LiteLLM_SpendLogs``: https://github.com/BerriAI/litellm/blob/main/schema.prisma (the
+  model), ``litellm/proxy/spend_tracking/spend_tracking_utils.py`` ``get_logging_payload`` (what
+  each column holds: ``cache_hit`` as ``str(bool)``, ``"Cache OFF"``, ``"{}"`` for messages and
+  response unless prompts are stored, ``team_id`` "" when the key has no team) and
+  ``litellm/proxy/_types.py`` ``SpendLogsMetadata`` / ``litellm/types/utils.py``
+  ``StandardLoggingPayloadErrorInformation`` (the ``metadata`` keys).
+* Postgres CSV and ``timestamp``/``jsonb`` output: https://www.postgresql.org/docs/current/sql-copy.html
+  (File Formats, CSV), https://www.postgresql.org/docs/current/datatype-datetime.html,
+  https://www.postgresql.org/docs/current/datatype-json.html.
+* ``logcli --output=jsonl``: https://github.com/grafana/loki/blob/main/pkg/logcli/output/jsonl.go (one
+  Go ``json.Marshal`` of ``{"labels", "line", "timestamp"}`` per entry: keys sorted, ``<``, ``>`` and
+  ``&`` escaped, the time in RFC 3339 with nanoseconds, trailing zeros dropped) and
+  https://grafana.com/docs/loki/latest/query/logcli/ (``--limit 0``, ``--timezone``, backward by default).
+* ``kubectl logs --timestamps``: https://kubernetes.io/docs/reference/kubectl/generated/kubectl_logs/
+  (each line prefixed with the kubelet's RFC 3339 time, nine fraction digits, UTC).
+* SGLang shutdown lines: ``python/sglang/srt/managers/tokenizer_manager.py`` ``SignalHandler.sigterm_handler``
+  and ``sigterm_watchdog`` in https://github.com/sgl-project/sglang.
+* Pod names: ``<deployment>-<pod-template-hash>-<5 characters>`` from Kubernetes' safe alphabet
+  (``k8s.io/apimachinery/pkg/util/rand`` ``SafeEncodeString``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Literal
+from zoneinfo import ZoneInfo
+
+import numpy as np
+import pandas as pd
+
+from kvforensics.errors import ConfigError
+from kvforensics.simulate import incident_files as files
+from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, Startup
+from kvforensics.simulate.engine_log import EngineLog, LogLine, build_engine_logs, envelope, request_lines
+from kvforensics.simulate.run import affected_records, apply_pages, planned_incident, served_chunks, trap_ids
+from kvforensics.simulate.scenario import Scenario
+from kvforensics.simulate.traffic import STREAM_IDS, to_ms
+
+EXPORT_STYLES = ("litellm-loki",)
+#: Kubernetes' alphabet for generated names (no vowels, no 0/1/3 look-alikes).
+K8S_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+NAMESPACE = "inference"
+#: Seconds between the SIGTERM of a pod a rollout deletes and its successor's first line.
+ROLLOUT_GAP_S = (8.0, 20.0)
+#: How long before the exposing rollout the exposed model was deployed dark with a safe pool.
+DARK_LAUNCH_LEAD = timedelta(days=2)
+#: $ per million prompt / completion tokens, per model key (spend column).
+PRICES = {"target": (0.60, 2.20), "control": (0.60, 2.20), "unified": (0.23, 0.40)}
+#: SGLang's SignalHandler.sigterm_handler line (registered with add_signal_handler: no signum, no frame).
+SIGTERM_LINE = "SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
+#: LiteLLM exception class per HTTP status of a failed request.
+ERROR_CLASSES = {
+    400: "ContextWindowExceededError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+#: ``LiteLLM_SpendLogs`` columns in schema.prisma order.
+SPEND_LOG_COLUMNS = (
+    "request_id", "call_type", "api_key", "spend", "total_tokens", "prompt_tokens", "completion_tokens",
+    "startTime", "endTime", "request_duration_ms", "completionStartTime", "model", "model_id",
+    "model_group", "custom_llm_provider", "api_base", "user", "metadata", "cache_hit", "cache_key",
+    "request_tags", "team_id", "organization_id", "end_user", "requester_ip_address", "messages",
+    "response", "session_id", "status", "mcp_namespaced_tool_name", "agent_id", "proxy_server_request",
+)  # fmt: skip
+
+PodEnd = Literal["shutdown", "log_end", "running"]
+Collector = Literal["loki", "kubectl"]
+
+
+# --- Postgres text output -------------------------------------------------------------------------
+
+
+def pg_timestamp(ms: int) -> str:
+    """``timestamp(3)`` as Postgres prints it: ``2026-08-27 15:42:00.12`` (zeros of the fraction dropped)."""
+    text = datetime.fromtimestamp(ms // 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    fraction = f"{ms % 1000:03d}".rstrip("0")
+    return f"{text}.{fraction}" if fraction else text
+
+
+def pg_float8(value: float) -> str:
+    """``double precision`` output (shortest exact digits; integral values without ``.0``)."""
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
+def jsonb_text(value: Any) -> str:
+    """JSON as ``jsonb`` prints it: object keys shortest first (then bytewise), ``", "`` and ``": "``."""
+    if isinstance(value, dict):
+        keys = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
+        return (
+            "{"
+            + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {jsonb_text(value[k])}" for k in keys)
+            + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ", ".join(jsonb_text(v) for v in value) + "]"
+    if isinstance(value, float):
+        return format(Decimal(repr(value)), "f")  # numeric: never exponent notation
+    return json.dumps(value, ensure_ascii=False)
+
+
+def pg_csv_field(value: Any) -> str:
+    """One field of ``COPY ... CSV``: NULL empty, the empty string and text with , " CR LF quoted."""
+    if value is None:
+        return ""
+    if isinstance(value, dict | list):
+        value = jsonb_text(value)
+    elif isinstance(value, float):
+        return pg_float8(value)
+    elif not isinstance(value, str):
+        return str(value)
+    if value == "" or value.startswith("\\.") or any(c in value for c in ',"\n\r'):
+        return '"' + value.replace('"', '""') + '"'
+    return value
+
+
+# --- Go / Kubernetes text output ------------------------------------------------------------------
+
+
+def rfc3339_nano(ns: int, zone: ZoneInfo, fixed: bool) -> str:
+    """RFC 3339 with nanoseconds: kubelet's fixed nine digits, or Go's RFC3339Nano (zeros dropped)."""
+    local = datetime.fromtimestamp(ns // 1_000_000_000, tz=UTC).astimezone(zone)
+    digits = f"{ns % 1_000_000_000:09d}"
+    fraction = "." + digits if fixed else ("." + digits.rstrip("0") if digits.strip("0") else "")
+    offset = local.strftime("%z")
+    zone_text = "Z" if offset == "+0000" else f"{offset[:3]}:{offset[3:]}"
+    return f"{local:%Y-%m-%dT%H:%M:%S}{fraction}{zone_text}"
+
+
+def go_json(value: Any) -> str:
+    """``encoding/json.Marshal``: map keys sorted, no spaces, HTML characters and U+2028/9 escaped."""
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026")):
+        text = text.replace(char, escaped)
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def k8s_name(rng: np.random.Generator, n: int) -> str:
+    return "".join(K8S_ALPHABET[i] for i in rng.integers(0, len(K8S_ALPHABET), size=n))
+
+
+# --- The fleet as pods ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pod:
+    """One pod: one start-up of one simulated instance, and its log lines (epoch ns, text)."""
+
+    name: str
+    deployment: str
+    instance: str  # the simulator's instance slot, e.g. glm53-prefill-0
+    generation: int
+    startup: Startup
+    collector: Collector
+    end: PodEnd
+    node: str
+    lines: tuple[tuple[int, str], ...]
+    successor_start: datetime | None  # first line of the pod that replaced it
+
+    @property
+    def last_line(self) -> datetime:
+        return datetime.fromtimestamp(self.lines[-1][0] / 1e9, tz=UTC)
+
+    @property
+    def stopped(self) -> datetime:
+        """Where its log says it stopped serving: the SIGTERM line, else its last line."""
+        ns = next((ns for ns, text in self.lines if text.endswith(SIGTERM_LINE)), self.lines[-1][0])
+        return datetime.fromtimestamp(ns / 1e9, tz=UTC)
+
+
+def with_dark_launch(dep: Deployment) -> Deployment:
+    """The exposed model's instances, first started with a safe pool before the exposing rollout."""
+    s = dep.scenario
+    dark = []
+    for instance in dep.instances("target", "prefill") + dep.instances("target", "decode"):
+        first = dep.startups_of(instance)[0]
+        pool = s.fixed_pool_tokens if first.role == "prefill" else s.fixed_decode_pool_tokens
+        dark.append(
+            dataclasses.replace(
+                first, ts=first.ts - DARK_LAUNCH_LEAD, pool_tokens=pool, reason="dark launch: safe pool"
+            )
+        )
+    startups = sorted(dep.startups + tuple(dark), key=lambda st: (st.ts, st.instance))
+    return dataclasses.replace(dep, startups=tuple(startups))
+
+
+def deployment_of(instance: str) -> tuple[str, int]:
+    """``glm53-prefill-1`` -> (``glm53-prefill``, 1); the unified ``llama33-0`` -> (``llama33``, 0)."""
+    name, _, index = instance.rpartition("-")
+    return name, int(index)
+
+
+def shutdown_lines(sigterm_ms: int, last_ms: int, zone: ZoneInfo, rng: np.random.Generator) -> list[LogLine]:
+    """What SGLang prints between SIGTERM and exit (tokenizer manager, no rank prefix)."""
+    exiting = max(sigterm_ms + int(rng.uniform(500, 5_000)), last_ms + 1)
+    return [
+        LogLine(
+            sigterm_ms,
+            0,
+            envelope(sigterm_ms, zone, None, 1) + SIGTERM_LINE,
+        ),
+        LogLine(
+            exiting,
+            1,
+            envelope(exiting, zone, None, 1)
+            + "Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[].",
+        ),
+    ]
+
+
+def envelope_times(lines: list[LogLine], rng: np.random.Generator) -> tuple[tuple[int, str], ...]:
+    """The container runtime's clock for each line: at or after the line's time, strictly increasing."""
+    out: list[tuple[int, str]] = []
+    previous = 0
+    jitter = rng.integers(20_000, 900_000, size=len(lines))
+    for line, j in zip(lines, jitter, strict=True):
+        previous = max(previous + 1_000, line.ts_ms * 1_000_000 + int(j))
+        out.append((previous, line.text))
+    return tuple(out)
+
+
+def build_pods(dep: Deployment, logs: dict[str, EngineLog], rng: np.random.Generator) -> list[Pod]:
+    """Split each instance's log at its start-ups into pods; retired pods end as rollouts end them."""
+    zone = ZoneInfo(dep.scenario.engine_timezone)
+    hashes: dict[tuple[str, int], str] = {}
+    pods: list[Pod] = []
+    for instance in sorted(logs):
+        deployment, index = deployment_of(instance)
+        ups = dep.startups_of(instance)
+        starts = [to_ms(st.ts) for st in ups]
+        lines = sorted(logs[instance].lines)
+        line_ms = np.array([line.ts_ms for line in lines], dtype=np.int64)
+        generation_of = np.searchsorted(np.array(starts, dtype=np.int64), line_ms, side="right") - 1
+        for k, st in enumerate(ups):
+            own = [line for line, g in zip(lines, generation_of, strict=True) if g == k]
+            successor = ups[k + 1].ts if k + 1 < len(ups) else None
+            end: PodEnd = (
+                "running" if successor is None else ("shutdown" if (index + k) % 2 == 0 else "log_end")
+            )
+            if end == "shutdown" and successor is not None:
+                sigterm = to_ms(successor) - int(1000 * rng.uniform(*ROLLOUT_GAP_S))
+                own = sorted(own + shutdown_lines(sigterm, own[-1].ts_ms, zone, rng))
+            template = hashes.setdefault((deployment, k), k8s_name(rng, 10))
+            pods.append(
+                Pod(
+                    name=f"{deployment}-{template}-{k8s_name(rng, 5)}",
+                    deployment=deployment,
+                    instance=instance,
+                    generation=k,
+                    startup=st,
+                    collector="loki" if st.model == "target" else "kubectl",
+                    end=end,
+                    node=f"gpu-node-{int(rng.integers(1, 64)):02d}",
+                    lines=envelope_times(own, rng),
+                    successor_start=successor,
+                )
+            )
+    return pods
+
+
+def loki_labels(pod: Pod) -> dict[str, str]:
+    """Labels of the Promtail / Grafana Alloy Kubernetes pod discovery defaults."""
+    return {
+        "app": pod.deployment,
+        "container": "sglang",
+        "filename": f"/var/log/pods/{NAMESPACE}_{pod.name}_{uuid.UUID(hashlib.md5(pod.name.encode()).hexdigest())}"
+        "/sglang/0.log",
+        "job": f"{NAMESPACE}/{pod.deployment}",
+        "namespace": NAMESPACE,
+        "node_name": pod.node,
+        "pod": pod.name,
+        "stream": "stderr",
+    }
+
+
+def write_loki_export(pods: list[Pod], path: Path, zone: ZoneInfo) -> Path:
+    """One ``logcli query --output=jsonl --limit 0`` export: every pod's lines, newest first."""
+    entries = [(ns, pod, text) for pod in pods for ns, text in pod.lines]
+    entries.sort(key=lambda e: e[0], reverse=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    labels = {pod.name: loki_labels(pod) for pod in pods}
+    with path.open("w", encoding="utf-8") as fh:
+        for ns, pod, text in entries:
+            fh.write(
+                go_json(
+                    {"labels": labels[pod.name], "line": text, "timestamp": rfc3339_nano(ns, zone, False)}
+                )
+            )
+            fh.write("\n")
+    return path
+
+
+def write_kubectl_logs(pods: list[Pod], out_dir: Path) -> list[Path]:
+    """``kubectl logs --timestamps <pod> > <pod>.log`` for each pod."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for pod in pods:
+        path = out_dir / f"{pod.name}.log"
+        utc = ZoneInfo("UTC")
+        path.write_text(
+            "".join(f"{rfc3339_nano(ns, utc, True)} {text}\n" for ns, text in pod.lines), encoding="utf-8"
+        )
+        paths.append(path)
+    return paths
+
+
+# --- The gateway as LiteLLM spend logs ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Per-account virtual key (hashed, as the table stores it), alias and client address."""
+
+    hashed: dict[str, str]
+    alias: dict[str, str]
+    ip: dict[str, str]
+
+
+def account_keys(accounts: np.ndarray, seed: int) -> Keys:
+    hashed, alias, ip = {}, {}, {}
+    for account in sorted(set(accounts.tolist())):
+        digest = hashlib.sha256(f"sk-{seed}-{account}".encode()).hexdigest()
+        hashed[account] = digest
+        alias[account] = f"{account}-prod"
+        ip[account] = f"100.{64 + int(digest[:2], 16) % 64}.{int(digest[2:4], 16)}.{int(digest[4:6], 16)}"
+    return Keys(hashed, alias, ip)
+
+
+def usage_details(cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": None},
+        "completion_tokens_details": None,
+    }
+
+
+def spend_log_metadata(
+    status: int, error: str | None, team: str, keys: Keys, usage: dict[str, Any] | None, overhead_ms: float
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "status": "success" if status == 200 else "failure",
+        "user_api_key": keys.hashed[team],
+        "user_api_key_alias": keys.alias[team],
+        "user_api_key_team_id": team,
+        "user_api_key_org_id": None,
+        "user_api_key_user_id": None,
+        "user_api_key_team_alias": team,
+        "spend_logs_metadata": None,
+        "requester_ip_address": keys.ip[team],
+        "applied_guardrails": [],
+        "batch_models": None,
+        "mcp_tool_call_metadata": None,
+        "vector_store_request_metadata": None,
+        "guardrail_information": None,
+        "usage_object": usage,
+        "model_map_information": None,
+        "cold_storage_object_key": None,
+        "litellm_overhead_time_ms": overhead_ms,
+        "additional_usage_values": {k: v for k, v in (usage or {}).items() if not k.endswith("_tokens")},
+        "proxy_server_request": None,
+    }
+    if status != 200:
+        cls = ERROR_CLASSES.get(status, "APIError")
+        metadata["error_information"] = {
+            "error_code": str(status),
+            "error_class": cls,
+            "llm_provider": "openai",
+            "traceback": "",
+            "error_message": f"litellm.{cls}: OpenAIException - {error}",
+        }
+    return metadata
+
+
+def spend_log_rows(
+    served: pd.DataFrame, dep: Deployment, rng: np.random.Generator
+) -> tuple[list[list[Any]], dict[str, str]]:
+    """One row per request in table order (as written: by completion), and the ids failures get."""
+    s = dep.scenario
+    models = [dep.models[k] for k in MODEL_KEYS]
+    model_ids = {
+        k: hashlib.sha256(f"{s.seed}-{dep.models[k].gateway_model}".encode()).hexdigest() for k in MODEL_KEYS
+    }
+    keys = account_keys(served["account"].to_numpy(), s.seed)
+    start = served["ts_ms"].to_numpy().astype(np.int64)
+    latency = np.maximum(np.rint(served["latency_ms"].to_numpy()), 1).astype(np.int64)
+    ttft = served["ttft_true_ms"].to_numpy()
+    end = start + latency
+    first = np.where(served["stream"].to_numpy() & ~np.isnan(ttft), start + np.rint(np.nan_to_num(ttft)), end)
+    first = np.minimum(first.astype(np.int64), end)
+    overhead = np.round(rng.lognormal(np.log(4.0), 0.5, len(served)), 3)
+    sessions = rng.integers(0, 2**63, size=(len(served), 2))
+    rows: list[list[Any]] = []
+    renamed: dict[str, str] = {}
+    record: Any
+    for i, record in enumerate(served.itertuples(index=False)):
+        m = models[int(record.model_idx)]
+        key = MODEL_KEYS[int(record.model_idx)]
+        status = int(record.status)
+        ok = status == 200
+        prompt = int(record.prompt_tokens) if ok else 0
+        completion = int(record.completion_tokens) if ok else 0
+        usage = (
+            {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            | usage_details(int(record.cached_tokens))
+            if ok
+            else None
+        )
+        request_id = record.rid
+        if not ok:  # no response object: LiteLLM keys the row by its own call id
+            request_id = str(uuid.UUID(bytes=rng.bytes(16), version=4))
+            renamed[record.rid] = request_id
+        price_in, price_out = PRICES[key]
+        spend = round((prompt * price_in + completion * price_out) / 1e6, 10)
+        rows.append(
+            [
+                request_id,
+                "acompletion",
+                keys.hashed[record.account],
+                spend,
+                prompt + completion,
+                prompt,
+                completion,
+                pg_timestamp(int(start[i])),
+                pg_timestamp(int(end[i])),
+                int(end[i] - start[i]),
+                pg_timestamp(int(first[i])),
+                m.engine_model,
+                model_ids[key],
+                m.gateway_model,
+                "openai",
+                f"http://{m.prefix}-router.{NAMESPACE}.svc.cluster.local:8000/v1",
+                "",
+                spend_log_metadata(status, record.error, record.account, keys, usage, float(overhead[i])),
+                "False",
+                "Cache OFF",
+                [],
+                record.account,
+                "",
+                "",
+                keys.ip[record.account],
+                {},
+                {},
+                str(uuid.UUID(int=(int(sessions[i, 0]) << 64) | int(sessions[i, 1]), version=4)),
+                "success" if ok else "failure",
+                None,
+                None,
+                {},
+            ]
+        )
+    order = np.argsort(end, kind="stable")
+    return [rows[i] for i in order], renamed
+
+
+def write_spend_logs(rows: list[list[Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="") as fh:
+        fh.write(",".join(SPEND_LOG_COLUMNS) + "\n")
+        for row in rows:
+            fh.write(",".join(pg_csv_field(v) for v in row) + "\n")
+    return path
+
+
+# --- The incident file and ground truth -----------------------------------------------------------
+
+
+def export_toml(dep: Deployment) -> str:
+    """The incident file a responder writes for these exports: a preset and a few engine lines."""
+    s = dep.scenario
+    q = files.toml_string
+    aliases = ", ".join(f"{q(m.engine_model)} = {q(m.gateway_model)}" for m in dep.models.values())
+    engine = ['format = "sglang"', f"timezone = {q(s.engine_timezone)}"]
+    return "\n".join(
+        [
+            "# Generated by `kvforensics simulate --export litellm-loki`; ground_truth.json is not referenced.",
+            "[incident]",
+            f"id = {q(s.incident_id)}",
+            f"title = {q(dep.models['target'].gateway_model + ' KV-cache cross-tenant exposure')}",
+            "",
+            "[[sources]]",
+            'name = "litellm"',
+            'kind = "requests"',
+            'path = "gateway/LiteLLM_SpendLogs.csv"',
+            'preset = "litellm"',
+            "",
+            "[[sources]]",
+            'name = "loki"',
+            'kind = "engine_log"',
+            'path = "engine/loki/*.jsonl"',
+            *engine,
+            'instance = "{label:pod}"',
+            "",
+            "[[sources]]",
+            'name = "kubectl"',
+            'kind = "engine_log"',
+            'path = "engine/kubectl/*.log"',
+            *engine,
+            'instance = "{stem}"',
+            "",
+            "[scope]",
+            f"internal_accounts = [{q(s.internal_account_glob)}]",
+            f"reporter_accounts = [{q(s.reporter_account)}]",
+            "",
+            "[models]",
+            f"aliases = {{ {aliases} }}",
+            "",
+        ]
+    )
+
+
+def iso_us(ts: datetime) -> str:
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def pod_json(pod: Pod) -> dict[str, Any]:
+    return {
+        "pod": pod.name,
+        "instance": pod.instance,
+        "model": pod.startup.model,
+        "role": pod.startup.role,
+        "pool_tokens": pod.startup.pool_tokens,
+        "context_length": pod.startup.context_length,
+        "start": files.iso(pod.startup.ts),
+        "last_line": iso_us(pod.last_line),
+        "stopped": iso_us(pod.stopped),
+        "successor_start": files.iso(pod.successor_start),
+        "end": pod.end,
+        "collector": pod.collector,
+    }
+
+
+def exposure_windows(pods: list[Pod], dep: Deployment) -> list[dict[str, Any]]:
+    """Per pod of the exposed model whose pool was below its context: from its first line until replaced."""
+    model = dep.models["target"].gateway_model
+    return [
+        {
+            "instance": pod.name,
+            "role": pod.startup.role,
+            "model": model,
+            "start": files.iso(pod.startup.ts),
+            "end": files.iso(pod.successor_start),
+            "stopped": iso_us(pod.stopped),
+            "pool_tokens": pod.startup.pool_tokens,
+            "context_length": pod.startup.context_length,
+        }
+        for pod in pods
+        if pod.startup.model == "target" and pod.startup.pool_tokens < pod.startup.context_length
+    ]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    incident_toml: Path
+    ground_truth: Path
+    spend_logs: Path
+    loki_export: Path
+    kubectl_logs: list[Path]
+    pods: list[Pod]
+    requests: int
+    affected: int
+    affected_accounts: int
+
+
+def export_incident(scenario: Scenario, out_dir: Path, loki_timezone: str = "UTC") -> ExportResult:
+    """Simulate ``scenario`` and write it as LiteLLM spend logs, a Loki export and kubectl pod logs."""
+    s = scenario
+    if not s.simulates_pages:
+        raise ConfigError(
+            f"--export writes every request row by row; use requests <= {s.page_simulation_max_requests}",
+            location="scenario",
+        )
+    try:
+        loki_zone = ZoneInfo(loki_timezone)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"unknown IANA time zone {loki_timezone!r}", location="export") from exc
+    out_dir = Path(out_dir)
+    dep, incident, _, background = planned_incident(s)
+    served = pd.concat(list(served_chunks(s, dep, incident, background)), ignore_index=True)
+    served, _, _ = apply_pages(served, dep)
+    fleet = with_dark_launch(dep)
+    logs = build_engine_logs(fleet, np.random.default_rng([s.seed, STREAM_IDS, 1]))
+    request_lines(
+        logs, served, dep, ZoneInfo(s.engine_timezone), True, np.random.default_rng([s.seed, STREAM_IDS, 3])
+    )
+    pods = build_pods(fleet, logs, np.random.default_rng([s.seed, STREAM_IDS, 5]))
+    rows, renamed = spend_log_rows(served, dep, np.random.default_rng([s.seed, STREAM_IDS, 6]))
+    spend_logs = write_spend_logs(rows, out_dir / "gateway" / "LiteLLM_SpendLogs.csv")
+    loki = write_loki_export(
+        [p for p in pods if p.collector == "loki"],
+        out_dir / "engine" / "loki" / f"{dep.models['target'].prefix}.jsonl",
+        loki_zone,
+    )
+    kubectl = write_kubectl_logs(
+        [p for p in pods if p.collector == "kubectl"], out_dir / "engine" / "kubectl"
+    )
+    toml = files.write_text(out_dir / "incident.toml", export_toml(dep))
+    model_ids = [dep.models[k].gateway_model for k in MODEL_KEYS]
+    affected = affected_records(served, None, None, {}, model_ids)
+    if len(affected) != s.affected:
+        raise AssertionError(f"simulated {len(affected)} affected responses, scenario asked for {s.affected}")
+    traps = {kind: sorted(renamed.get(rid, rid) for rid in ids) for kind, ids in trap_ids(served).items()}
+    accounts = sorted({a["account_id"] for a in affected})
+    truth = {
+        "scenario": s.as_dict(),
+        "export": {"style": "litellm-loki", "loki_timezone": loki_timezone},
+        "counts": {
+            "requests": len(served),
+            "affected_responses": len(affected),
+            "affected_accounts": len(accounts),
+        },
+        "affected_accounts": accounts,
+        "pods": [pod_json(p) for p in pods],
+        "exposure_windows": exposure_windows(pods, fleet),
+        "traps": traps,
+        "affected": affected,
+    }
+    truth_path = files.write_json(out_dir / "ground_truth.json", truth, records_key="affected")
+    return ExportResult(
+        out_dir=out_dir,
+        incident_toml=toml,
+        ground_truth=truth_path,
+        spend_logs=spend_logs,
+        loki_export=loki,
+        kubectl_logs=kubectl,
+        pods=pods,
+        requests=len(served),
+        affected=len(affected),
+        affected_accounts=len(accounts),
+    )
