@@ -103,6 +103,7 @@ class Incident:
     memory_limit: str | None = None
     year: int | None = None
     instances: InstanceMatching = field(default_factory=InstanceMatching)  # [instances]
+    max_quarantine_fraction: float = 0.01  # [settings]: above it a requests source makes the run inconclusive
 
     @property
     def base_dir(self) -> Path:
@@ -265,9 +266,15 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
     rules = data.get("rules", {})
     settings = data.get("settings", {})
     year = settings.get("year")
+    max_q = settings.get("max_quarantine_fraction", 0.01)
+    if isinstance(max_q, bool) or not isinstance(max_q, (int, float)) or not 0 <= max_q <= 1:
+        raise ConfigError("max_quarantine_fraction must be a number from 0 to 1 (the share of a requests source's "
+                          "records that may be quarantined before the run is inconclusive)",
+                          location=f"{label}: [settings]")
     return Incident(id=incident_id, title=title, path=path.resolve(), sources=sources, scope=scope,
                     events=tuple(sorted(events, key=lambda e: e.ts)), model_aliases=dict(aliases),
                     hardware={k: dict(v) for k, v in hardware.items()},
                     rule_parameters={k: dict(v) for k, v in rules.items()},
                     memory_limit=settings.get("memory_limit"), year=year,
-                    instances=instances_from_config(data.get("instances"), f"{label}: [instances]"))
+                    instances=instances_from_config(data.get("instances"), f"{label}: [instances]"),
+                    max_quarantine_fraction=float(max_q))

@@ -198,6 +198,13 @@ def test_rollouts_retire_pods_and_close_their_exposure_windows(investigated: tup
     ends = dict(con.execute("SELECT instance, end_reason FROM capacity").fetchall())
     expected = {"shutdown": "shutdown", "log_end": "log_end", "running": None}
     assert ends == {p["pod"]: expected[p["end"]] for p in truth["pods"]}
+    # the retired dark-launch pods (safe pools) no longer count: every prefill pool in force is exceeded
+    pool_rule = dict(
+        con.execute(
+            "SELECT request_id, strength FROM findings WHERE rule_id = 'prompt_exceeds_kv_pool'"
+        ).fetchall()
+    )
+    assert {pool_rule.get(a["request_id"]) for a in truth["affected"]} == {"strong"}
     scope = json.loads((out / "scope.json").read_text())
     got = {w["instance"]: w for w in scope["exposure_windows"]}
     want = {w["instance"]: w for w in truth["exposure_windows"]}
