@@ -1,4 +1,5 @@
-"""Command line: thin shells over the library. Errors print ``Error: ...`` and exit 2."""
+"""Command line: thin shells over the library. Errors print ``Error: ...`` and exit 2; a run whose evidence
+cannot support its answer prints why and exits 3."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Callable
 
 from kvforensics import __version__
 from kvforensics.errors import KvForensicsError
+
+EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.conclusive)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -35,16 +38,29 @@ def _investigation(args: argparse.Namespace):
                               spark_master=args.spark_master)
 
 
+def _verdict(summary: dict) -> int:
+    """Print why the evidence cannot support the answer, loud and before the headline; the exit code."""
+    reasons = summary.get("inconclusive_reasons") or []
+    if not reasons:
+        return 0
+    print(f"INCONCLUSIVE: the evidence cannot support this answer ({len(reasons)} reason(s)); "
+          "fix these and run again before relying on any figure below")
+    for r in reasons:
+        print(f"  ! [{r['code']}] {r['message']}")
+    return EXIT_INCONCLUSIVE
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     inv = _investigation(args)
     result = inv.run()
     s = result.summary
+    code = _verdict(s)
     print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts received foreign data; "
           f"source accounts: {s['source_accounts']['confirmed']} confirmed, {s['source_accounts']['possible']} possible")
     for w in s["windows"]:
         print(f"  {w['model']}: {w['responses']} from {w['first']} to {w['last']}")
     print(f"report: {args.out / 'report.html'}")
-    return 0
+    return code
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -75,19 +91,21 @@ def cmd_scope(args: argparse.Namespace) -> int:
         s = inv.scope().summary
     finally:
         inv.close()
+    code = _verdict(s)
     print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts")
-    return 0
+    return code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     inv = _investigation(args)
     try:
-        inv.scope()
+        s = inv.scope().summary
         path = inv.report()
     finally:
         inv.close()
+    code = _verdict(s)
     print(f"report: {path}")
-    return 0
+    return code
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -188,6 +206,26 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"Error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback without --debug
+        if args.debug:
+            raise
+        where = _origin(e)
+        print(f"Error: unexpected {type(e).__name__}{where}: {_one_line(e)}. This is a kvforensics bug: run again "
+              "with --debug for the traceback and report it with the input that caused it", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _origin(e: BaseException) -> str:
+    """`` in <file>:<line>`` of the innermost kvforensics frame of the exception."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "kvforensics" in f.filename]
+    return f" in {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
 if __name__ == "__main__":

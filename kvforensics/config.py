@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvforensics.errors import ConfigError
+from kvforensics.presets import with_preset
 from kvforensics.instances import InstanceMatching, instances_from_config
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
@@ -30,7 +31,7 @@ CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
 CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", "role"}
+                "model", "year", "role", "preset", "values", "null_tokens"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class Source:
     clock_offset_s: float = 0.0
     model: str | None = None
     year: int | None = None
+    # requests: value maps (canonical field -> {source text: canonical text}), texts read as NULL, the
+    # parsed `columns` expressions (kvforensics/loaders/mapping.py), the preset named, the incident file
+    values: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    null_tokens: tuple[str, ...] = ()
+    expressions: Mapping[str, Any] = field(default_factory=dict)
+    preset: str | None = None
+    incident_file: str = ""
 
     @property
     def tz(self) -> ZoneInfo:
@@ -155,6 +163,7 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
         raise ConfigError(f"unknown key(s) {unknown}; allowed: {sorted(_SOURCE_KEYS)}", location=where)
     name = _require(raw, "name", where)
     where = f"{file_label}: source '{name}'"
+    raw = with_preset(raw, where)
     kind = _require(raw, "kind", where)
     if kind not in SOURCE_KINDS:
         raise ConfigError(f"kind {kind!r} is not one of {list(SOURCE_KINDS)}", location=where)
@@ -179,6 +188,13 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
         raise ConfigError(f"columns maps unknown canonical field(s) {bad}; canonical fields are "
                           f"{list(canonical)}", location=where)
     tz = _check_timezone(raw.get("timezone", "UTC"), where)
+    values, null_tokens, expressions = {}, (), {}
+    if kind == "requests":
+        from kvforensics.loaders.mapping import source_mapping  # it imports this module
+
+        values, null_tokens, expressions = source_mapping(raw, columns, fmt, where)
+    elif set(raw) & {"preset", "values", "null_tokens"}:
+        raise ConfigError("preset, values and null_tokens apply to kind \"requests\" only", location=where)
     offset = raw.get("clock_offset_s", 0.0)
     if not isinstance(offset, (int, float)):
         raise ConfigError("clock_offset_s must be a number of seconds", location=where)
@@ -193,7 +209,8 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
                           location=where) from None
     return Source(name=name, kind=kind, path=path, format=fmt, timezone=tz, base_dir=base_dir,
                   columns=dict(columns), instance=instance, clock_offset_s=float(offset),
-                  model=raw.get("model"), year=year)
+                  model=raw.get("model"), year=year, values=values, null_tokens=null_tokens,
+                  expressions=expressions, preset=raw.get("preset"), incident_file=file_label)
 
 
 def _guess_request_format(path: str) -> str | None:

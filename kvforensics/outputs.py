@@ -29,6 +29,7 @@ HEADLINE_QUERIES: dict[str, str] = {
     "source_accounts.possible": "SELECT count(DISTINCT account_id) FROM notifications WHERE role = 'data_exposed_possible'",
     "exposure_windows": "SELECT count(*) FROM capacity WHERE kv_pool_tokens < context_length",
     "windows": "SELECT count(DISTINCT model) FROM affected_responses",
+    "inconclusive_reasons": "SELECT count(*) FROM inconclusive_reasons",
 }
 AFFECTED_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", "prompt_tokens", "pool_tokens",
                     "ttft_ms", "expected_ttft_ms", "confidence", "rules", "latency_ms", "completion_tokens",
@@ -90,6 +91,8 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
                  "duckdb": _duckdb.__version__, "pandas": _pandas.__version__},
         "incident": {"id": incident.id, "file": incident.path.name, "dir": str(base), "sha256": digest, "bytes": size},
         "run": {"started": iso(started), "finished": iso(datetime.now(timezone.utc))},
+        "conclusive": scope.summary["conclusive"],
+        "inconclusive_reasons": scope.summary["inconclusive_reasons"],
         "inputs": inputs,
         "totals": {k: sum(i[k] for i in inputs) for k in ("records_read", "loaded", "quarantined", "duplicates")},
         "rules": [{"id": r.id, "version": r.version,

@@ -76,6 +76,9 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     else:
         for name, script_params in scripts:
             run_duckdb_script(con, name, script_params)
+    from kvforensics.conclusive import gate  # it imports this module
+
+    gate(con, incident.max_quarantine_fraction)
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
 
@@ -94,6 +97,9 @@ def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | 
 
 
 def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, Any]:
+    from kvforensics.conclusive import recorded
+
+    reasons = recorded(con)
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(
             "SELECT account_class, count(*), count(DISTINCT account_id) FROM affected_responses GROUP BY 1").fetchall():
@@ -128,6 +134,8 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
                 "SELECT source, instance, start, \"end\", requests, description FROM log_gaps ORDER BY start").fetchall()]
     return {
         "incident": incident.id,
+        "conclusive": not reasons,
+        "inconclusive_reasons": reasons,
         "affected_responses": affected,
         "affected_accounts": accounts,
         "by_account_class": by_class,

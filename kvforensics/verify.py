@@ -35,6 +35,9 @@ def verify(out_dir: Path) -> list[str]:
                 expected = len(expected)
             if value != expected:
                 problems.append(f"scope.json {key} = {expected}, but the database gives {value} ({query})")
+        if "conclusive" in scope and scope["conclusive"] != (not scope.get("inconclusive_reasons")):
+            problems.append(f"scope.json conclusive = {scope['conclusive']} contradicts its "
+                            f"{len(scope.get('inconclusive_reasons') or [])} inconclusive reason(s)")
     finally:
         con.close()
     return problems

@@ -75,8 +75,10 @@ def test_unknown_model_is_reported(mini_incident, tmp_path):
         fh.write(json.dumps({"rid": "x1", "received_at": "2026-08-28T10:00:00Z", "account_id": "a",
                              "model": "@cf/unknown/model", "http_status": 200, "prompt_tokens": 5}) + "\n")
     out = tmp_path / "out"
-    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 0
+    # completed, but inconclusive: a model with requests and no engine capacity
+    assert main(["run", str(mini_incident), "--out", str(out), "--quiet", "--no-pdf"]) == 3
     manifest = json.loads((out / "manifest.json").read_text())
+    assert [r["code"] for r in manifest["inconclusive_reasons"]] == ["model_without_capacity"]
     assert ("unknown model '@cf/unknown/model': no engine log covers it, so the pool rule cannot judge its "
             "1 request(s)") in manifest["warnings"]
 
@@ -94,7 +96,7 @@ def test_log_gaps_are_called_out(tmp_path):
         r["prefill_instance"] = "p9"          # an instance whose engine log we do not have
     path = write_mini(tmp_path / "data", rows)
     out = tmp_path / "out"
-    assert main(["run", str(path), "--out", str(out), "--quiet", "--no-pdf"]) == 0
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--no-pdf"]) == 3  # inconclusive: unknown instance
     gaps = json.loads((out / "scope.json").read_text())["log_gaps"]
     engine = [g for g in gaps if g["source"] == "engine_log"]
     assert [(g["instance"], g["requests"]) for g in engine] == [("p9", 5)]

@@ -18,17 +18,19 @@ import io
 import json
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import duckdb
 import pyarrow as pa
 
-from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
+from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS, Source
 from kvforensics.db import one, parameters_used, run_script, sql
-from kvforensics.errors import InputError
+from kvforensics import presets
+from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders import otlp, sglang_requests
+from kvforensics.loaders.mapping import NUMBER, TIMESTAMP, bind_literal, json_path, read_as
 from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
 
 BATCH = 100_000
@@ -87,9 +89,20 @@ class FileLoad:
     reader: str = ""  # duckdb-json / duckdb-lines / duckdb-parquet (DuckDB's readers) or python
 
 
-def _staging_schema() -> pa.Schema:
+def _staging_schema(keys: Iterable[str] = CANONICAL_REQUEST_FIELDS) -> pa.Schema:
     return pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())]
-                     + [(c, pa.string()) for c in FIELD_COLUMNS])
+                     + [(f"{k}_raw", pa.string()) for k in keys])
+
+
+def _expression_refs(source: Source) -> list[str]:
+    """The source names the source's `columns` expressions read, once each: ref i is staged as the
+    text column ``x<i>_raw`` (beside the canonical fields' ``<field>_raw``)."""
+    return list(dict.fromkeys(ref for e in source.expressions.values() for ref in e.refs))
+
+
+def _ref_field(source: Source, ref: str) -> str:
+    """The first canonical field whose expression reads ``ref`` (to name the key in an error)."""
+    return next(c for c, e in source.expressions.items() if ref in e.refs)
 
 
 def _json_paths(name: str) -> list[str]:
@@ -107,15 +120,61 @@ def _candidate_names(source: Source, canonical: str) -> list[str]:
 
 
 def _choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
-    """Canonical field -> source column: the mapping, else the canonical name, else a known alias."""
+    """Canonical field -> source column: the mapping, else the canonical name, else a known alias;
+    a field given by an expression is None, and each column the expressions read follows as ``x<i>``."""
     chosen: dict[str, str | None] = {}
     for canonical in CANONICAL_REQUEST_FIELDS:
+        if canonical in source.expressions:
+            chosen[canonical] = None
+            continue
         names = _candidate_names(source, canonical)
         hit = next((n for n in names if n in present), None)
         if hit is None and canonical in source.columns:
             hit = source.columns[canonical]
         chosen[canonical] = hit
+    for i, ref in enumerate(_expression_refs(source)):
+        chosen[f"x{i}"] = ref
     return chosen
+
+
+def _unknown_column(source: Source, path: Path, ref: str, have: Iterable[str]) -> ConfigError:
+    names = sorted(have)
+    shown = ", ".join(names[:30]) + (f" ... ({len(names)} in all)" if len(names) > 30 else "")
+    return ConfigError(f"columns.{_ref_field(source, ref)}: column {ref!r} is not in {path.name} "
+                       f"(it has: {shown or 'no columns'})", location=f"{source.incident_file}: source '{source.name}'")
+
+
+def _cell_column(name: str, header: Iterable[str]) -> tuple[str, str | None] | None:
+    """Where a name is in a table's header: the column itself, or the longest dotted prefix that is
+    a column with the rest as a JSON path into its cells; None when neither."""
+    have = set(header)
+    if name in have:
+        return name, None
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        column = ".".join(parts[:cut])
+        if column in have:
+            return column, json_path(".".join(parts[cut:]))
+    return None
+
+
+def _split_cells(source: Source, path: Path, chosen: Mapping[str, str | None], header: list[str]
+                 ) -> tuple[dict[str, str | None], dict[str, str]]:
+    """The columns a CSV/Parquet stager reads (a path's column) and the JSON paths into their cells,
+    per staged key; a column an expression reads that the file lacks is a ConfigError."""
+    columns: dict[str, str | None] = {}
+    cells: dict[str, str] = {}
+    for key, name in chosen.items():
+        found = None if name is None else _cell_column(name, header)
+        if found is None:
+            if name is not None and key not in CANONICAL_REQUEST_FIELDS:
+                raise _unknown_column(source, path, name, header)
+            columns[key] = name
+            continue
+        columns[key], cell = found
+        if cell is not None:
+            cells[key] = cell
+    return columns, cells
 
 
 def _json_keys(obj: object, prefix: str = "", depth: int = 0) -> Iterator[str]:
@@ -143,11 +202,11 @@ def _sample_json_keys(path: Path, limit: int = 2000) -> set[str]:
 class _Stager:
     """Appends batches of staged records to the ``staging_requests`` temp table."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, keys: Iterable[str] = CANONICAL_REQUEST_FIELDS) -> None:
         self.con = con
-        self.schema = _staging_schema()
-        con.execute("CREATE OR REPLACE TEMP TABLE staging_requests (line BIGINT, raw VARCHAR, problem VARCHAR, "
-                    + ", ".join(f"{c} VARCHAR" for c in FIELD_COLUMNS) + ")")
+        self.schema = _staging_schema(keys)
+        con.execute("CREATE OR REPLACE TEMP TABLE staging_requests (line BIGINT, raw VARCHAR, problem VARCHAR"
+                    + "".join(f", {c} VARCHAR" for c in self.schema.names[3:]) + ")")
 
     def add(self, columns: dict[str, list]) -> None:
         n = len(columns["line"])
@@ -188,6 +247,8 @@ class Staged:
     clean_only: bool = False
     retry: Callable[[], Staged] | None = None
     reader: str = "python"  # which reader staged the file, for the load's record
+    # staged key -> JSON path into the staged text (a path into JSON held in a CSV/Parquet cell)
+    cells: Mapping[str, str] = field(default_factory=dict)
 
 
 def _python_staged(rewrites: Mapping[str, str] | None = None) -> Staged:
@@ -201,8 +262,12 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         return _stage_sglang_requests(con, source, path, load, tick, fast)
     keys = _sample_json_keys(path)
     chosen = _choose_columns(source, keys)
+    top_level = {k.split(".")[0] for k in keys}
+    for ref in _expression_refs(source):
+        if keys and ref not in keys and ref.split(".")[0] not in top_level:
+            raise _unknown_column(source, path, ref, top_level)
     finish_reason = None
-    if chosen["status"] is None:
+    if chosen["status"] is None and "status" not in source.expressions:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
     load.notes.extend(_mapping_notes(source, chosen))
     if finish_reason is not None:
@@ -252,7 +317,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
 def _in_milliseconds(source: Source, canonical: str, column: str, expr: str) -> str:
     """A duration the record gives in seconds under a known name (SGLang's ``e2e_latency``), in
     milliseconds as text; an explicit mapping in the incident file is taken as milliseconds."""
-    if column in SECONDS_ALIASES and canonical not in source.columns:
+    if column in SECONDS_ALIASES and canonical in CANONICAL_REQUEST_FIELDS and canonical not in source.columns:
         return f"coalesce(CAST(round(TRY_CAST({expr} AS DOUBLE) * 1000, 3) AS VARCHAR), {expr})"
     return expr
 
@@ -264,8 +329,7 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
     paths: list[str] = []
     wrong_type: list[str] = []
     values: dict[str, str] = {}
-    for canonical in CANONICAL_REQUEST_FIELDS:
-        col = chosen[canonical]
+    for canonical, col in chosen.items():
         if col is None:
             continue
         first = len(paths) + 1
@@ -273,7 +337,7 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
         numbers = range(first, len(paths) + 1)
         types = "coalesce(" + ", ".join(f"t[{i}]" for i in numbers) + ")"
         wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
-                          f"THEN '{canonical} must be a string or a number, not a JSON ' || lower({types})")
+                          f"THEN {_wrong_type_reason(canonical)} || lower({types})")
         expr = "coalesce(" + ", ".join(f"v[{i}]" for i in numbers) + ")"
         expr = _in_milliseconds(source, canonical, col, expr)
         values[canonical] = expr
@@ -291,6 +355,12 @@ _STATUS_FROM_FINISH_REASON = """CASE
 END"""
 
 
+def _wrong_type_reason(key: str) -> str:
+    """SQL text of the reason a staged value is refused for its JSON type (the type follows)."""
+    what = key if key in CANONICAL_REQUEST_FIELDS else "a column an expression reads"
+    return f"'{what} must be a string or a number, not a JSON '"
+
+
 def _json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines_sql: str,
                           finish_reason: str | None) -> tuple[str, dict[str, Any]]:
     """The staged relation over a relation of ``line, raw, problem``: each record parsed once for all
@@ -303,7 +373,7 @@ def _json_fields_relation(source: Source, chosen: Mapping[str, str | None], line
         values["status"] = _STATUS_FROM_FINISH_REASON
         params.update(fr=base, fr_type=base + '."type"', fr_code=base + '."status_code"')
     fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
-                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in CANONICAL_REQUEST_FIELDS)
+                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in chosen)
     type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
     query = f"""
         WITH lines AS ({lines_sql}),
@@ -408,8 +478,7 @@ def _positional_names(keys: list[str]) -> list[str]:
 def _keyed_fields(chosen: Mapping[str, str | None], keys: list[str]) -> Iterator[tuple[str, str | None, str | None]]:
     """Every canonical field with its mapped key and that key's positional column (None, None when unmapped)."""
     names = _positional_names(keys)
-    for canonical in CANONICAL_REQUEST_FIELDS:
-        col = chosen[canonical]
+    for canonical, col in chosen.items():
         yield canonical, col, None if col is None else names[keys.index(col)]
 
 
@@ -420,7 +489,8 @@ def _json_text_relation(source: Source, chosen: Mapping[str, str | None], keys: 
     ``_AMBIGUOUS_TEXT``) is refused, and a file with any refused record is staged again by the JSON
     reader, which names every reason exactly."""
     names = _positional_names(keys)
-    text_keys = dict.fromkeys(k for canonical, _, k in _keyed_fields(chosen, keys) if canonical in _TEXT_FIELDS and k)
+    text_keys = dict.fromkeys(k for canonical, _, k in _keyed_fields(chosen, keys)
+                              if (canonical in _TEXT_FIELDS or canonical not in CANONICAL_REQUEST_FIELDS) and k)
     ambiguous = " OR ".join(f"({_AMBIGUOUS_TEXT.format(k=k)})" for k in text_keys) or "false"
     fields = [f"{_in_milliseconds(source, canonical, col, k)} AS {canonical}_raw" if k is not None
               else f"CAST(NULL AS VARCHAR) AS {canonical}_raw" for canonical, col, k in _keyed_fields(chosen, keys)]
@@ -444,7 +514,7 @@ def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], key
         # need unescaping, numbers are their own text (json_extract_string would return the same)
         for first, kind in (("{", "object"), ("[", "array"), ("t", "boolean"), ("f", "boolean")):
             wrong_type.append(f"WHEN starts_with({k}, '{first}') "
-                              f"THEN '{canonical} must be a string or a number, not a JSON {kind}'")
+                              f"THEN {_wrong_type_reason(canonical)} || '{kind}'")
         expr = f"CASE WHEN starts_with({k}, '\"') THEN json_extract_string({k}, '$') ELSE CAST({k} AS VARCHAR) END"
         expr = _in_milliseconds(source, canonical, col, expr)
         fields.append(f"CASE WHEN problem IS NULL THEN {expr} END AS {canonical}_raw")
@@ -457,7 +527,7 @@ def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], key
 def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
     notes = []
     recognised = {c: col for c, col in chosen.items()
-                  if col is not None and c not in source.columns and col != c}
+                  if col is not None and c in CANONICAL_REQUEST_FIELDS and c not in source.columns and col != c}
     if recognised:
         notes.append("columns recognised without a mapping: "
                      + ", ".join(f"{c} <- {col}" for c, col in sorted(recognised.items())))
@@ -466,18 +536,18 @@ def _mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
 
 def _require_header(source: Source, path: Path, header: Iterable[str], chosen: dict[str, str | None]) -> None:
     have = set(header)
-    from kvforensics.config import REQUIRED_REQUEST_FIELDS
-
     for canonical in REQUIRED_REQUEST_FIELDS:
         col = chosen.get(canonical)
-        if col is None or col not in have:
+        if canonical in source.expressions:
+            continue
+        if col is None or _cell_column(col, have) is None:
             hint = f"mapped to column '{col}'" if col else "no column of that name"
             raise InputError(
                 f"required field '{canonical}' is missing ({hint}); the file has columns "
                 f"{sorted(have)}. Map it in the incident file: columns = {{ {canonical} = \"<column>\" }}",
                 location=f"source '{source.name}': {path}")
     for canonical, col in source.columns.items():
-        if col not in have:
+        if canonical not in source.expressions and _cell_column(col, have) is None:
             raise InputError(f"columns maps '{canonical}' to '{col}', which the file does not have; "
                              f"it has {sorted(have)}", location=f"source '{source.name}': {path}")
 
@@ -500,7 +570,9 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
         header = [h.strip() for h in header]
         chosen = _choose_columns(source, set(header))
         _require_header(source, path, header, chosen)
-        index = {c: header.index(col) for c, col in chosen.items() if col is not None and col in header}
+        columns, cells = _split_cells(source, path, chosen, header)
+        stager = _Stager(con, columns)
+        index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
         cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
         last_line = 1
         try:
@@ -535,7 +607,7 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
         tick(len(cols["line"]))
     del stream
     load.notes.extend(_mapping_notes(source, chosen))
-    return _python_staged()
+    return replace(_python_staged(), cells=cells)
 
 
 def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
@@ -549,11 +621,12 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
     header = pf.schema_arrow.names
     chosen = _choose_columns(source, set(header))
     _require_header(source, path, header, chosen)
-    wanted = {c: col for c, col in chosen.items() if col is not None and col in header}
+    columns, cells = _split_cells(source, path, chosen, header)
+    wanted = {c: col for c, col in columns.items() if col is not None and col in header}
     if fast and FAST_STAGING:
         load.notes.extend(_mapping_notes(source, chosen))
-        return _stage_parquet_in_duckdb(path, pf.schema_arrow, wanted)
-    stager = _Stager(con)
+        return _stage_parquet_in_duckdb(path, pf.schema_arrow, wanted, list(columns), cells)
+    stager = _Stager(con, columns)
     offset = 0
     for batch in pf.iter_batches(batch_size=BATCH, columns=sorted(set(wanted.values()))):
         n = batch.num_rows
@@ -563,6 +636,9 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
             arr = batch.column(col)
             if pa.types.is_timestamp(arr.type):
                 values = [None if v is None else v.isoformat() for v in arr.to_pylist()]
+            elif c in cells and (pa.types.is_struct(arr.type) or pa.types.is_map(arr.type)
+                                 or pa.types.is_list(arr.type)):
+                values = [None if v is None else json.dumps(v, default=str) for v in arr.to_pylist()]
             else:
                 values = [None if v is None else str(v) for v in arr.to_pylist()]
             cols[f"{c}_raw"] = values
@@ -573,7 +649,7 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
         tick(n)
         offset += n
     load.notes.extend(_mapping_notes(source, chosen))
-    return _python_staged()
+    return replace(_python_staged(), cells=cells)
 
 
 def _quote_identifier(name: str) -> str:
@@ -581,12 +657,14 @@ def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str, str]) -> Staged:
+def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str, str], keys: list[str],
+                             cells: Mapping[str, str]) -> Staged:
     """Stage a Parquet file as one DuckDB scan: values as text (timestamps as ISO-8601, with 'Z' when
-    the column carries a zone), the line being the row number. The raw record (the mapped columns as
-    JSON) is built only for the records the typing step refuses."""
+    the column carries a zone; a nested column a path reads into as JSON), the line being the row
+    number. The raw record (the mapped columns as JSON) is built only for the records the typing
+    step refuses."""
     exprs = []
-    for canonical in CANONICAL_REQUEST_FIELDS:
+    for canonical in keys:
         col = wanted.get(canonical)
         if col is None:
             exprs.append(f"CAST(NULL AS VARCHAR) AS {canonical}_raw")
@@ -597,6 +675,8 @@ def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str,
             value = f"strftime(timezone('UTC', {ident}), '%Y-%m-%dT%H:%M:%S.%fZ')"
         elif pa.types.is_timestamp(kind):
             value = f"strftime({ident}, '%Y-%m-%dT%H:%M:%S.%f')"
+        elif canonical in cells and pa.types.is_nested(kind):
+            value = f"CAST(to_json({ident}) AS VARCHAR)"
         elif canonical in _NUMBER_FIELDS and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
             # kept a number: the typing casts it to DOUBLE (exactly, as the Python reader does; the
             # text of a float32 would be its shortest float32 spelling, which reads back as another
@@ -610,7 +690,8 @@ def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str,
                 f"{', '.join(exprs)} FROM read_parquet($file, file_row_number = true))")
     raw = (f"(SELECT file_row_number + 1 AS line, CAST(to_json({{{raw_fields}}}) AS VARCHAR) AS raw "
            f"FROM read_parquet($file, file_row_number = true))")
-    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False, reader="duckdb-parquet")
+    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False, reader="duckdb-parquet",
+                  cells=cells)
 
 
 def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
@@ -819,6 +900,8 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
         tick(load.records_read)
     if staged.lines is not None and staged.lines > load.records_read:
         load.notes.append(f"{staged.lines - load.records_read} blank line(s) skipped")
+    if source.preset:
+        load.notes.append(presets.describe(source.preset))
     return load, fast
 
 
@@ -832,9 +915,79 @@ def _reader_kept(con: duckdb.DuckDBPyConnection, staged: Staged, file_no: int) -
     return (not staged.exact_lines or records == staged.lines) and (not staged.clean_only or refused == 0)
 
 
+def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any]]:
+    """The staged relation with the source's mapping applied, as ``line, raw, problem, <field>_raw``:
+    null tokens (a trimmed text equal to one is NULL), paths into JSON held in a cell, expressions
+    (over the ``x<i>_raw`` columns they read) and value maps (a text in the map is replaced, any other
+    passes unchanged). A value an expression cannot read as the number or timestamp it needs, or a
+    cell a path reads that holds no JSON, becomes the record's problem, so it is quarantined. Every
+    text of the incident file is a parameter. The staged relation itself when there is nothing to apply."""
+    if not (source.null_tokens or source.values or source.expressions or staged.cells):
+        return staged.relation, {}
+    params: dict[str, Any] = {}
+
+    def param(value: Any) -> str:
+        name = f"kvf_map{len(params)}"
+        params[name] = value
+        return f"${name}"
+
+    tokens = param(list(source.null_tokens)) if source.null_tokens else None
+
+    def nulled(value: str) -> str:
+        return f"CASE WHEN list_contains({tokens}, trim(CAST({value} AS VARCHAR))) THEN NULL ELSE {value} END" \
+            if tokens else value
+
+    refs = _expression_refs(source)
+    keys = [*CANONICAL_REQUEST_FIELDS, *(f"x{i}" for i in range(len(refs)))]
+    inner, cell_problems = [], []
+    for key in keys:
+        value = nulled(f"{key}_raw")
+        if key in staged.cells:
+            cell_problems.append(f"WHEN {value} IS NOT NULL AND NOT json_valid({value}) "
+                                 f"THEN {param(f'{_field_label(key, refs)}: the cell holds no JSON: ')} "
+                                 f"|| left(CAST({value} AS VARCHAR), 40)")
+            value = nulled(f"CASE WHEN json_valid({value}) THEN json_extract_string({value}, {param(staged.cells[key])}) END")
+        inner.append(f"{value} AS {key}_v")
+    problem = f"coalesce(problem, CASE {' '.join(cell_problems)} END)" if cell_problems else "problem"
+    fields, read_problems = [], []
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        expression = source.expressions.get(canonical)
+        if expression is not None:
+            slots = [f"x{refs.index(ref)}_v" for ref in expression.refs]
+            value = "CAST((" + expression.sql(lambda i, kind: read_as(slots[i], kind),
+                                               functools.partial(bind_literal, params)) + ") AS VARCHAR)"
+            for i, kind in expression.uses:
+                if kind in (NUMBER, TIMESTAMP):
+                    what = f"columns.{canonical}: {expression.refs[i]} is not a {kind}: '"
+                    read_problems.append(f"WHEN {slots[i]} IS NOT NULL AND {read_as(slots[i], kind)} IS NULL "
+                                         f"THEN {param(what)} || left({slots[i]}, 40) || {param(chr(39))}")
+        else:
+            value = f"{canonical}_v"
+        if canonical in source.values:
+            table = source.values[canonical]
+            text = f"CAST({value} AS VARCHAR)"
+            value = (f"coalesce(list_extract({param(list(table.values()))}, "
+                     f"list_position({param(list(table))}, trim({text}))), {text})")
+        fields.append(f"{value} AS {canonical}_raw")
+    if read_problems:
+        problem_out = f"coalesce(problem, CASE {' '.join(read_problems)} END)"
+    else:
+        problem_out = "problem"
+    relation = (f"(SELECT line, raw, {problem_out} AS problem, {', '.join(fields)} FROM "
+                f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation}))")
+    return relation, params
+
+
+def _field_label(key: str, refs: list[str]) -> str:
+    """How a staged key is named in a reason: the canonical field, or the column an expression reads."""
+    return key if key in CANONICAL_REQUEST_FIELDS else refs[int(key[1:])]
+
+
 def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged, file_no: int) -> None:
-    text = sql("requests_typed").replace("{staging}", staged.relation)
-    params = {**staged.params, "file_no": file_no, "tz": source.timezone, "offset_s": source.clock_offset_s}
+    relation, mapping_params = _mapped_relation(source, staged)
+    text = sql("requests_typed").replace("{staging}", relation)
+    params = {**staged.params, **mapping_params, "file_no": file_no, "tz": source.timezone,
+              "offset_s": source.clock_offset_s}
     run_script(con, "requests_typed", params, text=text)
     n = {"n": file_no}
     for before, after in staged.rewrites.items():
@@ -897,6 +1050,6 @@ def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source, file_no: in
     """Name the source column in 'missing required field' reasons, so the fix is obvious."""
     for canonical in CANONICAL_REQUEST_FIELDS:
         col = source.columns.get(canonical)
-        if col:
+        if col and canonical not in source.expressions:
             con.execute(MISSING, {"col": col, "n": file_no,
                                   "missing": f"missing required field '{canonical}'"}).fetchall()

@@ -39,6 +39,12 @@ def _df(con: duckdb.DuckDBPyConnection, q: str, params: dict | None = None) -> p
     return con.execute(q, params).df() if params else con.execute(q).df()
 
 
+def without_na(df: pd.DataFrame) -> pd.DataFrame:
+    """The frame with every missing value (NA, NaN, NaT) as None: templates test values for truth,
+    and ``bool(pd.NA)`` raises where ``bool(None)`` is simply false."""
+    return df.astype(object).where(df.notna(), None)
+
+
 def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
     """One table of events from every source, UTC, in time order."""
     rows: list[dict[str, Any]] = []
@@ -143,9 +149,10 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
         FROM affected_responses a LEFT JOIN possible_sources p ON p.affected_request_id = a.request_id
         GROUP BY a.request_id ORDER BY a.request_id""")
     return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
-                      accounts=accounts, models=models, latency=latency, rules=rules, behaviour=behaviour,
-                      load_report=load_report, quarantine_reasons=qreasons, capacity=capacity,
-                      sources_per_response=per_response)
+                      accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),
+                      rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
+                      quarantine_reasons=without_na(qreasons), capacity=without_na(capacity),
+                      sources_per_response=without_na(per_response))
 
 
 def hourly_affected(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:

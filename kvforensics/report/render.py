@@ -28,8 +28,13 @@ def chart_svg(chart: Any) -> str:
     return vlc.vegalite_to_svg(chart.to_json())
 
 
+def _missing(value: Any) -> bool:
+    """None, pandas' NA and NaT, or a float NaN: a value the evidence does not have."""
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and value != value)
+
+
 def _fmt_ts(value: Any) -> str:
-    if value is None or (isinstance(value, float) and pd.isna(value)) or value is pd.NaT:
+    if _missing(value):
         return ""
     if isinstance(value, str):
         return value
@@ -39,7 +44,7 @@ def _fmt_ts(value: Any) -> str:
 
 
 def _fmt_num(value: Any, digits: int = 0) -> str:
-    if value is None or (isinstance(value, float) and pd.isna(value)):
+    if _missing(value):
         return ""
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -53,12 +58,23 @@ def _fmt_num(value: Any, digits: int = 0) -> str:
         return str(value)
 
 
+def _fmt_fixed(value: Any, digits: int = 1) -> str:
+    """A number with exactly ``digits`` decimals; empty when missing."""
+    if _missing(value):
+        return ""
+    try:
+        return f"{float(value):.{digits}f}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
 def _env(autoescape: bool) -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined,
                       autoescape=select_autoescape(["html", "j2"]) if autoescape else False,
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["ts"] = _fmt_ts
     env.filters["num"] = _fmt_num
+    env.filters["fixed"] = _fmt_fixed
     env.filters["md"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
     return env
 
@@ -133,6 +149,7 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     env = _env(False)
     template = env.get_template("notice.md.j2")
     rows = _notice_rows(con)
+    conclusive = not con.execute("SELECT count(*) FROM inconclusive_reasons").fetchall()[0][0]
     # every account's received responses in one query (not one per account), grouped here
     received_by_account: dict[object, list[dict]] = {}
     for rec in con.execute("""SELECT account_id, request_id, ts, model, prompt_tokens, confidence
@@ -148,7 +165,7 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         folder = out_dir / "notices" / ("customers" if cls == "customer" else cls)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / safe_filename(str(account_id))
-        path.write_text(template.render(incident=incident, account_id=account_id, account_class=cls,
+        path.write_text(template.render(incident=incident, conclusive=conclusive, account_id=account_id, account_class=cls,
                                         roles=roles, received=received_by_account.get(account_id, [])),
                         encoding="utf-8")
         written.append(path)

@@ -167,3 +167,11 @@ CREATE TABLE IF NOT EXISTS ingest_notes (
     kind              VARCHAR NOT NULL,       -- warning | assumption
     note              VARCHAR NOT NULL
 );
+
+-- Why the evidence cannot support this run's answer (kvforensics/conclusive.py): empty = conclusive.
+CREATE TABLE IF NOT EXISTS inconclusive_reasons (
+    n                 INTEGER NOT NULL,       -- order of report
+    code              VARCHAR NOT NULL,       -- stable: the check in sql/conclusive.sql
+    message           VARCHAR NOT NULL,       -- one line: what was seen and what to do
+    evidence          JSON                    -- the numbers behind it
+);

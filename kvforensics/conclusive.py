@@ -1,0 +1,145 @@
+"""The conclusiveness gate: does this run's evidence support its answer?
+
+An investigation that found nothing because its evidence never arrived (every gateway record
+quarantined, engine logs on the wrong clock, instance names that match nothing) must not read as an
+all-clear. After scope, every check of ``sql/conclusive.sql`` runs on the evidence database; each
+``-- reason: <code>`` statement returns one row per problem, with a one-line ``message`` (what was
+seen, what to do) and the numbers behind it. The reasons go to the ``inconclusive_reasons`` table,
+``scope.json``, the manifest, the console and the top of the report; ``kvforensics run`` then exits 3.
+
+The checks are data: a new reason is a new statement in the SQL file. ``RULE_FIELDS`` says which
+optional request fields each rule cannot do without (a group is missing when all of its fields are).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+import duckdb
+
+from kvforensics.db import parameters_used, sql, statements
+from kvforensics.scope import iso
+
+DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
+
+# Optional canonical request fields each rule needs: one tuple per need, satisfied by any of its
+# fields. Fields a rule reads with a fallback are listed in RULE_FIELDS_WITH_FALLBACK instead
+# (tests/test_conclusive.py checks that every optional field a rule's SQL reads is in one of them).
+RULE_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "prefill_too_fast": (("ttft_ms", "latency_ms"),),  # time to first token, or end-to-end latency bounding it
+}
+RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
+    "prefill_too_fast": ("cached_tokens", "completion_tokens"),          # taken as 0 when missing
+    "prompt_exceeds_kv_pool": ("prefill_instance", "decode_instance"),  # the model's prefill pools then
+}
+
+_REASON = re.compile(r"^--\s*reason:\s*([a-z_]+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Check:
+    code: str
+    sql: str
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    message: str
+    evidence: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "evidence": self.evidence}
+
+
+@cache
+def _script() -> tuple[tuple[str, ...], tuple[Check, ...]]:
+    """The preparing statements and the checks of ``sql/conclusive.sql``, in file order."""
+    prelude: list[str] = []
+    checks: list[Check] = []
+    for stmt in statements(sql("conclusive")):
+        m = _REASON.search(stmt)
+        if m:
+            checks.append(Check(m.group(1), stmt))
+        elif checks:
+            raise ValueError("sql/conclusive.sql: a statement after the first check has no '-- reason:' line")
+        else:
+            prelude.append(stmt)
+    return tuple(prelude), tuple(checks)
+
+
+def checks() -> tuple[Check, ...]:
+    return _script()[1]
+
+
+def codes() -> tuple[str, ...]:
+    """Every reason code the gate can give, in the order it reports them."""
+    return tuple(c.code for c in checks())
+
+
+def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> dict[str, Any]:
+    needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
+    return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return iso(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _execute(con: duckdb.DuckDBPyConnection, stmt: str, params: dict[str, Any]) -> duckdb.DuckDBPyConnection:
+    used = parameters_used(stmt)
+    return con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
+
+
+def evaluate(con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = None,
+             only: tuple[str, ...] | None = None) -> list[Reason]:
+    """Run the checks (``only`` these codes, else all) on a scoped evidence database."""
+    params = params or parameters()
+    prelude, all_checks = _script()
+    for stmt in prelude:
+        _execute(con, stmt, params).fetchall()
+    reasons: list[Reason] = []
+    for check in all_checks:
+        if only is not None and check.code not in only:
+            continue
+        if check.code == "rule_field_missing" and not params.get("needs"):
+            continue
+        cur = _execute(con, check.sql, params)
+        names = [d[0] for d in cur.description]
+        for row in cur.fetchall():
+            rec = dict(zip(names, row))
+            message = str(rec.pop("message") or check.code)
+            reasons.append(Reason(check.code, message, {k: _plain(v) for k, v in rec.items()}))
+    return reasons
+
+
+def record(con: duckdb.DuckDBPyConnection, reasons: list[Reason]) -> None:
+    """Replace the ``inconclusive_reasons`` table's rows with these."""
+    con.execute("DELETE FROM inconclusive_reasons").fetchall()
+    for i, r in enumerate(reasons, 1):
+        con.execute("INSERT INTO inconclusive_reasons VALUES ($n, $c, $m, $e)",
+                    {"n": i, "c": r.code, "m": r.message, "e": json.dumps(r.evidence)}).fetchall()
+
+
+def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> list[Reason]:
+    """Evaluate every check and record the reasons; empty when the run is conclusive."""
+    reasons = evaluate(con, parameters(max_quarantine_fraction))
+    record(con, reasons)
+    return reasons
+
+
+def recorded(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """The reasons recorded by the last gate, as ``scope.json`` lists them."""
+    return [{"code": c, "message": m, "evidence": json.loads(e) if e else {}}
+            for c, m, e in con.execute("SELECT code, message, evidence FROM inconclusive_reasons ORDER BY n").fetchall()]

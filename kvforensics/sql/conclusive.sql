@@ -1,0 +1,208 @@
+-- The conclusiveness gate: can this run's evidence support its answer? Runs on the evidence
+-- database after scope. The statements before the first check prepare what the checks share;
+-- each `-- reason: <code>` statement is one check and returns one row per problem found: `message`
+-- (one line: what was seen and what to do) and the numbers behind it (every other column).
+-- Parameters: $max_quarantine_fraction; $needs, a list of {rule, fields}: a rule cannot judge a
+-- model's responses when every field of its group is NULL for all of them.
+
+-- timestamps in messages: UTC ISO-8601 to the second
+CREATE OR REPLACE TEMP MACRO gate_ts(t) AS coalesce(strftime(t, '%Y-%m-%dT%H:%M:%SZ'), 'still running');
+
+-- a list of untrusted names for a message: the first three, quoted, and how many more
+CREATE OR REPLACE TEMP MACRO gate_names(names) AS
+    array_to_string(list_transform(names[1:3], lambda x: '''' || left(x, 80) || ''''), ', ')
+    || CASE WHEN len(names) > 3 THEN format(' and {:,} more', len(names) - 3) ELSE '' END;
+
+-- exposure windows that can be placed (a model and a start time; a start-up lacking them is a
+-- reason of its own); start-ups the engine refused never served
+CREATE OR REPLACE TEMP TABLE gate_windows AS
+SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length
+FROM capacity
+WHERE kv_pool_tokens < context_length AND model IS NOT NULL AND valid_from IS NOT NULL
+  AND NOT coalesce(startup_refused, false);
+
+-- reason: quarantine_share
+WITH per_source AS (
+    SELECT source, sum(records_read) AS records_read, sum(quarantined) AS quarantined
+    FROM load_report WHERE kind = 'requests' GROUP BY source
+), reasons AS (
+    -- a reason without the value it quotes, so one mapping problem counts once
+    SELECT source, regexp_replace(reason, ': ''.*$', '') AS reason, count(*) AS records
+    FROM quarantine GROUP BY 1, 2
+), top AS (
+    SELECT *, row_number() OVER (PARTITION BY source ORDER BY records DESC, reason) AS k FROM reasons
+)
+SELECT format('requests source ''{}'': {:,} of {:,} records quarantined ({:.1f}%, above max_quarantine_fraction {:.1f}%), '
+              || 'most often "{}" ({:,}): fix the source''s mapping (columns, value maps, null tokens) so these '
+              || 'records load, or raise [settings] max_quarantine_fraction if losing them is acceptable',
+              p.source, p.quarantined, p.records_read, 100.0 * p.quarantined / p.records_read,
+              100.0 * $max_quarantine_fraction, coalesce(t.reason, 'unknown'), coalesce(t.records, 0)) AS message,
+       p.source, p.records_read, p.quarantined, round(p.quarantined / p.records_read, 4) AS fraction,
+       $max_quarantine_fraction AS max_quarantine_fraction, t.reason AS top_reason, t.records AS top_reason_records
+FROM per_source p LEFT JOIN top t ON t.source = p.source AND t.k = 1
+WHERE p.records_read > 0 AND p.quarantined > $max_quarantine_fraction * p.records_read
+ORDER BY p.source;
+
+-- reason: truncated_file
+WITH notes AS (
+    SELECT source, kind, file, list_filter(string_split(notes, '; '),
+                                           lambda x: regexp_matches(x, 'ends early|truncated after line'))[1] AS note
+    FROM load_report WHERE notes IS NOT NULL
+)
+SELECT format('{} file ''{}'' of source ''{}'' is incomplete ({}): whatever it held after that point is missing; '
+              || 'collect the complete file and run again', kind, regexp_extract(file, '[^/]+$'), source, note) AS message,
+       source, kind, file, note
+FROM notes WHERE note IS NOT NULL
+ORDER BY source, file;
+
+-- reason: no_requests
+SELECT format('no request in the analysed period ({:,} records read from requests sources, {:,} loaded, {:,} quarantined): '
+              || 'no answer can be given; check the requests sources'' paths, mapping and [scope] start/end '
+              || '(quarantine.csv says why records were refused)', n_read, n_loaded, n_quarantined) AS message,
+       n_read AS records_read, n_loaded AS requests_loaded, n_quarantined AS quarantined, 0 AS requests_analysed
+FROM (SELECT (SELECT coalesce(sum(records_read), 0) FROM load_report WHERE kind = 'requests') AS n_read,
+             (SELECT count(*) FROM requests) AS n_loaded,
+             (SELECT coalesce(sum(quarantined), 0) FROM load_report WHERE kind = 'requests') AS n_quarantined,
+             (SELECT count(*) FROM analysed_requests) AS n_analysed)
+WHERE n_analysed = 0;
+
+-- reason: model_without_capacity
+WITH served AS (SELECT DISTINCT model FROM capacity WHERE model IS NOT NULL),
+unserved AS (SELECT list(DISTINCT coalesce(engine_model, '?') ORDER BY coalesce(engine_model, '?')) AS names
+             FROM capacity WHERE model IS NULL OR model NOT IN (SELECT model FROM analysed_requests))
+SELECT format('model ''{}'': {:,} requests (largest prompt {:,} tokens) but no engine start-up serves it, so its KV pool '
+              || 'is unknown and none of its responses can be judged against one; add its engine logs, or map the '
+              || 'engine''s model name to it with [models] aliases{}', r.model, count(*), max(r.prompt_tokens),
+              CASE WHEN len(any_value(u.names)) > 0
+                   THEN ' (the engine logs name ' || gate_names(any_value(u.names)) || ')' ELSE '' END) AS message,
+       r.model, count(*) AS requests, max(r.prompt_tokens) AS largest_prompt
+FROM analysed_requests r CROSS JOIN unserved u
+WHERE r.model NOT IN (SELECT model FROM served)
+GROUP BY r.model
+ORDER BY r.model;
+
+-- reason: startup_incomplete
+WITH requested AS (SELECT DISTINCT model FROM analysed_requests),
+missing AS (
+    SELECT c.instance, c.source_file, c.source_line,
+           list_filter([CASE WHEN c.model IS NULL THEN 'model' END,
+                        CASE WHEN c.valid_from IS NULL THEN 'start time' END,
+                        CASE WHEN c.kv_pool_tokens IS NULL THEN 'KV pool size' END,
+                        CASE WHEN c.context_length IS NULL THEN 'context length' END], lambda x: x IS NOT NULL) AS what
+    FROM capacity c
+    WHERE NOT coalesce(c.startup_refused, false)
+      -- a start-up of an unknown model may serve any; one of a model nobody requested cannot matter
+      AND (c.model IS NULL OR (c.model IN (SELECT model FROM requested)
+           AND (c.valid_from IS NULL OR c.kv_pool_tokens IS NULL OR c.context_length IS NULL)))
+)
+SELECT format('engine instance ''{}'': {:,} start-up(s) without a {} (first at {} line {}): whether and when it was exposed '
+              || 'cannot be told; check that its log holds the whole start-up (server_args, KV cache allocation) '
+              || 'and set the source''s model, timezone or year where the log does not say', instance, count(*),
+              array_to_string(list_sort(list_distinct(flatten(list(what)))), ', '), regexp_extract(min(source_file), '[^/]+$'),
+              coalesce(CAST(min(source_line) AS VARCHAR), '?')) AS message,
+       instance, count(*) AS startups, list_sort(list_distinct(flatten(list(what)))) AS missing
+FROM missing
+GROUP BY instance
+ORDER BY instance;
+
+-- reason: window_without_requests
+SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {:,}) from {} to {} holds no loaded '
+              || 'request of its model: the gateway log does not cover it, or names the model differently; add the '
+              || 'gateway logs of that period or map the model names', w.instance, w.role, w.model, w.kv_pool_tokens,
+              w.context_length, gate_ts(w.valid_from), gate_ts(w.valid_to)) AS message,
+       w.instance, w.role, w.model, w.valid_from AS start, w.valid_to AS "end", w.kv_pool_tokens AS pool_tokens,
+       w.context_length
+FROM gate_windows w CROSS JOIN analysis_period p
+WHERE (p.period_end IS NULL OR w.valid_from < p.period_end)
+  AND (p.period_start IS NULL OR w.valid_to IS NULL OR w.valid_to > p.period_start)
+  AND NOT EXISTS (SELECT 1 FROM analysed_requests r
+                  WHERE r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to))
+ORDER BY w.valid_from, w.instance;
+
+-- reason: rule_field_missing
+WITH in_windows AS (
+    -- successful requests in an exposure window of their model (the ones the rules judge)
+    SELECT w.model, count(DISTINCT r.request_id) AS requests,
+           count(r.ttft_ms) AS ttft_ms, count(r.latency_ms) AS latency_ms, count(r.cached_tokens) AS cached_tokens,
+           count(r.completion_tokens) AS completion_tokens, count(r.prefill_instance) AS prefill_instance,
+           count(r.decode_instance) AS decode_instance
+    FROM gate_windows w
+    JOIN analysed_requests r ON r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to)
+    WHERE r.status BETWEEN 200 AND 299
+    GROUP BY w.model
+), present AS (
+    UNPIVOT (SELECT * EXCLUDE (requests) FROM in_windows) ON COLUMNS(* EXCLUDE (model)) INTO NAME field VALUE n
+), needs AS (
+    SELECT n.rule, n.fields, unnest(n.fields) AS field FROM (SELECT unnest($needs) AS n)
+)
+SELECT format('model ''{}'': {} empty for all {:,} successful requests in its exposure windows, so rule {} cannot judge '
+              || 'them; map the field in the requests source''s columns (or a preset), or check its null tokens',
+              p.model, array_to_string(n.fields, ' and '), any_value(w.requests), n.rule) AS message,
+       p.model, n.rule, n.fields, any_value(w.requests) AS requests
+FROM needs n JOIN present p USING (field) JOIN in_windows w ON w.model = p.model
+GROUP BY p.model, n.rule, n.fields
+HAVING sum(p.n) = 0
+ORDER BY p.model, n.rule;
+
+-- reason: unknown_instances
+WITH named AS (
+    SELECT 'prefill_instance' AS field, prefill_instance AS instance FROM analysed_requests WHERE prefill_instance IS NOT NULL
+    UNION ALL
+    SELECT 'decode_instance', decode_instance FROM analysed_requests WHERE decode_instance IS NOT NULL
+), unknown AS (
+    SELECT field, instance, count(*) AS requests FROM named
+    WHERE instance NOT IN (SELECT instance FROM capacity) GROUP BY 1, 2
+), known AS (SELECT list(DISTINCT instance ORDER BY instance) AS names FROM capacity)
+SELECT format('{:,} requests name {:,} {} value(s) that no engine log knows ({}){}: their KV pools cannot be looked '
+              || 'up; map the names with [instances] match, or add those instances'' engine logs',
+              sum(u.requests), count(*), u.field, gate_names(list(u.instance ORDER BY u.requests DESC, u.instance)),
+              CASE WHEN len(any_value(k.names)) > 0
+                   THEN '; the engine logs know ' || gate_names(any_value(k.names)) ELSE '; there are no engine logs' END)
+           AS message,
+       u.field, count(*) AS instances, sum(u.requests) AS requests,
+       list(u.instance ORDER BY u.requests DESC, u.instance)[1:10] AS examples
+FROM unknown u CROSS JOIN known k
+GROUP BY u.field
+ORDER BY u.field DESC;
+
+-- reason: affected_outside_window
+WITH outside AS (
+    SELECT a.model, a.ts FROM affected_responses a
+    WHERE NOT EXISTS (SELECT 1 FROM gate_windows w
+                      WHERE w.model = a.model AND a.ts >= w.valid_from AND (w.valid_to IS NULL OR a.ts < w.valid_to))
+), spans AS (
+    SELECT model, count(*) AS windows, min(valid_from) AS first_start,
+           CASE WHEN bool_or(valid_to IS NULL) THEN NULL ELSE max(valid_to) END AS last_end
+    FROM gate_windows GROUP BY model
+)
+SELECT format('model ''{}'': {:,} affected responses ({} to {}) lie outside every exposure window of the model ({}): '
+              || 'the gateway and engine-log clocks disagree (check each source''s timezone and clock_offset_s) or the '
+              || 'exposure came from elsewhere; windows and sources are unreliable until this is explained',
+              o.model, count(*), gate_ts(min(o.ts)), gate_ts(max(o.ts)),
+              CASE WHEN any_value(s.windows) IS NULL THEN 'it has none'
+                   ELSE format('{:,} window(s), {} to {}', any_value(s.windows), gate_ts(any_value(s.first_start)),
+                               gate_ts(any_value(s.last_end))) END) AS message,
+       o.model, count(*) AS responses, min(o.ts) AS first, max(o.ts) AS last,
+       any_value(s.first_start) AS windows_start, any_value(s.last_end) AS windows_end
+FROM outside o LEFT JOIN spans s ON s.model = o.model
+GROUP BY o.model
+ORDER BY o.model;
+
+-- reason: requests_outside_startups
+SELECT format('{:,} requests name prefill instance ''{}'' from {} to {}, when no start-up in its engine log covers them: '
+              || 'its KV pool then is unknown; add the missing part of its log, or check the engine log''s timezone '
+              || 'and clock_offset_s', g.requests, g.instance, gate_ts(g.start), gate_ts(g."end")) AS message,
+       g.instance, g.requests, g.start, g."end"
+FROM log_gaps g
+WHERE g.source = 'engine_log' AND g.instance IN (SELECT instance FROM capacity)
+ORDER BY g.start, g.instance;
+
+-- reason: gateway_gap
+SELECT format('requests source ''{}'' has no records from {} to {} ({}), inside an exposure window: responses served '
+              || 'then cannot be judged; collect the missing gateway logs', g.source, gate_ts(g.start),
+              gate_ts(g."end"), g.description) AS message,
+       g.source, g.start, g."end"
+FROM log_gaps g
+WHERE g.instance IS NULL
+  AND EXISTS (SELECT 1 FROM gate_windows w WHERE g."end" > w.valid_from AND (w.valid_to IS NULL OR g.start < w.valid_to))
+ORDER BY g.source, g.start;
