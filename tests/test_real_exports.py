@@ -185,6 +185,30 @@ def test_a_preset_and_a_few_lines_give_exactly_the_simulated_affected_set(
     assert scope["affected_accounts"] == len(truth["affected_accounts"])
 
 
+def test_nothing_is_lost_and_the_outputs_verify(investigated: tuple[int, Path, dict]) -> None:
+    _, out, _ = investigated
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM quarantine").fetchone() == (0,)
+    notes = [n for (n,) in con.execute("SELECT note FROM ingest_notes").fetchall()]
+    assert not [n for n in notes if "engine timestamps differ" in n]  # timezone declared right
+    assert main(["verify", str(out)]) == 0
+
+
+def test_a_wrong_engine_timezone_is_reported_and_the_envelope_clock_decides(
+    exported: tuple[Path, dict],
+) -> None:
+    data, truth = exported
+    out = data.parent / "engine-zone-wrong"
+    assert investigate(data, WITH_PRESET.replace('"America/Los_Angeles"', '"UTC"'), out) == 0
+    assert affected_ids(out) == {a["request_id"] for a in truth["affected"]}
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    notes = [n for (n,) in con.execute("SELECT note FROM ingest_notes").fetchall()]
+    # the pods print Pacific daylight time (UTC-7) that the source declares UTC: off by +7 h
+    assert {"loki", "kubectl"} <= {
+        n.split(":")[0] for n in notes if "differ from the" in n and "+7.00 h" in n
+    }
+
+
 def test_traps_are_not_counted(investigated: tuple[int, Path, dict]) -> None:
     _, out, truth = investigated
     flagged = affected_ids(out)
