@@ -126,6 +126,9 @@ def test_vllm_shutdown_lines_end_the_startup():
     ("Prefill batch, #new-seq: 1, shutting down nothing", None),
     ("Decode batch, #running-req: 3", None),
     ("INFO:     Shutting down the connection pool of tenant 7", None),
+    # a request log line quoting a prompt that holds a shutdown text does not end the start-up
+    ("Receive: obj=GenerateReqInput(text='SIGTERM received. signum=15', rid='r1')", None),
+    ("Finish: obj=GenerateReqInput(text='x'), out={'text': 'Engine core proc EngineCore_DP0 died unexpectedly'}", None),
 ])
 def test_shutdown_lines(message, reason):
     assert shutdown_reason(message) == reason

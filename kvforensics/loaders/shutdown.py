@@ -49,19 +49,21 @@ SHUTDOWN_NEEDLES = (
     "KeyboardInterrupt",
 )
 
+# Each pattern must match at the start of the message (after an optional level such as "INFO:     "):
+# a request log line quoting a prompt that contains one of these texts must not end a start-up.
+_LEVEL = re.compile(r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL|FATAL):?\s+)?")
 _SHUTDOWN_LINES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"\bSIGTERM received\b"), "SIGTERM received"),
-    (re.compile(r"\bSIGQUIT received\b|\bReceived sigquit from a child process\b"),
-     "a child process failed (SIGQUIT)"),
-    (re.compile(r"\b(?P<who>Scheduler|TokenizerManager|DetokenizerManager|DataParallelController) hit an exception\b"),
+    (re.compile(r"SIGTERM received\b"), "SIGTERM received"),
+    (re.compile(r"SIGQUIT received\b|Received sigquit from a child process\b"), "a child process failed (SIGQUIT)"),
+    (re.compile(r"(?P<who>Scheduler|TokenizerManager|DetokenizerManager|DataParallelController) hit an exception\b"),
      "fatal exception"),
-    (re.compile(r"\bShutting down FastAPI HTTP server\b|\[shutdown\] API server: shutting down FastAPI HTTP server"),
+    (re.compile(r"Shutting down FastAPI HTTP server\b|\[shutdown\] API server: shutting down FastAPI HTTP server"),
      "API server shutting down"),
-    (re.compile(r"\bAsyncLLMEngine has failed, terminating server process\b"), "engine failed, server terminated"),
-    (re.compile(r"\bEngine core proc \S+ died unexpectedly\b"), "engine core died"),
-    (re.compile(r"^(?:INFO:\s+)?(?:Shutting down|Waiting for application shutdown\.|Application shutdown complete\."
+    (re.compile(r"AsyncLLMEngine has failed, terminating server process\b"), "engine failed, server terminated"),
+    (re.compile(r"Engine core proc \S+ died unexpectedly\b"), "engine core died"),
+    (re.compile(r"(?:Shutting down|Waiting for application shutdown\.|Application shutdown complete\."
                 r"|Finished server process \[\d+\])\s*$"), "HTTP server shutting down"),
-    (re.compile(r"^KeyboardInterrupt\s*$"), "KeyboardInterrupt"),
+    (re.compile(r"KeyboardInterrupt\s*$"), "KeyboardInterrupt"),
 )
 
 
@@ -72,9 +74,9 @@ def shutdown_reason(message: str) -> str | None:
     """
     if not contains_any(message, SHUTDOWN_NEEDLES):
         return None
-    text = message.strip()
+    text = _LEVEL.sub("", message.strip(), count=1)
     for pattern, reason in _SHUTDOWN_LINES:
-        m = pattern.search(text)
+        m = pattern.match(text)
         if m is not None:
             who = m.groupdict().get("who")
             return f"{reason} ({who})" if who else reason
