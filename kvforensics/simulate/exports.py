@@ -84,6 +84,8 @@ DARK_LAUNCH_LEAD = timedelta(days=2)
 PRICES = {"target": (0.60, 2.20), "control": (0.60, 2.20), "unified": (0.23, 0.40)}
 #: SGLang's SignalHandler.sigterm_handler line (registered with add_signal_handler: no signum, no frame).
 SIGTERM_LINE = "SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
+#: ... and its sigterm_watchdog's line once no request is left, just before the process tree is killed.
+EXITING_LINE = "Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[]."
 #: LiteLLM exception class per HTTP status of a failed request.
 ERROR_CLASSES = {
     400: "ContextWindowExceededError",
@@ -173,6 +175,10 @@ def go_json(value: Any) -> str:
     return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
+def random_uuid(rng: np.random.Generator) -> str:
+    return str(uuid.UUID(bytes=rng.bytes(16), version=4))
+
+
 def k8s_name(rng: np.random.Generator, n: int) -> str:
     return "".join(K8S_ALPHABET[i] for i in rng.integers(0, len(K8S_ALPHABET), size=n))
 
@@ -185,6 +191,7 @@ class Pod:
     """One pod: one start-up of one simulated instance, and its log lines (epoch ns, text)."""
 
     name: str
+    uid: str
     deployment: str
     instance: str  # the simulator's instance slot, e.g. glm53-prefill-0
     generation: int
@@ -232,17 +239,8 @@ def shutdown_lines(sigterm_ms: int, last_ms: int, zone: ZoneInfo, rng: np.random
     """What SGLang prints between SIGTERM and exit (tokenizer manager, no rank prefix)."""
     exiting = max(sigterm_ms + int(rng.uniform(500, 5_000)), last_ms + 1)
     return [
-        LogLine(
-            sigterm_ms,
-            0,
-            envelope(sigterm_ms, zone, None, 1) + SIGTERM_LINE,
-        ),
-        LogLine(
-            exiting,
-            1,
-            envelope(exiting, zone, None, 1)
-            + "Gracefully exiting... Remaining number of requests 0. Remaining requests remaining_rids=[].",
-        ),
+        LogLine(sigterm_ms, 0, envelope(sigterm_ms, zone, None, 1) + SIGTERM_LINE),
+        LogLine(exiting, 1, envelope(exiting, zone, None, 1) + EXITING_LINE),
     ]
 
 
@@ -282,6 +280,7 @@ def build_pods(dep: Deployment, logs: dict[str, EngineLog], rng: np.random.Gener
             pods.append(
                 Pod(
                     name=f"{deployment}-{template}-{k8s_name(rng, 5)}",
+                    uid=random_uuid(rng),
                     deployment=deployment,
                     instance=instance,
                     generation=k,
@@ -301,8 +300,7 @@ def loki_labels(pod: Pod) -> dict[str, str]:
     return {
         "app": pod.deployment,
         "container": "sglang",
-        "filename": f"/var/log/pods/{NAMESPACE}_{pod.name}_{uuid.UUID(hashlib.md5(pod.name.encode()).hexdigest())}"
-        "/sglang/0.log",
+        "filename": f"/var/log/pods/{NAMESPACE}_{pod.name}_{pod.uid}/sglang/0.log",
         "job": f"{NAMESPACE}/{pod.deployment}",
         "namespace": NAMESPACE,
         "node_name": pod.node,
@@ -364,13 +362,6 @@ def account_keys(accounts: np.ndarray, seed: int) -> Keys:
     return Keys(hashed, alias, ip)
 
 
-def usage_details(cached: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": None},
-        "completion_tokens_details": None,
-    }
-
-
 def spend_log_metadata(
     status: int, error: str | None, team: str, keys: Keys, usage: dict[str, Any] | None, overhead_ms: float
 ) -> dict[str, Any]:
@@ -425,7 +416,6 @@ def spend_log_rows(
     first = np.where(served["stream"].to_numpy() & ~np.isnan(ttft), start + np.rint(np.nan_to_num(ttft)), end)
     first = np.minimum(first.astype(np.int64), end)
     overhead = np.round(rng.lognormal(np.log(4.0), 0.5, len(served)), 3)
-    sessions = rng.integers(0, 2**63, size=(len(served), 2))
     rows: list[list[Any]] = []
     renamed: dict[str, str] = {}
     record: Any
@@ -436,15 +426,18 @@ def spend_log_rows(
         ok = status == 200
         prompt = int(record.prompt_tokens) if ok else 0
         completion = int(record.completion_tokens) if ok else 0
-        usage = (
-            {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-            | usage_details(int(record.cached_tokens))
-            if ok
-            else None
-        )
+        usage = None
+        if ok:  # the OpenAI usage object SGLang returns (--enable-cache-report)
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": int(record.cached_tokens), "audio_tokens": None},
+                "completion_tokens_details": None,
+            }
         request_id = record.rid
         if not ok:  # no response object: LiteLLM keys the row by its own call id
-            request_id = str(uuid.UUID(bytes=rng.bytes(16), version=4))
+            request_id = random_uuid(rng)
             renamed[record.rid] = request_id
         price_in, price_out = PRICES[key]
         spend = round((prompt * price_in + completion * price_out) / 1e6, 10)
@@ -477,7 +470,7 @@ def spend_log_rows(
                 keys.ip[record.account],
                 {},
                 {},
-                str(uuid.UUID(int=(int(sessions[i, 0]) << 64) | int(sessions[i, 1]), version=4)),
+                random_uuid(rng),
                 "success" if ok else "failure",
                 None,
                 None,
