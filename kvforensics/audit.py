@@ -1649,12 +1649,15 @@ def audit_paths(
     server_info: Sequence[str | Path | ServerInfo] = (),
     manifest: str | Path | DeploymentManifest | None = None,
     model_aliases: Mapping[str, str] | None = None,
+    envelope: str = "auto",
 ) -> AuditReport:
     """Parse engine logs (plain, .gz, .zst; SGLang or vLLM) and audit every start-up in them.
 
     ``tz`` is the zone of the engines' naive timestamps, ``year`` the year of vLLM's year-less
     stamps, ``instance_template`` names the instance from the file (``{stem}``, ``{name}``,
-    ``{parent}``). Raises :class:`~kvforensics.errors.InputError` for an unreadable input.
+    ``{parent}``, or an envelope label ``{label:NAME}``), ``envelope`` the collection envelope
+    (``auto``: recognised; a file of several instances gives several). Raises
+    :class:`~kvforensics.errors.InputError` for an unreadable input.
     """
     from kvforensics.config import Source
     from kvforensics.loaders.engine_common import parse_engine_log
@@ -1685,10 +1688,11 @@ def audit_paths(
         parses[str(path)] = parse_engine_log(
             path,
             fmt=fmt,
-            instance=template.instance_for(path),
+            instance=lambda labels, path=path: template.instance_for(path, labels),
             tz=zone,
             year=year,
             clock_offset_s=clock_offset_s,
+            envelope=envelope,
         )
     infos = [
         i if isinstance(i, ServerInfo) else read_server_info(i, instance_template=instance_template)
@@ -1723,10 +1727,11 @@ def audit_incident(
             parses[str(path)] = parse_engine_log(
                 path,
                 fmt=source.format,
-                instance=source.instance_for(path),
+                instance=lambda labels, source=source, path=path: source.instance_for(path, labels),
                 tz=source.tz,
                 year=source.year or incident.year,
                 clock_offset_s=source.clock_offset_s,
+                envelope=source.envelope,
             )
     return audit_parses(
         parses, server_info=server_info, manifest=manifest, model_aliases=incident.model_aliases

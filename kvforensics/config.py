@@ -22,6 +22,7 @@ from kvforensics.instances import InstanceMatching, instances_from_config
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
+ENGINE_ENVELOPES = ("auto", "none", "kubectl", "cri", "docker", "loki", "cloudwatch", "journald")
 CANONICAL_REQUEST_FIELDS = (
     "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
     "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance",
@@ -31,7 +32,7 @@ CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
 CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", "role", "preset", "values", "null_tokens"}
+                "model", "year", "role", "preset", "values", "null_tokens", "envelope"}
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Source:
     expressions: Mapping[str, Any] = field(default_factory=dict)
     preset: str | None = None
     incident_file: str = ""
+    envelope: str = "auto"  # engine_log: the collection envelope (kvforensics/loaders/envelopes.py)
 
     @property
     def tz(self) -> ZoneInfo:
@@ -70,13 +72,16 @@ class Source:
             found = [Path(p) for p in globmod.glob(str(pattern), recursive=True) if Path(p).is_file()]
         return sorted(found)
 
-    def instance_for(self, file: Path) -> str:
+    def instance_for(self, file: Path, labels: Mapping[str, str] | None = None) -> str:
+        """The instance *file* (or a record of it with envelope *labels*) belongs to. ``{label:NAME}``
+        is the record's label NAME (KeyError if it has none), or the file's stem without labels."""
         name = file.name
         stem = name
         for suffix in (".gz", ".zst", ".log", ".txt", ".jsonl", ".json"):
             if stem.endswith(suffix):
                 stem = stem[: -len(suffix)]
-        return self.instance.format(stem=stem, name=name, parent=file.parent.name)
+        return self.instance.format(stem=stem, name=name, parent=file.parent.name,
+                                    label=_InstanceLabels(labels, stem))
 
     def column(self, canonical: str) -> str:
         return self.columns.get(canonical, canonical)
@@ -203,14 +208,38 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
         raise ConfigError("year must be an integer", location=where)
     instance = raw.get("instance", "{stem}")
     try:
-        instance.format(stem="x", name="x", parent="x")
-    except (KeyError, IndexError, ValueError):
-        raise ConfigError(f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}}",
-                          location=where) from None
+        instance.format(stem="x", name="x", parent="x", label=_InstanceLabels(None, "x"))
+    except (KeyError, IndexError, ValueError, AttributeError):
+        raise ConfigError(f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}} and "
+                          f"{{label:NAME}} (a label of an engine log's envelope)", location=where) from None
+    envelope = raw.get("envelope", "auto")
+    if kind != "engine_log" and "envelope" in raw:
+        raise ConfigError("envelope applies to kind \"engine_log\" only", location=where)
+    if envelope not in ENGINE_ENVELOPES:
+        raise ConfigError(f"envelope {envelope!r} is not one of {list(ENGINE_ENVELOPES)}", location=where)
+    if envelope == "none" and "{label:" in instance:
+        raise ConfigError(f"instance template {instance!r} names an envelope label but envelope = \"none\"; "
+                          "set the envelope (or \"auto\") or use {stem}, {name}, {parent}", location=where)
     return Source(name=name, kind=kind, path=path, format=fmt, timezone=tz, base_dir=base_dir,
                   columns=dict(columns), instance=instance, clock_offset_s=float(offset),
                   model=raw.get("model"), year=year, values=values, null_tokens=null_tokens,
-                  expressions=expressions, preset=raw.get("preset"), incident_file=file_label)
+                  expressions=expressions, preset=raw.get("preset"), incident_file=file_label,
+                  envelope=envelope)
+
+
+class _InstanceLabels:
+    """``{label:NAME}`` in an instance template: the envelope label NAME of a record."""
+
+    def __init__(self, labels: Mapping[str, str] | None, fallback: str) -> None:
+        self.labels = labels
+        self.fallback = fallback
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            raise ValueError("{label} needs a label name: {label:NAME}")
+        if self.labels is None:
+            return self.fallback
+        return self.labels[spec]
 
 
 def _guess_request_format(path: str) -> str | None:

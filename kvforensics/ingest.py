@@ -95,7 +95,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             if source.kind == "engine_log":
                 record, parsed = _ingest_engine_log(con, source, path, incident)
                 startups.extend((source, path, s) for s in parsed.startups)
-                result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.notes)
+                result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.all_notes())
+                result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
             elif source.kind == "changes":
                 record = _ingest_changes(con, source, path)
             else:
@@ -166,17 +167,19 @@ def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files
 
 
 def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident):
-    from kvforensics.loaders.engine_common import parse_engine_log
+    """One engine log file, which may hold several instances (an export of interleaved pods): its
+    events and quarantined lines into the database, one load report for the file's physical lines."""
+    from kvforensics.loaders.engine_common import EngineFileParse, parse_engine_file
 
     digest = file_digest(path)
-    instance = source.instance_for(path)
     year = source.year or incident.year
     derived = year is None and source.format in ("vllm", "auto")
     if derived:
         year = _year_for_yearless_stamps(con, path)
-    parsed = parse_engine_log(path, fmt=source.format, instance=instance, tz=source.tz,
-                              year=year, clock_offset_s=source.clock_offset_s)
-    if derived and any("carry no year" in n for n in parsed.notes):
+    parsed: EngineFileParse = parse_engine_file(
+        path, fmt=source.format, instance=lambda labels: source.instance_for(path, labels), tz=source.tz,
+        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope)
+    if derived and any("carry no year" in n for n in parsed.all_notes()):
         parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
                             f"modification time); set [settings] year or the source's year to override")
     events = parsed.events
@@ -196,15 +199,16 @@ def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
         con.register("events_batch", table)
         con.execute("INSERT INTO engine_events SELECT * FROM events_batch").fetchall()
         con.unregister("events_batch")
-    for q in parsed.quarantined:
+    quarantined = parsed.all_quarantined()
+    for q in quarantined:
         con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
                     {"s": source.name, "f": str(path), "l": q.line, "r": q.reason,
                      "raw": printable_raw(q.raw)}).fetchall()
-    notes = list(parsed.notes)
+    notes = parsed.all_notes()
     if not parsed.startups:
         notes.append("no engine start-up found: this file gives no KV pool size")
-    load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(parsed.quarantined),
-                    quarantined=len(parsed.quarantined), notes=notes)
+    load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(quarantined),
+                    quarantined=len(quarantined), notes=notes)
     return _record(con, source, path, digest, load), parsed
 
 

@@ -833,7 +833,8 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
     con = db.connect()
     startups = []
     for path in ALL_LOGS:
-        parse = parse_engine_log(path, fmt="auto", instance=path.stem, tz=ZoneInfo("UTC"), year=2026)
+        parse = parse_engine_log(path, fmt="auto", instance=path.stem, tz=ZoneInfo("UTC"), year=2026,
+                                 envelope="auto")  # as audit_paths reads them
         startups += [(path, s) for s in parse.startups]
         for e in parse.events:
             con.execute(

@@ -19,7 +19,7 @@ import itertools
 import re
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,6 +32,7 @@ from kvforensics.errors import InputError
 
 __all__ = [
     "EngineEvent",
+    "EngineFileParse",
     "EngineLine",
     "EngineLogParse",
     "LineStream",
@@ -43,6 +44,7 @@ __all__ = [
     "TruncatedInput",
     "flag_value",
     "open_lines",
+    "parse_engine_file",
     "parse_engine_log",
     "parse_repr_fields",
     "sniff_format",
@@ -710,20 +712,96 @@ def _parsers() -> dict[str, LineParser]:
     return {"sglang": sglang.parse_lines, "vllm": vllm.parse_lines}
 
 
+InstanceNamer = Callable[[Mapping[str, str] | None], str]
+"""Names the instance of a record from its envelope labels (None: the file's own name). Raises
+KeyError when the template names a label the record does not carry."""
+
+
+@dataclass
+class EngineFileParse:
+    """One engine log file: a parse per engine instance it holds, and what belongs to the file."""
+
+    envelope: str  # "none" or one of kvforensics.loaders.envelopes.ENVELOPES
+    instances: dict[str, EngineLogParse] = field(default_factory=dict)
+    lines_read: int = 0  # physical lines of the file
+    quarantined: list[QuarantinedLine] = field(default_factory=list)  # envelope records that could not be read
+    notes: list[str] = field(default_factory=list)  # about the file as a whole
+    warnings: list[str] = field(default_factory=list)  # notes a responder must see (e.g. a clock disagreement)
+
+    @property
+    def startups(self) -> list[StartupRecord]:
+        return [s for parse in self.instances.values() for s in parse.startups]
+
+    @property
+    def events(self) -> list[EngineEvent]:
+        return [e for parse in self.instances.values() for e in parse.events]
+
+    def all_quarantined(self) -> list[QuarantinedLine]:
+        """Every quarantined physical line once (the reasons of one line's pieces joined), by line."""
+        by_line: dict[int, QuarantinedLine] = {}
+        for q in itertools.chain(self.quarantined, *(p.quarantined for p in self.instances.values())):
+            held = by_line.get(q.line)
+            if held is None:
+                by_line[q.line] = q
+            elif q.reason not in held.reason:
+                by_line[q.line] = QuarantinedLine(q.line, f"{held.reason}; {q.reason}", held.raw)
+        return [by_line[k] for k in sorted(by_line)]
+
+    def all_notes(self) -> list[str]:
+        """The file's notes, then each instance's (named when the file holds several)."""
+        notes = list(self.notes)
+        several = len(self.instances) > 1
+        for name, parse in self.instances.items():
+            for n in parse.notes:
+                add_note(notes, f"instance '{name}': {n}" if several else n)
+        return notes
+
+    def merged(self) -> EngineLogParse:
+        """All instances as one :class:`EngineLogParse` (each record still names its instance)."""
+        return EngineLogParse(startups=self.startups, events=self.events, quarantined=self.all_quarantined(),
+                              lines_read=self.lines_read, notes=self.all_notes())
+
+
 def parse_engine_log(
     path: Path,
     *,
     fmt: Literal["sglang", "vllm", "auto"] | str,
-    instance: str,
+    instance: str | InstanceNamer,
     tz: ZoneInfo,
     year: int | None = None,
     clock_offset_s: float = 0.0,
+    envelope: str = "none",
 ) -> EngineLogParse:
     """Parse one engine log file (plain, .gz or .zst) into start-ups, events and quarantined lines.
 
     ``fmt`` is ``"sglang"``, ``"vllm"`` or ``"auto"`` (decided from the first 200 lines).
     ``tz`` is the zone the engine's naive timestamps are in; ``year`` is needed for vLLM stamps
-    (``MM-DD HH:MM:SS``); ``clock_offset_s`` corrects a skewed host clock.
+    (``MM-DD HH:MM:SS``); ``clock_offset_s`` corrects a skewed host clock. ``envelope`` as in
+    :func:`parse_engine_file`; the instances of a file in an envelope are merged into one parse
+    (each record keeps its instance).
+    """
+    return parse_engine_file(path, fmt=fmt, instance=instance, tz=tz, year=year, clock_offset_s=clock_offset_s,
+                             envelope=envelope).merged()
+
+
+def parse_engine_file(
+    path: Path,
+    *,
+    fmt: Literal["sglang", "vllm", "auto"] | str,
+    instance: str | InstanceNamer,
+    tz: ZoneInfo,
+    year: int | None = None,
+    clock_offset_s: float = 0.0,
+    envelope: str = "auto",
+) -> EngineFileParse:
+    """Parse one engine log file into one :class:`EngineLogParse` per engine instance it holds.
+
+    ``envelope`` is ``"none"`` (the engine's own lines, streamed), ``"auto"`` (recognised from the
+    first lines) or one of :data:`kvforensics.loaders.envelopes.ENVELOPES`. In an envelope, the
+    envelope's clock is the time of each line (the engine's stamp is compared with it and a
+    disagreement reported), records are sorted by it per instance (stably, whatever the export's
+    order), and every line number in the result is the file's physical line. ``instance`` is the
+    instance's name, or a function naming it from a record's labels (:data:`InstanceNamer`).
     """
     parsers = _parsers()
     if fmt not in (*parsers, "auto"):
@@ -731,32 +809,59 @@ def parse_engine_log(
             f"unknown engine log format {fmt!r}; use one of: {', '.join(parsers)} or auto",
             location=str(path),
         )
+    from kvforensics.loaders.envelopes import ENVELOPES, sniff_envelope
+
+    if envelope not in ("auto", "none", *ENVELOPES):
+        raise InputError(
+            f"unknown engine log envelope {envelope!r}; use one of: auto, none, {', '.join(ENVELOPES)}",
+            location=str(path),
+        )
+    namer: InstanceNamer = (lambda _labels: instance) if isinstance(instance, str) else instance
     stream = open_lines(path)
     try:
-        lines: Iterator[EngineLine] = stream
-        if fmt == "auto":
-            head = list(itertools.islice(stream, SNIFF_LINES))
-            if not head:
-                parse = EngineLogParse(notes=["empty file: no lines to read"])
-                _add_truncation(parse, stream)
-                return parse
-            sniffed = sniff_format(t for _, t, _ in head)
-            if sniffed is None:
-                raise InputError(
-                    "cannot tell whether this is an SGLang or a vLLM log from its first "
-                    f'{len(head)} lines; set format = "sglang" or "vllm" for this source',
-                    location=str(path),
-                )
-            fmt = sniffed
+        head = list(itertools.islice(stream, SNIFF_LINES))
+        if not head:
+            result = EngineFileParse(envelope="none", notes=["empty file: no lines to read"])
+        else:
+            found = sniff_envelope(head) if envelope == "auto" else envelope
             lines = itertools.chain(head, stream)
-        parse = parsers[fmt](lines, instance=instance, tz=tz, year=year, clock_offset_s=clock_offset_s)
+            if found == "none":
+                name = namer(None)
+                parse = parsers[_engine_format(fmt, [t for _, t, _ in head], path)](
+                    lines, instance=name, tz=tz, year=year, clock_offset_s=clock_offset_s
+                )
+                result = EngineFileParse(envelope="none", instances={name: parse}, lines_read=parse.lines_read)
+            else:
+                from kvforensics.loaders.envelopes import parse_enveloped
+
+                result = parse_enveloped(
+                    found, lines, fmt=lambda texts: _engine_format(fmt, texts, path), parsers=parsers,
+                    namer=namer, tz=tz, year=year, clock_offset_s=clock_offset_s,
+                )
+                result.lines_read = stream.lines_yielded
+                if envelope == "auto":
+                    result.notes.insert(0, f"read as a {found} export (recognised from its first lines)")
     finally:
         stream.close()
-    _add_truncation(parse, stream)
-    return parse
+    _add_truncation(result, stream)
+    return result
 
 
-def _add_truncation(parse: EngineLogParse, stream: LineStream) -> None:
+def _engine_format(fmt: str, texts: Iterable[str | None], path: Path) -> str:
+    if fmt != "auto":
+        return fmt
+    head = list(itertools.islice(texts, SNIFF_LINES))
+    sniffed = sniff_format(head)
+    if sniffed is None:
+        raise InputError(
+            "cannot tell whether this is an SGLang or a vLLM log from its first "
+            f'{len(head)} lines; set format = "sglang" or "vllm" for this source',
+            location=str(path),
+        )
+    return sniffed
+
+
+def _add_truncation(parse: EngineFileParse, stream: LineStream) -> None:
     t = stream.truncated
     if t is None:
         return

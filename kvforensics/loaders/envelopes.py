@@ -1,0 +1,777 @@
+"""Engine logs in their collection envelopes: the record around each engine line, and its clock.
+
+Production rarely hands over an engine's stdout as it was written. It arrives wrapped by whatever
+collected it, one envelope per line (or per record), each with a UTC clock of its own:
+
+========== ====================================================================================
+kubectl    ``kubectl logs --timestamps``: ``<RFC3339Nano> <line>``
+cri        containerd/CRI-O files under ``/var/log/pods``: ``<RFC3339Nano> stdout|stderr F|P <line>``
+           (``P``: a partial line, continued by the next records of the same stream up to an ``F``)
+docker     Docker's json-file driver: ``{"log": "<line>\\n", "stream": "stdout", "time": "<RFC3339Nano>"}``
+           (a line over 16 KiB is split over several records; only the last ends with ``\\n``)
+loki       Grafana Loki exports: ``logcli query --output=jsonl`` lines
+           ``{"labels": {...}, "line": "...", "timestamp": "<RFC3339Nano or ns>"}``, or the HTTP API's
+           ``query_range`` response (``data.result[].stream`` labels, ``values: [["<ns>", "<line>"]]``)
+cloudwatch CloudWatch Logs: ``aws logs filter-log-events`` / ``get-log-events`` output
+           (``events: [{"timestamp": <ms>, "message": ..., "logStreamName": ...}]``), or such events
+           one per line
+journald   ``journalctl -o json`` (or ``json-pretty``): ``__REALTIME_TIMESTAMP`` (µs), ``MESSAGE``
+           (a string, or an array of byte values when it is not UTF-8), ``_HOSTNAME`` ...
+========== ====================================================================================
+
+This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
+lines, and :func:`read_envelope` turns the file's lines into :class:`EnvelopeRecord` items (one
+engine line each, with the envelope's clock and labels and the physical line it starts on) or
+:class:`~kvforensics.loaders.engine_common.QuarantinedLine` for a record whose envelope cannot be
+read. :func:`instance_key` finds the label that tells the origins (pods, hosts, streams) of an
+interleaved export apart. Sorting, parsing and mapping results back to the file are in
+:func:`kvforensics.loaders.engine_common.parse_engine_file`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from kvforensics.loaders.engine_common import (
+    SNIFF_LINES,
+    EngineFileParse,
+    EngineLine,
+    EngineLogParse,
+    InstanceNamer,
+    LineParser,
+    QuarantinedLine,
+    raw_for_quarantine,
+)
+
+__all__ = [
+    "ENVELOPES",
+    "EnvelopeRecord",
+    "instance_key",
+    "parse_enveloped",
+    "read_envelope",
+    "sniff_envelope",
+    "utc_from_ns",
+]
+
+ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald")
+"""Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
+
+ENVELOPE_CLOCKS = {
+    "kubectl": "kubectl --timestamps prefix",
+    "cri": "CRI log timestamp",
+    "docker": "Docker json-file time",
+    "loki": "Loki entry timestamp",
+    "cloudwatch": "CloudWatch event timestamp",
+    "journald": "journald __REALTIME_TIMESTAMP",
+}
+
+# Labels that name where a record came from, most specific first: interleaved origins in one file
+# are told apart by the first of these that varies (see instance_key). Labels such as a stream
+# (stdout/stderr) or a level vary within one instance and are never used.
+NATURAL_LABELS: dict[str, tuple[str, ...]] = {
+    "loki": (
+        "pod", "pod_name", "k8s_pod_name", "container", "container_name", "k8s_container_name",
+        "instance", "host", "hostname", "service_name", "job", "filename",
+    ),
+    "cloudwatch": ("logGroupName", "logStreamName"),
+    "journald": ("CONTAINER_NAME", "_HOSTNAME", "_SYSTEMD_UNIT", "SYSLOG_IDENTIFIER"),
+    "docker": ("tag", "container_name", "name"),
+}
+
+_NO_LABELS: Mapping[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class EnvelopeRecord:
+    """One engine line taken out of its envelope."""
+
+    line: int  # 1-based physical line of the file the record starts on
+    ts_ns: int | None  # the envelope's clock: UTC nanoseconds since the epoch (None: the record has none)
+    labels: Mapping[str, str]  # the record's labels / fields (pod, _HOSTNAME, logStreamName, stream ...)
+    text: str | None  # the engine line; None when its bytes are not UTF-8
+    raw: bytes  # the engine line's bytes (for quarantine)
+
+
+EnvelopeItem = EnvelopeRecord | QuarantinedLine
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def utc_from_ns(ns: int) -> datetime:
+    """The UTC instant of *ns* nanoseconds since the epoch (to the microsecond)."""
+    return _EPOCH + timedelta(microseconds=ns // 1000)
+
+
+# --------------------------------------------------------------------------------------------
+# Clocks
+# --------------------------------------------------------------------------------------------
+
+_RFC3339 = re.compile(
+    r"(?P<date>\d{4}-\d{2}-\d{2})[Tt ](?P<time>\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,9}))?"
+    r"(?P<tz>[Zz]|[+-]\d{2}:?\d{2})"
+)
+
+
+def _rfc3339_ns(value: str) -> int:
+    """Nanoseconds since the epoch of an RFC 3339 stamp with an offset; ValueError otherwise."""
+    m = _RFC3339.fullmatch(value.strip())
+    if m is None:
+        raise ValueError(f"not an RFC 3339 timestamp with an offset: {value[:60]!r}")
+    return _match_ns(m)
+
+
+def _match_ns(m: re.Match[str]) -> int:
+    base = datetime.fromisoformat(f"{m['date']}T{m['time']}").replace(tzinfo=UTC)
+    tz = m["tz"]
+    if tz not in ("Z", "z"):
+        sign = -1 if tz[0] == "-" else 1
+        digits = tz[1:].replace(":", "")
+        base -= sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+    seconds = (base - _EPOCH) // timedelta(seconds=1)
+    return seconds * 1_000_000_000 + int((m["frac"] or "0").ljust(9, "0"))
+
+
+def _epoch_ns(value: Any, unit_ns: int, what: str) -> int:
+    """An epoch count (int, or a string of digits) in units of *unit_ns* nanoseconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{what} is not an epoch count: {str(value)[:60]!r}")
+    if isinstance(value, str):
+        if not value.strip().isdigit():
+            raise ValueError(f"{what} is not an epoch count: {value[:60]!r}")
+        value = int(value)
+    ns = value * unit_ns
+    utc_from_ns(ns)  # OverflowError if outside datetime's range
+    return ns
+
+
+def _loki_ns(value: Any) -> int:
+    """Loki timestamps: nanoseconds (string or number) or RFC 3339 (logcli prints local time)."""
+    if isinstance(value, str) and not value.strip().isdigit():
+        return _rfc3339_ns(value)
+    return _epoch_ns(value, 1, "timestamp")
+
+
+# --------------------------------------------------------------------------------------------
+# Recognising an envelope from the first lines
+# --------------------------------------------------------------------------------------------
+
+_KUBECTL = re.compile(r"^" + _RFC3339.pattern + r" ")
+_CRI = re.compile(r"^(?P<ts>\S+) (?P<stream>stdout|stderr) (?P<tag>[A-Z])(?::\S*)? ?")
+SNIFF_RECORDS = 20
+
+
+def json_kind(obj: object) -> str | None:
+    """Which envelope a JSON value belongs to, from its keys; None if none."""
+    if not isinstance(obj, dict):
+        return None
+    if "log" in obj and "time" in obj:
+        return "docker"
+    if "line" in obj and "timestamp" in obj:
+        return "loki"
+    if "__REALTIME_TIMESTAMP" in obj:
+        return "journald"
+    if "message" in obj and "timestamp" in obj:
+        return "cloudwatch"
+    if isinstance(obj.get("data"), dict) and "result" in obj["data"]:
+        return "loki"
+    if isinstance(obj.get("events"), list):
+        return "cloudwatch"
+    return None
+
+
+def sniff_envelope(head: Sequence[EngineLine]) -> str:
+    """The envelope of a file from its first lines: one of :data:`ENVELOPES`, or ``"none"``.
+
+    A file is in an envelope when most of its first 20 non-blank lines are; a JSON export
+    pretty-printed over many lines is recognised by the keys its first lines hold.
+    """
+    texts = [t for _, t, _ in head if t is not None and t.strip()][:SNIFF_RECORDS]
+    if not texts:
+        return "none"
+    first = texts[0].lstrip()
+    if first.startswith(("{", "[")):
+        kinds = []
+        for t in texts:
+            try:
+                kinds.append(json_kind(json.loads(t)))
+            except ValueError:
+                kinds.append(None)
+        found = [k for k in kinds if k]
+        if found and len(found) * 2 >= len(texts):
+            return max(set(found), key=found.count)
+        joined = "\n".join(texts) + "\n" + "\n".join(t for _, t, _ in head[len(texts):] if t)
+        for key, kind in (('"__REALTIME_TIMESTAMP"', "journald"), ('"resultType"', "loki"), ('"result"', "loki"),
+                          ('"logStreamName"', "cloudwatch"), ('"events"', "cloudwatch"), ('"ingestionTime"',
+                          "cloudwatch"), ('"stream"', "docker")):
+            if key in joined:
+                return kind
+        return "none"
+    cri = sum(1 for t in texts if _CRI.match(t) and _RFC3339.fullmatch(t.split(" ", 1)[0]))
+    if cri * 2 > len(texts):
+        return "cri"
+    kubectl = sum(1 for t in texts if _KUBECTL.match(t))
+    if kubectl * 2 > len(texts):
+        return "kubectl"
+    return "none"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading records
+# --------------------------------------------------------------------------------------------
+
+
+def _split_message(line: int, ts_ns: int | None, labels: Mapping[str, str], message: str) -> Iterator[EnvelopeRecord]:
+    """One record per engine line of a message (a message may hold several lines, e.g. a traceback)."""
+    if message.endswith("\n"):
+        message = message[:-1]
+    if "\n" not in message:
+        text = message[:-1] if message.endswith("\r") else message
+        yield EnvelopeRecord(line, ts_ns, labels, text, b"")
+        return
+    for part in message.split("\n"):
+        text = part[:-1] if part.endswith("\r") else part
+        yield EnvelopeRecord(line, ts_ns, labels, text, b"")
+
+
+def _quarantine(line: int, reason: str, raw: bytes | str) -> QuarantinedLine:
+    return QuarantinedLine(line, reason, raw_for_quarantine(raw))
+
+
+def _read_kubectl(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+    for number, text, raw in lines:
+        if text is None:
+            yield EnvelopeRecord(number, None, _NO_LABELS, None, raw)
+            continue
+        m = _KUBECTL.match(text)
+        if m is None:  # a line without the prefix keeps only its own stamp
+            yield EnvelopeRecord(number, None, _NO_LABELS, text, b"")
+            continue
+        try:
+            ns = _match_ns(m)
+        except (ValueError, OverflowError):
+            yield _quarantine(number, f"bad kubectl --timestamps prefix '{m.group(0).strip()}'", raw)
+            continue
+        yield EnvelopeRecord(number, ns, _NO_LABELS, text[m.end():], b"")
+
+
+class _Partials:
+    """Join the pieces of a line split over several records, per stream, until its last piece."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, tuple[int, int, Mapping[str, str], list[str]]] = {}
+
+    def add(self, stream: str, line: int, ns: int, labels: Mapping[str, str], piece: str,
+            last: bool) -> tuple[int, int, Mapping[str, str], str] | None:
+        held = self.open.get(stream)
+        if held is None:
+            if last:
+                return line, ns, labels, piece
+            self.open[stream] = (line, ns, labels, [piece])
+            return None
+        held[3].append(piece)
+        if not last:
+            return None
+        del self.open[stream]
+        return held[0], held[1], held[2], "".join(held[3])
+
+    def rest(self) -> Iterator[tuple[int, int, Mapping[str, str], str]]:
+        """Pieces still open at the end of the file (the collector stopped mid-line)."""
+        for line, ns, labels, pieces in self.open.values():
+            yield line, ns, labels, "".join(pieces)
+        self.open.clear()
+
+
+def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+    partials = _Partials()
+    streams: dict[str, Mapping[str, str]] = {}
+    for number, text, raw in lines:
+        if text is None:
+            yield _quarantine(number, "not UTF-8 (a CRI log file is UTF-8 text)", raw)
+            continue
+        if not text.strip():
+            continue
+        m = _CRI.match(text)
+        if m is None or m["tag"] not in "FP":
+            yield _quarantine(number, "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)", raw)
+            continue
+        try:
+            ns = _rfc3339_ns(m["ts"])
+        except (ValueError, OverflowError):
+            yield _quarantine(number, f"bad CRI timestamp '{m['ts'][:40]}'", raw)
+            continue
+        stream = m["stream"]
+        labels = streams.setdefault(stream, {"stream": stream})
+        joined = partials.add(stream, number, ns, labels, text[m.end():], m["tag"] == "F")
+        if joined is not None:
+            yield EnvelopeRecord(joined[0], joined[1], joined[2], joined[3], b"")
+    for line, ns, labels, piece in partials.rest():
+        yield EnvelopeRecord(line, ns, labels, piece, b"")
+
+
+# -- JSON envelopes ----------------------------------------------------------------------------
+
+
+class _JsonRecords:
+    """Turn JSON values (one per line, or documents) into records, per envelope kind."""
+
+    def __init__(self, envelope: str) -> None:
+        self.envelope = envelope
+        self.partials = _Partials()
+        self.label_cache: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {}
+
+    def labels(self, pairs: Iterable[tuple[str, Any]]) -> Mapping[str, str]:
+        key = tuple(sorted((str(k), v if isinstance(v, str) else json.dumps(v)) for k, v in pairs))
+        cached = self.label_cache.get(key)
+        if cached is None:
+            cached = self.label_cache[key] = dict(key)
+        return cached
+
+    def records(self, obj: Any, line: int, raw: str, positions: Callable[[str, int], list[int]]
+                ) -> Iterator[EnvelopeItem]:
+        kind = json_kind(obj)
+        if kind is None:
+            if isinstance(obj, list):
+                lines = positions("element", len(obj))
+                for at, element in zip(lines, obj, strict=True):
+                    yield from self.records(element, at, json.dumps(element), lambda _k, n, at=at: [at] * n)
+                return
+            yield _quarantine(line, f"not a {self.envelope} record (a JSON value with none of its keys)", raw)
+            return
+        if kind != self.envelope:
+            yield _quarantine(line, f"a {kind} record in a {self.envelope} export", raw)
+            return
+        try:
+            yield from getattr(self, f"_{kind}")(obj, line, raw, positions)
+        except (ValueError, OverflowError, TypeError, AttributeError) as e:
+            yield _quarantine(line, f"bad {kind} record: {e}", raw)
+
+    def _docker(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
+        log, stream = obj["log"], obj.get("stream", "")
+        if not isinstance(log, str):
+            raise ValueError("'log' is not a string")
+        ns = _rfc3339_ns(str(obj["time"]))
+        attrs = obj.get("attrs")
+        extra = attrs.items() if isinstance(attrs, dict) else ()
+        labels = self.labels([("stream", stream), *extra])
+        joined = self.partials.add(str(stream), line, ns, labels, log, log.endswith("\n"))
+        if joined is not None:
+            yield from _split_message(*joined)
+
+    def _loki(self, obj: dict[str, Any], line: int, raw: str,
+              positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
+        if "line" in obj:  # logcli --output=jsonl
+            labels = obj.get("labels") or {}
+            if not isinstance(labels, dict) or not isinstance(obj["line"], str):
+                raise ValueError("'labels' is not an object or 'line' is not a string")
+            yield from _split_message(line, _loki_ns(obj["timestamp"]), self.labels(labels.items()), obj["line"])
+            return
+        streams = obj["data"]["result"]
+        if not isinstance(streams, list):
+            raise ValueError("data.result is not a list of streams")
+        total = sum(len(s.get("values") or ()) for s in streams if isinstance(s, dict))
+        lines = iter(positions("loki", total))
+        for stream in streams:
+            values = stream.get("values") if isinstance(stream, dict) else None
+            if not isinstance(values, list):
+                yield _quarantine(line, "a query_range stream without 'values' (a metric query?)", json.dumps(stream))
+                continue
+            labels = self.labels((stream.get("stream") or stream.get("metric") or {}).items())
+            for value in values:
+                at = next(lines, line)
+                try:
+                    ns, message = _loki_ns(value[0]), value[1]
+                    if not isinstance(message, str):
+                        raise ValueError("the log line is not a string")
+                except (ValueError, OverflowError, TypeError, IndexError, KeyError) as e:
+                    yield _quarantine(at, f"bad loki entry: {e}", json.dumps(value))
+                    continue
+                yield from _split_message(at, ns, labels, message)
+
+    def _cloudwatch(self, obj: dict[str, Any], line: int, raw: str,
+                    positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
+        if "message" not in obj:  # a filter-log-events / get-log-events response
+            events = obj["events"]
+            lines = positions("cloudwatch", len(events))
+            for i, event in enumerate(events):
+                at = lines[i]
+                if json_kind(event) != "cloudwatch":
+                    yield _quarantine(at, "a CloudWatch event without 'timestamp' and 'message'", json.dumps(event))
+                    continue
+                yield from self.records(event, at, json.dumps(event), positions)
+            return
+        message = obj["message"]
+        if not isinstance(message, str):
+            raise ValueError("'message' is not a string")
+        ns = _epoch_ns(obj["timestamp"], 1_000_000, "timestamp")
+        labels = self.labels((k, v) for k, v in obj.items() if k in ("logStreamName", "logGroupName"))
+        yield from _split_message(line, ns, labels, message)
+
+    def _journald(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
+        ns = _epoch_ns(obj["__REALTIME_TIMESTAMP"], 1_000, "__REALTIME_TIMESTAMP")
+        labels = self.labels((k, v) for k, v in obj.items()
+                             if isinstance(v, str) and k != "MESSAGE" and not k.startswith("__"))
+        message = obj.get("MESSAGE")
+        if message is None:
+            yield _quarantine(line, "MESSAGE is null: journalctl leaves out fields over 4096 bytes "
+                                    "(export with journalctl --all -o json)", raw)
+            return
+        if isinstance(message, list) and all(isinstance(b, int) and 0 <= b < 256 for b in message):
+            data = bytes(message)  # not UTF-8 text: an array of byte values
+            try:
+                message = data.decode("utf-8")
+            except UnicodeDecodeError:
+                for part in data.rstrip(b"\n").split(b"\n"):
+                    try:
+                        yield EnvelopeRecord(line, ns, labels, part.decode("utf-8"), b"")
+                    except UnicodeDecodeError:
+                        yield EnvelopeRecord(line, ns, labels, None, part)
+                return
+        elif isinstance(message, list):  # a field with several values
+            message = "\n".join(m if isinstance(m, str) else bytes(m).decode("utf-8", "replace") for m in message)
+        if not isinstance(message, str):
+            raise ValueError("MESSAGE is neither a string nor an array of bytes")
+        yield from _split_message(line, ns, labels, message)
+
+    def rest(self) -> Iterator[EnvelopeRecord]:
+        for joined in self.partials.rest():
+            yield from _split_message(*joined)
+
+
+# Where the arrays of records of a JSON document start. A JSON string escapes every quote, so an
+# unescaped quote followed by the key name and a colon is that key.
+_RECORD_ARRAYS = {
+    "loki": re.compile(r'(?<!\\)"values"\s*:\s*\['),
+    "cloudwatch": re.compile(r'(?<!\\)"events"\s*:\s*\['),
+}
+_WS = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
+
+
+def _element_starts(doc: str, bracket: int) -> list[int]:
+    """Offsets of the elements of the JSON array whose ``[`` is at *bracket*."""
+    out = []
+    i = _WS.match(doc, bracket + 1).end()  # type: ignore[union-attr]
+    while i < len(doc) and doc[i] != "]":
+        out.append(i)
+        _, end = _DECODER.raw_decode(doc, i)
+        i = _WS.match(doc, end).end()  # type: ignore[union-attr]
+        if i < len(doc) and doc[i] == ",":
+            i = _WS.match(doc, i + 1).end()  # type: ignore[union-attr]
+    return out
+
+
+def _read_json_lines(lines: Iterable[EngineLine], envelope: str) -> Iterator[EnvelopeItem]:
+    """JSON values one per line (Docker json-file, logcli jsonl, journalctl -o json, event lines)."""
+    reader = _JsonRecords(envelope)
+    for number, text, raw in lines:
+        if text is None:
+            yield _quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            continue
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            yield _quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
+            continue
+        yield from reader.records(obj, number, text, lambda _kind, n, at=number: [at] * n)
+    yield from reader.rest()
+
+
+def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[EnvelopeItem]:
+    """JSON documents over many lines (a query_range response, aws logs output, json-pretty)."""
+    texts = []
+    for number, text, raw in lines:
+        if text is None:
+            yield _quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            texts.append("")
+        else:
+            texts.append(text)
+    first_line = lines[0][0] if lines else 1
+    doc = "\n".join(texts)
+    starts = [0]
+    for t in texts[:-1]:
+        starts.append(starts[-1] + len(t) + 1)
+
+    def line_at(offset: int) -> int:
+        return first_line + bisect_right(starts, offset) - 1
+
+    reader = _JsonRecords(envelope)
+    ws = _WS
+    i = ws.match(doc).end()  # type: ignore[union-attr]
+    while i < len(doc):
+        try:
+            obj, end = _DECODER.raw_decode(doc, i)
+        except ValueError as e:
+            reason = f"malformed JSON document ({getattr(e, 'msg', e)} at line {line_at(getattr(e, 'pos', i))})"
+            for k in range(line_at(i) - first_line, len(texts)):
+                if texts[k].strip():
+                    yield _quarantine(first_line + k, reason, texts[k])
+            return
+        start, stop = i, end
+
+        def positions(kind: str, n: int, start: int = start, stop: int = stop) -> list[int]:
+            if kind == "element":
+                offsets = _element_starts(doc, start)
+            else:
+                offsets = [o for m in _RECORD_ARRAYS[kind].finditer(doc, start, stop)
+                           for o in _element_starts(doc, m.end() - 1)]
+            if len(offsets) != n:  # not where we looked: every record is placed at its document's start
+                return [line_at(start)] * n
+            return [line_at(o) for o in offsets]
+
+        yield from reader.records(obj, line_at(i), doc[start:stop][:1000], positions)
+        i = ws.match(doc, end).end()  # type: ignore[union-attr]
+        if i < len(doc) and doc[i] == ",":  # a stray comma between documents
+            i = ws.match(doc, i + 1).end()  # type: ignore[union-attr]
+    yield from reader.rest()
+
+
+def _read_json(lines: Iterable[EngineLine], envelope: str) -> Iterator[EnvelopeItem]:
+    it = iter(lines)
+    head: list[EngineLine] = []
+    for item in it:
+        head.append(item)
+        if item[1] is not None and item[1].strip():
+            break
+    first = head[-1][1] if head else None
+    one_per_line = False
+    if first is not None:
+        try:
+            one_per_line = isinstance(json.loads(first), dict)
+        except ValueError:
+            one_per_line = False
+    if one_per_line:
+        yield from _read_json_lines([*head, *it], envelope)
+    else:
+        yield from _read_json_document([*head, *it], envelope)
+
+
+READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
+    "kubectl": _read_kubectl,
+    "cri": _read_cri,
+    "docker": lambda lines: _read_json(lines, "docker"),
+    "loki": lambda lines: _read_json(lines, "loki"),
+    "cloudwatch": lambda lines: _read_json(lines, "cloudwatch"),
+    "journald": lambda lines: _read_json(lines, "journald"),
+}
+
+
+def read_envelope(envelope: str, lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+    """The records of a file in *envelope* (one of :data:`ENVELOPES`), in file order."""
+    return READERS[envelope](lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Telling interleaved origins apart
+# --------------------------------------------------------------------------------------------
+
+
+def instance_key(envelope: str, label_sets: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
+    """The labels that tell the origins in *label_sets* apart (empty: one origin).
+
+    A label joins the key when it varies among records the key so far does not tell apart, so
+    ``pod`` alone names pods even when ``filename`` also varies, and ``pod`` + ``container`` names a
+    pod's sidecars apart.
+    """
+    key: list[str] = []
+    groups: dict[tuple[str | None, ...], list[Mapping[str, str]]] = {(): list(label_sets)}
+    for label in NATURAL_LABELS.get(envelope, ()):
+        if not any(len({ls.get(label) for ls in members}) > 1 for members in groups.values()):
+            continue
+        key.append(label)
+        regrouped: dict[tuple[str | None, ...], list[Mapping[str, str]]] = {}
+        for ls in label_sets:
+            regrouped.setdefault(tuple(ls.get(k) for k in key), []).append(ls)
+        groups = regrouped
+    return tuple(key)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing an export: one parse per instance, in the envelope's time order, mapped back to the file
+# --------------------------------------------------------------------------------------------
+
+CLOCK_DISAGREEMENT_S = 300.0
+_LINE_REF = re.compile(r"\bline (\d+)")
+
+
+def parse_enveloped(
+    envelope: str,
+    lines: Iterable[EngineLine],
+    *,
+    fmt: Callable[[Iterable[str | None]], str],
+    parsers: Mapping[str, LineParser],
+    namer: InstanceNamer,
+    tz: ZoneInfo,
+    year: int | None,
+    clock_offset_s: float,
+) -> EngineFileParse:
+    """Read the records of an export in *envelope*, split them by instance, and parse each one.
+
+    ``fmt`` picks the engine parser from the first engine lines; ``namer`` names a record's
+    instance from its labels. The caller sets ``lines_read`` (the file's physical lines).
+    """
+    result = EngineFileParse(envelope=envelope)
+    records: list[EnvelopeRecord] = []
+    for item in read_envelope(envelope, lines):
+        if isinstance(item, EnvelopeRecord):
+            records.append(item)
+        else:
+            result.quarantined.append(item)
+    if not records:
+        result.notes.append(f"no engine line in this {envelope} export")
+        return result
+    names = _instance_names(envelope, records, namer, result)
+    groups: dict[str, list[EnvelopeRecord]] = {}
+    for r in records:
+        groups.setdefault(names[id(r.labels)], []).append(r)
+    parser = parsers[fmt(r.text for r in itertools.islice(records, SNIFF_LINES))]
+    offset = timedelta(seconds=clock_offset_s)
+    check = _ClockCheck(ENVELOPE_CLOCKS[envelope])
+    for name, group in groups.items():
+        ordered = _in_clock_order(group)
+        origin = [r.line for r in ordered]
+        clock = [_shifted(r.ts_ns, offset) for r in ordered]
+        first = next((c for c in clock if c is not None), None)
+        feed = ((seq, r.text, r.raw or (r.text or "").encode()) for seq, r in enumerate(ordered, start=1))
+        parse = parser(feed, instance=name, tz=tz, year=year if year is not None or first is None
+                       else first.astimezone(tz).year, clock_offset_s=clock_offset_s)
+        result.instances[name] = _to_file_lines(parse, origin, clock, check)
+    result.notes.extend(check.notes())
+    result.warnings.extend(check.notes())
+    return result
+
+
+def _in_clock_order(group: list[EnvelopeRecord]) -> list[EnvelopeRecord]:
+    """Records sorted by the envelope's clock, stably; a record without one stays after the one before
+    it. An export that is mostly newest first is turned round first, so that records with the same
+    clock keep the order they were written in."""
+    steps = [b.ts_ns - a.ts_ns for a, b in itertools.pairwise(group)
+             if a.ts_ns is not None and b.ts_ns is not None and a.ts_ns != b.ts_ns]
+    if sum(1 for d in steps if d < 0) * 2 > len(steps):
+        group = group[::-1]
+    keys = []
+    last = -(1 << 62)
+    ordered = True
+    for r in group:
+        key = last if r.ts_ns is None else r.ts_ns
+        ordered = ordered and key >= last
+        keys.append(key)
+        last = key
+    if ordered:
+        return group
+    return [group[i] for i in sorted(range(len(group)), key=keys.__getitem__)]
+
+
+def _shifted(ns: int | None, offset: timedelta) -> datetime | None:
+    if ns is None:
+        return None
+    try:
+        return utc_from_ns(ns) + offset
+    except OverflowError:
+        return None
+
+
+def _instance_names(envelope: str, records: list[EnvelopeRecord], namer: InstanceNamer,
+                    result: EngineFileParse) -> dict[int, str]:
+    """The instance of each distinct label set (by identity: readers share one mapping per set)."""
+    label_sets = {id(r.labels): r.labels for r in records}
+    own = namer(None)
+    names: dict[int, str] = {}
+    missing: dict[str, int] = {}
+    for key, labels in label_sets.items():
+        try:
+            names[key] = namer(labels)
+        except KeyError as e:
+            names[key] = own
+            label = str(e.args[0]) if e.args else "?"
+            missing[label] = missing.get(label, 0) + 1
+    for label, n in sorted(missing.items()):
+        result.warnings.append(
+            f"{n} label set(s) in this {envelope} export have no label '{label}' for the instance template: "
+            f"their records are read as instance '{own}'"
+        )
+    if len(label_sets) > 1 and set(names.values()) == {own}:
+        key = instance_key(envelope, list(label_sets.values()))
+        if key:
+            for k, labels in label_sets.items():
+                names[k] = "/".join(labels.get(label, "-") for label in key)
+            found = sorted(set(names.values()))
+            shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            result.notes.append(
+                f"this {envelope} export interleaves {len(found)} origins, told apart by "
+                f"{' + '.join(key)}: each is read as its own instance ({shown}); name them otherwise with the "
+                f"source's instance template, e.g. instance = \"{{label:{key[0]}}}\""
+            )
+    return names
+
+
+class _ClockCheck:
+    """Compare the engine's own stamps with the envelope's clock, to catch a wrong ``timezone``."""
+
+    def __init__(self, clock: str) -> None:
+        self.clock = clock
+        self.diffs: list[tuple[int, float]] = []  # (file line, envelope - engine, seconds)
+
+    def observe(self, line: int, engine_ts: datetime | None, envelope_ts: datetime) -> None:
+        if engine_ts is not None:
+            self.diffs.append((line, (envelope_ts - engine_ts).total_seconds()))
+
+    def notes(self) -> list[str]:
+        if not self.diffs:
+            return []
+        values = sorted(d for _, d in self.diffs)
+        median = values[len(values) // 2]
+        if abs(median) < CLOCK_DISAGREEMENT_S:
+            return []
+        first = min(line for line, d in self.diffs if abs(d) >= CLOCK_DISAGREEMENT_S)
+        return [
+            f"engine timestamps differ from the {self.clock} (UTC) by {median / 3600:+.2f} h (median over "
+            f"{len(values)} start-up and event line(s), first at line {first}): the {self.clock} is used as the "
+            "time of each line; check the source's timezone or clock offset"
+        ]
+
+
+def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetime | None],
+                   check: _ClockCheck) -> EngineLogParse:
+    """Map a parse of an instance's records (numbered 1..n in clock order) back to the file: line
+    numbers become physical lines, and every time becomes the envelope's clock of its line (the
+    engine's own stamp is compared with it; a start-up keeps it in ``flags['engine_stamp_utc']``)."""
+
+    def file_line(seq: int) -> int:
+        return origin[seq - 1] if 1 <= seq <= len(origin) else seq
+
+    def remap(rec: Any) -> Any:
+        changes: dict[str, Any] = {}
+        values = {f.name: getattr(rec, f.name) for f in fields(rec)}
+        for name, value in values.items():
+            if (name == "ts" or name.endswith("_ts")) and (name == "ts" or f"{name[:-3]}_line" in values):
+                seq = values["line" if name == "ts" else f"{name[:-3]}_line"]
+                envelope_ts = clock[seq - 1] if isinstance(seq, int) and 1 <= seq <= len(clock) else None
+                if envelope_ts is not None:
+                    changes[name] = envelope_ts
+                    if name == "ts":
+                        check.observe(file_line(seq), value, envelope_ts)
+                        if (isinstance(values.get("flags"), dict) and value is not None
+                                and abs((envelope_ts - value).total_seconds()) >= 1):
+                            changes["flags"] = {**values["flags"], "engine_stamp_utc": value.isoformat()}
+        for name, value in values.items():
+            if (name == "line" or name.endswith("_line")) and isinstance(value, int) and not isinstance(value, bool):
+                changes[name] = file_line(value)
+            elif name == "evidence" and isinstance(value, dict):
+                changes[name] = {k: file_line(v) if isinstance(v, int) else v for k, v in value.items()}
+        return replace(rec, **changes)
+
+    parse.startups = [remap(s) for s in parse.startups]
+    parse.events = [remap(e) for e in parse.events]
+    parse.quarantined = [replace(q, line=file_line(q.line)) for q in parse.quarantined]
+    parse.notes = [_LINE_REF.sub(lambda m: f"line {file_line(int(m[1]))}", n) for n in parse.notes]
+    return parse

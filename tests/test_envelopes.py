@@ -1,0 +1,412 @@
+"""Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald.
+
+The fixtures in ``tests/fixtures/envelopes`` hold SGLang fixture lines in each collector's documented
+format (README.md there cites the documentation; make_fixtures.py writes them).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from kvforensics.config import ENGINE_ENVELOPES, Source, load_incident
+from kvforensics.db import connect
+from kvforensics.errors import ConfigError, InputError
+from kvforensics.ingest import ingest
+from kvforensics.loaders.engine_common import (
+    EngineFileParse,
+    StartupRecord,
+    open_lines,
+    parse_engine_file,
+    parse_engine_log,
+)
+from kvforensics.loaders.envelopes import ENVELOPES, sniff_envelope
+
+FIXTURES = Path(__file__).parent / "fixtures" / "envelopes"
+ENGINE_FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
+UTC_ZONE = ZoneInfo("UTC")
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def parse(name: str, tz: ZoneInfo = UTC_ZONE, instance: object = None, envelope: str = "auto",
+          folder: Path = FIXTURES) -> EngineFileParse:
+    path = folder / name
+    return parse_engine_file(path, fmt="auto", instance=instance or path.stem, tz=tz, envelope=envelope)  # type: ignore[arg-type]
+
+
+def plain(name: str) -> EngineFileParse:
+    return parse(name, envelope="none", folder=ENGINE_FIXTURES)
+
+
+def capacity(s: StartupRecord) -> tuple[object, ...]:
+    return (s.role, s.model, s.kv_pool_tokens, s.context_length, s.page_size, s.tp_size)
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def file_lines(name: str) -> list[str]:
+    return (FIXTURES / name).read_text(encoding="utf-8").splitlines()
+
+
+def every_line_once(p: EngineFileParse, name: str) -> None:
+    """The file's physical lines are all read, and a quarantined line is quarantined once."""
+    assert p.lines_read == len(file_lines(name))
+    lines = [q.line for q in p.all_quarantined()]
+    assert len(lines) == len(set(lines))
+    assert all(1 <= n <= p.lines_read for n in lines)
+
+
+# --- recognising the envelope -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "envelope"), [
+    ("kubectl-glm53-decode-0.log", "kubectl"),
+    ("cri-glm53-prefill-0.log", "cri"),
+    ("docker-qwen3-prefill-0-json.log", "docker"),
+    ("loki-3-pods-newest-first.jsonl", "loki"),
+    ("loki-query-range.json", "loki"),
+    ("cloudwatch-filter-log-events.json", "cloudwatch"),
+    ("cloudwatch-glm53-decode-0.jsonl", "cloudwatch"),
+    ("journald-sglang-decode.jsonl", "journald"),
+])
+def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
+    head = list(open_lines(FIXTURES / name))[:200]
+    assert sniff_envelope(head) == envelope
+    p = parse(name)
+    assert p.envelope == envelope
+    assert p.notes[0] == f"read as a {envelope} export (recognised from its first lines)"
+    every_line_once(p, name)
+
+
+def test_a_plain_engine_log_has_no_envelope_and_reads_as_before() -> None:
+    name = "sglang-0.5.15-pd-prefill-tp8.log"
+    assert sniff_envelope(list(open_lines(ENGINE_FIXTURES / name))) == "none"
+    auto = parse(name, folder=ENGINE_FIXTURES)
+    assert auto.envelope == "none"
+    assert auto.merged() == plain(name).merged()
+
+
+def test_the_config_and_the_reader_know_the_same_envelopes() -> None:
+    assert ENGINE_ENVELOPES == ("auto", "none", *ENVELOPES)
+
+
+def test_an_unknown_envelope_is_a_clear_error() -> None:
+    with pytest.raises(InputError, match="unknown engine log envelope 'fluentd'; use one of: auto, none, kubectl"):
+        parse("kubectl-glm53-decode-0.log", envelope="fluentd")
+
+
+# --- Loki: several pods interleaved, newest first ----------------------------------------------
+
+LOKI = "loki-3-pods-newest-first.jsonl"
+
+
+def test_loki_newest_first_with_three_pods_gives_three_instances_with_their_own_capacity() -> None:
+    p = parse(LOKI)
+    by = {s.instance: s for s in p.startups}
+    assert sorted(by) == ["glm53-decode-0", "glm53-prefill-0", "qwen3-prefill-0"]
+    assert capacity(by["glm53-prefill-0"]) == ("prefill", "@cf/zai-org/glm-5.3", 681280, 1048576, 64, 8)
+    assert capacity(by["glm53-decode-0"])[:4] == ("decode", "@cf/zai-org/glm-5.3", 1423360, 1048576)
+    assert capacity(by["qwen3-prefill-0"]) == ("prefill", "Qwen/Qwen3-32B", 362752, 32768, 64, 2)
+    # times are the envelope's clock (UTC), whatever zone logcli printed them in (+02:00 here)
+    assert by["glm53-prefill-0"].ts == utc(2026, 8, 26, 21, 10, 0, 1123)
+    assert by["qwen3-prefill-0"].ts == utc(2026, 8, 26, 21, 15, 0, 1123)
+    assert by["glm53-decode-0"].ts == utc(2026, 8, 26, 21, 20, 0, 1123)
+    assert by["glm53-decode-0"].last_ts == utc(2026, 8, 31, 17, 45, 2, 2123)
+    # line numbers are the file's: the start-up's line is its server_args record
+    lines = file_lines(LOKI)
+    for s in p.startups:
+        record = json.loads(lines[s.line - 1])
+        assert record["labels"]["pod"] == s.instance
+        assert "server_args=ServerArgs(" in record["line"]
+    assert ("this loki export interleaves 3 origins, told apart by pod: each is read as its own instance "
+            "(glm53-decode-0, glm53-prefill-0, qwen3-prefill-0); name them otherwise with the source's instance "
+            'template, e.g. instance = "{label:pod}"') in p.notes
+
+
+def test_loki_events_are_in_time_order_per_instance_and_point_at_their_file_line() -> None:
+    p = parse(LOKI)
+    lines = file_lines(LOKI)
+    for name, one in p.instances.items():
+        times = [e.ts for e in one.events]
+        assert times == sorted(times), name  # the export was newest first
+        for e in one.events:
+            record = json.loads(lines[e.line - 1])
+            assert record["labels"]["pod"] == name
+            assert e.detail[:40] in record["line"]
+    decode = p.instances["glm53-decode-0"]
+    assert [(e.kind, e.request_id) for e in decode.events] == [
+        (e.kind, e.request_id) for e in plain("sglang-0.5.15-pd-decode-tp8.log").events
+    ]
+
+
+def test_a_malformed_loki_record_is_quarantined_with_its_line_and_reason() -> None:
+    p = parse(LOKI)
+    [q] = p.all_quarantined()
+    assert (q.line, q.reason) == (41, "malformed JSON (Expecting ':' delimiter at column 58)")
+    assert q.raw == file_lines(LOKI)[40]
+
+
+def test_the_instance_template_names_instances_from_a_label() -> None:
+    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
+                    instance="{label:namespace}-{label:pod}")
+    path = FIXTURES / LOKI
+    p = parse(LOKI, instance=lambda labels: source.instance_for(path, labels))
+    assert sorted(p.instances) == ["inference-glm53-decode-0", "inference-glm53-prefill-0",
+                                   "inference-qwen3-prefill-0"]
+    assert not any("interleaves" in n for n in p.notes)
+
+
+def test_a_label_the_records_lack_is_a_warning_and_the_file_name_is_used() -> None:
+    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
+                    instance="{label:node_name}")
+    path = FIXTURES / "kubectl-glm53-decode-0.log"
+    p = parse(path.name, instance=lambda labels: source.instance_for(path, labels))
+    assert list(p.instances) == ["kubectl-glm53-decode-0"]
+    assert p.warnings == ["1 label set(s) in this kubectl export have no label 'node_name' for the instance "
+                          "template: their records are read as instance 'kubectl-glm53-decode-0'"]
+
+
+def test_loki_query_range_response_reads_like_the_logcli_export() -> None:
+    doc = parse("loki-query-range.json")
+    jsonl = parse(LOKI)
+    summary = {s.instance: (capacity(s), s.ts, s.last_ts) for s in doc.startups}
+    assert summary == {s.instance: (capacity(s), s.ts, s.last_ts) for s in jsonl.startups}
+    assert sorted((e.instance, e.ts, e.kind) for e in doc.events) == sorted(
+        (e.instance, e.ts, e.kind) for e in jsonl.events)
+    lines = file_lines("loki-query-range.json")
+    for e in doc.events:  # each entry's line: the array [ "<ns>", "<line>" ] starts there
+        assert lines[e.line - 1].strip() == "["
+        assert lines[e.line].strip().strip('",').isdigit()
+
+
+def test_records_with_the_same_clock_keep_their_written_order_in_a_newest_first_export(tmp_path: Path) -> None:
+    """Stamped to the second, many records share a clock: turned round, not just sorted, they keep
+    the order the engine wrote them in (the 1-token stub after the abort of the same second)."""
+    name = "sglang-0.5.15-pd-prefill-tp8.log"
+    lines = (ENGINE_FIXTURES / name).read_text().splitlines()
+    records = []
+    for line in lines:
+        ns = int(datetime.fromisoformat(line[1:20]).replace(tzinfo=UTC).timestamp()) * 1_000_000_000
+        records.append({"labels": {"pod": "p"}, "line": line, "timestamp": str(ns)})
+    path = tmp_path / "same-second.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in reversed(records)))
+    got = parse(path.name, folder=tmp_path)
+    want = plain(name)
+    assert len({r["timestamp"] for r in records}) < len(records)  # there are ties
+    assert [capacity(s) for s in got.startups] == [capacity(s) for s in want.startups]
+    assert [(len(lines) + 1 - e.line, e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
+        (e.line, e.kind, e.request_id, e.prompt_tokens) for e in want.events]
+
+
+# --- CRI, Docker json-file, kubectl ------------------------------------------------------------
+
+
+def test_cri_partial_lines_are_joined_and_a_cut_record_is_quarantined() -> None:
+    p = parse("cri-glm53-prefill-0.log")
+    [s] = p.startups
+    [want] = plain("sglang-0.5.15-pd-prefill-tp8.log").startups
+    # page_size, tp_size ... come from the second and third pieces of the server_args line
+    assert capacity(s) == capacity(want)
+    assert s.flags == {**want.flags, **{k: v for k, v in s.flags.items() if k == "engine_stamp_utc"}}
+    assert (s.line, s.ts) == (1, utc(2026, 8, 26, 21, 10, 0, 1123))
+    [q] = p.all_quarantined()
+    assert (q.line, q.reason, q.raw) == (
+        34, "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)", file_lines("cri-glm53-prefill-0.log")[33])
+    assert len(q.raw) == 18
+    assert [(e.kind, e.request_id, e.prompt_tokens) for e in p.events] == [
+        (e.kind, e.request_id, e.prompt_tokens) for e in plain("sglang-0.5.15-pd-prefill-tp8.log").events
+    ]
+    assert [e.line for e in p.events] == [66, 67, 68, 69]  # the file's lines (4 more than the engine's)
+
+
+def test_docker_json_file_joins_a_line_split_over_records() -> None:
+    p = parse("docker-qwen3-prefill-0-json.log")
+    [s] = p.startups
+    [want] = plain("sglang-0.5.4-pd-prefill.log").startups
+    assert capacity(s) == capacity(want) == ("prefill", "Qwen/Qwen3-32B", 362752, 32768, 64, 2)
+    assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)
+    assert [(e.line, e.kind, e.request_id) for e in p.events][:2] == [
+        (20, "req_time_stats", "5c1e2a"), (21, "abort_input_too_long", "9ab3f0")]
+    assert p.all_quarantined() == []
+
+
+def test_kubectl_prefix_is_the_time_and_a_line_without_it_keeps_its_own_stamp(tmp_path: Path) -> None:
+    p = parse("kubectl-glm53-decode-0.log")
+    [s] = p.startups
+    assert s.ts == utc(2026, 8, 26, 21, 20, 0, 1123)
+    assert "engine_stamp_utc" not in s.flags  # the engine's stamp agrees to the second
+    assert [e.ts for e in p.events][:1] == [utc(2026, 8, 28, 14, 3, 13, 1123)]
+    text = (FIXTURES / "kubectl-glm53-decode-0.log").read_text().splitlines()
+    text.insert(20, "[2026-08-28 14:03:12 TP0] Req Time Stats(rid=nopfx, input len=5, output len=1, type=decode)")
+    path = tmp_path / "k.log"
+    path.write_text("\n".join(text) + "\n")
+    q = parse(path.name, folder=tmp_path)
+    assert q.envelope == "kubectl"
+    [nopfx] = [e for e in q.events if e.request_id == "nopfx"]
+    assert (nopfx.line, nopfx.ts) == (21, utc(2026, 8, 28, 14, 3, 12))
+
+
+# --- CloudWatch ---------------------------------------------------------------------------------
+
+
+def test_cloudwatch_filter_log_events_splits_streams_and_points_at_each_event() -> None:
+    p = parse("cloudwatch-filter-log-events.json")
+    by = {s.instance: s for s in p.startups}
+    assert sorted(by) == ["sglang/glm53-decode-0/9b1d", "sglang/glm53-prefill-0/2f8e"]
+    assert capacity(by["sglang/glm53-prefill-0/2f8e"]) == ("prefill", "@cf/zai-org/glm-5.3", 681280, 1048576, 64, 8)
+    assert by["sglang/glm53-decode-0/9b1d"].ts == utc(2026, 8, 26, 21, 20, 0, 1000)  # ms: the event's clock
+    lines = file_lines("cloudwatch-filter-log-events.json")
+    for e in p.events:
+        assert lines[e.line - 1].strip() == "{"
+        assert e.instance in lines[e.line]
+    assert "told apart by logStreamName" in p.notes[1]
+
+
+def test_cloudwatch_events_one_per_line_name_the_file_instance() -> None:
+    p = parse("cloudwatch-glm53-decode-0.jsonl")
+    [s] = p.startups
+    assert (s.instance, s.role, s.kv_pool_tokens) == ("cloudwatch-glm53-decode-0", "decode", 1423360)
+    assert [e.line for e in p.events] == [21, 22, 23, 24, 25, 26]
+
+
+def test_a_truncated_json_document_quarantines_the_lines_it_could_not_read(tmp_path: Path) -> None:
+    lines = file_lines("cloudwatch-filter-log-events.json")
+    path = tmp_path / "cut.json"
+    path.write_text("\n".join(lines[:200]) + "\n")
+    p = parse(path.name, folder=tmp_path)
+    quarantined = p.all_quarantined()
+    assert [q.line for q in quarantined] == list(range(1, 201))
+    assert quarantined[0].reason.startswith("malformed JSON document (")
+    assert p.lines_read == 200
+
+
+# --- journald --------------------------------------------------------------------------------------
+
+JOURNALD = "journald-sglang-decode.jsonl"
+
+
+def test_journald_byte_array_messages_and_a_left_out_message() -> None:
+    p = parse(JOURNALD, tz=BERLIN)
+    [s] = p.startups
+    assert (s.instance, s.role, s.kv_pool_tokens) == ("journald-sglang-decode", "decode", 1423360)
+    assert s.ts == utc(2026, 8, 26, 19, 20, 0, 1123)  # 21:20 in Berlin (CEST)
+    assert [(q.line, q.reason) for q in p.all_quarantined()] == [
+        (22, "not UTF-8"),
+        (23, "MESSAGE is null: journalctl leaves out fields over 4096 bytes (export with journalctl --all -o json)"),
+    ]
+    assert "caf\\xe9" in p.all_quarantined()[0].raw
+    # the coloured "fired up" line (a byte array holding ANSI escapes) is read, not quarantined
+    assert not any("fired up" in n for n in p.all_notes())
+    assert p.warnings == []
+
+
+def test_a_wrong_timezone_is_reported_against_the_envelope_clock_which_stays_the_time() -> None:
+    right = parse(JOURNALD, tz=BERLIN)
+    wrong = parse(JOURNALD, tz=UTC_ZONE)  # the engine stamps are Berlin time
+    assert [s.ts for s in wrong.startups] == [s.ts for s in right.startups]
+    assert [e.ts for e in wrong.events] == [e.ts for e in right.events]
+    note = ("engine timestamps differ from the journald __REALTIME_TIMESTAMP (UTC) by -2.00 h (median over 7 "
+            "start-up and event line(s), first at line 1): the journald __REALTIME_TIMESTAMP is used as the time "
+            "of each line; check the source's timezone or clock offset")
+    assert wrong.warnings == [note]
+    assert note in wrong.all_notes()
+    [s] = wrong.startups
+    assert s.flags["engine_stamp_utc"] == "2026-08-26T21:20:00+00:00"  # the engine's stamp, kept
+
+
+# --- the parse of a whole file, ingest and audit -----------------------------------------------------
+
+
+def test_parse_engine_log_merges_the_instances_of_a_file() -> None:
+    merged = parse_engine_log(FIXTURES / LOKI, fmt="sglang", instance="x", tz=UTC_ZONE, envelope="auto")
+    assert sorted(s.instance for s in merged.startups) == ["glm53-decode-0", "glm53-prefill-0", "qwen3-prefill-0"]
+    assert merged.lines_read == len(file_lines(LOKI))
+    assert [q.line for q in merged.quarantined] == [41]
+
+
+def _incident(tmp_path: Path, engine_source: str) -> Path:
+    (tmp_path / "engine").mkdir()
+    for name in (LOKI, JOURNALD):
+        (tmp_path / "engine" / name).write_bytes((FIXTURES / name).read_bytes())
+    rows = [{"request_id": f"r{i}", "ts": f"2026-08-27T10:0{i}:00Z", "account_id": "a", "model": m, "status": 200,
+             "prompt_tokens": 10} for i, m in enumerate(["@cf/zai-org/glm-5.3", "Qwen/Qwen3-32B"])]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "incident.toml"
+    path.write_text(f"""
+[incident]
+id = "envelopes"
+
+[[sources]]
+name = "gateway"
+kind = "requests"
+path = "requests.jsonl"
+
+{engine_source}
+""")
+    return path
+
+
+def test_ingest_loads_each_instance_of_an_export_and_counts_the_files_lines(tmp_path: Path) -> None:
+    incident = load_incident(_incident(tmp_path, """
+[[sources]]
+name = "loki"
+kind = "engine_log"
+path = "engine/loki-*.jsonl"
+instance = "{label:pod}"
+
+[[sources]]
+name = "journal"
+kind = "engine_log"
+path = "engine/journald-*.jsonl"
+envelope = "journald"
+instance = "{label:_HOSTNAME}"
+"""))
+    con = connect()
+    result = ingest(con, incident)
+    rows = con.execute("SELECT instance, role, model, kv_pool_tokens, context_length, valid_from FROM capacity "
+                       "ORDER BY instance").fetchall()
+    assert [r[:5] for r in rows] == [
+        ("glm53-decode-0", "decode", "@cf/zai-org/glm-5.3", 1423360, 1048576),
+        ("glm53-prefill-0", "prefill", "@cf/zai-org/glm-5.3", 681280, 1048576),
+        ("gpu-node-7", "decode", "@cf/zai-org/glm-5.3", 1423360, 1048576),
+        ("qwen3-prefill-0", "prefill", "Qwen/Qwen3-32B", 362752, 32768),
+    ]
+    assert rows[1][5] == utc(2026, 8, 26, 21, 10, 0, 1123)
+    assert con.execute("SELECT source, records_read, loaded, quarantined FROM load_report WHERE kind = 'engine_log' "
+                       "ORDER BY source").fetchall() == [("journal", 28, 26, 2), ("loki", 116, 115, 1)]
+    assert con.execute("SELECT source, line FROM quarantine ORDER BY source, line").fetchall() == [
+        ("journal", 22), ("journal", 23), ("loki", 41)]
+    # the journal's engine stamps are Berlin time but the source says UTC: a warning, not a silent shift
+    assert any(w.startswith(f"journal: {JOURNALD}: engine timestamps differ from the journald") for w in result.warnings)
+    assert con.execute("SELECT count(DISTINCT instance) FROM engine_events WHERE source = 'loki'").fetchall() == [(3,)]
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ('envelope = "fluentd"', "envelope 'fluentd' is not one of ['auto', 'none', 'kubectl'"),
+    ('instance = "{label}"', "may only use {stem}, {name}, {parent} and {label:NAME}"),
+    ('envelope = "none"\ninstance = "{label:pod}"', "names an envelope label but envelope = \"none\""),
+])
+def test_envelope_settings_are_checked_when_the_incident_is_loaded(tmp_path: Path, keys: str, message: str) -> None:
+    path = _incident(tmp_path, f'[[sources]]\nname = "e"\nkind = "engine_log"\npath = "engine/*"\n{keys}\n')
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_incident(path)
+
+
+def test_envelope_is_refused_on_a_requests_source(tmp_path: Path) -> None:
+    path = _incident(tmp_path, "")
+    path.write_text(path.read_text().replace('path = "requests.jsonl"', 'path = "requests.jsonl"\nenvelope = "loki"'))
+    with pytest.raises(ConfigError, match='envelope applies to kind "engine_log" only'):
+        load_incident(path)
+
+
+def test_audit_sees_every_instance_of_an_export() -> None:
+    from kvforensics.audit import audit_paths
+
+    report = audit_paths([FIXTURES / LOKI], instance_template="{label:pod}")
+    assert {v.instance for v in report.verdicts} == {"glm53-decode-0", "glm53-prefill-0", "qwen3-prefill-0"}
