@@ -111,10 +111,12 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
     by_model = {m: n for m, n in con.execute(
         """SELECT r.model, count(a.request_id) FROM (SELECT DISTINCT model FROM analysed_requests) r
            LEFT JOIN affected_responses a ON a.model = r.model GROUP BY 1 ORDER BY 1""").fetchall()}
-    exposure = [{"instance": i, "role": role, "model": m, "start": iso(s), "end": iso(e), "pool_tokens": p,
-                 "context_length": c, "engine_version": v}
-                for i, role, m, s, e, p, c, v in con.execute(
-                    """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length, engine_version
+    # "end" is null while the start-up still runs; "end_reason" says what closed it (kvforensics/instances.py)
+    exposure = [{"instance": i, "role": role, "model": m, "start": iso(s), "end": iso(e), "end_reason": why,
+                 "pool_tokens": p, "context_length": c, "engine_version": v}
+                for i, role, m, s, e, why, p, c, v in con.execute(
+                    """SELECT instance, role, model, valid_from, valid_to, end_reason, kv_pool_tokens, context_length,
+                              engine_version
                        FROM capacity WHERE kv_pool_tokens < context_length
                        ORDER BY valid_from NULLS LAST, instance""").fetchall()]
     for w in exposure:

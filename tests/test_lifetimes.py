@@ -258,6 +258,8 @@ def test_rollout_exposure_windows_close(rollout):
     windows = {w["instance"]: (w["start"], w["end"]) for w in scope["exposure_windows"]}
     assert windows == {"glm-b-0": ("2026-08-25T10:00:00Z", "2026-09-01T10:21:00Z"),
                        "glm-b-1": ("2026-08-25T10:10:00Z", "2026-09-01T10:10:00Z")}  # its last line
+    assert {w["instance"]: w["end_reason"] for w in scope["exposure_windows"]} == {
+        "glm-b-0": "shutdown", "glm-b-1": "log_end"}
 
 
 def test_rollout_oversize_responses_are_counted_at_the_right_tier(rollout):
