@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from collections import Counter
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -147,7 +148,9 @@ def test_the_exports_are_shaped_as_the_upstream_tools_write_them(exported: tuple
     )
     failed = [r for r in rows if r["status"] == "failure"]
     assert {json.loads(r["metadata"])["error_information"]["error_code"] for r in failed} >= {"400", "429"}
-    assert all(json.loads(r["metadata"])["user_api_key_team_id"] == r["team_id"] for r in rows)
+    assert all((json.loads(r["metadata"])["user_api_key_team_id"] or "") == r["team_id"] for r in rows)
+    teamless = {r["user"] for r in rows if r["team_id"] == ""}  # load tests: a service user's key, no team
+    assert teamless and all(user.startswith("loadtest-") for user in teamless)
     ends = [r["endTime"] for r in rows]
     assert ends == sorted(ends) and [r["startTime"] for r in rows] != sorted(r["startTime"] for r in rows)
 
@@ -183,6 +186,10 @@ def test_a_preset_and_a_few_lines_give_exactly_the_simulated_affected_set(
     assert affected_ids(out) == {a["request_id"] for a in truth["affected"]}
     assert scope["affected_responses"] == len(truth["affected"])
     assert scope["affected_accounts"] == len(truth["affected_accounts"])
+    by_class = Counter({"exploiter": "customer"}.get(a["kind"], a["kind"]) for a in truth["affected"])
+    assert {c: v["responses"] for c, v in scope["by_account_class"].items()} == {
+        c: by_class[c] for c in ("customer", "internal", "reporter")
+    }
 
 
 def test_nothing_is_lost_and_the_outputs_verify(investigated: tuple[int, Path, dict]) -> None:

@@ -8,9 +8,10 @@ handed, with no preprocessing:
   ``schema.prisma`` model, timestamps as Postgres prints ``timestamp(3)`` without zone (UTC values,
   trailing zeros of the fraction dropped), JSON columns as ``jsonb`` prints them (keys shortest
   first, ``", "`` and ``": "``), NULL as an empty field and the empty string as ``""``; the team is
-  the customer account; rejected requests are logged as LiteLLM logs failures (``status`` =
-  ``failure``, the HTTP code in ``metadata.error_information.error_code``, the request id the
-  proxy's call id) and rows come in table order (written as requests complete);
+  the customer account (the provider's load tests use a service user's key outside any team:
+  ``team_id`` "", the account in ``user``); rejected requests are logged as LiteLLM logs failures
+  (``status`` = ``failure``, the HTTP code in ``metadata.error_information.error_code``, the request
+  id the proxy's call id) and rows come in table order (written as requests complete);
 * every engine instance is a Kubernetes pod of a Deployment, replaced in rollouts with
   ``maxSurge: 0`` (no spare GPUs): the old pod gets SIGTERM a few seconds before its successor, with
   a new name, prints its first line. A retired pod's log ends with SGLang's shutdown lines or simply
@@ -51,6 +52,7 @@ Formats, as documented upstream:
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import uuid
@@ -363,18 +365,26 @@ def account_keys(accounts: np.ndarray, seed: int) -> Keys:
 
 
 def spend_log_metadata(
-    status: int, error: str | None, team: str, keys: Keys, usage: dict[str, Any] | None, overhead_ms: float
+    status: int,
+    error: str | None,
+    account: str,
+    teamless: bool,
+    keys: Keys,
+    usage: dict[str, Any] | None,
+    overhead_ms: float,
 ) -> dict[str, Any]:
+    """The ``metadata`` column: SpendLogsMetadata keys; a key outside any team names its user instead."""
+    team = None if teamless else account
     metadata: dict[str, Any] = {
         "status": "success" if status == 200 else "failure",
-        "user_api_key": keys.hashed[team],
-        "user_api_key_alias": keys.alias[team],
+        "user_api_key": keys.hashed[account],
+        "user_api_key_alias": keys.alias[account],
         "user_api_key_team_id": team,
         "user_api_key_org_id": None,
-        "user_api_key_user_id": None,
+        "user_api_key_user_id": account if teamless else None,
         "user_api_key_team_alias": team,
         "spend_logs_metadata": None,
-        "requester_ip_address": keys.ip[team],
+        "requester_ip_address": keys.ip[account],
         "applied_guardrails": [],
         "batch_models": None,
         "mcp_tool_call_metadata": None,
@@ -435,6 +445,8 @@ def spend_log_rows(
                 "prompt_tokens_details": {"cached_tokens": int(record.cached_tokens), "audio_tokens": None},
                 "completion_tokens_details": None,
             }
+        # the provider's own load tests run on a service user's key outside any team
+        teamless = fnmatch.fnmatchcase(record.account, s.internal_account_glob)
         request_id = record.rid
         if not ok:  # no response object: LiteLLM keys the row by its own call id
             request_id = random_uuid(rng)
@@ -459,12 +471,14 @@ def spend_log_rows(
                 m.gateway_model,
                 "openai",
                 f"http://{m.prefix}-router.{NAMESPACE}.svc.cluster.local:8000/v1",
-                "",
-                spend_log_metadata(status, record.error, record.account, keys, usage, float(overhead[i])),
+                record.account if teamless else "",
+                spend_log_metadata(
+                    status, record.error, record.account, teamless, keys, usage, float(overhead[i])
+                ),
                 "False",
                 "Cache OFF",
                 [],
-                record.account,
+                "" if teamless else record.account,
                 "",
                 "",
                 keys.ip[record.account],
