@@ -43,25 +43,23 @@ def load_rows(tmp_path: Path, fixture: str, source: str, fixtures: Path = FIXTUR
     return rows, refused
 
 
-PREFILL_0 = "http://glm53-prefill-0.pd.svc.cluster.local:30000/v1"
-PREFILL_1 = "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1"
 KEY = "88dc28d0f030c55ed4ab77ed8faf098196cb1c05df778539800c9f1243fe6b4b"
 LITELLM_ROWS = [
     # a row written before LiteLLM logged a status: a success; Anthropic-style cache reads
     ("chatcmpl-0ld50000", utc("2026-08-27 17:05:00"), "team-acme", "claude-sonnet", 200, 3000, 100, 2048,
-     400.0, 2000.0, "https://api.anthropic.com", None),
+     400.0, 2000.0, None, None),
     # streaming, team_id set, OpenAI-style cached tokens in metadata
     ("chatcmpl-7d1e0a52", utc("2026-08-27 17:15:03.123"), "team-acme", "glm-5.3", 200, 40960, 270, 1024,
-     1412.0, 6738.0, PREFILL_0, None),
+     1412.0, 6738.0, None, None),
     # team_id empty: the key's team from metadata; no completionStartTime: no TTFT
     ("chatcmpl-3f9a1b07", utc("2026-08-27 17:16:41.002"), "team-globex", "glm-5.3", 200, 2048, 300, None,
-     None, 3248.0, PREFILL_1, None),
+     None, 3248.0, None, None),
     # no team: the key's user
     ("chatcmpl-c0ffee01", utc("2026-08-27 17:20:00.5"), "initech-dev", "glm-5.3", 200, 512, 100, None,
-     250.0, 1400.0, PREFILL_0, None),
+     250.0, 1400.0, None, None),
     # no team, no user: the hashed key
     ("chatcmpl-beefcafe", utc("2026-08-27 17:21:10"), "ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12",
-     "glm-5.3", 200, 128, 0, None, None, 40.0, PREFILL_1, None),
+     "glm-5.3", 200, 128, 0, None, None, 40.0, None, None),
     # a failed request as LiteLLM logs it
     ("e5f7a3c1-failed", utc("2026-08-27 17:22:30.25"), "team-acme", "glm-5.3", 500, 0, 0, None, None, 60.0,
      None, None),
@@ -73,6 +71,15 @@ def test_litellm_spend_logs_export(tmp_path, fixture):
     rows, refused = load_rows(tmp_path, fixture, f'path = "{fixture}"\npreset = "litellm"')
     assert refused == []
     assert rows == LITELLM_ROWS
+
+
+def test_litellm_api_base_as_the_prefill_instance_when_the_proxy_names_one(tmp_path):
+    rows, _ = load_rows(tmp_path, "litellm_spendlogs.csv",
+                        'path = "litellm_spendlogs.csv"\npreset = "litellm"\ncolumns = { prefill_instance = "api_base" }')
+    assert [r[10] for r in rows] == ["https://api.anthropic.com", "http://glm53-prefill-0.pd.svc.cluster.local:30000/v1",
+                                     "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1",
+                                     "http://glm53-prefill-0.pd.svc.cluster.local:30000/v1",
+                                     "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1", None]
     assert KEY not in {r[2] for r in rows}
 
 
