@@ -12,6 +12,8 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvforensics.config import ENGINE_ENVELOPES, Source, load_incident
 from kvforensics.db import connect
@@ -410,3 +412,57 @@ def test_audit_sees_every_instance_of_an_export() -> None:
 
     report = audit_paths([FIXTURES / LOKI], instance_template="{label:pod}")
     assert {v.instance for v in report.verdicts} == {"glm53-decode-0", "glm53-prefill-0", "qwen3-prefill-0"}
+
+
+# --- never a crash, every line accounted for -------------------------------------------------------
+
+FIXTURE_LINES = {
+    name: file_lines(name) for name in (
+        "kubectl-glm53-decode-0.log", "cri-glm53-prefill-0.log", "docker-qwen3-prefill-0-json.log", LOKI,
+        "loki-query-range.json", "cloudwatch-filter-log-events.json", "cloudwatch-glm53-decode-0.jsonl", JOURNALD,
+    )
+}
+
+
+@st.composite
+def mangled_export(draw: st.DrawFn) -> tuple[str, bytes]:
+    """An export with lines dropped, repeated, reordered, cut or replaced by noise."""
+    name = draw(st.sampled_from(sorted(FIXTURE_LINES)))
+    lines: list[bytes] = [line.encode() for line in FIXTURE_LINES[name]]
+    for _ in range(draw(st.integers(0, 6))):
+        at = draw(st.integers(0, len(lines) - 1))
+        edit = draw(st.sampled_from(["cut", "drop", "repeat", "noise", "swap"]))
+        if edit == "cut":
+            lines[at] = lines[at][: draw(st.integers(0, len(lines[at])))]
+        elif edit == "drop" and len(lines) > 1:
+            del lines[at]
+        elif edit == "repeat":
+            lines.insert(at, lines[at])
+        elif edit == "noise":
+            lines[at] = draw(st.one_of(st.binary(max_size=60), st.text(max_size=60).map(str.encode), st.sampled_from(
+                [b'{"log":1,"time":"x"}', b'{"line":"a","timestamp":"-1"}', b'{"__REALTIME_TIMESTAMP":"9"*40}',
+                 b'{"timestamp":1e400,"message":"m"}', b'{"data":{"result":[{"values":[[1]]}]}}', b"[1,2", b"{}",
+                 b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}', b"2026-13-45T99:00:00Z stdout F x"])))
+        else:
+            other = draw(st.integers(0, len(lines) - 1))
+            lines[at], lines[other] = lines[other], lines[at]
+    return name, b"\n".join(lines) + b"\n"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(export=mangled_export(), envelope=st.sampled_from(["auto", *ENVELOPES]))
+def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(tmp_path: Path, export: tuple[str, bytes],
+                                                                           envelope: str) -> None:
+    name, data = export
+    path = tmp_path / name
+    path.write_bytes(data)
+    p = parse_engine_file(path, fmt="sglang", instance=lambda labels: f"i-{len(labels or {})}", tz=UTC_ZONE,
+                          envelope=envelope)
+    assert p.lines_read == data.count(b"\n")
+    lines = [q.line for q in p.all_quarantined()]
+    assert len(lines) == len(set(lines))
+    assert all(1 <= n <= p.lines_read for n in lines)
+    for s in p.startups:
+        assert 1 <= s.line <= p.lines_read
+    for e in p.events:
+        assert 1 <= e.line <= p.lines_read

@@ -5,11 +5,15 @@ The contract (see ``docs/architecture.md``, "Engine-log parser contract"):
 * :class:`StartupRecord`  one start-up of one engine instance (KV pool, context length, role ...),
 * :class:`EngineEvent`    one per-request engine line (aborts, transfer failures, timing stats ...),
 * :class:`QuarantinedLine` a line that looks like a log line but could not be read, with the reason,
-* :class:`EngineLogParse` all of the above for one file, plus ``lines_read`` and ``notes``.
+* :class:`EngineLogParse` all of the above for one instance, plus ``lines_read`` and ``notes``,
+* :class:`EngineFileParse` one file: an :class:`EngineLogParse` per instance it holds (an export of
+  interleaved pods holds several), its physical line count and what belongs to the file.
 
 Only this module touches the file system: :func:`open_lines` streams a plain, gzip or zstd file
 line by line (never the whole file in memory) and records where a truncated compressed stream
-stopped. :func:`parse_engine_log` is the entry point the ingest stage calls.
+stopped. :func:`parse_engine_file` is the entry point the ingest stage calls; logs in a
+collection envelope (kubectl, CRI, Docker, Loki, CloudWatch, journald) go through
+:mod:`kvforensics.loaders.envelopes`. :func:`parse_engine_log` gives one file as one parse.
 """
 
 from __future__ import annotations
