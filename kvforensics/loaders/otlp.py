@@ -235,8 +235,8 @@ class TraceExportReader:
         for i, resource_spans in resources:
             at = f"{where}resourceSpans[{i}]"
             try:
-                resource = _attributes(_object(_get(_object(resource_spans, "resourceSpans entry"), "resource", None)
-                                               or {}, "resource"))
+                resource = {key: _without_content(key, value) for key, value in _attributes(_object(
+                    _get(_object(resource_spans, "resourceSpans entry"), "resource", None) or {}, "resource")).items()}
                 scopes = list(_items(resource_spans, ("scopeSpans", "scope_spans")))
             except SpanProblem as e:
                 yield _problem(line_of(resource_spans, n), at, str(e), resource_spans)
@@ -258,7 +258,10 @@ class TraceExportReader:
                      line: int) -> SpanRecord | None:
         try:
             attributes = _attributes(_object(span, "span"))
-            if not any(k.startswith("gen_ai.") for k in attributes):
+            for key in attributes:
+                if key.startswith("gen_ai."):
+                    break
+            else:
                 self.skipped["span(s) without gen_ai.* attributes (not model calls)"] += 1
                 return None
             operation = attributes.get("gen_ai.operation.name")
@@ -273,50 +276,54 @@ class TraceExportReader:
                    if isinstance(span, dict) and isinstance(span.get(k), str)}
             return SpanRecord(line, _json_text({"otlp.location": at, **ids}), str(e))
         record = self._derived(span, at, trace_id, span_id, attributes, scope)
-        for source in (attributes, resource):
-            for key, value in source.items():
-                if key not in record:
-                    record[key] = _without_content(key, value)
+        for key, value in attributes.items():
+            if key not in record:
+                record[key] = _without_content(key, value)
+        for key, value in resource.items():  # content already left out (see _export_records)
+            if key not in record:
+                record[key] = value
         self.keys.update(record)
         return SpanRecord(line, _json_text(record))
 
     def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
                  attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
-        status = _get(span, "status", {})
-        status_code = _enum(status.get("code") if isinstance(status, dict) else None, STATUS_CODES, "STATUS_CODE_")
+        """The ``otlp.*`` values of a span (None where the span has no such value)."""
+        status = _get(span, "status", None)
+        if not isinstance(status, dict):
+            status = {}
+        status_code = _enum(status.get("code"), STATUS_CODES, "STATUS_CODE_")
         start = _nanos(_get(span, "startTimeUnixNano", None, "start_time_unix_nano"))
         end = _nanos(_get(span, "endTimeUnixNano", None, "end_time_unix_nano"))
         parent = _get(span, "parentSpanId", None, "parent_span_id")
-        record: dict[str, Any] = {
+        try:
+            parent = self._hex_id(parent, 8, "parentSpanId") if parent else None
+        except SpanProblem:  # not needed to read the request: kept as it is
+            pass
+        timed = isinstance(start, int) and isinstance(end, int) and end >= start
+        return {
             "otlp.location": at,
             "otlp.request_id": _first(attributes, REQUEST_ID_ATTRIBUTES, span_id),
-            "otlp.start_time_unix_nano": start,
+            # times as text: exact nanoseconds (the typing reads an epoch number by its magnitude)
+            "otlp.start_time_unix_nano": str(start) if isinstance(start, int) else start,
             "otlp.account_id": _first(attributes, FALLBACKS["otlp.account_id"]),
             "otlp.model": _first(attributes, FALLBACKS["otlp.model"]),
             "otlp.http_status": _first(attributes, HTTP_STATUS_ATTRIBUTES, STATUS_HTTP.get(status_code or "UNSET", 200)),
-        }
-        for key in ("otlp.input_tokens", "otlp.output_tokens", "otlp.cache_read_input_tokens"):
-            record[key] = _first(attributes, FALLBACKS[key])
-        record["otlp.time_to_first_token_ms"] = _ttft_ms(span, attributes, start)
-        record["otlp.duration_ms"] = ((end - start) / 1e6 if isinstance(start, int) and isinstance(end, int)
-                                      and end >= start else None)
-        record.update({
-            "otlp.end_time_unix_nano": end,
+            "otlp.input_tokens": _first(attributes, FALLBACKS["otlp.input_tokens"]),
+            "otlp.output_tokens": _first(attributes, FALLBACKS["otlp.output_tokens"]),
+            "otlp.cache_read_input_tokens": _first(attributes, FALLBACKS["otlp.cache_read_input_tokens"]),
+            "otlp.time_to_first_token_ms": _ttft_ms(span, attributes, start),
+            "otlp.duration_ms": (end - start) / 1e6 if timed else None,  # type: ignore[operator]
+            "otlp.end_time_unix_nano": str(end) if isinstance(end, int) else end,
             "otlp.status_code": status_code,
-            "otlp.status_message": status.get("message") if isinstance(status, dict) else None,
+            "otlp.status_message": status.get("message"),
             "otlp.span_name": _get(span, "name", None),
             "otlp.span_kind": _enum(_get(span, "kind", None), SPAN_KINDS, "SPAN_KIND_"),
             "otlp.span_id": span_id,
             "otlp.trace_id": trace_id,
-            "otlp.parent_span_id": self._hex_id(parent, 8, "parentSpanId") if parent else None,
+            "otlp.parent_span_id": parent,
             "otlp.scope_name": scope.get("name"),
             "otlp.scope_version": scope.get("version"),
-        })
-        # times as text: exact nanoseconds (the typing reads an epoch number by its magnitude)
-        for key in ("otlp.start_time_unix_nano", "otlp.end_time_unix_nano"):
-            if isinstance(record[key], int):
-                record[key] = str(record[key])
-        return {k: v for k, v in record.items() if v is not None}
+        }
 
     def _hex_id(self, value: object, size: int, name: str) -> str:
         """An OTLP id as lower-case hex: hex as the OTLP/JSON encoding prescribes, or the base64 of
@@ -354,7 +361,7 @@ def _json_text(value: object) -> str:
     """JSON text of a record; a number JSON cannot hold (inf, nan) is kept as its text, for the
     typing to refuse, and a lone surrogate escaped."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=str)
+        text = _ENCODER.encode(value)
     except ValueError:
         text = json.dumps(_finite(value), ensure_ascii=False, default=str)
     try:
@@ -362,6 +369,9 @@ def _json_text(value: object) -> str:
     except UnicodeEncodeError:
         text = json.dumps(_finite(value), default=str)
     return text
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=str)
 
 
 def _finite(value: object) -> object:
@@ -419,9 +429,11 @@ def _attributes(obj: dict[str, Any]) -> dict[str, Any]:
 def _key_values(pairs: Iterable[object], what: str) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for i, pair in enumerate(pairs):
-        if not isinstance(pair, dict) or not isinstance(pair.get("key"), str):
+        if type(pair) is not dict or type(key := pair.get("key")) is not str:
             raise SpanProblem(f"{what} #{i + 1} is not a {{key, value}} pair")
-        values[pair["key"]] = _any_value(pair.get("value"))
+        value = pair.get("value")
+        # the common case first: a string
+        values[key] = value["stringValue"] if type(value) is dict and "stringValue" in value else _any_value(value)
     return values
 
 
@@ -478,7 +490,11 @@ def _without_content(key: str, value: Any) -> Any:
 
 
 def _first(attributes: Mapping[str, Any], keys: Iterable[str], default: Any = None) -> Any:
-    return next((attributes[k] for k in keys if attributes.get(k) is not None), default)
+    for key in keys:
+        value = attributes.get(key)
+        if value is not None:
+            return value
+    return default
 
 
 def _enum(value: object, names: tuple[str, ...], prefix: str) -> str | None:
