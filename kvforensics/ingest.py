@@ -76,7 +76,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                 + (f", clock offset {source.clock_offset_s:+g} s applied" if source.clock_offset_s else ""))
     # Requests first: engine model names are matched against the gateway's model ids. Records loaded
     # before get their gateway instance names back, so that re-delivered ones compare equal.
-    run_script(con, "instance_restore")
+    if one(con, "SELECT count(*) FROM instance_names WHERE engine_instance <> gateway_name")[0]:
+        run_script(con, "instance_restore")
     for source, files in plan:
         if source.kind == "requests":
             result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases))
@@ -328,11 +329,12 @@ def _match_instance_names(con: duckdb.DuckDBPyConnection, incident: Incident, re
         }))
         con.execute("INSERT INTO instance_names SELECT * FROM instance_names_batch").fetchall()
         con.unregister("instance_names_batch")
-        run_script(con, "instance_rename")
     renamed: dict[str, list] = {}
     for m in matches:
         if m.engine_instance is not None and m.engine_instance != m.gateway_name:
             renamed.setdefault(m.matched_by, []).append(m)
+    if renamed:
+        run_script(con, "instance_rename")
     for how, ms in sorted(renamed.items()):
         examples = ", ".join(f"'{m.gateway_name}' -> '{m.engine_instance}'" for m in ms[:3])
         result.assumptions.append(

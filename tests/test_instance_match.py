@@ -165,11 +165,15 @@ def test_fqdn_names_are_mapped_with_a_note(fqdn_run):
 
 def test_reingest_keeps_names_and_compares_redelivered_records_with_the_gateways_values(tmp_path):
     rows = mini_requests()
-    for r in rows:
-        r["prefill_instance"], r["decode_instance"] = _fqdn(r.get("prefill_instance")), _fqdn(r.get("decode_instance"))
+    for i, r in enumerate(rows):  # p0 under two names (mapped back per request), d0 under one (by name)
+        if r.get("prefill_instance"):
+            r["prefill_instance"] = "p0:30000" if i % 2 else _fqdn("p0")
+            r["decode_instance"] = _fqdn("d0")
     incident = load_incident(write_mini(tmp_path, rows))
     con = connect(tmp_path / "e.duckdb")
     ingest(con, incident)
+    named = sum(1 for r in rows if r.get("prefill_instance"))
+    assert con.execute("SELECT count(*) FROM instance_renames").fetchone() == (named,)
     # a later export delivers some of the same records again (at-least-once shipping)
     with (tmp_path / "gateway" / "day2.jsonl").open("w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows[:10])
@@ -178,5 +182,6 @@ def test_reingest_keeps_names_and_compares_redelivered_records_with_the_gateways
     assert (day2.duplicates, day2.quarantined) == (10, 0)
     assert con.execute("SELECT DISTINCT prefill_instance, decode_instance FROM requests "
                        "WHERE prefill_instance IS NOT NULL").fetchall() == [("p0", "d0")]
-    assert con.execute("SELECT gateway_name, engine_instance FROM instance_names ORDER BY 1").fetchall() == [
-        (_fqdn("d0"), "d0"), (_fqdn("p0"), "p0")]
+    assert con.execute("SELECT gateway_name, engine_instance, matched_by FROM instance_names ORDER BY 1").fetchall() == [
+        (_fqdn("d0"), "d0", "first_label"), (_fqdn("p0"), "p0", "first_label"), ("p0:30000", "p0", "host")]
+    assert con.execute("SELECT count(*) FROM instance_renames").fetchone() == (named,)

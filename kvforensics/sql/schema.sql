@@ -71,8 +71,9 @@ CREATE TABLE IF NOT EXISTS instance_names (
     requests          BIGINT NOT NULL         -- requests naming it (prefill or decode)
 );
 
--- The gateway's own values of the requests whose instance columns were renamed: restored before the
--- next ingest, so that re-delivered records compare equal with what was loaded.
+-- The gateway's own values of renamed requests whose engine instance several gateway names map to (the
+-- others are mapped back by name): restored before the next ingest (sql/instance_restore.sql), so that
+-- re-delivered records compare equal with what was loaded.
 CREATE TABLE IF NOT EXISTS instance_renames (
     request_id        VARCHAR NOT NULL,
     prefill_instance  VARCHAR,
