@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+import duckdb
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -336,3 +338,87 @@ def test_any_export_is_read_without_an_exception(tmp_path, exports, pretty):
     con = connect()
     loaded = load_requests_file(con, incident_source(tmp_path, path), path)
     assert loaded.records_read == loaded.loaded + loaded.quarantined + loaded.duplicates
+
+
+def _as_attribute(key: str, value: object) -> dict:
+    if isinstance(value, bool):
+        return {"key": key, "value": {"boolValue": value}}
+    if isinstance(value, int):
+        return {"key": key, "value": {"intValue": str(value)}}
+    if isinstance(value, float):
+        return {"key": key, "value": {"doubleValue": value}}
+    return {"key": key, "value": {"stringValue": str(value)}}
+
+
+def _sample_as_otlp(sample: Path, out: Path, spans_per_export: int = 64) -> None:
+    """The sample's gateway log as the gateway would have traced it: one CLIENT span per request
+    (re-delivered records exported again), exports of many spans per line, gzip as rotated."""
+    nanos_per_ms = 1_000_000
+    for path in sorted((sample / "gateway").glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            records = [json.loads(line) for line in fh if line.strip()]
+        exports = []
+        for first in range(0, len(records), spans_per_export):
+            spans = []
+            for r in records[first:first + spans_per_export]:
+                start = int(round(datetime.fromisoformat(r["received_at"].replace("Z", "+00:00")).timestamp() * 1000)) \
+                    * nanos_per_ms
+                attributes = {"gen_ai.operation.name": "chat", "gen_ai.response.id": r["rid"], "tenant.id": r["account_id"],
+                              "gen_ai.request.model": r["model"], "http.response.status_code": r["http_status"],
+                              "gen_ai.usage.input_tokens": r["prompt_tokens"],
+                              "gen_ai.usage.output_tokens": r["completion_tokens"],
+                              "gen_ai.usage.cache_read.input_tokens": r["cached_tokens"],
+                              "server.address": r["prefill_instance"], "gateway.decode_instance": r["decode_instance"],
+                              "error.type": r["error"]}
+                span_id = hashlib.sha256(r["rid"].encode()).hexdigest()
+                spans.append({
+                    "traceId": span_id[:32], "spanId": span_id[32:48], "name": f"chat {r['model']}", "kind": 3,
+                    "startTimeUnixNano": str(start),
+                    "endTimeUnixNano": str(start + round(r["latency_ms"] * nanos_per_ms)),
+                    "attributes": [_as_attribute(k, v) for k, v in attributes.items() if v is not None],
+                    "events": [] if r["ttft_ms"] is None else [
+                        {"name": "gen_ai.first_chunk", "timeUnixNano": str(start + round(r["ttft_ms"] * nanos_per_ms))}],
+                    "status": {"code": 2 if r["http_status"] >= 500 else 0}})
+            exports.append({"resourceSpans": [{"resource": {"attributes": [_as_attribute("service.name", "gateway")]},
+                                               "scopeSpans": [{"scope": {"name": "gateway"}, "spans": spans}]}]})
+        name = path.name.replace("requests-", "traces-")
+        with gzip.open(out / name, "wt", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(e) + "\n" for e in exports)
+
+
+@pytest.mark.slow
+def test_the_sample_traced_with_opentelemetry_gives_the_same_investigation(tmp_path, sample_incident, sample_run):
+    from kvforensics.investigation import run
+
+    sample = sample_incident.parent
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    _sample_as_otlp(sample, traces)
+    text = sample_incident.read_text(encoding="utf-8")
+    gateway = text[text.index("[[sources]]"):text.index("[[sources]]", text.index("[[sources]]") + 1)]
+    traced = text.replace(gateway, f"""[[sources]]
+name = "gateway"
+kind = "requests"
+path = {json.dumps(str(traces / "*.jsonl.gz"))}
+preset = "otlp"
+columns = {{ prefill_instance = "server.address", decode_instance = "gateway.decode_instance" }}
+
+""")
+    for folder in ("engine", "changes", "content"):
+        traced = traced.replace(f'path = "{folder}/', f'path = "{sample / folder}/')
+    (tmp_path / "incident.toml").write_text(traced, encoding="utf-8")
+    run(tmp_path / "incident.toml", tmp_path / "out", progress=False)
+    scope = json.loads((tmp_path / "out" / "scope.json").read_text())
+    expected = json.loads((sample_run / "scope.json").read_text())
+    assert scope["affected_responses"] == expected["affected_responses"]
+    assert scope["affected_accounts"] == expected["affected_accounts"]
+    columns = "request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens, " \
+              "ttft_ms, latency_ms, prefill_instance, decode_instance"
+    tables = []
+    for out in (tmp_path / "out", sample_run):
+        con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+        tables.append(con.execute(f"SELECT {columns} FROM requests ORDER BY request_id").fetchall())
+        con.close()
+    assert len(tables[0]) == 20000
+    assert tables[0] == tables[1]
+    assert (tmp_path / "out" / "affected_requests.csv").read_text() == (sample_run / "affected_requests.csv").read_text()

@@ -30,7 +30,8 @@ which the reader derives (``columns`` of the ``otlp`` preset name them; see ``pr
 * ``otlp.location``: ``resourceSpans[i].scopeSpans[j].spans[k]`` within the line's export;
   ``otlp.trace_id``, ``otlp.span_id``, ``otlp.parent_span_id`` (lower-case hex), ``otlp.span_name``,
   ``otlp.span_kind`` (``SERVER``, ``CLIENT``, ...), ``otlp.scope_name``, ``otlp.scope_version``;
-* ``otlp.start_time_unix_nano``, ``otlp.end_time_unix_nano``, ``otlp.duration_ms`` (end - start);
+* ``otlp.start_time`` (ISO-8601 UTC, to the microsecond), ``otlp.start_time_unix_nano``,
+  ``otlp.end_time_unix_nano`` (as given), ``otlp.duration_ms`` (end - start);
 * ``otlp.status_code`` (``UNSET`` / ``OK`` / ``ERROR``) and ``otlp.status_message``;
 * ``otlp.request_id``: ``gen_ai.response.id``, else ``gen_ai.request.id`` (vLLM's own spans), else the
   span id (a span re-exported by an at-least-once pipeline keeps its id, so it is a duplicate);
@@ -72,6 +73,7 @@ import tomllib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -121,7 +123,7 @@ MISSING_REASONS = {
     "model": ("otlp.model", "no model on the span (neither gen_ai.request.model nor gen_ai.response.model)"),
     "prompt_tokens": ("otlp.input_tokens", "no input token count on the span (neither gen_ai.usage.input_tokens "
                       "nor gen_ai.usage.prompt_tokens)"),
-    "ts": ("otlp.start_time_unix_nano", "span has no startTimeUnixNano"),
+    "ts": ("otlp.start_time", "span has no startTimeUnixNano"),
 }
 
 
@@ -303,7 +305,7 @@ class TraceExportReader:
         return {
             "otlp.location": at,
             "otlp.request_id": _first(attributes, REQUEST_ID_ATTRIBUTES, span_id),
-            # times as text: exact nanoseconds (the typing reads an epoch number by its magnitude)
+            "otlp.start_time": _iso_utc(start),
             "otlp.start_time_unix_nano": str(start) if isinstance(start, int) else start,
             "otlp.account_id": _first(attributes, FALLBACKS["otlp.account_id"]),
             "otlp.model": _first(attributes, FALLBACKS["otlp.model"]),
@@ -518,6 +520,18 @@ def _nanos(value: object) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
+
+
+def _iso_utc(nanos: object) -> object:
+    """Unix nanoseconds as ISO-8601 UTC to the microsecond (exact, where a double of the nanoseconds
+    is not); a value that is no such time is kept as it is, for the typing to judge."""
+    if isinstance(nanos, int) and not isinstance(nanos, bool) and 0 <= nanos < _YEAR_2200_NS:
+        return (_EPOCH + timedelta(microseconds=nanos // 1000)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return nanos
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_YEAR_2200_NS = 7_258_118_400 * 10**9
 
 
 def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: object) -> Any:
