@@ -122,6 +122,7 @@ def test_model_without_capacity(tmp_path):
 
 
 def test_startup_incomplete(tmp_path):
+    """Also observation 5 of issue 12: a start-up without a KV pool broke the report template."""
     incident = mini(tmp_path)
     (incident.parent / "engine" / "p1.log").write_text(
         "[2026-08-27 14:00:00] server_args=ServerArgs(model_path='zai-org/GLM-5.3-FP8', context_length=1048576, "
