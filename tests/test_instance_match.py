@@ -9,11 +9,14 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import os
 import shutil
 from pathlib import Path
 
 import duckdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
 from kvforensics.db import connect
@@ -185,3 +188,24 @@ def test_reingest_keeps_names_and_compares_redelivered_records_with_the_gateways
     assert con.execute("SELECT gateway_name, engine_instance, matched_by FROM instance_names ORDER BY 1").fetchall() == [
         (_fqdn("d0"), "d0", "first_label"), (_fqdn("p0"), "p0", "first_label"), ("p0:30000", "p0", "host")]
     assert con.execute("SELECT count(*) FROM instance_renames").fetchone() == (named,)
+
+
+_NAMES = st.one_of(
+    st.text(max_size=30),
+    st.builds(lambda pod, domain, port: pod + domain + port,
+              st.sampled_from(["p0", "P0", "p1", "10.0.0.1", "[::1]", "http://p0", ""]),
+              st.sampled_from(["", ".ns", ".ns.svc", ".other"]), st.sampled_from(["", ":30000", ":x", "/v1"])),
+)
+
+
+@settings(max_examples=int(os.environ.get("KVF_EXAMPLES", 200)), deadline=None)
+@given(gateway=st.lists(_NAMES, max_size=8), engines=st.lists(_NAMES, max_size=6),
+       regex=st.sampled_from([None, r"(?P<instance>[^.:]+)", r"^(?P<instance>p\d)", r"(?P<instance>)"]))
+def test_matching_any_names_never_fails_and_never_invents_an_instance(gateway, engines, regex):
+    got = match_instance_names(gateway, engines, InstanceMatching(match=regex))
+    assert sorted(m.gateway_name for m in got) == sorted(set(gateway))
+    for m in got:
+        assert (m.engine_instance in engines) if m.engine_instance is not None else m.matched_by in (
+            "ambiguous", "unmatched")
+        assert (m.matched_by == "exact") == (m.gateway_name in engines)
+        assert not m.candidates or m.matched_by == "ambiguous"

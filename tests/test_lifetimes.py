@@ -8,12 +8,15 @@ The shutdown lines below are the engines' own texts (sources cited in kvforensic
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import duckdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import INCIDENT
 
@@ -270,3 +273,35 @@ def test_rollout_oversize_responses_are_counted_at_the_right_tier(rollout):
     scope = json.loads((rollout / "scope.json").read_text())
     assert scope["affected_responses"] == 2
     assert scope["possible_responses_not_counted"] == 0
+
+
+_HOURS = st.one_of(st.none(), st.integers(0, 48).map(float))
+
+
+@st.composite
+def _startups(draw):
+    out = []
+    for _ in range(draw(st.integers(0, 8))):
+        start = draw(_HOURS)
+        last = None if start is None else draw(st.one_of(st.none(), st.integers(0, 12).map(lambda d: start + d)))
+        shutdown = None if last is None else draw(st.one_of(st.none(), st.just(last)))
+        out.append(_placed(draw(st.sampled_from(["a", "b", "c"])), start, last, shutdown_h=shutdown,
+                           model=draw(st.sampled_from(["m", "n", None])), role=draw(st.sampled_from(["prefill", "decode"]))))
+    return out
+
+
+@settings(max_examples=int(os.environ.get("KVF_EXAMPLES", 200)), deadline=None)
+@given(startups=_startups(), handover=st.sampled_from([0.0, 1800.0, 3600.0, 86400.0]))
+def test_lifetime_invariants(startups, handover):
+    got = lifetimes(startups, handover)
+    assert len(got) == len(startups)
+    for s, lt in zip(startups, got, strict=True):
+        if lt.valid_to is not None and s.ts is not None:
+            assert lt.valid_to >= s.ts
+        if lt.end_reason is None:
+            assert (lt.valid_to, lt.end_ts, lt.successor) == (None, None, None)
+        if lt.end_reason == "log_end":
+            assert lt.valid_to is not None and lt.successor not in (None, s.instance)
+            assert any(o.instance == lt.successor and o.model == s.model and o.role == s.role for o in startups)
+        if lt.end_reason == "shutdown":
+            assert s.shutdown_line is not None
