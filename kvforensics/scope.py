@@ -51,13 +51,21 @@ class ScopeResult:
     summary: dict[str, Any]
     parameters: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def conclusive(self) -> bool:
+        """Whether the evidence supports the answer (``kvforensics.conclusive``; exit code 3 when not)."""
+        return bool(self.summary.get("conclusive", True))
+
     def _repr_html_(self) -> str:
         from html import escape
 
         s = self.summary
+        warning = "".join(f"<li><code>{escape(r['code'])}</code>: {escape(r['message'])}</li>"
+                          for r in s.get("inconclusive_reasons", []))
+        warning = f"<p><b>INCONCLUSIVE</b>: the evidence cannot support this answer.</p><ul>{warning}</ul>" if warning else ""
         rows = "".join(f"<tr><td>{escape(c)}</td><td>{v['responses']}</td><td>{v['accounts']}</td></tr>"
                        for c, v in s["by_account_class"].items())
-        return (f"<p><b>{s['affected_responses']}</b> affected responses, <b>{s['affected_accounts']}</b> "
+        return (f"{warning}<p><b>{s['affected_responses']}</b> affected responses, <b>{s['affected_accounts']}</b> "
                 f"accounts received foreign data; source accounts: {s['source_accounts']['confirmed']} "
                 f"confirmed, {s['source_accounts']['possible']} possible.</p>"
                 f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>")
