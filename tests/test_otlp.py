@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvforensics.config import Source, load_incident
 from kvforensics.db import connect
-from kvforensics.loaders.otlp import MISSING_REASONS, TraceExportReader, preset_columns
+from kvforensics.loaders.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
 from kvforensics.loaders.requests import load_requests_file, load_requests_files
 from kvforensics.presets import load_preset
 
@@ -243,7 +243,8 @@ def test_broken_structure_is_quarantined_where_it_is(tmp_path):
         (9, "not an OTLP/JSON trace export (no resourceSpans)"),
         (10, "malformed JSON"),
     ]
-    assert records[3][2] == 'resourceSpans[0].scopeSpans[0]: {"scope": "x", "spans": []}'
+    assert records[3][2] == 'resourceSpans[0].scopeSpans[0]: {"scope": "x", "spans": "[0 items]"}'
+    assert records[8][2] == 'line: {"hello": "world"}'
 
 
 def test_attribute_values_follow_the_otlp_json_encoding(tmp_path):
@@ -422,3 +423,13 @@ columns = {{ prefill_instance = "server.address", decode_instance = "gateway.dec
     assert len(tables[0]) == 20000
     assert tables[0] == tables[1]
     assert (tmp_path / "out" / "affected_requests.csv").read_text() == (sample_run / "affected_requests.csv").read_text()
+
+
+def test_an_export_is_recognised_by_its_first_bytes(tmp_path):
+    assert recognises(EXPORT) and recognises(DOCUMENT)
+    packed = tmp_path / "traces.jsonl.gz"
+    packed.write_bytes(gzip.compress(EXPORT.read_bytes()))
+    assert recognises(packed)
+    other = tmp_path / "gateway.jsonl"
+    other.write_text('{"rid": "r1", "resourceSpans": 1}\n', encoding="utf-8")
+    assert not recognises(other)

@@ -58,7 +58,9 @@ export per line, the line of that export (all spans of one export share it; ``ot
 ``otlp.span_id`` in ``raw`` tell them apart); in a whole-file document, the line on which the span's
 object opens. A line that is not JSON, an export that is not an object with ``resourceSpans``, and a
 span that breaks the structure (not an object, no valid ``spanId``/``traceId``, attributes that are
-not key/value pairs) are records of their own, quarantined with the reason and location.
+not key/value pairs) are records of their own, quarantined with the reason and location. (A
+conflicting duplicate's ``raw`` is read again from the file by its line; where that line holds
+several spans, it may show another span of the same export.)
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ import bisect
 import json
 import json.scanner
 import math
+import re
 import tomllib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -78,6 +81,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvforensics.config import Source
+from kvforensics.errors import InputError
 from kvforensics.loaders.engine_common import open_lines
 
 if TYPE_CHECKING:
@@ -355,8 +359,24 @@ class TraceExportReader:
 
 
 def _problem(line: int, at: str, reason: str, part: object) -> SpanRecord:
-    """A part of an export that cannot be read: its location and the start of its JSON as ``raw``."""
-    return SpanRecord(line, f"{at}: {_json_text(part)[:MALFORMED_RAW_CHARS]}", reason)
+    """A part of an export that cannot be read: its location and an outline of it as ``raw`` (its
+    scalars, not what it nests, which may hold captured content)."""
+    return SpanRecord(line, f"{at}: {_json_text(_outline(part))[:MALFORMED_RAW_CHARS]}", reason)
+
+
+def _outline(part: object) -> object:
+    def brief(value: object) -> object:
+        if isinstance(value, dict):
+            return f"{{{len(value)} keys}}"
+        if isinstance(value, list):
+            return f"[{len(value)} items]"
+        return value[:40] if isinstance(value, str) else value
+
+    if isinstance(part, dict):
+        return {k: brief(v) for k, v in part.items()}
+    if isinstance(part, list):
+        return [brief(v) for v in part]
+    return part
 
 
 def _json_text(value: object) -> str:
@@ -568,6 +588,24 @@ def _decode_with_offsets(text: str) -> tuple[Any, dict[int, int]]:
     decoder.parse_object = located  # type: ignore[assignment]
     decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     return decoder.decode(text), opened_at
+
+
+_EXPORT_START = re.compile(r'\A\s*\[?\s*\{\s*"resource_?[sS]pans"\s*:')
+SNIFF_BYTES = 4096
+
+
+def recognises(path: Path) -> bool:
+    """Whether the file starts like an OTLP/JSON trace export (``{"resourceSpans": ...``), so a file
+    given as ``jsonl`` can be read as what it is."""
+    head = bytearray()
+    try:
+        for _, _, raw in open_lines(path):
+            head += raw + b"\n"
+            if len(head) >= SNIFF_BYTES:
+                break
+    except (OSError, InputError):
+        return False
+    return bool(_EXPORT_START.match(head[:SNIFF_BYTES].decode("utf-8", "replace").lstrip("\ufeff")))
 
 
 def preset_columns() -> dict[str, str]:
