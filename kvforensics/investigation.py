@@ -10,6 +10,7 @@ from typing import Any
 
 import duckdb
 import pandas as pd
+from rich.markup import escape
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
@@ -84,7 +85,7 @@ class Investigation:
         with record_progress("loading", self.progress) as (tick, describe):
             self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe)
         for w in self.ingest_result.warnings:
-            stage(f"[yellow]warning:[/] {w}", self.progress)
+            stage(f"[yellow]warning:[/] {escape(w)}", self.progress)  # "[instances]" is text, not markup
         return self.ingest_result
 
     def detect(self) -> pd.DataFrame:

@@ -109,6 +109,17 @@ def test_unknown_instance_names_are_a_loud_warning(tmp_path):
                        ).fetchall() == [("unmatched", 25)]
 
 
+def test_the_warning_reaches_the_console_with_its_config_line(tmp_path, capsys):
+    from kvforensics.cli import main
+
+    rows = mini_requests()
+    rows[0]["prefill_instance"] = "p9.pool:30000"
+    main(["run", str(write_mini(tmp_path, rows)), "--out", str(tmp_path / "out"), "--no-pdf"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("warning: 1 request(s) name 1 instance(s) no engine log knows ('p9.pool:30000'): the pool rule "
+            'cannot judge them by instance; add [instances] map = { "p9.pool:30000" = "<engine instance>" }') in err
+
+
 def _fqdn(name: str | None) -> str | None:
     return None if name is None else f"{name}.pd.svc.cluster.local:30000"
 
