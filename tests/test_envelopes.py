@@ -456,8 +456,12 @@ def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(tmp_p
     name, data = export
     path = tmp_path / name
     path.write_bytes(data)
-    p = parse_engine_file(path, fmt="sglang", instance=lambda labels: f"i-{len(labels or {})}", tz=UTC_ZONE,
-                          envelope=envelope)
+    try:
+        p = parse_engine_file(path, fmt="sglang", instance=lambda labels: f"i-{len(labels or {})}", tz=UTC_ZONE,
+                              envelope=envelope)
+    except InputError as e:  # a clear error is allowed only for an envelope setting the file does not fit
+        assert envelope != "auto" and "check the source's envelope setting" in str(e)
+        return
     assert p.lines_read == data.count(b"\n")
     lines = [q.line for q in p.all_quarantined()]
     assert len(lines) == len(set(lines))
@@ -466,3 +470,9 @@ def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(tmp_p
         assert 1 <= s.line <= p.lines_read
     for e in p.events:
         assert 1 <= e.line <= p.lines_read
+
+
+def test_an_envelope_setting_that_fits_no_record_is_a_clear_error() -> None:
+    with pytest.raises(InputError, match=r"no record of this file could be read as a cri export \(its first lines "
+                                         r"look like loki\): check the source's envelope setting"):
+        parse(LOKI, envelope="cri")

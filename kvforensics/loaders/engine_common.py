@@ -843,6 +843,14 @@ def parse_engine_file(
                     namer=namer, tz=tz, year=year, clock_offset_s=clock_offset_s,
                 )
                 result.lines_read = stream.lines_yielded
+                if envelope != "auto" and not result.instances and result.quarantined:
+                    looks = sniff_envelope(head)
+                    raise InputError(
+                        f"no record of this file could be read as a {envelope} export"
+                        + (f" (its first lines look like {looks})" if looks != envelope else "")
+                        + f": check the source's envelope setting, or set envelope = \"auto\"",
+                        location=str(path),
+                    )
                 if envelope == "auto":
                     result.notes.insert(0, f"read as a {found} export (recognised from its first lines)")
     finally:

@@ -30,6 +30,7 @@ interleaved export apart. Sorting, parsing and mapping results back to the file 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -128,15 +129,25 @@ def _rfc3339_ns(value: str) -> int:
     return _match_ns(m)
 
 
+_SECONDS: dict[tuple[str, str, str], int] = {}
+
+
 def _match_ns(m: re.Match[str]) -> int:
-    base = datetime.fromisoformat(f"{m['date']}T{m['time']}").replace(tzinfo=UTC)
-    tz = m["tz"]
-    if tz not in ("Z", "z"):
-        sign = -1 if tz[0] == "-" else 1
-        digits = tz[1:].replace(":", "")
-        base -= sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
-    seconds = (base - _EPOCH) // timedelta(seconds=1)
-    return seconds * 1_000_000_000 + int((m["frac"] or "0").ljust(9, "0"))
+    key = (m["date"], m["time"], m["tz"])
+    seconds = _SECONDS.get(key)
+    if seconds is None:
+        base = datetime.fromisoformat(f"{key[0]}T{key[1]}").replace(tzinfo=UTC)
+        tz = key[2]
+        if tz not in ("Z", "z"):
+            sign = -1 if tz[0] == "-" else 1
+            digits = tz[1:].replace(":", "")
+            base -= sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+        seconds = (base - _EPOCH) // timedelta(seconds=1)
+        if len(_SECONDS) > 100_000:
+            _SECONDS.clear()
+        _SECONDS[key] = seconds
+    frac = m["frac"]
+    return seconds * 1_000_000_000 + (int(frac.ljust(9, "0")) if frac else 0)
 
 
 def _epoch_ns(value: Any, unit_ns: int, what: str) -> int:
@@ -740,6 +751,17 @@ class _ClockCheck:
         ]
 
 
+@functools.cache
+def _remap_plan(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], bool, bool]:
+    """Which fields of a parse record are line numbers, and which times go with which line: ``ts``
+    with ``line``, ``<x>_ts`` with ``<x>_line`` (a start-up's last line, its shutdown line ...)."""
+    names = [f.name for f in fields(cls)]
+    line_fields = tuple(n for n in names if n == "line" or n.endswith("_line"))
+    ts_fields = tuple((n, line) for n in names if n == "ts" or n.endswith("_ts")
+                      if (line := "line" if n == "ts" else f"{n[:-3]}_line") in names)
+    return line_fields, ts_fields, "evidence" in names, "flags" in names
+
+
 def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetime | None],
                    check: _ClockCheck) -> EngineLogParse:
     """Map a parse of an instance's records (numbered 1..n in clock order) back to the file: line
@@ -750,24 +772,25 @@ def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetim
         return origin[seq - 1] if 1 <= seq <= len(origin) else seq
 
     def remap(rec: Any) -> Any:
+        line_fields, ts_fields, has_evidence, has_flags = _remap_plan(type(rec))
         changes: dict[str, Any] = {}
-        values = {f.name: getattr(rec, f.name) for f in fields(rec)}
-        for name, value in values.items():
-            if (name == "ts" or name.endswith("_ts")) and (name == "ts" or f"{name[:-3]}_line" in values):
-                seq = values["line" if name == "ts" else f"{name[:-3]}_line"]
-                envelope_ts = clock[seq - 1] if isinstance(seq, int) and 1 <= seq <= len(clock) else None
-                if envelope_ts is not None:
-                    changes[name] = envelope_ts
-                    if name == "ts":
-                        check.observe(file_line(seq), value, envelope_ts)
-                        if (isinstance(values.get("flags"), dict) and value is not None
-                                and abs((envelope_ts - value).total_seconds()) >= 1):
-                            changes["flags"] = {**values["flags"], "engine_stamp_utc": value.isoformat()}
-        for name, value in values.items():
-            if (name == "line" or name.endswith("_line")) and isinstance(value, int) and not isinstance(value, bool):
+        for name, line_name in ts_fields:
+            seq = getattr(rec, line_name)
+            envelope_ts = clock[seq - 1] if type(seq) is int and 1 <= seq <= len(clock) else None
+            if envelope_ts is None:
+                continue
+            changes[name] = envelope_ts
+            if name == "ts":
+                engine_ts = rec.ts
+                check.observe(file_line(seq), engine_ts, envelope_ts)
+                if has_flags and engine_ts is not None and abs((envelope_ts - engine_ts).total_seconds()) >= 1:
+                    changes["flags"] = {**rec.flags, "engine_stamp_utc": engine_ts.isoformat()}
+        for name in line_fields:
+            value = getattr(rec, name)
+            if type(value) is int:
                 changes[name] = file_line(value)
-            elif name == "evidence" and isinstance(value, dict):
-                changes[name] = {k: file_line(v) if isinstance(v, int) else v for k, v in value.items()}
+        if has_evidence:
+            changes["evidence"] = {k: file_line(v) if type(v) is int else v for k, v in rec.evidence.items()}
         return replace(rec, **changes)
 
     parse.startups = [remap(s) for s in parse.startups]
