@@ -433,3 +433,44 @@ def test_an_export_is_recognised_by_its_first_bytes(tmp_path):
     other = tmp_path / "gateway.jsonl"
     other.write_text('{"rid": "r1", "resourceSpans": 1}\n', encoding="utf-8")
     assert not recognises(other)
+
+
+def test_openinference_llm_spans_are_model_calls_and_its_other_kinds_are_not(tmp_path):
+    # https://arize-ai.github.io/openinference/spec/semantic_conventions.html
+    def kind(value: str) -> dict:
+        return {"openinference.span.kind": {"stringValue": value}}
+
+    llm = span("00f067aa0ba902b7", **kind("LLM"), **{
+        "llm.model_name": {"stringValue": "glm-5.3"}, "llm.token_count.prompt": {"intValue": "5000"},
+        "llm.token_count.completion": {"intValue": "40"},
+        "llm.token_count.prompt_details.cache_read": {"intValue": "1024"}, "user.id": {"stringValue": "acct-5"},
+        "input.value": {"stringValue": "the prompt"}, "llm.input_messages.0.message.content": {"stringValue": "hi"}})
+    chain = span("00f067aa0ba902b8", **kind("CHAIN"), **{"gen_ai.request.model": {"stringValue": "glm-5.3"}})
+    bare = span("00f067aa0ba902b9", **kind("LLM"))
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(export(llm, chain, bare)) + "\n", encoding="utf-8")
+    _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert rows == [("00f067aa0ba902b7", utc("2026-09-08T22:00:20"), "acct-5", "glm-5.3", 200, 5000, 40, 1024, None,
+                     None, None, None, 1)]
+    assert [(q[0], q[1]) for q in quarantine] == [(1, NO_ACCOUNT)]
+    assert "1 OpenInference CHAIN span(s) (not model calls) skipped" in r.notes
+    records, _ = reader_records(tmp_path, [export(llm)])
+    assert records[0][2]["input.value"] == "[12 characters of content not kept]"
+    assert records[0][2]["llm.input_messages.0.message.content"] == "[4 characters of content not kept]"
+
+
+def test_a_span_without_model_or_tokens_says_which_attributes_were_looked_for(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(export(span(**GENAI, **{"tenant.id": {"stringValue": "a"}}))) + "\n", encoding="utf-8")
+    _, _, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert rows == []
+    assert [q[1] for q in quarantine] == [
+        "no model on the span (none of the attributes gen_ai.request.model, gen_ai.response.model, "
+        "llm.request.model_name, llm.model_name)"]
+    path.write_text(json.dumps(export(span(**GENAI, **{"tenant.id": {"stringValue": "a"},
+                                                       "gen_ai.request.model": {"stringValue": "m"}}))) + "\n",
+                    encoding="utf-8")
+    _, _, _, quarantine = load(incident_source(tmp_path, path), path)
+    assert [q[1] for q in quarantine] == [
+        "no input token count on the span (none of the attributes gen_ai.usage.input_tokens, "
+        "gen_ai.usage.prompt_tokens, llm.token_count.prompt)"]

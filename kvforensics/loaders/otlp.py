@@ -17,9 +17,11 @@ https://github.com/open-telemetry/opentelemetry-collector-contrib/tree/main/expo
 
 **One record per GenAI span**: a span with at least one ``gen_ai.*`` attribute is one model call,
 unless its ``gen_ai.operation.name`` names an agent or tool step (``invoke_agent``,
-``create_agent``, ``execute_tool``), which is not. Other spans (HTTP, database, agent and tool
-spans) are skipped and counted in the file's notes; lines holding metrics or logs
-(``resourceMetrics`` / ``resourceLogs``) likewise.
+``create_agent``, ``execute_tool``), which is not; so is a span of the OpenInference conventions
+(Arize Phoenix and the OpenInference instrumentations) whose ``openinference.span.kind`` is ``LLM`` or
+``EMBEDDING`` (https://arize-ai.github.io/openinference/spec/semantic_conventions.html). Other spans
+(HTTP, database, agent, tool and chain spans) are skipped and counted in the file's notes; exports
+of metrics or logs (``resourceMetrics`` / ``resourceLogs``) likewise.
 
 **The record** is the span flattened to one JSON object (what ``columns`` maps against, and what
 the quarantine shows as ``raw``): the span's attributes under their own names (GenAI semantic
@@ -37,13 +39,16 @@ which the reader derives (``columns`` of the ``otlp`` preset name them; see ``pr
   span id (a span re-exported by an at-least-once pipeline keeps its id, so it is a duplicate);
 * ``otlp.account_id``: ``tenant.id``, else ``enduser.id``, else ``user.id``; absent when the span has
   none of them (the record is then quarantined, saying to map the attribute that names the customer);
-* ``otlp.model``: ``gen_ai.request.model`` (the id the client asked for), else ``gen_ai.response.model``;
+* ``otlp.model``: ``gen_ai.request.model`` (the id the client asked for), else ``gen_ai.response.model``,
+  else OpenInference's ``llm.request.model_name`` / ``llm.model_name``;
 * ``otlp.http_status``: ``http.response.status_code``, else the older ``http.status_code``, else the
   span status: ``ERROR`` -> 500, ``OK`` / ``UNSET`` -> 200;
 * ``otlp.input_tokens`` / ``otlp.output_tokens``: ``gen_ai.usage.input_tokens`` /
   ``gen_ai.usage.output_tokens``, else the older ``gen_ai.usage.prompt_tokens`` /
-  ``gen_ai.usage.completion_tokens``; ``otlp.cache_read_input_tokens``:
-  ``gen_ai.usage.cache_read.input_tokens``, else ``gen_ai.usage.cache_read_input_tokens``;
+  ``gen_ai.usage.completion_tokens``, else OpenInference's ``llm.token_count.prompt`` /
+  ``llm.token_count.completion``; ``otlp.cache_read_input_tokens``:
+  ``gen_ai.usage.cache_read.input_tokens``, else ``gen_ai.usage.cache_read_input_tokens``, else
+  ``llm.token_count.prompt_details.cache_read``;
 * ``otlp.time_to_first_token_ms``: the first of the attributes ``gen_ai.response.time_to_first_chunk``,
   ``gen_ai.latency.time_to_first_token`` (vLLM), ``gen_ai.response.time_to_first_token`` (seconds,
   times 1000), else the time of the span's first ``first_token`` / ``first_chunk`` event (with or
@@ -96,18 +101,25 @@ MALFORMED_RAW_CHARS = 300  # of a line that is not JSON (it may hold captured pr
 
 # gen_ai.operation.name values of spans that are not a model call (GenAI agent and tool spans)
 NOT_MODEL_CALLS = frozenset({"invoke_agent", "create_agent", "execute_tool"})
+# openinference.span.kind values of model calls (OpenInference conventions: spans of the other kinds,
+# CHAIN, TOOL, AGENT, RETRIEVER, ..., are steps around them)
+OPENINFERENCE_MODEL_CALLS = frozenset({"LLM", "EMBEDDING"})
 # attributes that carry prompt or output text (GenAI, OpenLLMetry and OpenInference names)
 CONTENT_ATTRIBUTES = frozenset({"gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
                                 "gen_ai.tool.call.arguments", "gen_ai.tool.call.result", "gen_ai.tool.definitions",
                                 "gen_ai.prompt", "gen_ai.completion", "input.value", "output.value", "llm.prompts"})
-CONTENT_PREFIXES = ("gen_ai.prompt.", "gen_ai.completion.", "llm.input_messages.", "llm.output_messages.")
-# the derived values: each the first attribute of its list that the span has
+CONTENT_PREFIXES = ("gen_ai.prompt.", "gen_ai.completion.", "llm.input_messages.", "llm.output_messages.",
+                    "llm.prompt_template.")
+# the derived values: each the first attribute of its list that the span has (GenAI names, their
+# older spellings, then OpenInference's)
 FALLBACKS: dict[str, tuple[str, ...]] = {
     "otlp.account_id": ("tenant.id", "enduser.id", "user.id"),
-    "otlp.model": ("gen_ai.request.model", "gen_ai.response.model"),
-    "otlp.input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
-    "otlp.output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"),
-    "otlp.cache_read_input_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens"),
+    "otlp.model": ("gen_ai.request.model", "gen_ai.response.model", "llm.request.model_name", "llm.model_name"),
+    "otlp.input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "llm.token_count.prompt"),
+    "otlp.output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens",
+                           "llm.token_count.completion"),
+    "otlp.cache_read_input_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
+                                     "llm.token_count.prompt_details.cache_read"),
 }
 REQUEST_ID_ATTRIBUTES = ("gen_ai.response.id", "gen_ai.request.id")
 HTTP_STATUS_ATTRIBUTES = ("http.response.status_code", "http.status_code")
@@ -124,9 +136,9 @@ MISSING_REASONS = {
     "account_id": ("otlp.account_id", "no account on the span (none of the attributes "
                    + ", ".join(FALLBACKS["otlp.account_id"])
                    + "); map the attribute that names the customer: columns.account_id = \"<attribute>\""),
-    "model": ("otlp.model", "no model on the span (neither gen_ai.request.model nor gen_ai.response.model)"),
-    "prompt_tokens": ("otlp.input_tokens", "no input token count on the span (neither gen_ai.usage.input_tokens "
-                      "nor gen_ai.usage.prompt_tokens)"),
+    "model": ("otlp.model", "no model on the span (none of the attributes " + ", ".join(FALLBACKS["otlp.model"]) + ")"),
+    "prompt_tokens": ("otlp.input_tokens", "no input token count on the span (none of the attributes "
+                      + ", ".join(FALLBACKS["otlp.input_tokens"]) + ")"),
     "ts": ("otlp.start_time", "span has no startTimeUnixNano"),
 }
 
@@ -264,12 +276,18 @@ class TraceExportReader:
                      line: int) -> SpanRecord | None:
         try:
             attributes = _attributes(_object(span, "span"))
-            for key in attributes:
-                if key.startswith("gen_ai."):
-                    break
+            openinference = attributes.get("openinference.span.kind")
+            if openinference is not None:
+                if openinference not in OPENINFERENCE_MODEL_CALLS:
+                    self.skipped[f"OpenInference {str(openinference)[:20]} span(s) (not model calls)"] += 1
+                    return None
             else:
-                self.skipped["span(s) without gen_ai.* attributes (not model calls)"] += 1
-                return None
+                for key in attributes:
+                    if key.startswith("gen_ai."):
+                        break
+                else:
+                    self.skipped["span(s) without gen_ai.* attributes (not model calls)"] += 1
+                    return None
             operation = attributes.get("gen_ai.operation.name")
             if isinstance(operation, str) and operation in NOT_MODEL_CALLS:
                 self.skipped[f"GenAI {operation} span(s) (agent or tool steps, not model calls)"] += 1
