@@ -442,7 +442,8 @@ def mangled_export(draw: st.DrawFn) -> tuple[str, bytes]:
             lines[at] = draw(st.one_of(st.binary(max_size=60), st.text(max_size=60).map(str.encode), st.sampled_from(
                 [b'{"log":1,"time":"x"}', b'{"line":"a","timestamp":"-1"}', b'{"__REALTIME_TIMESTAMP":"9"*40}',
                  b'{"timestamp":1e400,"message":"m"}', b'{"data":{"result":[{"values":[[1]]}]}}', b"[1,2", b"{}",
-                 b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}', b"2026-13-45T99:00:00Z stdout F x"])))
+                 b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}', b"2026-13-45T99:00:00Z stdout F x",
+                 b"[" * 50_000])))
         else:
             other = draw(st.integers(0, len(lines) - 1))
             lines[at], lines[other] = lines[other], lines[at]

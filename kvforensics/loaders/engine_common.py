@@ -848,7 +848,7 @@ def parse_engine_file(
                     raise InputError(
                         f"no record of this file could be read as a {envelope} export"
                         + (f" (its first lines look like {looks})" if looks != envelope else "")
-                        + f": check the source's envelope setting, or set envelope = \"auto\"",
+                        + ": check the source's envelope setting, or set envelope = \"auto\"",
                         location=str(path),
                     )
                 if envelope == "auto":

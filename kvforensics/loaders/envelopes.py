@@ -30,7 +30,6 @@ interleaved export apart. Sorting, parsing and mapping results back to the file 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import re
@@ -213,7 +212,7 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
         for t in texts:
             try:
                 kinds.append(json_kind(json.loads(t)))
-            except ValueError:
+            except (ValueError, RecursionError):
                 kinds.append(None)
         found = [k for k in kinds if k]
         if found and len(found) * 2 >= len(texts):
@@ -330,6 +329,15 @@ def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
 # -- JSON envelopes ----------------------------------------------------------------------------
 
 
+Positions = Callable[[str, int], list[int]]
+"""Where the *n* records of a kind held by a JSON value start: their physical lines."""
+
+
+def _same_line(line: int) -> Positions:
+    """Positions for a value on one line: every record it holds is on that line."""
+    return lambda _kind, n: [line] * n
+
+
 class _JsonRecords:
     """Turn JSON values (one per line, or documents) into records, per envelope kind."""
 
@@ -352,7 +360,7 @@ class _JsonRecords:
             if isinstance(obj, list):
                 lines = positions("element", len(obj))
                 for at, element in zip(lines, obj, strict=True):
-                    yield from self.records(element, at, json.dumps(element), lambda _k, n, at=at: [at] * n)
+                    yield from self.records(element, at, json.dumps(element), _same_line(at))
                 return
             yield _quarantine(line, f"not a {self.envelope} record (a JSON value with none of its keys)", raw)
             return
@@ -490,10 +498,13 @@ def _read_json_lines(lines: Iterable[EngineLine], envelope: str) -> Iterator[Env
             continue
         try:
             obj = json.loads(text)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             yield _quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
             continue
-        yield from reader.records(obj, number, text, lambda _kind, n, at=number: [at] * n)
+        except (ValueError, RecursionError) as e:
+            yield _quarantine(number, f"malformed JSON ({type(e).__name__})", raw)
+            continue
+        yield from reader.records(obj, number, text, _same_line(number))
     yield from reader.rest()
 
 
@@ -521,7 +532,7 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
     while i < len(doc):
         try:
             obj, end = _DECODER.raw_decode(doc, i)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             reason = f"malformed JSON document ({getattr(e, 'msg', e)} at line {line_at(getattr(e, 'pos', i))})"
             for k in range(line_at(i) - first_line, len(texts)):
                 if texts[k].strip():
@@ -530,11 +541,14 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
         start, stop = i, end
 
         def positions(kind: str, n: int, start: int = start, stop: int = stop) -> list[int]:
-            if kind == "element":
-                offsets = _element_starts(doc, start)
-            else:
-                offsets = [o for m in _RECORD_ARRAYS[kind].finditer(doc, start, stop)
-                           for o in _element_starts(doc, m.end() - 1)]
+            try:
+                if kind == "element":
+                    offsets = _element_starts(doc, start)
+                else:
+                    offsets = [o for m in _RECORD_ARRAYS[kind].finditer(doc, start, stop)
+                               for o in _element_starts(doc, m.end() - 1)]
+            except (ValueError, RecursionError):
+                offsets = []
             if len(offsets) != n:  # not where we looked: every record is placed at its document's start
                 return [line_at(start)] * n
             return [line_at(o) for o in offsets]
@@ -558,7 +572,7 @@ def _read_json(lines: Iterable[EngineLine], envelope: str) -> Iterator[EnvelopeI
     if first is not None:
         try:
             one_per_line = isinstance(json.loads(first), dict)
-        except ValueError:
+        except (ValueError, RecursionError):
             one_per_line = False
     if one_per_line:
         yield from _read_json_lines([*head, *it], envelope)
@@ -711,16 +725,16 @@ def _instance_names(envelope: str, records: list[EnvelopeRecord], namer: Instanc
             f"their records are read as instance '{own}'"
         )
     if len(label_sets) > 1 and set(names.values()) == {own}:
-        key = instance_key(envelope, list(label_sets.values()))
-        if key:
+        natural = instance_key(envelope, list(label_sets.values()))
+        if natural:
             for k, labels in label_sets.items():
-                names[k] = "/".join(labels.get(label, "-") for label in key)
+                names[k] = "/".join(labels.get(label, "-") for label in natural)
             found = sorted(set(names.values()))
             shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
             result.notes.append(
                 f"this {envelope} export interleaves {len(found)} origins, told apart by "
-                f"{' + '.join(key)}: each is read as its own instance ({shown}); name them otherwise with the "
-                f"source's instance template, e.g. instance = \"{{label:{key[0]}}}\""
+                f"{' + '.join(natural)}: each is read as its own instance ({shown}); name them otherwise with the "
+                f"source's instance template, e.g. instance = \"{{label:{natural[0]}}}\""
             )
     return names
 
@@ -751,15 +765,21 @@ class _ClockCheck:
         ]
 
 
-@functools.cache
-def _remap_plan(cls: type) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], bool, bool]:
+RemapPlan = tuple[tuple[str, ...], tuple[tuple[str, str], ...], bool, bool]
+_PLANS: dict[type, RemapPlan] = {}
+
+
+def _remap_plan(cls: type) -> RemapPlan:
     """Which fields of a parse record are line numbers, and which times go with which line: ``ts``
     with ``line``, ``<x>_ts`` with ``<x>_line`` (a start-up's last line, its shutdown line ...)."""
-    names = [f.name for f in fields(cls)]
-    line_fields = tuple(n for n in names if n == "line" or n.endswith("_line"))
-    ts_fields = tuple((n, line) for n in names if n == "ts" or n.endswith("_ts")
-                      if (line := "line" if n == "ts" else f"{n[:-3]}_line") in names)
-    return line_fields, ts_fields, "evidence" in names, "flags" in names
+    plan = _PLANS.get(cls)
+    if plan is None:
+        names = [f.name for f in fields(cls)]
+        line_fields = tuple(n for n in names if n == "line" or n.endswith("_line"))
+        ts_fields = tuple((n, line) for n in names if n == "ts" or n.endswith("_ts")
+                          if (line := "line" if n == "ts" else f"{n[:-3]}_line") in names)
+        plan = _PLANS[cls] = (line_fields, ts_fields, "evidence" in names, "flags" in names)
+    return plan
 
 
 def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetime | None],
