@@ -15,6 +15,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from conftest import INCIDENT, mini_requests, write_mini
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,6 @@ from kvforensics.errors import ConfigError
 from kvforensics.ingest import ingest
 from kvforensics.instances import InstanceMatching, NameMatch, instances_from_config, match_instance_names
 from kvforensics.investigation import run
-from conftest import INCIDENT, mini_requests, write_mini
 
 ENGINES = ["glm53-prefill-0", "glm53-prefill-1", "glm53-decode-0"]
 

@@ -15,10 +15,9 @@ from zoneinfo import ZoneInfo
 
 import duckdb
 import pytest
+from conftest import INCIDENT
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from conftest import INCIDENT
 
 from kvforensics.instances import Lifetime, PlacedStartup, lifetimes
 from kvforensics.investigation import run
@@ -283,7 +282,8 @@ def _startups(draw):
     out = []
     for _ in range(draw(st.integers(0, 8))):
         start = draw(_HOURS)
-        last = None if start is None else draw(st.one_of(st.none(), st.integers(0, 12).map(lambda d: start + d)))
+        since = draw(st.one_of(st.none(), st.integers(0, 12)))
+        last = None if start is None or since is None else start + since
         shutdown = None if last is None else draw(st.one_of(st.none(), st.just(last)))
         out.append(_placed(draw(st.sampled_from(["a", "b", "c"])), start, last, shutdown_h=shutdown,
                            model=draw(st.sampled_from(["m", "n", None])), role=draw(st.sampled_from(["prefill", "decode"]))))
