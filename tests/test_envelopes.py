@@ -477,3 +477,14 @@ def test_an_envelope_setting_that_fits_no_record_is_a_clear_error() -> None:
     with pytest.raises(InputError, match=r"no record of this file could be read as a cri export \(its first lines "
                                          r"look like loki\): check the source's envelope setting"):
         parse(LOKI, envelope="cri")
+
+
+def test_lines_without_an_engine_stamp_take_the_envelope_clock_and_no_note_says_otherwise(tmp_path: Path) -> None:
+    lines = (ENGINE_FIXTURES / "sglang-0.2-gpu-prefix.log").read_text().splitlines()
+    assert any("carry no timestamp" in n for n in plain("sglang-0.2-gpu-prefix.log").all_notes())
+    path = tmp_path / "gpu.log"
+    path.write_text("".join(f"2026-08-26T21:10:{i:02d}.5Z {line}\n" for i, line in enumerate(lines)))
+    p = parse(path.name, folder=tmp_path)
+    assert p.startups and all(s.ts is not None for s in p.startups)
+    assert all(e.ts is not None for e in p.events)
+    assert not any("timestamp" in n for n in p.all_notes())

@@ -74,8 +74,9 @@ ENVELOPE_CLOCKS = {
 }
 
 # Labels that name where a record came from, most specific first: interleaved origins in one file
-# are told apart by the first of these that varies (see instance_key). Labels such as a stream
-# (stdout/stderr) or a level vary within one instance and are never used.
+# are told apart by the first of these that varies, and the next ones only where it is not enough
+# (see instance_key). Labels such as a stream (stdout/stderr) or a level vary within one instance
+# and are never used.
 NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "loki": (
         "pod", "pod_name", "k8s_pod_name", "container", "container_name", "k8s_container_name",
@@ -97,7 +98,7 @@ class EnvelopeRecord:
     ts_ns: int | None  # the envelope's clock: UTC nanoseconds since the epoch (None: the record has none)
     labels: Mapping[str, str]  # the record's labels / fields (pod, _HOSTNAME, logStreamName, stream ...)
     text: str | None  # the engine line; None when its bytes are not UTF-8
-    raw: bytes  # the engine line's bytes (for quarantine)
+    raw: bytes  # the engine line's bytes when text is None (b"" otherwise: text holds the line)
 
 
 EnvelopeItem = EnvelopeRecord | QuarantinedLine
@@ -216,8 +217,8 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
                 kinds.append(None)
         found = [k for k in kinds if k]
         if found and len(found) * 2 >= len(texts):
-            return max(set(found), key=found.count)
-        joined = "\n".join(texts) + "\n" + "\n".join(t for _, t, _ in head[len(texts):] if t)
+            return max(found, key=found.count)  # ties: the kind met first
+        joined = "\n".join(t for _, t, _ in head if t)
         for key, kind in (('"__REALTIME_TIMESTAMP"', "journald"), ('"resultType"', "loki"), ('"result"', "loki"),
                           ('"logStreamName"', "cloudwatch"), ('"events"', "cloudwatch"), ('"ingestionTime"',
                           "cloudwatch"), ('"stream"', "docker")):
@@ -626,6 +627,9 @@ def instance_key(envelope: str, label_sets: Sequence[Mapping[str, str]]) -> tupl
 
 CLOCK_DISAGREEMENT_S = 300.0
 _LINE_REF = re.compile(r"\bline (\d+)")
+# Parser notes about lines without a time of their own: in an envelope every line has the envelope's.
+_UNTIMED_NOTES = ("without a timestamp of their own", "carry no timestamp; left empty",
+                  "their timestamps are left empty")
 
 
 def parse_enveloped(
@@ -816,5 +820,8 @@ def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetim
     parse.startups = [remap(s) for s in parse.startups]
     parse.events = [remap(e) for e in parse.events]
     parse.quarantined = [replace(q, line=file_line(q.line)) for q in parse.quarantined]
-    parse.notes = [_LINE_REF.sub(lambda m: f"line {file_line(int(m[1]))}", n) for n in parse.notes]
+    notes = parse.notes
+    if all(c is not None for c in clock):  # no line is left without a time or given another's
+        notes = [n for n in notes if not any(m in n for m in _UNTIMED_NOTES)]
+    parse.notes = [_LINE_REF.sub(lambda m: f"line {file_line(int(m[1]))}", n) for n in notes]
     return parse
