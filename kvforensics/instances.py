@@ -24,9 +24,9 @@ instance by the first of these that gives exactly one engine instance:
 3. ``match``        ``[instances] match``: a regular expression with an ``(?P<instance>...)`` group,
    searched in both names (a name it does not match is kept whole); equal groups match;
 4. ``host``         the host part on both sides: without scheme, path and ``:port``, lower case;
-5. ``first_label``  the first DNS label of that host (never of an IP address), used only when no other
-   gateway host with the same first label belongs to a different domain (``prefill-0.a`` and
-   ``prefill-0.b`` are two pods; ``prefill-0`` and ``prefill-0.ns.svc`` are one).
+5. ``first_label``  the first DNS label of that host (never of an IP address), when one host is the other
+   plus more domain (``prefill-0`` and ``prefill-0.ns.svc`` are one pod; ``prefill-0.a`` and
+   ``prefill-0.b`` are two), and no other gateway host with that label lies in a different domain.
 
 A name that two engine instances fit is ``ambiguous`` and stays as it is, like an ``unmatched`` one.
 """
@@ -164,11 +164,13 @@ def match_instance_names(gateway_names: Iterable[str], engine_instances: Iterabl
                 found = (NameMatch(g, candidates[0], how) if len(candidates) == 1
                          else NameMatch(g, None, "ambiguous", tuple(candidates)))
                 break
-        label = first_label(host_of(g))
-        if found is None and label is not None and (candidates := by_label.get(label, [])):
-            other_pod = any(not _same_pod(h, host_of(g)) for h in hosts_by_label.get(label, ()))
-            found = (NameMatch(g, candidates[0], "first_label") if len(candidates) == 1 and not other_pod
-                     else NameMatch(g, None, "ambiguous", tuple(candidates)))
+        host = host_of(g)
+        label = first_label(host)
+        fitting = [e for e in by_label.get(label, []) if _same_pod(host_of(e), host)] if label else []
+        if found is None and fitting:
+            other_pod = any(not _same_pod(h, host) for h in hosts_by_label.get(label or "", ()))
+            found = (NameMatch(g, fitting[0], "first_label") if len(fitting) == 1 and not other_pod
+                     else NameMatch(g, None, "ambiguous", tuple(fitting)))
         out.append(found or NameMatch(g, None, "unmatched"))
     return out
 

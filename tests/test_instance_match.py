@@ -59,6 +59,11 @@ def test_first_label_is_not_used_when_it_names_pods_in_two_domains():
                    NameMatch("prefill-0.cluster-b:30000", None, "ambiguous", ("prefill-0",))]
 
 
+def test_first_label_never_joins_two_domains():
+    assert _matched(["prefill-0.cluster-b:30000"], ["prefill-0.cluster-a"]) == {
+        "prefill-0.cluster-b:30000": (None, "unmatched")}
+
+
 def test_two_engine_instances_with_one_host_are_ambiguous():
     got = match_instance_names(["pod-1:8000"], ["pod-1.a", "pod-1.b"], InstanceMatching())
     assert got == [NameMatch("pod-1:8000", None, "ambiguous", ("pod-1.a", "pod-1.b"))]
