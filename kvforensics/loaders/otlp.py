@@ -77,7 +77,6 @@ import json
 import json.scanner
 import math
 import re
-import tomllib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -88,6 +87,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_common import open_lines
+from kvforensics.presets import load_preset
 
 if TYPE_CHECKING:
     import duckdb
@@ -95,7 +95,6 @@ if TYPE_CHECKING:
     from kvforensics.loaders.requests import FileLoad, Staged
 
 FORMAT = "otlp_json"
-PRESET = Path(__file__).resolve().parent.parent / "presets" / "otlp.toml"
 BATCH = 50_000
 MALFORMED_RAW_CHARS = 300  # of a line that is not JSON (it may hold captured prompt text further on)
 
@@ -199,15 +198,15 @@ class TraceExportReader:
     def _document_or_lines(self, numbered: list[tuple[int, str | None, bytes]]) -> Iterator[SpanRecord]:
         first = numbered[0][0]
         if all(t is not None for _, t, _ in numbered):
-            text = "\n".join(t or "" for _, t, _ in numbered)
+            whole = "\n".join(t or "" for _, t, _ in numbered)
             try:
-                document, opened_at = _decode_with_offsets(text)
+                document, opened_at = _decode_with_offsets(whole)
             except ValueError as e:
                 self.notes.append(f"line {first} opens a JSON value that the line does not close, and the file is "
                                   f"not one JSON document either ({e}); each line read as an export of its own")
             else:
                 self.notes.append("read as one JSON document; a record's line is where its span opens")
-                line_at = _line_numbers(text, first)
+                line_at = _line_numbers(whole, first)
 
                 def line_of(obj: object, default: int) -> int:
                     offset = opened_at.get(id(obj))
@@ -452,7 +451,7 @@ def _get(obj: Mapping[str, Any], key: str, default: Any, snake: str | None = Non
 
 def _items(obj: object, keys: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
     """The entries of a repeated field (absent or null: none)."""
-    value = next((v for k in keys if (v := _object(obj).get(k)) is not None), [])
+    value: Any = next((v for k in keys if (v := _object(obj).get(k)) is not None), [])
     if not isinstance(value, list):
         raise SpanProblem(f"{keys[0]} is not a list")
     yield from enumerate(value)
@@ -596,14 +595,14 @@ def _decode_with_offsets(text: str) -> tuple[Any, dict[int, int]]:
     json module's pure-Python scanner (whole-file documents only: it is slower than the C one)."""
     decoder = json.JSONDecoder()
     opened_at: dict[int, int] = {}
-    parse_object = decoder.parse_object
+    parse_object = decoder.parse_object  # type: ignore[attr-defined]
 
     def located(s_and_end: tuple[str, int], *args: Any) -> tuple[Any, int]:
         obj, end = parse_object(s_and_end, *args)
         opened_at[id(obj)] = s_and_end[1] - 1
         return obj, end
 
-    decoder.parse_object = located  # type: ignore[assignment]
+    decoder.parse_object = located  # type: ignore[attr-defined]
     decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
     return decoder.decode(text), opened_at
 
@@ -629,8 +628,7 @@ def recognises(path: Path) -> bool:
 def preset_columns() -> dict[str, str]:
     """The canonical fields the ``otlp`` preset maps (``presets/otlp.toml``): the format's own mapping,
     also used when a source names the format without the preset."""
-    with PRESET.open("rb") as fh:
-        return dict(tomllib.load(fh).get("columns", {}))
+    return dict(load_preset("otlp").get("columns", {}))
 
 
 def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
