@@ -21,6 +21,25 @@ FROM capacity
 WHERE kv_pool_tokens < context_length AND model IS NOT NULL AND valid_from IS NOT NULL
   AND NOT coalesce(startup_refused, false);
 
+-- per exposure window: the requests of its model in it, and how many successful ones (the ones the
+-- rules judge) carry each optional field (one join of the windows with the requests, shared)
+CREATE OR REPLACE TEMP TABLE gate_window_requests AS
+SELECT w.instance, w.valid_from, any_value(w.model) AS model, count(r.request_id) AS requests,
+       count(r.request_id) FILTER (WHERE r.status BETWEEN 200 AND 299) AS successful,
+       count(r.ttft_ms) FILTER (WHERE r.status BETWEEN 200 AND 299) AS ttft_ms,
+       count(r.latency_ms) FILTER (WHERE r.status BETWEEN 200 AND 299) AS latency_ms,
+       count(r.cached_tokens) FILTER (WHERE r.status BETWEEN 200 AND 299) AS cached_tokens,
+       count(r.completion_tokens) FILTER (WHERE r.status BETWEEN 200 AND 299) AS completion_tokens,
+       count(r.prefill_instance) FILTER (WHERE r.status BETWEEN 200 AND 299) AS prefill_instance,
+       count(r.decode_instance) FILTER (WHERE r.status BETWEEN 200 AND 299) AS decode_instance
+FROM gate_windows w
+LEFT JOIN analysed_requests r ON r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to)
+GROUP BY w.instance, w.valid_from;
+
+-- per requested model: how many requests, the largest prompt
+CREATE OR REPLACE TEMP TABLE gate_models AS
+SELECT model, count(*) AS requests, max(prompt_tokens) AS largest_prompt FROM analysed_requests GROUP BY model;
+
 -- reason: quarantine_share
 WITH per_source AS (
     SELECT source, sum(records_read) AS records_read, sum(quarantined) AS quarantined
@@ -67,23 +86,20 @@ FROM (SELECT (SELECT coalesce(sum(records_read), 0) FROM load_report WHERE kind 
 WHERE n_analysed = 0;
 
 -- reason: model_without_capacity
-WITH served AS (SELECT DISTINCT model FROM capacity WHERE model IS NOT NULL),
-unserved AS (SELECT list(DISTINCT coalesce(engine_model, '?') ORDER BY coalesce(engine_model, '?')) AS names
-             FROM capacity WHERE model IS NULL OR model NOT IN (SELECT model FROM analysed_requests))
+WITH unserved AS (SELECT list(DISTINCT coalesce(engine_model, '?') ORDER BY coalesce(engine_model, '?')) AS names
+                  FROM capacity WHERE model IS NULL OR model NOT IN (SELECT model FROM gate_models))
 SELECT format('model ''{}'': {:,} requests (largest prompt {:,} tokens) but no engine start-up serves it, so its KV pool '
               || 'is unknown and none of its responses can be judged against one; add its engine logs, or map the '
-              || 'engine''s model name to it with [models] aliases{}', r.model, count(*), max(r.prompt_tokens),
-              CASE WHEN len(any_value(u.names)) > 0
-                   THEN ' (the engine logs name ' || gate_names(any_value(u.names)) || ')' ELSE '' END) AS message,
-       r.model, count(*) AS requests, max(r.prompt_tokens) AS largest_prompt
-FROM analysed_requests r CROSS JOIN unserved u
-WHERE r.model NOT IN (SELECT model FROM served)
-GROUP BY r.model
-ORDER BY r.model;
+              || 'engine''s model name to it with [models] aliases{}', m.model, m.requests, m.largest_prompt,
+              CASE WHEN len(u.names) > 0 THEN ' (the engine logs name ' || gate_names(u.names) || ')' ELSE '' END)
+           AS message,
+       m.model, m.requests, m.largest_prompt
+FROM gate_models m CROSS JOIN unserved u
+WHERE m.model NOT IN (SELECT model FROM capacity WHERE model IS NOT NULL)
+ORDER BY m.model;
 
 -- reason: startup_incomplete
-WITH requested AS (SELECT DISTINCT model FROM analysed_requests),
-missing AS (
+WITH missing AS (
     SELECT c.instance, c.source_file, c.source_line,
            list_filter([CASE WHEN c.model IS NULL THEN 'model' END,
                         CASE WHEN c.valid_from IS NULL THEN 'start time' END,
@@ -92,7 +108,7 @@ missing AS (
     FROM capacity c
     WHERE NOT coalesce(c.startup_refused, false)
       -- a start-up of an unknown model may serve any; one of a model nobody requested cannot matter
-      AND (c.model IS NULL OR (c.model IN (SELECT model FROM requested)
+      AND (c.model IS NULL OR (c.model IN (SELECT model FROM gate_models)
            AND (c.valid_from IS NULL OR c.kv_pool_tokens IS NULL OR c.context_length IS NULL)))
 )
 SELECT format('engine instance ''{}'': {:,} start-up(s) without a {} (first at {} line {}): whether and when it was exposed '
@@ -112,34 +128,32 @@ SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {
               w.context_length, gate_ts(w.valid_from), gate_ts(w.valid_to)) AS message,
        w.instance, w.role, w.model, w.valid_from AS start, w.valid_to AS "end", w.kv_pool_tokens AS pool_tokens,
        w.context_length
-FROM gate_windows w CROSS JOIN analysis_period p
-WHERE (p.period_end IS NULL OR w.valid_from < p.period_end)
+FROM gate_windows w
+JOIN gate_window_requests n ON n.instance = w.instance AND n.valid_from = w.valid_from
+CROSS JOIN analysis_period p
+WHERE n.requests = 0
+  AND (p.period_end IS NULL OR w.valid_from < p.period_end)
   AND (p.period_start IS NULL OR w.valid_to IS NULL OR w.valid_to > p.period_start)
-  AND NOT EXISTS (SELECT 1 FROM analysed_requests r
-                  WHERE r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to))
 ORDER BY w.valid_from, w.instance;
 
 -- reason: rule_field_missing
-WITH in_windows AS (
-    -- successful requests in an exposure window of their model (the ones the rules judge)
-    SELECT w.model, count(DISTINCT r.request_id) AS requests,
-           count(r.ttft_ms) AS ttft_ms, count(r.latency_ms) AS latency_ms, count(r.cached_tokens) AS cached_tokens,
-           count(r.completion_tokens) AS completion_tokens, count(r.prefill_instance) AS prefill_instance,
-           count(r.decode_instance) AS decode_instance
-    FROM gate_windows w
-    JOIN analysed_requests r ON r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to)
-    WHERE r.status BETWEEN 200 AND 299
-    GROUP BY w.model
+WITH per_model AS (
+    -- windows of one model overlap (its prefill and decode instances): the busiest one's count is
+    -- a lower bound of the model's successful requests in its windows
+    SELECT model, max(successful) AS successful, sum(ttft_ms) AS ttft_ms, sum(latency_ms) AS latency_ms,
+           sum(cached_tokens) AS cached_tokens, sum(completion_tokens) AS completion_tokens,
+           sum(prefill_instance) AS prefill_instance, sum(decode_instance) AS decode_instance
+    FROM gate_window_requests GROUP BY model HAVING max(successful) > 0
 ), present AS (
-    UNPIVOT (SELECT * EXCLUDE (requests) FROM in_windows) ON COLUMNS(* EXCLUDE (model)) INTO NAME field VALUE n
+    UNPIVOT (SELECT * EXCLUDE (successful) FROM per_model) ON COLUMNS(* EXCLUDE (model)) INTO NAME field VALUE n
 ), needs AS (
     SELECT n.rule, n.fields, unnest(n.fields) AS field FROM (SELECT unnest($needs) AS n)
 )
-SELECT format('model ''{}'': {} empty for all {:,} successful requests in its exposure windows, so rule {} cannot judge '
-              || 'them; map the field in the requests source''s columns (or a preset), or check its null tokens',
-              p.model, array_to_string(n.fields, ' and '), any_value(w.requests), n.rule) AS message,
-       p.model, n.rule, n.fields, any_value(w.requests) AS requests
-FROM needs n JOIN present p USING (field) JOIN in_windows w ON w.model = p.model
+SELECT format('model ''{}'': {} empty for every successful request in its exposure windows (at least {:,}), so rule {} '
+              || 'cannot judge them; map the field in the requests source''s columns (or a preset), or check its '
+              || 'null tokens', p.model, array_to_string(n.fields, ' and '), any_value(m.successful), n.rule) AS message,
+       p.model, n.rule, n.fields, any_value(m.successful) AS requests
+FROM needs n JOIN present p USING (field) JOIN per_model m ON m.model = p.model
 GROUP BY p.model, n.rule, n.fields
 HAVING sum(p.n) = 0
 ORDER BY p.model, n.rule;
