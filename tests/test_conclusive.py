@@ -111,6 +111,17 @@ def test_truncated_file(tmp_path):
     assert reason["evidence"]["source"] == "gateway" and "day1.jsonl.gz" in reason["message"]
 
 
+def test_truncated_engine_log(tmp_path):
+    incident = mini(tmp_path)
+    log = incident.parent / "engine" / "p0.log"
+    data = gzip.compress(log.read_bytes())  # recognised by its magic bytes, whatever the name
+    log.write_bytes(data[: len(data) * 3 // 4])
+    code, scope = run(incident, tmp_path / "out")
+    assert code == 3 and "truncated_file" in codes(scope)
+    (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "truncated_file"]
+    assert (reason["evidence"]["source"], reason["evidence"]["kind"]) == ("engines", "engine_log")
+
+
 def test_model_without_capacity(tmp_path):
     rows = mini_requests() + [{"rid": f"x{i}", "received_at": "2026-08-28T09:00:00Z", "account_id": "acct-1",
                                "model": "@cf/other/model", "http_status": 200, "prompt_tokens": 1000}
@@ -275,10 +286,12 @@ def first_line(out: Path) -> str:
 
 
 @pytest.mark.slow
-def test_sample_mapped_correctly_is_conclusive(sample_run):
-    scope = json.loads((sample_run / "scope.json").read_text())
-    assert (scope["conclusive"], scope["inconclusive_reasons"], scope["affected_responses"]) == (True, [], 155)
-    assert first_line(sample_run).startswith("# ")
+def test_sample_mapped_correctly_exits_0_with_the_same_figures(sample_incident, sample_run, tmp_path):
+    code, scope = run(sample_incident, tmp_path / "out")
+    assert (code, scope["conclusive"], scope["inconclusive_reasons"], scope["affected_responses"]) == (0, True, [], 155)
+    assert first_line(tmp_path / "out").startswith("# ")
+    library = json.loads((sample_run / "scope.json").read_text())
+    assert scope == library
 
 
 @pytest.mark.slow
