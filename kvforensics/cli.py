@@ -196,23 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except KvForensicsError as e:
+    except Exception as e:  # noqa: BLE001 - every error ends in one line; the traceback only with --debug
         if args.debug:
             raise
-        print(f"Error: {e}", file=sys.stderr)
+        print(f"Error: {_describe(e)}", file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
-        if args.debug:
-            raise
-        print(f"Error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - the last resort: one line, never a traceback without --debug
-        if args.debug:
-            raise
-        where = _origin(e)
-        print(f"Error: unexpected {type(e).__name__}{where}: {_one_line(e)}. This is a kvforensics bug: run again "
-              "with --debug for the traceback and report it with the input that caused it", file=sys.stderr)
-        return 2
+
+
+def _describe(e: Exception) -> str:
+    """What went wrong and what to do, in one line."""
+    if isinstance(e, (KvForensicsError, OSError)):  # bad input or configuration: the message says what to fix
+        return str(e)
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryException":  # duckdb's, without importing it
+        return (f"out of memory ({_one_line(e)}): set a larger --memory-limit or [settings] memory_limit "
+                "(DuckDB spills to disk beyond it), or free memory")
+    return (f"unexpected {type(e).__name__}{_origin(e)}: {_one_line(e)}. This is a kvforensics bug: run again with "
+            "--debug for the traceback and report it with the input that caused it")
 
 
 def _one_line(e: BaseException) -> str:

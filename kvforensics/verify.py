@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 from kvforensics.db import connect
+from kvforensics.errors import InputError
 from kvforensics.loaders.textio import file_digest
 
 
 def verify(out_dir: Path) -> list[str]:
     """Problems found (empty when the folder checks out)."""
     problems: list[str] = []
-    manifest = json.loads((out_dir / "manifest.json").read_text())
-    scope = json.loads((out_dir / "scope.json").read_text())
+    manifest, scope = _read_json(out_dir, "manifest.json"), _read_json(out_dir, "scope.json")
     incident_dir = _incident_dir(out_dir, manifest)
     for item in manifest["inputs"]:
         path = Path(item["file"])
@@ -41,6 +41,21 @@ def verify(out_dir: Path) -> list[str]:
     finally:
         con.close()
     return problems
+
+
+def _read_json(out_dir: Path, name: str) -> dict:
+    path = out_dir / name
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{name} is missing: name the output folder of a `kvforensics run`",
+                         location=str(out_dir)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{name} is not the JSON `kvforensics run` writes ({e}); run the investigation again",
+                         location=str(path)) from None
+    if not isinstance(data, dict):
+        raise InputError(f"{name} is not the JSON object `kvforensics run` writes", location=str(path))
+    return data
 
 
 def _incident_dir(out_dir: Path, manifest: dict) -> Path:

@@ -333,3 +333,12 @@ def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tm
     assert code == 3 and "affected_outside_window" in codes(scope)
     line = first_line(tmp_path / "out")
     assert line.startswith("**INCONCLUSIVE") and "outside every exposure window" in line
+
+
+def test_verify_of_a_folder_that_is_no_run_output_is_one_line(tmp_path, capsys):
+    assert main(["verify", str(tmp_path)]) == 2
+    (tmp_path / "manifest.json").write_text("{")
+    assert main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("manifest.json is missing: name the output folder of a `kvforensics run`")
+    assert "manifest.json is not the JSON `kvforensics run` writes" in err[1] and len(err) == 2
