@@ -37,27 +37,11 @@ UNKNOWN_INSTANCE = "zz-unlogged-9"
 INSTANCE_NAMES = st.sampled_from([*LOGGED_INSTANCES, UNKNOWN_INSTANCE, "p0.pd.svc.cluster.local:30000", " ", "",
                                   "Ünï-çødé", "p0;DROP TABLE requests", "'\"", "a" * 300])
 
-incident_text = f"""\
-[incident]
-id = "generated"
-title = "Generated incident"
-
-[[sources]]
-name = "gateway"
-kind = "requests"
-path = "gateway/*.jsonl"
-format = "jsonl"
-columns = {{ request_id = "rid", ts = "received_at", status = "http_status" }}
-
-[[sources]]
-name = "engines"
-kind = "engine_log"
-path = "engine/*.log"
-format = "sglang"
-
-[models]
-aliases = {{ {", ".join(f'"{e}" = "{g}"' for g, e in MODELS.items())} }}
-"""
+MINI_ALIASES = 'aliases = { "zai-org/GLM-5.3-FP8" = "@cf/zai-org/glm-5.3" }'
+assert MINI_ALIASES in INCIDENT
+# the small incident's file, serving the generated models
+incident_text = INCIDENT.replace(MINI_ALIASES, "aliases = { " + ", ".join(f'"{e}" = "{g}"' for g, e in MODELS.items())
+                                 + " }")
 
 
 @st.composite
