@@ -3,13 +3,18 @@ in a CSV/Parquet cell) or expressions over the source's columns, value maps and 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvforensics.cli import main
 from kvforensics.config import load_incident
@@ -68,6 +73,13 @@ def test_a_value_an_expression_cannot_read_quarantines_its_record(tmp_path):
     _, rows, refused = load(tmp_path, "g.csv", bad, CSV_COLUMNS + "\nvalues = { status = { success = 200, failure = 500 } }")
     assert refused == [(2, "columns.ttft_ms: completionStartTime is not a timestamp: 'soon'")]
     assert [r[0] for r in rows] == ["r2"]
+
+
+def test_a_required_field_an_expression_leaves_null_names_the_expression(tmp_path):
+    data = CSV.replace(",acme,", ",,")
+    _, rows, refused = load(tmp_path, "g.csv", data, CSV_COLUMNS.replace('account_id = "who"', "account_id = \"coalesce(who, nullif(model, 'glm'))\"")
+                            + "\nvalues = { status = { success = 200, failure = 500 } }")
+    assert refused == [(2, "missing required field 'account_id' (columns.account_id = coalesce(who, nullif(model, 'glm')) gave NULL)")]
 
 
 def test_a_value_not_in_the_map_passes_through_and_is_typed_as_before(tmp_path):
@@ -251,3 +263,41 @@ def test_the_cli_exits_2_naming_the_key_of_an_unknown_column(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "incident.toml: source 'gw': columns.ttft_ms: column 't_first' is not in g.csv" in err
     assert "Traceback" not in err
+
+
+ODD_TEXTS = ["", "-", "null", " 200 ", "ok", "1e400", "nan", "2026-08-27 17:15:03.123", "2026-08-27T17:15:03Z",
+             "infinity", "{\"team\": \"t\"}", "{", "[1]"]
+TEXTS = st.one_of(st.none(), st.text(max_size=12), st.sampled_from(ODD_TEXTS), st.integers(-2**70, 2**70),
+                  st.floats(allow_nan=True, allow_infinity=True))
+PROPERTY_SOURCE = """null_tokens = ["", "-"]
+values = { status = { ok = 200 }, model = { "" = "x" } }
+[sources.columns]
+request_id = "rid"
+ts = "t0"
+account_id = 'coalesce(who, "meta.team")'
+status = "CASE WHEN code = 'ok' THEN '200' ELSE code END"
+prompt_tokens = "CAST(n AS BIGINT) + 1"
+ttft_ms = "epoch_ms(t1) - epoch_ms(t0)"
+latency_ms = "abs(n) / 3"
+"""
+
+
+@settings(max_examples=int(os.environ.get("KVF_EXAMPLES", "25")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.fixed_dictionaries({"t0": TEXTS, "t1": TEXTS, "who": TEXTS, "meta": TEXTS, "code": TEXTS,
+                                       "n": TEXTS, "model": TEXTS}), min_size=1, max_size=6),
+       st.sampled_from(["jsonl", "csv"]))
+def test_mapped_sources_load_or_quarantine_every_record_and_never_raise(tmp_path_factory, records, fmt):
+    tmp_path = tmp_path_factory.mktemp("p")
+    rows = [{"rid": f"r{i}", **r} for i, r in enumerate(records)]
+    if fmt == "jsonl":
+        data = "\n".join(json.dumps(r) for r in rows) + "\n"
+    else:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+        data = out.getvalue()
+    result, loaded, refused = load(tmp_path, f"g.{fmt}", data, PROPERTY_SOURCE)
+    assert result.records_read == len(rows)
+    assert result.loaded + result.quarantined + result.duplicates == len(rows) == len(loaded) + len(refused)

@@ -740,6 +740,8 @@ TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     prefill_instance VARCHAR, decode_instance VARCHAR, id_hash UBIGINT)"""
 CONFLICT = "duplicate request_id with conflicting values%"
 MISSING = "UPDATE kvf_batch.typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
+MISSING_FROM_EXPRESSION = ("UPDATE kvf_batch.typed_all SET reason = reason || ' (columns.' || $field || ' = ' || $expr "
+                           "|| ' gave NULL)' WHERE file_no = $n AND reason = $missing")
 
 
 def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
@@ -969,10 +971,7 @@ def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any
             value = (f"coalesce(list_extract({param(list(table.values()))}, "
                      f"list_position({param(list(table))}, trim({text}))), {text})")
         fields.append(f"{value} AS {canonical}_raw")
-    if read_problems:
-        problem_out = f"coalesce(problem, CASE {' '.join(read_problems)} END)"
-    else:
-        problem_out = "problem"
+    problem_out = f"coalesce(problem, CASE {' '.join(read_problems)} END)" if read_problems else "problem"
     relation = (f"(SELECT line, raw, {problem_out} AS problem, {', '.join(fields)} FROM "
                 f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation}))")
     return relation, params
@@ -1047,9 +1046,12 @@ def _used(query: str, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source, file_no: int) -> None:
-    """Name the source column in 'missing required field' reasons, so the fix is obvious."""
+    """Name the source column (or the expression) in 'missing required field' reasons, so the fix is obvious."""
     for canonical in CANONICAL_REQUEST_FIELDS:
         col = source.columns.get(canonical)
-        if col and canonical not in source.expressions:
-            con.execute(MISSING, {"col": col, "n": file_no,
-                                  "missing": f"missing required field '{canonical}'"}).fetchall()
+        missing = f"missing required field '{canonical}'"
+        if canonical in source.expressions:
+            con.execute(MISSING_FROM_EXPRESSION, {"field": canonical, "expr": source.expressions[canonical].text,
+                                                  "n": file_no, "missing": missing}).fetchall()
+        elif col:
+            con.execute(MISSING, {"col": col, "n": file_no, "missing": missing}).fetchall()
