@@ -118,7 +118,7 @@ def evaluate(con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = Non
         cur = _execute(con, check.sql, params)
         names = [d[0] for d in cur.description]
         for row in cur.fetchall():
-            rec = dict(zip(names, row))
+            rec = dict(zip(names, row, strict=True))
             message = str(rec.pop("message") or check.code)
             reasons.append(Reason(check.code, message, {k: _plain(v) for k, v in rec.items()}))
     return reasons

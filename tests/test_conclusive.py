@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import INCIDENT, PREFILL_LOG, mini_requests, write_mini
+
 from kvforensics import conclusive
 from kvforensics.cli import main
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS

@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import INCIDENT, write_mini
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import INCIDENT, write_mini
 from kvforensics.cli import main
 
 EXAMPLES = int(os.environ.get("KVF_EXAMPLES", 12))
@@ -115,7 +115,7 @@ def engine_logs(draw: st.DrawFn) -> dict[str, str]:
     arbitrary ones (start-ups at any time, any part missing)."""
     if draw(st.booleans()):
         logs = {}
-        for name, model in zip(("p0", "u0"), MODELS.values()):
+        for name, model in zip(("p0", "u0"), MODELS.values(), strict=True):
             lines = draw(startup(1, True, model))
             if draw(st.booleans()):
                 lines += draw(startup(draw(st.integers(20, 30)), True, model))
