@@ -323,14 +323,20 @@ def test_observation_2_blank_ttft_is_inconclusive(sample_incident, tmp_path):
 
 
 @pytest.mark.slow
-def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tmp_path):
-    def new_york(text: str) -> str:
+@pytest.mark.parametrize(("zone", "outside_last"), [("America/New_York", "2026-08-27T17:15:16Z"),
+                                                     ("Europe/Berlin", "2026-09-09T12:44:49Z")])
+def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tmp_path, zone, outside_last):
+    """The engine logs are UTC; read as New York time the windows open 4 h late, as Berlin time they
+    close 2 h early (12:05Z, before the last affected response at 12:44:49Z)."""
+    def wrong_zone(text: str) -> str:
         engines = 'format = "sglang"\ntimezone = "UTC"'
         assert engines in text
-        return text.replace(engines, 'format = "sglang"\ntimezone = "America/New_York"')
+        return text.replace(engines, f'format = "sglang"\ntimezone = "{zone}"')
 
-    code, scope = run(sample_copy(sample_incident, tmp_path / "s", incident_text=new_york), tmp_path / "out")
+    code, scope = run(sample_copy(sample_incident, tmp_path / "s", incident_text=wrong_zone), tmp_path / "out")
     assert code == 3 and "affected_outside_window" in codes(scope)
+    (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "affected_outside_window"]
+    assert reason["evidence"]["model"] == "@cf/zai-org/glm-5.3" and reason["evidence"]["last"].startswith(outside_last[:-1])
     line = first_line(tmp_path / "out")
     assert line.startswith("**INCONCLUSIVE") and "outside every exposure window" in line
 
