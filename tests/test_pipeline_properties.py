@@ -196,19 +196,22 @@ def test_any_generated_incident_ends_in_0_2_or_3(data, empty_gateway):
             assert predicted_reasons(rows, logs) <= got, (got, stdout)
 
 
-ENGINE_FIXTURES = sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log"))
+# real start-up logs, and engine logs in their collection envelopes (Loki, CloudWatch, journald, ...)
+ENGINE_FIXTURES = (sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log"))
+                   + sorted(f for f in (FIXTURES / "envelopes").glob("*") if f.suffix in (".log", ".json", ".jsonl")))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("log", ENGINE_FIXTURES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_engine_log_fixture_runs_to_the_end(log, tmp_path):
-    """Observation 5 of issue 12: real start-up logs (some without model, role, pool or time) as the
-    engine source of the small incident: outputs and report are written, and no traceback."""
+    """Observation 5 of issue 12: real start-up logs (some without model, role, pool or time) and
+    exported ones (a Loki export among them) as the engine source of the small incident: outputs and
+    report are written, and no traceback."""
     root = tmp_path / "in"
     write_mini(root, incident=INCIDENT.replace('format = "sglang"', 'format = "auto"'))
     for old in (root / "engine").glob("*.log"):
         old.unlink()
-    shutil.copy(log, root / "engine" / log.name)
+    shutil.copy(log, root / "engine" / f"{log.stem}.log")
     code, stdout, stderr = run_quietly(root / "incident.toml", tmp_path / "out")
     scope = check_outcome(code, stdout, stderr, tmp_path / "out")
     if scope is not None:
