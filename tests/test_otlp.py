@@ -474,3 +474,25 @@ def test_a_span_without_model_or_tokens_says_which_attributes_were_looked_for(tm
     assert [q[1] for q in quarantine] == [
         "no input token count on the span (none of the attributes gen_ai.usage.input_tokens, "
         "gen_ai.usage.prompt_tokens, llm.token_count.prompt)"]
+
+
+def test_the_engines_span_inside_the_gateways_span_of_one_request_is_not_a_second_request(tmp_path):
+    gateway = {**span("00f067aa0ba902b7", **GENAI, **{
+        "gen_ai.response.id": {"stringValue": "chatcmpl-1"}, "gen_ai.request.model": {"stringValue": "m"},
+        "tenant.id": {"stringValue": "a"}, "gen_ai.usage.input_tokens": {"intValue": "70"},
+        "http.response.status_code": {"intValue": "200"}}), "endTimeUnixNano": "1788904822000000000"}
+    engine = {**span("00f067aa0ba902b8", **{
+        "gen_ai.request.id": {"stringValue": "chatcmpl-1"}, "gen_ai.response.model": {"stringValue": "m-fp8"},
+        "gen_ai.usage.prompt_tokens": {"intValue": "70"}}), "startTimeUnixNano": "1788904820100000000",
+        "parentSpanId": "00f067aa0ba902b7"}
+    other_trace = {**engine, "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "00f067aa0ba902b9"}
+    path = tmp_path / "traces.jsonl"
+    # the engine's span comes first in the file (another service's batch); a span of the same id in
+    # another trace is not inside the gateway's span, so it stays a record of its own
+    path.write_text(json.dumps(export(engine)) + "\n" + json.dumps(export(gateway, other_trace)) + "\n",
+                    encoding="utf-8")
+    _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert [(row[0], row[2], row[3], row[-1]) for row in rows] == [("chatcmpl-1", "a", "m", 2)]
+    assert "1 GenAI span(s) inside another span of the same request and trace skipped (e.g. the engine's own " \
+           "span under the gateway's): the outermost span is the request" in r.notes
+    assert [(q[0], q[1]) for q in quarantine] == [(2, NO_ACCOUNT)]  # the other trace's span has no account

@@ -23,6 +23,10 @@ unless its ``gen_ai.operation.name`` names an agent or tool step (``invoke_agent
 (HTTP, database, agent, tool and chain spans) are skipped and counted in the file's notes; exports
 of metrics or logs (``resourceMetrics`` / ``resourceLogs``) likewise.
 
+**One request, one span**: where several GenAI spans of one trace carry the same request id (the
+gateway's span and, inside it, the engine's own span of that request, or an SDK's span under a
+proxy's), the outermost (earliest start) is the request and the others are skipped and counted.
+
 **The record** is the span flattened to one JSON object (what ``columns`` maps against, and what
 the quarantine shows as ``raw``): the span's attributes under their own names (GenAI semantic
 conventions: ``gen_ai.request.model``, ``gen_ai.usage.input_tokens``, ...), the resource's attributes
@@ -153,6 +157,9 @@ class SpanRecord:
     line: int
     raw: str
     problem: str | None = None
+    # a span's request, for finding the spans of one request nested in one trace (see NESTED_SPANS):
+    # (trace id, request id, span id, start in nanoseconds); None when the request id is the span's own
+    nesting: tuple[str, str, str, int | None] | None = None
 
 
 @dataclass
@@ -306,7 +313,13 @@ class TraceExportReader:
             if key not in record:
                 record[key] = value
         self.keys.update(record)
-        return SpanRecord(line, _json_text(record))
+        request_id = record["otlp.request_id"]
+        nesting = None
+        if request_id != span_id and isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
+            start = _nanos(record["otlp.start_time_unix_nano"])
+            nesting = (trace_id, str(request_id), span_id,
+                       start if isinstance(start, int) and 0 <= start < 2**63 else None)
+        return SpanRecord(line, _json_text(record), nesting=nesting)
 
     def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
                  attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
@@ -631,6 +644,18 @@ def preset_columns() -> dict[str, str]:
     return dict(load_preset("otlp").get("columns", {}))
 
 
+# GenAI spans of one request within one trace (the same otlp.request_id taken from the request's own id,
+# on different spans): all but the outermost (the earliest start) are removed from the staged records.
+# A span exported twice keeps its span id and stays, for the merge to count as a duplicate.
+NESTED_SPANS = """
+DELETE FROM otlp_records WHERE rowid IN (
+    SELECT r FROM (
+        SELECT rowid AS r, span_id, first_value(span_id) OVER (PARTITION BY trace_id, request_id
+                                                               ORDER BY start NULLS LAST, span_id) AS outermost
+        FROM otlp_records WHERE request_id IS NOT NULL)
+    WHERE span_id <> outermost)"""
+
+
 def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
           tick: Callable[[int], None], fast: bool = True) -> Staged:
     """Stage one OTLP/JSON file: one record per GenAI span (and per unreadable part), each
@@ -641,14 +666,18 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
 
     mapped = replace(source, columns={**preset_columns(), **source.columns})
     reader = TraceExportReader(path)
-    con.execute("CREATE OR REPLACE TEMP TABLE otlp_records (line BIGINT, raw VARCHAR, problem VARCHAR)").fetchall()
-    schema = pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())])
+    con.execute("CREATE OR REPLACE TEMP TABLE otlp_records (line BIGINT, raw VARCHAR, problem VARCHAR, trace_id VARCHAR, "
+                "request_id VARCHAR, span_id VARCHAR, start BIGINT)").fetchall()
+    schema = pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string()), ("trace_id", pa.string()),
+                        ("request_id", pa.string()), ("span_id", pa.string()), ("start", pa.int64())])
     batch: list[SpanRecord] = []
 
     def flush() -> None:
         if batch:
-            table = pa.Table.from_arrays([pa.array([getattr(r, f.name) for r in batch], type=f.type)
-                                          for f in schema], schema=schema)
+            nesting = [r.nesting or (None, None, None, None) for r in batch]
+            columns = [[r.line for r in batch], [r.raw for r in batch], [r.problem for r in batch],
+                       *(list(values) for values in zip(*nesting, strict=True))]
+            table = pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)
             con.register("otlp_batch", table)
             con.execute("INSERT INTO otlp_records SELECT * FROM otlp_batch").fetchall()
             con.unregister("otlp_batch")
@@ -660,6 +689,10 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
         if len(batch) >= BATCH:
             flush()
     flush()
+    nested = con.execute(NESTED_SPANS).fetchall()[0][0]
+    if nested:
+        reader.notes.append(f"{nested} GenAI span(s) inside another span of the same request and trace skipped "
+                            "(e.g. the engine's own span under the gateway's): the outermost span is the request")
     chosen = gateway._choose_columns(mapped, reader.keys)
     relation, params = gateway._json_fields_relation(mapped, chosen, "SELECT line, raw, problem FROM otlp_records", None)
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
