@@ -496,3 +496,24 @@ def test_the_engines_span_inside_the_gateways_span_of_one_request_is_not_a_secon
     assert "1 GenAI span(s) inside another span of the same request and trace skipped (e.g. the engine's own " \
            "span under the gateway's): the outermost span is the request" in r.notes
     assert [(q[0], q[1]) for q in quarantine] == [(2, NO_ACCOUNT)]  # the other trace's span has no account
+
+
+def test_protobuf_field_names_and_zstd_read_as_the_json_names_do(tmp_path):
+    import zstandard
+
+    def snake(value: object) -> object:
+        names = {"resourceSpans": "resource_spans", "scopeSpans": "scope_spans", "traceId": "trace_id",
+                 "spanId": "span_id", "parentSpanId": "parent_span_id", "startTimeUnixNano": "start_time_unix_nano",
+                 "endTimeUnixNano": "end_time_unix_nano", "timeUnixNano": "time_unix_nano"}
+        if isinstance(value, dict):
+            return {names.get(k, k): snake(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [snake(v) for v in value]
+        return value
+
+    first = json.loads(EXPORT.read_text(encoding="utf-8").splitlines()[0])
+    path = tmp_path / "traces.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress((json.dumps(snake(first)) + "\n").encode()))
+    _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
+    assert quarantine == []
+    assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]
