@@ -517,3 +517,16 @@ def test_protobuf_field_names_and_zstd_read_as_the_json_names_do(tmp_path):
     _, r, rows, quarantine = load(incident_source(tmp_path, path), path)
     assert quarantine == []
     assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]
+
+
+def test_an_engines_own_spans_name_models_the_engines_way_and_aliases_rename_them(tmp_path):
+    vllm_span = span(**{"gen_ai.request.id": {"stringValue": "cmpl-9"},
+                        "gen_ai.response.model": {"stringValue": "zai-org/GLM-5.3-FP8"},
+                        "gen_ai.usage.prompt_tokens": {"intValue": "64000"}, "user.id": {"stringValue": "acct-3"}})
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(export(vllm_span)) + "\n", encoding="utf-8")
+    con = connect()
+    (loaded,) = load_requests_files(con, incident_source(tmp_path, path), [path],
+                                    model_aliases={"zai-org/GLM-5.3-FP8": "@cf/zai-org/glm-5.3"})
+    assert con.execute("SELECT request_id, model FROM requests").fetchall() == [("cmpl-9", "@cf/zai-org/glm-5.3")]
+    assert any("renamed to the gateway's model id through [models] aliases" in n for n in loaded.notes)
