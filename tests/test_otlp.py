@@ -530,3 +530,12 @@ def test_an_engines_own_spans_name_models_the_engines_way_and_aliases_rename_the
                                     model_aliases={"zai-org/GLM-5.3-FP8": "@cf/zai-org/glm-5.3"})
     assert con.execute("SELECT request_id, model FROM requests").fetchall() == [("cmpl-9", "@cf/zai-org/glm-5.3")]
     assert any("renamed to the gateway's model id through [models] aliases" in n for n in loaded.notes)
+
+
+def test_a_file_without_any_model_call_says_so(tmp_path):
+    http = span(**{"http.request.method": {"stringValue": "POST"}})
+    records, notes = reader_records(tmp_path, [export(http, http)])
+    assert records == []
+    assert notes == ["2 span(s) without gen_ai.* attributes (not model calls) skipped",
+                     "no span of this file is a model call (every span was skipped, as counted above): no request "
+                     "was read from it"]

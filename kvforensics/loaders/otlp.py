@@ -171,6 +171,7 @@ class TraceExportReader:
     skipped: Counter[str] = field(default_factory=Counter)
     keys: set[str] = field(default_factory=set)  # every key of the flattened records
     base64_ids: bool = False
+    spans: int = 0  # GenAI spans read as records
 
     def __iter__(self) -> Iterator[SpanRecord]:
         stream = open_lines(self.path)
@@ -313,6 +314,7 @@ class TraceExportReader:
             if key not in record:
                 record[key] = value
         self.keys.update(record)
+        self.spans += 1
         request_id = record["otlp.request_id"]
         nesting = None
         if request_id != span_id and isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
@@ -386,6 +388,9 @@ class TraceExportReader:
             self.notes.append(f"{count} {what} skipped")
         if self.base64_ids:
             self.notes.append("span ids in base64 (protobuf's default JSON mapping, not OTLP/JSON's hex) read as hex")
+        if not self.spans and self.skipped:
+            self.notes.append("no span of this file is a model call (every span was skipped, as counted above): "
+                              "no request was read from it")
 
 
 def _problem(line: int, at: str, reason: str, part: object) -> SpanRecord:
