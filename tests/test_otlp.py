@@ -539,3 +539,11 @@ def test_a_file_without_any_model_call_says_so(tmp_path):
     assert notes == ["2 span(s) without gen_ai.* attributes (not model calls) skipped",
                      "no span of this file is a model call (every span was skipped, as counted above): no request "
                      "was read from it"]
+
+
+def test_a_lone_surrogate_is_not_text_and_quarantines_its_span(tmp_path):
+    bad = span(**GENAI, **{"gen_ai.request.model": {"stringValue": "m\ud800"}})
+    records, _ = reader_records(tmp_path, [json.dumps(export(bad))])  # json.dumps writes it as \ud800
+    assert [(line, problem) for line, problem, _ in records] == [
+        (1, "a value holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")]
+    assert records[0][2] == {"otlp.location": "resourceSpans[0].scopeSpans[0].spans[0]", "otlp.span_id": "00f067aa0ba902b7"}

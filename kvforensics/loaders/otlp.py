@@ -313,6 +313,10 @@ class TraceExportReader:
         for key, value in resource.items():  # content already left out (see _export_records)
             if key not in record:
                 record[key] = value
+        try:
+            raw = _json_text(record, strict=True)
+        except SpanProblem as e:
+            return SpanRecord(line, _json_text({"otlp.location": at, "otlp.span_id": span_id}), str(e))
         self.keys.update(record)
         self.spans += 1
         request_id = record["otlp.request_id"]
@@ -321,7 +325,7 @@ class TraceExportReader:
             start = _nanos(record["otlp.start_time_unix_nano"])
             nesting = (trace_id, str(request_id), span_id,
                        start if isinstance(start, int) and 0 <= start < 2**63 else None)
-        return SpanRecord(line, _json_text(record), nesting=nesting)
+        return SpanRecord(line, raw, nesting=nesting)
 
     def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
                  attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
@@ -414,9 +418,10 @@ def _outline(part: object) -> object:
     return part
 
 
-def _json_text(value: object) -> str:
+def _json_text(value: object, strict: bool = False) -> str:
     """JSON text of a record; a number JSON cannot hold (inf, nan) is kept as its text, for the
-    typing to refuse, and a lone surrogate escaped."""
+    typing to refuse. A lone UTF-16 surrogate (``"\\ud800"`` in the input) is not text: ``strict``
+    refuses it (SpanProblem), otherwise it is shown escaped."""
     try:
         text = _ENCODER.encode(value)
     except ValueError:
@@ -424,6 +429,8 @@ def _json_text(value: object) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
+        if strict:
+            raise SpanProblem("a value holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from None
         text = json.dumps(_finite(value), default=str)
     return text
 
