@@ -299,7 +299,7 @@ def test_content_is_never_kept_in_quarantine(tmp_path):
 # Arbitrary JSON in roughly the shape of an export: the reader must never raise, and every span it
 # is given is a record, skipped and counted, or inside a part quarantined as a whole.
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                     st.text(max_size=8), st.sampled_from(["NaN", "Infinity", "00f067aa0ba902b7", "1788904820000000000"]))
+                     st.text(max_size=8), st.sampled_from(["NaN", "Infinity", "00f067aa0ba902b7", "1788904820000000000", "LLM", "x\ud800"]))
 _json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
                                                                                          max_size=3), max_leaves=8)
 _any_value = st.one_of(_json, st.dictionaries(st.sampled_from(["stringValue", "intValue", "doubleValue", "boolValue",
@@ -307,7 +307,7 @@ _any_value = st.one_of(_json, st.dictionaries(st.sampled_from(["stringValue", "i
                                               max_size=2))
 _attribute = st.one_of(_json, st.fixed_dictionaries({"key": st.sampled_from(["gen_ai.request.model", "gen_ai.system",
                                                                             "tenant.id", "gen_ai.usage.input_tokens",
-                                                                            "gen_ai.operation.name", "x"]),
+                                                                            "gen_ai.operation.name", "openinference.span.kind", "x"]),
                                                      "value": _any_value}))
 _span = st.one_of(_json, st.fixed_dictionaries(
     {"traceId": st.sampled_from(["4bf92f3577b34da6a3ce929d0e0e4736", "", "zz"]) | _scalars,

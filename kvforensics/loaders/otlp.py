@@ -286,7 +286,8 @@ class TraceExportReader:
             openinference = attributes.get("openinference.span.kind")
             if openinference is not None:
                 if openinference not in OPENINFERENCE_MODEL_CALLS:
-                    self.skipped[f"OpenInference {str(openinference)[:20]} span(s) (not model calls)"] += 1
+                    kind = str(openinference)[:20].encode("utf-8", "backslashreplace").decode("utf-8")
+                    self.skipped[f"OpenInference {kind} span(s) (not model calls)"] += 1
                     return None
             else:
                 for key in attributes:
