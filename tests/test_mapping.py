@@ -301,3 +301,14 @@ def test_mapped_sources_load_or_quarantine_every_record_and_never_raise(tmp_path
     result, loaded, refused = load(tmp_path, f"g.{fmt}", data, PROPERTY_SOURCE)
     assert result.records_read == len(rows)
     assert result.loaded + result.quarantined + result.duplicates == len(rows) == len(loaded) + len(refused)
+
+
+def test_columns_beside_a_number_in_coalesce_or_case_are_read_as_numbers(tmp_path):
+    lines = [{"rid": "a", "ts": "2026-08-28T10:00:00Z", "account_id": "x", "model": "m", "code": "201", "in": 5,
+              "ttft": None, "total": "800"},
+             {"rid": "b", "ts": "2026-08-28T10:00:01Z", "account_id": "x", "model": "m", "code": "OK", "in": 6,
+              "ttft": "12.5", "total": "900"}]
+    _, rows, refused = load(tmp_path, "g.jsonl", "\n".join(json.dumps(r) for r in lines) + "\n",
+                            """columns = { request_id = "rid", prompt_tokens = "in", status = "CASE WHEN code = 'OK' THEN 200 ELSE code END", ttft_ms = "coalesce(ttft, total / 2)" }""")
+    assert refused == []
+    assert [(r[0], r[4], r[7]) for r in rows] == [("a", 201, 400.0), ("b", 200, 12.5)]

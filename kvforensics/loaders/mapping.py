@@ -200,6 +200,7 @@ class _Renderer:
             op = {"CONJUNCTION_AND": " AND ", "CONJUNCTION_OR": " OR "}[node["type"]]
             return "(" + op.join(self.render(c, BOOLEAN) for c in node["children"]) + ")"
         if cls == "CASE":
+            kind = NUMBER if _numeric(node) else kind
             checks = " ".join(f"WHEN {self.render(c['when_expr'], BOOLEAN)} THEN {self.render(c['then_expr'], kind)}"
                               for c in node["case_checks"])
             return f"(CASE {checks} ELSE {self.render(node['else_expr'], kind)} END)"
@@ -244,6 +245,8 @@ class _Renderer:
             raise ExpressionError(f"function {name}() is not allowed; allowed: {', '.join(sorted(FUNCTIONS))}, "
                                   "coalesce, CASE, CAST")
         kinds, expand = FUNCTIONS[name]
+        if None in kinds and any(_numeric(a) for a in args):
+            kind = NUMBER  # nullif / least / greatest beside a number compare numbers
         rendered = [self.render(a, (kinds[min(i, len(kinds) - 1)] or kind)) for i, a in enumerate(args)]
         try:
             return expand(*rendered)
@@ -254,6 +257,7 @@ class _Renderer:
         children = node.get("children", [])
         op = node["type"]
         if op == "OPERATOR_COALESCE":
+            kind = NUMBER if _numeric(node) else kind
             return "coalesce(" + ", ".join(self.render(c, kind) for c in children) + ")"
         if op == "OPERATOR_NOT":
             return f"(NOT {self.render(children[0], BOOLEAN)})"
@@ -267,14 +271,22 @@ class _Renderer:
 
 
 def _numeric(node: dict[str, Any]) -> bool:
-    """Whether a comparison operand is a number (a number literal or arithmetic), so the other side
-    is read as a number too."""
-    if node.get("class") == "CONSTANT":
+    """Whether a node is a number (a number literal, arithmetic, a numeric function or CAST, or a
+    coalesce / CASE / nullif / least / greatest of one), so the columns compared with it or beside
+    it are read as numbers too."""
+    cls = node.get("class")
+    if cls == "CONSTANT":
         return node["literal"].get("kind") not in ("STRING", "NULL_LITERAL", "BOOLEAN")
-    if node.get("class") == "FUNCTION":
+    if cls == "OPERATOR" and node.get("type") == "OPERATOR_COALESCE":
+        return any(_numeric(c) for c in node.get("children", []))
+    if cls == "CASE":
+        return any(_numeric(c["then_expr"]) for c in node["case_checks"]) or _numeric(node["else_expr"])
+    if cls == "FUNCTION":
         name = node["function_name"].lower()
+        if name in ("nullif", "least", "greatest"):
+            return any(_numeric(a["expression"]) for a in node.get("arguments", []))
         return name in _ARITHMETIC or name in ("epoch_ms", "epoch", "abs", "round", "floor", "ceil")
-    return node.get("class") == "CAST" and _CASTS.get(node["type_expr"].get("type_name", "").upper()) == NUMBER
+    return cls == "CAST" and _CASTS.get(node["type_expr"].get("type_name", "").upper()) == NUMBER
 
 
 # formats whose stagers read any column a mapping names (the others map their own records)

@@ -921,9 +921,10 @@ def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any
     """The staged relation with the source's mapping applied, as ``line, raw, problem, <field>_raw``:
     null tokens (a trimmed text equal to one is NULL), paths into JSON held in a cell, expressions
     (over the ``x<i>_raw`` columns they read) and value maps (a text in the map is replaced, any other
-    passes unchanged). A value an expression cannot read as the number or timestamp it needs, or a
-    cell a path reads that holds no JSON, becomes the record's problem, so it is quarantined. Every
-    text of the incident file is a parameter. The staged relation itself when there is nothing to apply."""
+    passes unchanged). A value an expression cannot read as the number or timestamp it needs (where
+    the expression then gives NULL), or a cell a path reads that holds no JSON, becomes the record's
+    problem, so it is quarantined. Every text of the incident file is a parameter. The staged
+    relation itself when there is nothing to apply."""
     if not (source.null_tokens or source.values or source.expressions or staged.cells):
         return staged.relation, {}
     params: dict[str, Any] = {}
@@ -951,20 +952,25 @@ def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any
             value = nulled(f"CASE WHEN json_valid({value}) THEN json_extract_string({value}, {param(staged.cells[key])}) END")
         inner.append(f"{value} AS {key}_v")
     problem = f"coalesce(problem, CASE {' '.join(cell_problems)} END)" if cell_problems else "problem"
-    fields, read_problems = [], []
+    computed, fields, read_problems = [], [], []
     for canonical in CANONICAL_REQUEST_FIELDS:
         expression = source.expressions.get(canonical)
         if expression is not None:
             slots = [f"x{refs.index(ref)}_v" for ref in expression.refs]
-            value = "CAST((" + expression.sql(lambda i, kind: read_as(slots[i], kind),
-                                               functools.partial(bind_literal, params)) + ") AS VARCHAR)"
+            computed.append("CAST((" + expression.sql(lambda i, kind: read_as(slots[i], kind),
+                                                       functools.partial(bind_literal, params))
+                            + f") AS VARCHAR) AS {canonical}_e")
+            # a value that does not convert matters where the expression then gives nothing (not in
+            # a CASE branch not taken, or beside a coalesce fallback that gave a value)
             for i, kind in expression.uses:
                 if kind in (NUMBER, TIMESTAMP):
                     what = f"columns.{canonical}: {expression.refs[i]} is not a {kind}: '"
-                    read_problems.append(f"WHEN {slots[i]} IS NOT NULL AND {read_as(slots[i], kind)} IS NULL "
+                    read_problems.append(f"WHEN {canonical}_e IS NULL AND {slots[i]} IS NOT NULL AND "
+                                         f"{read_as(slots[i], kind)} IS NULL "
                                          f"THEN {param(what)} || left({slots[i]}, 40) || {param(chr(39))}")
         else:
-            value = f"{canonical}_v"
+            computed.append(f"{canonical}_v AS {canonical}_e")
+        value = f"{canonical}_e"
         if canonical in source.values:
             table = source.values[canonical]
             text = f"CAST({value} AS VARCHAR)"
@@ -972,8 +978,10 @@ def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any
                      f"list_position({param(list(table))}, trim({text}))), {text})")
         fields.append(f"{value} AS {canonical}_raw")
     problem_out = f"coalesce(problem, CASE {' '.join(read_problems)} END)" if read_problems else "problem"
+    refs_v = "".join(f", x{i}_v" for i in range(len(refs)))
     relation = (f"(SELECT line, raw, {problem_out} AS problem, {', '.join(fields)} FROM "
-                f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation}))")
+                f"(SELECT line, raw, problem{refs_v}, {', '.join(computed)} FROM "
+                f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation})))")
     return relation, params
 
 
