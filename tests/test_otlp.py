@@ -314,7 +314,7 @@ _span = st.one_of(_json, st.fixed_dictionaries(
      "spanId": st.sampled_from(["00f067aa0ba902b7", "APBnqguaqQI="]) | _scalars,
      "startTimeUnixNano": _scalars, "endTimeUnixNano": _scalars, "kind": _scalars, "parentSpanId": _scalars,
      "status": _json | st.fixed_dictionaries({"code": _scalars}),
-     "events": _json | st.lists(st.fixed_dictionaries({"name": st.sampled_from(["first_token", "x"]),
+     "events": _json | st.lists(st.fixed_dictionaries({"name": st.sampled_from(["first_token", "x"]) | _json,
                                                        "timeUnixNano": _scalars}), max_size=2),
      "attributes": _json | st.lists(_attribute, max_size=4)}))
 _export = st.one_of(_json, st.builds(lambda spans, resource: {"resourceSpans": [
@@ -547,3 +547,13 @@ def test_a_lone_surrogate_is_not_text_and_quarantines_its_span(tmp_path):
     assert [(line, problem) for line, problem, _ in records] == [
         (1, "a value holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")]
     assert records[0][2] == {"otlp.location": "resourceSpans[0].scopeSpans[0].spans[0]", "otlp.span_id": "00f067aa0ba902b7"}
+
+
+def test_attributes_of_unexpected_types_where_names_are_expected_do_not_break_the_reader(tmp_path):
+    odd = {**span(**{"openinference.span.kind": {"arrayValue": {"values": [{"stringValue": "LLM"}]}}}),
+           "events": [{"name": ["first_token"], "timeUnixNano": "1788904820100000000"}]}
+    llm = {**span("00f067aa0ba902b8", **{"openinference.span.kind": {"stringValue": "LLM"}}),
+           "events": [{"name": {"first": "token"}}]}
+    records, notes = reader_records(tmp_path, [export(odd, llm)])
+    assert [(problem, record["otlp.span_id"]) for _, problem, record in records] == [(None, "00f067aa0ba902b8")]
+    assert "1 OpenInference ['LLM'] span(s) (not model calls) skipped" in notes

@@ -285,7 +285,7 @@ class TraceExportReader:
             attributes = _attributes(_object(span, "span"))
             openinference = attributes.get("openinference.span.kind")
             if openinference is not None:
-                if openinference not in OPENINFERENCE_MODEL_CALLS:
+                if not (isinstance(openinference, str) and openinference in OPENINFERENCE_MODEL_CALLS):
                     kind = str(openinference)[:20].encode("utf-8", "backslashreplace").decode("utf-8")
                     self.skipped[f"OpenInference {kind} span(s) (not model calls)"] += 1
                     return None
@@ -605,7 +605,7 @@ def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: obje
     if not isinstance(start, int) or not isinstance(events, list):
         return None
     times = [_nanos(_get(e, "timeUnixNano", None, "time_unix_nano")) for e in events
-             if isinstance(e, dict) and e.get("name") in FIRST_TOKEN_EVENTS]
+             if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"] in FIRST_TOKEN_EVENTS]
     times = [t for t in times if isinstance(t, int) and t >= start]
     return (min(times) - start) / 1e6 if times else None
 
