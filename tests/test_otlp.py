@@ -304,7 +304,13 @@ _json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.di
                                                                                          max_size=3), max_leaves=8)
 _any_value = st.one_of(_json, st.dictionaries(st.sampled_from(["stringValue", "intValue", "doubleValue", "boolValue",
                                                                "bytesValue", "arrayValue", "kvlistValue"]), _json,
-                                              max_size=2))
+                                              max_size=2),
+                       st.builds(lambda values: {"arrayValue": {"values": values}},
+                                 st.lists(st.fixed_dictionaries({"stringValue": _scalars}), max_size=2)),
+                       st.builds(lambda values: {"kvlistValue": {"values": values}},
+                                 st.lists(st.fixed_dictionaries({"key": st.text(max_size=3),
+                                                                 "value": st.fixed_dictionaries({"intValue": _scalars})}),
+                                          max_size=2)))
 _attribute = st.one_of(_json, st.fixed_dictionaries({"key": st.sampled_from(["gen_ai.request.model", "gen_ai.system",
                                                                             "tenant.id", "gen_ai.usage.input_tokens",
                                                                             "gen_ai.operation.name", "openinference.span.kind", "x"]),
