@@ -312,3 +312,13 @@ def test_columns_beside_a_number_in_coalesce_or_case_are_read_as_numbers(tmp_pat
                             """columns = { request_id = "rid", prompt_tokens = "in", status = "CASE WHEN code = 'OK' THEN 200 ELSE code END", ttft_ms = "coalesce(ttft, total / 2)" }""")
     assert refused == []
     assert [(r[0], r[4], r[7]) for r in rows] == [("a", 201, 400.0), ("b", 200, 12.5)]
+
+
+def test_time_functions_read_epoch_numbers_by_magnitude(tmp_path):
+    lines = [{"rid": "a", "created": 1741089600, "first": 1741089600250, "done": "1741089601.5", "account_id": "x",
+              "model": "m", "status": 200, "prompt_tokens": 5}]
+    _, rows, refused = load(tmp_path, "g.jsonl", json.dumps(lines[0]) + "\n",
+                            'columns = { request_id = "rid", ts = "created", ttft_ms = "epoch_ms(first) - epoch_ms(created)", '
+                            'latency_ms = "(epoch(done) - epoch(created)) * 1000" }')
+    assert refused == []
+    assert rows == [("a", utc("2025-03-04 12:00:00"), "x", "m", 200, 5, None, 250.0, 1500.0)]

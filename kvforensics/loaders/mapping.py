@@ -14,9 +14,10 @@ Expressions are parsed by DuckDB's own parser (``json_serialize_sql``) and rende
 parse tree: only column references, literals, operators, CASE, CAST and the functions in
 ``FUNCTIONS`` are accepted, so no text of the incident file reaches SQL except as a checked literal.
 A column's value is text; it is read as a number where the expression computes with it
-(arithmetic, ``abs``, ``round``, a comparison with a number, ``CAST(x AS DOUBLE)``) and as a
-timestamp where a time function takes it (``epoch_ms``, ``epoch``); a value that does not convert
-quarantines its record (the loader builds that check from ``Expression.uses``).
+(arithmetic, ``abs``, ``round``, a comparison with a number, ``CAST(x AS DOUBLE)``, or beside a
+number in ``coalesce`` / ``CASE``) and as a timestamp where a time function takes it (``epoch_ms``,
+``epoch``); a value that does not convert quarantines its record where the expression then gives
+NULL (the loader builds that check from ``Expression.uses``).
 """
 
 from __future__ import annotations
@@ -150,11 +151,17 @@ _OFFSET = r"'[T ][0-9]{2}:[0-9]{2}.*([zZ]|[+-][0-9]{2}:?[0-9]{2}|UTC|GMT)$'"
 
 def read_as(text_sql: str, kind: str) -> str:
     """SQL reading a text value as ``kind``; NULL where it does not convert (never an error). A
-    timestamp without an offset is read in the source's zone ($tz)."""
+    timestamp is ISO-8601 (without an offset: in the source's zone, $tz) or a number of seconds,
+    milliseconds, microseconds or nanoseconds since 1970, told by its magnitude as ``ts`` is."""
     if kind == NUMBER:
         return f"TRY_CAST({text_sql} AS DOUBLE)"
     if kind == TIMESTAMP:
-        return (f"CASE WHEN regexp_matches({text_sql}, {_OFFSET}) THEN TRY_CAST({text_sql} AS TIMESTAMPTZ) "
+        n = f"TRY_CAST({text_sql} AS DOUBLE)"
+        seconds = (f"CASE WHEN abs({n}) >= 1e17 THEN {n} / 1e9 WHEN abs({n}) >= 1e14 THEN {n} / 1e6 "
+                   f"WHEN abs({n}) >= 1e11 THEN {n} / 1e3 ELSE {n} END")
+        return (f"CASE WHEN regexp_full_match({text_sql}, '-?[0-9]+(\\.[0-9]+)?') THEN "
+                f"CASE WHEN abs({seconds}) < 1e11 THEN to_timestamp({seconds}) END "
+                f"WHEN regexp_matches({text_sql}, {_OFFSET}) THEN TRY_CAST({text_sql} AS TIMESTAMPTZ) "
                 f"ELSE timezone($tz, TRY_CAST({text_sql} AS TIMESTAMP)) END")
     return text_sql
 
