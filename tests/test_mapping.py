@@ -4,9 +4,11 @@ in a CSV/Parquet cell) or expressions over the source's columns, value maps and 
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_presets import incident as write_incident
+from test_presets import utc
 
 from kvforensics.cli import main
 from kvforensics.config import load_incident
@@ -23,8 +27,6 @@ from kvforensics.errors import ConfigError
 from kvforensics.loaders import requests as requests_loader
 from kvforensics.loaders.mapping import is_expression
 from kvforensics.loaders.requests import load_requests_file
-from test_presets import incident as write_incident
-from test_presets import utc
 
 FIELDS = "request_id, ts, account_id, model, status, prompt_tokens, cached_tokens, ttft_ms, latency_ms"
 
@@ -322,3 +324,32 @@ def test_time_functions_read_epoch_numbers_by_magnitude(tmp_path):
                             'latency_ms = "(epoch(done) - epoch(created)) * 1000" }')
     assert refused == []
     assert rows == [("a", utc("2025-03-04 12:00:00"), "x", "m", 200, 5, None, 250.0, 1500.0)]
+
+
+@pytest.mark.slow
+def test_the_sample_exported_with_status_text_and_empty_ttfts_mapped_with_values_and_null_tokens(
+        tmp_path, sample_incident):
+    """Issue 12, observations 1 and 2: the gateway log with LiteLLM's status text and "ttft_ms": "" on a
+    third of its records gives the sample's exact affected set once the source maps them."""
+    from kvforensics.investigation import run
+
+    data = tmp_path / "sample"
+    shutil.copytree(sample_incident.parent, data)
+    for path in sorted((data / "gateway").glob("*.jsonl.gz")):
+        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line]
+        for i, r in enumerate(records):
+            r["http_status"] = {200: "success"}.get(r["http_status"], r["http_status"])
+            if i % 3 == 0 and r.get("ttft_ms") is None:
+                r["ttft_ms"] = ""
+        path.write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in records) + "\n").encode(), mtime=0))
+    toml = (data / "incident.toml").read_text()
+    assert toml.count('name = "gateway"\n') == 1
+    (data / "incident.toml").write_text(toml.replace(
+        'name = "gateway"\n', 'name = "gateway"\nnull_tokens = [""]\nvalues = { status = { success = 200 } }\n'))
+    out = tmp_path / "out"
+    run(data / "incident.toml", out, progress=False)
+    truth = json.loads((data / "ground_truth.json").read_text())
+    with (out / "affected_requests.csv").open(newline="") as fh:
+        got = {r["request_id"] for r in csv.DictReader(fh)}
+    assert got == {a["request_id"] for a in truth["affected"]}
+    assert json.loads((out / "scope.json").read_text())["affected_responses"] == 155
