@@ -140,8 +140,9 @@ def _choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
 def _unknown_column(source: Source, path: Path, ref: str, have: Iterable[str]) -> ConfigError:
     names = sorted(have)
     shown = ", ".join(names[:30]) + (f" ... ({len(names)} in all)" if len(names) > 30 else "")
+    where = f"{source.incident_file}: source '{source.name}'" if source.incident_file else f"source '{source.name}'"
     return ConfigError(f"columns.{_ref_field(source, ref)}: column {ref!r} is not in {path.name} "
-                       f"(it has: {shown or 'no columns'})", location=f"{source.incident_file}: source '{source.name}'")
+                       f"(it has: {shown or 'no columns'})", location=where)
 
 
 def _cell_column(name: str, header: Iterable[str]) -> tuple[str, str | None] | None:
