@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import duckdb
 import pyarrow as pa
 
+from kvforensics import presets
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS, Source
 from kvforensics.db import one, parameters_used, run_script, sql
-from kvforensics import presets
 from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders import otlp, sglang_requests
 from kvforensics.loaders.mapping import NUMBER, TIMESTAMP, bind_literal, json_path, read_as
@@ -958,7 +958,7 @@ def _mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any
         expression = source.expressions.get(canonical)
         if expression is not None:
             slots = [f"x{refs.index(ref)}_v" for ref in expression.refs]
-            computed.append("CAST((" + expression.sql(lambda i, kind: read_as(slots[i], kind),
+            computed.append("CAST((" + expression.sql(lambda i, kind, slots=slots: read_as(slots[i], kind),
                                                        functools.partial(bind_literal, params))
                             + f") AS VARCHAR) AS {canonical}_e")
             # a value that does not convert matters where the expression then gives nothing (not in
