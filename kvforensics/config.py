@@ -16,8 +16,8 @@ from typing import Any, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvforensics.errors import ConfigError
-from kvforensics.presets import with_preset
 from kvforensics.instances import InstanceMatching, instances_from_config
+from kvforensics.presets import with_preset
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
