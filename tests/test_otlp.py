@@ -44,9 +44,10 @@ ERRORED = ("b7ad6b7169203331", utc("2026-09-08T22:00:10"), "acct-9", "glm-5.3", 
 VLLM = ("cmpl-77", utc("2026-09-08T22:00:20"), "acct-3", "glm-5.3", 200, 64000, 12, None, 50.0, 2000.0, None, None)
 
 
-def incident_source(tmp_path: Path, path: Path, extra: str = "", preset: bool = True) -> Source:
+def incident_source(tmp_path: Path, path: Path, extra: str = "", preset: bool = True, how: str | None = None) -> Source:
     toml = tmp_path / "incident.toml"
-    how = 'preset = "otlp"' if preset else 'format = "otlp_json"'
+    if how is None:
+        how = 'preset = "otlp"' if preset else 'format = "otlp_json"'
     toml.write_text(f"""[incident]
 id = "otlp-test"
 [[sources]]
@@ -102,6 +103,42 @@ def test_the_format_alone_maps_as_the_preset_does(tmp_path):
     _, r, rows, _ = load(incident_source(tmp_path, EXPORT, preset=False), EXPORT)
     assert (r.records_read, r.loaded, r.quarantined, r.duplicates) == (7, 3, 3, 1)
     assert rows == [(*CHAT, 1), (*ERRORED, 1), (*VLLM, 1)]
+
+
+READ_AS_OTLP = ('recognised as an OpenTelemetry OTLP/JSON trace export; read as format = "otlp_json" '
+                "(the otlp mapping, with the source's own columns over it)")
+
+
+@pytest.mark.parametrize("how", ['format = "jsonl"', ""])
+@pytest.mark.parametrize("fixture", [EXPORT, DOCUMENT])
+def test_an_export_given_as_jsonl_or_by_its_json_name_is_read_as_otlp(tmp_path, how, fixture):
+    source = incident_source(tmp_path, fixture, how=how)
+    assert source.format == "jsonl"
+    _, r, rows, quarantine = load(source, fixture)
+    assert READ_AS_OTLP in r.notes
+    assert [row[:-1] for row in rows] == [CHAT, ERRORED, VLLM]
+    if fixture == EXPORT:  # exactly what the otlp_json format reads
+        assert (r.records_read, r.loaded, r.quarantined, r.duplicates) == (7, 3, 3, 1)
+        assert [(line, reason) for line, reason, _ in quarantine] == [
+            (2, "malformed JSON"), (5, NO_ACCOUNT), (5, "spanId 'xyz' is not 8 bytes in hex")]
+    else:
+        assert (r.records_read, r.loaded, quarantine) == (3, 3, [])
+
+
+def test_a_jsonl_sources_own_columns_map_the_spans_of_an_export(tmp_path):
+    source = incident_source(tmp_path, EXPORT, 'columns = { account_id = "enduser.id", '
+                                               'decode_instance = "service.instance.id" }', how='format = "jsonl"')
+    _, r, rows, _ = load(source, EXPORT)
+    assert READ_AS_OTLP in r.notes
+    assert [(row[0], row[2], row[11]) for row in rows] == [("chatcmpl-001", "acct-17", "gw-0"),
+                                                           ("b7ad6b7169203331", "someone@acct-9", "gw-0")]
+
+
+def test_another_presets_columns_on_an_export_say_to_use_the_otlp_preset(tmp_path):
+    _, r, rows, quarantine = load(incident_source(tmp_path, EXPORT, how='preset = "openai"'), EXPORT)
+    assert READ_AS_OTLP in r.notes
+    assert "the columns of preset 'openai' apply over the otlp mapping: for these files use preset = \"otlp\"" in r.notes
+    assert rows == [] and "missing required field 'request_id' (column id)" in {q[1] for q in quarantine}
 
 
 def test_a_users_columns_override_the_preset_field_by_field(tmp_path):

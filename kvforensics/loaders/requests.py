@@ -261,6 +261,13 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     if sglang_requests.recognises(path):
         load.notes.append("recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"")
         return _stage_sglang_requests(con, source, path, load, tick, fast)
+    if otlp.recognises(path):
+        load.notes.append("recognised as an OpenTelemetry OTLP/JSON trace export; read as format = \"otlp_json\" "
+                          "(the otlp mapping, with the source's own columns over it)")
+        if source.preset not in (None, "otlp"):
+            load.notes.append(f"the columns of preset '{source.preset}' apply over the otlp mapping: "
+                              "for these files use preset = \"otlp\"")
+        return otlp.stage(con, source, path, load, tick, fast)
     keys = _sample_json_keys(path)
     chosen = _choose_columns(source, keys)
     top_level = {k.split(".")[0] for k in keys}
