@@ -1,9 +1,16 @@
 """Deployment exposure audit: the five checks operators were told to make, per instance and start-up.
 
-Every start-up of every engine instance is one configuration interval (from its first line to the
-next start-up of the same instance). For each interval the audit gives five verdicts, each
-``pass`` / ``fail`` / ``unknown`` / ``not_applicable`` with a sentence and the file and line it
-rests on. **Missing evidence is never a pass**: a setting the log does not show is ``unknown``.
+Every start-up of every engine instance is one configuration interval, from its first line until it
+ended by the ingest's rule (:func:`kvforensics.instances.lifetimes`, so the audit and the evidence
+database's ``capacity`` table agree): its own shutdown lines (``shutdown``), the next start-up of the
+same instance (``next_startup``), or the end of its log when a successor of the same model and role
+took over on another instance (``log_end``: a pod replaced in a rollout). A log that merely stops,
+with no successor, leaves the start-up **in force**. Each verdict says how its start-up ended and on
+which line (``end_reason``, ``end_file``, ``end_line``).
+
+For each interval the audit gives five verdicts, each ``pass`` / ``fail`` / ``unknown`` /
+``not_applicable`` with a sentence and the file and line it rests on. **Missing evidence is never a
+pass**: a setting the log does not show is ``unknown``.
 
 1. **KV pool vs context length** (every role). SGLang's scheduler refuses a prompt of ``n`` tokens
    when ``n >= max_req_input_len = min(context_len - 1, max_total_num_tokens - 1) - 5``; the
@@ -38,13 +45,15 @@ rests on. **Missing evidence is never a pass**: a setting the log does not show 
 
 A check-1 ``fail`` is **exposed** on a prefill or decode role, or where the role is unknown (no
 ``server_args`` line and nothing else to tell): the deploy gate fails closed. A unified server
-answers those prompts with an error, so its check-1 fail is listed but not exposed. A restart that
-logs no ``server_args`` takes the role (and model) of the instance's previous start-up, or the
-``disaggregation_mode`` of a ``server_info`` dump, and the verdict says so; with neither, checks
-2-5 turn a would-be ``fail`` into ``unknown`` (it only matters if the instance is disaggregated).
-:attr:`AuditReport.exit_code` is 1 when anything is exposed, 0 when clean (unknowns alone do not
-fail; they are listed) and 2 when nothing could be audited; unreadable inputs raise
-:class:`~kvforensics.errors.InputError` (the CLI exits 2).
+answers those prompts with an error, so its check-1 fail is listed but not exposed. **Exposed now**
+(:attr:`AuditReport.exposed_now`, :meth:`AuditReport.now`) counts only exposed start-ups still in
+force; one that shut down, restarted or was retired is listed with its window and how it ended.
+A restart that logs no ``server_args`` takes the role (and model) of the instance's previous
+start-up, or the ``disaggregation_mode`` of a ``server_info`` dump, and the verdict says so; with
+neither, checks 2-5 turn a would-be ``fail`` into ``unknown`` (it only matters if the instance is
+disaggregated). :attr:`AuditReport.exit_code` is 1 when anything is exposed in the audited period
+(now or before), 0 when clean (unknowns alone do not fail; they are listed) and 2 when nothing
+could be audited; unreadable inputs raise :class:`~kvforensics.errors.InputError` (the CLI exits 2).
 
 Inputs
 ------
@@ -90,6 +99,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from packaging.version import InvalidVersion, Version
 
 from kvforensics.errors import InputError
+from kvforensics.instances import DEFAULT_HANDOVER_S, PlacedStartup, lifetimes
 from kvforensics.loaders.engine_common import EngineEvent, EngineLogParse, StartupRecord, flag_value
 
 if TYPE_CHECKING:
@@ -154,7 +164,7 @@ class Verdict:
     role: str  # prefill | decode | unified | unknown
     model: str | None
     startup_from: datetime | None  # UTC; None when the start-up carries no timestamp
-    startup_to: datetime | None  # the instance's next start-up; None while still running
+    startup_to: datetime | None  # when it ended (see end_reason); None while still in force
     check: int  # 1..5, see CHECKS
     check_name: str
     status: str  # pass | fail | unknown | not_applicable
@@ -166,6 +176,15 @@ class Verdict:
     engine_version: str | None = None
     startup_file: str | None = None  # where the start-up begins (identifies it when it has no timestamp)
     startup_line: int | None = None
+    end_reason: str | None = None  # shutdown | next_startup | log_end | None (in force), as in capacity
+    end_file: str | None = None  # the evidence of the end: shutdown line, next start-up, last line
+    end_line: int | None = None
+    successor: str | None = None  # log_end: the instance that took over
+
+    @property
+    def in_force(self) -> bool:
+        """Still running when the evidence ends: the log shows no end."""
+        return self.end_reason is None and self.startup_to is None
 
 
 @dataclass(frozen=True)
@@ -180,6 +199,11 @@ class ExposureWindow:
     detail: str
     evidence_file: str | None
     evidence_line: int | None
+    end_reason: str | None = None
+    end_file: str | None = None
+    end_line: int | None = None
+    successor: str | None = None
+    in_force: bool = False
 
 
 _STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "unknown": "unknown", "not_applicable": "n/a"}
@@ -200,7 +224,15 @@ _COLUMNS = (
     "engine_version",
     "startup_file",
     "startup_line",
+    "end_reason",
+    "end_file",
+    "end_line",
+    "successor",
 )
+_TABLE_HEAD = (
+    "Instance", "Role", "Model", "Start-up (UTC)", "Check", "Status", "Detail", "Evidence", "Ended"
+)
+_END_SUMMARY = {"shutdown": "shut down", "next_startup": "restarted", "log_end": "replaced by a successor"}
 
 
 @dataclass
@@ -214,6 +246,11 @@ class AuditReport:
     @property
     def exposed(self) -> bool:
         return any(v.exposed for v in self.verdicts)
+
+    @property
+    def exposed_now(self) -> bool:
+        """Exposed by a start-up still in force (not shut down, restarted or retired)."""
+        return any(w.in_force for w in self.exposure_windows)
 
     @property
     def exit_code(self) -> int:
@@ -241,6 +278,11 @@ class AuditReport:
                 v.detail,
                 v.evidence_file,
                 v.evidence_line,
+                v.end_reason,
+                v.end_file,
+                v.end_line,
+                v.successor,
+                v.in_force,
             )
             for v in self.verdicts
             if v.exposed
@@ -283,6 +325,11 @@ class AuditReport:
                 {k: _iso(v) if isinstance(v, datetime) else v for k, v in asdict(w).items()}
                 for w in self.exposure_windows
             ],
+            "now": {
+                "exposed": self.exposed_now,
+                "exposed_startups": sum(w.in_force for w in self.exposure_windows),
+                "answer": self.now(),
+            },
             "notes": self.notes,
             "inputs": self.inputs,
         }
@@ -303,12 +350,31 @@ class AuditReport:
             f"{c['fail']} fail, {c['unknown']} unknown, {c['not_applicable']} not applicable."
         )
 
+    def now(self) -> str:
+        """Is any deployment exposed now? Only exposed start-ups still in force count."""
+        windows = self.exposure_windows
+        live = sorted({w.instance for w in windows if w.in_force})
+        if live:
+            return (
+                f"EXPOSED NOW: {sum(w.in_force for w in windows)} start-up(s) still in force serve prompts "
+                f"beyond their KV pool ({', '.join(live)})."
+            )
+        if not windows:
+            return "Not exposed now: no start-up serves prompts beyond its KV pool."
+        ended: dict[str, int] = {}
+        for w in windows:
+            how = _END_SUMMARY.get(w.end_reason or "", "ended")
+            ended[how] = ended.get(how, 0) + 1
+        how_ended = ", ".join(f"{n} {how}" for how, n in ended.items())
+        return f"Not exposed now: every exposed start-up has ended ({how_ended})."
+
     def to_markdown(self) -> str:
         lines = [
             f"**{_md(self.headline())}**",
             "",
-            "| Instance | Role | Model | Start-up (UTC) | Check | Status | Detail | Evidence |",
-            "|---|---|---|---|---|---|---|---|",
+            *([f"**{_md(self.now())}**", ""] if self.verdicts else []),
+            "| " + " | ".join(_TABLE_HEAD) + " |",
+            "|---" * len(_TABLE_HEAD) + "|",
         ]
         for v in self.verdicts:
             status = _STATUS_LABEL[v.status] + (" (exposed)" if v.exposed else "")
@@ -325,6 +391,7 @@ class AuditReport:
                         status,
                         v.detail,
                         _evidence(v),
+                        _ended(v),
                     )
                 )
                 + " |"
@@ -345,7 +412,7 @@ class AuditReport:
                 + "".join(f"<td>{e(x)}</td>" for x in (v.instance, v.role, v.model or "", _interval(v)))
                 + f"<td>{v.check}. {e(v.check_name)}</td>"
                 + f'<td style="color:{colour[v.status]};{weight}">{e(status)}</td>'
-                + f"<td>{e(v.detail)}</td><td><code>{e(_evidence(v))}</code></td></tr>"
+                + f"<td>{e(v.detail)}</td><td><code>{e(_evidence(v))}</code></td><td>{e(_ended(v))}</td></tr>"
             )
         notes = (
             (
@@ -356,12 +423,10 @@ class AuditReport:
             if self.notes
             else ""
         )
-        head = "".join(
-            f"<th>{h}</th>"
-            for h in ("Instance", "Role", "Model", "Start-up (UTC)", "Check", "Status", "Detail", "Evidence")
-        )
+        head = "".join(f"<th>{h}</th>" for h in _TABLE_HEAD)
+        now = f"<p><strong>{e(self.now())}</strong></p>" if self.verdicts else ""
         return (
-            f'<div class="kvf-audit"><p><strong>{e(self.headline())}</strong></p>'
+            f'<div class="kvf-audit"><p><strong>{e(self.headline())}</strong></p>{now}'
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>{notes}</div>"
         )
 
@@ -371,7 +436,7 @@ class AuditReport:
 
         style = {"pass": "green", "fail": "bold red", "unknown": "yellow", "not_applicable": "dim"}
         table = Table(title="Deployment exposure audit", show_lines=False, expand=False)
-        for name in ("Instance", "Role", "Model", "Start-up (UTC)", "Check", "Status", "Detail", "Evidence"):
+        for name in _TABLE_HEAD:
             table.add_column(name, overflow="fold")
         for v in self.verdicts:
             status = _STATUS_LABEL[v.status] + (" (exposed)" if v.exposed else "")
@@ -384,9 +449,12 @@ class AuditReport:
                 Text(status, style=style[v.status]),
                 Text(v.detail),
                 Text(_evidence(v)),
+                Text(_ended(v)),
             )
         console.print(table)
         console.print(Text(self.headline(), style="bold red" if self.exposed else "bold"))
+        if self.verdicts:
+            console.print(Text(self.now(), style="bold red" if self.exposed_now else "bold"))
         for n in self.notes:
             console.print(Text(f"note: {n}", style="dim"))
 
@@ -400,8 +468,22 @@ def _short_ts(ts: datetime | None) -> str:
 
 
 def _interval(v: Verdict) -> str:
-    end = "running" if v.startup_to is None else _short_ts(v.startup_to)
+    end = "running" if v.in_force else _short_ts(v.startup_to)
     return f"{_short_ts(v.startup_from)} \u2192 {end}"
+
+
+def _ended(v: Verdict) -> str:
+    """How the start-up ended, with the line that shows it."""
+    if v.in_force:
+        return "in force: the log shows no end"
+    at = f" ({_loc(v.end_file, v.end_line)})" if v.end_file is not None else ""
+    if v.end_reason == "next_startup":
+        return f"next start-up{at}"
+    if v.end_reason == "shutdown":
+        return f"shut down{at}"
+    if v.end_reason == "log_end":
+        return f"retired: its log ends{at} and '{v.successor}' took over"
+    return "ended (the evidence database does not say how)"
 
 
 def _evidence(v: Verdict) -> str:
@@ -676,7 +758,15 @@ class _Startup:
     evidence: dict[str, int]
     refused: bool = False
     pool_file: str | None = None  # where the pool comes from when not this start-up's log
-    to: datetime | None = None
+    to: datetime | None = None  # valid_to: when it ended (kvforensics/instances.py)
+    end_reason: str | None = None
+    end_file: str | None = None
+    end_line: int | None = None
+    successor: str | None = None
+    last_ts: datetime | None = None  # how far its log goes, and its own shutdown line (parsed logs only)
+    last_line: int | None = None
+    shutdown_ts: datetime | None = None
+    shutdown_line: int | None = None
     role_certain: bool = True
     role_note: str | None = None
     server_info: ServerInfo | None = None
@@ -717,6 +807,10 @@ def _from_record(r: StartupRecord, file: str | None, aliases: Mapping[str, str])
         flags=flags,
         evidence=dict(r.evidence),
         refused=flags.get("startup_refused", "").lower() == "true",
+        last_ts=r.last_ts,
+        last_line=r.last_line,
+        shutdown_ts=r.shutdown_ts,
+        shutdown_line=r.shutdown_line,
         role_certain=not role_source.startswith("default"),
     )
 
@@ -751,13 +845,38 @@ def _sort_key(s: _Startup) -> tuple[Any, ...]:
     return (s.instance, s.ts is None, s.ts or datetime.min.replace(tzinfo=UTC), s.file or "", s.line or 0)
 
 
+def _end_lifetimes(startups: list[_Startup], handover_s: float) -> None:
+    """End each start-up as the ingest does (shutdown, next start-up, or retired when a successor took
+    over), with the role and model the parse gave, so that the audit agrees with ``capacity``."""
+    placed = [
+        PlacedStartup(
+            instance=s.instance,
+            role=s.role,
+            model=s.model,
+            ts=s.ts,
+            file=s.file or "",
+            line=s.line or 0,
+            last_ts=s.last_ts,
+            last_line=s.last_line,
+            shutdown_ts=s.shutdown_ts,
+            shutdown_line=s.shutdown_line,
+        )
+        for s in startups
+    ]
+    for s, end in zip(startups, lifetimes(placed, handover_s), strict=True):
+        s.to, s.end_reason, s.end_file, s.end_line, s.successor = (
+            end.valid_to,
+            end.end_reason,
+            end.end_file or None,
+            end.end_line,
+            end.successor,
+        )
+
+
 def _link(startups: list[_Startup]) -> None:
-    """Order start-ups per instance, set each interval's end, carry a role over a bare restart."""
+    """Order start-ups per instance and carry a role over a bare restart."""
     startups.sort(key=_sort_key)
     for i, s in enumerate(startups):
-        nxt = startups[i + 1] if i + 1 < len(startups) else None
-        if nxt is not None and nxt.instance == s.instance and s.to is None:
-            s.to = nxt.ts
         if not s.role_certain:
             prev = next(
                 (p for p in reversed(startups[:i]) if p.instance == s.instance and p.role_certain), None
@@ -1513,6 +1632,10 @@ def _verdict(
         engine_version=s.version,
         startup_file=s.file,
         startup_line=s.line,
+        end_reason=s.end_reason,
+        end_file=s.end_file,
+        end_line=s.end_line,
+        successor=s.successor,
     )
 
 
@@ -1544,9 +1667,13 @@ def _report(
     notes: list[str],
     inputs: list[str],
     events: Iterable[tuple[str | None, EngineEvent]] | None = None,
+    handover_s: float | None = DEFAULT_HANDOVER_S,
 ) -> AuditReport:
+    """*handover_s* None: the start-ups already carry their ends (the ``capacity`` table)."""
     infos = [i if isinstance(i, ServerInfo) else read_server_info(i) for i in server_info]
     lb = manifest if manifest is None or isinstance(manifest, DeploymentManifest) else read_manifest(manifest)
+    if handover_s is not None:
+        _end_lifetimes(startups, handover_s)
     _link(startups)
     if events is not None:
         lost = _assign_events(startups, events)
@@ -1575,11 +1702,13 @@ def audit_startups(
     server_info: Sequence[ServerInfo | str | Path] = (),
     manifest: DeploymentManifest | str | Path | None = None,
     model_aliases: Mapping[str, str] | None = None,
+    handover_s: float = DEFAULT_HANDOVER_S,
 ) -> AuditReport:
     """Audit parsed start-ups (pure when given parsed :class:`ServerInfo` / :class:`DeploymentManifest`).
 
     Items may be bare records (their file is *source_file*) or ``(file, record)`` pairs.
-    *model_aliases* maps engine model names to gateway model ids, as in the incident file.
+    *model_aliases* maps engine model names to gateway model ids, as in the incident file;
+    *handover_s* is the ``[instances] handover_s`` of the lifetime rule.
     """
     aliases = dict(model_aliases or {})
     default = str(source_file) if source_file is not None else None
@@ -1589,7 +1718,15 @@ def audit_startups(
         norm.append(_from_record(rec, file, aliases))
     evs = [(str(e[0]), e[1]) if isinstance(e, tuple) else (default, e) for e in events]
     files = sorted({s.file for s in norm if s.file})
-    return _report(norm, server_info=server_info, manifest=manifest, notes=[], inputs=files, events=evs)
+    return _report(
+        norm,
+        server_info=server_info,
+        manifest=manifest,
+        notes=[],
+        inputs=files,
+        events=evs,
+        handover_s=handover_s,
+    )
 
 
 def audit_parses(
@@ -1598,6 +1735,7 @@ def audit_parses(
     server_info: Sequence[ServerInfo | str | Path] = (),
     manifest: DeploymentManifest | str | Path | None = None,
     model_aliases: Mapping[str, str] | None = None,
+    handover_s: float = DEFAULT_HANDOVER_S,
 ) -> AuditReport:
     """Audit engine logs already parsed by :func:`~kvforensics.loaders.engine_common.parse_engine_log`."""
     aliases = dict(model_aliases or {})
@@ -1624,6 +1762,7 @@ def audit_parses(
         notes=notes,
         inputs=[str(p) for p in parses],
         events=events,
+        handover_s=handover_s,
     )
 
 
@@ -1650,13 +1789,15 @@ def audit_paths(
     manifest: str | Path | DeploymentManifest | None = None,
     model_aliases: Mapping[str, str] | None = None,
     envelope: str = "auto",
+    handover_s: float = DEFAULT_HANDOVER_S,
 ) -> AuditReport:
     """Parse engine logs (plain, .gz, .zst; SGLang or vLLM) and audit every start-up in them.
 
     ``tz`` is the zone of the engines' naive timestamps, ``year`` the year of vLLM's year-less
     stamps, ``instance_template`` names the instance from the file (``{stem}``, ``{name}``,
     ``{parent}``, or an envelope label ``{label:NAME}``), ``envelope`` the collection envelope
-    (``auto``: recognised; a file of several instances gives several). Raises
+    (``auto``: recognised; a file of several instances gives several), ``handover_s`` how long a
+    successor may start before a replaced pod's log ends (``[instances] handover_s``). Raises
     :class:`~kvforensics.errors.InputError` for an unreadable input.
     """
     from kvforensics.config import Source
@@ -1698,7 +1839,9 @@ def audit_paths(
         i if isinstance(i, ServerInfo) else read_server_info(i, instance_template=instance_template)
         for i in server_info
     ]
-    return audit_parses(parses, server_info=infos, manifest=manifest, model_aliases=model_aliases)
+    return audit_parses(
+        parses, server_info=infos, manifest=manifest, model_aliases=model_aliases, handover_s=handover_s
+    )
 
 
 def audit_incident(
@@ -1734,7 +1877,11 @@ def audit_incident(
                 envelope=source.envelope,
             )
     return audit_parses(
-        parses, server_info=server_info, manifest=manifest, model_aliases=incident.model_aliases
+        parses,
+        server_info=server_info,
+        manifest=manifest,
+        model_aliases=incident.model_aliases,
+        handover_s=incident.instances.handover_s,
     )
 
 
@@ -1748,12 +1895,20 @@ def audit_database(
 
     The database keeps the start-up's first line and its pool line; other evidence (server args,
     version) points at the start-up's first line, and a refused vLLM start-up at its pool line.
-    ``model`` is the gateway id the ingest resolved.
+    ``model`` is the gateway id the ingest resolved; each start-up ends where the ingest ended it.
     """
+    import duckdb
+
     from kvforensics.db import sql
 
     norm: list[_Startup] = []
-    rows = con.execute(sql("audit_capacity")).fetchall()
+    try:
+        rows = con.execute(sql("audit_capacity")).fetchall()
+    except (duckdb.CatalogException, duckdb.BinderException) as e:
+        raise InputError(
+            f"the evidence database has no capacity table with start-up ends ({str(e).splitlines()[0]}): "
+            "open it writable (its schema is then brought up to date) or run 'kvforensics ingest' again"
+        ) from e
     for (
         instance,
         role,
@@ -1775,6 +1930,10 @@ def audit_database(
         source_file,
         source_line,
         pool_line,
+        end_reason,
+        end_file,
+        end_line,
+        successor,
     ) in rows:
         try:
             flags = {str(k): str(v) for k, v in json.loads(flags_json or "{}").items()}
@@ -1804,6 +1963,10 @@ def audit_database(
             evidence=evidence,
             refused=is_refused,
             to=_utc(valid_to),
+            end_reason=end_reason,
+            end_file=end_file,
+            end_line=end_line,
+            successor=successor,
             role_certain=not flags.get("role_source", "").startswith("default"),
         )
         norm.append(s)
@@ -1823,7 +1986,7 @@ def audit_database(
         if found is not None:
             found.events[kind] = _EventStat(int(count), first_file, first_line, min_limit, max_limit)
     files = sorted({s.file for s in norm if s.file})
-    return _report(norm, server_info=server_info, manifest=manifest, notes=[], inputs=files)
+    return _report(norm, server_info=server_info, manifest=manifest, notes=[], inputs=files, handover_s=None)
 
 
 def _utc(ts: datetime | None) -> datetime | None:

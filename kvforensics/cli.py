@@ -134,7 +134,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if not args.sources:
             print("Error: name engine logs to audit, or --incident incident.toml", file=sys.stderr)
             return 2
-        report = audit.audit_paths(list(args.sources), fmt=args.format, tz=args.timezone, year=args.year, **kwargs)
+        report = audit.audit_paths(list(args.sources), fmt=args.format, tz=args.timezone, year=args.year,
+                                   envelope=args.envelope, **kwargs)
     if args.json:
         print(report.to_json())
     elif args.markdown:
@@ -151,6 +152,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvforensics.config import ENGINE_ENVELOPES
+
     parser = argparse.ArgumentParser(prog="kvforensics", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"kvforensics {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -174,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--format", default="auto", choices=["auto", "sglang", "vllm"])
     a.add_argument("--timezone", default="UTC", help="IANA zone of the log timestamps")
     a.add_argument("--year", type=int, help="year for vLLM timestamps, which carry none")
+    a.add_argument("--envelope", default="auto", choices=list(ENGINE_ENVELOPES),
+                   help="the collection envelope of the engine logs (auto: recognised from the first lines; "
+                        "an incident file sets it per source)")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.add_argument("--markdown", action="store_true", help="print Markdown")
     a.set_defaults(func=cmd_audit)
