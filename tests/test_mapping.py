@@ -238,7 +238,7 @@ def test_an_unknown_column_is_refused_before_any_row_is_loaded(tmp_path):
 
 def test_expressions_need_a_format_whose_columns_the_mapping_names(tmp_path):
     message = config_error(tmp_path, 'format = "sglang_requests"\ncolumns = { ttft_ms = "a - b" }')
-    assert message == ERR + ("columns.ttft_ms: expressions need format jsonl, csv, parquet; format 'sglang_requests' "
+    assert message == ERR + ("columns.ttft_ms: expressions need format jsonl, csv, parquet, otlp_json; format 'sglang_requests' "
                              "maps its own records (name a field or path instead)")
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvforensics.config import Source, load_incident
 from kvforensics.db import connect
+from kvforensics.errors import ConfigError
 from kvforensics.loaders.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
 from kvforensics.loaders.requests import load_requests_file, load_requests_files
 from kvforensics.presets import load_preset
@@ -600,3 +601,35 @@ def test_attributes_of_unexpected_types_where_names_are_expected_do_not_break_th
     records, notes = reader_records(tmp_path, [export(odd, llm)])
     assert [(problem, record["otlp.span_id"]) for _, problem, record in records] == [(None, "00f067aa0ba902b8")]
     assert "1 OpenInference ['LLM'] span(s) (not model calls) skipped" in notes
+
+
+TIMED = {**GENAI, "gen_ai.request.model": {"stringValue": "m"}, "gen_ai.usage.input_tokens": {"intValue": "7"},
+         "app.first_token_unix_nano": {"intValue": "1788904820412000000"}}
+TTFT_FROM_ATTRIBUTES = """[sources.columns]
+ttft_ms = 'epoch_ms("app.first_token_unix_nano") - epoch_ms("app.sent_at")'
+"""
+
+
+@pytest.mark.parametrize("how", ['preset = "otlp"', 'format = "otlp_json"', 'format = "jsonl"'])
+def test_an_expression_reads_span_attributes(tmp_path, how):
+    sent = span("00f067aa0ba902b7", **TIMED, **{"tenant.id": {"stringValue": "a"},
+                                                "app.sent_at": {"stringValue": "2026-09-08T22:00:20Z"}})
+    unreadable = span("00f067aa0ba902b8", **TIMED, **{"tenant.id": {"stringValue": "b"},
+                                                      "app.sent_at": {"stringValue": "soon"}})
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(export(sent, unreadable)) + "\n", encoding="utf-8")
+    _, r, rows, quarantine = load(incident_source(tmp_path, path, TTFT_FROM_ATTRIBUTES, how=how), path)
+    assert [(row[0], row[2], row[8]) for row in rows] == [("00f067aa0ba902b7", "a", 412.0)]
+    assert [(line, reason) for line, reason, _ in quarantine] == [(1, "columns.ttft_ms: app.sent_at is not a timestamp: 'soon'")]
+    assert json.loads(quarantine[0][2])["otlp.span_id"] == "00f067aa0ba902b8"
+
+
+@pytest.mark.parametrize("how", ['preset = "otlp"', 'format = "jsonl"'])
+def test_an_expression_reading_an_attribute_no_span_has_is_an_error_before_loading(tmp_path, how):
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(export(span(**TIMED, **{"tenant.id": {"stringValue": "a"}}))) + "\n", encoding="utf-8")
+    con = connect()
+    with pytest.raises(ConfigError, match=r"^incident.toml: source 'traces': columns.ttft_ms: column 'app.sent_at' "
+                                          r"is not in traces.jsonl \(it has: app.first_token_unix_nano, gen_ai"):
+        load_requests_file(con, incident_source(tmp_path, path, TTFT_FROM_ATTRIBUTES, how=how), path)
+    assert con.execute("SELECT count(*) FROM requests").fetchone() == (0,)

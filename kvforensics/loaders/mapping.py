@@ -297,7 +297,7 @@ def _numeric(node: dict[str, Any]) -> bool:
 
 
 # formats whose stagers read any column a mapping names (the others map their own records)
-EXPRESSION_FORMATS = ("jsonl", "csv", "parquet")
+EXPRESSION_FORMATS = ("jsonl", "csv", "parquet", "otlp_json")
 
 
 def source_mapping(raw: Mapping[str, Any], columns: Mapping[str, str], fmt: str, where: str

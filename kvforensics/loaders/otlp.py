@@ -100,6 +100,7 @@ if TYPE_CHECKING:
 
 FORMAT = "otlp_json"
 BATCH = 50_000
+SAMPLE_SPANS = 2000  # GenAI spans read before the names the source's expressions read are checked
 MALFORMED_RAW_CHARS = 300  # of a line that is not JSON (it may hold captured prompt text further on)
 
 # gen_ai.operation.name values of spans that are not a model call (GenAI agent and tool spans)
@@ -669,6 +670,17 @@ DELETE FROM otlp_records WHERE rowid IN (
     WHERE span_id <> outermost)"""
 
 
+def _check_expression_refs(source: Source, path: Path, refs: Iterable[str], keys: set[str]) -> None:
+    """Each name a ``columns`` expression reads must be a key of the records read so far (the first
+    SAMPLE_SPANS GenAI spans, or all of a smaller file), or a path into one; else a ConfigError
+    before any record of the file is loaded, as for JSONL."""
+    from kvforensics.loaders import requests as gateway
+
+    for ref in refs:
+        if ref not in keys and not any(ref.startswith(key + ".") for key in keys):
+            raise gateway._unknown_column(source, path, ref, keys)
+
+
 def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
           tick: Callable[[int], None], fast: bool = True) -> Staged:
     """Stage one OTLP/JSON file: one record per GenAI span (and per unreadable part), each
@@ -697,10 +709,16 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
             tick(len(batch))
             batch.clear()
 
+    unchecked = gateway._expression_refs(mapped)  # the attributes the expressions read, checked early
     for record in reader:
         batch.append(record)
+        if unchecked and reader.spans >= SAMPLE_SPANS:
+            _check_expression_refs(mapped, path, unchecked, reader.keys)
+            unchecked = []
         if len(batch) >= BATCH:
             flush()
+    if unchecked and reader.spans:
+        _check_expression_refs(mapped, path, unchecked, reader.keys)
     flush()
     nested = con.execute(NESTED_SPANS).fetchall()[0][0]
     if nested:
