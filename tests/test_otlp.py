@@ -633,3 +633,21 @@ def test_an_expression_reading_an_attribute_no_span_has_is_an_error_before_loadi
                                           r"is not in traces.jsonl \(it has: app.first_token_unix_nano, gen_ai"):
         load_requests_file(con, incident_source(tmp_path, path, TTFT_FROM_ATTRIBUTES, how=how), path)
     assert con.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+
+
+def test_the_raw_text_of_a_conflict_is_its_own_span_among_the_spans_of_its_line(tmp_path):
+    line = json.loads(EXPORT.read_text(encoding="utf-8").splitlines()[0])
+    changed = json.loads(json.dumps(line))
+    gateway_spans = changed["resourceSpans"][0]["scopeSpans"]
+    for s in [gateway_spans[1]["spans"][0], changed["resourceSpans"][1]["scopeSpans"][0]["spans"][0]]:
+        for a in s["attributes"]:  # the text_completion span and the vLLM span: other token counts
+            if a["key"] in ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"):
+                a["value"] = {"intValue": "999"}
+    path = tmp_path / "traces.jsonl"
+    path.write_text(json.dumps(line) + "\n" + json.dumps(changed) + "\n", encoding="utf-8")
+    _, r, _, quarantine = load(incident_source(tmp_path, path), path)
+    assert (r.loaded, r.duplicates, r.quarantined) == (3, 1, 2)
+    kept_at = f"duplicate request_id with conflicting values (kept the record at {path}:1)"
+    assert [(q[0], q[1]) for q in quarantine] == [(2, kept_at), (2, kept_at)]
+    raws = sorted((json.loads(q[2])["otlp.request_id"], json.loads(q[2])["otlp.output_tokens"]) for q in quarantine)
+    assert raws == [(ERRORED[0], 999), (VLLM[0], 999)]

@@ -68,8 +68,7 @@ export per line, the line of that export (all spans of one export share it; ``ot
 object opens. A line that is not JSON, an export that is not an object with ``resourceSpans``, and a
 span that breaks the structure (not an object, no valid ``spanId``/``traceId``, attributes that are
 not key/value pairs) are records of their own, quarantined with the reason and location. (A
-conflicting duplicate's ``raw`` is read again from the file by its line; where that line holds
-several spans, it may show another span of the same export.)
+conflicting duplicate's ``raw`` is read again from the file: the span on its line with its request id.)
 """
 
 from __future__ import annotations

@@ -1045,13 +1045,30 @@ def _merge_batch(con: duckdb.DuckDBPyConnection, source: Source, batch: list[tup
 
 def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Path, fast: bool) -> None:
     """The raw text of a file's conflicting duplicates, read again from the file (rare: the typing
-    pass keeps raw text only for the records it refuses)."""
+    pass keeps raw text only for the records it refuses). A record is found by its line and, where
+    a line may hold several records (the spans of one OTLP export), by its request id as typed;
+    conflicts of one line that read the same are paired with its records one to one."""
     staged = STAGERS[source.format](con, source, path, FileLoad(file=path), lambda n: None, fast)
-    relation = staged.raw_relation or f"(SELECT line, raw FROM {staged.relation})"
-    query = (f"UPDATE quarantine SET raw = left(r.raw, 2000) FROM {relation} r "
-             "WHERE quarantine.source = $source AND quarantine.file = $path AND quarantine.raw IS NULL "
-             "AND quarantine.line = r.line AND quarantine.reason LIKE $conflict")
-    con.execute(query, _used(query, {**staged.params, "source": source.name, "path": str(path),
+    if staged.raw_relation is not None:  # one record a line (JSONL, Parquet): the line tells it
+        relation, params, same_record = staged.raw_relation, dict(staged.params), "r.line = c.line"
+    else:
+        mapped, params = _mapped_relation(source, staged)
+        relation = f"(SELECT line, raw, trim(CAST(request_id_raw AS VARCHAR)) AS request_id FROM {mapped})"
+        params = {**staged.params, **params}
+        same_record = "r.line = c.line AND r.request_id = c.request_id"
+    # the conflicts' reasons as requests_merge.sql words them; rows that read alike are numbered
+    query = f"""UPDATE quarantine SET raw = m.raw FROM (
+        SELECT q.rid, left(c.raw, 2000) AS raw
+        FROM (SELECT rowid AS rid, line, reason, row_number() OVER (PARTITION BY line, reason ORDER BY rowid) AS nth
+              FROM quarantine WHERE source = $source AND file = $path AND raw IS NULL AND reason LIKE $conflict) q
+        JOIN (SELECT c.line, r.raw,
+                     'duplicate request_id with conflicting values (kept the record at ' || c.kept_at || ')' AS reason,
+                     row_number() OVER (PARTITION BY c.line, c.kept_at ORDER BY c.request_id, r.raw) AS nth
+              FROM repeated c JOIN {relation} r ON {same_record}
+              WHERE c.outcome = 'conflict' AND c.file = $path) c
+          ON c.line = q.line AND c.reason = q.reason AND c.nth = q.nth) m
+        WHERE quarantine.rowid = m.rid"""
+    con.execute(query, _used(query, {**params, "source": source.name, "path": str(path),
                                      "conflict": CONFLICT})).fetchall()
 
 
