@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import duckdb
 import pandas as pd
@@ -33,6 +33,8 @@ class ReportData:
     capacity: pd.DataFrame
     sources_per_response: pd.DataFrame
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    # (instance, start as in scope.json) -> how that start-up ended, in words (see how_it_ended)
+    endings: dict[tuple[str, str | None], str] = field(default_factory=dict)
 
 
 def _df(con: duckdb.DuckDBPyConnection, q: str, params: dict | None = None) -> pd.DataFrame:
@@ -43,6 +45,40 @@ def without_na(df: pd.DataFrame) -> pd.DataFrame:
     """The frame with every missing value (NA, NaN, NaT) as None: templates test values for truth,
     and ``bool(pd.NA)`` raises where ``bool(None)`` is simply false."""
     return df.astype(object).where(df.notna(), None)
+
+
+def how_it_ended(startup: Mapping[str, Any]) -> str:
+    """How a start-up (a ``capacity`` row) stopped being in force, in a responder's words, with its
+    evidence: its own shutdown line, the next start-up of the instance, the successor that took over
+    when its log ended, or, with no end recorded, how far its log goes."""
+    reason = startup.get("end_reason")
+    line = _evidence_line(startup.get("end_file"), startup.get("end_line"), startup.get("source_file"))
+    if reason == "shutdown":
+        return f"shut down ({line})" if line else "shut down"
+    if reason == "next_startup":
+        return f"restarted ({line})" if line else "restarted"
+    if reason == "log_end":
+        return (f"retired: replaced by {startup.get('successor') or 'another instance'}"
+                + (f" (its log ends at {line})" if line else ""))
+    if reason is None:
+        last = _iso(startup.get("last_ts"))
+        if last is None and startup.get("last_line") is not None:
+            last = f"line {int(startup['last_line'])}"
+        return f"still running / log stops at {last}" if last else "still running / log stops after its start"
+    return str(reason)  # a reason this report does not know: as recorded
+
+
+def _iso(value: Any) -> str | None:
+    """A timestamp of a frame (pandas) as the outputs write it (None stays None)."""
+    return None if value is None else iso(pd.Timestamp(value).to_pydatetime())
+
+
+def _evidence_line(end_file: str | None, end_line: Any, source_file: str | None) -> str:
+    """``line N`` (``<file> line N`` when the evidence is in another file than the start-up's)."""
+    if end_line is None:
+        return ""
+    other = end_file.split("/")[-1] + " " if end_file and end_file != source_file else ""
+    return f"{other}line {int(end_line)}"
 
 
 def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
@@ -138,8 +174,14 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
     qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
     capacity = _df(con, """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
                                   page_size, engine, engine_version, version_source,
-                                  kv_pool_tokens < context_length AS exposed, source_file, source_line
+                                  kv_pool_tokens < context_length AS exposed, source_file, source_line,
+                                  end_reason, end_file, end_line, successor, last_ts, last_line
                            FROM capacity ORDER BY model, instance, valid_from""")
+    capacity = without_na(capacity)
+    startups = capacity.to_dict("records")
+    capacity["ended"] = [how_it_ended(row) for row in startups]
+    # keyed as scope.json's exposure_windows name a start-up: instance and start
+    endings = {(row["instance"], _iso(row["valid_from"])): how_it_ended(row) for row in startups}
     per_response = _df(con, """
         SELECT a.request_id, count(DISTINCT p.source_request_id) AS candidate_requests,
                count(DISTINCT p.source_account_id) FILTER (WHERE p.source_account_id <> p.recipient_account_id) AS candidate_accounts,
@@ -151,8 +193,8 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
     return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
                       accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),
                       rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
-                      quarantine_reasons=without_na(qreasons), capacity=without_na(capacity),
-                      sources_per_response=without_na(per_response))
+                      quarantine_reasons=without_na(qreasons), capacity=capacity,
+                      sources_per_response=without_na(per_response), endings=endings)
 
 
 def hourly_affected(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
