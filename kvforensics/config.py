@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import difflib
 import glob as globmod
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvforensics.errors import ConfigError
@@ -33,6 +34,16 @@ CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
                 "model", "year", "role", "preset", "values", "null_tokens", "envelope"}
+_SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "role", "preset", "envelope")
+#: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
+#: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS).
+TOP_LEVEL_TABLES = {"incident": "[incident]", "sources": "[[sources]]", "scope": "[scope]", "events": "[[events]]",
+                    "models": "[models]", "settings": "[settings]", "instances": "[instances]", "rules": "[rules]"}
+_INCIDENT_KEYS = {"id", "title"}
+_SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
+_EVENT_KEYS = {"ts", "title", "description"}
+_MODELS_KEYS = {"aliases", "hardware"}
+_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table"}
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,24 @@ class Incident:
     def sources_of(self, kind: str) -> list[Source]:
         return [s for s in self.sources if s.kind == kind]
 
+    def source_files(self) -> list[tuple[Source, list[Path]]]:
+        """Each source with the files it names. A file belongs to one source: one that two sources'
+        paths both match is a ConfigError naming both (a `content` file read as requests would put its
+        text in the quarantine)."""
+        owner: dict[Path, str] = {}
+        plan = []
+        for source in self.sources:
+            files = source.files()
+            for file in files:
+                first = owner.setdefault(file.resolve(), source.name)
+                if first != source.name:
+                    shown = file.relative_to(self.base_dir) if file.is_relative_to(self.base_dir) else file
+                    raise ConfigError(f"file {shown} matches the paths of sources '{first}' and '{source.name}'; "
+                                      "a file belongs to one source: narrow one of the paths",
+                                      location=self.path.name)
+            plan.append((source, files))
+        return plan
+
 
 def parse_utc(value: Any, where: str) -> datetime:
     """An ISO-8601 timestamp (or TOML datetime) with an explicit offset, as UTC."""
@@ -161,13 +190,61 @@ def _check_timezone(name: str, where: str) -> str:
     return name
 
 
+def nearest(key: str, valid: Iterable[str]) -> str | None:
+    """The valid name closest to a misspelt *key*, if one is close."""
+    found = difflib.get_close_matches(key, sorted(valid), n=1)
+    return found[0] if found else None
+
+
+def check_keys(table: Mapping[str, Any], valid: Iterable[str], where: str, what: str = "key") -> None:
+    """A ConfigError for the first key of *table* that is not *valid*, naming the nearest valid one."""
+    valid = sorted(valid)
+    for key in table:
+        if key not in valid:
+            near = nearest(str(key), valid)
+            hint = f"did you mean '{near}'?" if near else f"valid {what}s: {', '.join(valid) or 'none'}"
+            raise ConfigError(f"unknown {what} '{key}'; {hint}", location=where)
+
+
+def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+    """The sub-table *key* of *data*, empty when absent."""
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"'{key}' must be a table, got {_type_name(value)}", location=where)
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table", datetime: "a date-time"}.get(type(value), type(value).__name__)
+
+
+def _strings(value: Any, key: str, where: str) -> tuple[str, ...]:
+    """A list of strings (a single string is refused: it is not a one-item list)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"'{key}' must be a list of strings, e.g. {key} = [\"a\", \"b\"], got "
+                          f"{_type_name(value)}", location=where)
+    return tuple(value)
+
+
+def _optional(table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, what: str) -> Any:
+    """``table[key]`` (None when absent) if it is a *kind*; a boolean is never one."""
+    value = table.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise ConfigError(f"'{key}' must be {what}, got {_type_name(value)}", location=where)
+    return value
+
+
 def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label: str) -> Source:
     where = f"{file_label}: sources[{index}]"
-    unknown = sorted(set(raw) - _SOURCE_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown}; allowed: {sorted(_SOURCE_KEYS)}", location=where)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"each [[sources]] entry must be a table, got {_type_name(raw)}", location=where)
+    if isinstance(raw.get("name"), str):
+        where = f"{file_label}: source '{raw['name']}'"
+    check_keys(raw, _SOURCE_KEYS, where)
     name = _require(raw, "name", where)
-    where = f"{file_label}: source '{name}'"
+    for key in _SOURCE_TEXT_KEYS:
+        _optional(raw, key, str, where, "a string")
     raw = with_preset(raw, where)
     kind = _require(raw, "kind", where)
     if kind not in SOURCE_KINDS:
@@ -189,6 +266,9 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     canonical = {"requests": CANONICAL_REQUEST_FIELDS, "changes": CANONICAL_CHANGE_FIELDS,
                  "content": CANONICAL_CONTENT_FIELDS, "engine_log": ()}[kind]
     bad = sorted(set(columns) - set(canonical))
+    if len(bad) == 1 and nearest(bad[0], canonical):
+        raise ConfigError(f"columns maps unknown canonical field '{bad[0]}'; did you mean "
+                          f"'{nearest(bad[0], canonical)}'?", location=where)
     if bad:
         raise ConfigError(f"columns maps unknown canonical field(s) {bad}; canonical fields are "
                           f"{list(canonical)}", location=where)
@@ -200,12 +280,8 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
         values, null_tokens, expressions = source_mapping(raw, columns, fmt, where)
     elif set(raw) & {"preset", "values", "null_tokens"}:
         raise ConfigError("preset, values and null_tokens apply to kind \"requests\" only", location=where)
-    offset = raw.get("clock_offset_s", 0.0)
-    if not isinstance(offset, (int, float)):
-        raise ConfigError("clock_offset_s must be a number of seconds", location=where)
-    year = raw.get("year")
-    if year is not None and not isinstance(year, int):
-        raise ConfigError("year must be an integer", location=where)
+    offset = _optional(raw, "clock_offset_s", (int, float), where, "a number of seconds") or 0.0
+    year = _optional(raw, "year", int, where, "an integer such as 2026")
     instance = raw.get("instance", "{stem}")
     try:
         instance.format(stem="x", name="x", parent="x", label=_InstanceLabels(None, "x"))
@@ -267,14 +343,17 @@ def load_incident(path: str | Path) -> Incident:
 
 
 def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
+    """Validate a parsed incident file: every table and key is known and of the right type."""
     label = path.name
+    _check_top_level(data, label)
     inc = data.get("incident")
     if not isinstance(inc, Mapping):
         raise ConfigError("missing [incident] table with id and title", location=label)
+    check_keys(inc, _INCIDENT_KEYS, f"{label}: [incident]")
     incident_id = _require(inc, "id", f"{label}: [incident]")
     if not _INCIDENT_ID.match(incident_id):
         raise ConfigError(f"id {incident_id!r} may only use a-z, 0-9 and '-'", location=f"{label}: [incident]")
-    title = inc.get("title", incident_id)
+    title = _optional(inc, "title", str, f"{label}: [incident]", "a string") or incident_id
     raw_sources = data.get("sources", [])
     if not isinstance(raw_sources, list) or not raw_sources:
         raise ConfigError("no [[sources]]: name at least one requests source", location=label)
@@ -287,40 +366,125 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
     if not any(s.kind == "requests" for s in sources):
         raise ConfigError("no source of kind 'requests': the investigation needs the gateway request log",
                           location=label)
-    sc = data.get("scope", {})
-    scope = ScopeConfig(
-        internal_accounts=tuple(sc.get("internal_accounts", ())),
-        reporter_accounts=tuple(sc.get("reporter_accounts", ())),
-        start=parse_utc(sc["start"], f"{label}: [scope].start") if "start" in sc else None,
-        end=parse_utc(sc["end"], f"{label}: [scope].end") if "end" in sc else None,
-    )
-    if scope.start and scope.end and scope.start >= scope.end:
-        raise ConfigError("start must be before end", location=f"{label}: [scope]")
-    events = []
-    for i, ev in enumerate(data.get("events", [])):
-        where = f"{label}: events[{i}]"
-        events.append(Event(ts=parse_utc(_require(ev, "ts", where, object), where),
-                            title=_require(ev, "title", where), description=ev.get("description", "")))
-    models = data.get("models", {})
-    aliases = models.get("aliases", {}) if isinstance(models, Mapping) else {}
-    hardware = models.get("hardware", {}) if isinstance(models, Mapping) else {}
-    if hardware:
-        from kvforensics.hardware import spec_from_config
-
-        for model, raw in hardware.items():
-            spec_from_config(model, raw)  # validate early, with the key's location
-    rules = data.get("rules", {})
-    settings = data.get("settings", {})
-    year = settings.get("year")
+    settings = _table(data, "settings", label)
+    check_keys(settings, _SETTINGS_KEYS, f"{label}: [settings]")
     max_q = settings.get("max_quarantine_fraction", 0.01)
     if isinstance(max_q, bool) or not isinstance(max_q, (int, float)) or not 0 <= max_q <= 1:
         raise ConfigError("max_quarantine_fraction must be a number from 0 to 1 (the share of a requests source's "
                           "records that may be quarantined before the run is inconclusive)",
                           location=f"{label}: [settings]")
-    return Incident(id=incident_id, title=title, path=path.resolve(), sources=sources, scope=scope,
-                    events=tuple(sorted(events, key=lambda e: e.ts)), model_aliases=dict(aliases),
-                    hardware={k: dict(v) for k, v in hardware.items()},
-                    rule_parameters={k: dict(v) for k, v in rules.items()},
-                    memory_limit=settings.get("memory_limit"), year=year,
-                    instances=instances_from_config(data.get("instances"), f"{label}: [instances]"),
+    for key in ("memory_limit", "spark_requests_table"):
+        _optional(settings, key, str, f"{label}: [settings]", "a string")
+    models = _table(data, "models", label)
+    check_keys(models, _MODELS_KEYS, f"{label}: [models]")
+    return Incident(id=incident_id, title=title, path=path.resolve(), sources=sources,
+                    scope=_parse_scope(_table(data, "scope", label), f"{label}: [scope]"),
+                    events=_parse_events(data.get("events", []), label),
+                    model_aliases=_parse_aliases(_table(models, "aliases", f"{label}: [models]"),
+                                                 f"{label}: [models.aliases]"),
+                    hardware=_parse_hardware(_table(models, "hardware", f"{label}: [models]"), label),
+                    rule_parameters=_parse_rules(_table(data, "rules", label), label),
+                    memory_limit=settings.get("memory_limit"),
+                    year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
+                    instances=instances_from_config(_checked_instances(data.get("instances"), label),
+                                                    f"{label}: [instances]"),
                     max_quarantine_fraction=float(max_q))
+
+
+def _check_top_level(data: Mapping[str, Any], label: str) -> None:
+    """Every top-level key is one of the incident file's tables, written as such."""
+    for key, value in data.items():
+        if key in TOP_LEVEL_TABLES:
+            continue
+        near = nearest(key, TOP_LEVEL_TABLES)
+        written = f"[[{key}]]" if isinstance(value, list) and value and isinstance(value[0], Mapping) else (
+            f"[{key}]" if isinstance(value, Mapping) else f"key '{key}'")
+        hint = (f"did you mean {TOP_LEVEL_TABLES[near]}?" if near
+                else f"the tables are {', '.join(TOP_LEVEL_TABLES.values())}")
+        raise ConfigError(f"unknown table {written}; {hint}" if written.startswith("[")
+                          else f"unknown top-level {written}; {hint}", location=label)
+
+
+def _parse_scope(sc: Mapping[str, Any], where: str) -> ScopeConfig:
+    check_keys(sc, _SCOPE_KEYS, where)
+    scope = ScopeConfig(
+        internal_accounts=_strings(sc.get("internal_accounts", []), "internal_accounts", where),
+        reporter_accounts=_strings(sc.get("reporter_accounts", []), "reporter_accounts", where),
+        start=parse_utc(sc["start"], f"{where}.start") if "start" in sc else None,
+        end=parse_utc(sc["end"], f"{where}.end") if "end" in sc else None,
+    )
+    if scope.start and scope.end and scope.start >= scope.end:
+        raise ConfigError("start must be before end", location=where)
+    return scope
+
+
+def _parse_events(raw: Any, label: str) -> tuple[Event, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"'events' must be a list of [[events]] tables, got {_type_name(raw)}", location=label)
+    events = []
+    for i, ev in enumerate(raw):
+        where = f"{label}: events[{i}]"
+        if not isinstance(ev, Mapping):
+            raise ConfigError(f"each [[events]] entry must be a table, got {_type_name(ev)}", location=where)
+        check_keys(ev, _EVENT_KEYS, where)
+        events.append(Event(ts=parse_utc(_require(ev, "ts", where, object), where),
+                            title=_require(ev, "title", where),
+                            description=_optional(ev, "description", str, where, "a string") or ""))
+    return tuple(sorted(events, key=lambda e: e.ts))
+
+
+def _parse_aliases(aliases: Mapping[str, Any], where: str) -> dict[str, str]:
+    if not all(isinstance(v, str) for v in aliases.values()):
+        raise ConfigError('aliases must be a table of "<engine served_model_name>" = "<gateway model id>" strings',
+                          location=where)
+    return dict(aliases)
+
+
+def _parse_hardware(hardware: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """Each ``[models.hardware."<model>"]`` table: known keys, numbers where numbers are meant."""
+    from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
+
+    for model, raw in hardware.items():
+        where = f'{label}: [models.hardware."{model}"]'
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"must be a table of the model's spec, got {_type_name(raw)}", location=where)
+        check_keys(raw, SPEC_TABLE_KEYS, where)
+        for key in SPEC_TABLE_KEYS - {"gpu", "precision"}:
+            _optional(raw, key, (int, float), where, "a number")
+        _optional(raw, "gpu", str, where, "a string")
+        if str(raw.get("precision", "bf16")).lower() not in PRECISIONS:
+            raise ConfigError(f"precision {raw['precision']!r} is not one of {list(PRECISIONS)}", location=where)
+        try:
+            spec_from_config(model, raw)  # validate early
+        except ConfigError as e:
+            raise ConfigError(str(e), location=label) from None
+    return {k: dict(v) for k, v in hardware.items()}
+
+
+def _parse_rules(rules: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
+    """``[rules.<id>]`` tables: a known rule, its own parameters, each of its default's type."""
+    from kvforensics.detect import load_rules
+
+    known = {r.id: r for r in load_rules()}
+    check_keys(rules, known, f"{label}: [rules]", what="rule")
+    for rule_id, params in rules.items():
+        where = f"{label}: [rules.{rule_id}]"
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"must be a table of parameter = value, got {_type_name(params)}", location=where)
+        check_keys(params, known[rule_id].parameters, where, what="parameter")
+        for key, value in params.items():
+            default = known[rule_id].parameters[key]
+            numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
+            if default is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                            if numeric else isinstance(value, type(default))):
+                raise ConfigError(f"'{key}' must be {'a number' if numeric else _type_name(default)} like its "
+                                  f"default {default!r}, got "
+                                  f"{_type_name(value)}", location=where)
+    return {k: dict(v) for k, v in rules.items()}
+
+
+def _checked_instances(raw: Any, label: str) -> Any:
+    """``[instances]`` with its keys checked (kvforensics.instances validates the values)."""
+    if isinstance(raw, Mapping):
+        check_keys(raw, {f.name for f in fields(InstanceMatching)}, f"{label}: [instances]")
+    return raw

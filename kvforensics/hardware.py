@@ -24,11 +24,13 @@ GPUS = {"A100_SXM": latency.A100_SXM, "H100_SXM": latency.H100_SXM, "H200_SXM": 
         "B200_HGX": latency.B200_HGX}
 _SPEC_KEYS = {"active_params", "layers", "hidden_size", "n_gpus", "mfu_ceiling", "attention_heads", "qk_head_dim",
               "v_head_dim", "attention_window"}
+SPEC_TABLE_KEYS = frozenset(_SPEC_KEYS | {"gpu", "precision", "peak_flops_per_gpu"})  # a [models.hardware."m"] table
+PRECISIONS = ("bf16", "fp8")
 
 
 def spec_from_config(model: str, raw: Mapping[str, Any]) -> latency.HardwareSpec:
     where = f'[models.hardware."{model}"]'
-    unknown = set(raw) - _SPEC_KEYS - {"gpu", "precision", "peak_flops_per_gpu"}
+    unknown = set(raw) - SPEC_TABLE_KEYS
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)}", location=where)
     if "peak_flops_per_gpu" in raw:

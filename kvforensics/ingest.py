@@ -64,7 +64,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
            tick: Tick = lambda n: None, on_file: Callable[[str], None] = lambda name: None) -> IngestResult:
     """Load every source of the incident into ``con``."""
     result = IngestResult()
-    plan = [(s, s.files()) for s in incident.sources]
+    plan = incident.source_files()  # a file two sources name is refused before anything is read
     for source, files in plan:
         if not files:
             raise InputError(f"no file matches path '{source.path}' (looked in {source.base_dir}); "
