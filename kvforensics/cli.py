@@ -51,7 +51,12 @@ def _verdict(summary: dict) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.sign_key:
+        from kvforensics.verify import check_sign_key
+
+        check_sign_key(args.sign_key)  # before the run, not after it
     inv = _investigation(args)
+    inv.sign_key = args.sign_key
     result = inv.run()
     s = result.summary
     code = _verdict(s)
@@ -111,13 +116,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvforensics.verify import verify
 
-    problems = verify(args.dir)
+    problems = verify(args.dir, allowed_signers=args.allowed_signers, identity=args.identity)
     for p in problems:
         print(p)
     if problems:
         print(f"{len(problems)} problem(s)")
         return 1
-    print("inputs unchanged; every figure in scope.json matches evidence.duckdb")
+    signed = "manifest signature holds; " if args.allowed_signers else ""
+    print(f"{signed}inputs and outputs unchanged; every table, figure, CSV row and notice re-derived and matching")
     return 0
 
 
@@ -168,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (func, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text)
         _add_common(p)
+        if name == "run":
+            p.add_argument("--sign-key", type=Path, help="SSH private key to sign manifest.json with "
+                           "(ssh-keygen -Y sign, namespace kvforensics; writes manifest.json.sig)")
         p.set_defaults(func=func)
     a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if exposed)")
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
@@ -183,8 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print JSON")
     a.add_argument("--markdown", action="store_true", help="print Markdown")
     a.set_defaults(func=cmd_audit)
-    v = sub.add_parser("verify", help="re-hash the inputs and check scope.json against evidence.duckdb")
+    v = sub.add_parser("verify", help="re-hash inputs and outputs, re-derive every figure from the evidence "
+                                       "(exit 1 if anything differs)")
     v.add_argument("dir", type=Path, help="an output folder of 'kvforensics run'")
+    v.add_argument("--allowed-signers", type=Path,
+                   help="ssh-keygen allowed signers file: check manifest.json.sig against it")
+    v.add_argument("--identity", help="the signer's principal in --allowed-signers (default: its first one)")
     v.set_defaults(func=cmd_verify)
     try:
         from kvforensics.simulate.cli import add_arguments

@@ -33,6 +33,7 @@ class Investigation:
     engine: str = "duckdb"               # where detect and scope run: duckdb | spark
     spark_master: str | None = None      # Spark master URL (default local[2])
     spark_requests_table: str | None = None  # else [settings] spark_requests_table
+    sign_key: Path | None = None         # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.verify)
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
@@ -120,6 +121,13 @@ class Investigation:
             stage(f"[yellow]note:[/] {problem}", self.progress)
         return path
 
+    def seal(self) -> None:
+        """The manifest's output hashes taken again after the report, so they cover every output; signed with
+        ``sign_key``."""
+        from kvforensics.verify import seal_manifest
+
+        seal_manifest(self.out_dir, sign_key=self.sign_key)
+
     def run(self) -> ScopeResult:
         """Every stage, in order; returns the headline numbers."""
         try:
@@ -128,6 +136,7 @@ class Investigation:
             self.scope()
             self.write_outputs()
             self.report()
+            self.seal()
             self.con.execute("CHECKPOINT").fetchall()
         finally:
             self.close()

@@ -73,6 +73,8 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
     import duckdb as _duckdb
     import pandas as _pandas
 
+    from kvforensics.verify import output_digests, table_digests
+
     base = incident.base_dir
     inputs = []
     for row in con.execute("SELECT source, kind, file, sha256, bytes, records_read, loaded, quarantined, duplicates, "
@@ -103,6 +105,9 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         "warnings": [r[0] for r in con.execute(
             "SELECT note FROM ingest_notes WHERE kind = 'warning' ORDER BY note").fetchall()],
         "headline_queries": HEADLINE_QUERIES,
+        # what `kvforensics verify` re-hashes: every output file, every table of the evidence database
+        "outputs": output_digests(out),
+        "tables": table_digests(con),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest

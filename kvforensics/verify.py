@@ -1,45 +1,391 @@
-"""Verify an output folder: inputs unchanged since the run, and scope.json matches the database."""
+"""Verify an output folder by re-deriving it.
+
+``kvforensics verify DIR`` trusts nothing the run wrote. It
+
+* checks the manifest's SSH signature (``--allowed-signers``; ``ssh-keygen -Y verify``, namespace ``kvforensics``);
+* re-hashes every output file (scope.json, CSVs, reports, notices) against the manifest's ``outputs``;
+* re-hashes every input against the manifest's ``inputs``;
+* hashes every table of the evidence database (its rows in a canonical order, not the file's bytes, which change
+  on open) against the manifest's ``tables``;
+* re-runs detection and scope on a scratch copy of the evidence database and compares every table they write,
+  every figure of scope.json, every row of the CSVs and every notice with what the folder holds;
+* re-ingests the inputs into a scratch database, runs detection and scope there, and compares every table with the
+  evidence database (an input changed together with its hash in the manifest is caught here).
+
+The evidence database is only ever opened read-only. :func:`verify` returns the problems found, one line each.
+"""
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import json
+import math
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any, Iterator
 
+import duckdb
+
+from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
-from kvforensics.errors import InputError
+from kvforensics.errors import ConfigError, InputError, KvForensicsError
 from kvforensics.loaders.textio import file_digest
 
+SIGNATURE_NAMESPACE = "kvforensics"
+EVIDENCE = "evidence.duckdb"
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.json.sig"
+CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "quarantine.csv")
+# the outputs the manifest hashes (folders: every file below); the database is hashed per table instead
+HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, "report.html", "report.md", "report.pdf", "notices")
+_FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums may differ in the last bits
 
-def verify(out_dir: Path) -> list[str]:
+
+# --- digests the manifest records ---------------------------------------------------------------------------------
+
+def table_digests(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, Any]]:
+    """Every table of the database: its row count and the SHA-256 of its column names and rows, sorted."""
+    names = [r[0] for r in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
+        "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
+    digests = {}
+    for name in names:
+        ident = '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
+        cur = con.execute(f"SELECT * FROM {ident} ORDER BY ALL")
+        h = hashlib.sha256(json.dumps([d[0] for d in cur.description]).encode() + b"\n")
+        rows = 0
+        while batch := cur.fetchmany(10_000):
+            for row in batch:
+                h.update(_canonical_row(row))
+            rows += len(batch)
+        digests[name] = {"rows": rows, "sha256": h.hexdigest()}
+    return digests
+
+
+def _canonical_row(row: tuple) -> bytes:
+    return json.dumps([_canonical(v) for v in row], default=str, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if not math.isfinite(value) else float(f"{value:.{_FLOAT_DIGITS}g}")
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    return value
+
+
+def output_digests(out_dir: Path) -> dict[str, str]:
+    """SHA-256 of every output file (``HASHED_OUTPUTS``) by its path relative to the folder."""
+    return {rel: file_digest(out_dir / rel)[0] for rel in _output_files(out_dir)}
+
+
+def _output_files(out_dir: Path) -> list[str]:
+    found = []
+    for name in HASHED_OUTPUTS:
+        path = out_dir / name
+        found += [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path] if path.is_file() else []
+    return sorted(p.relative_to(out_dir).as_posix() for p in found)
+
+
+def seal_manifest(out_dir: Path, *, sign_key: Path | None = None) -> dict[str, Any]:
+    """Re-take the manifest's output hashes once every output is written (the report comes after the manifest's
+    first writing), then sign it with ``sign_key``. Returns the manifest."""
+    path = out_dir / MANIFEST
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    manifest["outputs"] = output_digests(out_dir)
+    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    if sign_key is not None:
+        sign_manifest(out_dir, sign_key)
+    return manifest
+
+
+# --- signing --------------------------------------------------------------------------------------------------------
+
+def _ssh_keygen() -> str:
+    found = shutil.which("ssh-keygen")
+    if not found:
+        raise ConfigError("ssh-keygen is not installed: install OpenSSH (e.g. apt-get install openssh-client) "
+                          "to sign or check a manifest signature")
+    return found
+
+
+def check_sign_key(key: Path) -> None:
+    """Refuse a signing key that does not exist, or signing without ssh-keygen."""
+    if not Path(key).is_file():
+        raise ConfigError(f"signing key {key} does not exist: name an SSH private key file with --sign-key")
+    _ssh_keygen()
+
+
+def sign_manifest(out_dir: Path, key: Path) -> Path:
+    """Sign manifest.json with an SSH private key (``ssh-keygen -Y sign``); writes and returns manifest.json.sig."""
+    check_sign_key(key)
+    sig = out_dir / SIGNATURE
+    sig.unlink(missing_ok=True)
+    done = subprocess.run([_ssh_keygen(), "-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE,
+                           str(out_dir / MANIFEST)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0 or not sig.exists():
+        raise ConfigError(f"ssh-keygen could not sign the manifest with {key} ({_last_line(done.stderr)}); "
+                          "use an SSH private key without a passphrase or one loaded in ssh-agent")
+    return sig
+
+
+def check_signature(out_dir: Path, allowed_signers: Path, identity: str | None = None) -> list[str]:
+    """Problems with manifest.json.sig against an allowed-signers file (empty when the signature holds)."""
+    if not Path(allowed_signers).is_file():
+        raise ConfigError(f"allowed signers file {allowed_signers} does not exist: name the file listing the "
+                          "public keys allowed to sign (ssh-keygen ALLOWED SIGNERS format)")
+    identity = identity or _first_principal(Path(allowed_signers))
+    sig = out_dir / SIGNATURE
+    if not sig.exists():
+        return [f"{SIGNATURE} is missing: the manifest is not signed (run with --sign-key)"]
+    with (out_dir / MANIFEST).open("rb") as manifest:
+        done = subprocess.run([_ssh_keygen(), "-Y", "verify", "-f", str(allowed_signers), "-I", identity,
+                               "-n", SIGNATURE_NAMESPACE, "-s", str(sig)], stdin=manifest, capture_output=True,
+                              text=True)
+    if done.returncode != 0:
+        return [f"{MANIFEST}: the signature does not hold for {identity!r} "
+                f"({_last_line(done.stderr or done.stdout)}): the manifest was changed after signing, "
+                "or signed by another key"]
+    return []
+
+
+def _first_principal(allowed_signers: Path) -> str:
+    for line in allowed_signers.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line.split()[0].split(",")[0]
+    raise ConfigError(f"allowed signers file {allowed_signers} names no principal: give --identity or add a "
+                      "line '<principal> <key type> <public key>'")
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
+
+
+# --- verify ---------------------------------------------------------------------------------------------------------
+
+def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str | None = None) -> list[str]:
     """Problems found (empty when the folder checks out)."""
+    out_dir = Path(out_dir)
+    manifest, scope_json = _read_json(out_dir, MANIFEST), _read_json(out_dir, "scope.json")
+    db = out_dir / EVIDENCE
+    if not db.is_file():
+        raise InputError(f"{EVIDENCE} is missing: verify re-derives every figure from it; name the whole output "
+                         "folder of a `kvforensics run`", location=str(out_dir))
     problems: list[str] = []
-    manifest, scope = _read_json(out_dir, "manifest.json"), _read_json(out_dir, "scope.json")
-    incident_dir = _incident_dir(out_dir, manifest)
-    for item in manifest["inputs"]:
+    if allowed_signers is not None:
+        problems += check_signature(out_dir, allowed_signers, identity)
+    problems += _check_outputs(out_dir, manifest)
+    inputs_present, input_problems = _check_inputs(out_dir, manifest)
+    problems += input_problems
+    incident = _incident(out_dir, manifest)
+    evidence = connect(db, read_only=True)
+    try:
+        stored = table_digests(evidence)
+        problems += _check_headlines(evidence, manifest, scope_json)
+    finally:
+        evidence.close()
+    problems += _compare_tables(manifest.get("tables"), stored, "the manifest records")
+    with tempfile.TemporaryDirectory(prefix="kvforensics-verify-") as tmp:
+        problems += _rederive_from_evidence(db, Path(tmp), incident, manifest, scope_json, stored, out_dir)
+        if inputs_present:
+            try:
+                fresh = _reinvestigate(Path(tmp) / "fresh", incident)
+            except KvForensicsError as e:
+                problems.append(f"the inputs no longer ingest as they did: {e}")
+            else:
+                # tables the run keeps about itself (e.g. the evidence set it recorded) are not derived from inputs
+                problems += _compare_tables(fresh, {k: v for k, v in stored.items() if k in fresh},
+                                            "a fresh ingest of the inputs gives")
+    return problems
+
+
+def _check_outputs(out_dir: Path, manifest: dict) -> list[str]:
+    recorded = manifest.get("outputs")
+    if not isinstance(recorded, dict):
+        return [f"{MANIFEST} lists no output hashes: it was written by an older kvforensics; run again"]
+    problems = []
+    for rel, digest in sorted(recorded.items()):
+        path = out_dir / rel
+        if not path.is_file():
+            problems.append(f"output missing: {rel}")
+        elif (actual := file_digest(path)[0]) != digest:
+            problems.append(f"output changed since the run: {rel} (sha256 {actual} != {digest})")
+    problems += [f"output not in the manifest: {rel}" for rel in _output_files(out_dir) if rel not in recorded]
+    return problems
+
+
+def _check_inputs(out_dir: Path, manifest: dict) -> tuple[bool, list[str]]:
+    problems = []
+    base = _incident_dir(out_dir, manifest)
+    for item in manifest.get("inputs", []):
         path = Path(item["file"])
-        path = path if path.is_absolute() else incident_dir / path
+        path = path if path.is_absolute() else base / path
         if not path.exists():
             problems.append(f"input missing: {path}")
             continue
         digest, _ = file_digest(path)
         if digest != item["sha256"]:
             problems.append(f"input changed since the run: {path} (sha256 {digest} != {item['sha256']})")
-    con = connect(out_dir / "evidence.duckdb", read_only=True)
+    return not any(p.startswith("input missing") for p in problems), problems
+
+
+def _incident(out_dir: Path, manifest: dict) -> Incident:
+    recorded = manifest.get("incident") or {}
+    if not recorded.get("file"):
+        raise InputError(f"{MANIFEST} names no incident file: it is not the manifest `kvforensics run` writes",
+                         location=str(out_dir))
+    path = _incident_dir(out_dir, manifest) / recorded["file"]
+    if not path.is_file():
+        raise InputError(f"the incident file {path} is missing: verify needs it (and the inputs it names) to "
+                         "re-derive the figures; restore it at that path", location=str(out_dir))
+    return load_incident(path)
+
+
+def _check_headlines(con: duckdb.DuckDBPyConnection, manifest: dict, scope: dict) -> list[str]:
+    """Each headline query of the manifest, run on the evidence database, against scope.json."""
+    problems = []
+    for key, query in manifest.get("headline_queries", {}).items():
+        value = con.execute(query).fetchall()[0][0]
+        expected: Any = scope
+        for part in key.split("."):
+            expected = expected.get(part) if isinstance(expected, dict) else None
+        if isinstance(expected, list):
+            expected = len(expected)
+        if value != expected:
+            problems.append(f"scope.json {key} = {expected}, but the database gives {value} ({query})")
+    if "conclusive" in scope and scope["conclusive"] != (not scope.get("inconclusive_reasons")):
+        problems.append(f"scope.json conclusive = {scope['conclusive']} contradicts its "
+                        f"{len(scope.get('inconclusive_reasons') or [])} inconclusive reason(s)")
+    return problems
+
+
+def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: dict, scope_json: dict,
+                            stored: dict[str, dict[str, Any]], out_dir: Path) -> list[str]:
+    """Detection, scope, CSVs and notices re-run on a scratch copy of the evidence database, compared."""
+    from kvforensics.detect import detect
+    from kvforensics.outputs import write_tables
+    from kvforensics.report.render import write_notices
+    from kvforensics.scope import scope
+
+    work = tmp / "rederived"
+    work.mkdir()
+    shutil.copyfile(db, work / EVIDENCE)
+    if Path(f"{db}.wal").exists():
+        shutil.copyfile(f"{db}.wal", work / f"{EVIDENCE}.wal")
+    con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
     try:
-        for key, query in manifest.get("headline_queries", {}).items():
-            value = con.execute(query).fetchall()[0][0]
-            expected = scope
-            for part in key.split("."):
-                expected = expected[part]
-            if isinstance(expected, list):
-                expected = len(expected)
-            if value != expected:
-                problems.append(f"scope.json {key} = {expected}, but the database gives {value} ({query})")
-        if "conclusive" in scope and scope["conclusive"] != (not scope.get("inconclusive_reasons")):
-            problems.append(f"scope.json conclusive = {scope['conclusive']} contradicts its "
-                            f"{len(scope.get('inconclusive_reasons') or [])} inconclusive reason(s)")
+        detect(con, overrides=incident.rule_parameters)
+        summary = scope(con, incident).summary
+        derived = table_digests(con)
+        write_tables(con, work, raw_csv=manifest.get("csv_cells") == "raw")
+        write_notices(con, incident, work)
     finally:
         con.close()
+    problems = _compare_tables(derived, stored, "detection and scope re-run on it give")
+    problems += [f"scope.json {p}" for p in _json_diff(scope_json, json.loads(json.dumps(summary)))]
+    for name in CSV_OUTPUTS:
+        problems += _csv_diff(out_dir / name, work / name)
+    problems += _notices_diff(out_dir / "notices", work / "notices")
+    return problems
+
+
+def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
+    """Table digests of a fresh ingest, detection and scope of the incident's inputs in a scratch database."""
+    from kvforensics.detect import detect
+    from kvforensics.ingest import ingest
+    from kvforensics.scope import scope
+
+    work.mkdir()
+    con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
+    try:
+        ingest(con, incident)
+        detect(con, overrides=incident.rule_parameters)
+        scope(con, incident)
+        return table_digests(con)
+    finally:
+        con.close()
+
+
+def _compare_tables(expected: Any, stored: dict[str, dict[str, Any]], what: str) -> list[str]:
+    """One line per table of the evidence database that differs from ``expected`` (``what`` names its origin)."""
+    if not isinstance(expected, dict):
+        return [f"{MANIFEST} records no table hashes: it was written by an older kvforensics; run again"]
+    problems = []
+    for name in sorted(set(expected) | set(stored)):
+        want, have = expected.get(name), stored.get(name)
+        if have is None:
+            problems.append(f"{EVIDENCE}: table {name} is missing, but {what} it")
+        elif want is None:
+            problems.append(f"{EVIDENCE}: table {name} ({have['rows']} rows) is not one {what}")
+        elif want.get("sha256") != have["sha256"]:
+            problems.append(f"{EVIDENCE}: table {name} has {have['rows']} rows that differ from the "
+                            f"{want.get('rows')} {what}")
+    return problems
+
+
+def _json_diff(have: Any, want: Any, path: str = "") -> Iterator[str]:
+    """Where a JSON value differs from the re-derived one, e.g. ``windows[0].last = X, re-derived Y``."""
+    if isinstance(have, dict) and isinstance(want, dict):
+        for key in list(want) + [k for k in have if k not in want]:
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in have:
+                yield f"{sub} is missing; re-derived {json.dumps(want[key])}"
+            elif key not in want:
+                yield f"{sub} = {json.dumps(have[key])} is not a figure the evidence gives"
+            else:
+                yield from _json_diff(have[key], want[key], sub)
+    elif isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
+        for i, (a, b) in enumerate(zip(have, want)):
+            yield from _json_diff(a, b, f"{path}[{i}]")
+    elif have != want or type(have) is not type(want):
+        yield f"{path} = {_short(have)}, re-derived {_short(want)}"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _csv_rows(path: Path) -> list[list[str]]:
+    with path.open(newline="", encoding="utf-8", errors="replace") as fh:
+        return list(csv.reader(fh))
+
+
+def _csv_diff(have_path: Path, want_path: Path) -> list[str]:
+    """Each row of a CSV the folder holds that the re-derived one lacks, and the other way round."""
+    name = have_path.name
+    if not have_path.is_file():
+        return [f"{name} is missing"]
+    have, want = _csv_rows(have_path), _csv_rows(want_path)
+    if have[:1] != want[:1]:
+        return [f"{name}: header {have[:1]} differs from {want[:1]}"]
+    problems = []
+    for i, (a, b) in enumerate(zip(have[1:], want[1:]), start=2):
+        if a != b:
+            problems.append(f"{name} line {i}: {_short(a)}, re-derived {_short(b)}")
+            break  # after a deleted or inserted row every later row shifts: the counts below say the rest
+    if len(have) != len(want):
+        missing = {tuple(r) for r in want[1:]} - {tuple(r) for r in have[1:]}
+        extra = {tuple(r) for r in have[1:]} - {tuple(r) for r in want[1:]}
+        problems.append(f"{name}: {len(have) - 1} rows, re-derived {len(want) - 1} "
+                        f"({len(missing)} missing, {len(extra)} not re-derived)")
+    return problems
+
+
+def _notices_diff(have_dir: Path, want_dir: Path) -> list[str]:
+    have = {p.relative_to(have_dir).as_posix() for p in have_dir.rglob("*") if p.is_file()} if have_dir.is_dir() else set()
+    want = {p.relative_to(want_dir).as_posix() for p in want_dir.rglob("*") if p.is_file()} if want_dir.is_dir() else set()
+    problems = [f"notices/{rel} is missing; the evidence gives it" for rel in sorted(want - have)]
+    problems += [f"notices/{rel} is not a notice the evidence gives" for rel in sorted(have - want)]
+    problems += [f"notices/{rel} differs from the notice the evidence gives" for rel in sorted(have & want)
+                 if (have_dir / rel).read_bytes() != (want_dir / rel).read_bytes()]
     return problems
 
 
@@ -59,5 +405,5 @@ def _read_json(out_dir: Path, name: str) -> dict:
 
 
 def _incident_dir(out_dir: Path, manifest: dict) -> Path:
-    recorded = manifest.get("incident", {}).get("dir")
+    recorded = (manifest.get("incident") or {}).get("dir")
     return Path(recorded) if recorded else out_dir

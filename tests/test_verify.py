@@ -1,0 +1,212 @@
+"""``kvforensics verify`` re-derives everything: each tampering of an output folder is caught, an untouched folder
+passes, a folder it cannot check ends in one line (exit 2), and a signed manifest cannot be edited unnoticed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import duckdb
+import pytest
+from conftest import write_mini
+
+from kvforensics.cli import main
+from kvforensics.db import connect
+from kvforensics.errors import ConfigError
+from kvforensics.investigation import run
+from kvforensics.loaders.textio import file_digest
+from kvforensics.verify import check_signature, table_digests, verify
+
+SSH_KEYGEN = shutil.which("ssh-keygen")
+needs_ssh_keygen = pytest.mark.skipif(SSH_KEYGEN is None, reason="ssh-keygen (OpenSSH) is not installed")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """One investigation of the mini incident; tests tamper with copies of its output folder."""
+    root = tmp_path_factory.mktemp("verify")
+    incident = write_mini(root / "mini")
+    run(incident, root / "out", progress=False, pdf=False)
+    return root / "out"
+
+
+@pytest.fixture
+def out(built: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "out"
+    shutil.copytree(built, copy)
+    return copy
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_an_untouched_folder_verifies_and_verify_leaves_the_evidence_as_it_was(out: Path, capsys) -> None:
+    con = connect(out / "evidence.duckdb", read_only=True)
+    before = table_digests(con)
+    con.close()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tables"] == before
+    assert {"scope.json", "affected_requests.csv", "notifications.csv", "report.html", "report.md"} <= set(
+        manifest["outputs"])
+    assert any(name.startswith("notices/") for name in manifest["outputs"])
+    assert main(["verify", str(out)]) == 0
+    assert "re-derived and matching" in capsys.readouterr().out
+    con = connect(out / "evidence.duckdb", read_only=True)
+    assert table_digests(con) == before
+    con.close()
+
+
+def test_a_deleted_findings_row_is_caught(out: Path) -> None:
+    con = duckdb.connect(str(out / "evidence.duckdb"))
+    (n,) = con.execute("SELECT count(*) FROM findings").fetchone()
+    assert n >= 1
+    con.execute("DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)")
+    con.execute("CHECKPOINT")
+    con.close()
+    problems = verify(out)
+    findings = [p for p in problems if "table findings" in p]
+    assert any("the manifest records" in p for p in findings), problems
+    assert any("detection and scope re-run on it give" in p for p in findings), problems
+
+
+def test_a_changed_window_end_in_scope_json_is_caught(out: Path) -> None:
+    edit_json(out / "scope.json", lambda s: s["windows"][0].update(last="2026-08-28T23:59:59Z"))
+    problems = verify(out)
+    assert any(p.startswith("scope.json windows[0].last = \"2026-08-28T23:59:59Z\", re-derived") for p in problems)
+    assert any(p.startswith("output changed since the run: scope.json") for p in problems)
+
+
+def test_changed_account_class_numbers_are_caught(out: Path) -> None:
+    def change(s: dict) -> None:
+        s["by_account_class"]["customer"]["responses"] += 5
+        s["by_account_class"]["internal"]["accounts"] += 1
+
+    edit_json(out / "scope.json", change)
+    problems = verify(out)
+    assert any(p.startswith("scope.json by_account_class.customer.responses = ") for p in problems), problems
+    assert any(p.startswith("scope.json by_account_class.internal.accounts = ") for p in problems), problems
+
+
+def test_a_deleted_notifications_row_is_caught(out: Path) -> None:
+    path = out / "notifications.csv"
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) >= 2
+    path.write_text("".join(lines[:1] + lines[2:]))
+    problems = verify(out)
+    assert any(p.startswith("notifications.csv: ") and "1 missing" in p for p in problems), problems
+    assert any(p.startswith("output changed since the run: notifications.csv") for p in problems)
+
+
+@pytest.mark.parametrize("name", ["report.html", "report.md"])
+def test_an_edited_report_is_caught(out: Path, name: str) -> None:
+    path = out / name
+    path.write_text(path.read_text().replace("affected", "unaffected", 1))
+    assert [p for p in verify(out) if p.startswith("output")] == [
+        f"output changed since the run: {name} (sha256 {file_digest(path)[0]} != "
+        f"{json.loads((out / 'manifest.json').read_text())['outputs'][name]})"]
+
+
+def test_a_forged_notice_and_a_removed_one_are_caught(out: Path) -> None:
+    notices = sorted((out / "notices").rglob("*.md"))
+    notices[0].rename(notices[0].with_name("someone-else.md"))
+    problems = verify(out)
+    rel = notices[0].relative_to(out).as_posix()
+    assert f"{rel.removeprefix('notices/')} is missing; the evidence gives it" in " ".join(problems)
+    assert any("someone-else.md is not a notice the evidence gives" in p for p in problems)
+    assert any(p.endswith("someone-else.md") and p.startswith("output not in the manifest") for p in problems)
+
+
+def test_an_input_changed_together_with_its_hash_in_the_manifest_is_caught(tmp_path: Path) -> None:
+    incident = write_mini(tmp_path / "mini")
+    out = tmp_path / "out"
+    run(incident, out, progress=False, pdf=False)
+    log = tmp_path / "mini" / "gateway" / "day1.jsonl"
+    lines = log.read_text().splitlines()
+    row = json.loads(lines[3])
+    row["prompt_tokens"] += 1000  # the input says something else now
+    log.write_text("\n".join(lines[:3] + [json.dumps(row)] + lines[4:]) + "\n")
+    digest, size = file_digest(log)
+
+    def cover_up(m: dict) -> None:
+        for item in m["inputs"]:
+            if item["file"].endswith("day1.jsonl"):
+                item.update(sha256=digest, bytes=size)
+
+    edit_json(out / "manifest.json", cover_up)
+    problems = verify(out)
+    assert not any(p.startswith("input changed") for p in problems)  # the hashes agree ...
+    # ... but the evidence no longer is what the inputs give
+    assert any(p.startswith("evidence.duckdb: table requests has ") and p.endswith("a fresh ingest of the inputs gives")
+               for p in problems), problems
+
+
+def test_a_missing_database_and_a_folder_that_is_no_run_output_end_in_one_line(out: Path, tmp_path: Path,
+                                                                               capsys) -> None:
+    (out / "evidence.duckdb").unlink()
+    assert main(["verify", str(out)]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["verify", str(empty)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "Traceback" not in " ".join(err)
+    assert err[0].startswith("Error: ") and "evidence.duckdb is missing" in err[0]
+    assert err[1].endswith("manifest.json is missing: name the output folder of a `kvforensics run`")
+
+
+def test_a_manifest_of_an_older_run_without_hashes_is_a_problem(out: Path) -> None:
+    edit_json(out / "manifest.json", lambda m: (m.pop("outputs"), m.pop("tables")))
+    problems = verify(out)
+    assert sum("written by an older kvforensics" in p for p in problems) == 2
+
+
+# --- signing ----------------------------------------------------------------------------------------------------
+
+def keypair(folder: Path, principal: str) -> tuple[Path, Path]:
+    """An ed25519 key without passphrase and an allowed-signers file naming its public key for ``principal``."""
+    key = folder / f"{principal}.key"
+    subprocess.run([SSH_KEYGEN, "-q", "-t", "ed25519", "-N", "", "-C", principal, "-f", str(key)], check=True)
+    signers = folder / f"{principal}.allowed_signers"
+    signers.write_text(f'{principal} namespaces="kvforensics" {Path(f"{key}.pub").read_text().strip()}\n')
+    return key, signers
+
+
+@needs_ssh_keygen
+def test_a_signed_manifest_verifies_and_an_edit_of_it_is_caught(tmp_path: Path, capsys) -> None:
+    incident = write_mini(tmp_path / "mini")
+    key, signers = keypair(tmp_path, "ir-lead@example.com")
+    _, other = keypair(tmp_path, "someone@example.com")
+    out = tmp_path / "out"
+    assert main(["run", str(incident), "--out", str(out), "--quiet", "--no-pdf", "--sign-key", str(key)]) in (0, 3)
+    assert (out / "manifest.json.sig").read_text().startswith("-----BEGIN SSH SIGNATURE-----")
+    assert main(["verify", str(out), "--allowed-signers", str(signers)]) == 0
+    assert "manifest signature holds" in capsys.readouterr().out
+    assert main(["verify", str(out), "--allowed-signers", str(signers), "--identity", "ir-lead@example.com"]) == 0
+
+    problems = verify(out, allowed_signers=other)  # signed by a key this file does not allow
+    assert len(problems) == 1 and problems[0].startswith("manifest.json: the signature does not hold"), problems
+
+    # an edit of a field verify cannot re-derive: only the signature sees it
+    edit_json(out / "manifest.json", lambda m: m["run"].update(finished="2026-01-01T00:00:00Z"))
+    assert main(["verify", str(out), "--allowed-signers", str(signers)]) == 1
+    printed = capsys.readouterr().out
+    assert "manifest.json: the signature does not hold for 'ir-lead@example.com'" in printed
+    assert verify(out) == []  # unsigned checks alone cannot see an edit of a field they do not re-derive
+
+    (out / "manifest.json.sig").unlink()
+    assert verify(out, allowed_signers=signers) == [
+        "manifest.json.sig is missing: the manifest is not signed (run with --sign-key)"]
+
+
+@needs_ssh_keygen
+def test_a_signing_key_that_does_not_exist_stops_the_run_before_it_starts(tmp_path: Path, capsys) -> None:
+    incident = write_mini(tmp_path / "mini")
+    out = tmp_path / "out"
+    assert main(["run", str(incident), "--out", str(out), "--quiet", "--sign-key", str(tmp_path / "nope")]) == 2
+    assert "signing key" in capsys.readouterr().err and not (out / "evidence.duckdb").exists()
+    with pytest.raises(ConfigError, match="allowed signers file .* does not exist"):
+        check_signature(tmp_path, tmp_path / "nope")
