@@ -31,9 +31,10 @@ CANONICAL_REQUEST_FIELDS = (
 REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")
 CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
 CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
+AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", "role", "preset", "values", "null_tokens", "envelope"}
+                "model", "year", "role", "preset", "values", "null_tokens", "envelope", "ambiguous"}
 _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "role", "preset", "envelope")
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
 #: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS).
@@ -69,6 +70,9 @@ class Source:
     preset: str | None = None
     incident_file: str = ""
     envelope: str = "auto"  # engine_log: the collection envelope (kvforensics/loaders/envelopes.py)
+    # requests: a local time a DST change makes ambiguous or nonexistent: "earlier" / "later" of its
+    # two UTC instants, or "reject" (quarantined)
+    ambiguous: str = "reject"
 
     @property
     def tz(self) -> ZoneInfo:
@@ -139,20 +143,29 @@ class Incident:
     def source_files(self) -> list[tuple[Source, list[Path]]]:
         """Each source with the files it names. A file belongs to one source: one that two sources'
         paths both match is a ConfigError naming both (a `content` file read as requests would put its
-        text in the quarantine)."""
-        owner: dict[Path, str] = {}
+        text in the quarantine). The one exception is an SGLang server log read for its start-ups
+        (kind "engine_log") and for its ``--log-requests`` lines (format "sglang_requests")."""
+        owners: dict[Path, list[Source]] = {}
         plan = []
         for source in self.sources:
             files = source.files()
             for file in files:
-                first = owner.setdefault(file.resolve(), source.name)
-                if first != source.name:
+                claimed = owners.setdefault(file.resolve(), [])
+                other = next((o for o in claimed if not _may_share_files(o, source)), None)
+                if other is not None:
                     shown = file.relative_to(self.base_dir) if file.is_relative_to(self.base_dir) else file
-                    raise ConfigError(f"file {shown} matches the paths of sources '{first}' and '{source.name}'; "
-                                      "a file belongs to one source: narrow one of the paths",
+                    raise ConfigError(f"file {shown} matches the paths of sources '{other.name}' and "
+                                      f"'{source.name}'; a file belongs to one source: narrow one of the paths",
                                       location=self.path.name)
+                claimed.append(source)
             plan.append((source, files))
         return plan
+
+
+def _may_share_files(a: Source, b: Source) -> bool:
+    """An engine log and a requests source reading the same log's ``--log-requests`` lines."""
+    roles = {(a.kind, a.format), (b.kind, b.format)}
+    return ("requests", "sglang_requests") in roles and any(kind == "engine_log" for kind, _ in roles)
 
 
 def parse_utc(value: Any, where: str) -> datetime:
@@ -296,8 +309,14 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     if envelope == "none" and "{label:" in instance:
         raise ConfigError(f"instance template {instance!r} names an envelope label but envelope = \"none\"; "
                           "set the envelope (or \"auto\") or use {stem}, {name}, {parent}", location=where)
+    ambiguous = raw.get("ambiguous", "reject")
+    if kind != "requests" and "ambiguous" in raw:
+        raise ConfigError("ambiguous applies to kind \"requests\" only (engine logs note DST-ambiguous "
+                          "times and read them with the offset before the change)", location=where)
+    if ambiguous not in AMBIGUOUS_TIMES:
+        raise ConfigError(f"ambiguous {ambiguous!r} is not one of {list(AMBIGUOUS_TIMES)}", location=where)
     return Source(name=name, kind=kind, path=path, format=fmt, timezone=tz, base_dir=base_dir,
-                  columns=dict(columns), instance=instance, clock_offset_s=float(offset),
+                  columns=dict(columns), instance=instance, clock_offset_s=float(offset), ambiguous=ambiguous,
                   model=raw.get("model"), year=year, values=values, null_tokens=null_tokens,
                   expressions=expressions, preset=raw.get("preset"), incident_file=file_label,
                   envelope=envelope)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import re
 import secrets
 from pathlib import Path
+from typing import Any
 
 SHINGLE_WORDS = 8
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -51,3 +53,41 @@ def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS) -> set[int]:
         digest = hmac.new(key, s.encode("utf-8"), hashlib.sha256).digest()
         out.add(int.from_bytes(digest[:8], "big") >> 1)
     return out
+
+
+def rendered_text(value: Any) -> str | None:
+    """The text of a content field as it is fingerprinted: a string as it is; a chat-messages array
+    (``[{"role": "user", "content": "..."}]``, given as JSON or as a JSON string of it) as the texts of
+    its messages in order, one paragraph each. A message's content may be a string or a list of
+    content parts (``{"type": "text", "text": "..."}``), whose texts are taken in order; roles,
+    names and non-text parts (images, audio, tool calls) are left out, as they are not text a
+    response could quote. None when there is no text."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        texts = _message_texts(parsed)
+        return "\n\n".join(texts) if texts else value
+    if isinstance(value, str):
+        return value or None
+    texts = _message_texts(value)
+    return "\n\n".join(texts) or None
+
+
+def _message_texts(value: Any) -> list[str]:
+    """The texts of a messages array or content-part list, in order (empty for anything else)."""
+    if not isinstance(value, list):
+        return []
+    texts: list[str] = []
+    for item in value:
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("content"), str):
+            texts.append(item["content"])
+        elif isinstance(item, dict) and isinstance(item.get("content"), list):
+            texts.extend(_message_texts(item["content"]))
+        elif isinstance(item, dict) and item.get("type") in (None, "text", "input_text", "output_text") \
+                and isinstance(item.get("text"), str):
+            texts.append(item["text"])
+    return [t for t in texts if t]

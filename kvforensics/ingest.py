@@ -22,10 +22,17 @@ import pyarrow as pa
 from kvforensics.config import Incident, Source
 from kvforensics.db import one, run_script
 from kvforensics.errors import InputError, StrictModeError
-from kvforensics.fingerprint import fingerprints, key_for
+from kvforensics.fingerprint import fingerprints, key_for, rendered_text
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.requests import FileLoad, load_requests_files
-from kvforensics.loaders.textio import LineStream, decode_line, file_digest, open_binary, printable_raw
+from kvforensics.loaders.textio import (
+    INCOMPLETE_RECORD,
+    LineStream,
+    decode_line,
+    file_digest,
+    open_binary,
+    printable_raw,
+)
 
 
 @dataclass(frozen=True)
@@ -443,6 +450,8 @@ def _csv_or_jsonl_records(source: Source, path: Path, load: FileLoad):
                 yield n, text, None, "not a JSON object"
                 continue
             yield n, text, obj, None
+        if stream.partial is not None:
+            yield stream.partial[0], printable_raw(stream.partial[1]), None, INCOMPLETE_RECORD
         if stream.stopped:
             load.notes.append(stream.stopped)
 
@@ -510,8 +519,8 @@ def _ingest_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, 
             continue
         load.loaded += 1
         for part in ("prompt", "output"):
-            text = rec.get(source.column(part))
-            if not isinstance(text, str) or not text:
+            text = rendered_text(rec.get(source.column(part)))  # a chat-messages array as its texts
+            if not text:
                 continue
             got = fingerprints(text, key)
             stats.append((str(rid), part, len(got)))

@@ -31,7 +31,14 @@ from kvforensics.db import one, parameters_used, run_script, sql
 from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders import otlp, sglang_requests
 from kvforensics.loaders.mapping import NUMBER, TIMESTAMP, bind_literal, json_path, read_as
-from kvforensics.loaders.textio import CHUNK, LineStream, decode_line, open_binary, printable_raw
+from kvforensics.loaders.textio import (
+    CHUNK,
+    INCOMPLETE_RECORD,
+    LineStream,
+    decode_line,
+    open_binary,
+    printable_raw,
+)
 
 BATCH = 100_000
 # Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
@@ -307,12 +314,18 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
             stager.add({"line": lines, "raw": raws, "problem": problems})
             tick(len(lines))
             lines, raws, problems = [], [], []
+    if stream.partial is not None:
+        lines.append(stream.partial[0])
+        raws.append(printable_raw(stream.partial[1]))
+        problems.append(INCOMPLETE_RECORD)
     stager.add({"line": lines, "raw": raws, "problem": problems})
     tick(len(lines))
     if blank:
         load.notes.append(f"{blank} blank line(s) skipped")
     if stream.stopped:
         load.notes.append(stream.stopped)
+    if stream.cr_only:
+        load.notes.append("old Mac line ends (CR only): read as lines split at each CR")
     # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
     con.execute("ALTER TABLE staging_requests RENAME TO python_lines").fetchall()
     relation, params = _json_fields_relation(source, chosen, "SELECT line, raw, problem FROM python_lines",
@@ -743,7 +756,7 @@ KEEP_BATCH_TABLES = False
 
 TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
-    ts_naive BOOLEAN, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
+    ts_naive BOOLEAN, ts_dst VARCHAR, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
     completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
     prefill_instance VARCHAR, decode_instance VARCHAR, id_hash UBIGINT)"""
 CONFLICT = "duplicate request_id with conflicting values%"
@@ -894,8 +907,10 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
             if _reader_kept(con, staged, file_no):
                 break
         # what DuckDB's readers raise on bad input; UnicodeDecodeError when DuckDB's message about it
-        # quotes the input cut inside a multi-byte character and Python cannot decode the message
-        except (duckdb.InvalidInputException, duckdb.IOException, UnicodeDecodeError):
+        # quotes the input cut inside a multi-byte character and Python cannot decode the message;
+        # NotImplementedException when a line is longer than the line reader's buffer (tens of MB)
+        except (duckdb.InvalidInputException, duckdb.IOException, duckdb.NotImplementedException,
+                UnicodeDecodeError):
             if not fast:
                 raise
         con.execute("DELETE FROM kvf_batch.typed_all WHERE file_no = $n", n).fetchall()
@@ -910,9 +925,27 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
         tick(load.records_read)
     if staged.lines is not None and staged.lines > load.records_read:
         load.notes.append(f"{staged.lines - load.records_read} blank line(s) skipped")
+    load.notes.extend(_dst_notes(con, source, file_no))
     if source.preset:
         load.notes.append(presets.describe(source.preset))
     return load, fast
+
+
+def _dst_notes(con: duckdb.DuckDBPyConnection, source: Source, file_no: int) -> list[str]:
+    """What the source's ``ambiguous`` setting did to local times a daylight-saving change makes
+    ambiguous (the repeated hour) or nonexistent (the skipped hour)."""
+    rows = con.execute("SELECT ts_dst, reason IS NULL, count(*), min(line) FROM kvf_batch.typed_all "
+                       "WHERE file_no = $n AND ts_dst IS NOT NULL GROUP BY ALL ORDER BY ALL",
+                       {"n": file_no}).fetchall()
+    notes = []
+    for kind, kept, count, line in rows:
+        what = f"{count} local time(s) {kind} in {source.timezone} (first at line {line})"
+        if not kept:
+            notes.append(f"{what}: quarantined (ambiguous = \"{source.ambiguous}\")")
+        elif source.ambiguous != "reject":
+            notes.append(f"{what}: read as the {source.ambiguous} of the two UTC instants they may mean "
+                         f"(ambiguous = \"{source.ambiguous}\")")
+    return notes
 
 
 def _reader_kept(con: duckdb.DuckDBPyConnection, staged: Staged, file_no: int) -> bool:
@@ -1002,7 +1035,7 @@ def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged,
     relation, mapping_params = _mapped_relation(source, staged)
     text = sql("requests_typed").replace("{staging}", relation)
     params = {**staged.params, **mapping_params, "file_no": file_no, "tz": source.timezone,
-              "offset_s": source.clock_offset_s}
+              "offset_s": source.clock_offset_s, "ambiguous": source.ambiguous}
     run_script(con, "requests_typed", params, text=text)
     n = {"n": file_no}
     for before, after in staged.rewrites.items():

@@ -9,11 +9,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
 CHUNK = 1 << 20
+# The reason of the partial last record of a truncated stream (quarantined, never loaded).
+INCOMPLETE_RECORD = "incomplete last record: the input ends inside it (truncated file)"
 
 
 def open_binary(path: Path, *, fast_gzip: bool = False) -> BinaryIO:
@@ -56,17 +59,25 @@ class LineStream:
     """Iterates ``(line_number, bytes)`` over a file; ``stopped`` explains an early end.
 
     Built on :func:`kvforensics.loaders.engine_common.open_lines`, which recognises gzip and zstd by
-    their magic bytes and notices a truncated stream of either (the incomplete last line is not
-    yielded: half a record must not pass for a record).
+    their magic bytes and notices a truncated stream of either. The incomplete last line of a
+    truncated stream is not yielded (half a record must not pass for a record): ``partial`` holds
+    its number and bytes, for the caller to quarantine. A file whose first MiB holds a CR and no LF
+    has old Mac line ends: it is read as lines split at each CR.
     """
 
     path: Path
     stopped: str | None = None
     lines: int = 0
+    partial: tuple[int, bytes] | None = None
+    cr_only: bool = False
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         from kvforensics.loaders.engine_common import open_lines
 
+        self.cr_only = _cr_only(self.path)
+        if self.cr_only:
+            yield from self._cr_lines()
+            return
         stream = open_lines(self.path)
         for n, _text, raw in stream:
             self.lines = n
@@ -75,6 +86,40 @@ class LineStream:
             t = stream.truncated
             self.stopped = (f"input ends early after line {t.after_line} ({t.describe()}); "
                             f"later records, if any, are lost")
+            if t.partial_tail:
+                self.partial = (t.after_line + 1, t.partial_tail)
+
+    def _cr_lines(self) -> Iterator[tuple[int, bytes]]:
+        """Lines split at CR, streamed (a truncated gzip stream yields every byte it decompressed)."""
+        pending = b""
+        n = 0
+        try:
+            with open_binary(self.path) as fh:
+                while chunk := fh.read(CHUNK):
+                    *complete, pending = (pending + chunk).split(b"\r")
+                    for raw in complete:
+                        n += 1
+                        self.lines = n
+                        yield n, raw
+        except (EOFError, OSError, zlib.error) as e:
+            self.stopped = (f"input ends early after line {n} ({type(e).__name__}: {e}); "
+                            f"later records, if any, are lost")
+            if pending:
+                self.partial = (n + 1, pending)
+            return
+        if pending:
+            self.lines = n + 1
+            yield n + 1, pending
+
+
+def _cr_only(path: Path) -> bool:
+    """Whether the file's first MiB (decompressed) holds a CR and no LF: old Mac line ends."""
+    try:
+        with open_binary(path) as fh:
+            head = fh.read(CHUNK)
+    except (EOFError, OSError, zlib.error):
+        return False
+    return b"\r" in head and b"\n" not in head
 
 
 def decode_line(raw: bytes) -> str | None:

@@ -4,7 +4,9 @@
 -- the Parquet stager): a temp table the Python readers filled, or the DuckDB
 -- reader query itself, so the common case reads, parses and types in one streaming pass.
 -- Parameters: $file_no, $tz (IANA zone for timestamps without an offset), $offset_s (clock offset in
--- seconds added to every timestamp of the source), plus those of the staged relation.
+-- seconds added to every timestamp of the source), $ambiguous (what a local time that the zone's
+-- daylight-saving change makes ambiguous or nonexistent means: 'earlier' / 'later' of its two UTC
+-- instants, or 'reject' to quarantine it), plus those of the staged relation.
 -- The first failing check names the record's quarantine reason. Nothing here may raise on any
 -- input text: conversions are guarded (epoch range, TRY_CAST, finite and in-range checks), so a bad
 -- value quarantines its record instead of stopping the load. The raw text is kept for refused
@@ -39,16 +41,46 @@ WITH trimmed AS (
              WHEN abs(t_num) >= 1e11 THEN t_num / 1e3
              ELSE t_num END AS epoch_s
     FROM parsed
+), localized AS (
+    SELECT *,
+        CASE WHEN NOT ts_epoch AND NOT ts_has_offset THEN TRY_CAST(t AS TIMESTAMP) END AS ts_local,
+        -- a numeric UTC offset beyond -14:00..+14:00 (or with minutes past 59) names no real zone
+        CASE WHEN ts_has_offset THEN regexp_extract(t, '[+-]([0-9]{2}):?([0-9]{2})$', ['h', 'm']) END AS ts_offset
+    FROM scaled
+), zoned AS (
+    SELECT *, timezone($tz, ts_local) AS ts_zoned,
+        -- the zone's UTC offset a day before and a day after: they differ only around a DST change
+        CASE WHEN ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+            timezone($tz, timezone('UTC', ts_local - INTERVAL 1 DAY)) - (ts_local - INTERVAL 1 DAY) END AS off_before,
+        CASE WHEN ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+            timezone($tz, timezone('UTC', ts_local + INTERVAL 1 DAY)) - (ts_local + INTERVAL 1 DAY) END AS off_after
+    FROM localized
+), candidates AS (
+    -- the two instants the wall-clock time may mean (with either offset), where the offsets differ
+    SELECT *,
+        CASE WHEN off_before <> off_after THEN timezone('UTC', ts_local - off_before) END AS cand_a,
+        CASE WHEN off_before <> off_after THEN timezone('UTC', ts_local - off_after) END AS cand_b
+    FROM zoned
+), dst AS (
+    -- both read back as the same wall-clock time: ambiguous (the repeated hour); neither: it does not exist
+    SELECT *,
+        CASE WHEN cand_a IS NULL THEN NULL
+             WHEN timezone($tz, cand_a) = ts_local AND timezone($tz, cand_b) = ts_local THEN 'ambiguous'
+             WHEN timezone($tz, cand_a) <> ts_local AND timezone($tz, cand_b) <> ts_local THEN 'nonexistent'
+        END AS ts_dst
+    FROM candidates
 ), stamped AS (
     SELECT *,
         CASE
             WHEN t IS NULL OR t = '' THEN NULL
             WHEN ts_epoch THEN CASE WHEN abs(epoch_s) < 1e11 THEN to_timestamp(epoch_s) END
             WHEN ts_has_offset THEN TRY_CAST(t AS TIMESTAMPTZ)
-            ELSE timezone($tz, TRY_CAST(t AS TIMESTAMP))
+            WHEN ts_dst IS NOT NULL AND $ambiguous = 'earlier' THEN least(cand_a, cand_b)
+            WHEN ts_dst IS NOT NULL AND $ambiguous = 'later' THEN greatest(cand_a, cand_b)
+            ELSE ts_zoned
         END + to_microseconds(CAST(round($offset_s * 1e6) AS BIGINT)) AS ts_any,
         NOT ts_epoch AND NOT ts_has_offset AS ts_naive
-    FROM scaled
+    FROM dst
 ), bounded AS (
     -- a log of served requests cannot predate 1970 or lie centuries ahead; such values are garbage
     -- (and years past 9999 cannot be read back by most clients)
@@ -58,7 +90,7 @@ WITH trimmed AS (
     FROM stamped
 )
 SELECT line, reason, CASE WHEN reason IS NOT NULL THEN left(raw, 2000) END AS raw,
-    request_id, ts, ts_naive, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
+    request_id, ts, ts_naive, ts_dst, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
     ttft_ms, latency_ms, prefill_instance, decode_instance,
     -- what the merge groups and joins on to find repeated ids (8 bytes instead of the text; a
     -- collision only makes the merge compare two records by their ids, which tells them apart)
@@ -69,6 +101,15 @@ FROM (SELECT
         WHEN problem IS NOT NULL THEN problem
         WHEN request_id_t IS NULL THEN 'missing required field ''request_id'''
         WHEN t IS NULL OR t = '' THEN 'missing required field ''ts'''
+        WHEN ts_offset.h <> '' AND (CAST(ts_offset.h AS INTEGER) * 60 + CAST(ts_offset.m AS INTEGER) > 840
+                                    OR CAST(ts_offset.m AS INTEGER) > 59)
+            THEN 'timestamp offset is outside -14:00..+14:00: ''' || left(t, 60) || ''''
+        WHEN ts_dst = 'ambiguous' AND $ambiguous = 'reject'
+            THEN 'local time ''' || left(t, 60) || ''' is ambiguous in ' || $tz
+                 || ' (the repeated hour when daylight saving time ends); set ambiguous = "earlier" or "later" on the source'
+        WHEN ts_dst = 'nonexistent' AND $ambiguous = 'reject'
+            THEN 'local time ''' || left(t, 60) || ''' does not exist in ' || $tz
+                 || ' (the hour skipped when daylight saving time starts); set ambiguous = "earlier" or "later" on the source'
         WHEN ts_utc IS NULL THEN 'bad timestamp ''' || left(t, 60) || ''''
         WHEN account_id_t IS NULL THEN 'missing required field ''account_id'''
         WHEN model_t IS NULL THEN 'missing required field ''model'''
@@ -102,6 +143,7 @@ FROM (SELECT
     coalesce(request_id_t, trim(request_id_raw)) AS request_id,
     ts_utc AS ts,
     ts_naive,
+    ts_dst,
     coalesce(account_id_t, trim(account_id_raw)) AS account_id,
     coalesce(model_t, trim(model_raw)) AS model,
     -- TRY_CAST: refused records are typed too, and their values may not fit
