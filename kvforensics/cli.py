@@ -35,7 +35,8 @@ def _investigation(args: argparse.Namespace):
 
     return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
                               progress=not args.quiet, pdf=not args.no_pdf, engine=args.engine,
-                              spark_master=args.spark_master)
+                              spark_master=args.spark_master,
+                              rebuild=not getattr(args, "no_rebuild", False), append=getattr(args, "append", False))
 
 
 def _verdict(summary: dict) -> int:
@@ -177,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--sign-key", type=Path, help="SSH private key to sign manifest.json with "
                            "(ssh-keygen -Y sign, namespace kvforensics; writes manifest.json.sig)")
+        if name in ("run", "ingest"):  # the commands that read the inputs
+            changed = p.add_mutually_exclusive_group()
+            changed.add_argument("--no-rebuild", action="store_true",
+                                 help="if the inputs changed since --out was built, stop (exit 2) instead of "
+                                      "building the evidence afresh")
+            changed.add_argument("--append", action="store_true",
+                                 help="load only the input files added since --out was built into its evidence "
+                                      "(refused if any was removed or modified)")
         p.set_defaults(func=func)
     a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if exposed)")
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")

@@ -2,8 +2,10 @@
 
 For every file: its SHA-256, records read, loaded, quarantined and duplicates go to ``load_report``;
 every refused record goes to ``quarantine`` with file, line and reason. Request files already
-loaded (same source, same SHA-256) are skipped, so re-running ingest is idempotent and adding a new
-day's files loads only what is new. Engine logs, changes and content are small and re-read whole.
+loaded (same source, same SHA-256) are skipped, so re-running ingest is idempotent (a run killed
+half-way resumes) and, with ``--append``, adding a new day's files loads only what is new (any other
+change to the inputs rebuilds the evidence: kvforensics/evidence_set.py). Engine logs, changes and
+content are small and re-read whole.
 """
 
 from __future__ import annotations

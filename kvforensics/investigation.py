@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import duckdb
 import pandas as pd
@@ -14,8 +16,10 @@ from rich.markup import escape
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
-from kvforensics.errors import ConfigError
+from kvforensics.errors import ConfigError, InputError
+from kvforensics.evidence_set import changes, current_inputs, record, recorded_inputs
 from kvforensics.ingest import IngestResult, ingest
+from kvforensics.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
 from kvforensics.progress import record_progress, stage
 from kvforensics.scope import ScopeResult, scope
 
@@ -34,11 +38,16 @@ class Investigation:
     spark_master: str | None = None      # Spark master URL (default local[2])
     spark_requests_table: str | None = None  # else [settings] spark_requests_table
     sign_key: Path | None = None         # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.verify)
+    rebuild: bool = True                 # inputs changed since the folder was built: build afresh
+    append: bool = False                 # ... or load only the added files (refused if any other change)
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    evidence_built: str | None = None    # how this run came to its evidence set (manifest run.evidence)
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
     _con: duckdb.DuckDBPyConnection | None = None
     _spark: Any = None
+    _lock: FolderLock | None = None
+    _staging: Path | None = None
 
     def __post_init__(self) -> None:
         from kvforensics.engines import ENGINES
@@ -50,8 +59,17 @@ class Investigation:
     def open(cls, incident: str | Path | Incident, out_dir: str | Path, **kwargs: Any) -> "Investigation":
         inc = incident if isinstance(incident, Incident) else load_incident(incident)
         out = Path(out_dir)
+        check_out_dir(out, inc)
         out.mkdir(parents=True, exist_ok=True)
-        return cls(incident=inc, out_dir=out, **kwargs)
+        investigation = cls(incident=inc, out_dir=out, **kwargs)
+        investigation.lock()
+        return investigation
+
+    def lock(self) -> None:
+        """Take the output folder's lock (a second run into the same folder stops with an error)."""
+        if self._lock is None:
+            self._lock = FolderLock(self.out_dir)
+        self._lock.acquire()
 
     @property
     def db_path(self) -> Path:
@@ -60,6 +78,7 @@ class Investigation:
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
         if self._con is None:
+            self.lock()
             self._con = connect(self.db_path, memory_limit=self.memory_limit or self.incident.memory_limit)
         return self._con
 
@@ -79,10 +98,71 @@ class Investigation:
         if self._con is not None:
             self._con.close()
             self._con = None
+        if self._lock is not None:
+            self._lock.release()
+
+    @property
+    def write_dir(self) -> Path:
+        """Where outputs are written now: the staging folder while one is open, else the output folder."""
+        return self._staging or self.out_dir
+
+    @contextmanager
+    def writing(self, stale: tuple[str, ...] = ()) -> Iterator[Path]:
+        """A staging folder the outputs are written into, moved into the output folder when the block
+        ends without error (files renamed, folders swapped whole; *stale* names it lacks removed); an
+        error leaves the outputs already in place untouched. Nested blocks share the outer one."""
+        if self._staging is not None:
+            yield self._staging
+            return
+        self._staging = new_staging(self.out_dir)
+        try:
+            yield self._staging
+            publish(self._staging, self.out_dir, remove=stale)
+        finally:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+
+    def _prepare_evidence(self) -> None:
+        """Compare the inputs with the evidence set the folder holds: the same set resumes; a changed
+        one is built afresh (or refused with --no-rebuild, or appended to with --append when files were
+        only added). Records the set in the database before anything is read."""
+        if any(not s.files() for s in self.incident.sources):
+            return  # the ingest names the path that matches nothing, before anything changes
+        self.close()
+        inputs = current_inputs(self.incident)
+        try:
+            old, loaded = recorded_inputs(self.db_path)
+        except duckdb.Error as e:
+            raise InputError(f"{self.db_path} cannot be read ({' '.join(str(e).split())[:200]}): delete it or "
+                             f"use another --out folder") from None
+        self.lock()
+        if old is None:
+            diff = "the evidence database records no input set (an older kvforensics built it)" if loaded else ""
+            can_append = False
+        else:
+            found = changes(old, inputs)
+            diff, can_append = found.describe(), found.only_adds
+        if not diff:
+            built = "new" if old is None else "same inputs: files already loaded are not read again"
+        elif self.append and can_append:
+            built = f"appended: {diff}"
+        elif self.append:
+            raise InputError(f"--append only adds files, but the inputs changed since {self.out_dir} was built "
+                             f"({diff}): run without --append to build the evidence afresh")
+        elif not self.rebuild:
+            raise InputError(f"the inputs changed since {self.out_dir} was built ({diff}): run without "
+                             f"--no-rebuild to build the evidence afresh, or use another --out folder")
+        else:
+            clear_evidence(self.out_dir)
+            built = f"rebuilt: the inputs changed ({diff})"
+            stage(f"[yellow]evidence built afresh:[/] {escape(diff)}", self.progress)
+        self.evidence_built = built
+        record(self.con, inputs)
 
     # --- stages -----------------------------------------------------------------------------------
     def ingest(self) -> IngestResult:
         stage(f"ingest: {len(self.incident.sources)} source(s)", self.progress)
+        self._prepare_evidence()
         with record_progress("loading", self.progress) as (tick, describe):
             self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe)
         for w in self.ingest_result.warnings:
@@ -107,26 +187,34 @@ class Investigation:
         if self.scope_result is None:
             self.scope()
         assert self.scope_result is not None
-        outputs.write_scope_json(self.scope_result, self.out_dir)
-        outputs.write_tables(self.con, self.out_dir)
-        return outputs.write_manifest(self.con, self.incident, self.scope_result, self.out_dir, self.started)
+        with self.writing() as out:
+            outputs.write_scope_json(self.scope_result, out)
+            outputs.write_tables(self.con, out)
+            manifest = outputs.write_manifest(self.con, self.incident, self.scope_result, out, self.started)
+            if self.evidence_built:  # how this run came to its evidence set, beside its times
+                manifest["run"]["evidence"] = self.evidence_built
+                (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        return manifest
 
     def report(self) -> Path:
         from kvforensics.report.render import render_pdf, render_report
 
         stage("report: report.html, report.md, report.pdf, notices", self.progress)
-        path = render_report(self.con, self.incident, self.out_dir)
-        problem = render_pdf(self.out_dir) if self.pdf else "report.pdf not requested"
+        with self.writing(stale=("report.pdf", "notices")) as out:
+            if not (out / "manifest.json").exists() and (self.out_dir / "manifest.json").exists():
+                shutil.copy2(self.out_dir / "manifest.json", out / "manifest.json")  # the report cites it
+            render_report(self.con, self.incident, out)
+            problem = render_pdf(out) if self.pdf else "report.pdf not requested"
         if problem:
             stage(f"[yellow]note:[/] {problem}", self.progress)
-        return path
+        return self.out_dir / "report.html"
 
     def seal(self) -> None:
         """The manifest's output hashes taken again after the report, so they cover every output; signed with
         ``sign_key``."""
         from kvforensics.verify import seal_manifest
 
-        seal_manifest(self.out_dir, sign_key=self.sign_key)
+        seal_manifest(self.write_dir, sign_key=self.sign_key)
 
     def run(self) -> ScopeResult:
         """Every stage, in order; returns the headline numbers."""
@@ -134,9 +222,10 @@ class Investigation:
             self.ingest()
             self.detect()
             self.scope()
-            self.write_outputs()
-            self.report()
-            self.seal()
+            with self.writing(stale=("report.pdf", "notices", "manifest.json.sig")):  # every output put in place together
+                self.write_outputs()
+                self.report()
+                self.seal()
             self.con.execute("CHECKPOINT").fetchall()
         finally:
             self.close()

@@ -182,27 +182,25 @@ def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str 
     if allowed_signers is not None:
         problems += check_signature(out_dir, allowed_signers, identity)
     problems += _check_outputs(out_dir, manifest)
-    inputs_present, input_problems = _check_inputs(out_dir, manifest)
-    problems += input_problems
+    problems += _check_inputs(out_dir, manifest)
     incident = _incident(out_dir, manifest)
     evidence = connect(db, read_only=True)
     try:
         stored = table_digests(evidence)
-        problems += _check_headlines(evidence, manifest, scope_json)
+        problems += _check_headlines(evidence, scope_json)
     finally:
         evidence.close()
     problems += _compare_tables(manifest.get("tables"), stored, "the manifest records")
     with tempfile.TemporaryDirectory(prefix="kvforensics-verify-") as tmp:
         problems += _rederive_from_evidence(db, Path(tmp), incident, manifest, scope_json, stored, out_dir)
-        if inputs_present:
-            try:
-                fresh = _reinvestigate(Path(tmp) / "fresh", incident)
-            except KvForensicsError as e:
-                problems.append(f"the inputs no longer ingest as they did: {e}")
-            else:
-                # tables the run keeps about itself (e.g. the evidence set it recorded) are not derived from inputs
-                problems += _compare_tables(fresh, {k: v for k, v in stored.items() if k in fresh},
-                                            "a fresh ingest of the inputs gives")
+        try:
+            fresh = _reinvestigate(Path(tmp) / "fresh", incident)
+        except KvForensicsError as e:
+            problems.append(f"the inputs no longer ingest as they did: {e}")
+        else:
+            # tables the run keeps about itself (e.g. the evidence set it recorded) are not derived from inputs
+            problems += _compare_tables(fresh, {k: v for k, v in stored.items() if k in fresh},
+                                        "a fresh ingest of the inputs gives")
     return problems
 
 
@@ -213,7 +211,9 @@ def _check_outputs(out_dir: Path, manifest: dict) -> list[str]:
     problems = []
     for rel, digest in sorted(recorded.items()):
         path = out_dir / rel
-        if not path.is_file():
+        if Path(rel).parts[:1] not in [(name,) for name in HASHED_OUTPUTS] or ".." in Path(rel).parts:
+            problems.append(f"{MANIFEST} lists {rel!r} among the outputs, which no run writes: the manifest was edited")
+        elif not path.is_file():
             problems.append(f"output missing: {rel}")
         elif (actual := file_digest(path)[0]) != digest:
             problems.append(f"output changed since the run: {rel} (sha256 {actual} != {digest})")
@@ -221,24 +221,27 @@ def _check_outputs(out_dir: Path, manifest: dict) -> list[str]:
     return problems
 
 
-def _check_inputs(out_dir: Path, manifest: dict) -> tuple[bool, list[str]]:
+def _check_inputs(out_dir: Path, manifest: dict) -> list[str]:
     problems = []
     base = _incident_dir(out_dir, manifest)
-    for item in manifest.get("inputs", []):
+    for i, item in enumerate(manifest.get("inputs") or []):
+        if not isinstance(item, dict) or not isinstance(item.get("file"), str) or "sha256" not in item:
+            problems.append(f"{MANIFEST} inputs[{i}] is not an input entry (file, sha256): the manifest was edited")
+            continue
         path = Path(item["file"])
         path = path if path.is_absolute() else base / path
-        if not path.exists():
+        if not path.is_file():
             problems.append(f"input missing: {path}")
             continue
         digest, _ = file_digest(path)
         if digest != item["sha256"]:
             problems.append(f"input changed since the run: {path} (sha256 {digest} != {item['sha256']})")
-    return not any(p.startswith("input missing") for p in problems), problems
+    return problems
 
 
 def _incident(out_dir: Path, manifest: dict) -> Incident:
-    recorded = manifest.get("incident") or {}
-    if not recorded.get("file"):
+    recorded = manifest.get("incident")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("file"), str):
         raise InputError(f"{MANIFEST} names no incident file: it is not the manifest `kvforensics run` writes",
                          location=str(out_dir))
     path = _incident_dir(out_dir, manifest) / recorded["file"]
@@ -248,10 +251,13 @@ def _incident(out_dir: Path, manifest: dict) -> Incident:
     return load_incident(path)
 
 
-def _check_headlines(con: duckdb.DuckDBPyConnection, manifest: dict, scope: dict) -> list[str]:
-    """Each headline query of the manifest, run on the evidence database, against scope.json."""
+def _check_headlines(con: duckdb.DuckDBPyConnection, scope: dict) -> list[str]:
+    """Each headline query (``outputs.HEADLINE_QUERIES``, the ones the manifest names; never SQL read from the
+    folder), run on the evidence database, against scope.json."""
+    from kvforensics.outputs import HEADLINE_QUERIES
+
     problems = []
-    for key, query in manifest.get("headline_queries", {}).items():
+    for key, query in HEADLINE_QUERIES.items():
         value = con.execute(query).fetchall()[0][0]
         expected: Any = scope
         for part in key.split("."):
@@ -405,5 +411,6 @@ def _read_json(out_dir: Path, name: str) -> dict:
 
 
 def _incident_dir(out_dir: Path, manifest: dict) -> Path:
-    recorded = (manifest.get("incident") or {}).get("dir")
-    return Path(recorded) if recorded else out_dir
+    recorded = manifest.get("incident")
+    folder = recorded.get("dir") if isinstance(recorded, dict) else None
+    return Path(folder) if isinstance(folder, str) and folder else out_dir

@@ -164,6 +164,20 @@ def test_a_manifest_of_an_older_run_without_hashes_is_a_problem(out: Path) -> No
     assert sum("written by an older kvforensics" in p for p in problems) == 2
 
 
+def test_sql_and_paths_in_an_edited_manifest_are_never_used(out: Path, tmp_path: Path) -> None:
+    written = tmp_path / "written.csv"
+
+    def hostile(m: dict) -> None:
+        m["headline_queries"]["affected_responses"] = f"COPY (SELECT 1) TO '{written}'"
+        m["outputs"]["../../elsewhere.txt"] = "0" * 64
+
+    edit_json(out / "manifest.json", hostile)
+    problems = verify(out)
+    assert not written.exists()
+    assert problems == ["manifest.json lists '../../elsewhere.txt' among the outputs, which no run writes: "
+                        "the manifest was edited"]
+
+
 # --- signing ----------------------------------------------------------------------------------------------------
 
 def keypair(folder: Path, principal: str) -> tuple[Path, Path]:
