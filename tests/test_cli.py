@@ -144,7 +144,7 @@ def test_adding_a_new_days_file_loads_only_what_is_new(mini_incident, tmp_path):
     before = (mini_incident.parent / "gateway" / "day1.jsonl").read_bytes()
     from kvforensics.investigation import Investigation
 
-    inv = Investigation.open(mini_incident, out, progress=False)
+    inv = Investigation.open(mini_incident, out, progress=False, append=True)  # --append
     result = inv.ingest()
     inv.close()
     gateway = {Path(f.file).name: f for f in result.files if f.source == "gateway"}
