@@ -494,7 +494,9 @@ def _evidence(v: Verdict) -> str:
 
 
 def _md(text: str) -> str:
-    return html.escape(text, quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    from kvforensics.escaping import markdown_text
+
+    return markdown_text(text)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ def _investigation(args: argparse.Namespace):
 
     return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
                               progress=not args.quiet, pdf=not args.no_pdf, engine=args.engine,
-                              spark_master=args.spark_master,
+                              spark_master=args.spark_master, raw_csv=getattr(args, "raw_csv", False),
                               rebuild=not getattr(args, "no_rebuild", False), append=getattr(args, "append", False))
 
 
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "run":
             p.add_argument("--sign-key", type=Path, help="SSH private key to sign manifest.json with "
                            "(ssh-keygen -Y sign, namespace kvforensics; writes manifest.json.sig)")
+        if name in ("run", "scope"):  # the commands that write the CSVs
+            p.add_argument("--raw-csv", action="store_true",
+                           help="write CSV cells as read, without the ' before =, +, -, @ (for machine consumers)")
         if name in ("run", "ingest"):  # the commands that read the inputs
             changed = p.add_mutually_exclusive_group()
             changed.add_argument("--no-rebuild", action="store_true",

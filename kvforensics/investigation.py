@@ -34,6 +34,7 @@ class Investigation:
     memory_limit: str | None = None
     progress: bool = True
     pdf: bool = True
+    raw_csv: bool = False                # CSV cells as read, formula starts not neutralised (machine consumers)
     engine: str = "duckdb"               # where detect and scope run: duckdb | spark
     spark_master: str | None = None      # Spark master URL (default local[2])
     spark_requests_table: str | None = None  # else [settings] spark_requests_table
@@ -189,8 +190,9 @@ class Investigation:
         assert self.scope_result is not None
         with self.writing() as out:
             outputs.write_scope_json(self.scope_result, out)
-            outputs.write_tables(self.con, out)
-            manifest = outputs.write_manifest(self.con, self.incident, self.scope_result, out, self.started)
+            outputs.write_tables(self.con, out, raw_csv=self.raw_csv)
+            manifest = outputs.write_manifest(self.con, self.incident, self.scope_result, out, self.started,
+                                              raw_csv=self.raw_csv)
             if self.evidence_built:  # how this run came to its evidence set, beside its times
                 manifest["run"]["evidence"] = self.evidence_built
                 (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

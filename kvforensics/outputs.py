@@ -19,6 +19,7 @@ import duckdb
 from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.detect import load_rules
+from kvforensics.escaping import csv_cell
 from kvforensics.loaders.textio import file_digest
 from kvforensics.scope import ScopeResult, iso
 
@@ -37,21 +38,15 @@ AFFECTED_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", 
 NOTIFICATION_COLUMNS = ["account_id", "account_class", "role", "responses", "first_ts", "last_ts", "request_ids"]
 
 
-def _fmt(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return iso(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path) -> int:
+def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path, *,
+              raw: bool = False) -> int:
+    """The query's rows as CSV, each cell written by ``csv_cell`` (formula starts neutralised unless ``raw``)."""
     rows = con.execute(query).fetchall()
     with path.open("w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         w.writerow(columns)
         for row in rows:
-            w.writerow(["" if v is None else _fmt(v) for v in row])
+            w.writerow([csv_cell(v, raw=raw) for v in row])
     return len(rows)
 
 
@@ -59,17 +54,19 @@ def write_scope_json(result: ScopeResult, out: Path) -> None:
     (out / "scope.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def write_tables(con: duckdb.DuckDBPyConnection, out: Path) -> None:
+def write_tables(con: duckdb.DuckDBPyConnection, out: Path, *, raw_csv: bool = False) -> None:
+    """affected_requests.csv, notifications.csv, quarantine.csv; ``raw_csv`` keeps formula starts (machine use)."""
     write_csv(con, f"SELECT {', '.join(AFFECTED_COLUMNS)} FROM affected_responses ORDER BY ts, request_id",
-              AFFECTED_COLUMNS, out / "affected_requests.csv")
+              AFFECTED_COLUMNS, out / "affected_requests.csv", raw=raw_csv)
     write_csv(con, f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications "
-                   "ORDER BY role DESC, account_class, account_id", NOTIFICATION_COLUMNS, out / "notifications.csv")
+                   "ORDER BY role DESC, account_class, account_id", NOTIFICATION_COLUMNS, out / "notifications.csv",
+              raw=raw_csv)
     write_csv(con, "SELECT source, file, line, reason, raw FROM quarantine ORDER BY source, file, line",
-              ["source", "file", "line", "reason", "raw"], out / "quarantine.csv")
+              ["source", "file", "line", "reason", "raw"], out / "quarantine.csv", raw=raw_csv)
 
 
 def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: ScopeResult,
-                   out: Path, started: datetime) -> dict[str, Any]:
+                   out: Path, started: datetime, *, raw_csv: bool = False) -> dict[str, Any]:
     import duckdb as _duckdb
     import pandas as _pandas
 
@@ -105,6 +102,7 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         "warnings": [r[0] for r in con.execute(
             "SELECT note FROM ingest_notes WHERE kind = 'warning' ORDER BY note").fetchall()],
         "headline_queries": HEADLINE_QUERIES,
+        "csv_cells": "raw" if raw_csv else "neutralised",  # formula starts (escaping.csv_cell)
         # what `kvforensics verify` re-hashes: every output file, every table of the evidence database
         "outputs": output_digests(out),
         "tables": table_digests(con),

@@ -728,7 +728,7 @@ def test_untrusted_strings_are_escaped_everywhere() -> None:
     html_text = report._repr_html_()
     assert "<script>" not in html_text and "&lt;script&gt;alert(1)&lt;/script&gt;" in html_text
     md = report.to_markdown()
-    assert "<script>" not in md and "\\|[bold]" in md
+    assert "<script>" not in md and "\\|\\[bold\\]x\\[/bold\\]" in md
     console = Console(record=True, width=400, color_system=None)
     report.render_terminal(console)
     text = console.export_text()

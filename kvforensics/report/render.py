@@ -14,6 +14,7 @@ from markupsafe import Markup
 
 from kvforensics import __version__
 from kvforensics.config import Incident
+from kvforensics.escaping import markdown_text, visible_controls
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, exposure_spans, hourly_affected, money_frames
 from kvforensics.scope import iso
@@ -68,14 +69,20 @@ def _fmt_fixed(value: Any, digits: int = 1) -> str:
         return str(value)
 
 
+def _printable(value: Any) -> Any:
+    """Every text a template prints, with control characters (NUL...) made visible; markup built by the renderer
+    (the SVG charts, the audit table) passes unchanged."""
+    return visible_controls(value) if isinstance(value, str) and not isinstance(value, Markup) else value
+
+
 def _env(autoescape: bool) -> Environment:
     env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined,
                       autoescape=select_autoescape(["html", "j2"]) if autoescape else False,
-                      trim_blocks=True, lstrip_blocks=True)
+                      trim_blocks=True, lstrip_blocks=True, finalize=_printable)
     env.filters["ts"] = _fmt_ts
     env.filters["num"] = _fmt_num
     env.filters["fixed"] = _fmt_fixed
-    env.filters["md"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ").replace("<", "&lt;").replace(">", "&gt;")
+    env.filters["md"] = markdown_text
     return env
 
 
