@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,36 @@ def test_truncated_content_stream_quarantines_its_partial_record(tmp_path, monke
     assert content.quarantined == 1 and content.records_read == content.loaded + 1
     assert con.execute("SELECT reason FROM quarantine WHERE source = 'content'").fetchall() == [(INCOMPLETE_RECORD,)]
 
+
+
+CSV_HEADER = "request_id,ts,account_id,model,status,prompt_tokens,note"
+
+
+def csv_rows(n: int) -> list[str]:
+    return [f"r{i},2026-08-28T10:00:00Z,a1,m,200,{i},row {i}" for i in range(n)]
+
+
+def load_csv(tmp_path: Path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    con = connect()
+    result = load_requests_file(con, replace(source(tmp_path), format="csv"), path)
+    return con, result, con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall()
+
+
+def test_csv_truncated_gzip_cr_only_and_huge_cells(tmp_path):
+    rows = csv_rows(120)
+    whole = gzip.compress(("\n".join([CSV_HEADER, *rows]) + "\n").encode(), mtime=0)
+    _, r, quarantined = load_csv(tmp_path, "cut.csv.gz", whole[:-40])
+    assert quarantined[-1] == (r.loaded + 2, INCOMPLETE_RECORD)  # the header is line 1
+    assert r.records_read == r.loaded + r.quarantined and r.quarantined == 1
+
+    rows[9] = "bad,row"
+    con, r, quarantined = load_csv(tmp_path, "mac.csv", "\r".join([CSV_HEADER, *rows]).encode())
+    assert (r.records_read, r.loaded, quarantined) == (120, 119, [(11, "expected 7 fields, found 2")])
+    assert any("CR only" in n for n in r.notes)
+
+    rows = csv_rows(3)
+    rows[1] = rows[1].replace("row 1", '"' + "y" * 300_000 + '"')  # past the csv module's default cell limit
+    _, r, quarantined = load_csv(tmp_path, "wide.csv", ("\n".join([CSV_HEADER, *rows]) + "\n").encode())
+    assert (r.records_read, r.loaded, quarantined) == (3, 3, [])

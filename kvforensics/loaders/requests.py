@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import csv
 import functools
-import io
 import json
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -81,6 +81,7 @@ SECONDS_ALIASES = frozenset(f"{prefix}{name}" for prefix in ("", "meta_info.", "
 # record has no status column (the engine's view: abort -> its status_code or 500, otherwise 200).
 FINISH_REASON_KEYS = ("finish_reason", "meta_info.finish_reason", "out.meta_info.finish_reason")
 FIELD_COLUMNS = [f"{f}_raw" for f in CANONICAL_REQUEST_FIELDS]
+CR_ONLY = "old Mac line ends (CR only): read as lines split at each CR"
 
 
 @dataclass
@@ -325,7 +326,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     if stream.stopped:
         load.notes.append(stream.stopped)
     if stream.cr_only:
-        load.notes.append("old Mac line ends (CR only): read as lines split at each CR")
+        load.notes.append(CR_ONLY)
     # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
     con.execute("ALTER TABLE staging_requests RENAME TO python_lines").fetchall()
     relation, params = _json_fields_relation(source, chosen, "SELECT line, raw, problem FROM python_lines",
@@ -576,57 +577,64 @@ def _require_header(source: Source, path: Path, header: Iterable[str], chosen: d
 def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
                tick: Callable[[int], None], fast: bool = True) -> Staged:
     stager = _Stager(con)
+    # the lines of a stream that keeps every byte of a truncated gzip/zstd file (its partial last line
+    # is quarantined below, where a file reader would drop it unseen); CR-only line ends are lines too
     stream = LineStream(path)
-    with open_binary(path) as fh:
-        text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
-        reader = csv.reader(text)
-        try:
-            header = next(reader)
-        except StopIteration:
-            load.notes.append("empty file")
-            return _python_staged()
-        except (EOFError, OSError, csv.Error) as e:
-            load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
-            return _python_staged()
-        header = [h.strip() for h in header]
-        chosen = _choose_columns(source, set(header))
-        _require_header(source, path, header, chosen)
-        columns, cells = _split_cells(source, path, chosen, header)
-        stager = _Stager(con, columns)
-        index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
-        cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
-        last_line = 1
-        try:
-            for row in reader:
-                start = last_line + 1
-                last_line = reader.line_num
-                if not row or (len(row) == 1 and not row[0].strip()):
-                    continue
-                joined = ",".join(row)
-                problem = None
-                try:
-                    joined.encode("utf-8")
-                except UnicodeEncodeError:
-                    problem = "not UTF-8"
-                    joined = joined.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-                if problem is None and len(row) != len(header):
-                    problem = f"expected {len(header)} fields, found {len(row)}"
-                cols["line"].append(start)
-                cols["raw"].append(printable_raw(joined, 2000))
-                cols["problem"].append(problem)
-                for c, i in index.items():
-                    value = row[i].strip() if i < len(row) and problem is None else None
-                    cols[f"{c}_raw"].append(value if value != "" else None)
-                if len(cols["line"]) >= BATCH:
-                    stager.add(cols)
-                    tick(len(cols["line"]))
-                    cols = {k: [] for k in cols}
-        except (EOFError, OSError, csv.Error) as e:
-            load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
-                              f"later records, if any, are lost")
-        stager.add(cols)
-        tick(len(cols["line"]))
-    del stream
+    csv.field_size_limit(sys.maxsize)  # a cell of any length (the default stops the file at 128 KiB)
+    reader = csv.reader(raw.decode("utf-8", "surrogateescape") + "\n" for _, raw in stream)
+    try:
+        header = next(reader)
+    except StopIteration:
+        load.notes.append(stream.stopped or "empty file")
+        return _python_staged()
+    except (EOFError, OSError, csv.Error) as e:
+        load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
+        return _python_staged()
+    header = [h.strip() for h in header]
+    chosen = _choose_columns(source, set(header))
+    _require_header(source, path, header, chosen)
+    columns, cells = _split_cells(source, path, chosen, header)
+    stager = _Stager(con, columns)
+    index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
+    cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
+    last_line = 1
+    try:
+        for row in reader:
+            start = last_line + 1
+            last_line = reader.line_num
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            joined = ",".join(row)
+            problem = None
+            try:
+                joined.encode("utf-8")
+            except UnicodeEncodeError:
+                problem = "not UTF-8"
+                joined = joined.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            if problem is None and len(row) != len(header):
+                problem = f"expected {len(header)} fields, found {len(row)}"
+            cols["line"].append(start)
+            cols["raw"].append(printable_raw(joined, 2000))
+            cols["problem"].append(problem)
+            for c, i in index.items():
+                value = row[i].strip() if i < len(row) and problem is None else None
+                cols[f"{c}_raw"].append(value if value != "" else None)
+            if len(cols["line"]) >= BATCH:
+                stager.add(cols)
+                tick(len(cols["line"]))
+                cols = {k: [] for k in cols}
+    except (EOFError, OSError, csv.Error) as e:
+        load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
+                          f"later records, if any, are lost")
+    if stream.partial is not None:
+        cols["line"].append(stream.partial[0])
+        cols["raw"].append(printable_raw(stream.partial[1]))
+        cols["problem"].append(INCOMPLETE_RECORD)
+        for c in index:
+            cols[f"{c}_raw"].append(None)
+    stager.add(cols)
+    tick(len(cols["line"]))
+    load.notes.extend(n for n in (stream.stopped, stream.cr_only and CR_ONLY) if n)
     load.notes.extend(_mapping_notes(source, chosen))
     return replace(_python_staged(), cells=cells)
 
