@@ -131,7 +131,7 @@ def test_bad_hardware_spec_is_a_config_error(tmp_path, capsys):
     path = write_mini(tmp_path / "data", incident=INCIDENT + '[models.hardware."m"]\ngpu = "TPUv9"\n')
     assert main(["run", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert capsys.readouterr().err == (
-        "Error: [models.hardware.\"m\"]: gpu must be one of ['A100_SXM', 'B200_HGX', 'H100_SXM', 'H200_SXM'] "
+        "Error: incident.toml: [models.hardware.\"m\"]: gpu must be one of ['A100_SXM', 'B200_HGX', 'H100_SXM', 'H200_SXM'] "
         "(or give peak_flops_per_gpu)\n")
 
 

@@ -193,6 +193,18 @@ def test_the_same_file_reached_by_two_spellings_of_a_path_is_one_file(tmp_path):
                             "'engines2'; a file belongs to one source: narrow one of the paths")
 
 
+def test_an_sglang_server_log_may_be_read_for_its_start_ups_and_for_its_request_lines(tmp_path):
+    """SGLang writes its --log-requests lines into the server log that also holds its start-ups."""
+    incident = INCIDENT + ('\n[[sources]]\nname = "engine-requests"\nkind = "requests"\npath = "engine/p0.log"\n'
+                           'format = "sglang_requests"\n')
+    plan = load_incident(write_mini(tmp_path, incident=incident)).source_files()
+    assert [(s.name, [f.name for f in files]) for s, files in plan][1:] == [
+        ("engines", ["d0.log", "p0.log"]), ("engine-requests", ["p0.log"])]
+    twice = incident + '\n[[sources]]\nname = "again"\nkind = "requests"\npath = "engine/p*.log"\nformat = "sglang_requests"\n'
+    with pytest.raises(ConfigError, match="file engine/p0.log matches the paths of sources 'engine-requests' and 'again'"):
+        load_incident(write_mini(tmp_path, incident=twice)).source_files()
+
+
 def test_sources_naming_different_files_each_keep_their_own(tmp_path):
     inc = load_incident(write_mini(tmp_path))
     assert [(s.name, [f.name for f in files]) for s, files in inc.source_files()] == [
