@@ -50,9 +50,9 @@ WITH trimmed AS (
 ), zoned AS (
     SELECT *, timezone($tz, ts_local) AS ts_zoned,
         -- the zone's UTC offset a day before and a day after: they differ only around a DST change
-        CASE WHEN ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+        CASE WHEN $tz <> 'UTC' AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
             timezone($tz, timezone('UTC', ts_local - INTERVAL 1 DAY)) - (ts_local - INTERVAL 1 DAY) END AS off_before,
-        CASE WHEN ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+        CASE WHEN $tz <> 'UTC' AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
             timezone($tz, timezone('UTC', ts_local + INTERVAL 1 DAY)) - (ts_local + INTERVAL 1 DAY) END AS off_after
     FROM localized
 ), candidates AS (
