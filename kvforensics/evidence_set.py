@@ -9,9 +9,9 @@ are not read again); a different one is built afresh, refused (``--no-rebuild``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import duckdb
 
@@ -25,12 +25,21 @@ class InputSet:
     incident_file: str
     incident_sha256: str
     files: frozenset[tuple[str, str, str]]  # (source, absolute path, sha256)
+    # absolute path -> (sha256, bytes), so that the ingest need not hash a file again
+    digests: Mapping[str, tuple[str, int]] = field(default_factory=dict, compare=False)
 
 
 def current_inputs(incident: Incident) -> InputSet:
-    """The incident file and every file its sources name now, hashed."""
-    files = frozenset((s.name, str(p.resolve()), file_digest(p)[0]) for s in incident.sources for p in s.files())
-    return InputSet(str(incident.path.resolve()), file_digest(incident.path)[0], files)
+    """The incident file and every file its sources name now (a file two sources claim refused), hashed."""
+    digests: dict[str, tuple[str, int]] = {}
+    files = set()
+    for source, paths in incident.source_files():
+        for path in paths:
+            key = str(path.resolve())
+            if key not in digests:  # an SGLang log may be both an engine log and a requests source
+                digests[key] = file_digest(path)
+            files.add((source.name, key, digests[key][0]))
+    return InputSet(str(incident.path.resolve()), file_digest(incident.path)[0], frozenset(files), digests)
 
 
 def recorded_inputs(db_path: Path) -> tuple[InputSet | None, bool]:

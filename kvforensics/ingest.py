@@ -70,8 +70,10 @@ Tick = Callable[[int], None]
 
 
 def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool = False,
-           tick: Tick = lambda n: None, on_file: Callable[[str], None] = lambda name: None) -> IngestResult:
-    """Load every source of the incident into ``con``."""
+           tick: Tick = lambda n: None, on_file: Callable[[str], None] = lambda name: None,
+           digests: Mapping[str, tuple[str, int]] | None = None) -> IngestResult:
+    """Load every source of the incident into ``con``. *digests*: (SHA-256, bytes) of input files by
+    absolute path, already taken (kvforensics.evidence_set), so that they are not hashed again."""
     result = IngestResult()
     plan = incident.source_files()  # a file two sources name is refused before anything is read
     for source, files in plan:
@@ -89,7 +91,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
         run_script(con, "instance_restore")
     for source, files in plan:
         if source.kind == "requests":
-            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases))
+            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases,
+                                                       digests or {}))
     con.execute("DELETE FROM capacity").fetchall()
     con.execute("DELETE FROM engine_events").fetchall()
     con.execute("DELETE FROM changes").fetchall()
@@ -144,14 +147,15 @@ def _record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: 
 
 
 def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files: list[Path], tick: Tick,
-                           on_file: Callable[[str], None], aliases: Mapping[str, str]) -> list[InputFile]:
+                           on_file: Callable[[str], None], aliases: Mapping[str, str],
+                           known: Mapping[str, tuple[str, int]]) -> list[InputFile]:
     """Load the source's files that are new (by SHA-256; a file loaded before is reported, not read
     again), each file's load report written in the same transaction as its records."""
     records: dict[Path, InputFile] = {}
     digests: dict[Path, tuple[str, int]] = {}
     todo: list[Path] = []
     for path in files:
-        digest = file_digest(path)
+        digest = known.get(str(path.resolve())) or file_digest(path)
         seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
                            "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": digest[0]}).fetchall()
         if seen:

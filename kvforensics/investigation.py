@@ -49,6 +49,7 @@ class Investigation:
     _spark: Any = None
     _lock: FolderLock | None = None
     _staging: Path | None = None
+    _digests: dict[str, tuple[str, int]] = field(default_factory=dict)  # input files hashed by _prepare_evidence
 
     def __post_init__(self) -> None:
         from kvforensics.engines import ENGINES
@@ -158,6 +159,7 @@ class Investigation:
             built = f"rebuilt: the inputs changed ({diff})"
             stage(f"[yellow]evidence built afresh:[/] {escape(diff)}", self.progress)
         self.evidence_built = built
+        self._digests = dict(inputs.digests)
         record(self.con, inputs)
 
     # --- stages -----------------------------------------------------------------------------------
@@ -165,7 +167,8 @@ class Investigation:
         stage(f"ingest: {len(self.incident.sources)} source(s)", self.progress)
         self._prepare_evidence()
         with record_progress("loading", self.progress) as (tick, describe):
-            self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe)
+            self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe,
+                                        digests=self._digests)
         for w in self.ingest_result.warnings:
             stage(f"[yellow]warning:[/] {escape(w)}", self.progress)  # "[instances]" is text, not markup
         return self.ingest_result
@@ -248,7 +251,8 @@ class Investigation:
 
 def run(incident: str | Path, out_dir: str | Path, **kwargs: Any) -> ScopeResult:
     """Run a whole investigation: ``kvforensics run incident.toml --out DIR``."""
-    out = Path(out_dir)
-    if kwargs.pop("fresh", False) and out.exists():
-        shutil.rmtree(out)
-    return Investigation.open(incident, out, **kwargs).run()
+    fresh = kwargs.pop("fresh", False)
+    investigation = Investigation.open(incident, out_dir, **kwargs)
+    if fresh:  # the folder's earlier evidence and outputs, once its lock is held
+        clear_evidence(investigation.out_dir)
+    return investigation.run()

@@ -246,3 +246,19 @@ def test_outputs_are_renamed_into_place(tmp_path: Path) -> None:
     assert run(incident, tmp_path / "out") == 0
     assert scope.stat().st_ino != inode
     assert not (tmp_path / "out" / STAGING_NAME).exists()
+
+
+def test_fresh_never_empties_a_folder_another_run_holds(tmp_path: Path) -> None:
+    from kvforensics.investigation import run as run_investigation
+
+    incident = write_mini(tmp_path / "mini")
+    assert run(incident, tmp_path / "out") == 0
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "out" / LOCK_NAME).write_text(f"{holder.pid} {os.uname().nodename}\n")
+        with pytest.raises(ConfigError, match="another kvforensics run"):
+            run_investigation(incident, tmp_path / "out", fresh=True, progress=False, pdf=False)
+        assert (tmp_path / "out" / "evidence.duckdb").exists() and (tmp_path / "out" / "scope.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
