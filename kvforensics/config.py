@@ -34,8 +34,9 @@ CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", "role", "preset", "values", "null_tokens", "envelope", "ambiguous"}
-_SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "role", "preset", "envelope")
+                "model", "year", "preset", "values", "null_tokens", "envelope", "ambiguous"}
+_SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "preset", "envelope",
+                     "ambiguous")
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
 #: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS).
 TOP_LEVEL_TABLES = {"incident": "[incident]", "sources": "[[sources]]", "scope": "[scope]", "events": "[[events]]",

@@ -94,6 +94,9 @@ UNKNOWN_KEYS = [
      "incident.toml: [rules]: unknown rule 'prefill_to_fast'; did you mean 'prefill_too_fast'?"),
     (("max_fraction = 0.25", "max_fractoin = 0.25"),
      "incident.toml: [rules.prefill_too_fast]: unknown parameter 'max_fractoin'; did you mean 'max_fraction'?"),
+    (('format = "sglang"', 'format = "sglang"\nrole = "prefill"'),
+     "incident.toml: source 'engines': unknown key 'role'; valid keys: ambiguous, clock_offset_s, columns, envelope, "
+     "format, instance, kind, model, name, null_tokens, path, preset, timezone, values, year"),
     (('memory_limit = "2GB"', 'colour = "red"'),
      "incident.toml: [settings]: unknown key 'colour'; valid keys: max_quarantine_fraction, memory_limit, "
      "spark_requests_table, year"),
