@@ -48,8 +48,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     incident = _evil_incident(root / "data")
     outs = {"neutralised": root / "out", "raw": root / "out-raw"}
     for mode, out in outs.items():
-        argv = ["run", str(incident), "--out", str(out), "--quiet", "--no-pdf"] + (["--raw-csv"] if mode == "raw" else [])
-        assert main(argv) in (0, 3)
+        raw = ["--raw-csv"] if mode == "raw" else []
+        assert main(["run", str(incident), "--out", str(out), "--quiet", "--no-pdf", *raw]) == 0
     return outs
 
 
@@ -146,7 +146,8 @@ def test_notice_heading_is_not_a_link(runs):
 
 @pytest.mark.parametrize("text", [
     LINK_MODEL, PHISHING_ACCOUNT, "https://evil.example/x", "www.evil.example", "someone@evil.example",
-    "![img](http://evil.example/p.png)", "<a href='http://evil.example'>x</a>", "*bold* _em_ `code` ~~del~~ # h", "__strong__ x_y_", "a_ _b",
+    "![img](http://evil.example/p.png)", "<a href='http://evil.example'>x</a>", "*bold* _em_ `code` ~~del~~ # h",
+    "__strong__ x_y_", "a_ _b",
     "[ref]: http://evil.example", "a | b", "line\nbreak", "nul\x00byte",
 ])
 def test_markdown_text_renders_as_the_literal_text(text):
