@@ -77,6 +77,7 @@ def test_changed_account_rebuilds_to_what_a_fresh_folder_holds(tmp_path: Path, c
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [i["file"] for i in manifest["inputs"]].count("gateway/day1.jsonl") == 1
     assert manifest["run"]["evidence"] == "rebuilt: the inputs changed (1 file(s) modified: gateway/day1.jsonl)"
+    assert main(["verify", str(tmp_path / "out")]) == 0  # the rebuilt folder checks out against its inputs
 
 
 def test_deleted_input_takes_its_responses_with_it(tmp_path: Path) -> None:
