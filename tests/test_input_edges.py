@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import replace
+from datetime import date
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from kvforensics.db import connect
 from kvforensics.errors import ConfigError
 from kvforensics.fingerprint import fingerprints, rendered_text
 from kvforensics.ingest import ingest
-from kvforensics.loaders.requests import load_requests_file
+from kvforensics.loaders.requests import dst_days, load_requests_file
 from kvforensics.loaders.textio import INCOMPLETE_RECORD
 
 
@@ -258,9 +259,18 @@ def test_csv_truncated_gzip_cr_only_and_huge_cells(tmp_path):
     rows[9] = "bad,row"
     con, r, quarantined = load_csv(tmp_path, "mac.csv", "\r".join([CSV_HEADER, *rows]).encode())
     assert (r.records_read, r.loaded, quarantined) == (120, 119, [(11, "expected 7 fields, found 2")])
-    assert any("CR only" in n for n in r.notes)
 
     rows = csv_rows(3)
     rows[1] = rows[1].replace("row 1", '"' + "y" * 300_000 + '"')  # past the csv module's default cell limit
     _, r, quarantined = load_csv(tmp_path, "wide.csv", ("\n".join([CSV_HEADER, *rows]) + "\n").encode())
     assert (r.records_read, r.loaded, quarantined) == (3, 3, [])
+
+
+def test_only_records_near_an_offset_change_are_checked(tmp_path):
+    assert dst_days("UTC") == [date(1, 1, 1)]
+    berlin = set(dst_days("Europe/Berlin"))
+    assert {date(2026, 3, 29), date(2026, 10, 25)} <= berlin and date(2026, 7, 1) not in berlin
+    # Samoa skipped 2011-12-30 when it moved across the date line: a whole day that does not exist
+    con, r, quarantined = load(tmp_path, "apia.jsonl", (rec("gone", ts="2011-12-30 12:00:00") + "\n").encode(),
+                               tz="Pacific/Apia")
+    assert r.loaded == 0 and "does not exist in Pacific/Apia" in quarantined[0][1]

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import sys
+import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
+from zoneinfo import ZoneInfo
 
 import duckdb
 import pyarrow as pa
+import zstandard
 
 from kvforensics import presets
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS, Source
@@ -35,6 +40,7 @@ from kvforensics.loaders.textio import (
     CHUNK,
     INCOMPLETE_RECORD,
     LineStream,
+    Recovering,
     decode_line,
     open_binary,
     printable_raw,
@@ -577,64 +583,64 @@ def _require_header(source: Source, path: Path, header: Iterable[str], chosen: d
 def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
                tick: Callable[[int], None], fast: bool = True) -> Staged:
     stager = _Stager(con)
-    # the lines of a stream that keeps every byte of a truncated gzip/zstd file (its partial last line
-    # is quarantined below, where a file reader would drop it unseen); CR-only line ends are lines too
-    stream = LineStream(path)
     csv.field_size_limit(sys.maxsize)  # a cell of any length (the default stops the file at 128 KiB)
-    reader = csv.reader(raw.decode("utf-8", "surrogateescape") + "\n" for _, raw in stream)
-    try:
-        header = next(reader)
-    except StopIteration:
-        load.notes.append(stream.stopped or "empty file")
-        return _python_staged()
-    except (EOFError, OSError, csv.Error) as e:
-        load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
-        return _python_staged()
-    header = [h.strip() for h in header]
-    chosen = _choose_columns(source, set(header))
-    _require_header(source, path, header, chosen)
-    columns, cells = _split_cells(source, path, chosen, header)
-    stager = _Stager(con, columns)
-    index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
-    cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
-    last_line = 1
-    try:
-        for row in reader:
-            start = last_line + 1
-            last_line = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            joined = ",".join(row)
-            problem = None
-            try:
-                joined.encode("utf-8")
-            except UnicodeEncodeError:
-                problem = "not UTF-8"
-                joined = joined.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            if problem is None and len(row) != len(header):
-                problem = f"expected {len(header)} fields, found {len(row)}"
-            cols["line"].append(start)
-            cols["raw"].append(printable_raw(joined, 2000))
-            cols["problem"].append(problem)
-            for c, i in index.items():
-                value = row[i].strip() if i < len(row) and problem is None else None
-                cols[f"{c}_raw"].append(value if value != "" else None)
-            if len(cols["line"]) >= BATCH:
-                stager.add(cols)
-                tick(len(cols["line"]))
-                cols = {k: [] for k in cols}
-    except (EOFError, OSError, csv.Error) as e:
-        load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
-                          f"later records, if any, are lost")
-    if stream.partial is not None:
-        cols["line"].append(stream.partial[0])
-        cols["raw"].append(printable_raw(stream.partial[1]))
-        cols["problem"].append(INCOMPLETE_RECORD)
-        for c in index:
-            cols[f"{c}_raw"].append(None)
-    stager.add(cols)
-    tick(len(cols["line"]))
-    load.notes.extend(n for n in (stream.stopped, stream.cr_only and CR_ONLY) if n)
+    # every byte of a truncated gzip/zstd file is read (gzip's own reader drops what it decompressed
+    # last); the incomplete last line, its tail, is quarantined below
+    with Recovering(path) as raw, io.BufferedReader(raw, CHUNK) as fh:
+        text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
+        reader = csv.reader(text)
+        try:
+            header = next(reader)
+        except StopIteration:
+            load.notes.append("empty file")
+            return _python_staged()
+        except (EOFError, OSError, csv.Error) as e:
+            load.notes.append(f"input ends early before the header ({type(e).__name__}: {e})")
+            return _python_staged()
+        header = [h.strip() for h in header]
+        chosen = _choose_columns(source, set(header))
+        _require_header(source, path, header, chosen)
+        columns, cells = _split_cells(source, path, chosen, header)
+        stager = _Stager(con, columns)
+        index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
+        cols: dict[str, list] = {"line": [], "raw": [], "problem": [], **{f"{c}_raw": [] for c in index}}
+        last_line = 1
+        try:
+            for row in reader:
+                start = last_line + 1
+                last_line = reader.line_num
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                joined = ",".join(row)
+                problem = None
+                try:
+                    joined.encode("utf-8")
+                except UnicodeEncodeError:
+                    problem = "not UTF-8"
+                    joined = joined.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                if problem is None and len(row) != len(header):
+                    problem = f"expected {len(header)} fields, found {len(row)}"
+                cols["line"].append(start)
+                cols["raw"].append(printable_raw(joined, 2000))
+                cols["problem"].append(problem)
+                for c, i in index.items():
+                    value = row[i].strip() if i < len(row) and problem is None else None
+                    cols[f"{c}_raw"].append(value if value != "" else None)
+                if len(cols["line"]) >= BATCH:
+                    stager.add(cols)
+                    tick(len(cols["line"]))
+                    cols = {k: [] for k in cols}
+        except (EOFError, OSError, csv.Error, zlib.error, zstandard.ZstdError) as e:
+            load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
+                              f"later records, if any, are lost")
+            if not isinstance(e, csv.Error) and raw.tail:
+                cols["line"].append(last_line + 1)
+                cols["raw"].append(printable_raw(raw.tail))
+                cols["problem"].append(INCOMPLETE_RECORD)
+                for c in index:
+                    cols[f"{c}_raw"].append(None)
+        stager.add(cols)
+        tick(len(cols["line"]))
     load.notes.extend(_mapping_notes(source, chosen))
     return replace(_python_staged(), cells=cells)
 
@@ -1039,11 +1045,30 @@ def _field_label(key: str, refs: list[str]) -> str:
     return key if key in CANONICAL_REQUEST_FIELDS else refs[int(key[1:])]
 
 
+@functools.lru_cache(maxsize=32)
+def dst_days(tz: str) -> list[date]:
+    """The dates (1900-2300) within three days of a change of the zone's UTC offset, as a superset of
+    the local times a change can make ambiguous or nonexistent (the typing checks only those); a
+    sentinel date keeps the list non-empty (and typed) for a zone that never changes."""
+    zone = ZoneInfo(tz)
+    days = {date(1, 1, 1)}
+    instant = datetime(1899, 12, 1, tzinfo=timezone.utc)
+    before = instant.astimezone(zone).utcoffset()
+    while instant.year < 2301:
+        instant += timedelta(days=1)
+        offset = instant.astimezone(zone).utcoffset()
+        if offset != before:
+            days.update(instant.date() + timedelta(days=k) for k in range(-3, 3))
+        before = offset
+    return sorted(days)
+
+
 def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged, file_no: int) -> None:
     relation, mapping_params = _mapped_relation(source, staged)
     text = sql("requests_typed").replace("{staging}", relation)
     params = {**staged.params, **mapping_params, "file_no": file_no, "tz": source.timezone,
-              "offset_s": source.clock_offset_s, "ambiguous": source.ambiguous}
+              "offset_s": source.clock_offset_s, "ambiguous": source.ambiguous,
+              "dst_days": dst_days(source.timezone)}
     run_script(con, "requests_typed", params, text=text)
     n = {"n": file_no}
     for before, after in staged.rewrites.items():

@@ -12,7 +12,7 @@ import io
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 CHUNK = 1 << 20
 # The reason of the partial last record of a truncated stream (quarantined, never loaded).
@@ -41,6 +41,41 @@ def open_binary(path: Path, *, fast_gzip: bool = False) -> BinaryIO:
         reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
         return io.BufferedReader(reader, CHUNK)  # type: ignore[arg-type]
     return raw
+
+
+class Recovering(io.RawIOBase):
+    """A readable decompressed stream that, unlike :mod:`gzip`'s reader, hands over every byte of a
+    truncated gzip or zstd stream before it raises (EOFError, zlib.error, ...): what a text or CSV
+    reader has read when it stops is all there was. ``tail`` holds the bytes after the last line end
+    (CR or LF) handed over, i.e. the incomplete last line when the stream stops early."""
+
+    def __init__(self, path: Path) -> None:
+        from kvforensics.loaders.engine_common import open_lines
+
+        self._lines = open_lines(path)
+        self._chunks = self._lines._chunks()
+        self._buffer = b""
+        self.tail = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+            self.tail = chunk[end + 1:] if end >= 0 else self.tail + chunk
+            self._buffer = chunk
+        n = min(len(target), len(self._buffer))
+        target[:n] = self._buffer[:n]
+        self._buffer = self._buffer[n:]
+        return n
+
+    def close(self) -> None:
+        self._lines.close()
+        super().close()
 
 
 def file_digest(path: Path) -> tuple[str, int]:

@@ -6,7 +6,7 @@
 -- Parameters: $file_no, $tz (IANA zone for timestamps without an offset), $offset_s (clock offset in
 -- seconds added to every timestamp of the source), $ambiguous (what a local time that the zone's
 -- daylight-saving change makes ambiguous or nonexistent means: 'earlier' / 'later' of its two UTC
--- instants, or 'reject' to quarantine it), plus those of the staged relation.
+-- instants, or 'reject' to quarantine it), $dst_days (see `zoned`), plus those of the staged relation.
 -- The first failing check names the record's quarantine reason. Nothing here may raise on any
 -- input text: conversions are guarded (epoch range, TRY_CAST, finite and in-range checks), so a bad
 -- value quarantines its record instead of stopping the load. The raw text is kept for refused
@@ -48,19 +48,24 @@ WITH trimmed AS (
         CASE WHEN ts_has_offset THEN regexp_extract(t, '[+-]([0-9]{2}):?([0-9]{2})$', ['h', 'm']) END AS ts_offset
     FROM scaled
 ), zoned AS (
-    SELECT *, timezone($tz, ts_local) AS ts_zoned,
-        -- the zone's UTC offset a day before and a day after: they differ only around a DST change
-        CASE WHEN $tz <> 'UTC' AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
-            timezone($tz, timezone('UTC', ts_local - INTERVAL 1 DAY)) - (ts_local - INTERVAL 1 DAY) END AS off_before,
-        CASE WHEN $tz <> 'UTC' AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
-            timezone($tz, timezone('UTC', ts_local + INTERVAL 1 DAY)) - (ts_local + INTERVAL 1 DAY) END AS off_after
+    -- $dst_days: the dates within a few days of one of the zone's offset changes (a cheap hash test
+    -- that spares every other record the checks below)
+    SELECT *, timezone($tz, ts_local) AS ts_zoned, CAST(ts_local AS DATE) IN (SELECT unnest($dst_days)) AS near_dst
     FROM localized
+), offsets AS (
+    SELECT *,
+        -- the zone's UTC offset a day before and a day after: they differ only around a DST change
+        CASE WHEN near_dst AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+            timezone($tz, timezone('UTC', ts_local - INTERVAL 1 DAY)) - (ts_local - INTERVAL 1 DAY) END AS off_before,
+        CASE WHEN near_dst AND ts_local BETWEEN TIMESTAMP '1900-01-01' AND TIMESTAMP '2300-01-01' THEN
+            timezone($tz, timezone('UTC', ts_local + INTERVAL 1 DAY)) - (ts_local + INTERVAL 1 DAY) END AS off_after
+    FROM zoned
 ), candidates AS (
     -- the two instants the wall-clock time may mean (with either offset), where the offsets differ
     SELECT *,
         CASE WHEN off_before <> off_after THEN timezone('UTC', ts_local - off_before) END AS cand_a,
         CASE WHEN off_before <> off_after THEN timezone('UTC', ts_local - off_after) END AS cand_b
-    FROM zoned
+    FROM offsets
 ), dst AS (
     -- both read back as the same wall-clock time: ambiguous (the repeated hour); neither: it does not exist
     SELECT *,
