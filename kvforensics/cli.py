@@ -83,6 +83,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_detect(args: argparse.Namespace) -> int:
     inv = _investigation(args)
     try:
+        inv.require("detect")
         found = inv.detect()
         tiers = inv.query("SELECT confidence, count(*) AS n FROM request_tiers GROUP BY 1 ORDER BY 1")
     finally:
@@ -94,19 +95,20 @@ def cmd_detect(args: argparse.Namespace) -> int:
 def cmd_scope(args: argparse.Namespace) -> int:
     inv = _investigation(args)
     try:
-        s = inv.scope().summary
+        s = inv.scope_outputs(with_report=False).summary
     finally:
         inv.close()
     code = _verdict(s)
-    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts")
+    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts; "
+          f"scope.json, CSVs and manifest.json in {args.out}")
     return code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     inv = _investigation(args)
     try:
-        s = inv.scope().summary
-        path = inv.report()
+        s = inv.scope_outputs(with_report=True).summary
+        path = inv.out_dir / "report.html"
     finally:
         inv.close()
     code = _verdict(s)

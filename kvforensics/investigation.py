@@ -163,6 +163,21 @@ class Investigation:
         record(self.con, inputs)
 
     # --- stages -----------------------------------------------------------------------------------
+    # the table each stage leaves, the command that writes it: a stage run on its own needs the one before
+    _STAGE_TABLES = {"detect": ("load_report", "ingest"), "scope": ("request_tiers", "detect")}
+
+    def require(self, stage_name: str) -> None:
+        """Refuse a stage whose inputs an earlier stage has not written yet, naming the command to run first
+        (``detect`` on an empty folder must not say "0 findings")."""
+        table, before = self._STAGE_TABLES[stage_name]
+        present = self.db_path.is_file() and bool(self.con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = $t", {"t": table}).fetchone()[0])
+        if present and table == "load_report":
+            present = bool(self.con.execute("SELECT count(*) FROM load_report").fetchone()[0])
+        if not present:
+            raise InputError(f"{self.out_dir} holds no output of '{before}' yet: run `kvforensics {before} "
+                             f"{self.incident.path.name} --out {self.out_dir}` first (or `kvforensics run`)")
+
     def ingest(self) -> IngestResult:
         stage(f"ingest: {len(self.incident.sources)} source(s)", self.progress)
         self._prepare_evidence()
@@ -220,6 +235,21 @@ class Investigation:
         from kvforensics.verify import seal_manifest
 
         seal_manifest(self.write_dir, sign_key=self.sign_key)
+
+    def scope_outputs(self, with_report: bool) -> ScopeResult:
+        """``kvforensics scope`` / ``report`` on an ingested and detected folder: scope, then its outputs
+        (scope.json, CSVs, manifest) and, with the report, the report and notices, put in place together. A
+        report of an earlier scope is removed by ``scope`` alone (it would no longer match scope.json)."""
+        self.require("scope")
+        result = self.scope()
+        report_files = ("report.html", "report.md", "report.pdf", "notices")
+        stale = ("manifest.json.sig",) + (("report.pdf", "notices") if with_report else report_files)
+        with self.writing(stale=stale):
+            self.write_outputs()
+            if with_report:
+                self.report()
+            self.seal()
+        return result
 
     def run(self) -> ScopeResult:
         """Every stage, in order; returns the headline numbers."""
