@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from kvforensics.simulate import calibration as cal
+import kvforensics.simulate.calibration as cal
 from kvforensics.simulate.scenario import Scenario
 
 Role = Literal["prefill", "decode", "unified"]

@@ -66,8 +66,8 @@ from zoneinfo import ZoneInfo
 import numpy as np
 import pandas as pd
 
+import kvforensics.simulate.incident_files as files
 from kvforensics.errors import ConfigError
-from kvforensics.simulate import incident_files as files
 from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, Startup
 from kvforensics.simulate.engine_log import EngineLog, LogLine, build_engine_logs, envelope, request_lines
 from kvforensics.simulate.run import affected_records, apply_pages, planned_incident, served_chunks, trap_ids

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvforensics.simulate import calibration as cal
+import kvforensics.simulate.calibration as cal
 from kvforensics.simulate.deployment import STARTUP_SECONDS, Deployment
 from kvforensics.simulate.scenario import Scenario
 from kvforensics.simulate.traffic import (

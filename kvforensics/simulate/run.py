@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 from rich.progress import Progress
 
+import kvforensics.simulate.incident_files as files
 from kvforensics.errors import ConfigError
-from kvforensics.simulate import incident_files as files
 from kvforensics.simulate.content import ContentWriter, Text
 from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, build_deployment
 from kvforensics.simulate.engine_log import build_engine_logs, request_lines, write_engine_logs

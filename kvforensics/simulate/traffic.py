@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pandas as pd
 
-from kvforensics.simulate import calibration as cal
+import kvforensics.simulate.calibration as cal
 from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, ModelKey
 from kvforensics.simulate.scenario import Scenario
 
