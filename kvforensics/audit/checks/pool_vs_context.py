@@ -1,0 +1,205 @@
+"""Check 1: is the KV pool at least the context length? (every role)
+
+SGLang's scheduler refuses a prompt of ``n`` tokens when ``n >= max_req_input_len =
+min(context_len - 1, max_total_num_tokens - 1) - 5``; the tokenizer's context check refuses ``n >=
+context_len`` (HTTP 400). With a pool smaller than the context, prompts of ``pool - 6 .. context - 1``
+tokens pass the context check and are aborted by the scheduler, which on the disaggregated path
+(before 0.5.22) still hands them to decode: the response is served from stale KV pages. ``fail``
+when ``pool < context``; the largest safe context length is the pool itself (``--context-length <=
+pool``): from there down the pool no longer lowers the limit and the engine behaves as with an
+unlimited pool. (Any SGLang build leaves prompts within 6 tokens of the context length to the
+scheduler rather than the context check; only the engine fix, check 2, makes that refusal safe on
+the PD path.) vLLM refuses to start when the pool cannot hold ``max_model_len``: such a start-up
+served nothing (``not_applicable``); ``pool >= max_model_len`` passes. Scheduler aborts in the log
+whose limit contradicts the pool and context read turn a pass into ``unknown`` (the readings are in
+doubt).
+
+A ``fail`` is **exposed** on a prefill or decode role, or where the role is unknown (no
+``server_args`` line and nothing else to tell): the deploy gate fails closed. A unified server
+answers those prompts with an error, so its fail is listed but not exposed.
+"""
+
+from __future__ import annotations
+
+from kvforensics.audit.checks.common import ON
+from kvforensics.audit.checks.engine_version import exact_version, is_fixed
+from kvforensics.audit.phrases import loc, thousands, to_int
+from kvforensics.audit.startups import Startup
+
+
+def _pool_notes(s: Startup) -> str:
+    parts = []
+    if s.dp_size is not None and s.dp_size > 1:
+        parts.append(f"per DP replica, dp_size={s.dp_size}")
+    kind = s.flags.get("kv_pool_kind", "")
+    full = to_int(s.flags.get("swa_full_layer_tokens"))
+    if kind.startswith("hybrid"):
+        if full is not None and s.pool is not None and full != s.pool:
+            parts.append(
+                f"hybrid SWA pool: full-attention layers {thousands(full)} tokens, the smallest KV "
+                f"allocation logged ({thousands(s.pool)}) is used"
+            )
+        else:
+            parts.append("hybrid SWA pool; the full-attention layers bound one request")
+    elif kind:
+        parts.append(kind)
+    if s.flags.get("kv_pool_resized_after_capture") == "true":
+        parts.append("after the post-capture resize")
+    source = s.flags.get("kv_pool_source", "")
+    if source.startswith(("implied", "server_info", "estimated")):
+        parts.append(source)
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None, bool]:
+    """Check 1; returns (status, detail, file, line, exposed)."""
+    pool_at = (s.pool_file or s.file, s.pool_line) if s.pool_line is not None else s.where("kv_pool_tokens")
+    note = f" [{s.role_note}]" if s.role_note else ""
+    if s.engine == "vllm" and s.refused:
+        est = s.flags.get("estimated_max_model_len")
+        why = (
+            f" (estimated maximum model length {thousands(int(est))})"
+            if est and est.isdigit()
+            else f" (it holds {thousands(s.pool)} tokens)"
+            if s.pool is not None
+            else ""
+        )
+        file, line = s.where("startup_refused")
+        held = f"max_model_len {thousands(s.context)}" if s.context is not None else "max_model_len"
+        return (
+            "not_applicable",
+            (f"vLLM refused to start: the KV cache cannot hold {held}{why}; this start-up served nothing"),
+            file,
+            line,
+            False,
+        )
+    if s.pool is None or s.context is None:
+        missing = " and ".join(
+            x for x, v in (("KV pool size", s.pool), ("context length", s.context)) if v is None
+        )
+        file, line = s.where()
+        return (
+            "unknown",
+            f"no {missing} in this start-up's log: pool vs context cannot be checked{note}",
+            file,
+            line,
+            False,
+        )
+    pool, ctx = s.pool, s.context
+    scope = _pool_notes(s)
+    if s.engine == "vllm":
+        if s.flags.get("kv_pool_source", "").startswith("approximate"):
+            ratio = pool / ctx  # the pool is max_model_len x a concurrency printed with 2 decimals
+            if ratio - 0.005 < 1 <= ratio + 0.005:
+                return (
+                    "unknown",
+                    (
+                        f"KV cache ~{thousands(pool)} tokens (max_model_len x a concurrency rounded to 2 "
+                        f"decimals) is too close to max_model_len {thousands(ctx)} to tell{note}"
+                    ),
+                    *pool_at,
+                    False,
+                )
+        if pool >= ctx:
+            derived = (
+                (
+                    " (vLLM V1 token counts are derived; hybrid / sliding-window models may hold fewer "
+                    "physical slots)"
+                )
+                if s.flags.get("kv_pool_note")
+                else ""
+            )
+            return (
+                "pass",
+                (
+                    f"KV cache {thousands(pool)} tokens >= max_model_len {thousands(ctx)}: vLLM admits no prompt longer "
+                    f"than max_model_len, so every admitted prompt fits{derived}{note}"
+                ),
+                *pool_at,
+                False,
+            )
+        exposed = s.pd is not False
+        return (
+            "fail",
+            (
+                f"KV cache {thousands(pool)} tokens < max_model_len {thousands(ctx)}{scope} and the engine did not "
+                f"refuse to start: prompts longer than the pool are admitted; set --max-model-len <= "
+                f"{thousands(pool)}{note}"
+            ),
+            *pool_at,
+            exposed,
+        )
+    # SGLang
+    limit = min(ctx - 1, pool - 1) - 5
+    aborts = s.events.get("scheduler_abort")
+    seen = ""
+    conflict = False
+    if aborts is not None:
+        seen = (
+            f"; the log shows {thousands(aborts.count)} scheduler abort(s) in this start-up (first at "
+            f"{loc(aborts.first_file, aborts.first_line)})"
+        )
+        if aborts.min_limit is not None and (aborts.min_limit != limit or aborts.max_limit != limit):
+            conflict = True
+            shown = (
+                thousands(aborts.min_limit)
+                if aborts.min_limit == aborts.max_limit
+                else f"{thousands(aborts.min_limit)}-{thousands(aborts.max_limit or 0)}"
+            )
+            seen += (
+                f" reporting a limit of {shown}, not the {thousands(limit)} these numbers give: the pool or context "
+                "reading is inconsistent (a /get_server_info dump shows max_req_input_len)"
+            )
+    if pool >= ctx:
+        return (
+            "unknown" if conflict else "pass",
+            (
+                f"KV pool {thousands(pool)} >= context {thousands(ctx)}{scope}: the pool never lowers the scheduler limit "
+                f"(context - 6 = {thousands(limit)}){seen}{note}"
+            ),
+            *pool_at,
+            False,
+        )
+    head = (
+        f"KV pool {thousands(pool)} < context {thousands(ctx)}{scope}: the scheduler limit is "
+        f"min({thousands(ctx - 1)}, {thousands(pool - 1)}) - 5 = {thousands(limit)}, so prompts of {thousands(limit)}-{thousands(ctx - 1)} "
+        "tokens pass the context check and are aborted by the scheduler"
+    )
+    fix = f"set --context-length <= {thousands(pool)} (the pool)"
+    if s.pd is None:
+        role = (
+            "; the role is unknown (no server_args line): if this instance is disaggregated, builds before "
+            "0.5.22 still hand those requests to decode, which answers them from stale KV pages"
+        )
+        return "fail", f"{head}{role}; {fix}{seen}{note}", *pool_at, True
+    if s.role == "prefill":
+        version = exact_version(s)
+        fixed = (
+            f"; this build ({version}) refuses them at the admission queue, but the checklist says not to "
+            "rely on the engine"
+            if version is not None and is_fixed(version)
+            else ""
+        )
+        body = (
+            "; on the disaggregated path, builds before 0.5.22 still hand them to decode, which answers "
+            f"them from stale KV pages (HTTP 200){fixed}; {fix} on both roles"
+        )
+        return "fail", f"{head}{body}{seen}{note}", *pool_at, True
+    if s.role == "decode":
+        body = (
+            f"; this decode node cannot hold every request its prefill peers admit; {fix} on both roles "
+            "of the pair"
+        )
+        return "fail", f"{head}{body}{seen}{note}", *pool_at, True
+    truncate = s.flags.get("allow_auto_truncate", "").lower() in ON or "input_truncated" in s.events
+    body = (
+        f"; with --allow-auto-truncate they are cut to {thousands(limit)} tokens and served"
+        if truncate
+        else "; a unified server answers them with an error, so nothing is served from stale KV"
+    )
+    return (
+        "fail",
+        f"{head}{body}; {fix} so the context check refuses them up front{seen}{note}",
+        *pool_at,
+        False,
+    )

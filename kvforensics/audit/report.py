@@ -1,0 +1,173 @@
+"""The result of one audit: its verdicts, the exposure windows, the answer for now and the exit code.
+
+:attr:`AuditReport.exit_code` is 1 when anything is exposed in the audited period (now or before), 0
+when clean (unknowns alone do not fail; they are listed) and 2 when nothing could be audited.
+:meth:`AuditReport.now` and :attr:`AuditReport.exposed_now` answer for the start-ups still in force.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from kvforensics.audit.model import CHECKS, STATUSES, ExposureWindow, Verdict
+from kvforensics.audit.phrases import iso
+from kvforensics.audit.render import html_fragment, markdown, stdout_console, terminal
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from rich.console import Console
+
+END_SUMMARY = {"shutdown": "shut down", "next_startup": "restarted", "log_end": "replaced by a successor"}
+
+
+@dataclass
+class AuditReport:
+    """All verdicts of one audit, with the notes a reader needs (parser warnings, assumptions)."""
+
+    verdicts: list[Verdict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+
+    @property
+    def exposed(self) -> bool:
+        return any(v.exposed for v in self.verdicts)
+
+    @property
+    def exposed_now(self) -> bool:
+        """Exposed by a start-up still in force (not shut down, restarted or retired)."""
+        return any(w.in_force for w in self.exposure_windows)
+
+    @property
+    def exit_code(self) -> int:
+        """1 exposed, 0 clean (unknowns alone do not fail), 2 nothing could be audited."""
+        if not self.verdicts:
+            return 2
+        return 1 if self.exposed else 0
+
+    @property
+    def startups(self) -> int:
+        return len({(v.instance, v.startup_file, v.startup_line, v.startup_from) for v in self.verdicts})
+
+    def by_status(self, status: str) -> list[Verdict]:
+        return [v for v in self.verdicts if v.status == status]
+
+    @property
+    def exposure_windows(self) -> list[ExposureWindow]:
+        return [
+            ExposureWindow(
+                v.instance,
+                v.role,
+                v.model,
+                v.startup_from,
+                v.startup_to,
+                v.detail,
+                v.evidence_file,
+                v.evidence_line,
+                v.end_reason,
+                v.end_file,
+                v.end_line,
+                v.successor,
+                v.in_force,
+            )
+            for v in self.verdicts
+            if v.exposed
+        ]
+
+    def summary(self) -> dict[str, Any]:
+        counts = {s: len(self.by_status(s)) for s in STATUSES}
+        return {
+            "exposed": self.exposed,
+            "exit_code": self.exit_code,
+            "startups": self.startups,
+            "instances": len({v.instance for v in self.verdicts}),
+            "exposed_startups": len(self.exposure_windows),
+            "verdicts": counts,
+        }
+
+    # -- presenters -------------------------------------------------------------------------
+
+    def to_records(self) -> list[dict[str, Any]]:
+        return [asdict(v) for v in self.verdicts]
+
+    def to_frame(self) -> pd.DataFrame:
+        import pandas as pd
+
+        frame = pd.DataFrame(self.to_records(), columns=[f.name for f in fields(Verdict)])
+        for col in ("startup_from", "startup_to"):
+            frame[col] = pd.to_datetime(frame[col], utc=True)
+        frame["evidence_line"] = frame["evidence_line"].astype("Int64")
+        return frame
+
+    def to_json(self, indent: int | None = 2) -> str:
+        doc = {
+            "summary": self.summary(),
+            "checks": {str(k): v for k, v in CHECKS.items()},
+            "verdicts": [
+                {k: iso(v) if isinstance(v, datetime) else v for k, v in r.items()}
+                for r in self.to_records()
+            ],
+            "exposure_windows": [
+                {k: iso(v) if isinstance(v, datetime) else v for k, v in asdict(w).items()}
+                for w in self.exposure_windows
+            ],
+            "now": {
+                "exposed": self.exposed_now,
+                "exposed_startups": sum(w.in_force for w in self.exposure_windows),
+                "answer": self.now(),
+            },
+            "notes": self.notes,
+            "inputs": self.inputs,
+        }
+        return json.dumps(doc, indent=indent, ensure_ascii=False)
+
+    def headline(self) -> str:
+        s = self.summary()
+        if self.exit_code == 2:
+            return "Nothing audited: no engine start-up found in the inputs."
+        c = s["verdicts"]
+        state = (
+            f"EXPOSED: {s['exposed_startups']} start-up(s) serve prompts beyond their KV pool"
+            if self.exposed
+            else "Not exposed"
+        )
+        return (
+            f"{state}. {s['startups']} start-up(s) of {s['instances']} instance(s): {c['pass']} pass, "
+            f"{c['fail']} fail, {c['unknown']} unknown, {c['not_applicable']} not applicable."
+        )
+
+    def now(self) -> str:
+        """Is any deployment exposed now? Only exposed start-ups still in force count."""
+        windows = self.exposure_windows
+        live = sorted({w.instance for w in windows if w.in_force})
+        if live:
+            return (
+                f"EXPOSED NOW: {sum(w.in_force for w in windows)} start-up(s) still in force serve prompts "
+                f"beyond their KV pool ({', '.join(live)})."
+            )
+        if not windows:
+            return "Not exposed now: no start-up serves prompts beyond its KV pool."
+        ended: dict[str, int] = {}
+        for w in windows:
+            how = END_SUMMARY.get(w.end_reason or "", "ended")
+            ended[how] = ended.get(how, 0) + 1
+        how_ended = ", ".join(f"{n} {how}" for how, n in ended.items())
+        return f"Not exposed now: every exposed start-up has ended ({how_ended})."
+
+    def to_markdown(self) -> str:
+        return markdown(self.verdicts, **self._page())
+
+    def _repr_html_(self) -> str:
+        return html_fragment(self.verdicts, **self._page())
+
+    def render_terminal(self, console: Console | None = None) -> None:
+        """Print the table on *console*; by default on standard output, as wide as its content when
+        that is a file or a pipe (a terminal wraps it to the window)."""
+        if console is None:
+            console = stdout_console(self.verdicts)
+        terminal(console, self.verdicts, **self._page(), exposed=self.exposed, exposed_now=self.exposed_now)
+
+    def _page(self) -> dict[str, Any]:
+        return {"headline": self.headline(), "now": self.now() if self.verdicts else None, "notes": self.notes}
