@@ -23,7 +23,7 @@ from typing import Any
 import duckdb
 
 from kvforensics.db import parameters_used, sql, statements
-from kvforensics.scope import iso
+from kvforensics.timestamps import iso
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
 

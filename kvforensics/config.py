@@ -16,21 +16,23 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from kvforensics.canonical import (
+    CANONICAL_CHANGE_FIELDS,
+    CANONICAL_CONTENT_FIELDS,
+    CANONICAL_REQUEST_FIELDS,
+)
+from kvforensics.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
 from kvforensics.errors import ConfigError
+from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
 from kvforensics.instances import InstanceMatching, instances_from_config
+from kvforensics.loaders.mapping import source_mapping
 from kvforensics.presets import with_preset
+from kvforensics.rulebook import load_rules
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
 ENGINE_ENVELOPES = ("auto", "none", "kubectl", "cri", "docker", "loki", "cloudwatch", "journald")
-CANONICAL_REQUEST_FIELDS = (
-    "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
-    "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance",
-)
-REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")
-CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
-CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
@@ -289,8 +291,6 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     tz = _check_timezone(raw.get("timezone", "UTC"), where)
     values, null_tokens, expressions = {}, (), {}
     if kind == "requests":
-        from kvforensics.loaders.mapping import source_mapping  # it imports this module
-
         values, null_tokens, expressions = source_mapping(raw, columns, fmt, where)
     elif set(raw) & {"preset", "values", "null_tokens"}:
         raise ConfigError("preset, values and null_tokens apply to kind \"requests\" only", location=where)
@@ -462,8 +462,6 @@ def _parse_aliases(aliases: Mapping[str, Any], where: str) -> dict[str, str]:
 
 def _parse_hardware(hardware: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
     """Each ``[models.hardware."<model>"]`` table: known keys, numbers where numbers are meant."""
-    from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
-
     for model, raw in hardware.items():
         where = f'{label}: [models.hardware."{model}"]'
         if not isinstance(raw, Mapping):
@@ -483,8 +481,6 @@ def _parse_hardware(hardware: Mapping[str, Any], label: str) -> dict[str, dict[s
 
 def _parse_rules(rules: Mapping[str, Any], label: str) -> dict[str, dict[str, Any]]:
     """``[rules.<id>]`` tables: a known rule, its own parameters, each of its default's type."""
-    from kvforensics.detect import load_rules
-
     known = {r.id: r for r in load_rules()}
     check_keys(rules, known, f"{label}: [rules]", what="rule")
     for rule_id, params in rules.items():

@@ -1,9 +1,7 @@
 """Detect: run every rule of ``kvforensics/rules`` and combine their findings into confidence tiers.
 
-A rule is two files: ``<id>.sql`` returns ``request_id, strength, evidence`` for the requests it
-flags, using named parameters (``$name``) declared with defaults in ``<id>.yml``, which also holds
-its metadata and its own positive and negative test cases. The SQL is portable
-(``kvforensics.engines.portable``): ``Rule.template`` is the file, ``Rule.sql`` its DuckDB rendering.
+A rule is two files, ``<id>.sql`` and ``<id>.yml`` (read by ``kvforensics.rulebook``): the SQL
+returns ``request_id, strength, evidence`` for the requests it flags.
 
 Confidence tiers per request (documented in the report's method section):
   * ``confirmed``: at least one strong signal and at least two rules agree;
@@ -17,93 +15,24 @@ mismatch, a bare transfer failure, exceeding only the smallest of several pools.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-from dataclasses import dataclass, field
-from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 import pandas as pd
-import yaml
 
-from kvforensics.engines.portable import EngineError, render
+from kvforensics import latency
+from kvforensics.db import connect
 from kvforensics.errors import ConfigError
+from kvforensics.rulebook import RULES_DIR, Rule, load_rules, rule_parameters
 
 if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine
 
-RULES_DIR = Path(__file__).parent / "rules"
+__all__ = ["AFFECTED_TIERS", "RULES_DIR", "Rule", "detect", "evaluate_case", "load_case_tables", "load_rules",
+           "rule_parameters", "run_rule"]
+
 AFFECTED_TIERS = ("confirmed", "probable")
-_PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    title: str
-    severity: str
-    description: str
-    sql: str                     # the template rendered for DuckDB
-    version: str
-    parameters: Mapping[str, Any]
-    parameter_docs: Mapping[str, str]
-    references: tuple[str, ...] = ()
-    false_positives: tuple[str, ...] = ()
-    tests: tuple[Mapping[str, Any], ...] = ()
-    needs_latency_model: bool = False
-    meta: Mapping[str, Any] = field(default_factory=dict)
-    template: str = ""           # the portable text of <id>.sql (helpers not yet expanded)
-
-    def used_parameters(self) -> set[str]:
-        return set(_PARAM.findall(re.sub(r"--[^\n]*", "", self.sql)))
-
-    def _repr_html_(self) -> str:
-        from html import escape
-
-        params = "".join(f"<li><code>{escape(k)}</code> = {escape(str(v))}</li>" for k, v in self.parameters.items())
-        return (f"<b>{escape(self.id)}</b> ({escape(self.severity)}, version {escape(self.version)}): "
-                f"{escape(self.title)}<ul>{params}</ul>")
-
-
-@cache
-def load_rules(directory: Path = RULES_DIR) -> tuple[Rule, ...]:
-    """Every rule in the directory, sorted by id."""
-    rules = []
-    for yml in sorted(directory.glob("*.yml")):
-        sql_path = yml.with_suffix(".sql")
-        meta = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
-        if not sql_path.exists():
-            raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
-        text = sql_path.read_text(encoding="utf-8")
-        try:
-            duckdb_sql = render(text, "duckdb")
-        except EngineError as e:
-            raise ConfigError(f"rule {yml.stem}: {e}", location=str(sql_path)) from None
-        version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
-        params = meta.get("parameters") or {}
-        rules.append(Rule(
-            id=str(meta.get("id", "")), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
-            description=str(meta.get("description", "")).strip(), sql=duckdb_sql, version=version,
-            parameters={k: v.get("default") for k, v in params.items()},
-            parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
-            references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
-            tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
-            template=text,
-        ))
-    return tuple(sorted(rules, key=lambda r: r.id))
-
-
-def rule_parameters(rule: Rule, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    params = dict(rule.parameters)
-    for k, v in (overrides or {}).items():
-        if k not in params:
-            raise ConfigError(f"rule '{rule.id}' has no parameter '{k}'; it has {sorted(params)}",
-                              location=f"[rules.{rule.id}]")
-        params[k] = v
-    return params
 
 
 def run_rule(con: duckdb.DuckDBPyConnection, rule: Rule, params: Mapping[str, Any]) -> pd.DataFrame:
@@ -121,8 +50,6 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     the rules run on Spark; the latency fit (an aggregate over ``requests``) and the combination of
     the collected findings into tiers run on the evidence database either way.
     """
-    from kvforensics import latency
-
     overrides = overrides or {}
     unknown = set(overrides) - {r.id for r in (rules or load_rules())}
     if unknown:
@@ -201,8 +128,6 @@ def load_case_tables(con: duckdb.DuckDBPyConnection, tables: Mapping[str, list[M
 
 def evaluate_case(rule: Rule, case: Mapping[str, Any]) -> pd.DataFrame:
     """Run one of a rule's test cases in a fresh in-memory evidence database."""
-    from kvforensics.db import connect
-
     con = connect()
     try:
         load_case_tables(con, case.get("tables", {}))

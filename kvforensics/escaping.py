@@ -12,6 +12,8 @@ import re
 from datetime import datetime
 from typing import Any
 
+from kvforensics.timestamps import iso
+
 # C0 control characters other than TAB, LF and CR, and DEL: NUL bytes make a text file binary to every tool.
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # A leading character with which a spreadsheet starts a formula (OWASP CSV injection,
@@ -41,8 +43,6 @@ def csv_cell(value: Any, *, raw: bool = False) -> Any:
         text = visible_controls(value)
         return text if raw else neutralise_formula(text)
     if isinstance(value, datetime):
-        from kvforensics.scope import iso
-
         return iso(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)

@@ -9,14 +9,15 @@ or, with ``spark``, on Spark with the result tables written back, and gathers th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 
+from kvforensics.conclusive import gate, recorded
 from kvforensics.config import Incident
 from kvforensics.db import one
 from kvforensics.engines.portable import run_duckdb_script
+from kvforensics.timestamps import iso
 
 if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine
@@ -33,17 +34,6 @@ SCOPE_PARAMETERS: dict[str, Any] = {
     "min_hourly": 10,                 # an empty hour is a log gap when the source's median hour has this many
 }
 CLASSES = ("customer", "internal", "reporter")
-
-
-def iso(ts: datetime | None) -> str | None:
-    """UTC ISO-8601 with a trailing Z (the output contract's timestamp format)."""
-    if ts is None:
-        return None
-    ts = ts.astimezone(timezone.utc)
-    text = ts.strftime("%Y-%m-%dT%H:%M:%S")
-    if ts.microsecond:
-        text += f".{ts.microsecond // 1000:03d}"
-    return text + "Z"
 
 
 @dataclass
@@ -84,8 +74,6 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     else:
         for name, script_params in scripts:
             run_duckdb_script(con, name, script_params)
-    from kvforensics.conclusive import gate  # it imports this module
-
     gate(con, incident.max_quarantine_fraction)
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
@@ -105,8 +93,6 @@ def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | 
 
 
 def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, Any]:
-    from kvforensics.conclusive import recorded
-
     reasons = recorded(con)
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(

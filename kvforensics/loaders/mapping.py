@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import duckdb
 
-from kvforensics.config import CANONICAL_REQUEST_FIELDS
+from kvforensics.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.errors import ConfigError
 
 # characters that make a `columns` entry an expression rather than a column name or path

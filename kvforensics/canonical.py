@@ -1,0 +1,15 @@
+"""The canonical fields each kind of source is mapped onto.
+
+A ``columns`` entry of the incident file maps one of these names to where the source holds it
+(``loaders/mapping.py``); the loaders fill the tables of ``sql/schema.sql`` with them.
+"""
+
+from __future__ import annotations
+
+CANONICAL_REQUEST_FIELDS = (
+    "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
+    "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance",
+)
+REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")
+CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
+CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
