@@ -25,8 +25,11 @@ from hypothesis import strategies as st
 from kvforensics.simulate import Scenario, simulate
 from kvforensics.simulate.cli import add_arguments, run
 from kvforensics.simulate.content import has_run
+from kvforensics.simulate.engine_log import EngineLog, request_lines
+from kvforensics.simulate.engine_stream import request_line_columns
 from kvforensics.simulate.gateway import column_names
 from kvforensics.simulate.kv_pages import FREE, PageAllocator
+from kvforensics.simulate.run import planned_incident, served_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "sample"
@@ -120,6 +123,17 @@ SCENARIOS = {
         gateway_timestamps="epoch_ms",
         gateway_columns="custom",
         custom_columns={"account_id": "customer"},
+    ),
+    # Above page_simulation_max_requests: every source written chunk by chunk (22 daily chunks).
+    "streamed-adelaide-tp4": Scenario(
+        seed=13,
+        requests=12_000,
+        page_simulation_max_requests=4_000,
+        affected=30,
+        exploiters=1,
+        tp_size=4,
+        engine_timezone="Australia/Adelaide",
+        sglang_version="0.5.20",
     ),
     "none-affected-naive-tokyo": Scenario(
         seed=5,
@@ -221,6 +235,15 @@ def test_same_seed_gives_byte_identical_files(tmp_path: Path) -> None:
     simulate(Scenario(seed=22, requests=2_000, affected=9), tmp_path / "c")
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
     assert digest(tmp_path / "a")["ground_truth.json"] != digest(tmp_path / "c")["ground_truth.json"]
+
+
+def test_streamed_path_is_reproducible_from_the_seed(tmp_path: Path) -> None:
+    scenario = Scenario(seed=21, requests=4_000, affected=9, page_simulation_max_requests=2_000)
+    simulate(scenario, tmp_path / "a")
+    simulate(scenario, tmp_path / "b")
+    files = digest(tmp_path / "a")
+    assert files == digest(tmp_path / "b")
+    assert "content/content.jsonl.gz" in files and sum(f.startswith("engine/") for f in files) == 9
 
 
 # --- The incident, exactly ---------------------------------------------------------------------
@@ -325,7 +348,9 @@ def test_sample_traps(sample_copy: Path) -> None:
 # --- Engine logs --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sample", "kite-la-otel", "one-affected-tp1-epoch"])
+@pytest.mark.parametrize(
+    "name", ["sample", "kite-la-otel", "one-affected-tp1-epoch", "streamed-adelaide-tp4"]
+)
 def test_engine_lines_match_reference_formats(
     generated: dict[str, Path], sample_copy: Path, name: str
 ) -> None:
@@ -439,14 +464,23 @@ def test_page_reads_account_for_every_reserved_page(sample_copy: Path) -> None:
 # --- Content --------------------------------------------------------------------------------------
 
 
-def test_affected_outputs_quote_their_sources(sample_copy: Path) -> None:
-    with gzip.open(sample_copy / "content" / "content.jsonl.gz", "rt") as fh:
-        content = {r["request_id"]: r for r in map(json.loads, fh)}
-    gt = truth(sample_copy)
-    rows = canonical_rows(sample_copy, Scenario())
-    assert all(rows[rid]["model"] == Scenario().model for rid in content)
+@pytest.mark.parametrize("name", ["sample", "streamed-adelaide-tp4"])
+def test_affected_outputs_quote_their_sources(
+    generated: dict[str, Path], sample_copy: Path, name: str
+) -> None:
+    folder = sample_copy if name == "sample" else generated[name]
+    scenario = Scenario() if name == "sample" else SCENARIOS[name]
+    with gzip.open(folder / "content" / "content.jsonl.gz", "rt") as fh:
+        records = [json.loads(line) for line in fh]
+    content = {r["request_id"]: r for r in records}
+    gt = truth(folder)
+    rows = canonical_rows(folder, scenario)
+    assert all(rows[rid]["model"] == scenario.model for rid in content)
+    served = [rid for rid, r in rows.items() if r["model"] == scenario.model and r["status"] == 200]
+    assert len(records) == len(content) == len(served) and set(content) == set(served)
+    assert [rows[r["request_id"]]["ts_ms"] for r in records] == sorted(rows[rid]["ts_ms"] for rid in content)
     leaking = [a for a in gt["affected"] if a["content_leaked_from"]]
-    assert len(leaking) > 100
+    assert len(leaking) > 0.9 * scenario.affected
     for a in leaking:
         output = content[a["request_id"]]["output"]
         for src in a["content_leaked_from"]:
@@ -462,13 +496,51 @@ def test_streaming_path_writes_parquet_without_page_simulation(tmp_path: Path) -
         seed=4, requests=30_000, page_simulation_max_requests=10_000, gateway_format="parquet"
     )
     result = simulate(scenario, tmp_path)
-    assert not result.page_simulation and result.content is None and result.notes
+    assert not result.page_simulation and result.notes
+    assert (
+        result.content is not None and 'path = "content/content.jsonl.gz"' in result.incident_toml.read_text()
+    )
     assert all(p.suffix == ".parquet" for p in result.gateway_files)
     gt = truth(tmp_path)
     assert gt["page_simulation"] is False and len(gt["affected"]) == 155
     assert "pages_read_from" not in gt["affected"][0]
     assert len(canonical_rows(tmp_path, scenario)) == 30_000
     assert 'format = "parquet"' in (tmp_path / "incident.toml").read_text()
+
+
+def test_streamed_engine_logs_have_one_stats_line_per_served_request_in_time_order(
+    generated: dict[str, Path],
+) -> None:
+    scenario = SCENARIOS["streamed-adelaide-tp4"]
+    folder = generated["streamed-adelaide-tp4"]
+    rows = canonical_rows(folder, scenario)
+    served = {rid: r for rid, r in rows.items() if r["model"] == scenario.model and r["status"] == 200}
+    seen: Counter[str] = Counter()
+    for instance, lines in engine_lines(folder).items():
+        stamps = [ENVELOPE.match(line).group(1) for line in lines]
+        assert stamps == sorted(stamps), instance  # no DST change in the period
+        for line in lines:
+            if (t := TIME_STATS.match(ENVELOPE.match(line).group(3))) is not None:
+                assert served[t.group(1)]["prefill_instance"] == instance
+                seen[t.group(1)] += 1
+    assert seen == Counter(list(served))
+
+
+def test_streamed_request_lines_are_the_reference_lines() -> None:
+    """The column-wise lines say what ``engine_log.request_lines`` says, but for the random draws."""
+    scenario = SCENARIOS["streamed-adelaide-tp4"]
+    dep, incident, _, background = planned_incident(scenario)
+    served = next(c for c in served_chunks(scenario, dep, incident, background) if c["affected"].sum() > 1)
+    logs = {name: EngineLog(name) for name in dep.instances("target", "prefill")}
+    request_lines(logs, served, dep, ZoneInfo(scenario.engine_timezone), True, np.random.default_rng(1))
+    names, times, text = request_line_columns(served, dep, np.random.default_rng(1))
+    drawn = re.compile(r"bootstrap_room=\d+|transfer_speed=[\d.]+")
+    reference = [(i, line.ts_ms, drawn.sub("", line.text)) for i, log in logs.items() for line in log.lines]
+    ours = [
+        (str(i), int(t), drawn.sub("", x.removesuffix("\n")))
+        for i, t, x in zip(names, times, text.to_pylist(), strict=True)
+    ]
+    assert len(ours) > 100 and sorted(ours) == sorted(reference)
 
 
 def cli_args(argv: list[str]) -> argparse.Namespace:

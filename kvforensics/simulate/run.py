@@ -3,8 +3,10 @@
 Pipeline: deployment + accounts -> incident requests + hourly background chunks -> serve (status,
 routing, leak, timings) -> [page simulation -> content] -> gateway files, engine logs, changes,
 incident.toml, ground_truth.json. Up to ``page_simulation_max_requests`` everything is kept in
-memory; above it chunks are written as they are generated and the page simulation, content and
-ReqTimeStats lines are skipped (said in a log line and in ground_truth.json).
+memory; above it every source is written chunk by chunk as it is generated (gateway files, the
+engine logs' per-request lines through :class:`EngineLogStream`, content through
+:class:`ContentStream`) and only the page simulation is skipped (said in a log line and in
+ground_truth.json), so memory stays bounded at any number of requests.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from rich.progress import Progress
 import kvforensics.simulate.incident_files as files
 from kvforensics.errors import ConfigError
 from kvforensics.simulate.content import ContentWriter, Text
+from kvforensics.simulate.content_stream import ContentStream
 from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, build_deployment
 from kvforensics.simulate.engine_log import build_engine_logs, request_lines, write_engine_logs
+from kvforensics.simulate.engine_stream import EngineLogStream, request_line_columns
 from kvforensics.simulate.gateway import GatewayWriter, with_duplicates
 from kvforensics.simulate.incident import AffectedPlan, incident_rows
 from kvforensics.simulate.kv_pages import PageSimulation, simulate_pages
@@ -36,6 +40,7 @@ from kvforensics.simulate.traffic import (
     HOUR_MS,
     INTERNAL_BACKGROUND_ACCOUNTS,
     STREAM_IDS,
+    STREAM_LOG_LINES,
     build_accounts,
     iter_background,
     to_ms,
@@ -200,6 +205,16 @@ def affected_records(
     return out
 
 
+def with_leaks(records: list[dict[str, Any]], leaked: dict[str, list[tuple[str, str]]]) -> list[dict[str, Any]]:
+    """Affected records of the streamed path with the requests their content quotes."""
+    for rec in records:
+        if rec["request_id"] in leaked:
+            sources = leaked[rec["request_id"]]
+            rec["content_leaked_from"] = [rid for rid, _ in sources]
+            rec["content_leaked_from_accounts"] = sorted({account for _, account in sources})
+    return records
+
+
 def trap_ids(served: pd.DataFrame) -> dict[str, list[str]]:
     """Request ids of the incident's deliberate non-affected look-alikes, by kind."""
     kind = served["kind"].to_numpy()
@@ -263,13 +278,20 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
     logs = build_engine_logs(dep, np.random.default_rng([s.seed, STREAM_IDS, 1]))
     zone = ZoneInfo(s.engine_timezone)
     notes: list[str] = []
+    stream: EngineLogStream | None = None
+    content: ContentStream | None = None
     if not s.simulates_pages:
         notes.append(
             f"requests={s.requests} > page_simulation_max_requests={s.page_simulation_max_requests}: "
-            "KV page simulation, content and ReqTimeStats lines skipped"
+            "KV page simulation skipped (affected outputs quote the requests that last finished on "
+            "their decode instance)"
         )
         log.warning(notes[-1])
-    chunks = -(-int((s.end - s.start).total_seconds() // 3600) // hours_per_chunk(s))
+        stream = EngineLogStream(logs, out_dir / "engine")
+        if s.write_content:
+            content = ContentStream(s.seed, out_dir / "content" / "content.jsonl.gz")
+    step = hours_per_chunk(s)
+    chunks = -(-int((s.end - s.start).total_seconds() // 3600) // step)
     kept: list[pd.DataFrame] = []
     affected: list[dict[str, Any]] = []
     unique = 0
@@ -279,19 +301,22 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
     log_rng = np.random.default_rng([s.seed, STREAM_IDS, 3])
     with Progress(transient=True) as progress:
         task = progress.add_task("simulating gateway traffic", total=chunks)
-        for served in served_chunks(s, dep, incident, background):
+        for k, served in enumerate(served_chunks(s, dep, incident, background)):
             unique += len(served)
             seen_accounts.update(served["account"].unique().tolist())
             for kind, ids in trap_ids(served).items():
                 traps[kind] = sorted(traps.get(kind, []) + ids)
-            if s.simulates_pages:
+            if stream is None:
                 kept.append(served)
             else:
                 gateway.write(with_duplicates(served, s.duplicate_rate, dup_rng))
-                request_lines(logs, served, dep, zone, False, log_rng)
-                affected += affected_records(served, None, None, {}, model_ids)
+                lines_rng = np.random.default_rng([s.seed, STREAM_LOG_LINES, k])
+                stream.add(*request_line_columns(served, dep, lines_rng))
+                stream.flush_before(to_ms(s.start) + (k + 1) * step * HOUR_MS)
+                leaked = content.write(served, k) if content is not None else {}
+                affected += with_leaks(affected_records(served, None, None, {}, model_ids), leaked)
             progress.advance(task)
-    content_path: Path | None = None
+    content_path = content.close() if content is not None else None
     if s.simulates_pages:
         served = pd.concat(kept, ignore_index=True)
         served, sim, rows = apply_pages(served, dep)
@@ -305,7 +330,7 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
         request_lines(logs, served, dep, zone, True, log_rng)
         affected = affected_records(served, rows, sim, leaked, model_ids)
     gateway_files = gateway.close()
-    engine_paths = write_engine_logs(logs, out_dir / "engine")
+    engine_paths = stream.close() if stream is not None else write_engine_logs(logs, out_dir / "engine")
     changes = files.write_text(out_dir / "changes" / "changes.csv", files.changes_csv(dep))
     toml = files.write_text(out_dir / "incident.toml", files.incident_toml(dep, content_path is not None))
     counts = {

@@ -29,7 +29,7 @@ class Scenario:
 
     seed: int = 7
     #: Total gateway requests (background traffic + incident requests). Above
-    #: ``page_simulation_max_requests`` the KV page simulation and content are skipped.
+    #: ``page_simulation_max_requests`` every source is streamed and the KV page simulation skipped.
     requests: int = 20_000
     incident_id: str = "glm53-kv-exposure"
 

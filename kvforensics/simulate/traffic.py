@@ -27,7 +27,7 @@ INTERNAL_BACKGROUND_ACCOUNTS = ("loadtest-llama-01", "loadtest-evals-01")
 TRANSFER_GBPS = 40.0  # effective Mooncake RDMA bandwidth prefill -> decode, GB/s
 
 # Streams of the per-hour RNG (so independent draws never share a stream).
-STREAM_ACCOUNTS, STREAM_HOURS, STREAM_INCIDENT, STREAM_CONTENT, STREAM_IDS = range(5)
+STREAM_ACCOUNTS, STREAM_HOURS, STREAM_INCIDENT, STREAM_CONTENT, STREAM_IDS, STREAM_LOG_LINES = range(6)
 
 
 def to_ms(ts: datetime) -> int:
