@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 
-from kvforensics.loaders.engine_common import contains_any
+from kvforensics.loaders.engine_lines import contains_any
 
 SHUTDOWN_NEEDLES = (
     "SIGTERM received",

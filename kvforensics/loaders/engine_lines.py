@@ -1,0 +1,250 @@
+"""Reading engine logs as lines: plain, gzip and zstd files streamed, and the outer prefixes every
+engine shares (ANSI colour, Docker ``--timestamps``, Ray's ``(Process pid=N)``).
+
+Only this module touches the file system for engine logs: :func:`open_lines` streams a file line
+by line (never the whole file in memory) and records where a truncated compressed stream stopped.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO
+
+import zstandard
+
+from kvforensics.errors import InputError
+from kvforensics.loaders.engine_types import EngineLine
+
+SNIFF_LINES = 200
+"""How many first lines format and envelope recognition look at."""
+
+# --------------------------------------------------------------------------------------------
+# Streaming lines from plain, gzip and zstd files
+# --------------------------------------------------------------------------------------------
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_CHUNK = 1 << 18
+
+
+@dataclass(frozen=True)
+class TruncatedInput:
+    """Where a compressed (or unreadable) stream stopped before its end."""
+
+    compression: str  # "gzip" | "zstd" | "none"
+    after_line: int  # number of complete lines that were read before the stream stopped
+    reason: str
+    partial_tail: bytes = b""  # bytes of the incomplete line that was being read, if any
+
+    def describe(self) -> str:
+        what = f"{self.compression} stream" if self.compression != "none" else "file"
+        tail = " (the incomplete line after it was quarantined)" if self.partial_tail else ""
+        return f"{what} truncated after line {self.after_line}: {self.reason}{tail}"
+
+
+class LineStream(Iterator[EngineLine]):
+    """Iterate over ``(line number, text or None, raw bytes)`` of a plain, .gz or .zst file.
+
+    The compression is recognised by its magic bytes (so rotated names like ``x.log.1.gz`` and
+    misnamed files both work). The file is opened read-only and read in chunks. A compressed stream
+    that ends early (or a read error) does not raise: iteration stops after the last complete line
+    and :attr:`truncated` says where and why; the incomplete last line, if any, is kept in
+    ``truncated.partial_tail`` instead of being yielded (half a number must not pass for a number).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.compression: str = "none"
+        self.truncated: TruncatedInput | None = None
+        self.lines_yielded = 0
+        try:
+            self._fh: IO[bytes] = open(self.path, "rb")  # noqa: SIM115 - closed by the generator
+        except OSError as e:
+            raise InputError(
+                f"cannot open engine log: {e.strerror or e}; check the path and its permissions",
+                location=str(path),
+            ) from e
+        magic = self._fh.read(4)
+        self._fh.seek(0)
+        if magic.startswith(_GZIP_MAGIC):
+            self.compression = "gzip"
+        elif magic.startswith(_ZSTD_MAGIC):
+            self.compression = "zstd"
+        self._lines = self._generate()
+
+    def __iter__(self) -> LineStream:
+        return self
+
+    def __next__(self) -> EngineLine:
+        return next(self._lines)
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def _chunks(self) -> Iterator[bytes]:
+        if self.compression == "gzip":
+            yield from self._gzip_chunks()
+        elif self.compression == "zstd":
+            yield from self._zstd_chunks()
+        else:
+            while chunk := self._fh.read(_CHUNK):
+                yield chunk
+
+    def _gzip_chunks(self) -> Iterator[bytes]:
+        # GzipFile.read() discards what it decompressed when the stream ends early; a raw
+        # decompressobj yields every byte it could recover, then we check the member ended.
+        dobj = zlib.decompressobj(wbits=31)
+        fed = False
+        while data := self._fh.read(_CHUNK):
+            while data:
+                fed = True
+                out = dobj.decompress(data)
+                if out:
+                    yield out
+                if dobj.eof:  # end of one gzip member; concatenated members may follow
+                    data = dobj.unused_data
+                    dobj = zlib.decompressobj(wbits=31)
+                    fed = False
+                    if data and not data.startswith(_GZIP_MAGIC):
+                        break  # trailing garbage after the last member is ignored, as gzip does
+                else:
+                    data = b""
+        if fed and not dobj.eof:
+            raise EOFError("gzip stream ended before its end-of-stream marker (file truncated?)")
+
+    def _zstd_chunks(self) -> Iterator[bytes]:
+        # stream_reader() silently stops at a truncated frame; decompressobj() lets us check eof.
+        dctx = zstandard.ZstdDecompressor()
+        dobj = dctx.decompressobj()
+        fed = False
+        while data := self._fh.read(_CHUNK):
+            while data:
+                fed = True
+                out = dobj.decompress(data)
+                if out:
+                    yield out
+                if dobj.eof:  # end of one frame; the rest may be another frame
+                    data = dobj.unused_data
+                    dobj = dctx.decompressobj()
+                    fed = False
+                else:
+                    data = b""
+        if fed and not dobj.eof:
+            raise EOFError("zstd frame ended before its end (file truncated?)")
+
+    def _generate(self) -> Iterator[EngineLine]:
+        pending = bytearray()
+        number = 0
+        try:
+            for chunk in self._chunks():
+                start = 0
+                while (nl := chunk.find(b"\n", start)) >= 0:
+                    if pending:
+                        pending += chunk[start:nl]
+                        raw = bytes(pending)
+                        pending.clear()
+                    else:
+                        raw = chunk[start:nl]
+                    start = nl + 1
+                    number += 1
+                    self.lines_yielded = number
+                    yield _decode(number, raw)
+                pending += chunk[start:]
+        except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
+            reason = str(e) or type(e).__name__
+            self.truncated = TruncatedInput(self.compression, number, reason, bytes(pending))
+            self.close()
+            return
+        self.close()
+        if pending:  # a last line without a newline is an ordinary line in a complete file
+            number += 1
+            self.lines_yielded = number
+            yield _decode(number, bytes(pending))
+
+
+def _decode(number: int, raw: bytes) -> EngineLine:
+    if raw.endswith(b"\r"):
+        raw = raw[:-1]
+    try:
+        text: str | None = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if number == 1 and text is not None and text.startswith("\ufeff"):
+        text = text[1:]
+    return number, text, raw
+
+
+def open_lines(path: Path) -> LineStream:
+    """Stream ``(1-based line number, text or None if not UTF-8, raw bytes)`` from *path*.
+
+    Plain, gzip and zstd files are read transparently. See :class:`LineStream` for truncation.
+    Raises :class:`~kvforensics.errors.InputError` if the file cannot be opened.
+    """
+    return LineStream(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Outer prefixes every engine shares: ANSI colour, Docker --timestamps, (Process pid=N)
+# --------------------------------------------------------------------------------------------
+
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+_DOCKER_TS_RE = re.compile(
+    r"^(?P<ts>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,9}))?(?P<tz>Z|[+-]\d{2}:?\d{2})\s"
+)
+_PROCESS_RE = re.compile(r"^\((?P<name>[A-Za-z_][\w.\-]*)(?P<attrs>[^()]*?\bpid=(?P<pid>\d+)[^()]*)\)\s?")
+
+
+def contains_any(text: str, needles: tuple[str, ...]) -> bool:
+    """True if any needle occurs in *text*: a cheap filter before running regular expressions."""
+    for needle in needles:  # a plain loop: ~2x faster than any() over a generator
+        if needle in text:
+            return True
+    return False
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI_RE.sub("", text) if "\x1b" in text else text
+
+
+@dataclass(frozen=True)
+class OuterPrefix:
+    docker_ts: datetime | None  # UTC instant from a Docker --timestamps prefix
+    process: str | None  # e.g. "SGLangWorker", "VllmWorker rank=1", "EngineCore_DP0"
+    rest: str
+
+
+def split_outer_prefixes(text: str) -> OuterPrefix:
+    """Remove ANSI colours, a Docker RFC3339 prefix and ``(Name [rank=N] pid=N[, ip=..])`` prefixes."""
+    if "\x1b" not in text and (not text or text[0] not in "(0123456789"):
+        return OuterPrefix(None, None, text)  # the common case: nothing to remove
+    text = strip_ansi(text)
+    docker_ts = None
+    m = _DOCKER_TS_RE.match(text)
+    if m:
+        try:
+            base = datetime.fromisoformat(m["ts"])
+            frac = (m["frac"] or "0")[:6].ljust(6, "0")
+            tzs = m["tz"]
+            if tzs == "Z":
+                offset = timedelta(0)
+            else:
+                sign = -1 if tzs[0] == "-" else 1
+                digits = tzs[1:].replace(":", "")
+                offset = sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+            docker_ts = (base.replace(microsecond=int(frac)) - offset).replace(tzinfo=UTC)
+            text = text[m.end() :]
+        except ValueError:
+            docker_ts = None
+    process = None
+    while (p := _PROCESS_RE.match(text)) is not None:
+        attrs = re.sub(r",?\s*\b(?:pid|ip)=[^,\s)]*", "", p["attrs"]).strip(" ,")
+        name = p["name"] + (f" {attrs}" if attrs else "")
+        process = name if process is None else f"{process}/{name}"
+        text = text[p.end() :]
+    return OuterPrefix(docker_ts, process, text)
+

@@ -1,0 +1,178 @@
+"""The engine-log parse contract: what every parser returns and the ingest stage stores.
+
+* :class:`StartupRecord`  one start-up of one engine instance (KV pool, context length, role ...),
+* :class:`EngineEvent`    one per-request engine line (aborts, transfer failures, timing stats ...),
+* :class:`QuarantinedLine` a line that looks like a log line but could not be read, with the reason,
+* :class:`EngineLogParse` all of the above for one instance, plus ``lines_read`` and ``notes``,
+* :class:`EngineFileParse` one file: an :class:`EngineLogParse` per instance it holds (an export of
+  interleaved pods holds several), its physical line count and what belongs to the file.
+
+This module is the bottom floor of the engine-log loaders: it imports none of them (see
+``docs/architecture.md``, "Engine-log parser contract").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+EVENT_KINDS = (
+    "abort_input_too_long",  # prompt longer than what the engine accepts (N tokens vs limit M)
+    "req_time_stats",  # per-request timing line (prompt_tokens = input_len as the engine saw it)
+    "transfer_failure",  # PD KV hand-off failed (bootstrap, handshake, transfer, Mooncake session)
+    "checksum_mismatch",  # --disaggregation-enable-kv-checksum caught a corrupted hand-off
+    "context_corruption",  # metadata buffer index collision between two requests
+    "canary_violation",  # --kv-canary found a KV slot holding unexpected token ids
+    "input_truncated",  # the engine silently truncated a prompt (allow_auto_truncate / old builds)
+    "abort_other",  # any other abort naming a request
+)
+
+DETAIL_LIMIT = 300
+RAW_LIMIT = 500
+INHERITED_TS_NOTE = (
+    "{n} event line(s) without a timestamp of their own (tracebacks, continuation lines) were given the "
+    "time of the last stamped line before them"
+)
+
+
+@dataclass(frozen=True)
+class StartupRecord:
+    """One start-up of one engine instance; it holds until the instance's next start-up, its own
+    shutdown lines, or the end of its log (``kvforensics/instances.py`` decides which)."""
+
+    instance: str
+    ts: datetime | None  # UTC, tz-aware: first line of the start-up (first stamped line if it has none)
+    line: int  # 1-based line of the first line of the start-up
+    engine: str  # "sglang" | "vllm"
+    engine_version: str | None  # "0.5.21" (logged) or ">0.5.9,<0.5.20 (inferred: ...)"
+    version_source: str | None  # "log" | "inferred from format" | None
+    role: str  # "prefill" | "decode" | "unified"
+    model: str | None  # served_model_name, else model_path
+    kv_pool_tokens: int | None  # effective pool: min over ranks, last value per rank wins
+    pool_source_line: int | None
+    context_length: int | None
+    page_size: int | None
+    tp_size: int | None
+    dp_size: int | None
+    flags: dict[str, str]  # selected server args and derived facts (disaggregation_*, kv_pool_* ...)
+    evidence: dict[str, int]  # field -> line number it came from
+    last_line: int | None = None  # the last line of the log that belongs to this start-up
+    last_ts: datetime | None = None  # UTC time of its last stamped line: the last sign of life in the log
+    shutdown_line: int | None = None  # first line saying the server stops (loaders/shutdown.py)
+    shutdown_ts: datetime | None = None  # its time (a line without a stamp: the last stamped line before it)
+    shutdown_reason: str | None = None  # e.g. "SIGTERM received", "HTTP server shutting down"
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """One per-request engine line."""
+
+    instance: str
+    ts: datetime | None
+    line: int
+    kind: str  # one of EVENT_KINDS
+    request_id: str | None
+    prompt_tokens: int | None  # N from "Input length (N tokens)", input_len= from ReqTimeStats ...
+    limit_tokens: int | None  # M from "maximum allowed length (M tokens)" ...
+    detail: str  # the message, truncated to 300 characters
+
+
+@dataclass(frozen=True)
+class QuarantinedLine:
+    line: int
+    reason: str
+    raw: str
+
+
+@dataclass
+class EngineLogParse:
+    startups: list[StartupRecord] = field(default_factory=list)
+    events: list[EngineEvent] = field(default_factory=list)
+    quarantined: list[QuarantinedLine] = field(default_factory=list)
+    lines_read: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+EngineLine = tuple[int, str | None, bytes]
+"""(1-based line number, decoded text or None if the bytes are not UTF-8, raw bytes)."""
+
+LineParser = Callable[..., EngineLogParse]
+
+
+def truncate_detail(message: str, limit: int = DETAIL_LIMIT) -> str:
+    return message if len(message) <= limit else message[: limit - 1] + "\u2026"
+
+
+def raw_for_quarantine(raw: bytes | str) -> str:
+    text = raw.decode("utf-8", "backslashreplace") if isinstance(raw, bytes) else raw
+    return truncate_detail(text, RAW_LIMIT)
+
+
+def add_note(notes: list[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
+
+
+def add_reading_notes(notes: list[str], *, inherited_ts: int, nul_lines: int, clock: Any, skew: Any) -> None:
+    """The notes every engine-log parser ends with: timestamps inherited by continuation lines, NUL
+    bytes removed, and what the clock (time zone / offset) and the skew check assumed."""
+    if inherited_ts:
+        add_note(notes, INHERITED_TS_NOTE.format(n=inherited_ts))
+    if nul_lines:
+        add_note(notes, f"{nul_lines} line(s) contained NUL bytes, which were removed before reading")
+    for n in clock.notes() + skew.notes():
+        add_note(notes, n)
+
+
+InstanceNamer = Callable[[Mapping[str, str] | None], str]
+"""Names the instance of a record from its envelope labels (None: the file's own name). Raises
+KeyError when the template names a label the record does not carry."""
+
+
+@dataclass
+class EngineFileParse:
+    """One engine log file: a parse per engine instance it holds, and what belongs to the file."""
+
+    envelope: str  # "none" or one of kvforensics.loaders.envelopes.ENVELOPES
+    instances: dict[str, EngineLogParse] = field(default_factory=dict)
+    lines_read: int = 0  # physical lines of the file
+    quarantined: list[QuarantinedLine] = field(default_factory=list)  # envelope records that could not be read
+    notes: list[str] = field(default_factory=list)  # about the file as a whole
+    warnings: list[str] = field(default_factory=list)  # notes a responder must see (e.g. a clock disagreement)
+
+    @property
+    def startups(self) -> list[StartupRecord]:
+        return [s for parse in self.instances.values() for s in parse.startups]
+
+    @property
+    def events(self) -> list[EngineEvent]:
+        return [e for parse in self.instances.values() for e in parse.events]
+
+    def all_quarantined(self) -> list[QuarantinedLine]:
+        """Every quarantined physical line once (the reasons of one line's pieces joined), by line."""
+        by_line: dict[int, QuarantinedLine] = {}
+        for q in itertools.chain(self.quarantined, *(p.quarantined for p in self.instances.values())):
+            held = by_line.get(q.line)
+            if held is None:
+                by_line[q.line] = q
+            elif q.reason not in held.reason:
+                by_line[q.line] = QuarantinedLine(q.line, f"{held.reason}; {q.reason}", held.raw)
+        return [by_line[k] for k in sorted(by_line)]
+
+    def all_notes(self) -> list[str]:
+        """The file's notes, then each instance's (named when the file holds several)."""
+        notes = list(self.notes)
+        several = len(self.instances) > 1
+        for name, parse in self.instances.items():
+            for n in parse.notes:
+                add_note(notes, f"instance '{name}': {n}" if several else n)
+        return notes
+
+    def merged(self) -> EngineLogParse:
+        """All instances as one :class:`EngineLogParse` (each record still names its instance)."""
+        return EngineLogParse(startups=self.startups, events=self.events, quarantined=self.all_quarantined(),
+                              lines_read=self.lines_read, notes=self.all_notes())
+
