@@ -7,8 +7,20 @@ Aggregation happens in DuckDB (``report/data.py``); these functions only draw. E
 from __future__ import annotations
 
 import sys
+import zlib
 
+import duckdb
 import pandas as pd
+
+from kvforensics.config import Incident
+from kvforensics.report.views import (
+    MAX_ACCOUNTS,
+    MAX_POINTS,
+    AccountFrames,
+    TimelineFrames,
+    account_frames,
+    timeline_frames,
+)
 
 
 def _import_altair():  # noqa: ANN202 - returns the altair module
@@ -31,6 +43,13 @@ alt = _import_altair()
 
 CONFIDENCE_COLOURS = alt.Scale(domain=["confirmed", "probable", "possible", "not flagged"],
                                range=["#c0392b", "#e67e22", "#f1c40f", "#95a5a6"])
+CLASS_COLOURS = alt.Scale(domain=["customer", "internal", "reporter"], range=["#2c3e50", "#95a5a6", "#16a085"])
+# the timeline's lanes of events, top to bottom, and their colours
+EVENT_LANES = {"incident file": "incident file (reports, fixes)", "config change": "config changes",
+               "start-up": "engine start-ups and restarts", "restart": "engine start-ups and restarts"}
+EVENT_COLOURS = alt.Scale(domain=["incident file", "config change", "start-up", "restart"],
+                          range=["#c0392b", "#2980b9", "#27ae60", "#d35400"])
+AFFECTED_LANE = "affected responses"
 
 
 def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, *, title: str,
@@ -64,28 +83,105 @@ def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, 
     return chart.interactive() if interactive else chart
 
 
-def timeline_chart(hourly: pd.DataFrame, windows: pd.DataFrame, events: pd.DataFrame, *,
-                   interactive: bool = False) -> alt.VConcatChart:
-    """Exposure windows, affected responses per hour and events on one UTC time axis.
+def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident: Incident | None = None, *,
+                   interactive: bool = True, max_points: int = MAX_POINTS) -> alt.VConcatChart:
+    """The incident on one UTC time axis: the incident file's events (reports, fixes), config changes, engine
+    start-ups and restarts, each exposure window and each affected response (top); affected responses per hour
+    (bottom).
 
-    ``hourly``: hour, responses, model. ``windows``: start, end, label. ``events``: ts, title.
+    ``source``: the investigation's database connection (``inv.con``; ``incident`` adds its ``[[events]]``), or
+    :func:`~kvforensics.report.views.timeline_frames`. ``interactive``: scroll or drag the top to zoom and pan
+    (double-click resets), drag across the hourly bars to brush a period (its responses and events stand out
+    above), hover for details.
     """
-    zoom = alt.selection_interval(encodings=["x"], bind="scales") if interactive else None
-    x_title = "time (UTC)"
-    bars = alt.Chart(hourly).mark_bar(color="#c0392b").encode(
-        x=alt.X("hour:T", title=x_title), y=alt.Y("responses:Q", title="affected responses / hour"),
-        tooltip=["hour:T", "model:N", "responses:Q"])
+    f = source if isinstance(source, TimelineFrames) else timeline_frames(source, incident, max_points=max_points)
+    events = f.events.assign(lane=[EVENT_LANES.get(k, k) for k in f.events["kind"]])
+    # a fixed vertical offset per response (from its id) keeps responses of the same minute apart
+    affected = f.affected.assign(lane=AFFECTED_LANE, jitter=[zlib.crc32(str(r).encode()) % 201 / 100 - 1
+                                                              for r in f.affected["request_id"]])
+    lanes = [lane for lane in (*dict.fromkeys(EVENT_LANES.values()), *f.windows["lane"], AFFECTED_LANE)
+             if lane in set(events["lane"]) | set(f.windows["lane"]) | set(affected["lane"])]
+    # zoom: scroll or drag the top (both parts share the time axis); brush: drag across the hourly bars to
+    # highlight that period's affected responses and events above
+    zoom = alt.selection_interval(encodings=["x"], bind="scales", name="zoom") if interactive else None
+    brush = alt.selection_interval(encodings=["x"], name="period") if interactive and not f.hourly.empty else None
+    x = alt.X("ts:T", scale=alt.Scale(type="utc"),
+              axis=alt.Axis(title="time (UTC)", format="%Y-%m-%d %H:%M", labelAngle=0, labelOverlap=True))
+    y = alt.Y("lane:N", sort=lanes, title=None, axis=alt.Axis(labelLimit=280))
+    spans = alt.Chart(f.windows.rename(columns={"start": "ts"})).mark_bar(height=12, color="#8e44ad", clip=True,
+                                                                          opacity=0.55).encode(
+        x=x, x2="end:T", y=y,
+        tooltip=[alt.Tooltip("lane:N", title="exposure window"), alt.Tooltip("model:N"), alt.Tooltip("from:N"),
+                 alt.Tooltip("to:N"), alt.Tooltip("pool_tokens:Q", title="KV pool", format=","),
+                 alt.Tooltip("context_length:Q", title="context", format=",")])
+    ticks = alt.Chart(events).mark_tick(thickness=2, size=14, clip=True).encode(
+        x=x, y=y, color=alt.Color("kind:N", title="event", scale=EVENT_COLOURS),
+        tooltip=[alt.Tooltip("time:N", title="time (UTC)"), "kind:N", "title:N", "detail:N"])
+    dots = alt.Chart(affected).mark_circle(size=36, clip=True).encode(
+        x=x, y=y, yOffset=alt.YOffset("jitter:Q", scale=alt.Scale(domain=[-1, 1], range=[-7, 7])),
+        color=alt.Color("confidence:N", scale=CONFIDENCE_COLOURS, title="finding"),
+        tooltip=[alt.Tooltip("time:N", title="time (UTC)"), "request_id:N", "account_id:N", "account_class:N",
+                 "model:N", "instance:N", alt.Tooltip("prompt_tokens:Q", format=","), "confidence:N"],
+    )
+    if brush is not None:  # outside the brushed period: faint
+        ticks = ticks.encode(opacity=alt.condition(brush, alt.value(1.0), alt.value(0.25)))
+        dots = dots.encode(opacity=alt.condition(brush, alt.value(0.85), alt.value(0.12)))
+    drawn = len(f.affected)
+    title = f"{f.affected_total:,} affected responses" + (
+        f" ({drawn:,} drawn, a sample by request id)" if drawn < f.affected_total else "")
+    detail = alt.layer(spans, ticks, dots).resolve_scale(color="independent").properties(
+        width=640, height=max(60, 24 * len(lanes)), title=title)
     if zoom is not None:
-        bars = bars.add_params(zoom)
-    spans = alt.Chart(windows).mark_bar(height=14, color="#8e44ad", opacity=0.6).encode(
-        x=alt.X("start:T", title=x_title), x2="end:T", y=alt.Y("label:N", title=None),
-        tooltip=["label:N", "start:T", "end:T"])
-    marks = alt.Chart(events).mark_rule(color="#2c3e50", strokeDash=[3, 3]).encode(
-        x="ts:T", tooltip=["ts:T", "title:N"])
-    top = alt.layer(spans, marks).properties(width=640, height=max(40, 22 * max(1, windows["label"].nunique()))
-                                             if not windows.empty else 40, title="exposure windows and events")
-    bottom = alt.layer(bars, marks).properties(width=640, height=160)
-    return alt.vconcat(top, bottom).resolve_scale(x="shared")
+        detail = detail.add_params(zoom)
+    hourly = alt.Chart(f.hourly.rename(columns={"hour": "ts"})).mark_bar(clip=True).encode(
+        x=x, y=alt.Y("responses:Q", title="affected / hour"), color=alt.Color("model:N", title="model"),
+        tooltip=[alt.Tooltip("time:N", title="hour (UTC)"), "model:N", "responses:Q"],
+    ).properties(width=640, height=90, title="affected responses per hour" + (
+        ": drag across the bars to highlight a period above" if brush is not None else ""))
+    if brush is not None:
+        hourly = hourly.add_params(brush)
+    return alt.vconcat(detail, hourly).resolve_scale(x="shared", color="independent")
+
+
+def account_chart(source: duckdb.DuckDBPyConnection | AccountFrames, *, account: str | None = None,
+                  interactive: bool = True, max_accounts: int = MAX_ACCOUNTS,
+                  max_points: int = MAX_POINTS) -> alt.HConcatChart:
+    """Per account: the accounts that received affected responses, most first (left), and their affected responses
+    over time by prompt size (right).
+
+    ``source``: the investigation's database connection (``inv.con``) or
+    :func:`~kvforensics.report.views.account_frames`; ``account``: that account only. ``interactive``: pick an
+    account in the list below the chart or click its bar to show only its responses (click again or pick
+    "all" to clear).
+    """
+    f = source if isinstance(source, AccountFrames) else account_frames(
+        source, account=account, max_accounts=max_accounts, max_points=max_points)
+    ids = f.accounts["account_id"].tolist()
+    pick = None
+    if interactive and account is None and ids:
+        pick = alt.selection_point(fields=["account_id"], name="account", bind=alt.binding_select(
+            options=[None, *ids], labels=["all listed accounts", *ids], name="account "))
+    listed = f"{len(ids):,} of {f.accounts_total:,} accounts" if len(ids) < f.accounts_total else f"{len(ids):,} accounts"
+    bars = alt.Chart(f.accounts).mark_bar().encode(
+        y=alt.Y("account_id:N", sort="-x", title=None, axis=alt.Axis(labelLimit=160)),
+        x=alt.X("responses:Q", title="affected responses received"),
+        color=alt.Color("account_class:N", title="account class", scale=CLASS_COLOURS),
+        tooltip=["account_id:N", "account_class:N", "responses:Q", alt.Tooltip("first_time:N", title="first (UTC)"),
+                 alt.Tooltip("last_time:N", title="last (UTC)"), "models:N"],
+    ).properties(width=200, height=max(40, 16 * len(ids)), title=listed)
+    dots = alt.Chart(f.affected).mark_circle(size=40, opacity=0.8).encode(
+        x=alt.X("ts:T", scale=alt.Scale(type="utc"),
+                axis=alt.Axis(title="time (UTC)", format="%m-%d %H:%M", labelAngle=0, labelOverlap=True)),
+        y=alt.Y("prompt_tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s")),
+        color=alt.Color("confidence:N", scale=CONFIDENCE_COLOURS, title="finding"),
+        tooltip=[alt.Tooltip("time:N", title="time (UTC)"), "request_id:N", "account_id:N", "model:N",
+                 "instance:N", alt.Tooltip("prompt_tokens:Q", format=","), "confidence:N"],
+    ).properties(width=420, height=max(160, min(16 * len(ids), 400)),
+                 title="affected responses" + (f" of {account}" if account is not None else ""))
+    if pick is not None:
+        bars = bars.add_params(pick).encode(opacity=alt.condition(pick, alt.value(1.0), alt.value(0.35)))
+        dots = dots.transform_filter(pick)
+    return alt.hconcat(bars, dots).resolve_scale(color="independent")
 
 
 def quarantine_chart(counts: pd.DataFrame) -> alt.Chart:

@@ -197,18 +197,4 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                       sources_per_response=without_na(per_response), endings=endings)
 
 
-def hourly_affected(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    return _df(con, "SELECT date_trunc('hour', ts) AS hour, model, count(*) AS responses FROM affected_responses "
-                    "GROUP BY 1, 2 ORDER BY 1")
-
-
-def exposure_spans(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    df = _df(con, """SELECT instance || ' (' || role || ', pool ' || format('{:,}', kv_pool_tokens) || ')' AS label,
-                            valid_from AS start,
-                            coalesce(valid_to, (SELECT max(ts) FROM requests)) AS "end"
-                     FROM capacity WHERE kv_pool_tokens < context_length AND valid_from IS NOT NULL
-                     ORDER BY valid_from, instance""")
-    return df
-
-
-__all__ = ["ReportData", "build", "money_frames", "hourly_affected", "exposure_spans", "timeline_events", "iso"]
+__all__ = ["ReportData", "build", "money_frames", "timeline_events", "iso"]

@@ -16,7 +16,7 @@ from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.escaping import markdown_text, visible_controls
 from kvforensics.report import charts
-from kvforensics.report.data import ReportData, build, exposure_spans, hourly_affected, money_frames
+from kvforensics.report.data import ReportData, build, money_frames
 from kvforensics.scope import iso
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -94,15 +94,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         for model, (points, pools, curve) in money.items():
             chart_svgs[f"money:{model}"] = chart_svg(charts.money_chart(
                 points, pools, curve, title=f"{model}: prompt tokens vs time to first token"))
-        windows = exposure_spans(con)
-        hourly = hourly_affected(con)
-        events = data.timeline[data.timeline["kind"].isin(["incident file", "finding"])][["ts", "title"]]
-        span = pd.concat([pd.to_datetime(windows["start"], utc=True), pd.to_datetime(windows["end"], utc=True),
-                          pd.to_datetime(hourly["hour"], utc=True)]).dropna()
-        if not span.empty:  # the chart covers the exposure; earlier events stay in the table
-            lo, hi = span.min() - pd.Timedelta(days=2), span.max() + pd.Timedelta(days=2)
-            events = events[(events["ts"] >= lo) & (events["ts"] <= hi)]
-        chart_svgs["timeline"] = chart_svg(charts.timeline_chart(hourly, windows, events))
+        chart_svgs["timeline"] = chart_svg(charts.timeline_chart(con, incident, interactive=False))
     from kvforensics.audit import audit_database
 
     audit = audit_database(con)
