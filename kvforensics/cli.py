@@ -4,6 +4,7 @@ cannot support its answer prints why and exits 3."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -12,6 +13,7 @@ from kvforensics import __version__
 from kvforensics.errors import KvForensicsError
 
 EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.conclusive)
+EXIT_PIPE_CLOSED = 141  # the reader of stdout went away (| head): as a tool ended by SIGPIPE, 128 + 13
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -132,7 +134,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     from kvforensics import audit
-    from kvforensics.progress import console
 
     kwargs = {"server_info": list(args.server_info), "manifest": args.manifest}
     if args.incident:
@@ -150,7 +151,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     elif args.markdown:
         print(report.to_markdown())
     else:
-        report.render_terminal(console)
+        report.render_terminal()  # stdout; as wide as the table when that is a file or a pipe
     return report.exit_code
 
 
@@ -225,10 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Output for a reader that went away (``| head``) ends the command quietly."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here rather than as a warning at interpreter exit
+    except BrokenPipeError:
+        # Python docs, signal module, "Note on SIGPIPE": send the rest of the output nowhere and stop
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        raise
     except Exception as e:  # noqa: BLE001 - every error ends in one line; the traceback only with --debug
         if args.debug:
             raise

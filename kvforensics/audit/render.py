@@ -150,7 +150,11 @@ def terminal(
     long as their content: a row of the table is never split over lines, so ``grep`` finds it whole.
     """
     fit = not console.is_terminal
-    console.print(rich_table(verdicts))
+    table = rich_table(verdicts)
+    if fit:  # a centred title would be padded to the table's width
+        console.print(Text(str(table.title), style="bold italic"), soft_wrap=True)
+        table.title = None
+    console.print(table)
     console.print(Text(headline, style="bold red" if exposed else "bold"), soft_wrap=fit)
     if now is not None:
         console.print(Text(now, style="bold red" if exposed_now else "bold"), soft_wrap=fit)
@@ -158,9 +162,18 @@ def terminal(
         console.print(Text(f"note: {n}", style="dim"), soft_wrap=fit)
 
 
+class _StdoutConsole(Console):
+    """Rich ends the process with ``SystemExit(1)`` when the reader of stdout goes away (``| head``);
+    exit 1 means "exposed" here, so the closed pipe is left to the caller as the BrokenPipeError it is."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def stdout_console(verdicts: Sequence[Verdict]) -> Console:
     """A console on standard output: the terminal's when it is one, else one as wide as the table."""
-    probe = Console()
+    probe = _StdoutConsole()
     if probe.is_terminal:
         return probe
-    return Console(width=max(content_width(rich_table(verdicts)), 80), color_system=None)
+    return _StdoutConsole(width=max(content_width(rich_table(verdicts)), 80), color_system=None)
