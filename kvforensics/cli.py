@@ -152,7 +152,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(report.to_markdown())
     else:
         report.render_terminal()  # stdout; as wide as the table when that is a file or a pipe
-    return report.exit_code
+    return report.exit_code_now if args.now else report.exit_code
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="load only the input files added since --out was built into its evidence "
                                       "(refused if any was removed or modified)")
         p.set_defaults(func=func)
-    a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if exposed)")
+    a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if anything "
+                                     "was exposed in the logs, --now: if a start-up still in force is)")
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
     a.add_argument("--incident", type=Path, help="audit the engine logs of an incident file instead")
     a.add_argument("--server-info", type=Path, action="append", default=[], help="a /get_server_info JSON dump")
@@ -206,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "an incident file sets it per source)")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.add_argument("--markdown", action="store_true", help="print Markdown")
+    a.add_argument("--now", action="store_true",
+                   help="exit 1 only while an exposed start-up is still in force (a deploy gate); without it, 1 when "
+                        "any start-up in the logs was exposed, also one that has since shut down or restarted")
     a.set_defaults(func=cmd_audit)
     v = sub.add_parser("verify", help="re-hash inputs and outputs, re-derive every figure from the evidence "
                                        "(exit 1 if anything differs)")

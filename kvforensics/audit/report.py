@@ -1,7 +1,8 @@
 """The result of one audit: its verdicts, the exposure windows, the answer for now and the exit code.
 
 :attr:`AuditReport.exit_code` is 1 when anything is exposed in the audited period (now or before), 0
-when clean (unknowns alone do not fail; they are listed) and 2 when nothing could be audited.
+when clean (unknowns alone do not fail; they are listed) and 2 when nothing could be audited;
+:attr:`AuditReport.exit_code_now` is 1 only while an exposed start-up is still in force.
 :meth:`AuditReport.now` and :attr:`AuditReport.exposed_now` answer for the start-ups still in force.
 """
 
@@ -42,10 +43,19 @@ class AuditReport:
 
     @property
     def exit_code(self) -> int:
-        """1 exposed, 0 clean (unknowns alone do not fail), 2 nothing could be audited."""
+        """1 exposed in the audited period (now or before), 0 clean (unknowns alone do not fail), 2
+        nothing could be audited."""
         if not self.verdicts:
             return 2
         return 1 if self.exposed else 0
+
+    @property
+    def exit_code_now(self) -> int:
+        """As :attr:`exit_code`, but 1 only while an exposed start-up is still in force (a deploy gate:
+        a start-up that shut down, restarted or was retired no longer fails it)."""
+        if not self.verdicts:
+            return 2
+        return 1 if self.exposed_now else 0
 
     @property
     def startups(self) -> int:
