@@ -26,7 +26,9 @@ deploy gate fails closed. **Exposed now** (:attr:`AuditReport.exposed_now`, :met
 counts only exposed start-ups still in force; one that shut down, restarted or was retired is listed
 with its window and how it ended. :attr:`AuditReport.exit_code` is 1 when anything is exposed in the
 audited period (now or before), 0 when clean (unknowns alone do not fail; they are listed) and 2
-when nothing could be audited; unreadable inputs raise :class:`~kvforensics.errors.InputError`.
+when nothing could be audited; :attr:`AuditReport.exit_code_now` is 1 only while an exposed start-up
+is in force (``kvforensics audit --now``, a deploy gate). Unreadable inputs raise
+:class:`~kvforensics.errors.InputError`.
 """
 
 from kvforensics.audit.api import audit_database, audit_incident, audit_parses, audit_paths, audit_startups

@@ -9,9 +9,7 @@ checks (:mod:`kvforensics.audit.checks`) on every start-up. Unreadable inputs ra
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +30,7 @@ from kvforensics.audit.startups import (
     assign_events,
     attach_server_info,
     end_lifetimes,
+    from_capacity_row,
     from_record,
     link,
 )
@@ -329,7 +328,6 @@ def audit_database(
 
     from kvforensics.db import sql
 
-    norm: list[Startup] = []
     try:
         rows = con.execute(sql("audit_capacity")).fetchall()
     except (duckdb.CatalogException, duckdb.BinderException) as e:
@@ -337,67 +335,7 @@ def audit_database(
             f"the evidence database has no capacity table with start-up ends ({str(e).splitlines()[0]}): "
             "open it writable (its schema is then brought up to date) or run 'kvforensics ingest' again"
         ) from e
-    for (
-        instance,
-        role,
-        model,
-        engine_model,
-        valid_from,
-        valid_to,
-        pool,
-        context,
-        _page,
-        engine,
-        version,
-        version_source,
-        _tp,
-        dp,
-        flags_json,
-        refused,
-        _source,
-        source_file,
-        source_line,
-        pool_line,
-        end_reason,
-        end_file,
-        end_line,
-        successor,
-    ) in rows:
-        try:
-            flags = {str(k): str(v) for k, v in json.loads(flags_json or "{}").items()}
-        except (json.JSONDecodeError, AttributeError):
-            flags = {}
-        line = int(source_line) if source_line is not None else None
-        evidence = {"server_args": line} if line is not None and "role_source" not in flags else {}
-        is_refused = bool(refused) or flags.get("startup_refused", "").lower() == "true"
-        if is_refused and pool_line is not None:  # vLLM: the pool of a refused start comes from the refusal
-            evidence["startup_refused"] = int(pool_line)
-        s = Startup(
-            instance=instance,
-            file=source_file,
-            line=line,
-            ts=_utc(valid_from),
-            engine=engine,
-            version=version,
-            version_source=version_source,
-            role=role,
-            model=model or engine_model,
-            engine_model=engine_model,
-            pool=pool,
-            pool_line=pool_line,
-            context=context,
-            dp_size=dp,
-            flags=flags,
-            evidence=evidence,
-            refused=is_refused,
-            to=_utc(valid_to),
-            end_reason=end_reason,
-            end_file=end_file,
-            end_line=end_line,
-            successor=successor,
-            role_certain=not flags.get("role_source", "").startswith("default"),
-        )
-        norm.append(s)
+    norm = [from_capacity_row(row) for row in rows]
     index = {(s.instance, s.file, s.line): s for s in norm}
     for (
         instance,
@@ -415,9 +353,3 @@ def audit_database(
             found.events[kind] = EventStat(int(count), first_file, first_line, min_limit, max_limit)
     files = sorted({s.file for s in norm if s.file})
     return _report(norm, server_info=server_info, manifest=manifest, notes=[], inputs=files, handover_s=None)
-
-
-def _utc(ts: datetime | None) -> datetime | None:
-    if ts is None:
-        return None
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)

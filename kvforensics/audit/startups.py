@@ -16,6 +16,7 @@ before it in its file, else (a rotated file) to the start-up running at its time
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -270,3 +271,75 @@ def attach_server_info(startups: list[Startup], infos: Sequence[ServerInfo], not
                 if "kv_pool_log_tokens" in target.flags
                 else ""
             )
+
+
+def from_capacity_row(row: Sequence[Any]) -> Startup:
+    """A start-up from one row of the ``audit_capacity`` query: the evidence database's ``capacity`` table
+    with each start-up's end. The database keeps the start-up's first line and its pool line; other
+    evidence (server args, version) points at the first line, a refused vLLM start-up at its pool line."""
+    (
+        instance,
+        role,
+        model,
+        engine_model,
+        valid_from,
+        valid_to,
+        pool,
+        context,
+        _page,
+        engine,
+        version,
+        version_source,
+        _tp,
+        dp,
+        flags_json,
+        refused,
+        _source,
+        source_file,
+        source_line,
+        pool_line,
+        end_reason,
+        end_file,
+        end_line,
+        successor,
+    ) = row
+    try:
+        flags = {str(k): str(v) for k, v in json.loads(flags_json or "{}").items()}
+    except (json.JSONDecodeError, AttributeError):
+        flags = {}
+    line = int(source_line) if source_line is not None else None
+    evidence = {"server_args": line} if line is not None and "role_source" not in flags else {}
+    is_refused = bool(refused) or flags.get("startup_refused", "").lower() == "true"
+    if is_refused and pool_line is not None:  # vLLM: the pool of a refused start comes from the refusal
+        evidence["startup_refused"] = int(pool_line)
+    return Startup(
+        instance=instance,
+        file=source_file,
+        line=line,
+        ts=_utc(valid_from),
+        engine=engine,
+        version=version,
+        version_source=version_source,
+        role=role,
+        model=model or engine_model,
+        engine_model=engine_model,
+        pool=pool,
+        pool_line=pool_line,
+        context=context,
+        dp_size=dp,
+        flags=flags,
+        evidence=evidence,
+        refused=is_refused,
+        to=_utc(valid_to),
+        end_reason=end_reason,
+        end_file=end_file,
+        end_line=end_line,
+        successor=successor,
+        role_certain=not flags.get("role_source", "").startswith("default"),
+    )
+
+
+def _utc(ts: datetime | None) -> datetime | None:
+    if ts is None:
+        return None
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
