@@ -37,7 +37,8 @@ from kvforensics.audit.startups import (
 from kvforensics.config import Incident, Source
 from kvforensics.errors import InputError
 from kvforensics.instances import DEFAULT_HANDOVER_S
-from kvforensics.loaders.engine_common import EngineEvent, EngineLogParse, StartupRecord, parse_engine_log
+from kvforensics.loaders.engine_common import parse_engine_log
+from kvforensics.loaders.engine_types import EngineEvent, EngineLogParse, StartupRecord
 
 if TYPE_CHECKING:
     import duckdb

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvforensics.config import Source
 from kvforensics.errors import InputError
-from kvforensics.loaders.engine_common import flag_value
+from kvforensics.loaders.engine_fields import flag_value
 
 _LB_VALUES = ("never", "after_first_token", "always")
 

@@ -27,7 +27,7 @@ from kvforensics.audit.inputs import ServerInfo
 from kvforensics.audit.model import AUDIT_EVENT_KINDS, PD_ROLES
 from kvforensics.audit.phrases import iso, loc, thousands
 from kvforensics.instances import PlacedStartup, lifetimes
-from kvforensics.loaders.engine_common import EngineEvent, StartupRecord
+from kvforensics.loaders.engine_types import EngineEvent, StartupRecord
 
 
 @dataclass
