@@ -38,6 +38,10 @@ class Dataset:
         return sorted(p for p in (self.root / "gateway").iterdir() if p.name.endswith(suffix))
 
     @property
+    def has_content(self) -> bool:
+        return (self.root / "content").is_dir() and any((self.root / "content").iterdir())
+
+    @property
     def gateway_glob(self) -> str:
         suffix = "*.jsonl.gz" if self.format == "jsonl" else "*.parquet"
         return str(self.root / "gateway" / suffix)
@@ -82,12 +86,17 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
     partial.rename(final)
     truth = json.loads((final / "ground_truth.json").read_text(encoding="utf-8"))
     gateway = [p for p in (final / "gateway").iterdir() if p.is_file()]
+
+    def size(folder: str) -> int:
+        return sum(p.stat().st_size for p in (final / folder).glob("*") if p.is_file())
+
     info = {
         "requests": requests, "format": fmt, "seed": seed,
         "generate_wall_s": round(m.wall_s, 2), "generate_peak_rss_mb": round(m.peak_rss_mb, 1),
         "gateway_files": len(gateway), "gateway_bytes": sum(p.stat().st_size for p in gateway),
         "gateway_lines": truth["counts"]["gateway_lines"], "unique_requests": truth["counts"]["requests"],
         "affected_responses": truth["counts"]["affected_responses"],
+        "engine_bytes": size("engine"), "content_bytes": size("content"),
         "page_simulation": truth["page_simulation"], "simulator_sha256": sim_hash,
     }
     # incident.toml paths are relative to the file, so the rename keeps the data set usable.

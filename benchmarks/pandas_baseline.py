@@ -10,6 +10,13 @@ horizon of ``sql/scope.sql`` per decode instance (a cumulative sum of written to
 ``searchsorted`` per affected response). It skips what the pandas version would not bother with:
 validation and quarantine, the other engine-event rules, exploitation, notifications, the report.
 
+The engine logs' per-request lines and the content are read as the same notebook would (issue 16):
+each engine log as a Series of lines with ``str.extract`` of one regular expression (the one of
+``sql/floor_engine_lines.sql``: ReqTimeStats and abort lines, their request id and numbers), and
+each content file with ``pd.read_json(lines=True)``, ``str.findall`` of the words and, per record,
+the keyed fingerprints ``kvforensics/fingerprint.py`` computes (HMAC-SHA256 of every 8-word
+shingle under the investigation's key, first 63 bits), kept as one int64 column per file.
+
 On a 200k-request data set it must give the same affected set, recipients and possible-source
 pairs as kvforensics (``run.py`` checks that whenever both run).
 
@@ -21,9 +28,12 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import hmac
+import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +42,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
+from kvforensics.fingerprint import SHINGLE_WORDS, key_for
 from kvforensics.ingest import resolve_model
 from kvforensics.loaders.engine_common import parse_engine_log
 
@@ -45,6 +56,13 @@ ENVELOPE_QUANTILE = 0.02
 BINS_PER_DECADE = 5
 MIN_BIN_POINTS = 10
 HORIZON_FACTOR = 1.5              # scope: horizon_factor
+#: One expression per engine-log line, as sql/floor_engine_lines.sql applies it.
+ENGINE_LINE = (r"^\[(?P<ts>[^\]]+)\] (?:ReqTimeStats\(rid=(?P<rid>[^,]+), bootstrap_room=\d+, "
+               r"input_len=(?P<input_len>\d+), cached_input_len=(?P<cached>\d+).*?"
+               r"queue_duration=(?P<queue_ms>[\d.]+)ms, forward_duration=(?P<forward_ms>[\d.]+)ms, "
+               r"entry_time=(?P<entry>[\d.]+)|Input length \((?P<prompt>\d+) tokens\) exceeds the maximum "
+               r"allowed length \((?P<limit>\d+) tokens\).*self\.rid='(?P<abort_rid>[^']+)')")
+ENGINE_NUMBERS = ["input_len", "cached", "queue_ms", "forward_ms", "entry", "prompt", "limit"]
 
 
 # --- read ----------------------------------------------------------------------------------------
@@ -102,6 +120,94 @@ def load_capacity(incident: Incident, gateway_models: list[str] | None) -> pd.Da
     for c in ("kv_pool_tokens", "context_length"):
         cap[c] = cap[c].astype("float64")
     return cap.drop(columns=["file", "line"])
+
+
+def read_engine_lines(incident: Incident) -> tuple[pd.DataFrame, int]:
+    """The per-request engine lines (ReqTimeStats, aborts) of every engine log; and the lines read."""
+    frames = []
+    lines_read = 0
+    for source in incident.sources_of("engine_log"):
+        for path in source.files():
+            with open_text(path) as fh:
+                lines = pd.Series(fh.read().splitlines(), dtype=object)
+            lines_read += len(lines)
+            x = lines.str.extract(ENGINE_LINE)
+            x = x[x["rid"].notna() | x["abort_rid"].notna()]
+            stamp = pd.to_datetime(x["ts"].str.replace(r" TP\d+$", "", regex=True), format="%Y-%m-%d %H:%M:%S")
+            frames.append(pd.DataFrame({
+                "instance": source.instance_for(path),
+                "ts": stamp.dt.tz_localize(source.tz, ambiguous="NaT", nonexistent="NaT"),
+                "kind": np.where(x["rid"].notna(), "req_time_stats", "abort_input_too_long"),
+                "request_id": x["rid"].fillna(x["abort_rid"]),
+                **{c: pd.to_numeric(x[c]) for c in ENGINE_NUMBERS}}))
+    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["kind", "request_id"])
+    return events, lines_read
+
+
+def open_text(path: Path):
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
+    return path.open(encoding="utf-8", errors="replace")
+
+
+def shingle_fingerprints(words: list[str], key: bytes) -> set[int]:
+    """fingerprint.py's keyed fingerprints of one text's lower-cased words."""
+    if len(words) < SHINGLE_WORDS:
+        shingles = [" ".join(words)] if words else []
+    else:
+        shingles = [" ".join(words[i:i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
+    return {int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in shingles}
+
+
+def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int]:
+    """Per content file: (record, part, fingerprint) rows, the record as its row number in the file."""
+    key = key_for(incident.id)
+    out = []
+    records = 0
+    for source in incident.sources_of("content"):
+        for path in source.files():
+            df = pd.read_json(path, lines=True, dtype=False)
+            records += len(df)
+            for code, part in enumerate(("prompt", "output")):
+                if source.column(part) not in df.columns:
+                    continue
+                words = df[source.column(part)].dropna().astype(str).str.lower().str.findall(r"\w+")
+                fps = [shingle_fingerprints(w, key) for w in words]
+                counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))
+                out.append(pd.DataFrame({
+                    "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
+                    "part": np.int8(code),
+                    "fp": np.fromiter(itertools.chain.from_iterable(fps), dtype=np.int64, count=int(counts.sum()))}))
+    return out, records
+
+
+def read_sources(incident: Incident, lap: Callable[[str], None]) -> dict[str, Any]:
+    """Engine lines and content, timed as the phases ``engine_lines`` and ``content``."""
+    events, lines_read = read_engine_lines(incident)
+    lap("engine_lines")
+    fps, records = content_fingerprints(incident)
+    lap("content")
+    aborted = sorted(set(events.loc[events["kind"] == "abort_input_too_long", "request_id"]))
+    return {"engine_lines_read": lines_read, "content_records": records,
+            "engine_req_time_stats": int((events["kind"] == "req_time_stats").sum()),
+            "engine_aborted_requests": len(aborted),
+            "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
+            "content_fingerprints": int(sum(len(f) for f in fps))}
+
+
+def sources_only(incident_path: Path, phases: dict[str, float]) -> dict[str, Any]:
+    """The engine-lines and content phases alone (the sources stage of run.py)."""
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = round(now - clock, 3)
+        clock = now
+
+    return read_sources(load_incident(incident_path), lap)
 
 
 # --- detect --------------------------------------------------------------------------------------
@@ -266,6 +372,7 @@ def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> 
     lap("read")
     cap = load_capacity(incident, [str(m) for m in requests["model"].cat.categories])
     lap("capacity")
+    other_sources = read_sources(incident, lap)
     served = requests[requests["status"].between(200, 299)]
     found = oversize(served, cap)
     fast = too_fast(served, found["request_id"])
@@ -296,6 +403,7 @@ def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> 
         "possible_source_pairs": len(sources),
         "possible_source_pairs_sha256": digest.hexdigest(),
         "possible_source_accounts": int(sources["source_account_id"].nunique()),
+        **other_sources,
     }
 
 

@@ -30,9 +30,13 @@ from measure import BENCH_DIR, Measured, package_sha256, python_argv, run_measur
 
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-DEFAULT_LIMITS = {"ingest": "1GB", "pipeline": "2GB"}      # issue 3 / issue 8
+DEFAULT_LIMITS = {"ingest": "1GB", "sources": "2GB", "pipeline": "2GB"}      # issue 3 / issue 16 / issue 8
+STAGES = ("ingest", "sources", "pipeline")
 PIPELINE = ["ingest", "audit", "detect", "scope", "outputs", "report"]
-PANDAS_PHASES = {"ingest": ("read", "capacity"), "detect": ("detect",), "scope": ("scope",)}
+PANDAS_PHASES = {"ingest": ("read", "capacity", "engine_lines", "content"), "detect": ("detect",),
+                 "scope": ("scope",), "ingest-engine": ("engine_lines",), "ingest-content": ("content",)}
+#: The sources stage (issue 16): each source's ingest against its own floor.
+SOURCE_STEPS = {"engine_log": ("floor-engine", "ingest-engine"), "content": ("floor-content", "ingest-content")}
 
 
 # --- the machine and the code measured ---------------------------------------------------------------
@@ -131,11 +135,29 @@ class Runner:
         steps = [self.step("floor-count", ds, memory_limit=limit),
                  self.step("floor-scan", ds, memory_limit=limit),
                  self.step("floor-load", ds, out=out, memory_limit=limit),
-                 self.step("ingest", ds, out=out, memory_limit=limit, extra=("--requests-only",),
+                 self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", "requests"),
                            label="ingest-requests")]
         if not self.args.keep_evidence:
             shutil.rmtree(out, ignore_errors=True)
         return {"memory_limit": limit, "floors": ["floor-count", "floor-scan", "floor-load"], "steps": steps}
+
+    # issue 16: the engine logs' lines and the content, each ingested alone against its own floor, 2 GB
+    def sources_stage(self, ds: Dataset) -> dict[str, Any]:
+        limit = self.args.memory_limit or DEFAULT_LIMITS["sources"]
+        steps, floors, floor_of = [], [], {}
+        for kind, (floor, label) in SOURCE_STEPS.items():
+            if kind == "content" and not ds.has_content:
+                continue
+            out = self.fresh(ds, label)
+            steps += [self.step(floor, ds, memory_limit=limit),
+                      self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", kind), label=label)]
+            floors.append(floor)
+            floor_of[label] = floor
+            if not self.args.keep_evidence:
+                shutil.rmtree(out, ignore_errors=True)
+        if self.args.pandas_baseline:
+            steps.append(self.step("pandas-sources", ds, out=self.fresh(ds, "pandas-sources")))
+        return {"memory_limit": limit, "floors": floors, "floor_of": floor_of, "steps": steps}
 
     # issue 8: every stage on one evidence database, 2 GB
     def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
@@ -188,13 +210,17 @@ def agreement(out: Path) -> dict[str, Any] | None:
     a = json.loads(ours.read_text(encoding="utf-8"))
     b = json.loads(theirs.read_text(encoding="utf-8"))
     keys = ["affected", "recipients", "by_class", "possible_source_pairs", "possible_source_pairs_sha256",
-            "possible_source_accounts"]
+            "possible_source_accounts", "engine_req_time_stats", "engine_aborted_requests", "engine_aborted_sha256",
+            "content_fingerprints"]
     same = {k: a.get(k) == b.get(k) for k in keys}
     only_ours = sorted(set(a["affected"]) - set(b["affected"]))
     only_pandas = sorted(set(b["affected"]) - set(a["affected"]))
     summary = ("same affected set ({n}), recipients, possible-source pairs ({p})".format(
         n=len(a["affected"]), p=a["possible_source_pairs"]) if all(same.values())
         else "DIFFERENT: " + ", ".join(k for k, v in same.items() if not v))
+    if all(same.values()) and a.get("engine_req_time_stats") is not None:
+        summary += (f", engine ReqTimeStats ({a['engine_req_time_stats']:,}) and aborted requests "
+                    f"({a['engine_aborted_requests']:,}), content fingerprints ({a['content_fingerprints']:,})")
     return {"same": same, "all_same": all(same.values()), "summary": summary,
             "affected_only_kvforensics": only_ours[:20], "affected_only_pandas": only_pandas[:20]}
 
@@ -212,26 +238,28 @@ def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:
     """Table rows with the ratios: x <floor> = seconds / floor seconds; pandas x = pandas / ours."""
     steps = {s["step"]: s for s in result["steps"]}
     floors = {f: steps[f]["seconds"] for f in result["floors"] if f in steps and steps[f]["ok"]}
-    pandas = steps.get("pandas")
+    own = result.get("floor_of", {})  # a step measured against its own source's floor only
+    pandas = steps.get("pandas") or steps.get("pandas-sources")
     phases = pandas["details"].get("phases", {}) if pandas and pandas["ok"] else {}
 
     def ratios(row: dict[str, Any]) -> dict[str, Any]:
         measured = row["ok"] and not row["step"].startswith("floor")
-        row["x"] = {f: (row["seconds"] / fs if measured and fs else None) for f, fs in floors.items()}
+        row["x"] = {f: (row["seconds"] / fs if measured and fs and (not own or own.get(row["step"]) == f) else None)
+                    for f, fs in floors.items()}
         return row
 
     rows = []
     for s in result["steps"]:
         row = ratios(dict(s))
         names = PANDAS_PHASES.get(s["step"])
-        row["pandas_x"] = (sum(phases[p] for p in names) / s["seconds"]) if names and phases and s["ok"] else None
+        row["pandas_x"] = (sum(phases.get(p, 0) for p in names) / s["seconds"]) if names and phases and s["ok"] else None
         row["noisy"] = noise(s)
         rows.append(row)
     if stage == "pipeline":
         ours = [steps[n] for n in PIPELINE if n in steps]
         if len(ours) == len(PIPELINE) and all(s["ok"] for s in ours):
             like_names = ["ingest", "detect", "scope"]
-            like = sum(sum(phases[p] for p in PANDAS_PHASES[n]) for n in like_names) if phases else None
+            like = sum(sum(phases.get(p, 0) for p in PANDAS_PHASES[n]) for n in like_names) if phases else None
             for label, names in (("pipeline total", PIPELINE), ("ingest+detect+scope", like_names)):
                 secs = sum(steps[n]["seconds"] for n in names)
                 n_rows = steps["ingest"]["rows"]
@@ -308,7 +336,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--format", choices=["jsonl", "parquet", "both"], default="both")
     p.add_argument("--memory-limit", default=None,
                    help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)")
-    p.add_argument("--stages", default="ingest,pipeline", help="ingest, pipeline, or both (comma list)")
+    p.add_argument("--stages", default="ingest,sources,pipeline",
+                   help="ingest, sources and/or pipeline (comma list)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
     p.add_argument("--pandas-baseline", action="store_true", help="also run the pandas implementation")
     p.add_argument("--seed", type=int, default=7)
@@ -325,9 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.requests = [int(x.replace("_", "")) for x in args.requests.split(",") if x]
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = set(args.stages) - {"ingest", "pipeline"}
+    bad = set(args.stages) - set(STAGES)
     if bad:
-        p.error(f"unknown stage(s) {sorted(bad)}; use ingest and/or pipeline")
+        p.error(f"unknown stage(s) {sorted(bad)}; use {', '.join(STAGES)}")
     args.profile = {s.strip() for s in args.profile.split(",") if s.strip()}
     args.formats = ["jsonl", "parquet"] if args.format == "both" else [args.format]
     return args
@@ -338,7 +367,7 @@ def show(path: Path, markdown: bool = False) -> int:
     doc = json.loads(path.read_text(encoding="utf-8"))
     print(header(doc["machine"], doc["code"]).replace("\n", "  \n" if markdown else "\n"))
     for fmt, entry in doc["runs"].items():
-        for stage in ("ingest", "pipeline"):
+        for stage in STAGES:
             if stage not in entry:
                 continue
             result = entry[stage]
@@ -373,13 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.regenerate:
                 shutil.rmtree(dataset_dir(args.workdir, n, fmt, args.seed), ignore_errors=True)
             ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout)
-            print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines, "
+            print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines; "
+                  f"engine logs {ds.info.get('engine_bytes', 0) / 1e6:,.0f} MB, "
+                  f"content {ds.info.get('content_bytes', 0) / 1e6:,.0f} MB; "
                   f"generated in {ds.info['generate_wall_s']:,.0f} s)")
             if ds.info.get("simulator_changed_since"):
                 print("  note: cached data set made by another simulator version (--regenerate to remake it)")
             entry: dict[str, Any] = {"dataset": ds.info}
             for stage in args.stages:
-                result = runner.ingest_stage(ds) if stage == "ingest" else runner.pipeline_stage(ds)
+                result = {"ingest": runner.ingest_stage, "sources": runner.sources_stage,
+                          "pipeline": runner.pipeline_stage}[stage](ds)
                 result["table"] = stage_rows(stage, result)
                 entry[stage] = result
                 failed |= not all(s["ok"] for s in result["steps"])

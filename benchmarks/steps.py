@@ -2,9 +2,12 @@
 
     python benchmarks/steps.py <step> --report R.json [options]
 
-Steps: the DuckDB floors (``floor-count``, ``floor-scan``, ``floor-oversize``), the kvforensics stages
-(``ingest``, ``audit``, ``detect``, ``scope``, ``outputs``, ``report``, each on the evidence database
-the previous one left in ``--out``) and ``pandas`` (the baseline in ``pandas_baseline.py``). Each
+Steps: the DuckDB floors (``floor-count``, ``floor-scan``, ``floor-load``, ``floor-oversize`` over the
+gateway files; ``floor-engine`` over the engine logs, ``floor-content`` over the content files), the
+kvforensics stages (``ingest``, optionally of some source kinds only, ``audit``, ``detect``, ``scope``,
+``outputs``, ``report``, each on the evidence database the previous one left in ``--out``) and
+``pandas`` / ``pandas-sources`` (the baseline in ``pandas_baseline.py``, whole or the engine-lines
+and content phases alone). Each
 writes a JSON report: ``seconds`` is the timed work only (imports, connection set-up and the
 floor's capacity preparation are outside it), ``rows`` what the step went through, plus counts
 the harness checks (rows loaded, affected responses, ...). ``--profile FILE`` runs the timed work
@@ -196,15 +199,63 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
     result.update(rows=rows, served_2xx=served, oversize=oversize)
 
 
+def files_of(incident_path: Path, kind: str) -> tuple[Any, list[Any]]:
+    from kvforensics.config import load_incident
+
+    incident = load_incident(incident_path)
+    sources = incident.sources_of(kind)
+    return incident, [(source, [str(p) for p in source.files()]) for source in sources]
+
+
+def step_floor_engine(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The engine logs read as lines by DuckDB, one regular expression per line (sql/floor_engine_lines.sql)."""
+    _, sources = files_of(args.incident, "engine_log")
+    files = [f for _, fs in sources for f in fs]
+    if not files:
+        raise SystemExit(f"no engine_log files in {args.incident}")
+    con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    with timed(result, "seconds", args.profile):
+        cur = con.execute(bench_sql("floor_engine_lines"), {"files": files})
+        row = cur.fetchone()
+    names = [d[0] for d in cur.description]
+    result.update(dict(zip(names, row, strict=True)), rows=row[0], files=len(files))
+
+
+def step_floor_content(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The same shingles hashed by DuckDB over the content files (sql/floor_content.sql): with a keyed
+    SHA-256 (``seconds``) and, as a lower bound, DuckDB's own hash (``noncrypto_seconds``)."""
+    import secrets
+
+    _, sources = files_of(args.incident, "content")
+    if not sources or not sources[0][1]:
+        raise SystemExit(f"no content files in {args.incident}")
+    con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    key = secrets.token_bytes(32)
+    variants = {"seconds": ("(('0x' || left(sha256($key || shingle), 16))::UBIGINT >> 1)", {"key": key.hex()}),
+                "noncrypto_seconds": ("hash(shingle, $key_int)", {"key_int": int.from_bytes(key[:8], "big")})}
+    for label, (fingerprint, keyed) in variants.items():
+        records = shingles = 0
+        with timed(result, label, args.profile if label == "seconds" else None):
+            for source, files in sources:
+                cols = {f: '"' + source.column(f).replace('"', '""') + '"' for f in ("request_id", "prompt", "output")}
+                reader = ("read_json($files, format = 'newline_delimited', columns = {"
+                          + ", ".join(f"{c}: 'VARCHAR'" for c in cols.values()) + "})")
+                text = bench_sql("floor_content").format(reader=reader, fingerprint=fingerprint, **cols)
+                n, k, _ = con.execute(text, {"files": files, **keyed}).fetchone()
+                records += n
+                shingles += k
+        result.update(rows=records, shingles=shingles)
+
+
 # --- kvforensics stages -------------------------------------------------------------------------------
 
-def investigation(args: argparse.Namespace, *, requests_only: bool = False):
+def investigation(args: argparse.Namespace, *, kinds: tuple[str, ...] = ()):
     from kvforensics.config import load_incident
     from kvforensics.investigation import Investigation
 
     incident = load_incident(args.incident)
-    if requests_only:
-        incident = dataclasses.replace(incident, sources=tuple(incident.sources_of("requests")))
+    if kinds:
+        incident = dataclasses.replace(incident, sources=tuple(s for s in incident.sources if s.kind in kinds))
     inv = Investigation.open(incident, args.out, memory_limit=args.memory_limit, progress=False, pdf=False)
     if args.threads:
         inv.con.execute(f"SET threads = {int(args.threads)}")
@@ -218,12 +269,15 @@ def _request_count(inv) -> int:
 
 
 def step_ingest(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    inv = investigation(args, requests_only=args.requests_only)
+    """Every source, or those of ``--kinds`` only; ``rows`` are the records read of the first kind."""
+    kinds = tuple(k for k in args.kinds.split(",") if k) if args.kinds else ()
+    inv = investigation(args, kinds=kinds)
     try:
         with timed(result, "seconds", args.profile):
             r = inv.ingest()
         requests_files = [f for f in r.files if f.kind == "requests"]
-        result.update(rows=sum(f.records_read for f in requests_files),
+        counted = [f for f in r.files if f.kind == (kinds[0] if kinds else "requests")]
+        result.update(rows=sum(f.records_read for f in counted),
                       loaded=sum(f.loaded for f in requests_files),
                       duplicates=sum(f.duplicates for f in requests_files),
                       quarantined=sum(f.quarantined for f in requests_files),
@@ -297,9 +351,18 @@ def _write_answers(inv, path: Path) -> None:
             digest.update(f"{a}|{s}\n".encode())
         pairs += len(batch)
     sources = int(con.execute("SELECT count(DISTINCT source_account_id) FROM possible_sources").fetchone()[0])
-    path.write_text(json.dumps({"affected": affected, "recipients": recipients, "by_class": classes,
-                                "possible_source_pairs": pairs, "possible_source_pairs_sha256": digest.hexdigest(),
-                                "possible_source_accounts": sources}, indent=1) + "\n", encoding="utf-8")
+    aborted = [r[0] for r in con.execute("SELECT DISTINCT request_id FROM engine_events "
+                                         "WHERE kind = 'abort_input_too_long' ORDER BY 1").fetchall()]
+    path.write_text(json.dumps({
+        "affected": affected, "recipients": recipients, "by_class": classes,
+        "possible_source_pairs": pairs, "possible_source_pairs_sha256": digest.hexdigest(),
+        "possible_source_accounts": sources,
+        "engine_req_time_stats": con.execute(
+            "SELECT count(*) FROM engine_events WHERE kind = 'req_time_stats'").fetchone()[0],
+        "engine_aborted_requests": len(aborted),
+        "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
+        "content_fingerprints": con.execute("SELECT count(*) FROM content_fingerprints").fetchone()[0],
+    }, indent=1) + "\n", encoding="utf-8")
 
 
 def step_outputs(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -378,9 +441,19 @@ def step_pandas(args: argparse.Namespace, result: dict[str, Any]) -> None:
     (args.out / "pandas_answers.json").write_text(json.dumps(answers, indent=1) + "\n", encoding="utf-8")
 
 
+def step_pandas_sources(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    import pandas_baseline
+
+    with timed(result, "seconds", args.profile):
+        answers = pandas_baseline.sources_only(args.incident, phases=result.setdefault("phases", {}))
+    result["rows"] = answers["engine_lines_read"]
+    result.update(answers)
+
+
 STEPS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
     "floor-count": step_floor_count, "floor-scan": step_floor_scan, "floor-load": step_floor_load,
-    "floor-oversize": step_floor_oversize,
+    "floor-oversize": step_floor_oversize, "floor-engine": step_floor_engine, "floor-content": step_floor_content,
+    "pandas-sources": step_pandas_sources,
     "ingest": step_ingest, "audit": step_audit, "detect": step_detect, "scope": step_scope,
     "outputs": step_outputs, "report": step_report, "pandas": step_pandas, "proto-sources": step_proto_sources,
 }
@@ -395,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-limit", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--temp-dir", type=Path, default=None)
-    p.add_argument("--requests-only", action="store_true", help="ingest: the gateway source only")
+    p.add_argument("--kinds", default="", help="ingest: only the sources of these kinds (comma list, e.g. requests)")
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--trace-sql", type=Path, default=None, help="time every DuckDB execute; JSON written here")
     args = p.parse_args(argv)

@@ -43,6 +43,50 @@ def test_a_step_past_its_timeout_is_killed_and_reported(tmp_path: Path) -> None:
     assert m.wall_s < 10
 
 
+def test_each_source_is_measured_against_its_own_floor() -> None:
+    from run import stage_rows
+
+    def step(name: str, seconds: float) -> dict:
+        return {"step": name, "ok": True, "seconds": seconds, "rows": 10, "peak_rss_mb": 1.0,
+                "other_cpu_seconds": 0, "process_seconds": seconds, "details": {}}
+
+    pandas = step("pandas-sources", 9.0)
+    pandas["details"] = {"phases": {"engine_lines": 4.0, "content": 5.0}}
+    result = {"floors": ["floor-engine", "floor-content"],
+              "floor_of": {"ingest-engine": "floor-engine", "ingest-content": "floor-content"},
+              "steps": [step("floor-engine", 1.0), step("ingest-engine", 2.0), step("floor-content", 4.0),
+                        step("ingest-content", 10.0), pandas]}
+    rows = {r["step"]: r for r in stage_rows("sources", result)}
+    assert rows["ingest-engine"]["x"] == {"floor-engine": 2.0, "floor-content": None}
+    assert rows["ingest-content"]["x"] == {"floor-engine": None, "floor-content": 2.5}
+    assert rows["ingest-engine"]["pandas_x"] == 2.0 and rows["ingest-content"]["pandas_x"] == 0.5
+    assert rows["pandas-sources"]["x"] == {"floor-engine": None, "floor-content": None}
+
+
+def test_floors_and_pandas_do_the_same_work_on_engine_lines_and_content(tmp_path: Path) -> None:
+    """On a streamed data set (every source written chunk by chunk), the floors extract as many
+    per-request engine lines and hash as many shingles as the pandas baseline fingerprints."""
+    from kvforensics.simulate import Scenario, simulate
+
+    data = tmp_path / "data"
+    simulate(Scenario(seed=5, requests=4_000, affected=12, page_simulation_max_requests=2_000), data)
+    reports = {}
+    for step in ("floor-engine", "floor-content", "pandas-sources"):
+        report = tmp_path / f"{step}.json"
+        m = run_measured([sys.executable, str(BENCH / "steps.py"), step, "--incident", str(data / "incident.toml"),
+                          "--report", str(report), "--out", str(tmp_path / "out")], log_path=tmp_path / "log")
+        assert m.ok, m.stderr_tail
+        reports[step] = json.loads(report.read_text())
+    engine, content, pandas = reports["floor-engine"], reports["floor-content"], reports["pandas-sources"]
+    truth = json.loads((data / "ground_truth.json").read_text())
+    assert engine["abort_lines"] == pandas["engine_aborted_requests"] == len(truth["affected"]) == 12
+    assert engine["stats_lines"] == pandas["engine_req_time_stats"] > 500
+    assert engine["lines"] == pandas["engine_lines_read"]
+    assert content["rows"] == pandas["content_records"] == engine["stats_lines"]  # one record per served request
+    assert content["shingles"] == pandas["content_fingerprints"]  # distinct per text: no 8-word repeats
+    assert content["seconds"] > 0 and content["noncrypto_seconds"] > 0
+
+
 @pytest.mark.slow
 def test_small_run_completes_and_pandas_agrees(tmp_path: Path) -> None:
     proc = subprocess.run(
@@ -54,8 +98,11 @@ def test_small_run_completes_and_pandas_agrees(tmp_path: Path) -> None:
     doc = json.loads(path.read_text(encoding="utf-8"))
     for fmt in ("jsonl", "parquet"):
         run = doc["runs"][fmt]
-        steps = run["ingest"]["steps"] + run["pipeline"]["steps"]
+        steps = run["ingest"]["steps"] + run["sources"]["steps"] + run["pipeline"]["steps"]
+        assert [s["step"] for s in run["sources"]["steps"]] == [
+            "floor-engine", "ingest-engine", "floor-content", "ingest-content", "pandas-sources"]
         assert [s["step"] for s in steps if not s["ok"]] == []
         assert all(s["peak_rss_mb"] > 0 and s["rows"] > 0 for s in steps)
         assert run["pipeline"]["agreement"]["all_same"], run["pipeline"]["agreement"]
         assert run["pipeline"]["agreement"]["same"]["affected"]
+        assert run["pipeline"]["agreement"]["same"]["content_fingerprints"]
