@@ -197,8 +197,8 @@ def read_sources(incident: Incident, lap: Callable[[str], None]) -> dict[str, An
             "content_fingerprints": int(sum(len(f) for f in fps))}
 
 
-def sources_only(incident_path: Path, phases: dict[str, float]) -> dict[str, Any]:
-    """The engine-lines and content phases alone (the sources stage of run.py)."""
+def lap_timer(phases: dict[str, float]) -> Callable[[str], None]:
+    """``lap(name)`` records the seconds since the previous lap (or since this call) as ``phases[name]``."""
     clock = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -207,7 +207,12 @@ def sources_only(incident_path: Path, phases: dict[str, float]) -> dict[str, Any
         phases[name] = round(now - clock, 3)
         clock = now
 
-    return read_sources(load_incident(incident_path), lap)
+    return lap
+
+
+def sources_only(incident_path: Path, phases: dict[str, float]) -> dict[str, Any]:
+    """The engine-lines and content phases alone (the sources stage of run.py)."""
+    return read_sources(load_incident(incident_path), lap_timer(phases))
 
 
 # --- detect --------------------------------------------------------------------------------------
@@ -358,14 +363,7 @@ def possible_sources(served: pd.DataFrame, affected_ids: set[str], cap: pd.DataF
 def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> dict[str, Any]:
     """Read, detect, scope; returns the answers compared with kvforensics' and the phase timings."""
     phases = {} if phases is None else phases
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = round(now - clock, 3)
-        clock = now
-
+    lap = lap_timer(phases)
     incident = load_incident(incident_path)
     (source,) = incident.sources_of("requests")
     requests, rows_read = read_gateway(source)
