@@ -205,7 +205,9 @@ def affected_records(
     return out
 
 
-def with_leaks(records: list[dict[str, Any]], leaked: dict[str, list[tuple[str, str]]]) -> list[dict[str, Any]]:
+def with_leaks(
+    records: list[dict[str, Any]], leaked: dict[str, list[tuple[str, str]]]
+) -> list[dict[str, Any]]:
     """Affected records of the streamed path with the requests their content quotes."""
     for rec in records:
         if rec["request_id"] in leaked:
@@ -274,7 +276,7 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
     out_dir = Path(out_dir)
     dep, incident, plan, background = planned_incident(s)
     model_ids = [dep.models[k].gateway_model for k in MODEL_KEYS]
-    gateway = GatewayWriter(s, out_dir / "gateway", model_ids, compresslevel=6 if s.simulates_pages else 1)
+    gateway = GatewayWriter(s, out_dir / "gateway", model_ids, isal=not s.simulates_pages)
     logs = build_engine_logs(dep, np.random.default_rng([s.seed, STREAM_IDS, 1]))
     zone = ZoneInfo(s.engine_timezone)
     notes: list[str] = []
