@@ -67,6 +67,32 @@ class Investigation:
         investigation.lock()
         return investigation
 
+    @classmethod
+    def open_or_build(cls, incident: str | Path | Incident, out_dir: str | Path, through: str = "scope",
+                      **kwargs: Any) -> "Investigation":
+        """Open an output folder to read it, first building, in order, the stages up to *through* (ingest,
+        detect, scope or report) whose output it lacks: a notebook runs on its own on a fresh folder. A stage
+        whose output is there is not run again (``kvforensics run`` rebuilds a folder whose inputs changed)."""
+        if through not in cls.STAGES:
+            raise ConfigError(f"through must be one of {', '.join(cls.STAGES)}, got {through!r}")
+        investigation = cls.open(incident, out_dir, **kwargs)
+        try:
+            for name in cls.STAGES[:cls.STAGES.index(through) + 1]:
+                if not investigation.has(name):
+                    investigation._build(name)
+        except BaseException:
+            investigation.close()
+            raise
+        return investigation
+
+    def _build(self, stage_name: str) -> None:
+        if stage_name == "ingest":
+            self.ingest()
+        elif stage_name == "detect":
+            self.detect()
+        else:  # scope writes scope.json, the CSVs and the manifest; the report adds report and notices
+            self.scope_outputs(with_report=stage_name == "report")
+
     def lock(self) -> None:
         """Take the output folder's lock (a second run into the same folder stops with an error)."""
         if self._lock is None:
@@ -163,18 +189,26 @@ class Investigation:
         record(self.con, inputs)
 
     # --- stages -----------------------------------------------------------------------------------
-    # the table each stage leaves, the command that writes it: a stage run on its own needs the one before
-    _STAGE_TABLES = {"detect": ("load_report", "ingest"), "scope": ("request_tiers", "detect")}
+    STAGES = ("ingest", "detect", "scope", "report")
+    # the table each stage leaves in the evidence database (the report: report.html in the folder)
+    _STAGE_TABLES = {"ingest": "load_report", "detect": "request_tiers", "scope": "log_gaps"}
 
-    def require(self, stage_name: str) -> None:
-        """Refuse a stage whose inputs an earlier stage has not written yet, naming the command to run first
-        (``detect`` on an empty folder must not say "0 findings")."""
-        table, before = self._STAGE_TABLES[stage_name]
+    def has(self, stage_name: str) -> bool:
+        """Whether the folder holds the output of *stage_name* (one of ``STAGES``)."""
+        if stage_name == "report":
+            return (self.out_dir / "report.html").is_file()
+        table = self._STAGE_TABLES[stage_name]
         present = self.db_path.is_file() and bool(self.con.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_name = $t", {"t": table}).fetchone()[0])
         if present and table == "load_report":
             present = bool(self.con.execute("SELECT count(*) FROM load_report").fetchone()[0])
-        if not present:
+        return present
+
+    def require(self, stage_name: str) -> None:
+        """Refuse a stage whose inputs an earlier stage has not written yet, naming the command to run first
+        (``detect`` on an empty folder must not say "0 findings")."""
+        before = self.STAGES[self.STAGES.index(stage_name) - 1]
+        if not self.has(before):
             raise InputError(f"{self.out_dir} holds no output of '{before}' yet: run `kvforensics {before} "
                              f"{self.incident.path.name} --out {self.out_dir}` first (or `kvforensics run`)")
 

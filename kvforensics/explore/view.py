@@ -1,0 +1,70 @@
+"""The answer of a drill-down as a notebook shows it: a title, a sentence on what it shows (or why it is
+empty), the table and, for some, a chart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from html import escape
+from typing import Any
+
+import pandas as pd
+
+from kvforensics.escaping import visible_controls
+from kvforensics.scope import iso
+
+MAX_ROWS = 50  # rows a view shows in a notebook; the frame holds them all
+
+
+def html_text(value: Any) -> str:
+    """Untrusted text (account, request, instance names) for HTML: control characters made visible, then
+    escaped, so ``<b>`` reads as ``<b>`` and never as markup."""
+    return escape(visible_controls(str(value)))
+
+
+def when(value: Any) -> str:
+    """A timestamp of a frame as the outputs write it (ISO 8601 UTC); missing: ``?``."""
+    if value is None or value is pd.NaT or (isinstance(value, float) and value != value):
+        return "?"
+    return iso(pd.Timestamp(value).to_pydatetime()) or "?"
+
+
+def shown(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame as a notebook table shows it: text cells with their control characters made visible."""
+    out = frame.copy()
+    for column in out.columns:
+        if out[column].dtype == object or pd.api.types.is_string_dtype(out[column].dtype):
+            out[column] = [visible_controls(v) if isinstance(v, str) else v for v in out[column]]
+    return out
+
+
+@dataclass
+class View:
+    """``frame``: the rows (every one, as the evidence database holds them). ``note``: how to read them, or why
+    there are none. ``chart``: an Altair chart of them, where one helps (display it in its own cell)."""
+
+    title: str
+    frame: pd.DataFrame
+    note: str = ""
+    chart: Any = None
+
+    @property
+    def empty(self) -> bool:
+        return self.frame.empty
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+    def _repr_html_(self) -> str:
+        parts = [f"<h4>{html_text(self.title)}</h4>"]
+        if self.note:
+            parts.append(f"<p>{html_text(self.note)}</p>")
+        if not self.frame.empty:
+            more = len(self.frame) - MAX_ROWS
+            parts.append(shown(self.frame.head(MAX_ROWS)).to_html(index=False, escape=True, na_rep=""))
+            if more > 0:
+                parts.append(f"<p><i>{more:,} more rows: <code>.frame</code> holds them all.</i></p>")
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        head = f"{self.title}\n{self.note}\n" if self.note else f"{self.title}\n"
+        return head + (shown(self.frame.head(MAX_ROWS)).to_string(index=False) if not self.frame.empty else "")
