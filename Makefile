@@ -17,7 +17,13 @@ sample: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2
 
+# JupyterLab on the notebooks, at http://$(LAB_IP):$(LAB_PORT). In a container: `make lab LAB_IP=0.0.0.0` to reach
+# it from outside; as root (the usual case there) --allow-root is added, which Jupyter needs to start.
+# LAB_ARGS: any other jupyter lab options, e.g. LAB_ARGS=--no-browser.
+LAB_IP ?= 127.0.0.1
+LAB_PORT ?= 8888
+LAB_ARGS ?=
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --ip=$(LAB_IP) --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS) notebooks/
 
 .PHONY: setup sample test lab
