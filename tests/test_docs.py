@@ -9,6 +9,7 @@ sample writes them; the rule, preset and source-key tables list what the package
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import json
 import re
@@ -249,6 +250,23 @@ def test_a_run_of_the_sample_writes_what_the_outputs_table_lists(doc, sample_run
     expected = set(documented) - set(CONDITIONS) | ({"report.pdf"} if find_chromium() else set())
     assert expected - written == set()
     assert {p.name for p in (sample_run / "notices").iterdir()} <= {"customers", "internal", "reporter"}
+
+
+def test_the_readme_python_example_runs_on_the_sample(sample_run):
+    (code,) = [body for info, body, _ in fences("README.md") if info == "python"]
+    assert '"reports/sample"' in code
+    names: dict = {}
+    shown = []  # what each line that is an expression shows in a notebook
+    for statement in ast.parse(code.replace('"reports/sample"', repr(str(sample_run)))).body:
+        if isinstance(statement, ast.Expr):
+            shown.append(eval(compile(ast.Expression(statement.value), "README.md", "eval"), names))
+        else:
+            exec(compile(ast.Module([statement], []), "README.md", "exec"), names)
+    try:
+        assert Path(names["inv"].out_dir) == sample_run and len(shown) == 4
+        assert all(len(getattr(value, "frame", value)) > 0 for value in shown)
+    finally:
+        names["inv"].close()
 
 
 # --- tables of what the package ships -----------------------------------------------------------------------
