@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
     a.add_argument("--incident", type=Path, help="audit the engine logs of an incident file instead")
     a.add_argument("--server-info", type=Path, action="append", default=[], help="a /get_server_info JSON dump")
-    a.add_argument("--manifest", type=Path, help="deployment manifest (TOML/YAML) with load-balancer settings")
+    a.add_argument("--manifest", type=Path, help="deployment manifest (TOML/YAML): load balancer "
+                   "and prefix-cache tenancy ([prefix_cache])")
     a.add_argument("--format", default="auto", choices=["auto", "sglang", "vllm"])
     a.add_argument("--timezone", default="UTC", help="IANA zone of the log timestamps")
     a.add_argument("--year", type=int, help="year for vLLM timestamps, which carry none")

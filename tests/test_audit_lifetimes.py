@@ -15,7 +15,7 @@ from rich.console import Console
 from test_lifetimes import LARGE, SMALL, sglang_pod
 
 from kvforensics import db
-from kvforensics.audit import AuditReport, Verdict, audit_database, audit_incident, audit_paths
+from kvforensics.audit import CHECKS, AuditReport, Verdict, audit_database, audit_incident, audit_paths
 from kvforensics.cli import main
 from kvforensics.config import load_incident
 from kvforensics.errors import InputError
@@ -83,8 +83,8 @@ def test_a_pod_shut_down_in_a_rollout_is_exposed_until_its_sigterm_and_not_now(t
     assert "**Not exposed now: every exposed start-up has ended (1 shut down).**" in md
     assert ("| glm-prefill-a | prefill | zai-org/GLM-5.3-FP8 | 2026-08-20 10:00 → 2026-08-20 15:01 | 1. KV pool "
             "vs context length | FAIL (exposed) |") in md
-    assert md.count("| shut down (glm-prefill-a.log:10) |") == 5  # every check of that start-up
-    assert md.count("| in force: the log shows no end |") == 5
+    assert md.count("| shut down (glm-prefill-a.log:10) |") == len(CHECKS)  # every check of that start-up
+    assert md.count("| in force: the log shows no end |") == len(CHECKS)
     console = Console(record=True, width=400, color_system=None)
     report.render_terminal(console)
     text = console.export_text()

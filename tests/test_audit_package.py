@@ -77,4 +77,4 @@ def test_one_module_per_check() -> None:
     from kvforensics.audit import CHECKS
 
     checks = sorted(p.stem for p in (AUDIT / "checks").glob("*.py") if p.stem not in ("__init__", "common"))
-    assert len(checks) == len(CHECKS) == 5
+    assert len(checks) == len(CHECKS) == 6

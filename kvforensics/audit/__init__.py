@@ -1,6 +1,6 @@
-"""Deployment exposure audit: the five checks operators were told to make, per instance and start-up.
+"""Deployment exposure audit: the checks operators were told to make, per instance and start-up.
 
-For each start-up (configuration interval) of each engine instance the audit gives five verdicts,
+For each start-up (configuration interval) of each engine instance the audit gives six verdicts,
 each ``pass`` / ``fail`` / ``unknown`` / ``not_applicable`` with a sentence and the file and line it
 rests on. **Missing evidence is never a pass**: a setting the log does not show is ``unknown``. Each
 verdict also says how its start-up ended and on which line (``end_reason``, ``end_file``,
@@ -8,11 +8,12 @@ verdict also says how its start-up ended and on which line (``end_reason``, ``en
 
 The package is laid out by stage, in the order the work is done:
 
-* :mod:`.inputs`: the optional ``/get_server_info`` dumps and deployment manifest (their schema);
+* :mod:`.inputs`: the optional ``/get_server_info`` dumps and deployment manifest (their schema;
+  :mod:`.tenancy` reads the manifest's ``[prefix_cache]`` table);
 * :mod:`.startups`: start-ups from parsed logs or the evidence database, how each ended, bare
   restarts linked to their predecessors, engine events and dumps placed in their start-up;
 * :mod:`.checks`: one module per check (1 KV pool vs context length, 2 engine version, 3 deferred
-  KV release and transfer batch, 4 corruption detection, 5 load balancer);
+  KV release and transfer batch, 4 corruption detection, 5 load balancer, 6 prefix-cache isolation);
 * :mod:`.model` and :mod:`.report`: the verdicts and the :class:`AuditReport` that answers
   "exposed?" and "exposed now?";
 * :mod:`.render`: the report as a text table, Markdown and HTML (:meth:`AuditReport.to_json` is the

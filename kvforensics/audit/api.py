@@ -2,7 +2,7 @@
 an :class:`~kvforensics.audit.report.AuditReport` out.
 
 Each gathers the start-ups (:mod:`kvforensics.audit.startups`), ends them, links bare restarts to
-their predecessors, places the engine events and the ``/get_server_info`` dumps, and runs the five
+their predecessors, places the engine events and the ``/get_server_info`` dumps, and runs the six
 checks (:mod:`kvforensics.audit.checks`) on every start-up. Unreadable inputs raise
 :class:`~kvforensics.errors.InputError` (the CLI exits 2).
 """
@@ -20,6 +20,7 @@ from kvforensics.audit.checks.corruption_detection import check_corruption_detec
 from kvforensics.audit.checks.engine_version import check_engine_version
 from kvforensics.audit.checks.load_balancer import check_load_balancer
 from kvforensics.audit.checks.pool_vs_context import check_pool_vs_context
+from kvforensics.audit.checks.prefix_cache import check_prefix_cache
 from kvforensics.audit.checks.release_and_batch import check_release_and_batch
 from kvforensics.audit.inputs import DeploymentManifest, ServerInfo, read_manifest, read_server_info
 from kvforensics.audit.model import AUDIT_EVENT_KINDS, CHECKS, Verdict
@@ -85,13 +86,14 @@ def _judge(startups: list[Startup], manifest: DeploymentManifest | None) -> list
         if s.engine == "vllm" and s.refused:
             others: list[Judged] = [
                 ("not_applicable", "vLLM refused to start: nothing served", *s.where())
-            ] * 4
+            ] * (len(CHECKS) - 1)
         else:
             others = [
                 check_engine_version(s),
                 check_release_and_batch(s),
                 check_corruption_detection(s),
                 check_load_balancer(s, manifest),
+                check_prefix_cache(s, manifest),
             ]
         verdicts += [_verdict(s, check, *judged) for check, judged in enumerate(others, start=2)]
     return verdicts

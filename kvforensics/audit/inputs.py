@@ -18,7 +18,9 @@
       [load_balancer.instances."glm53-prefill-0"]         # optional, per instance (wins over models)
       abort_on_client_disconnect = "never"
 
-  ``true`` / ``"before_first_token"`` mean ``"always"``; ``false`` means ``"never"``.
+  ``true`` / ``"before_first_token"`` mean ``"always"``; ``false`` means ``"never"``. The
+  ``[prefix_cache]`` table (tenancy and who sets the cache salt, for check 6) is described in
+  :mod:`kvforensics.audit.tenancy`.
 
 Unreadable or malformed inputs raise :class:`~kvforensics.errors.InputError` naming the file.
 """
@@ -34,6 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvforensics.audit.tenancy import PrefixCachePolicy, read_prefix_cache
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_fields import flag_value
@@ -145,13 +148,14 @@ class LoadBalancerSetting:
 
 @dataclass(frozen=True)
 class DeploymentManifest:
-    """The load-balancer part of a deployment manifest (schema in the module docstring)."""
+    """A deployment manifest: the load balancer (schema in the module docstring) and the prefix cache."""
 
     file: str
     name: str | None
     default: LoadBalancerSetting | None  # None: no [load_balancer] table at all
     models: dict[str, LoadBalancerSetting] = field(default_factory=dict)
     instances: dict[str, LoadBalancerSetting] = field(default_factory=dict)
+    prefix_cache: PrefixCachePolicy | None = None  # None: no [prefix_cache] table
 
     def setting_for(self, instance: str, models: Iterable[str | None]) -> LoadBalancerSetting | None:
         if instance in self.instances:
@@ -204,9 +208,10 @@ def read_manifest(path: str | Path) -> DeploymentManifest:
         data = {}
     if not isinstance(data, dict):
         raise InputError("manifest must be a table / mapping at the top level", location=str(path))
+    prefix_cache = read_prefix_cache(data, text, str(path))
     lb = data.get("load_balancer")
     if lb is None:
-        return DeploymentManifest(file=str(path), name=None, default=None)
+        return DeploymentManifest(file=str(path), name=None, default=None, prefix_cache=prefix_cache)
     if not isinstance(lb, dict):
         raise InputError("load_balancer must be a table / mapping", location=str(path))
     lines = text.splitlines()
@@ -258,4 +263,5 @@ def read_manifest(path: str | Path) -> DeploymentManifest:
         ),
         models=models,
         instances=instances,
+        prefix_cache=prefix_cache,
     )

@@ -17,6 +17,7 @@ CHECKS: dict[int, str] = {
     3: "deferred KV release and capped Mooncake transfer batch",
     4: "KV checksum / canary verification",
     5: "load balancer abort on client disconnect",
+    6: "prefix-cache isolation between tenants",
 }
 STATUSES = ("pass", "fail", "unknown", "not_applicable")
 SGLANG_FIXED_VERSION = Version("0.5.22")

@@ -55,6 +55,10 @@ _FLAG_KEYS = (
     "log_requests",
     "log_requests_level",
     "kv_cache_dtype",
+    "disable_radix_cache",  # prefix cache and its external stores (audit check 6)
+    "enable_hierarchical_cache",
+    "hicache_storage_backend",
+    "enable_lmcache",
 )
 _FLAG_FRAGMENTS = ("checksum", "canary", "defer", "release", "mooncake", "transfer", "disaggregation_")
 

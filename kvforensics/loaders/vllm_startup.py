@@ -35,7 +35,11 @@ _FLAG_KEYS = (
     "kv_transfer_config",
     "swap_space",
     "cpu_offload_gb",
+    "prefix_caching_hash_algo",
+    "kv_offloading_backend",
 )
+# settings whose line the audit cites (check 6, prefix-cache isolation)
+_EVIDENCE_KEYS = ("enable_prefix_caching", "prefix_caching_hash_algo", "kv_transfer_config", "kv_offloading_backend")
 
 
 @dataclass
@@ -96,10 +100,12 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
                     return value, line_no
         return None, None
 
-    for values, _ in reversed(sources):
+    for values, line_no in reversed(sources):
         for key, value in values.items():
             if key in _FLAG_KEYS or "kv_transfer" in key or "kv_connector" in key:
                 flags[key] = flag_value(value)
+                if key in _EVIDENCE_KEYS and line_no is not None:
+                    evidence[key] = line_no
     if st.ready_line is not None:
         evidence["ready"] = st.ready_line
 

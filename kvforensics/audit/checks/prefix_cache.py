@@ -1,0 +1,349 @@
+"""Check 6: prefix-cache isolation between tenants (issue 15).
+
+A prefix cache reuses one request's KV blocks for a later request with the same leading tokens. On a
+multi-tenant deployment that is a cross-tenant channel unless every tenant's requests carry their own
+salt (vLLM ``cache_salt``, SGLang ``cache_salt`` / ``extra_key``) set by someone the tenant cannot
+override, the block keys do not collide, and every store the blocks reach keys them with the salt.
+Each start-up is judged from its server args (log or ``/get_server_info`` dump) and the manifest's
+``[prefix_cache]`` table (:mod:`kvforensics.audit.tenancy`):
+
+* **prefix caching on/off.** SGLang's radix cache is on unless ``--disable-radix-cache``
+  (``disable_radix_cache``; SGLang server arguments,
+  https://docs.sglang.ai/advanced_features/server_arguments.html). vLLM: ``--enable-prefix-caching`` /
+  ``--no-enable-prefix-caching``; the V1 engine (the default from v0.8.0, the only engine from
+  v0.11.0) turns it on by default, V0 off (https://docs.vllm.ai/en/v0.8.0/getting_started/v1_user_guide.html,
+  v0.11.0 release notes). The engine config line gives the resolved value.
+* **block-hash algorithm (vLLM).** ``--prefix-caching-hash-algo``. Before v0.7.2 the block hash was
+  Python ``hash()`` seeded with ``hash(None)``, a constant from Python 3.12: collisions could be
+  crafted (GHSA-rm76-4mrf-v9r8, CVE-2025-25183, fixed by vllm-project/vllm#12621). ``sha256`` exists
+  from v0.8.3 (vllm-project/vllm#15297) and is the default from v0.10.2 (docs/design/prefix_caching.md,
+  vllm-project/vllm#29261), which advises SHA-256 "in a multi-tenant setup"; ``builtin`` was the default
+  before. ``xxhash`` / ``xxhash_cbor`` (vllm-project/vllm#29163) are not cryptographic: practical
+  collisions are reported even with an unknown seed (vllm-project/vllm#54727). On a multi-tenant
+  deployment ``builtin`` and ``xxhash*`` fail. SGLang's radix tree matches token ids, not hashes.
+* **salts.** From the manifest: ``tenants = "single"`` passes; ``"multi"`` with ``cache_salt = "none"``
+  fails (any tenant's prefix serves another tenant, and TTFT probing reads it back: arXiv 2409.20002,
+  2411.18191); ``"client"`` fails (a tenant can send another tenant's salt); ``"gateway"`` needs an
+  engine that honours it: vLLM from v0.9.0 (``cache_salt``, vllm-project/vllm#17045, CVE-2025-46570);
+  SGLang's radix tree keys on ``extra_key`` / ``cache_salt`` (sgl-project/sglang#26747, #30827).
+* **external / L3 KV stores.** vLLM ``--kv-transfer-config`` with ``LMCacheConnectorV1`` (or
+  ``--kv-offloading-backend lmcache``) keys LMCache entries by tokens only: the salt is dropped
+  (LMCache/LMCache#2878; fixes #2880 / #3008 unmerged). ``LMCacheMPConnector`` carries the salt only
+  with vllm-project/vllm#39837 and LMCache/LMCache#3029 (unknown: check both builds). vLLM's own
+  ``OffloadingConnector`` stores by vLLM's salted block hashes. Prefill/decode connectors (NIXL,
+  Mooncake, P2P NCCL) move one request's KV, they are not a shared store. SGLang ``--enable-lmcache``
+  drops the salt (sgl-project/sglang#37160, LMCache/LMCache#4825). SGLang HiCache storage backends
+  (``--enable-hierarchical-cache --hicache-storage-backend ...``) keyed pages by tokens only, as
+  ``radix_cache.py`` states in 0.5.18 ("external L3/remote storage keys remain token-only",
+  sgl-project/sglang#26747, #37160) until sgl-project/sglang#38577 (merged 2026-09-08, no release named
+  here): fail up to 0.5.18, unknown after or when the version is not known. The manifest's
+  ``kv_store_keys_salt`` (true / false) settles what the audit cannot see.
+
+Missing evidence is never a pass: an unstated tenancy or salt owner is ``unknown``.
+"""
+
+from __future__ import annotations
+
+from packaging.version import InvalidVersion, Version
+
+from kvforensics.audit.checks.common import ON, Judged, server_arg
+from kvforensics.audit.checks.engine_version import exact_version
+from kvforensics.audit.inputs import DeploymentManifest
+from kvforensics.audit.phrases import loc
+from kvforensics.audit.startups import Startup
+from kvforensics.audit.tenancy import Said
+
+VLLM_V1_DEFAULT = Version("0.8.0")
+VLLM_V0_REMOVED = Version("0.11.0")
+VLLM_HASH_SEED_FIX = Version("0.7.2")
+VLLM_SHA256 = Version("0.8.3")
+VLLM_SHA256_DEFAULT = Version("0.10.2")
+VLLM_CACHE_SALT = Version("0.9.0")
+SGLANG_HICACHE_TOKEN_KEYS_THROUGH = Version("0.5.18")
+OFF_VALUES = ("false", "0", "no", "off")
+WEAK_HASHES = ("builtin", "xxhash", "xxhash_cbor")
+PD_CONNECTORS = ("nixl", "mooncakeconnector", "p2pnccl", "decodebench")
+
+Finding = tuple[str, str, str | None, int | None]  # status, sentence, file, line
+
+
+def _flag(s: Startup, name: str) -> tuple[str, str | None, int | None] | None:
+    """A setting by exact name: (value, file, line), from the log or the server_info dump."""
+    found = server_arg(s, lambda k: k == name)
+    if found is None:
+        return None
+    _, value, file, line = found
+    if file == s.file and name in s.evidence:
+        line = s.evidence[name]
+    return value, file, line
+
+
+def _is_set(value: str | None) -> bool:
+    return value is not None and value.strip().lower() not in ("none", "null", "", "false", "0")
+
+
+def _version(s: Startup) -> Version | None:
+    exact = exact_version(s)
+    if exact is not None or s.version is None:
+        return exact
+    try:
+        return Version(s.version.strip().lstrip("v"))
+    except InvalidVersion:
+        return None
+
+
+def caching(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
+    """Is the prefix cache on? (on, how we know, file, line); on is None when the evidence does not say."""
+    if s.engine == "sglang":
+        flag = _flag(s, "disable_radix_cache")
+        if flag is not None:
+            value, file, line = flag
+            on = value.lower() not in ON
+            return on, f"radix cache {'on' if on else 'off'} (disable_radix_cache={value})", file, line
+        file, line = s.where("server_args")
+        if "server_args" in s.evidence or s.server_info is not None:
+            return True, "radix cache on (SGLang's default: disable_radix_cache is not set)", file, line
+        return None, "no server_args line: whether the radix cache is on is not in the log", file, line
+    flag = _flag(s, "enable_prefix_caching")
+    if flag is not None and flag[0].lower() in (*ON, *OFF_VALUES):
+        value, file, line = flag
+        on = value.lower() in ON
+        return on, f"prefix caching {'on' if on else 'off'} (enable_prefix_caching={value})", file, line
+    file, line = s.where("engine_version")
+    v = _version(s)
+    if v is None:
+        return None, "prefix caching not logged and the vLLM version unknown", file, line
+    if v >= VLLM_V0_REMOVED:
+        return True, f"prefix caching on (vLLM {v}: the V1 engine's default)", file, line
+    if v < VLLM_V1_DEFAULT:
+        return False, f"prefix caching off (vLLM {v}: the V0 engine's default)", file, line
+    return (
+        None,
+        f"prefix caching not logged: vLLM {v} turns it on in V1 and off in V0, and the log does not say "
+        "which engine ran",
+        file,
+        line,
+    )
+
+
+def hashing(s: Startup) -> Finding | None:
+    """The block-hash algorithm on a multi-tenant deployment (vLLM); None when nothing to say (SGLang)."""
+    if s.engine != "vllm":
+        return None
+    v = _version(s)
+    flag = _flag(s, "prefix_caching_hash_algo")
+    file, line = s.where("engine_version")
+    if flag is not None and _is_set(flag[0]):
+        algo, file, line = flag[0].strip().strip("'\"").lower(), flag[1], flag[2]
+        how = f"prefix_caching_hash_algo={algo}"
+    elif v is None:
+        return "unknown", "the block-hash algorithm is not logged and the vLLM version is unknown", file, line
+    else:
+        algo = "sha256" if v >= VLLM_SHA256_DEFAULT else "builtin"
+        how = f"{algo}, the default of vLLM {v} (not among the logged args)"
+    if algo == "builtin" and v is not None and v < VLLM_HASH_SEED_FIX:
+        return (
+            "fail",
+            f"block hash {how}: before vLLM {VLLM_HASH_SEED_FIX} it starts from hash(None), a constant on "
+            "Python 3.12, so a tenant can craft colliding blocks (CVE-2025-25183); upgrade and use sha256",
+            file,
+            line,
+        )
+    if algo in WEAK_HASHES:
+        return (
+            "fail",
+            f"block hash {how} is not cryptographic: a colliding block serves one tenant's KV to another; "
+            "use --prefix-caching-hash-algo sha256 on a multi-tenant deployment",
+            file,
+            line,
+        )
+    if algo.startswith("sha256"):
+        return "pass", f"block hash {how}", file, line
+    return "unknown", f"block hash {how}: an algorithm this audit does not know", file, line
+
+
+def engine_honours_salt(s: Startup) -> Finding | None:
+    """Does the engine put a gateway's salt into its block keys? None when it does (or nothing to add)."""
+    if s.engine != "vllm":
+        return None
+    v = _version(s)
+    file, line = s.where("engine_version")
+    if v is None:
+        return "unknown", f"vLLM version unknown: cache_salt needs vLLM >= {VLLM_CACHE_SALT}", file, line
+    if v < VLLM_CACHE_SALT:
+        return (
+            "fail",
+            f"vLLM {v} predates cache_salt ({VLLM_CACHE_SALT}): the gateway's salt is ignored and every "
+            "tenant shares one prefix cache",
+            file,
+            line,
+        )
+    return None
+
+
+def store(s: Startup, said: Said | None) -> Finding | None:
+    """An external / L3 KV store and whether its keys carry the salt; None when there is none."""
+    found = _store(s)
+    if found is None:
+        return None
+    status, sentence, file, line = found
+    if said is not None and status != "pass":
+        keyed = bool(said.value)
+        return (
+            "pass" if keyed else "fail",
+            f"{sentence.split(':')[0]}: the manifest says its keys {'include' if keyed else 'drop'} the salt "
+            f"({said.scope}, line {said.line})",
+            file,
+            line,
+        )
+    return found
+
+
+def _store(s: Startup) -> Finding | None:
+    if s.engine == "vllm":
+        offload = _flag(s, "kv_offloading_backend")
+        transfer = _flag(s, "kv_transfer_config")
+        connector = s.flags.get("kv_connector") or ""
+        text = f"{transfer[0] if transfer else ''} {connector}".lower()
+        file, line = (transfer[1], transfer[2]) if transfer else s.where("engine_version")
+        if offload is not None and offload[0].lower() == "lmcache":
+            file, line = offload[1], offload[2]
+            text += " lmcacheconnectorv1"
+        if "lmcachempconnector" in text:
+            return (
+                "unknown",
+                "LMCacheMPConnector: the salt reaches LMCache's keys only with vllm-project/vllm#39837 and "
+                "LMCache/LMCache#3029; check both builds (or set kv_store_keys_salt in the manifest)",
+                file,
+                line,
+            )
+        if "lmcache" in text:
+            return (
+                "fail",
+                "LMCache store (LMCacheConnectorV1): its keys are the tokens only, cache_salt is dropped "
+                "(LMCache/LMCache#2878), so a prefix stored under one tenant's salt is served to another",
+                file,
+                line,
+            )
+        if offload is not None and _is_set(offload[0]) or "offloadingconnector" in text:
+            at = (offload[1], offload[2]) if offload is not None and _is_set(offload[0]) else (file, line)
+            return "pass", "vLLM's own KV offloading: stored by vLLM's salted block hashes", *at
+        if connector and not any(p in connector.lower() for p in PD_CONNECTORS):
+            return (
+                "unknown",
+                f"KV connector {connector}: check whether its store keys include cache_salt",
+                file,
+                line,
+            )
+        return None
+    lmcache = _flag(s, "enable_lmcache")
+    if lmcache is not None and lmcache[0].lower() in ON:
+        return (
+            "fail",
+            "LMCache store (--enable-lmcache): SGLang hands LMCache token-only keys, cache_salt is dropped "
+            "(sgl-project/sglang#37160)",
+            lmcache[1],
+            lmcache[2],
+        )
+    hicache = _flag(s, "hicache_storage_backend")
+    if hicache is None or not _is_set(hicache[0]):
+        return None
+    backend, file, line = hicache
+    v = _version(s)
+    what = f"HiCache storage backend {backend}"
+    if v is not None and v <= SGLANG_HICACHE_TOKEN_KEYS_THROUGH:
+        return (
+            "fail",
+            f"{what}: SGLang {v} keys stored pages by tokens only, extra_key / cache_salt dropped "
+            "(sgl-project/sglang#26747)",
+            file,
+            line,
+        )
+    known = f"SGLang {v}" if v is not None else "the SGLang version is not known"
+    return (
+        "unknown",
+        f"{what}: {known}; storage keys include the salt only in builds with sgl-project/sglang#38577 "
+        "(check the build, or set kv_store_keys_salt in the manifest)",
+        file,
+        line,
+    )
+
+
+def _said(manifest: DeploymentManifest | None, s: Startup) -> dict[str, Said]:
+    if manifest is None or manifest.prefix_cache is None:
+        return {}
+    return manifest.prefix_cache.for_startup(s.instance, (s.model, s.engine_model))
+
+
+def _where(said: Said) -> str:
+    return "" if said.scope == "prefix_cache" else f" (setting for {said.scope})"
+
+
+def check_prefix_cache(s: Startup, manifest: DeploymentManifest | None) -> Judged:
+    on, how, file, line = caching(s)
+    if on is False:
+        return "pass", f"{how}: no KV is reused across requests", file, line
+    said = _said(manifest, s)
+    mfile = manifest.file if manifest is not None else None
+    tenants, salt = said.get("tenants"), said.get("cache_salt")
+    if tenants is not None and tenants.value == "single":
+        single = f"single-tenant deployment{_where(tenants)}: {how}, reuse stays within one customer"
+        return "pass", single, mfile, tenants.line
+    if on is None:
+        return "unknown", how, file, line
+    if manifest is None or manifest.prefix_cache is None:
+        return (
+            "unknown",
+            f"{how}; no deployment manifest with a [prefix_cache] table: whether tenants share these "
+            "engines and who sets cache_salt is unknown",
+            file,
+            line,
+        )
+    if tenants is None:
+        return (
+            "unknown",
+            f"{how}; the manifest does not say whether several tenants share it (tenants)",
+            file,
+            line,
+        )
+    findings: list[Finding] = []
+    if salt is None:
+        findings.append(("unknown", "the manifest does not say who sets cache_salt", mfile, None))
+    elif salt.value == "none":
+        findings.append(
+            (
+                "fail",
+                f"multi-tenant with no cache_salt{_where(salt)}: one tenant's prompt prefix is reused for "
+                "another's request and can be read back by timing; have the gateway set a salt per tenant",
+                mfile,
+                salt.line,
+            )
+        )
+    elif salt.value == "client":
+        findings.append(
+            (
+                "fail",
+                f"cache_salt comes from the client's request body{_where(salt)}: a tenant can send another "
+                "tenant's salt; have the gateway overwrite it per tenant",
+                mfile,
+                salt.line,
+            )
+        )
+    else:
+        honoured = engine_honours_salt(s)
+        if honoured is not None:
+            findings.append(honoured)
+        stored = store(s, said.get("kv_store_keys_salt"))
+        if stored is not None:
+            findings.append(stored)
+    hashed = hashing(s)
+    if hashed is not None:
+        findings.append(hashed)
+    for status in ("fail", "unknown"):
+        picked = [f for f in findings if f[0] == status]
+        if picked:
+            sentence = "; ".join(f[1] for f in picked)
+            return status, f"{how} ({loc(file, line)}); {sentence}", picked[0][2], picked[0][3]
+    salted = f"cache_salt set per tenant by the gateway{_where(salt)}" if salt is not None else ""
+    rest = "; ".join(f[1] for f in findings)
+    return "pass", "; ".join(x for x in (how, salted, rest) if x), file, line

@@ -1,0 +1,260 @@
+"""Audit check 6, prefix-cache isolation (issue 15): prefix caching on/off, the block hash, who sets the
+salt, and whether an external KV store keeps it; every verdict with the line it rests on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvforensics.audit import CHECKS, AuditReport, Verdict, audit_paths, audit_startups, read_manifest
+from kvforensics.cli import main
+from kvforensics.errors import InputError
+from kvforensics.loaders.engine_types import StartupRecord
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PREFIX = FIXTURES / "audit_prefix"
+LOGS = sorted(PREFIX.glob("*.log"))
+
+
+def check6(report: AuditReport, instance: str) -> Verdict:
+    (v,) = [v for v in report.verdicts if v.check == 6 and v.instance == instance]
+    return v
+
+
+def at(v: Verdict) -> tuple[str, str, int | None]:
+    return v.status, Path(v.evidence_file or "").name, v.evidence_line
+
+
+@pytest.fixture(scope="module")
+def gateway() -> AuditReport:
+    return audit_paths(LOGS, manifest=PREFIX / "multi-gateway.toml")
+
+
+def test_the_check_is_numbered_and_named() -> None:
+    assert CHECKS[6] == "prefix-cache isolation between tenants"
+
+
+def test_an_unsalted_multi_tenant_deployment_fails_on_the_manifest_line() -> None:
+    report = audit_paths(LOGS, manifest=PREFIX / "multi-none.toml")
+    for instance in ("sglang-0.5.22-radix", "vllm-0.11.0-offloading"):
+        v = check6(report, instance)
+        assert at(v) == ("fail", "multi-none.toml", 7)  # cache_salt = "none"
+        assert "multi-tenant with no cache_salt" in v.detail
+        assert f"{instance}.log:" in v.detail  # and the log line showing the cache is on
+        assert not v.exposed  # "exposed" stays check 1's word
+    # a cache that is off shares nothing, whatever the tenancy
+    assert at(check6(report, "sglang-0.5.22-radix-off")) == ("pass", "sglang-0.5.22-radix-off.log", 2)
+
+
+def test_salted_deployments_whose_store_drops_the_salt_fail_on_the_store_line(gateway: AuditReport) -> None:
+    v = check6(gateway, "vllm-0.11.0-lmcache")
+    assert at(v) == ("fail", "vllm-0.11.0-lmcache.log", 2)  # the non-default args with kv_transfer_config
+    assert "LMCacheConnectorV1" in v.detail and "LMCache/LMCache#2878" in v.detail
+    v = check6(gateway, "sglang-0.5.15-hicache-mooncake")
+    assert at(v) == ("fail", "sglang-0.5.15-hicache-mooncake.log", 2)
+    assert "HiCache storage backend mooncake" in v.detail and "0.5.15" in v.detail
+    v = check6(gateway, "sglang-0.5.22-lmcache")
+    assert at(v) == ("fail", "sglang-0.5.22-lmcache.log", 2) and "--enable-lmcache" in v.detail
+
+
+def test_salted_deployments_with_salt_keeping_stores_pass(gateway: AuditReport) -> None:
+    v = check6(gateway, "vllm-0.11.0-offloading")
+    assert at(v) == ("pass", "vllm-0.11.0-offloading.log", 3)  # the engine config: enable_prefix_caching=True
+    assert "salted block hashes" in v.detail and "sha256, the default of vLLM 0.11.0" in v.detail
+    v = check6(gateway, "sglang-0.5.22-radix")
+    assert at(v) == ("pass", "sglang-0.5.22-radix.log", 2)
+    assert "cache_salt set per tenant by the gateway" in v.detail
+
+
+def test_weak_block_hashes_and_engines_without_salts_fail(gateway: AuditReport) -> None:
+    v = check6(gateway, "vllm-0.10.1-builtin")
+    assert at(v) == ("fail", "vllm-0.10.1-builtin.log", 1)  # the version line: builtin was its default
+    assert "block hash builtin" in v.detail and "not cryptographic" in v.detail
+    v = check6(gateway, "vllm-0.8.5-namespace-sha256")
+    assert at(v) == ("fail", "vllm-0.8.5-namespace-sha256.log", 1)
+    assert "predates cache_salt (0.9.0)" in v.detail
+    assert "block hash" not in v.detail  # sha256 from the args line: only the failure is told
+
+
+def test_a_single_tenant_instance_passes_and_overrides_apply_key_by_key() -> None:
+    report = audit_paths(LOGS, manifest=PREFIX / "overrides.yaml")
+    v = check6(report, "sglang-0.5.22-radix")
+    assert at(v) == ("pass", "overrides.yaml", 11)
+    assert "single-tenant deployment (setting for instance sglang-0.5.22-radix)" in v.detail
+    # the model table sets only cache_salt; tenants = "multi" still comes from [prefix_cache]
+    v = check6(report, "vllm-0.11.0-offloading")
+    assert v.status == "pass" and "(setting for model llama-3.1-8b)" in v.detail
+    v = check6(report, "sglang-0.5.22-lmcache")  # another model: the client's salt
+    assert at(v) == ("fail", "overrides.yaml", 5)
+    assert "a tenant can send another tenant's salt" in v.detail
+
+
+def test_without_a_manifest_the_tenancy_is_unknown_never_a_pass() -> None:
+    report = audit_paths(LOGS)
+    for v in report.verdicts:
+        if v.check == 6 and v.instance != "sglang-0.5.22-radix-off":
+            assert v.status == "unknown", v
+            assert "no deployment manifest with a [prefix_cache] table" in v.detail
+    # a manifest with only the load balancer says nothing about tenants either
+    v = check6(audit_paths(LOGS, manifest=FIXTURES / "audit" / "manifest.toml"), "sglang-0.5.22-radix")
+    assert v.status == "unknown"
+
+
+def test_unknown_tenancy_and_salt_owner(tmp_path: Path) -> None:
+    m = tmp_path / "m.toml"
+    m.write_text('[prefix_cache]\ncache_salt = "gateway"\n')
+    v = check6(audit_paths(LOGS, manifest=m), "sglang-0.5.22-radix")
+    assert v.status == "unknown" and "does not say whether several tenants share it" in v.detail
+    m.write_text('[prefix_cache]\ntenants = "multi"\n')
+    v = check6(audit_paths(LOGS, manifest=m), "sglang-0.5.22-radix")
+    assert at(v) == ("unknown", "m.toml", None) and "who sets cache_salt" in v.detail
+
+
+def startup(engine: str, version: str | None, flags: dict[str, str], evidence: dict[str, int]) -> StartupRecord:
+    return StartupRecord(
+        instance="node",
+        ts=None,
+        line=1,
+        engine=engine,
+        engine_version=version,
+        version_source="log" if version else None,
+        role="unified",
+        model="m",
+        kv_pool_tokens=None,
+        pool_source_line=None,
+        context_length=None,
+        page_size=None,
+        tp_size=None,
+        dp_size=None,
+        flags=flags,
+        evidence=evidence,
+    )
+
+
+def sglang(version: str | None, **args: str) -> StartupRecord:
+    """An SGLang start-up whose server_args line (line 4) holds *args*, radix cache on."""
+    return startup("sglang", version, {"disable_radix_cache": "false", **args}, {"server_args": 4})
+
+
+def vllm(version: str, **args: str) -> StartupRecord:
+    """A vLLM start-up: its version on line 1, each of *args* on line 2."""
+    return startup("vllm", version, dict(args), {"engine_version": 1, **{k: 2 for k in args}})
+
+
+def judge(rec: StartupRecord, manifest: Path) -> Verdict:
+    return check6(audit_startups([rec], source_file="node.log", manifest=manifest), "node")
+
+
+@pytest.fixture
+def salted() -> Path:
+    return PREFIX / "multi-gateway.toml"
+
+
+def test_hicache_storage_after_the_token_only_releases_is_unknown_saying_what_to_check(salted: Path) -> None:
+    for version in ("0.5.22", None):
+        v = judge(sglang(version, enable_hierarchical_cache="true", hicache_storage_backend="hf3fs"), salted)
+        assert (v.status, v.evidence_line) == ("unknown", 4)
+        assert "sgl-project/sglang#38577" in v.detail and "kv_store_keys_salt" in v.detail
+    # HiCache without a storage backend keeps pages in host memory, inside the salted radix tree
+    assert judge(sglang("0.5.22", enable_hierarchical_cache="true"), salted).status == "pass"
+
+
+def test_the_manifest_settles_what_the_store_does(tmp_path: Path) -> None:
+    m = tmp_path / "m.toml"
+    m.write_text('[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\nkv_store_keys_salt = false\n')
+    v = judge(sglang("0.5.22", hicache_storage_backend="hf3fs"), m)
+    assert (v.status, v.evidence_line) == ("fail", 4) and "line 4" in v.detail
+    m.write_text('[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\nkv_store_keys_salt = true\n')
+    lmcache = "KVTransferConfig(kv_connector='LMCacheConnectorV1')"
+    rec = vllm("0.11.0", enable_prefix_caching="true", kv_transfer_config=lmcache)
+    v = judge(rec, m)
+    assert v.status == "pass" and "the manifest says its keys include the salt" in v.detail
+
+
+def test_vllm_hash_algorithms_and_versions(salted: Path) -> None:
+    v = judge(vllm("0.7.1", enable_prefix_caching="true"), salted)
+    assert v.status == "fail" and "CVE-2025-25183" in v.detail
+    v = judge(vllm("0.12.0", enable_prefix_caching="true", prefix_caching_hash_algo="xxhash"), salted)
+    assert (v.status, v.evidence_line) == ("fail", 2) and "prefix_caching_hash_algo=xxhash" in v.detail
+    v = judge(vllm("0.12.0", enable_prefix_caching="true", prefix_caching_hash_algo="sha256_cbor"), salted)
+    assert v.status == "pass"
+    mp = "{'kv_connector': 'LMCacheMPConnector'}"
+    v = judge(vllm("0.12.0", enable_prefix_caching="true", kv_transfer_config=mp), salted)
+    assert v.status == "unknown" and "vllm-project/vllm#39837" in v.detail
+    v = judge(vllm("0.12.0", enable_prefix_caching="true", kv_offloading_backend="lmcache"), salted)
+    assert (v.status, v.evidence_line) == ("fail", 2) and "LMCache" in v.detail
+    # prefill/decode connectors move one request's KV: not a shared store
+    rec = vllm("0.12.0", enable_prefix_caching="true", kv_transfer_config="{'kv_connector': 'NixlConnector'}")
+    assert judge(rec, salted).status == "pass"
+
+
+def test_vllm_prefix_caching_defaults_by_engine(salted: Path) -> None:
+    assert judge(vllm("0.11.0"), salted).status == "pass"  # V1 only: on by default; salted and sha256
+    v = judge(vllm("0.7.3"), salted)
+    assert v.status == "pass" and "off (vLLM 0.7.3: the V0 engine's default)" in v.detail
+    v = judge(vllm("0.9.2"), salted)  # V1 by default, V0 on request: the log must say
+    assert v.status == "unknown" and "does not say which engine ran" in v.detail
+    v = judge(vllm("0.9.2", enable_prefix_caching="false"), salted)
+    assert (v.status, v.evidence_line) == ("pass", 2)
+
+
+def test_existing_v0_fixture_has_prefix_caching_off() -> None:
+    report = audit_paths([FIXTURES / "audit" / "vllm-0.6.3-v0.log"], manifest=PREFIX / "multi-none.toml")
+    v = check6(report, "vllm-0.6.3-v0")
+    assert at(v) == ("pass", "vllm-0.6.3-v0.log", 3) and "enable_prefix_caching=false" in v.detail
+
+
+def test_the_other_checks_do_not_change_with_the_prefix_cache_table() -> None:
+    def others(report: AuditReport) -> list[tuple[object, ...]]:
+        return [
+            (v.instance, v.check, v.status, v.detail, v.evidence_line) for v in report.verdicts if v.check < 5
+        ]
+
+    assert others(audit_paths(LOGS)) == others(audit_paths(LOGS, manifest=PREFIX / "overrides.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[prefix_cache]\ntenants = "many"\n', "prefix_cache.tenants = 'many'; use one of 'multi', 'single'"),
+        ('[prefix_cache]\ncache_salt = "header"\n', "use one of 'gateway', 'client', 'none'"),
+        ('[prefix_cache]\nkv_store_keys_salt = "yes"\n', "kv_store_keys_salt = 'yes'; write true or false"),
+        ('[prefix_cache]\nsalt = "gateway"\n', "unknown key 'salt'; the keys are tenants, cache_salt"),
+        ('prefix_cache = "multi"\n', "prefix_cache must be a table"),
+        ('[prefix_cache.instances]\nnode = "single"\n', "prefix_cache.instances.node must be a table"),
+        ('[prefix_cache.models."m"]\ntenants = 2\n', "prefix_cache.models.m.tenants = 2"),
+    ],
+)
+def test_bad_manifest_keys_are_clear_errors(tmp_path: Path, text: str, message: str) -> None:
+    m = tmp_path / "m.toml"
+    m.write_text(text)
+    with pytest.raises(InputError, match="") as e:
+        read_manifest(m)
+    assert message in str(e.value)
+
+
+def test_cli_bad_manifest_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    m = tmp_path / "m.toml"
+    m.write_text('[prefix_cache]\ntenants = "many"\n')
+    assert main(["audit", "--manifest", str(m), str(LOGS[0])]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "tenants" in err and "Traceback" not in err
+
+
+def test_cli_shows_the_check_in_table_markdown_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    manifest, log = PREFIX / "multi-gateway.toml", PREFIX / "vllm-0.11.0-lmcache.log"
+    args = ["audit", "--manifest", str(manifest), str(log)]
+    main(args)
+    table = capsys.readouterr().out
+    assert "6. prefix-cache isolation between tenants" in table and "vllm-0.11.0-lmcache.log:2" in table
+    main([*args[:1], "--markdown", *args[1:]])
+    md = capsys.readouterr().out
+    row = next(line for line in md.splitlines() if "6. prefix-cache isolation" in line)
+    assert "| FAIL |" in row and "LMCacheConnectorV1" in row
+    main([*args[:1], "--json", *args[1:]])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checks"]["6"] == "prefix-cache isolation between tenants"
+    (v,) = [v for v in doc["verdicts"] if v["check"] == 6]
+    assert (v["status"], v["evidence_line"], v["exposed"]) == ("fail", 2, False)
