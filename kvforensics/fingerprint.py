@@ -5,6 +5,12 @@ reduced to a 63-bit integer with HMAC-SHA256 under a per-investigation key. With
 fingerprints cannot be brute-forced back to text by dictionary, and no raw text is ever stored.
 The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is generated once per investigation and kept
 in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key`` (never in the outputs).
+
+:func:`fingerprints` is the reference. The content loader (kvforensics/loaders/content.py) computes
+the same values in bulk with DuckDB (sql/content_fingerprints.sql): HMAC-SHA256 composed from
+DuckDB's ``sha256`` and the key blocks of :func:`hmac_blocks`, over the words of an ASCII text
+tokenised in SQL (``[a-z0-9_]+`` of the lower-cased text, which is exactly ``\\w+`` on ASCII) or,
+for any other text, over the words :func:`shingle_words` gives.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 SHINGLE_WORDS = 8
 _WORD = re.compile(r"\w+", re.UNICODE)
+_SHA256_BLOCK = 64
 
 
 def key_for(incident_id: str) -> bytes:
@@ -44,6 +51,21 @@ def shingles(text: str, width: int = SHINGLE_WORDS) -> list[str]:
     if len(words) < width:
         return [" ".join(words)] if words else []
     return [" ".join(words[i:i + width]) for i in range(len(words) - width + 1)]
+
+
+def shingle_words(text: str) -> str:
+    """The lower-cased words of a text, joined by single spaces, as :func:`shingles` splits them (a
+    word never contains a space, so splitting this on spaces gives the words back)."""
+    return " ".join(w.lower() for w in _WORD.findall(text))
+
+
+def hmac_blocks(key: bytes) -> tuple[bytes, bytes]:
+    """The inner and outer key blocks of HMAC-SHA256 (RFC 2104): the key (hashed first when longer
+    than SHA-256's 64-byte block) padded with zeros to 64 bytes, XOR 0x36 and XOR 0x5c. An HMAC is
+    SHA256(outer || SHA256(inner || message)). As secret as the key: passed to DuckDB as query
+    parameters, never stored."""
+    block = (hashlib.sha256(key).digest() if len(key) > _SHA256_BLOCK else key).ljust(_SHA256_BLOCK, b"\0")
+    return bytes(b ^ 0x36 for b in block), bytes(b ^ 0x5C for b in block)
 
 
 def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS) -> set[int]:

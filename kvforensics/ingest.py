@@ -10,8 +10,6 @@ content are small and re-read whole.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,17 +22,12 @@ import pyarrow as pa
 from kvforensics.config import Incident, Source
 from kvforensics.db import one, run_script
 from kvforensics.errors import InputError, StrictModeError
-from kvforensics.fingerprint import fingerprints, key_for, rendered_text
+from kvforensics.fingerprint import key_for
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
+from kvforensics.loaders.changes import load_changes
+from kvforensics.loaders.content import load_content
 from kvforensics.loaders.requests import FileLoad, load_requests_files
-from kvforensics.loaders.textio import (
-    INCOMPLETE_RECORD,
-    LineStream,
-    decode_line,
-    file_digest,
-    open_binary,
-    printable_raw,
-)
+from kvforensics.loaders.textio import file_digest, printable_raw
 
 
 @dataclass(frozen=True)
@@ -111,9 +104,10 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                 result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.all_notes())
                 result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
             elif source.kind == "changes":
-                record = _ingest_changes(con, source, path)
+                record = _record(con, source, path, _digest(path, digests), load_changes(con, source, path))
             else:
-                record = _ingest_content(con, source, path, incident)
+                record = _record(con, source, path, _digest(path, digests),
+                                 load_content(con, source, path, key_for(incident.id)))
             result.files.append(record)
     _build_capacity(con, incident, startups, result)
     _match_instance_names(con, incident, result)
@@ -126,6 +120,10 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     if strict:
         _enforce_strict(con, result)
     return result
+
+
+def _digest(path: Path, known: Mapping[str, tuple[str, int]] | None) -> tuple[str, int]:
+    return (known or {}).get(str(path.resolve())) or file_digest(path)
 
 
 def _forget_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
@@ -394,155 +392,6 @@ def _enforce_strict(con: duckdb.DuckDBPyConnection, result: IngestResult) -> Non
     stopped = [f for f in result.files if any("ends early" in n for n in f.notes)]
     if stopped:
         raise StrictModeError(next(n for n in stopped[0].notes if "ends early" in n), location=stopped[0].file)
-
-
-def _parse_ts(value: str | None, source: Source) -> datetime | None:
-    if value is None or not value.strip():
-        return None
-    v = value.strip()
-    try:
-        num = float(v)
-    except ValueError:
-        num = None
-    if num is not None:
-        scale = 1e9 if abs(num) >= 1e17 else 1e6 if abs(num) >= 1e14 else 1e3 if abs(num) >= 1e11 else 1.0
-        return datetime.fromtimestamp(num / scale, tz=timezone.utc)
-    try:
-        dt = datetime.fromisoformat(v.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=source.tz)
-    from datetime import timedelta
-
-    return (dt + timedelta(seconds=source.clock_offset_s)).astimezone(timezone.utc)
-
-
-def _csv_or_jsonl_records(source: Source, path: Path, load: FileLoad):
-    """(line, raw text, dict | None, problem) for each record of a small CSV or JSONL file."""
-    if source.format == "csv":
-        with open_binary(path) as fh:
-            reader = csv.reader(io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline=""))
-            header = next(reader, None)
-            if header is None:
-                load.notes.append("empty file")
-                return
-            header = [h.strip() for h in header]
-            last = 1
-            for row in reader:
-                start, last = last + 1, reader.line_num
-                if not row:
-                    continue
-                raw = ",".join(row)
-                if len(row) != len(header):
-                    yield start, raw, None, f"expected {len(header)} fields, found {len(row)}"
-                else:
-                    yield start, raw, dict(zip(header, row, strict=True)), None
-    else:
-        stream = LineStream(path)
-        for n, rawb in stream:
-            if not rawb.strip():
-                continue
-            text = decode_line(rawb)
-            if text is None:
-                yield n, printable_raw(rawb), None, "not UTF-8"
-                continue
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                yield n, text, None, "malformed JSON"
-                continue
-            if not isinstance(obj, dict):
-                yield n, text, None, "not a JSON object"
-                continue
-            yield n, text, obj, None
-        if stream.partial is not None:
-            yield stream.partial[0], printable_raw(stream.partial[1]), None, INCOMPLETE_RECORD
-        if stream.stopped:
-            load.notes.append(stream.stopped)
-
-
-def _ingest_changes(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> InputFile:
-    digest = file_digest(path)
-    load = FileLoad(file=path)
-    for line, raw, rec, problem in _csv_or_jsonl_records(source, path, load):
-        load.records_read += 1
-        if problem is None:
-            ts_raw = rec.get(source.column("ts"))
-            ts = _parse_ts(str(ts_raw) if ts_raw is not None else None, source)
-            desc = rec.get(source.column("description"))
-            if ts_raw in (None, ""):
-                problem = "missing required field 'ts'"
-            elif ts is None:
-                problem = f"bad timestamp '{str(ts_raw)[:60]}'"
-            elif not desc:
-                problem = "missing required field 'description'"
-        if problem:
-            load.quarantined += 1
-            con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
-                        {"s": source.name, "f": str(path), "l": line, "r": problem,
-                         "raw": printable_raw(raw)}).fetchall()
-            continue
-        load.loaded += 1
-        con.execute("INSERT INTO changes VALUES ($ts, $m, $i, $d, $det, $s, $f, $l)",
-                    {"ts": ts, "m": rec.get(source.column("model")) or None,
-                     "i": rec.get(source.column("instance")) or None, "d": desc,
-                     "det": rec.get(source.column("details")) or None, "s": source.name, "f": str(path),
-                     "l": line}).fetchall()
-    return _record(con, source, path, digest, load)
-
-
-def _ingest_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident) -> InputFile:
-    """Fingerprint prompts and outputs; the text itself is dropped here and never stored."""
-    digest = file_digest(path)
-    load = FileLoad(file=path)
-    key = key_for(incident.id)
-    ids: list[str] = []
-    parts: list[str] = []
-    fps: list[int] = []
-    stats: list[tuple[str, str, int]] = []
-
-    def flush() -> None:
-        if fps:
-            con.register("fp_batch", pa.table({"request_id": ids, "part": parts,
-                                               "fp": pa.array(fps, type=pa.int64())}))
-            con.execute("INSERT INTO content_fingerprints SELECT * FROM fp_batch").fetchall()
-            con.unregister("fp_batch")
-        ids.clear()
-        parts.clear()
-        fps.clear()
-
-    for line, _raw, rec, problem in _csv_or_jsonl_records(source, path, load):
-        load.records_read += 1
-        rid = rec.get(source.column("request_id")) if rec else None
-        if problem is None and not rid:
-            problem = "missing required field 'request_id'"
-        if problem:
-            load.quarantined += 1
-            # never copy content text into the quarantine: only the reason and where
-            con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, NULL)",
-                        {"s": source.name, "f": str(path), "l": line, "r": problem}).fetchall()
-            continue
-        load.loaded += 1
-        for part in ("prompt", "output"):
-            text = rendered_text(rec.get(source.column(part)))  # a chat-messages array as its texts
-            if not text:
-                continue
-            got = fingerprints(text, key)
-            stats.append((str(rid), part, len(got)))
-            ids.extend([str(rid)] * len(got))
-            parts.extend([part] * len(got))
-            fps.extend(got)
-        if len(fps) > 500_000:
-            flush()
-    flush()
-    if stats:
-        con.register("stats_batch", pa.table({"request_id": [s[0] for s in stats], "part": [s[1] for s in stats],
-                                              "shingles": pa.array([s[2] for s in stats], type=pa.int64())}))
-        con.execute("INSERT INTO content_stats SELECT * FROM stats_batch").fetchall()
-        con.unregister("stats_batch")
-    load.notes.append("text fingerprinted (keyed HMAC of word shingles); no text stored")
-    return _record(con, source, path, digest, load)
 
 
 def requests_loaded(con: duckdb.DuckDBPyConnection) -> int:

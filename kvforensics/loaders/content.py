@@ -1,0 +1,101 @@
+"""The content file (``kind = "content"``): prompts and outputs by request id, kept only as keyed
+fingerprints of their word shingles (kvforensics/fingerprint.py); the text itself is never stored.
+
+Records are read in Python (kvforensics/loaders/records.py: malformed lines, a truncated stream's
+partial last record and missing request ids quarantined, without their text), and the fingerprints
+of a batch of texts are computed in bulk by DuckDB (sql/content_fingerprints.sql), the same values
+:func:`kvforensics.fingerprint.fingerprints` gives one text at a time. An ASCII text goes to DuckDB
+as it is, to be tokenised there; any other text as its words (:func:`fingerprint.shingle_words`),
+since DuckDB's regular expressions and lower-casing are not Python's beyond ASCII.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from kvforensics.config import Source
+from kvforensics.db import run_script
+from kvforensics.fingerprint import SHINGLE_WORDS, hmac_blocks, rendered_text, shingle_words
+from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
+from kvforensics.loaders.requests import FileLoad
+
+PARTS = ("prompt", "output")
+BATCH_CHARS = 16 << 20  # text characters per DuckDB batch: large enough to amortise, small in memory
+NOTE = "text fingerprinted (keyed HMAC of word shingles); no text stored"
+
+
+class _TextBatch:
+    """Texts waiting to be fingerprinted, as the columns of ``content_batch``."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.parts: list[str] = []
+        self.texts: list[str | None] = []
+        self.words: list[str | None] = []
+        self.chars = 0
+
+    def add(self, request_id: str, part: str, text: str) -> None:
+        self.request_ids.append(request_id)
+        self.parts.append(part)
+        if text.isascii():
+            self.texts.append(text)
+            self.words.append(None)
+        else:
+            self.texts.append(None)
+            self.words.append(shingle_words(text))
+        self.chars += len(text)
+
+    def table(self) -> pa.Table:
+        return pa.table({"t": pa.array(range(len(self.texts)), type=pa.int64()),
+                         "request_id": pa.array(self.request_ids, type=pa.string()),
+                         "part": pa.array(self.parts, type=pa.string()),
+                         "text": pa.array(self.texts, type=pa.string()),
+                         "words": pa.array(self.words, type=pa.string())})
+
+
+def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes) -> FileLoad:
+    """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
+    ``content_stats`` under *key*; refused records (without their text) into ``quarantine``."""
+    load = FileLoad(file=path)
+    inner, outer = hmac_blocks(key)
+    params = {"inner": inner, "outer": outer, "width": SHINGLE_WORDS}
+    quarantine = QuarantineRows(con, source, path)
+    batch = _TextBatch()
+    id_column = source.column("request_id")
+    columns = [(part, source.column(part)) for part in PARTS]
+    for line, _raw, rec, problem in read_records(source, path, load):
+        load.records_read += 1
+        rid = rec.get(id_column) if rec else None
+        if problem is None and not rid:
+            problem = "missing required field 'request_id'"
+        elif problem is None and lone_surrogate(str(rid)):
+            problem = "request_id is not valid Unicode (a lone surrogate escape)"
+        if problem or rec is None:
+            load.quarantined += 1
+            quarantine.add(line, problem or "unreadable record", None)  # never the content's text
+            continue
+        load.loaded += 1
+        for part, column in columns:
+            text = rendered_text(rec.get(column))  # a chat-messages array as its texts
+            if text:
+                batch.add(str(rid), part, text)
+        if batch.chars >= BATCH_CHARS:
+            _fingerprint(con, batch, params)
+            batch = _TextBatch()
+    _fingerprint(con, batch, params)
+    quarantine.flush()
+    load.notes.append(NOTE)
+    return load
+
+
+def _fingerprint(con: duckdb.DuckDBPyConnection, batch: _TextBatch, params: dict[str, object]) -> None:
+    if not batch.texts:
+        return
+    con.register("content_batch", batch.table())
+    try:
+        run_script(con, "content_fingerprints", params)
+    finally:
+        con.unregister("content_batch")
