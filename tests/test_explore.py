@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import mini_requests, write_mini
 
 from kvforensics import explore
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
 from kvforensics.investigation import Investigation
-
-from conftest import mini_requests, write_mini
 
 RULES = sorted(p.stem for p in (Path(explore.__file__).parent.parent / "rules").glob("*.yml"))
 
@@ -214,8 +213,8 @@ def test_open_or_build_builds_only_what_is_missing(tmp_path):
 
 def test_offline_charts_need_no_network():
     from kvforensics.explore.offline import RENDERER, chart_html
-    from kvforensics.report.embed import vega_javascript
     from kvforensics.report.charts import alt
+    from kvforensics.report.embed import vega_javascript
 
     shown = explore.offline_charts()
     assert alt.renderers.active == RENDERER
@@ -229,3 +228,19 @@ def test_offline_charts_need_no_network():
     page = shown._repr_html_()
     assert "window.vegaEmbed" in page and "<script src" not in page
     assert "window.vegaEmbed=" in vega_javascript().replace(" ", "")
+
+
+def test_a_view_before_its_stage_says_which_stage_to_build(tmp_path):
+    from kvforensics.errors import InputError
+
+    inv = Investigation.open_or_build(write_mini(tmp_path / "mini"), tmp_path / "out", through="ingest",
+                                      progress=False)
+    try:
+        assert len(explore.startups(inv.con)) == 3
+        with pytest.raises(InputError, match=r"reads affected_responses, which the 'scope' stage writes.*"
+                                             r'through="scope"'):
+            explore.recipients(inv.con)
+        with pytest.raises(InputError, match="'detect' stage"):
+            explore.tiers(inv.con)
+    finally:
+        inv.close()

@@ -10,18 +10,42 @@ notebook's first cell) and :func:`export_html`.
 
 from __future__ import annotations
 
-from kvforensics.explore.drill import (Examples, account_exposure, account_timeline, examples, instance_history,
-                                       response_evidence, response_sources)
+from kvforensics.explore.drill import (
+                                       Examples,
+                                       account_exposure,
+                                       account_timeline,
+                                       examples,
+                                       instance_history,
+                                       response_evidence,
+                                       response_sources,
+)
 from kvforensics.explore.offline import export_html, offline_charts
 from kvforensics.explore.outputs import model_charts, output_files, report_preview
-from kvforensics.explore.stages import (NOTIFICATION_ROLES, conclusiveness, exploitation, exposure_windows,
-                                        flagged, ingest_notes, instance_names, latency_model, loaded, loaded_files,
-                                        notification_list, quarantine, quarantined_records, recipients, rules,
-                                        sources_per_response, startups, tiers)
+from kvforensics.explore.stages import (
+                                       NOTIFICATION_ROLES,
+                                       conclusiveness,
+                                       exploitation,
+                                       exposure_windows,
+                                       flagged,
+                                       ingest_notes,
+                                       instance_names,
+                                       latency_model,
+                                       loaded,
+                                       loaded_files,
+                                       notification_list,
+                                       quarantine,
+                                       quarantined_records,
+                                       recipients,
+                                       rules,
+                                       sources_per_response,
+                                       startups,
+                                       tiers,
+)
 from kvforensics.explore.view import View
 
 __all__ = ["NOTIFICATION_ROLES", "Examples", "View", "account_exposure", "account_timeline", "conclusiveness",
-           "examples", "exploitation", "export_html", "exposure_windows", "flagged", "ingest_notes", "instance_history",
-           "instance_names", "latency_model", "loaded", "loaded_files", "model_charts", "notification_list", "offline_charts",
-           "output_files", "quarantine", "quarantined_records", "recipients", "report_preview", "response_evidence", "response_sources", "rules",
+           "examples", "exploitation", "export_html", "exposure_windows", "flagged", "ingest_notes",
+           "instance_history", "instance_names", "latency_model", "loaded", "loaded_files", "model_charts",
+           "notification_list", "offline_charts", "output_files", "quarantine", "quarantined_records",
+           "recipients", "report_preview", "response_evidence", "response_sources", "rules",
            "sources_per_response", "startups", "tiers"]

@@ -14,16 +14,13 @@ import duckdb
 import pandas as pd
 
 from kvforensics.detect import load_rules
-from kvforensics.explore.view import View, when
+from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.charts import CONFIDENCE_COLOURS, alt
 from kvforensics.report.data import how_it_ended, without_na
 
 MAX_CHART_POINTS = 4000  # an account's unflagged requests drawn (every flagged one is)
 AFFECTED = ("confirmed", "probable")  # the tiers counted as affected responses
 
-
-def _df(con: duckdb.DuckDBPyConnection, query: str, params: dict) -> pd.DataFrame:
-    return con.execute(query, params).df()
 
 
 def _known(con: duckdb.DuckDBPyConnection, query: str, limit: int = 12) -> str:
@@ -44,6 +41,7 @@ class Examples:
     source_account: str | None
 
 
+@reads
 def examples(con: duckdb.DuckDBPyConnection) -> Examples:
     def first(query: str) -> str | None:
         row = con.execute(query).fetchone()
@@ -65,10 +63,11 @@ def examples(con: duckdb.DuckDBPyConnection) -> Examples:
     return Examples(account=account, response=response, instance=instance, source_account=source_account)
 
 
+@reads
 def account_timeline(con: duckdb.DuckDBPyConnection, account_id: str | None) -> View:
     """Every request of one account in time order, with its confidence tier (``not flagged`` when no rule
     flagged it) and whether it is an affected response; ``.chart`` draws them (prompt size over time)."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         SELECT r.ts, r.request_id, r.model, r.status, r.prompt_tokens, r.completion_tokens, r.ttft_ms, r.latency_ms,
                r.prefill_instance, r.decode_instance, coalesce(t.confidence, 'not flagged') AS confidence, t.rules,
                a.request_id IS NOT NULL AS affected
@@ -105,10 +104,11 @@ def _account_chart(frame: pd.DataFrame, account_id: str) -> alt.Chart:
     ).properties(width=640, height=260, title=f"requests of {account_id}").interactive()
 
 
+@reads
 def instance_history(con: duckdb.DuckDBPyConnection, instance: str | None) -> View:
     """One engine instance's start-ups in order: KV pool, context length, exposed or not, how each ended, and
     the requests, affected responses and engine aborts of each."""
-    frame = without_na(_df(con, """
+    frame = without_na(read_frame(con, """
         SELECT c.valid_from, c.valid_to, c.role, c.model, c.engine_version, c.kv_pool_tokens, c.context_length,
                c.kv_pool_tokens < c.context_length AS exposed, c.source_file, c.source_line, c.end_reason, c.end_file,
                c.end_line, c.successor, c.last_ts, c.last_line,
@@ -143,10 +143,11 @@ def _evidence_text(value: str | None) -> str:
     return "; ".join(f"{k}={v}" for k, v in items.items()) if isinstance(items, dict) else str(items)
 
 
+@reads
 def response_evidence(con: duckdb.DuckDBPyConnection, request_id: str | None) -> View:
     """One response against every rule: whether each flagged it, with what strength and evidence (log lines,
     observed vs expected times, the pool it exceeded)."""
-    request = _df(con, """SELECT r.ts, r.account_id, r.model, r.status, r.prompt_tokens, r.prefill_instance,
+    request = read_frame(con, """SELECT r.ts, r.account_id, r.model, r.status, r.prompt_tokens, r.prefill_instance,
                                  r.decode_instance, t.confidence
                           FROM requests r LEFT JOIN request_tiers t USING (request_id)
                           WHERE r.request_id = $id""", {"id": request_id})
@@ -170,11 +171,12 @@ def response_evidence(con: duckdb.DuckDBPyConnection, request_id: str | None) ->
     return View(title, frame, note)
 
 
+@reads
 def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> View:
     """Whose data one affected response could have carried: the requests whose KV pages it could have read
     (freed on its decode instance less than the turnover horizon before it), and those whose text its output
     shares (content-confirmed), with their accounts."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         WITH horizon AS (
             SELECT source_request_id, source_account_id, tokens_written_since, pool_tokens
             FROM possible_sources WHERE affected_request_id = $id
@@ -207,10 +209,11 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
     return View(title, frame, note)
 
 
+@reads
 def account_exposure(con: duckdb.DuckDBPyConnection, account_id: str | None) -> View:
     """Where one account's data could have gone: the affected responses of other accounts that could have
     carried it (its request as a possible or content-confirmed source)."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         WITH horizon AS (
             SELECT affected_request_id, recipient_account_id, source_request_id, tokens_written_since
             FROM possible_sources WHERE source_account_id = $account AND recipient_account_id <> $account

@@ -9,14 +9,11 @@ import duckdb
 import pandas as pd
 
 from kvforensics.detect import load_rules
-from kvforensics.explore.view import View, when
+from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.data import how_it_ended, without_na
 
 NOTIFICATION_ROLES = ("received_foreign_data", "data_exposed_confirmed", "data_exposed_possible")
 
-
-def _df(con: duckdb.DuckDBPyConnection, query: str, params: dict | None = None) -> pd.DataFrame:
-    return con.execute(query, params).df() if params else con.execute(query).df()
 
 
 def _share(part: float, whole: float) -> float:
@@ -24,13 +21,14 @@ def _share(part: float, whole: float) -> float:
 
 
 # --- 01 ingest ------------------------------------------------------------------------------------------
+@reads
 def loaded(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float | None = None) -> View:
     """Per source: files, records read, loaded, quarantined (and their share), duplicates."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         SELECT source, kind, count(*) AS files, sum(records_read) AS records_read, sum(loaded) AS loaded,
                sum(quarantined) AS quarantined, sum(duplicates) AS duplicates
         FROM load_report GROUP BY source, kind ORDER BY source""")
-    frame["quarantined_share"] = [_share(q, r) for q, r in zip(frame["quarantined"], frame["records_read"])]
+    frame["quarantined_share"] = [_share(q, r) for q, r in zip(frame["quarantined"], frame["records_read"], strict=True)]
     read, quarantined = int(frame["records_read"].sum()), int(frame["quarantined"].sum())
     note = (f"{read:,} records read from {int(frame['files'].sum()):,} files of {len(frame)} sources: "
             f"{int(frame['loaded'].sum()):,} loaded, {quarantined:,} quarantined "
@@ -44,18 +42,20 @@ def loaded(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float | None
     return View("What was loaded, per source", frame, note if not frame.empty else "Nothing was ingested yet.")
 
 
+@reads
 def loaded_files(con: duckdb.DuckDBPyConnection) -> View:
     """Per input file: records read, loaded, quarantined, duplicates, its SHA-256 and what the reader noted."""
-    frame = _df(con, """SELECT source, file, records_read, loaded, quarantined, duplicates, bytes, sha256, notes
+    frame = read_frame(con, """SELECT source, file, records_read, loaded, quarantined, duplicates, bytes, sha256, notes
                         FROM load_report ORDER BY source, file""")
     noted = int(frame["notes"].notna().sum()) if not frame.empty else 0
     return View("Every input file", frame, f"{len(frame):,} files; {noted:,} with a note from their reader "
                                            f"(truncated stream, encoding, line endings...).")
 
 
+@reads
 def quarantine(con: duckdb.DuckDBPyConnection) -> View:
     """Quarantined records per source and reason, with their share of the source and one example line."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         WITH q AS (SELECT source, reason, count(*) AS records, min(file || ':' || coalesce(CAST(line AS VARCHAR), '?'))
                           AS example FROM quarantine GROUP BY source, reason),
              r AS (SELECT source, sum(records_read) AS records_read FROM load_report GROUP BY source)
@@ -68,10 +68,11 @@ def quarantine(con: duckdb.DuckDBPyConnection) -> View:
     return View("Quarantined records, by reason", frame, note)
 
 
+@reads
 def quarantined_records(con: duckdb.DuckDBPyConnection, reason: str | None = None, source: str | None = None,
                         limit: int = 20) -> View:
     """The quarantined lines themselves (file, line, reason, the raw text as read, truncated)."""
-    frame = _df(con, """SELECT source, file, line, reason, raw FROM quarantine
+    frame = read_frame(con, """SELECT source, file, line, reason, raw FROM quarantine
                         WHERE ($reason IS NULL OR reason = $reason) AND ($source IS NULL OR source = $source)
                         ORDER BY source, file, line LIMIT $limit""",
                 {"reason": reason, "source": source, "limit": int(limit)})
@@ -81,9 +82,10 @@ def quarantined_records(con: duckdb.DuckDBPyConnection, reason: str | None = Non
     return View("Quarantined lines", frame, note)
 
 
+@reads
 def startups(con: duckdb.DuckDBPyConnection) -> View:
     """Every engine start-up: its KV pool and context length, whether it was exposed, how it ended."""
-    frame = without_na(_df(con, """
+    frame = without_na(read_frame(con, """
         SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
                kv_pool_tokens < context_length AS exposed, engine_version, source_file, source_line, end_reason,
                end_file, end_line, successor, last_ts, last_line
@@ -96,9 +98,10 @@ def startups(con: duckdb.DuckDBPyConnection) -> View:
     return View("Engine start-ups", frame, note)
 
 
+@reads
 def instance_names(con: duckdb.DuckDBPyConnection) -> View:
     """How each instance name the gateway logged was matched to an engine instance."""
-    frame = _df(con, "SELECT * FROM instance_names ORDER BY engine_instance NULLS LAST, gateway_name")
+    frame = read_frame(con, "SELECT * FROM instance_names ORDER BY engine_instance NULLS LAST, gateway_name")
     unmatched = frame[frame["engine_instance"].isna()] if not frame.empty else frame
     note = ("Every gateway instance name matched an engine instance." if unmatched.empty else
             f"{len(unmatched)} gateway names matched no engine instance (or several): their requests are not "
@@ -106,14 +109,16 @@ def instance_names(con: duckdb.DuckDBPyConnection) -> View:
     return View("Gateway instance names", frame, note)
 
 
+@reads
 def ingest_notes(con: duckdb.DuckDBPyConnection) -> View:
-    frame = _df(con, "SELECT kind, note FROM ingest_notes ORDER BY kind, note")
+    frame = read_frame(con, "SELECT kind, note FROM ingest_notes ORDER BY kind, note")
     return View("Warnings and assumptions of the ingest", frame,
                 "None." if frame.empty else f"{len(frame)} notes: read each; an assumption is a default the "
                                             f"incident file can override.")
 
 
 # --- 02 detect ------------------------------------------------------------------------------------------
+@reads
 def rules(con: duckdb.DuckDBPyConnection) -> View:
     """Every rule: what it flags, how many requests, and how many of those are affected responses."""
     counts = {r: (n, a) for r, n, a in con.execute("""
@@ -126,9 +131,10 @@ def rules(con: duckdb.DuckDBPyConnection) -> View:
                                 f"ended confirmed or probable.")
 
 
+@reads
 def tiers(con: duckdb.DuckDBPyConnection) -> View:
     """Requests per confidence tier and combination of rules that flagged them."""
-    frame = _df(con, """SELECT confidence, rules, count(*) AS requests FROM request_tiers
+    frame = read_frame(con, """SELECT confidence, rules, count(*) AS requests FROM request_tiers
                         GROUP BY confidence, rules
                         ORDER BY CASE confidence WHEN 'confirmed' THEN 0 WHEN 'probable' THEN 1 ELSE 2 END,
                                  requests DESC, rules""")
@@ -139,8 +145,9 @@ def tiers(con: duckdb.DuckDBPyConnection) -> View:
     return View("Confidence tiers and the rules behind them", frame, note)
 
 
+@reads
 def latency_model(con: duckdb.DuckDBPyConnection) -> View:
-    frame = _df(con, "SELECT * FROM latency_model ORDER BY model")
+    frame = read_frame(con, "SELECT * FROM latency_model ORDER BY model")
     unusable = frame.loc[~frame["usable"].astype(bool), "model"].tolist() if not frame.empty else []
     note = ("No latency model (no request with a time to first token)." if frame.empty else
             f"{len(frame)} models; " + (f"no usable fit for {', '.join(unusable)} (see reason): prefill_too_fast "
@@ -148,9 +155,10 @@ def latency_model(con: duckdb.DuckDBPyConnection) -> View:
     return View("Prefill-latency model per model", frame, note)
 
 
+@reads
 def flagged(con: duckdb.DuckDBPyConnection, confidence: str | None = None, limit: int = 200) -> View:
     """The requests the rules flagged (of one tier, or all), highest tier first, then in time order."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         SELECT t.request_id, r.ts, r.account_id, r.model, r.prompt_tokens, r.status, t.confidence, t.rules
         FROM request_tiers t JOIN requests r USING (request_id)
         WHERE $confidence IS NULL OR t.confidence = $confidence
@@ -163,18 +171,20 @@ def flagged(con: duckdb.DuckDBPyConnection, confidence: str | None = None, limit
 
 
 # --- 03 scope -------------------------------------------------------------------------------------------
+@reads
 def conclusiveness(con: duckdb.DuckDBPyConnection) -> View:
-    frame = _df(con, "SELECT code, message, CAST(evidence AS VARCHAR) AS evidence FROM inconclusive_reasons ORDER BY n")
+    frame = read_frame(con, "SELECT code, message, CAST(evidence AS VARCHAR) AS evidence FROM inconclusive_reasons ORDER BY n")
     note = ("Conclusive: every check of the evidence passed." if frame.empty else
             f"INCONCLUSIVE: {len(frame)} reasons; the answer below cannot be relied on until each is resolved.")
     return View("Does the evidence support the answer?", frame, note)
 
 
+@reads
 def recipients(con: duckdb.DuckDBPyConnection) -> View:
     """The answer: every account that received foreign data (customers first, most affected responses first),
     when, and how many other accounts' data it could have carried (confirmed by content; possible by the
     turnover horizon). ``account_exposure`` and ``response_sources`` name them."""
-    frame = _df(con, """
+    frame = read_frame(con, """
         WITH possible AS (
             SELECT recipient_account_id AS account_id, count(DISTINCT source_account_id) AS possible_source_accounts
             FROM possible_sources WHERE source_account_id <> recipient_account_id GROUP BY 1
@@ -199,9 +209,10 @@ def recipients(con: duckdb.DuckDBPyConnection) -> View:
     return View("Accounts that received foreign data", frame, note)
 
 
+@reads
 def exposure_windows(con: duckdb.DuckDBPyConnection) -> View:
     """Start-ups whose KV pool was smaller than the context length, with the affected responses they served."""
-    frame = without_na(_df(con, """
+    frame = without_na(read_frame(con, """
         SELECT c.instance, c.role, c.model, c.valid_from, c.valid_to, c.kv_pool_tokens, c.context_length,
                c.end_reason, c.end_file, c.end_line, c.successor, c.last_ts, c.last_line, c.source_file,
                (SELECT count(*) FROM affected_responses a
@@ -218,8 +229,9 @@ def exposure_windows(con: duckdb.DuckDBPyConnection) -> View:
     return View("Exposure windows", frame, note)
 
 
+@reads
 def sources_per_response(con: duckdb.DuckDBPyConnection) -> View:
-    frame = _df(con, """
+    frame = read_frame(con, """
         SELECT a.request_id, a.account_id, a.ts,
                count(DISTINCT p.source_request_id) AS candidate_requests,
                count(DISTINCT p.source_account_id) FILTER (WHERE p.source_account_id <> p.recipient_account_id)
@@ -236,8 +248,9 @@ def sources_per_response(con: duckdb.DuckDBPyConnection) -> View:
                                        f"responses with a source confirmed by content.")
 
 
+@reads
 def exploitation(con: duckdb.DuckDBPyConnection) -> View:
-    frame = _df(con, """SELECT * FROM account_behaviour
+    frame = read_frame(con, """SELECT * FROM account_behaviour
                         ORDER BY looks_deliberate DESC, oversize_requests DESC, account_id""")
     deliberate = frame[frame["looks_deliberate"].astype(bool)] if not frame.empty else frame
     customers = deliberate[deliberate["account_class"] == "customer"] if not deliberate.empty else deliberate
@@ -250,11 +263,12 @@ def exploitation(con: duckdb.DuckDBPyConnection) -> View:
     return View("Exploitation: who sent oversize prompts, and how", frame, note)
 
 
+@reads
 def notification_list(con: duckdb.DuckDBPyConnection, role: str) -> View:
     """The accounts to notify in one role (``NOTIFICATION_ROLES``), as ``notifications.csv`` lists them."""
     if role not in NOTIFICATION_ROLES:
         raise ValueError(f"role must be one of {', '.join(NOTIFICATION_ROLES)}, got {role!r}")
-    frame = _df(con, """SELECT account_id, account_class, responses, first_ts, last_ts, request_ids
+    frame = read_frame(con, """SELECT account_id, account_class, responses, first_ts, last_ts, request_ids
                         FROM notifications WHERE role = $role ORDER BY account_class, responses DESC, account_id""",
                 {"role": role})
     return View(f"To notify: {role.replace('_', ' ')}", frame, f"{len(frame)} accounts.")

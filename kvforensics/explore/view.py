@@ -3,16 +3,49 @@ empty), the table and, for some, a chart."""
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from html import escape
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+import duckdb
 import pandas as pd
 
+from kvforensics.errors import InputError
 from kvforensics.escaping import visible_controls
 from kvforensics.scope import iso
 
 MAX_ROWS = 50  # rows a view shows in a notebook; the frame holds them all
+# the stage that writes each table a view reads beyond the ingest's (sql/schema.sql creates those)
+STAGE_OF_TABLE = {"request_tiers": "detect", "affected_responses": "scope", "suspect_responses": "scope",
+                  "possible_sources": "scope", "content_matches": "scope", "notifications": "scope",
+                  "account_behaviour": "scope", "account_classes": "scope", "analysed_requests": "scope",
+                  "log_gaps": "scope"}
+_MISSING_TABLE = re.compile(r"Table with name (\w+) does not exist")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def read_frame(con: duckdb.DuckDBPyConnection, query: str, params: dict | None = None) -> pd.DataFrame:
+    """A fixed query's rows; every value from outside goes in *params* (DuckDB named parameters)."""
+    return con.execute(query, params).df() if params else con.execute(query).df()
+
+
+def reads(function: F) -> F:
+    """A view of a stage's tables asked for before the stage ran says which stage to build, not a DuckDB
+    catalog error."""
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except duckdb.CatalogException as e:
+            found = _MISSING_TABLE.search(str(e))
+            table = found.group(1) if found else "a table"
+            stage = STAGE_OF_TABLE.get(table, "ingest")
+            raise InputError(f"{function.__name__} reads {table}, which the '{stage}' stage writes and this evidence "
+                             f"database lacks: open the folder with Investigation.open_or_build(incident, out_dir, "
+                             f"through=\"{stage}\") (or run `kvforensics {stage}`) first") from None
+    return wrapper  # type: ignore[return-value]
 
 
 def html_text(value: Any) -> str:
