@@ -7,10 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import INCIDENT
 
-from kvforensics.audit import CHECKS, AuditReport, Verdict, audit_paths, audit_startups, read_manifest
+from kvforensics.audit import (
+    CHECKS,
+    AuditReport,
+    Verdict,
+    audit_database,
+    audit_incident,
+    audit_paths,
+    audit_startups,
+    read_manifest,
+)
 from kvforensics.cli import main
+from kvforensics.config import load_incident
 from kvforensics.errors import InputError
+from kvforensics.investigation import Investigation
 from kvforensics.loaders.engine_types import StartupRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -112,7 +124,9 @@ def test_unknown_tenancy_and_salt_owner(tmp_path: Path) -> None:
     assert at(v) == ("unknown", "m.toml", None) and "who sets cache_salt" in v.detail
 
 
-def startup(engine: str, version: str | None, flags: dict[str, str], evidence: dict[str, int]) -> StartupRecord:
+def startup(
+    engine: str, version: str | None, flags: dict[str, str], evidence: dict[str, int]
+) -> StartupRecord:
     return StartupRecord(
         instance="node",
         ts=None,
@@ -258,3 +272,41 @@ def test_cli_shows_the_check_in_table_markdown_and_json(capsys: pytest.CaptureFi
     assert doc["checks"]["6"] == "prefix-cache isolation between tenants"
     (v,) = [v for v in doc["verdicts"] if v["check"] == 6]
     assert (v["status"], v["evidence_line"], v["exposed"]) == ("fail", 2, False)
+
+
+def test_the_evidence_database_keeps_what_the_check_reads(tmp_path: Path) -> None:
+    engine = tmp_path / "data" / "engine"
+    engine.mkdir(parents=True)
+    for log in PREFIX.glob("sglang-*.log"):
+        (engine / log.name).write_bytes(log.read_bytes())
+    (tmp_path / "data" / "gateway").mkdir()
+    (tmp_path / "data" / "gateway" / "day.jsonl").write_text(json.dumps({
+        "rid": "r1", "received_at": "2026-09-10T09:00:00+00:00", "account_id": "a", "model": "qwen3-32b",
+        "http_status": 200, "prompt_tokens": 1000, "completion_tokens": 10}) + "\n")
+    incident = tmp_path / "data" / "incident.toml"
+    incident.write_text(INCIDENT)
+    manifest = PREFIX / "multi-gateway.toml"
+    inv = Investigation.open(incident, tmp_path / "out")
+    try:
+        inv.ingest()
+        from_db = audit_database(inv.con, manifest=manifest)
+    finally:
+        inv.close()
+    from_logs = audit_incident(load_incident(incident), manifest=manifest)
+
+    def statuses(r: AuditReport) -> list[tuple[str, str]]:
+        return sorted((v.instance, v.status) for v in r.verdicts if v.check == 6)
+
+    assert statuses(from_db) == statuses(from_logs) == [
+        ("sglang-0.5.15-hicache-mooncake", "fail"),
+        ("sglang-0.5.22-lmcache", "fail"),
+        ("sglang-0.5.22-radix", "pass"),
+        ("sglang-0.5.22-radix-off", "pass"),
+    ]
+
+
+def test_the_headline_counts_start_ups_failing_isolation(gateway: AuditReport) -> None:
+    failing = {v.instance for v in gateway.verdicts if v.check == 6 and v.status == "fail"}
+    assert len(failing) == 5
+    assert gateway.headline().endswith("Prefix-cache isolation fails on 5 start-up(s) (check 6).")
+    assert "Prefix-cache" not in audit_paths(LOGS).headline()

@@ -143,9 +143,12 @@ class AuditReport:
             if self.exposed
             else "Not exposed"
         )
+        failing = self.by_status("fail")
+        shared = len({(v.instance, v.startup_file, v.startup_line) for v in failing if v.check == 6})
+        prefix = f" Prefix-cache isolation fails on {shared} start-up(s) (check 6)." if shared else ""
         return (
             f"{state}. {s['startups']} start-up(s) of {s['instances']} instance(s): {c['pass']} pass, "
-            f"{c['fail']} fail, {c['unknown']} unknown, {c['not_applicable']} not applicable."
+            f"{c['fail']} fail, {c['unknown']} unknown, {c['not_applicable']} not applicable.{prefix}"
         )
 
     def now(self) -> str:

@@ -6,7 +6,7 @@ Check 6 (:mod:`kvforensics.audit.checks.prefix_cache`) needs facts no engine log
     tenants = "multi"          # "multi": several customers share these engines | "single": one customer
     cache_salt = "gateway"     # who sets the request's cache_salt / extra_key:
                                #   "gateway": the gateway sets it per tenant, overwriting any client value
-                               #   "client":  passed through from the request body (a tenant can pick any salt)
+                               #   "client":  from the request body (a tenant can pick any salt)
                                #   "none":    no salt reaches the engine
     kv_store_keys_salt = true  # optional: you checked that the external KV store's keys include the salt
                                # (true) or not (false); without it the audit judges from the store and version
