@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from kvforensics.cli import build_parser
-from kvforensics.config import Source, load_incident
+from kvforensics.config import TOP_LEVEL_TABLES, Source, load_incident
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
 from kvforensics.loaders.requests import load_requests_file
@@ -105,8 +105,8 @@ TOML_BLOCKS = [pytest.param(doc, info, body, id=f"{doc}:{line}")
 @pytest.mark.parametrize(("doc", "info", "body"), TOML_BLOCKS)
 def test_toml_example_is_an_incident_file_the_loader_accepts(doc, info, body, tmp_path):
     data = tomllib.loads(body)  # every block is TOML, fragments too
-    if info.split()[1:] == ["fragment"]:
-        return
+    if info.split()[1:] == ["fragment"] or not set(data) & set(TOP_LEVEL_TABLES):
+        return  # a fragment, or another file (a deployment manifest): no table of an incident file
     # a partial example (a source, [instances], [settings] ...) is completed by a minimal incident file
     text = body if "incident" in data else BASE_INCIDENT + "\n" + body
     (tmp_path / "incident.toml").write_text(text, encoding="utf-8")
@@ -120,9 +120,10 @@ def test_toml_example_is_an_incident_file_the_loader_accepts(doc, info, body, tm
 
 
 def test_there_are_incident_examples_to_check():
-    assert len(TOML_BLOCKS) >= 8
-    fragments = [p for p in TOML_BLOCKS if p.values[1].split()[1:] == ["fragment"]]
-    assert len(fragments) <= 2, "most examples should load as they stand"
+    incident_files = [p for p in TOML_BLOCKS if p.values[1].split()[1:] != ["fragment"]
+                      and set(tomllib.loads(p.values[2])) & set(TOP_LEVEL_TABLES)]
+    assert len(incident_files) >= 8
+    assert len(incident_files) >= 3 * (len(TOML_BLOCKS) - len(incident_files)) / 2, "most examples should load"
 
 
 # --- commands and options ----------------------------------------------------------------------------------
@@ -303,6 +304,70 @@ def test_source_keys_table_is_what_the_loader_accepts(tmp_path):
     documented = names_in(table_column(section("docs/incident-config.md", "Keys of a `[[sources]]` entry"), "key"))
     assert documented == valid
     assert "role" not in valid  # the doc says a source has no role key: a start-up's role is read from its log
+
+
+# --- the import floors of docs/architecture.md ---------------------------------------------------------------
+
+PACKAGE = ROOT / "kvforensics"
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package (its path under ``kvforensics/``) -> the modules of the package it imports,
+    anywhere in it (inside functions and under ``TYPE_CHECKING`` too)."""
+    paths = {p.relative_to(PACKAGE).as_posix(): p for p in sorted(PACKAGE.rglob("*.py"))}
+    by_name = {".".join(["kvforensics", *Path(rel).with_suffix("").parts]).removesuffix(".__init__"): rel
+               for rel in paths}
+    graph = {}
+    for name, rel in by_name.items():
+        package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(paths[rel].read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in by_name else base for a in node.names]
+            else:
+                continue
+            found |= {by_name[t] for t in targets if t in by_name and by_name[t] != rel}
+        graph[rel] = found
+    return graph
+
+
+def floors(doc: str = "docs/architecture.md") -> dict[str, int]:
+    """Path under ``kvforensics/`` (a file, or a folder ending in /) -> its floor, from the doc's floors table."""
+    text = section(doc, "Import floors")
+    table = {}
+    for cell in table_column(text, "floor"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {cell} |"))
+        table.update({path: int(cell) for path in INLINE.findall(row.split("|")[2])})
+    return table
+
+
+def floor_of(module: str, table: dict[str, int]) -> int | None:
+    """The floor of the most specific row naming the module or a folder holding it."""
+    rows = [path for path in table if module == path or (path.endswith("/") and module.startswith(path))]
+    return table[max(rows, key=len)] if rows else None
+
+
+def test_floor_lookup_prefers_the_module_row():
+    table = {"engines/": 1, "engines/spark.py": 3, "loaders/": 2}
+    assert [floor_of(m, table) for m in ("engines/__init__.py", "engines/spark.py", "loaders/x.py", "cli.py")] == [
+        1, 3, 2, None]
+
+
+def test_every_import_goes_to_the_same_floor_or_below():
+    table = floors()
+    graph = package_imports()
+    assert len(graph) > 50 and "loaders/requests.py" in graph["ingest.py"]
+    unplaced = sorted(m for m in graph if floor_of(m, table) is None)
+    assert unplaced == [], "modules docs/architecture.md's floors table does not place"
+    upward = sorted(f"{m} (floor {floor_of(m, table)}) imports {d} (floor {floor_of(d, table)})"
+                    for m, deps in graph.items() for d in deps if floor_of(d, table) > floor_of(m, table))
+    assert upward == []
 
 
 # --- timestamps ----------------------------------------------------------------------------------------------
