@@ -70,7 +70,7 @@ def test_each_notebook_opens_or_builds_its_stage_and_pastes_no_sql():
 def test_the_runbook_explains_each_stage():
     for nb_path in NOTEBOOKS:
         text = "\n".join(cells(nb_path, "markdown"))
-        assert len(cells(nb_path, "markdown")) >= len(cells(nb_path, "code")) // 2, f"{nb_path.name}: too little prose"
+        assert len(cells(nb_path, "markdown")) >= len(cells(nb_path, "code")) // 2, f"{nb_path.name}: little prose"
         assert "How to read it" in text and "## Next" in text, nb_path.name
     scope = "\n".join(cells(ROOT / "notebooks" / "03-scope.ipynb", "markdown"))
     assert "which of our customers received foreign data, when, and whose data could it have been" in scope
@@ -96,7 +96,8 @@ def test_notebooks_read_the_sample(executed_on_sample, sample_run):
         errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
         assert not errors, name
     answer = outputs_text(executed_on_sample["03-scope"][1])
-    assert f"{scope['affected_accounts']} accounts received {scope['affected_responses']:,} affected responses" in answer
+    headline = f"{scope['affected_accounts']} accounts received {scope['affected_responses']:,} affected responses"
+    assert headline in answer
     # 04 shows every model's money chart, the whole report and the output files
     report = outputs_text(executed_on_sample["04-report"][1])
     models = [m for m, n in scope["responses_by_model"].items() if n]
@@ -140,7 +141,8 @@ def test_exported_charts_draw_offline_in_chromium(executed_on_sample, tmp_path):
     errors: list[str] = []
     requests: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=[a for a in OFFLINE_FLAGS if a != "--headless"])
+        args = [a for a in OFFLINE_FLAGS if a != "--headless"]
+        browser = p.chromium.launch(executable_path=chromium, args=args)
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("request", lambda r: requests.append(r.url))

@@ -32,8 +32,9 @@ def _known(con: duckdb.DuckDBPyConnection, query: str, limit: int = 12) -> str:
 @dataclass(frozen=True)
 class Examples:
     """Names to start drilling from, picked from the evidence (None where the incident has none): the customer
-    account (else any account) that received the most affected responses, its first affected response, the exposed instance that served
-    the most affected responses, and the account whose data the most affected responses confirmably carried."""
+    account (else any account) that received the most affected responses, its first affected response, the
+    exposed instance that served the most affected responses, and the account whose data the most affected
+    responses confirmably carried."""
 
     account: str | None
     response: str | None
@@ -68,17 +69,18 @@ def account_timeline(con: duckdb.DuckDBPyConnection, account_id: str | None) -> 
     """Every request of one account in time order, with its confidence tier (``not flagged`` when no rule
     flagged it) and whether it is an affected response; ``.chart`` draws them (prompt size over time)."""
     frame = read_frame(con, """
-        SELECT r.ts, r.request_id, r.model, r.status, r.prompt_tokens, r.completion_tokens, r.ttft_ms, r.latency_ms,
-               r.prefill_instance, r.decode_instance, coalesce(t.confidence, 'not flagged') AS confidence, t.rules,
+        SELECT r.ts, r.request_id, r.model, r.status, r.prompt_tokens, r.completion_tokens, r.ttft_ms,
+               r.latency_ms, r.prefill_instance, r.decode_instance,
+               coalesce(t.confidence, 'not flagged') AS confidence, t.rules,
                a.request_id IS NOT NULL AS affected
         FROM requests r LEFT JOIN request_tiers t USING (request_id)
         LEFT JOIN affected_responses a USING (request_id)
         WHERE r.account_id = $account ORDER BY r.ts, r.request_id""", {"account": account_id})
     title = f"Account {account_id}: its requests over time"
     if frame.empty:
-        return View(title, frame, f"No request of account {account_id!r} in the evidence (account ids are exact); "
-                                  f"accounts with affected responses: "
-                                  f"{_known(con, 'SELECT DISTINCT account_id FROM affected_responses ORDER BY 1')}.")
+        known = _known(con, "SELECT DISTINCT account_id FROM affected_responses ORDER BY 1")
+        return View(title, frame, f"No request of account {account_id!r} in the evidence (account ids are "
+                                  f"exact); accounts with affected responses: {known}.")
     affected = frame[frame["affected"]]
     note = f"{len(frame):,} requests from {when(frame['ts'].min())} to {when(frame['ts'].max())}; "
     note += (f"{len(affected):,} affected responses (it received foreign data) from {when(affected['ts'].min())} "
@@ -109,9 +111,9 @@ def instance_history(con: duckdb.DuckDBPyConnection, instance: str | None) -> Vi
     """One engine instance's start-ups in order: KV pool, context length, exposed or not, how each ended, and
     the requests, affected responses and engine aborts of each."""
     frame = without_na(read_frame(con, """
-        SELECT c.valid_from, c.valid_to, c.role, c.model, c.engine_version, c.kv_pool_tokens, c.context_length,
-               c.kv_pool_tokens < c.context_length AS exposed, c.source_file, c.source_line, c.end_reason, c.end_file,
-               c.end_line, c.successor, c.last_ts, c.last_line,
+        SELECT c.valid_from, c.valid_to, c.role, c.model, c.engine_version, c.kv_pool_tokens,
+               c.context_length, c.kv_pool_tokens < c.context_length AS exposed, c.source_file, c.source_line,
+               c.end_reason, c.end_file, c.end_line, c.successor, c.last_ts, c.last_line,
                (SELECT count(*) FROM requests r WHERE c.instance IN (r.prefill_instance, r.decode_instance)
                   AND r.ts >= c.valid_from AND (c.valid_to IS NULL OR r.ts < c.valid_to)) AS requests,
                (SELECT count(*) FROM affected_responses a
@@ -203,9 +205,9 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
                                   f"(response_evidence shows how the rules saw it).")
     others = frame[frame["source_account_id"] != recipient[0]]
     confirmed = others[others["content_confirmed"]]
-    note = (f"{len(frame):,} candidate source requests from {others['source_account_id'].nunique():,} accounts other "
-            f"than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts confirmed "
-            f"by content (their text is in the output).")
+    note = (f"{len(frame):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
+            f"other than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts "
+            f"confirmed by content (their text is in the output).")
     return View(title, frame, note)
 
 
@@ -229,15 +231,18 @@ def account_exposure(con: duckdb.DuckDBPyConnection, account_id: str | None) -> 
         LEFT JOIN horizon h USING (affected_request_id, source_request_id)
         LEFT JOIN content c USING (affected_request_id, source_request_id)
         LEFT JOIN affected_responses a ON a.request_id = p.affected_request_id
-        ORDER BY content_confirmed DESC, a.ts, p.affected_request_id, p.source_request_id""", {"account": account_id})
+        ORDER BY content_confirmed DESC, a.ts, p.affected_request_id, p.source_request_id""",
+                       {"account": account_id})
     title = f"Account {account_id}: where its data could have gone"
     if frame.empty:
-        known = con.execute("SELECT count(*) FROM requests WHERE account_id = $a", {"a": account_id}).fetchone()[0]
+        known = con.execute("SELECT count(*) FROM requests WHERE account_id = $a",
+                            {"a": account_id}).fetchone()[0]
         return View(title, frame, f"No affected response of another account could have carried data of "
                                   f"{account_id!r}." if known else
                     f"No request of account {account_id!r} in the evidence (account ids are exact).")
     confirmed = frame[frame["content_confirmed"]]
-    note = (f"{frame['affected_request_id'].nunique():,} affected responses to {frame['recipient_account_id'].nunique()} "
-            f"other accounts could have carried its data; {confirmed['affected_request_id'].nunique():,} confirmed "
-            f"by content (to {confirmed['recipient_account_id'].nunique()} accounts).")
+    note = (f"{frame['affected_request_id'].nunique():,} affected responses to "
+            f"{frame['recipient_account_id'].nunique()} other accounts could have carried its data; "
+            f"{confirmed['affected_request_id'].nunique():,} confirmed by content (to "
+            f"{confirmed['recipient_account_id'].nunique()} accounts).")
     return View(title, frame, note)

@@ -4,8 +4,8 @@ opened from disk.
 Altair's default HTML renderer loads Vega from cdn.jsdelivr.net, so an exported notebook viewed offline
 shows "Error loading script". :func:`offline_charts` makes Altair draw each chart with a small script that
 waits for ``window.vegaEmbed``; the object it returns, displayed in a notebook's first cell, embeds the
-Vega, Vega-Lite and vega-embed JavaScript the report inlines too (:func:`kvforensics.report.embed.vega_javascript`,
-bundled by vl-convert), once per notebook.
+Vega, Vega-Lite and vega-embed JavaScript the report inlines too
+(:func:`kvforensics.report.embed.vega_javascript`, bundled by vl-convert), once per notebook.
 :func:`export_html` exports an executed notebook to one HTML file whose only scripts are inline (nbconvert's
 own page loads require.js, MathJax and mermaid from a CDN; the notebooks need none of them).
 """
@@ -92,8 +92,8 @@ def export_html(notebook: str | Path, html: str | Path | None = None) -> Path:
 
     source = Path(notebook)
     target = Path(html) if html is not None else source.with_suffix(".html")
-    exporter = HTMLExporter(template_name="lab", extra_loaders=[DictLoader({"kvf_offline.html.j2": _EXPORT_TEMPLATE})],
-                            template_file="kvf_offline.html.j2")
+    exporter = HTMLExporter(template_name="lab", template_file="kvf_offline.html.j2",
+                            extra_loaders=[DictLoader({"kvf_offline.html.j2": _EXPORT_TEMPLATE})])
     body, _ = exporter.from_notebook_node(nbformat.read(source, as_version=4))
     target.write_text(body, encoding="utf-8")
     return target

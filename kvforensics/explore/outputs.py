@@ -74,7 +74,8 @@ class ReportPreview:
 
     def _repr_html_(self) -> str:
         if not self.path.is_file():
-            return f"<p>No report in {escape(str(self.path.parent))} yet: run notebook 04 or `kvforensics report`.</p>"
+            return (f"<p>No report in {escape(str(self.path.parent))} yet: run notebook 04 or "
+                    f"`kvforensics report`.</p>")
         page = self.path.read_text(encoding="utf-8")
         return (f'<iframe title="report.html" style="width: 100%; height: {int(self.height)}px; border: 1px solid '
                 f'#ccc" srcdoc="{escape(page, quote=True)}"></iframe>')

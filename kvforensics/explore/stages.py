@@ -28,7 +28,8 @@ def loaded(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float | None
         SELECT source, kind, count(*) AS files, sum(records_read) AS records_read, sum(loaded) AS loaded,
                sum(quarantined) AS quarantined, sum(duplicates) AS duplicates
         FROM load_report GROUP BY source, kind ORDER BY source""")
-    frame["quarantined_share"] = [_share(q, r) for q, r in zip(frame["quarantined"], frame["records_read"], strict=True)]
+    frame["quarantined_share"] = [_share(q, r) for q, r in zip(frame["quarantined"], frame["records_read"],
+                                                                strict=True)]
     read, quarantined = int(frame["records_read"].sum()), int(frame["quarantined"].sum())
     note = (f"{read:,} records read from {int(frame['files'].sum()):,} files of {len(frame)} sources: "
             f"{int(frame['loaded'].sum()):,} loaded, {quarantined:,} quarantined "
@@ -45,8 +46,8 @@ def loaded(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float | None
 @reads
 def loaded_files(con: duckdb.DuckDBPyConnection) -> View:
     """Per input file: records read, loaded, quarantined, duplicates, its SHA-256 and what the reader noted."""
-    frame = read_frame(con, """SELECT source, file, records_read, loaded, quarantined, duplicates, bytes, sha256, notes
-                        FROM load_report ORDER BY source, file""")
+    frame = read_frame(con, """SELECT source, file, records_read, loaded, quarantined, duplicates, bytes, sha256,
+                               notes FROM load_report ORDER BY source, file""")
     noted = int(frame["notes"].notna().sum()) if not frame.empty else 0
     return View("Every input file", frame, f"{len(frame):,} files; {noted:,} with a note from their reader "
                                            f"(truncated stream, encoding, line endings...).")
@@ -56,8 +57,9 @@ def loaded_files(con: duckdb.DuckDBPyConnection) -> View:
 def quarantine(con: duckdb.DuckDBPyConnection) -> View:
     """Quarantined records per source and reason, with their share of the source and one example line."""
     frame = read_frame(con, """
-        WITH q AS (SELECT source, reason, count(*) AS records, min(file || ':' || coalesce(CAST(line AS VARCHAR), '?'))
-                          AS example FROM quarantine GROUP BY source, reason),
+        WITH q AS (SELECT source, reason, count(*) AS records,
+                          min(file || ':' || coalesce(CAST(line AS VARCHAR), '?')) AS example
+                   FROM quarantine GROUP BY source, reason),
              r AS (SELECT source, sum(records_read) AS records_read FROM load_report GROUP BY source)
         SELECT q.source, q.reason, q.records, round(q.records / nullif(r.records_read, 0), 6) AS share_of_source,
                q.example
@@ -141,7 +143,8 @@ def tiers(con: duckdb.DuckDBPyConnection) -> View:
     by_tier = frame.groupby("confidence")["requests"].sum().to_dict() if not frame.empty else {}
     note = ("No rule flagged any request." if frame.empty else
             f"confirmed {by_tier.get('confirmed', 0):,}, probable {by_tier.get('probable', 0):,} (together: the "
-            f"affected responses), possible {by_tier.get('possible', 0):,} (one weak signal: reviewed, not counted).")
+            f"affected responses), possible {by_tier.get('possible', 0):,} (one weak signal: reviewed, not "
+            f"counted).")
     return View("Confidence tiers and the rules behind them", frame, note)
 
 
@@ -173,7 +176,8 @@ def flagged(con: duckdb.DuckDBPyConnection, confidence: str | None = None, limit
 # --- 03 scope -------------------------------------------------------------------------------------------
 @reads
 def conclusiveness(con: duckdb.DuckDBPyConnection) -> View:
-    frame = read_frame(con, "SELECT code, message, CAST(evidence AS VARCHAR) AS evidence FROM inconclusive_reasons ORDER BY n")
+    frame = read_frame(con, """SELECT code, message, CAST(evidence AS VARCHAR) AS evidence
+                               FROM inconclusive_reasons ORDER BY n""")
     note = ("Conclusive: every check of the evidence passed." if frame.empty else
             f"INCONCLUSIVE: {len(frame)} reasons; the answer below cannot be relied on until each is resolved.")
     return View("Does the evidence support the answer?", frame, note)
@@ -186,10 +190,12 @@ def recipients(con: duckdb.DuckDBPyConnection) -> View:
     turnover horizon). ``account_exposure`` and ``response_sources`` name them."""
     frame = read_frame(con, """
         WITH possible AS (
-            SELECT recipient_account_id AS account_id, count(DISTINCT source_account_id) AS possible_source_accounts
+            SELECT recipient_account_id AS account_id,
+                   count(DISTINCT source_account_id) AS possible_source_accounts
             FROM possible_sources WHERE source_account_id <> recipient_account_id GROUP BY 1
         ), confirmed AS (
-            SELECT recipient_account_id AS account_id, count(DISTINCT source_account_id) AS confirmed_source_accounts
+            SELECT recipient_account_id AS account_id,
+                   count(DISTINCT source_account_id) AS confirmed_source_accounts
             FROM content_matches WHERE confirmed AND source_account_id <> recipient_account_id GROUP BY 1
         )
         SELECT a.account_id, a.account_class, count(*) AS responses, min(a.ts) AS first_ts, max(a.ts) AS last_ts,
@@ -269,6 +275,7 @@ def notification_list(con: duckdb.DuckDBPyConnection, role: str) -> View:
     if role not in NOTIFICATION_ROLES:
         raise ValueError(f"role must be one of {', '.join(NOTIFICATION_ROLES)}, got {role!r}")
     frame = read_frame(con, """SELECT account_id, account_class, responses, first_ts, last_ts, request_ids
-                        FROM notifications WHERE role = $role ORDER BY account_class, responses DESC, account_id""",
+                               FROM notifications WHERE role = $role
+                               ORDER BY account_class, responses DESC, account_id""",
                 {"role": role})
     return View(f"To notify: {role.replace('_', ' ')}", frame, f"{len(frame)} accounts.")

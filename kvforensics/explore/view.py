@@ -42,8 +42,9 @@ def reads(function: F) -> F:
             found = _MISSING_TABLE.search(str(e))
             table = found.group(1) if found else "a table"
             stage = STAGE_OF_TABLE.get(table, "ingest")
-            raise InputError(f"{function.__name__} reads {table}, which the '{stage}' stage writes and this evidence "
-                             f"database lacks: open the folder with Investigation.open_or_build(incident, out_dir, "
+            raise InputError(f"{function.__name__} reads {table}, which the '{stage}' stage writes and this "
+                             f"evidence database lacks: open the folder with "
+                             f"Investigation.open_or_build(incident, out_dir, "
                              f"through=\"{stage}\") (or run `kvforensics {stage}`) first") from None
     return wrapper  # type: ignore[return-value]
 
