@@ -167,10 +167,13 @@ def salted() -> Path:
 
 
 def test_hicache_storage_after_the_token_only_releases_is_unknown_saying_what_to_check(salted: Path) -> None:
-    for version in ("0.5.22", None):
-        v = judge(sglang(version, enable_hierarchical_cache="true", hicache_storage_backend="hf3fs"), salted)
-        assert (v.status, v.evidence_line) == ("unknown", 4)
-        assert "sgl-project/sglang#38577" in v.detail and "kv_store_keys_salt" in v.detail
+    v = judge(sglang("0.5.22", enable_hierarchical_cache="true", hicache_storage_backend="hf3fs"), salted)
+    assert (v.status, v.evidence_line) == ("unknown", 4)
+    assert "sgl-project/sglang#38577" in v.detail and "kv_store_keys_salt" in v.detail
+    # without a version, whether the radix tree itself keys on the salt is unknown too
+    v = judge(sglang(None, enable_hierarchical_cache="true", hicache_storage_backend="hf3fs"), salted)
+    assert v.status == "unknown" and "sgl-project/sglang#38577" in v.detail
+    assert "SGLang (version not logged): the radix tree keys on the salt in builds with" in v.detail
     # HiCache without a storage backend keeps pages in host memory, inside the salted radix tree
     assert judge(sglang("0.5.22", enable_hierarchical_cache="true"), salted).status == "pass"
 
@@ -310,3 +313,17 @@ def test_the_headline_counts_start_ups_failing_isolation(gateway: AuditReport) -
     assert len(failing) == 5
     assert gateway.headline().endswith("Prefix-cache isolation fails on 5 start-up(s) (check 6).")
     assert "Prefix-cache" not in audit_paths(LOGS).headline()
+
+
+def test_sglang_builds_before_extra_key_ignore_the_salt(salted: Path) -> None:
+    v = judge(sglang("0.5.1"), salted)
+    assert v.status == "fail" and "predates the radix key's extra_key" in v.detail
+    v = judge(sglang("0.5.10"), salted)
+    assert v.status == "unknown" and "confirm the build" in v.detail
+    assert judge(sglang("0.5.18"), salted).status == "pass"
+    # a version range inferred from the log's format counts when it is wholly on one side
+    rec = sglang(None, engine_version_spec=">=0.5.20")
+    assert judge(rec, salted).status == "pass"
+    v = judge(sglang(None, engine_version_spec="<0.4.0", hicache_storage_backend="file"), salted)
+    assert v.status == "fail" and "SGLang <0.4.0 (inferred from the log's format)" in v.detail
+    assert "keys stored pages by tokens only" in v.detail

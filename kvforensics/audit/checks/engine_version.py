@@ -45,7 +45,7 @@ def exact_version(s: Startup) -> Version | None:
 _SPEC_PART = re.compile(r"(>=|<=|>|<|==)\s*v?(\d+(?:\.\d+)*)")
 
 
-def _inferred_spec(s: Startup) -> str | None:
+def inferred_spec(s: Startup) -> str | None:
     spec = s.flags.get("engine_version_spec")
     if spec:
         return spec
@@ -55,16 +55,16 @@ def _inferred_spec(s: Startup) -> str | None:
     return None
 
 
-def _spec_side(spec: str) -> str:
-    """'below' / 'above' the fixed release for every version in *spec*, else 'both'."""
+def spec_side(spec: str, bound: Version = SGLANG_FIXED_VERSION) -> str:
+    """'below' / 'above' *bound* (default: the fixed release) for every version in *spec*, else 'both'."""
     below = above = False
     for op, number in _SPEC_PART.findall(spec):
         v = Version(number)
-        if (op == "<" and v <= SGLANG_FIXED_VERSION) or (op == "<=" and v < SGLANG_FIXED_VERSION):
+        if (op == "<" and v <= bound) or (op == "<=" and v < bound):
             below = True
-        if (op in (">=", ">") and v >= SGLANG_FIXED_VERSION) or (op == "==" and v >= SGLANG_FIXED_VERSION):
+        if (op in (">=", ">") and v >= bound) or (op == "==" and v >= bound):
             above = True
-        if op == "==" and v < SGLANG_FIXED_VERSION:
+        if op == "==" and v < bound:
             below = True
     return "below" if below else "above" if above else "both"
 
@@ -157,9 +157,9 @@ def check_engine_version(s: Startup) -> Judged:
                 line,
             ),
         )
-    spec = _inferred_spec(s)
+    spec = inferred_spec(s)
     if spec is not None:
-        side = _spec_side(spec)
+        side = spec_side(spec)
         what = f"SGLang {_version_text(s)}"
         if side == "below":
             return role_unknown(

@@ -36,7 +36,10 @@ Each start-up is judged from its server args (log or ``/get_server_info`` dump) 
   (``--enable-hierarchical-cache --hicache-storage-backend ...``) keyed pages by tokens only, as
   ``radix_cache.py`` states in 0.5.18 ("external L3/remote storage keys remain token-only",
   sgl-project/sglang#26747, #37160) until sgl-project/sglang#38577 (merged 2026-09-08, no release named
-  here): fail up to 0.5.18, unknown after or when the version is not known. The manifest's
+  here): fail up to 0.5.18, unknown after or when the version is not known. A gateway's salt reaches
+  SGLang's radix key only in builds with ``extra_key`` (sgl-project/sglang#10317, after 0.5.1) and the
+  salt forwarding that followed (the radix tree honours ``cache_salt`` in 0.5.18, #37160): fail before
+  0.5.2, pass from 0.5.18, unknown between or when the version is not known. The manifest's
   ``kv_store_keys_salt`` (true / false) settles what the audit cannot see.
 
 Missing evidence is never a pass: an unstated tenancy or salt owner is ``unknown``.
@@ -47,7 +50,7 @@ from __future__ import annotations
 from packaging.version import InvalidVersion, Version
 
 from kvforensics.audit.checks.common import ON, Judged, server_arg
-from kvforensics.audit.checks.engine_version import exact_version
+from kvforensics.audit.checks.engine_version import exact_version, inferred_spec, spec_side
 from kvforensics.audit.inputs import DeploymentManifest
 from kvforensics.audit.phrases import loc
 from kvforensics.audit.startups import Startup
@@ -59,7 +62,9 @@ VLLM_HASH_SEED_FIX = Version("0.7.2")
 VLLM_SHA256 = Version("0.8.3")
 VLLM_SHA256_DEFAULT = Version("0.10.2")
 VLLM_CACHE_SALT = Version("0.9.0")
-SGLANG_HICACHE_TOKEN_KEYS_THROUGH = Version("0.5.18")
+SGLANG_HICACHE_TOKEN_KEYS_BEFORE = Version("0.5.19")  # 0.5.18 states storage keys are token-only
+SGLANG_EXTRA_KEY = Version("0.5.2")  # the radix key's extra_key (sgl-project/sglang#10317) is later
+SGLANG_SALT_SEEN = Version("0.5.18")  # the radix tree honours cache_salt (sgl-project/sglang#37160)
 OFF_VALUES = ("false", "0", "no", "off")
 WEAK_HASHES = ("builtin", "xxhash", "xxhash_cbor")
 PD_CONNECTORS = ("nixl", "mooncakeconnector", "p2pnccl", "decodebench")
@@ -162,10 +167,46 @@ def hashing(s: Startup) -> Finding | None:
     return "unknown", f"block hash {how}: an algorithm this audit does not know", file, line
 
 
+def sglang_side(s: Startup, bound: Version) -> str | None:
+    """'below' / 'above' *bound* for the SGLang build of *s* (exact or inferred), 'both', None unknown."""
+    exact = exact_version(s)
+    if exact is not None:
+        return "below" if exact < bound else "above"
+    spec = inferred_spec(s)
+    return spec_side(spec, bound) if spec is not None else None
+
+
+def _sglang_build(s: Startup) -> str:
+    exact = exact_version(s)
+    if exact is not None:
+        return f"SGLang {exact}"
+    spec = inferred_spec(s)
+    return f"SGLang {spec} (inferred from the log's format)" if spec else "SGLang (version not logged)"
+
+
 def engine_honours_salt(s: Startup) -> Finding | None:
     """Does the engine put a gateway's salt into its block keys? None when it does (or nothing to add)."""
-    if s.engine != "vllm":
-        return None
+    if s.engine == "sglang":
+        file, line = s.where("engine_version")
+        build = _sglang_build(s)
+        if sglang_side(s, SGLANG_EXTRA_KEY) == "below":
+            return (
+                "fail",
+                f"{build} predates the radix key's extra_key (sgl-project/sglang#10317): the gateway's salt "
+                "is ignored and every tenant shares one radix tree",
+                file,
+                line,
+            )
+        if sglang_side(s, SGLANG_SALT_SEEN) == "above":
+            return None
+        return (
+            "unknown",
+            f"{build}: the radix tree keys on the salt in builds with sgl-project/sglang#10317 and the salt "
+            f"forwarding after it (seen in {SGLANG_SALT_SEEN}); confirm the build, e.g. with a "
+            "/get_server_info dump",
+            file,
+            line,
+        )
     v = _version(s)
     file, line = s.where("engine_version")
     if v is None:
@@ -249,21 +290,19 @@ def _store(s: Startup) -> Finding | None:
     if hicache is None or not _is_set(hicache[0]):
         return None
     backend, file, line = hicache
-    v = _version(s)
     what = f"HiCache storage backend {backend}"
-    if v is not None and v <= SGLANG_HICACHE_TOKEN_KEYS_THROUGH:
+    if sglang_side(s, SGLANG_HICACHE_TOKEN_KEYS_BEFORE) == "below":
         return (
             "fail",
-            f"{what}: SGLang {v} keys stored pages by tokens only, extra_key / cache_salt dropped "
+            f"{what}: {_sglang_build(s)} keys stored pages by tokens only, extra_key / cache_salt dropped "
             "(sgl-project/sglang#26747)",
             file,
             line,
         )
-    known = f"SGLang {v}" if v is not None else "the SGLang version is not known"
     return (
         "unknown",
-        f"{what}: {known}; storage keys include the salt only in builds with sgl-project/sglang#38577 "
-        "(check the build, or set kv_store_keys_salt in the manifest)",
+        f"{what}: {_sglang_build(s)}; storage keys include the salt only in builds with "
+        "sgl-project/sglang#38577 (check the build, or set kv_store_keys_salt in the manifest)",
         file,
         line,
     )
