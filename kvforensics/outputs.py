@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import platform
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import duckdb
 from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.detect import load_rules
+from kvforensics.digests import output_digests, table_digests
 from kvforensics.escaping import csv_cell
 from kvforensics.loaders.textio import file_digest
 from kvforensics.scope import ScopeResult, iso
@@ -70,8 +70,6 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
     import duckdb as _duckdb
     import pandas as _pandas
 
-    from kvforensics.verify import output_digests, table_digests
-
     base = incident.base_dir
     inputs = []
     for row in con.execute("SELECT source, kind, file, sha256, bytes, records_read, loaded, quarantined, duplicates, "
@@ -109,14 +107,3 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
-
-
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def safe_filename(account_id: str) -> str:
-    """A file name for an account id: untrusted text never becomes a path."""
-    import hashlib
-
-    cleaned = _SAFE.sub("_", account_id).strip("._")[:60] or "account"
-    return f"{cleaned}-{hashlib.sha256(account_id.encode()).hexdigest()[:8]}.md"

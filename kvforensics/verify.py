@@ -18,9 +18,7 @@ The evidence database is only ever opened read-only. :func:`verify` returns the 
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
-import math
 import shutil
 import subprocess
 import tempfile
@@ -31,6 +29,7 @@ import duckdb
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
+from kvforensics.digests import CSV_OUTPUTS, HASHED_OUTPUTS, output_digests, output_files, table_digests
 from kvforensics.errors import ConfigError, InputError, KvForensicsError
 from kvforensics.loaders.textio import file_digest
 
@@ -38,58 +37,6 @@ SIGNATURE_NAMESPACE = "kvforensics"
 EVIDENCE = "evidence.duckdb"
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.json.sig"
-CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "quarantine.csv")
-# the outputs the manifest hashes (folders: every file below); the database is hashed per table instead
-HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, "report.html", "report.md", "report.pdf", "notices")
-_FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums may differ in the last bits
-
-
-# --- digests the manifest records ---------------------------------------------------------------------------------
-
-def table_digests(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, Any]]:
-    """Every table of the database: its row count and the SHA-256 of its column names and rows, sorted."""
-    names = [r[0] for r in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
-        "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
-    digests = {}
-    for name in names:
-        ident = '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
-        cur = con.execute(f"SELECT * FROM {ident} ORDER BY ALL")
-        h = hashlib.sha256(json.dumps([d[0] for d in cur.description]).encode() + b"\n")
-        rows = 0
-        while batch := cur.fetchmany(10_000):
-            for row in batch:
-                h.update(_canonical_row(row))
-            rows += len(batch)
-        digests[name] = {"rows": rows, "sha256": h.hexdigest()}
-    return digests
-
-
-def _canonical_row(row: tuple) -> bytes:
-    return json.dumps([_canonical(v) for v in row], default=str, ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-def _canonical(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if not math.isfinite(value) else float(f"{value:.{_FLOAT_DIGITS}g}")
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    return value
-
-
-def output_digests(out_dir: Path) -> dict[str, str]:
-    """SHA-256 of every output file (``HASHED_OUTPUTS``) by its path relative to the folder."""
-    return {rel: file_digest(out_dir / rel)[0] for rel in _output_files(out_dir)}
-
-
-def _output_files(out_dir: Path) -> list[str]:
-    found = []
-    for name in HASHED_OUTPUTS:
-        path = out_dir / name
-        found += [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path] if path.is_file() else []
-    return sorted(p.relative_to(out_dir).as_posix() for p in found)
 
 
 def seal_manifest(out_dir: Path, *, sign_key: Path | None = None) -> dict[str, Any]:
@@ -217,7 +164,7 @@ def _check_outputs(out_dir: Path, manifest: dict) -> list[str]:
             problems.append(f"output missing: {rel}")
         elif (actual := file_digest(path)[0]) != digest:
             problems.append(f"output changed since the run: {rel} (sha256 {actual} != {digest})")
-    problems += [f"output not in the manifest: {rel}" for rel in _output_files(out_dir) if rel not in recorded]
+    problems += [f"output not in the manifest: {rel}" for rel in output_files(out_dir) if rel not in recorded]
     return problems
 
 
@@ -348,7 +295,7 @@ def _json_diff(have: Any, want: Any, path: str = "") -> Iterator[str]:
             else:
                 yield from _json_diff(have[key], want[key], sub)
     elif isinstance(have, list) and isinstance(want, list) and len(have) == len(want):
-        for i, (a, b) in enumerate(zip(have, want)):
+        for i, (a, b) in enumerate(zip(have, want, strict=True)):
             yield from _json_diff(a, b, f"{path}[{i}]")
     elif have != want or type(have) is not type(want):
         yield f"{path} = {_short(have)}, re-derived {_short(want)}"
@@ -373,7 +320,7 @@ def _csv_diff(have_path: Path, want_path: Path) -> list[str]:
     if have[:1] != want[:1]:
         return [f"{name}: header {have[:1]} differs from {want[:1]}"]
     problems = []
-    for i, (a, b) in enumerate(zip(have[1:], want[1:]), start=2):
+    for i, (a, b) in enumerate(zip(have[1:], want[1:], strict=False), start=2):
         if a != b:
             problems.append(f"{name} line {i}: {_short(a)}, re-derived {_short(b)}")
             break  # after a deleted or inserted row every later row shifts: the counts below say the rest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -84,7 +85,8 @@ def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, 
 
 
 def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident: Incident | None = None, *,
-                   interactive: bool = True, max_points: int = MAX_POINTS) -> alt.VConcatChart:
+                   interactive: bool = True, period: tuple[Any, Any] | None = None,
+                   max_points: int = MAX_POINTS) -> alt.VConcatChart:
     """The incident on one UTC time axis: the incident file's events (reports, fixes), config changes, engine
     start-ups and restarts, each exposure window and each affected response (top); affected responses per hour
     (bottom).
@@ -92,7 +94,8 @@ def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident:
     ``source``: the investigation's database connection (``inv.con``; ``incident`` adds its ``[[events]]``), or
     :func:`~kvforensics.report.views.timeline_frames`. ``interactive``: scroll or drag the top to zoom and pan
     (double-click resets), drag across the hourly bars to brush a period (its responses and events stand out
-    above), hover for details.
+    above), hover for details. ``period``: (start, end) shown first, e.g.
+    :func:`~kvforensics.report.views.exposure_period` (default: everything).
     """
     f = source if isinstance(source, TimelineFrames) else timeline_frames(source, incident, max_points=max_points)
     events = f.events.assign(lane=[EVENT_LANES.get(k, k) for k in f.events["kind"]])
@@ -105,8 +108,11 @@ def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident:
     # highlight that period's affected responses and events above
     zoom = alt.selection_interval(encodings=["x"], bind="scales", name="zoom") if interactive else None
     brush = alt.selection_interval(encodings=["x"], name="period") if interactive and not f.hourly.empty else None
-    x = alt.X("ts:T", scale=alt.Scale(type="utc"),
-              axis=alt.Axis(title="time (UTC)", format="%Y-%m-%d %H:%M", labelAngle=0, labelOverlap=True))
+    axis = alt.Axis(title="time (UTC)", format="%Y-%m-%d %H:%M", labelAngle=0, labelOverlap=True)
+    x = alt.X("ts:T", scale=alt.Scale(type="utc"), axis=axis)
+    # the period shown first, set on the hourly bars only (Vega-Lite warns when the zoomed layers set the domain)
+    first_x = x if period is None else alt.X("ts:T", axis=axis, scale=alt.Scale(
+        type="utc", domain=[pd.Timestamp(t).timestamp() * 1000 for t in period]))
     y = alt.Y("lane:N", sort=lanes, title=None, axis=alt.Axis(labelLimit=280))
     spans = alt.Chart(f.windows.rename(columns={"start": "ts"})).mark_bar(height=12, color="#8e44ad", clip=True,
                                                                           opacity=0.55).encode(
@@ -134,7 +140,7 @@ def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident:
     if zoom is not None:
         detail = detail.add_params(zoom)
     hourly = alt.Chart(f.hourly.rename(columns={"hour": "ts"})).mark_bar(clip=True).encode(
-        x=x, y=alt.Y("responses:Q", title="affected / hour"), color=alt.Color("model:N", title="model"),
+        x=first_x, y=alt.Y("responses:Q", title="affected / hour"), color=alt.Color("model:N", title="model"),
         tooltip=[alt.Tooltip("time:N", title="hour (UTC)"), "model:N", "responses:Q"],
     ).properties(width=640, height=90, title="affected responses per hour" + (
         ": drag across the bars to highlight a period above" if brush is not None else ""))

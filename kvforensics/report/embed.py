@@ -12,9 +12,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from markupsafe import Markup
@@ -25,10 +27,33 @@ EMBED_OPTIONS = {"actions": False, "renderer": "svg", "tooltip": {"theme": "ligh
 
 @cache
 def vega_javascript() -> str:
-    """Vega, Vega-Lite and Vega-Embed as one script that defines ``vegaEmbed`` (about 0.9 MB)."""
+    """Vega, Vega-Lite (the version Altair writes) and Vega-Embed as one script that defines ``vegaEmbed``
+    (about 0.9 MB). vl-convert takes seconds to build it, so it is kept in the user's cache folder
+    (``$XDG_CACHE_HOME/kvforensics``), per vl-convert and Vega-Lite version; without a writable cache it is
+    built once per process."""
     import vl_convert as vlc
 
-    return _script_safe(vlc.javascript_bundle())
+    from kvforensics.report.charts import alt
+
+    vl_version = "_".join(alt.SCHEMA_VERSION.split(".")[:2])  # "v6_4" for schema "v6.4.1"
+    path = _cache_dir() / f"vega-bundle-{vlc.__version__}-{vl_version}.js"
+    try:
+        return _script_safe(path.read_text(encoding="utf-8"))
+    except OSError:
+        pass
+    bundle = vlc.javascript_bundle(vl_version=vl_version)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(bundle, encoding="utf-8")
+        partial.replace(path)
+    except OSError:
+        pass
+    return _script_safe(bundle)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvforensics"
 
 
 def _script_safe(js: str) -> str:

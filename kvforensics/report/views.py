@@ -136,3 +136,13 @@ def account_frames(con: duckdb.DuckDBPyConnection, *, account: str | None = None
     affected = _affected(con, f"{where} AND {listed}", {**params, "k": max_accounts}, max_points)
     return AccountFrames(accounts=accounts, affected=affected, accounts_total=int(accounts_total),
                          affected_total=int(affected_total))
+
+
+def exposure_period(frames: TimelineFrames, margin_days: float = 2) -> tuple[pd.Timestamp, pd.Timestamp] | None:
+    """The span of the exposure windows and affected responses, widened by ``margin_days`` on each side: the period
+    a timeline shows first (earlier and later events are a zoom or pan away). None when there is neither."""
+    times = pd.concat([frames.windows["start"], frames.windows["end"], frames.hourly["hour"]]).dropna()
+    if times.empty:
+        return None
+    margin = pd.Timedelta(days=margin_days)
+    return times.min() - margin, times.max() + pd.Timedelta(hours=1) + margin
