@@ -578,7 +578,7 @@ ALL_LOGS = sorted(ENGINE.glob("*.log")) + sorted(AUDIT.glob("*.log"))
 
 
 @pytest.mark.parametrize("path", ALL_LOGS, ids=lambda p: p.name)
-def test_every_fixture_gets_five_verdicts_per_start_up_and_every_pass_has_evidence(path: Path) -> None:
+def test_every_fixture_gets_a_verdict_per_check_and_start_up_and_every_pass_has_evidence(path: Path) -> None:
     report = audit_paths([path], year=2026)
     assert report.verdicts and len(report.verdicts) == len(CHECKS) * report.startups
     for v in report.verdicts:

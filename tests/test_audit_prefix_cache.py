@@ -327,3 +327,15 @@ def test_sglang_builds_before_extra_key_ignore_the_salt(salted: Path) -> None:
     v = judge(sglang(None, engine_version_spec="<0.4.0", hicache_storage_backend="file"), salted)
     assert v.status == "fail" and "SGLang <0.4.0 (inferred from the log's format)" in v.detail
     assert "keys stored pages by tokens only" in v.detail
+
+
+@pytest.mark.parametrize("manifest", [None, "multi-gateway.toml", "multi-none.toml", "overrides.yaml"])
+def test_every_verdict_has_its_evidence_and_none_is_exposed(manifest: str | None) -> None:
+    report = audit_paths(LOGS, manifest=PREFIX / manifest if manifest else None)
+    assert len(report.verdicts) == len(CHECKS) * report.startups == len(CHECKS) * len(LOGS)
+    for v in report.verdicts:
+        if v.check == 6:
+            assert not v.exposed and v.evidence_file is not None
+            if v.status in ("pass", "fail"):
+                assert v.evidence_line is not None, v
+
