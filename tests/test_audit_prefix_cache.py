@@ -339,3 +339,21 @@ def test_every_verdict_has_its_evidence_and_none_is_exposed(manifest: str | None
             if v.status in ("pass", "fail"):
                 assert v.evidence_line is not None, v
 
+
+
+def test_the_documented_manifest_example_reads(tmp_path: Path) -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "incident-config.md").read_text(encoding="utf-8")
+    section = doc[doc.index("#### Check 6: prefix-cache isolation") :]
+    start = section.index("```toml\n") + len("```toml\n")
+    example = section[start : section.index("```\n", start)]
+    m = tmp_path / "deploy.toml"
+    m.write_text(example)
+    policy = read_manifest(m).prefix_cache
+    assert policy is not None
+    said = policy.for_startup("qwen3-0", ["llama-3.1-8b"])
+    assert {k: (v.value, v.scope) for k, v in said.items()} == {
+        "tenants": ("single", "instance qwen3-0"),
+        "cache_salt": ("client", "model llama-3.1-8b"),
+    }
+    line = said["cache_salt"].line
+    assert line is not None and example.splitlines()[line - 1] == 'cache_salt = "client"'
