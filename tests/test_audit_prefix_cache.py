@@ -357,3 +357,10 @@ def test_the_documented_manifest_example_reads(tmp_path: Path) -> None:
     }
     line = said["cache_salt"].line
     assert line is not None and example.splitlines()[line - 1] == 'cache_salt = "client"'
+
+
+def test_a_weak_hash_says_how_to_get_a_strong_one(salted: Path) -> None:
+    v = judge(vllm("0.8.1", enable_prefix_caching="true"), salted)  # builtin only, before sha256 existed
+    assert v.status == "fail" and "upgrade to vLLM >= 0.10.2 (sha256 by default; 0.8.1 has no other" in v.detail
+    v = judge(vllm("0.9.2", enable_prefix_caching="true", prefix_caching_hash_algo="builtin"), salted)
+    assert (v.status, v.evidence_line) == ("fail", 2) and "use --prefix-caching-hash-algo sha256" in v.detail

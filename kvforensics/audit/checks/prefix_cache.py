@@ -63,7 +63,7 @@ VLLM_SHA256 = Version("0.8.3")
 VLLM_SHA256_DEFAULT = Version("0.10.2")
 VLLM_CACHE_SALT = Version("0.9.0")
 SGLANG_HICACHE_TOKEN_KEYS_BEFORE = Version("0.5.19")  # 0.5.18 states storage keys are token-only
-SGLANG_EXTRA_KEY = Version("0.5.2")  # the radix key's extra_key (sgl-project/sglang#10317) is later
+SGLANG_EXTRA_KEY = Version("0.5.2")  # the first release that can have the radix key's extra_key (#10317)
 SGLANG_SALT_SEEN = Version("0.5.18")  # the radix tree honours cache_salt (sgl-project/sglang#37160)
 OFF_VALUES = ("false", "0", "no", "off")
 WEAK_HASHES = ("builtin", "xxhash", "xxhash_cbor")
@@ -155,10 +155,14 @@ def hashing(s: Startup) -> Finding | None:
             line,
         )
     if algo in WEAK_HASHES:
+        remedy = (
+            f"upgrade to vLLM >= {VLLM_SHA256_DEFAULT} (sha256 by default; {v} has no other algorithm)"
+            if v is not None and v < VLLM_SHA256
+            else "use --prefix-caching-hash-algo sha256 on a multi-tenant deployment"
+        )
         return (
             "fail",
-            f"block hash {how} is not cryptographic: a colliding block serves one tenant's KV to another; "
-            "use --prefix-caching-hash-algo sha256 on a multi-tenant deployment",
+            f"block hash {how} is not cryptographic: a colliding block serves one tenant's KV to another; {remedy}",
             file,
             line,
         )
