@@ -69,8 +69,8 @@ def _value(key: str, raw: object, where: str, file: str) -> str | bool:
             raise InputError(f"{where}.{key} = {raw!r}; write true or false", location=file)
         return raw
     allowed = TENANTS if key == "tenants" else CACHE_SALT
-    value = str(raw).strip().lower() if isinstance(raw, str) else None
-    if value not in allowed:
+    value = raw.strip().lower() if isinstance(raw, str) else None
+    if value is None or value not in allowed:
         raise InputError(
             f"{where}.{key} = {raw!r}; use one of {', '.join(repr(v) for v in allowed)}", location=file
         )
