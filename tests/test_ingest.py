@@ -88,6 +88,7 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
     raw text names what differed; every file's counts add up. The merge finds repeated ids by a hash
     of the id: with a hash that collides for most ids, nothing changes."""
     import kvforensics.db as db
+    import kvforensics.loaders.request_typing as request_typing
     import kvforensics.loaders.requests as requests_loader
     from kvforensics.loaders.requests import load_requests_files
 
@@ -101,7 +102,7 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
                     "hash(r.request_id)", "(hash(r.request_id) % 2)")
             return text
         monkeypatch.setattr(db, "sql", colliding)
-        monkeypatch.setattr(requests_loader, "sql", colliding)
+        monkeypatch.setattr(request_typing, "sql", colliding)
     (tmp_path / "a.jsonl").write_text("\n".join([rec("x"), rec("y"), rec("x")]) + "\n")
     (tmp_path / "b.jsonl").write_text("\n".join([rec("x", account_id="other"), rec("z"), rec("y")]) + "\n")
     (tmp_path / "c.jsonl").write_text("\n".join([rec("z", prompt_tokens=7), rec("w"), rec("x")]) + "\n")
@@ -265,14 +266,14 @@ def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
     """DuckDB's NDJSON reader (values as text, values as JSON), DuckDB's line reader and the Python
     reader load and refuse the same records with the same reasons, values and notes. Each is forced
     first; a reader that cannot keep a file hands it on, and which one loaded it is checked."""
-    import kvforensics.loaders.requests as requests_loader
+    import kvforensics.loaders.request_readers as request_readers
 
     (tmp_path / "gw.jsonl").write_text("\n".join(lines) + "\n")
     results = {}
     readers = {}
     for name, (fast, json_readers) in READERS.items():
-        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
-        monkeypatch.setattr(requests_loader, "JSON_READERS", json_readers)
+        monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
+        monkeypatch.setattr(request_readers, "JSON_READERS", json_readers)
         con = connect()
         r = load_requests_file(con, source(tmp_path, tz="Europe/Berlin"), tmp_path / "gw.jsonl")
         readers[name] = r.reader
@@ -354,7 +355,7 @@ def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
     import pandas as pd
 
-    import kvforensics.loaders.requests as requests_loader
+    import kvforensics.loaders.request_readers as request_readers
 
     df = pd.DataFrame({"rid": ["p1", "p2", "p3", "p1"],
                        "received_at": pd.to_datetime(["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z",
@@ -365,7 +366,7 @@ def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
     df.to_parquet(tmp_path / "gw.parquet")
     results = {}
     for fast in (True, False):
-        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
         for ts_col in ("received_at", "local"):
             con = connect()
             src = source(tmp_path, fmt="parquet", tz="Europe/Berlin", columns={**COLUMNS, "ts": ts_col})
@@ -389,7 +390,7 @@ def test_parquet_number_columns_of_every_type_read_as_their_text_would(tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import kvforensics.loaders.requests as requests_loader
+    import kvforensics.loaders.request_readers as request_readers
 
     n = 7
     table = pa.table({
@@ -407,7 +408,7 @@ def test_parquet_number_columns_of_every_type_read_as_their_text_would(tmp_path,
     pq.write_table(table, tmp_path / "gw.parquet")
     results = {}
     for fast in (True, False):
-        monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+        monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
         con = connect()
         r = load_requests_file(con, source(tmp_path, fmt="parquet"), tmp_path / "gw.parquet")
         results[fast] = ((r.records_read, r.loaded, r.quarantined),

@@ -250,8 +250,6 @@ def test_sglang_request_log_never_crashes_and_accounts_for_every_request(lines, 
 def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, data, ts_style, blank):
     """DuckDB's NDJSON reader, DuckDB's line reader and the Python reader load, refuse and count the
     same records with the same reasons, values and notes, whatever the values' JSON types."""
-    import kvforensics.loaders.requests as requests_loader
-
     lines = [json.dumps(g) for g in garbage]
     for i in range(n_valid):
         rec = data.draw(valid_records(i))
@@ -265,15 +263,15 @@ def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, da
 def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
     """Load the payload with each JSONL reader forced first; all must give the same counts, notes,
     quarantine and rows. Returns which reader loaded the file in each case."""
-    import kvforensics.loaders.requests as requests_loader
+    import kvforensics.loaders.request_readers as request_readers
 
     results = {}
     readers = {}
-    previous = (requests_loader.FAST_STAGING, requests_loader.JSON_READERS)
+    previous = (request_readers.FAST_STAGING, request_readers.JSON_READERS)
     try:
         for name, fast, json_readers in (("text", True, ("text",)), ("json", True, ("json",)), ("lines", True, ()),
                                          ("python", False, ())):
-            requests_loader.FAST_STAGING, requests_loader.JSON_READERS = fast, json_readers
+            request_readers.FAST_STAGING, request_readers.JSON_READERS = fast, json_readers
             con, load = _load("jsonl", "gw.jsonl", payload)
             readers[name] = load.reader
             results[name] = (
@@ -283,7 +281,7 @@ def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
                             {"dir": str(load.file.parent)}).fetchall(),
                 con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
     finally:
-        requests_loader.FAST_STAGING, requests_loader.JSON_READERS = previous
+        request_readers.FAST_STAGING, request_readers.JSON_READERS = previous
     assert results["text"] == results["json"] == results["lines"] == results["python"]
     return readers
 

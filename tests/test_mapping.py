@@ -24,7 +24,7 @@ from kvforensics.cli import main
 from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
-from kvforensics.loaders import requests as requests_loader
+from kvforensics.loaders import request_readers
 from kvforensics.loaders.mapping import is_expression
 from kvforensics.loaders.requests import load_requests_file
 
@@ -138,7 +138,7 @@ ODD_COLUMNS = ('columns = { ts = "time", account_id = "tenant.id", '
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_quoted_names_with_dots_and_nested_paths_in_jsonl(tmp_path, monkeypatch, fast):
-    monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+    monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
     result, rows, refused = load(tmp_path, "g.jsonl", ODD_NAMES, ODD_COLUMNS)
     assert refused == []
     assert [r[:6] for r in rows] == [("o1", utc("2026-08-28 10:00:00"), "t-1", "m", 200, 400),
@@ -177,7 +177,7 @@ def parquet_file(tmp_path: Path, struct: bool) -> None:
 @pytest.mark.parametrize("struct", [False, True], ids=["json-text-column", "struct-column"])
 @pytest.mark.parametrize("fast", [True, False])
 def test_paths_into_json_held_in_parquet_cells(tmp_path, monkeypatch, struct, fast):
-    monkeypatch.setattr(requests_loader, "FAST_STAGING", fast)
+    monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
     parquet_file(tmp_path, struct)
     _, rows, refused = load(tmp_path, "g.parquet", None, """columns = { ts = "startTime", account_id = 'coalesce("metadata.user_api_key_team_id", end_user)', cached_tokens = "metadata.usage.cached_tokens" }
 values = { status = { success = 200 } }""")

@@ -15,14 +15,8 @@ from kvforensics.config import Source, load_incident
 from kvforensics.db import connect
 from kvforensics.ingest import ingest
 from kvforensics.loaders.requests import load_requests_file
-from kvforensics.loaders.sglang_requests import (
-    NO_ACCOUNT,
-    ReprDump,
-    _top_level_items,
-    _top_level_items_by_token,
-    read_line,
-    recognises,
-)
+from kvforensics.loaders.sglang_repr import ReprDump, top_level_items, top_level_items_by_token
+from kvforensics.loaders.sglang_requests import NO_ACCOUNT, read_line, recognises
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 
@@ -321,7 +315,7 @@ def test_incident_file_accepts_the_format_and_ingest_reads_the_engines_own_log(t
 @given(text=st.text(alphabet="()[]{},'\"\\ab1 =:", max_size=40), data=st.data())
 def test_fast_item_splitter_agrees_with_the_token_scanner(text, data):
     start = data.draw(st.integers(0, len(text)))
-    assert _top_level_items(text, start) == _top_level_items_by_token(text, start)
+    assert top_level_items(text, start) == top_level_items_by_token(text, start)
 
 
 def test_model_aliases_rename_the_engines_model_names_so_requests_match_their_capacity(tmp_path):

@@ -75,27 +75,44 @@ from __future__ import annotations
 
 import base64
 import binascii
-import bisect
 import json
-import json.scanner
-import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_common import open_lines
+from kvforensics.loaders.otlp_encoding import (
+    SpanProblem,
+    attribute_map,
+    decode_with_offsets,
+    enum_name,
+    iso_utc,
+    json_object,
+    json_text,
+    line_numbers,
+    member,
+    opens_document,
+    repeated,
+    unix_nanos,
+)
+from kvforensics.loaders.staging import (
+    FileLoad,
+    Staged,
+    choose_columns,
+    expression_refs,
+    json_fields_relation,
+    python_staged,
+    unknown_column,
+)
 from kvforensics.presets import load_preset
 
 if TYPE_CHECKING:
     import duckdb
-
-    from kvforensics.loaders.requests import FileLoad, Staged
 
 FORMAT = "otlp_json"
 BATCH = 50_000
@@ -146,10 +163,6 @@ MISSING_REASONS = {
 }
 
 
-class SpanProblem(ValueError):
-    """A span (or a part of an export) that breaks the OTLP structure."""
-
-
 @dataclass(frozen=True)
 class SpanRecord:
     """One staged record: a GenAI span flattened to JSON, or a part of the file that cannot be read."""
@@ -186,7 +199,7 @@ class TraceExportReader:
             first = None
         if first is not None:
             n, text, raw = first
-            if text is not None and _opens_document(text):
+            if text is not None and opens_document(text):
                 # the first line opens a value it does not close: the file may be one JSON document
                 yield from self._document_or_lines([first, *lines])
             else:
@@ -208,13 +221,13 @@ class TraceExportReader:
         if all(t is not None for _, t, _ in numbered):
             whole = "\n".join(t or "" for _, t, _ in numbered)
             try:
-                document, opened_at = _decode_with_offsets(whole)
+                document, opened_at = decode_with_offsets(whole)
             except ValueError as e:
                 self.notes.append(f"line {first} opens a JSON value that the line does not close, and the file is "
                                   f"not one JSON document either ({e}); each line read as an export of its own")
             else:
                 self.notes.append("read as one JSON document; a record's line is where its span opens")
-                line_at = _line_numbers(whole, first)
+                line_at = line_numbers(whole, first)
 
                 def line_of(obj: object, default: int) -> int:
                     offset = opened_at.get(id(obj))
@@ -253,24 +266,24 @@ class TraceExportReader:
             yield _problem(n, where.rstrip(".") or "line", "not an OTLP/JSON trace export (no resourceSpans)", export)
             return
         try:
-            resources = list(_items(export, ("resourceSpans", "resource_spans")))
+            resources = list(repeated(export, ("resourceSpans", "resource_spans")))
         except SpanProblem as e:
             yield _problem(n, where.rstrip(".") or "line", str(e), export)
             return
         for i, resource_spans in resources:
             at = f"{where}resourceSpans[{i}]"
             try:
-                resource = {key: _without_content(key, value) for key, value in _attributes(_object(
-                    _get(_object(resource_spans, "resourceSpans entry"), "resource", None) or {}, "resource")).items()}
-                scopes = list(_items(resource_spans, ("scopeSpans", "scope_spans")))
+                resource = {key: _without_content(key, value) for key, value in attribute_map(json_object(
+                    member(json_object(resource_spans, "resourceSpans entry"), "resource", None) or {}, "resource")).items()}
+                scopes = list(repeated(resource_spans, ("scopeSpans", "scope_spans")))
             except SpanProblem as e:
                 yield _problem(line_of(resource_spans, n), at, str(e), resource_spans)
                 continue
             for j, scope_spans in scopes:
                 sat = f"{at}.scopeSpans[{j}]"
                 try:
-                    scope = _object(_get(_object(scope_spans, "scopeSpans entry"), "scope", None) or {}, "scope")
-                    spans = list(_items(scope_spans, ("spans",)))
+                    scope = json_object(member(json_object(scope_spans, "scopeSpans entry"), "scope", None) or {}, "scope")
+                    spans = list(repeated(scope_spans, ("spans",)))
                 except SpanProblem as e:
                     yield _problem(line_of(scope_spans, n), sat, str(e), scope_spans)
                     continue
@@ -282,7 +295,7 @@ class TraceExportReader:
     def _span_record(self, span: object, at: str, resource: Mapping[str, Any], scope: Mapping[str, Any],
                      line: int) -> SpanRecord | None:
         try:
-            attributes = _attributes(_object(span, "span"))
+            attributes = attribute_map(json_object(span, "span"))
             openinference = attributes.get("openinference.span.kind")
             if openinference is not None:
                 if not (isinstance(openinference, str) and openinference in OPENINFERENCE_MODEL_CALLS):
@@ -301,12 +314,12 @@ class TraceExportReader:
                 self.skipped[f"GenAI {operation} span(s) (agent or tool steps, not model calls)"] += 1
                 return None
             assert isinstance(span, dict)
-            trace_id = self._hex_id(_get(span, "traceId", None, "trace_id"), 16, "traceId")
-            span_id = self._hex_id(_get(span, "spanId", None, "span_id"), 8, "spanId")
+            trace_id = self._hex_id(member(span, "traceId", None, "trace_id"), 16, "traceId")
+            span_id = self._hex_id(member(span, "spanId", None, "span_id"), 8, "spanId")
         except SpanProblem as e:
             ids = {k: span.get(k) for k in ("traceId", "spanId", "name")
                    if isinstance(span, dict) and isinstance(span.get(k), str)}
-            return SpanRecord(line, _json_text({"otlp.location": at, **ids}), str(e))
+            return SpanRecord(line, json_text({"otlp.location": at, **ids}), str(e))
         record = self._derived(span, at, trace_id, span_id, attributes, scope)
         for key, value in attributes.items():
             if key not in record:
@@ -315,15 +328,15 @@ class TraceExportReader:
             if key not in record:
                 record[key] = value
         try:
-            raw = _json_text(record, strict=True)
+            raw = json_text(record, strict=True)
         except SpanProblem as e:
-            return SpanRecord(line, _json_text({"otlp.location": at, "otlp.span_id": span_id}), str(e))
+            return SpanRecord(line, json_text({"otlp.location": at, "otlp.span_id": span_id}), str(e))
         self.keys.update(record)
         self.spans += 1
         request_id = record["otlp.request_id"]
         nesting = None
         if request_id != span_id and isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
-            start = _nanos(record["otlp.start_time_unix_nano"])
+            start = unix_nanos(record["otlp.start_time_unix_nano"])
             nesting = (trace_id, str(request_id), span_id,
                        start if isinstance(start, int) and 0 <= start < 2**63 else None)
         return SpanRecord(line, raw, nesting=nesting)
@@ -331,13 +344,13 @@ class TraceExportReader:
     def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
                  attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
         """The ``otlp.*`` values of a span (None where the span has no such value)."""
-        status = _get(span, "status", None)
+        status = member(span, "status", None)
         if not isinstance(status, dict):
             status = {}
-        status_code = _enum(status.get("code"), STATUS_CODES, "STATUS_CODE_")
-        start = _nanos(_get(span, "startTimeUnixNano", None, "start_time_unix_nano"))
-        end = _nanos(_get(span, "endTimeUnixNano", None, "end_time_unix_nano"))
-        parent = _get(span, "parentSpanId", None, "parent_span_id")
+        status_code = enum_name(status.get("code"), STATUS_CODES, "STATUS_CODE_")
+        start = unix_nanos(member(span, "startTimeUnixNano", None, "start_time_unix_nano"))
+        end = unix_nanos(member(span, "endTimeUnixNano", None, "end_time_unix_nano"))
+        parent = member(span, "parentSpanId", None, "parent_span_id")
         try:
             parent = self._hex_id(parent, 8, "parentSpanId") if parent else None
         except SpanProblem:  # not needed to read the request: kept as it is
@@ -346,7 +359,7 @@ class TraceExportReader:
         return {
             "otlp.location": at,
             "otlp.request_id": _first(attributes, REQUEST_ID_ATTRIBUTES, span_id),
-            "otlp.start_time": _iso_utc(start),
+            "otlp.start_time": iso_utc(start),
             "otlp.start_time_unix_nano": str(start) if isinstance(start, int) else start,
             "otlp.account_id": _first(attributes, FALLBACKS["otlp.account_id"]),
             "otlp.model": _first(attributes, FALLBACKS["otlp.model"]),
@@ -359,8 +372,8 @@ class TraceExportReader:
             "otlp.end_time_unix_nano": str(end) if isinstance(end, int) else end,
             "otlp.status_code": status_code,
             "otlp.status_message": status.get("message"),
-            "otlp.span_name": _get(span, "name", None),
-            "otlp.span_kind": _enum(_get(span, "kind", None), SPAN_KINDS, "SPAN_KIND_"),
+            "otlp.span_name": member(span, "name", None),
+            "otlp.span_kind": enum_name(member(span, "kind", None), SPAN_KINDS, "SPAN_KIND_"),
             "otlp.span_id": span_id,
             "otlp.trace_id": trace_id,
             "otlp.parent_span_id": parent,
@@ -401,7 +414,7 @@ class TraceExportReader:
 def _problem(line: int, at: str, reason: str, part: object) -> SpanRecord:
     """A part of an export that cannot be read: its location and an outline of it as ``raw`` (its
     scalars, not what it nests, which may hold captured content)."""
-    return SpanRecord(line, f"{at}: {_json_text(_outline(part))[:MALFORMED_RAW_CHARS]}", reason)
+    return SpanRecord(line, f"{at}: {json_text(_outline(part))[:MALFORMED_RAW_CHARS]}", reason)
 
 
 def _outline(part: object) -> object:
@@ -419,135 +432,6 @@ def _outline(part: object) -> object:
     return part
 
 
-def _json_text(value: object, strict: bool = False) -> str:
-    """JSON text of a record; a number JSON cannot hold (inf, nan) is kept as its text, for the
-    typing to refuse. A lone UTF-16 surrogate (``"\\ud800"`` in the input) is not text: ``strict``
-    refuses it (SpanProblem), otherwise it is shown escaped."""
-    try:
-        text = _ENCODER.encode(value)
-    except ValueError:
-        text = json.dumps(_finite(value), ensure_ascii=False, default=str)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        if strict:
-            raise SpanProblem("a value holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text") from None
-        text = json.dumps(_finite(value), default=str)
-    return text
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, default=str)
-
-
-def _finite(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _object(value: object, what: str = "") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise SpanProblem(f"{what or 'value'} is not a JSON object")
-    return value
-
-
-def _opens_document(text: str) -> bool:
-    """Whether a line is the start of a JSON value that goes on past the line's end (a pretty-printed
-    document), rather than a complete value or a malformed line."""
-    stripped = text.strip()
-    if not stripped.startswith(("{", "[")):
-        return False
-    try:
-        json.loads(stripped)
-    except json.JSONDecodeError as e:
-        return e.pos >= len(stripped)
-    return False
-
-
-def _get(obj: Mapping[str, Any], key: str, default: Any, snake: str | None = None) -> Any:
-    """A field by its lowerCamelCase JSON name, or by its protobuf name (receivers accept both)."""
-    if key in obj:
-        return obj[key]
-    return obj.get(snake, default) if snake else default
-
-
-def _items(obj: object, keys: tuple[str, ...]) -> Iterator[tuple[int, Any]]:
-    """The entries of a repeated field (absent or null: none)."""
-    value: Any = next((v for k in keys if (v := _object(obj).get(k)) is not None), [])
-    if not isinstance(value, list):
-        raise SpanProblem(f"{keys[0]} is not a list")
-    yield from enumerate(value)
-
-
-def _attributes(obj: dict[str, Any]) -> dict[str, Any]:
-    """``attributes`` (a list of key/value pairs) as a dict of plain values."""
-    pairs = obj.get("attributes") or []
-    if not isinstance(pairs, list):
-        raise SpanProblem("attributes is not a list")
-    return _key_values(pairs, "attribute")
-
-
-def _key_values(pairs: Iterable[object], what: str) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for i, pair in enumerate(pairs):
-        if type(pair) is not dict or type(key := pair.get("key")) is not str:
-            raise SpanProblem(f"{what} #{i + 1} is not a {{key, value}} pair")
-        value = pair.get("value")
-        # the common case first: a string
-        values[key] = value["stringValue"] if type(value) is dict and "stringValue" in value else _any_value(value)
-    return values
-
-
-def _any_value(value: object) -> Any:
-    """An ``AnyValue`` as a plain value. ``intValue`` is a decimal string in OTLP/JSON (a number is
-    accepted); a value that is not what its type says is kept as its text, so that a canonical field
-    mapped to it is quarantined with that text rather than read as something else."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise SpanProblem("an attribute value is not an AnyValue object")
-    if "stringValue" in value:
-        return value["stringValue"]
-    if "intValue" in value:
-        v = value["intValue"]
-        if isinstance(v, str):
-            try:
-                return int(v)
-            except ValueError:
-                return v
-        return v
-    if "doubleValue" in value:
-        v = value["doubleValue"]
-        if isinstance(v, str):  # "NaN", "Infinity" and numbers as text (protobuf JSON)
-            try:
-                f = float(v)
-            except ValueError:
-                return v
-            return f if math.isfinite(f) else v
-        return v
-    if "boolValue" in value:
-        return value["boolValue"]
-    if "bytesValue" in value:
-        return value["bytesValue"]
-    if "arrayValue" in value:
-        inner = value["arrayValue"] or {}
-        items = inner.get("values") or [] if isinstance(inner, dict) else None
-        if not isinstance(items, list):
-            raise SpanProblem("an arrayValue has no list of values")
-        return [_any_value(v) for v in items]
-    if "kvlistValue" in value:
-        inner = value["kvlistValue"] or {}
-        items = inner.get("values") or [] if isinstance(inner, dict) else None
-        if not isinstance(items, list):
-            raise SpanProblem("a kvlistValue has no list of values")
-        return _key_values(items, "kvlistValue entry")
-    return None  # an empty AnyValue: no value
-
-
 def _without_content(key: str, value: Any) -> Any:
     if key in CONTENT_ATTRIBUTES or key.startswith(CONTENT_PREFIXES):
         return f"[{len(json.dumps(value, default=str))} characters of content not kept]"
@@ -562,41 +446,6 @@ def _first(attributes: Mapping[str, Any], keys: Iterable[str], default: Any = No
     return default
 
 
-def _enum(value: object, names: tuple[str, ...], prefix: str) -> str | None:
-    """An OTLP enum (an integer in OTLP/JSON; its protobuf name accepted) by its short name."""
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return names[value] if 0 <= value < len(names) else str(value)
-    if isinstance(value, str):
-        return value.removeprefix(prefix) if value.startswith(prefix) else value
-    return None
-
-
-def _nanos(value: object) -> Any:
-    """A fixed64 time: a decimal string or a number; anything else is kept for the typing to refuse."""
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _iso_utc(nanos: object) -> object:
-    """Unix nanoseconds as ISO-8601 UTC to the microsecond (exact, where a double of the nanoseconds
-    is not); a value that is no such time is kept as it is, for the typing to judge."""
-    if isinstance(nanos, int) and not isinstance(nanos, bool) and 0 <= nanos < _YEAR_2200_NS:
-        return (_EPOCH + timedelta(microseconds=nanos // 1000)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    return nanos
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_YEAR_2200_NS = 7_258_118_400 * 10**9
-
-
 def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: object) -> Any:
     seconds = _first(attributes, TTFT_SECONDS_ATTRIBUTES)
     if seconds is not None:
@@ -604,33 +453,10 @@ def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: obje
     events = span.get("events") or []
     if not isinstance(start, int) or not isinstance(events, list):
         return None
-    times = [_nanos(_get(e, "timeUnixNano", None, "time_unix_nano")) for e in events
+    times = [unix_nanos(member(e, "timeUnixNano", None, "time_unix_nano")) for e in events
              if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"] in FIRST_TOKEN_EVENTS]
     times = [t for t in times if isinstance(t, int) and t >= start]
     return (min(times) - start) / 1e6 if times else None
-
-
-def _line_numbers(text: str, first_line: int) -> Callable[[int], int]:
-    """Offset in ``text`` -> its physical line number (``text`` begins on ``first_line``)."""
-    newlines = [i for i, c in enumerate(text) if c == "\n"]
-    return lambda offset: first_line + bisect.bisect_left(newlines, offset)
-
-
-def _decode_with_offsets(text: str) -> tuple[Any, dict[int, int]]:
-    """Parse a JSON document, recording where each object opens (``id(obj) -> offset``), with the
-    json module's pure-Python scanner (whole-file documents only: it is slower than the C one)."""
-    decoder = json.JSONDecoder()
-    opened_at: dict[int, int] = {}
-    parse_object = decoder.parse_object  # type: ignore[attr-defined]
-
-    def located(s_and_end: tuple[str, int], *args: Any) -> tuple[Any, int]:
-        obj, end = parse_object(s_and_end, *args)
-        opened_at[id(obj)] = s_and_end[1] - 1
-        return obj, end
-
-    decoder.parse_object = located  # type: ignore[attr-defined]
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder.decode(text), opened_at
 
 
 _EXPORT_START = re.compile(r'\A\s*\[?\s*\{\s*"resource_?[sS]pans"\s*:')
@@ -673,11 +499,9 @@ def _check_expression_refs(source: Source, path: Path, refs: Iterable[str], keys
     """Each name a ``columns`` expression reads must be a key of the records read so far (the first
     SAMPLE_SPANS GenAI spans, or all of a smaller file), or a path into one; else a ConfigError
     before any record of the file is loaded, as for JSONL."""
-    from kvforensics.loaders import requests as gateway
-
     for ref in refs:
         if ref not in keys and not any(ref.startswith(key + ".") for key in keys):
-            raise gateway._unknown_column(source, path, ref, keys)
+            raise unknown_column(source, path, ref, keys)
 
 
 def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
@@ -685,8 +509,6 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
     """Stage one OTLP/JSON file: one record per GenAI span (and per unreadable part), each
     flattened to JSON, then every canonical field extracted by the JSON loader's SQL."""
     import pyarrow as pa
-
-    from kvforensics.loaders import requests as gateway
 
     mapped = replace(source, columns={**preset_columns(), **source.columns})
     reader = TraceExportReader(path)
@@ -708,7 +530,7 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
             tick(len(batch))
             batch.clear()
 
-    unchecked = gateway._expression_refs(mapped)  # the attributes the expressions read, checked early
+    unchecked = expression_refs(mapped)  # the attributes the expressions read, checked early
     for record in reader:
         batch.append(record)
         if unchecked and reader.spans >= SAMPLE_SPANS:
@@ -723,11 +545,11 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
     if nested:
         reader.notes.append(f"{nested} GenAI span(s) inside another span of the same request and trace skipped "
                             "(e.g. the engine's own span under the gateway's): the outermost span is the request")
-    chosen = gateway._choose_columns(mapped, reader.keys)
-    relation, params = gateway._json_fields_relation(mapped, chosen, "SELECT line, raw, problem FROM otlp_records", None)
+    chosen = choose_columns(mapped, reader.keys)
+    relation, params = json_fields_relation(mapped, chosen, "SELECT line, raw, problem FROM otlp_records", None)
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE otlp_records").fetchall()
     load.notes.extend(reader.notes)
     rewrites = {f"missing required field '{canonical}'": reason
                 for canonical, (derived, reason) in MISSING_REASONS.items() if mapped.columns.get(canonical) == derived}
-    return gateway._python_staged(rewrites)
+    return python_staged(rewrites)

@@ -50,11 +50,9 @@ identifiers and ``meta_info`` numbers, and an unreadable line's ``raw`` has long
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import re
-import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +62,7 @@ from pathlib import Path
 
 from kvforensics.config import Source
 from kvforensics.loaders.engine_common import split_outer_prefixes
+from kvforensics.loaders.sglang_repr import ReprDump, header_value, plain_summary, top_level_items, value_at
 from kvforensics.loaders.textio import LineStream
 
 FORMAT = "sglang_requests"
@@ -82,245 +81,12 @@ NO_ID = "no request id in the request-log line (neither meta_info.id nor rid)"
 _ENVELOPE = re.compile(
     r"^\[(?P<date>\d{4}-\d{2}-\d{2}) (?P<time>\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,6}))?(?: +[^\]\s]+)* *\] ?"
 )
-# quoted strings (skipped whole), number-only lists (skipped whole: token ids), brackets and commas
-_TOKENS = re.compile(
-    r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|\[[-+0-9eE., ]*\]|[()\[\]{},]"
-)
-_STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"")
-_CALL = re.compile(r"[A-Za-z_][\w.]*\(")
-_NAME = re.compile(r"[A-Za-z_]\w*")
 _LONG_STRING = re.compile(r"'[^'\\]{40,}(?:\\.[^'\\]*)*'|\"[^\"\\]{40,}(?:\\.[^\"\\]*)*\"")
 _HTTP_CODE = re.compile(r"\b([1-5]\d\d)\b")
 _JSON_EVENT = re.compile(r'"event"\s*:\s*"request\.')
 _TEXT_KINDS = (("Receive OpenAI: obj=", "openai"), ("Receive: obj=", "receive"), ("Finish: obj=", "finish"),
                ("in=", "legacy"))
 _SNIFF_LINES = 200
-_META_SKIP = ("logprobs", "hidden_states", "routed_experts", "output_ids", "embedding")
-
-
-# --------------------------------------------------------------------------------------------
-# Python repr dumps, read lazily (a level-3 line can hold a million-token prompt)
-# --------------------------------------------------------------------------------------------
-
-
-def _nested_item_pattern(depth: int) -> re.Pattern[str]:
-    """One item of a repr list: strings, bracket groups nested up to *depth*, other characters but commas.
-
-    Possessive repetition: the match never backtracks, so a line costs one pass in the regex engine.
-    (A closing bracket of another kind than the opening one is accepted, as the slow scanner does.)
-    """
-    string = r"'[^'\\]*+(?:\\.[^'\\]*+)*+'|\"[^\"\\]*+(?:\\.[^\"\\]*+)*+\""
-    plain = r"[^()\[\]{}'\"]"
-    group = rf"[(\[{{](?:{string}|{plain})*+[)\]}}]"
-    for _ in range(depth - 1):
-        group = rf"[(\[{{](?:{string}|{plain}|{group})*+[)\]}}]"
-    return re.compile(rf"(?:{string}|{group}|[^,()\[\]{{}}'\"])*+")
-
-
-_ITEM = _nested_item_pattern(12)
-
-
-def _top_level_items(text: str, start: int) -> tuple[list[tuple[int, int]], int | None]:
-    """Spans of the comma-separated items of ``text[start:]`` up to its unmatched closing bracket.
-
-    Quoted strings are skipped whole, so commas and brackets inside a prompt cannot split an item
-    (or forge one). Returns the spans and the index of the closing bracket (None if the text ended).
-    Each item is one regex match; text the pattern cannot take (nesting deeper than it handles, an
-    unterminated quote) goes to a token-by-token scan.
-    """
-    spans: list[tuple[int, int]] = []
-    pos = start
-    n = len(text)
-    while True:
-        end = _ITEM.match(text, pos).end()  # type: ignore[union-attr]  # matches the empty string at worst
-        spans.append((pos, end))
-        if end >= n:
-            return spans, None
-        c = text[end]
-        if c == ",":
-            pos = end + 1
-        elif c in ")]}":
-            return spans, end
-        else:
-            return _top_level_items_by_token(text, start)
-
-
-def _top_level_items_by_token(text: str, start: int) -> tuple[list[tuple[int, int]], int | None]:
-    depth = 0
-    item_start = start
-    spans: list[tuple[int, int]] = []
-    for m in _TOKENS.finditer(text, start):
-        c = text[m.start()]
-        if c in "'\"" or (c == "[" and m.end() - m.start() > 1 and text[m.end() - 1] == "]"):
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            if depth == 0:
-                spans.append((item_start, m.start()))
-                return spans, m.start()
-            depth -= 1
-        elif depth == 0:  # a top-level comma
-            spans.append((item_start, m.start()))
-            item_start = m.end()
-    spans.append((item_start, len(text)))
-    return spans, None
-
-
-_INT = re.compile(r"-?\d{1,4000}")
-_FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
-_WORDS: dict[str, object] = {"None": None, "True": True, "False": False, "inf": math.inf, "-inf": -math.inf,
-                             "nan": math.nan}
-
-
-def _literal(text: str, *, fallback: bool = True) -> object:
-    """A Python literal from its repr; the text itself when it is not one.
-
-    Scalars (the fields read here) take a fast path; anything else goes to ``ast.literal_eval``
-    unless *fallback* is off.
-    """
-    if not text:
-        return text
-    if text in _WORDS:
-        return _WORDS[text]
-    c = text[0]
-    if c in "'\"":
-        if len(text) >= 2 and text[-1] == c and "\\" not in text and c not in text[1:-1]:
-            return text[1:-1]
-    elif _INT.fullmatch(text):
-        return int(text)
-    elif _FLOAT.fullmatch(text):
-        return float(text)
-    if not fallback or len(text) > 10_000:
-        return text
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for "1x"
-            return ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
-
-
-class ReprDump:
-    """The fields of ``Name(a=1, ...)`` or ``{'a': 1, ...}``, split only as far as a lookup needs.
-
-    Values are parsed when asked for, so the prompt of a level-3 line is never parsed at all.
-    """
-
-    __slots__ = ("_text", "_items", "_pos", "_is_dict")
-
-    def __init__(self, text: str) -> None:
-        self._text = text
-        self._items: dict[str, str] = {}
-        self._is_dict = text.startswith("{")
-        m = None if self._is_dict else _CALL.match(text)
-        self._pos: int | None = 1 if self._is_dict else (m.end() if m else 0)  # None once fully split
-
-    @classmethod
-    def parse(cls, text: str) -> ReprDump | None:
-        text = text.strip()
-        if text.startswith("{") or _CALL.match(text):
-            return cls(text)
-        return None
-
-    def _next_item(self) -> None:
-        """Split off the next item (``self._pos`` is None when there are no more)."""
-        text, pos = self._text, self._pos
-        assert pos is not None
-        end = _ITEM.match(text, pos).end()  # type: ignore[union-attr]  # matches the empty string at worst
-        if end < len(text) and text[end] not in ",)]}":
-            # nesting deeper than the pattern takes, or an unterminated quote: the token scanner
-            spans, _ = _top_level_items_by_token(text, pos)
-            for a, b in spans:
-                self._add(text[a:b])
-            self._pos = None
-            return
-        self._add(text[pos:end])
-        self._pos = end + 1 if end < len(text) and text[end] == "," else None
-
-    def _add(self, item: str) -> None:
-        item = item.strip()
-        if self._is_dict:
-            key_match = _STRING.match(item)
-            if key_match:
-                key: object = _literal(key_match.group())
-                rest = item[key_match.end():].lstrip()
-                if not rest.startswith(":"):
-                    return
-                value = rest[1:]
-            else:
-                key, sep, value = item.partition(":")
-                if not sep:
-                    return
-                key = key.strip()
-            self._items.setdefault(str(key), value.strip())
-        else:
-            name, sep, value = item.partition("=")
-            name = name.strip()
-            if sep and _NAME.fullmatch(name):
-                self._items.setdefault(name, value.strip())
-
-    @property
-    def items(self) -> dict[str, str]:
-        """Field name -> the field's source text, for every field."""
-        while self._pos is not None:
-            self._next_item()
-        return self._items
-
-    def get(self, key: str) -> object:
-        while key not in self._items and self._pos is not None:
-            self._next_item()
-        raw = self._items.get(key)
-        return None if raw is None else _repr_value(raw)
-
-    def keys(self) -> list[str]:
-        return list(self.items)
-
-
-def _repr_value(raw: str, *, fallback: bool = True) -> object:
-    if raw.startswith("{") or _CALL.match(raw):
-        return ReprDump(raw)
-    return _literal(raw, fallback=fallback)
-
-
-def _get(node: object, key: str) -> object:
-    if isinstance(node, Mapping):
-        return node.get(key)
-    if isinstance(node, ReprDump):
-        return node.get(key)
-    return None
-
-
-def _get_header(headers: object, name: str) -> object:
-    name = name.lower()
-    keys = headers.keys() if isinstance(headers, (Mapping, ReprDump)) else []
-    for k in keys:
-        if str(k).lower() == name:
-            return _get(headers, k)
-    return None
-
-
-def _plain(node: object, depth: int = 0) -> object:
-    """A JSON-able copy of the small parts of a record (for the quarantine's raw column).
-
-    Text dumps are not parsed for this: their values are shown as written, long ones elided.
-    """
-    if isinstance(node, ReprDump):
-        return {k: (v if len(v) <= 200 else f"<{len(v)} chars>") for k, v in node.items.items()
-                if not any(s in k for s in _META_SKIP)}
-    if isinstance(node, Mapping):
-        if depth > 2:
-            return "{...}"
-        return {str(k): _plain(v, depth + 1) for k, v in node.items() if not any(s in str(k) for s in _META_SKIP)}
-    if isinstance(node, (list, tuple)):
-        return f"[{len(node)} items]"
-    if isinstance(node, str) and len(node) > 200:
-        return f"<{len(node)} chars>"
-    if isinstance(node, float) and not math.isfinite(node):
-        return repr(node)
-    if node is None or isinstance(node, (str, int, float, bool)):
-        return node
-    return str(node)[:200]
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +147,7 @@ def _envelope(text: str) -> tuple[str | None, str]:
 
 def _text_event(kind: str, line: int, ts: str | None, body: str) -> _Event:
     """A Receive / Finish / in= line; *body* is ``<obj>[, headers={...}][, out={...}]`` after the prefix."""
-    spans, _ = _top_level_items(body, 0)
+    spans, _ = top_level_items(body, 0)
     parts: dict[str, str] = {}
     for i, (a, b) in enumerate(spans):
         item = body[a:b]
@@ -396,7 +162,7 @@ def _text_event(kind: str, line: int, ts: str | None, body: str) -> _Event:
     headers = ReprDump.parse(parts["headers"]) if "headers" in parts else None
     out = ReprDump.parse(parts["out"]) if "out" in parts else None
     return _Event(kind="finish" if kind == "legacy" else kind, line=line, ts=ts, fmt="text",
-                  rid=_get(obj, "rid"), obj=obj, headers=headers, out=out)
+                  rid=value_at(obj, "rid"), obj=obj, headers=headers, out=out)
 
 
 def _json_event(line: int, env_ts: str | None, body: str) -> _Event | None:
@@ -422,7 +188,7 @@ def _json_event(line: int, env_ts: str | None, body: str) -> _Event | None:
     obj = data.get("obj")
     rid = data.get("rid")
     if rid is None:
-        rid = _get(obj, "rid")
+        rid = value_at(obj, "rid")
     return _Event(kind=kind, line=line, ts=ts, rid=rid, obj=obj, headers=data.get("headers"),
                   out=data.get("out"), fmt="JSON")
 
@@ -532,8 +298,8 @@ def _status(finish_reason: object) -> tuple[str | None, bool]:
     if finish_reason is None:
         return None, False
     if isinstance(finish_reason, (Mapping, ReprDump)):
-        if str(_get(finish_reason, "type")).lower() == "abort":
-            code = _status_code(_get(finish_reason, "status_code"))
+        if str(value_at(finish_reason, "type")).lower() == "abort":
+            code = _status_code(value_at(finish_reason, "status_code"))
             return (code, False) if code is not None else ("500", True)
         return "200", False
     if isinstance(finish_reason, str):
@@ -587,7 +353,7 @@ class RequestLogReader:
                 self._count("other")
                 continue
             if event.kind == "server_args":
-                name = _get(event.obj, "served_model_name") or _get(event.obj, "model_path")
+                name = value_at(event.obj, "served_model_name") or value_at(event.obj, "model_path")
                 if isinstance(name, list) and name:
                     name = name[0]
                 if isinstance(name, str) and name.strip():
@@ -632,25 +398,25 @@ class RequestLogReader:
         if parts[0] not in root:
             if len(parts) == 1:
                 for node in (root.get("headers"),):
-                    hit = _get_header(node, path)
+                    hit = header_value(node, path)
                     if hit is not None:
                         return hit
                 for node in (root.get("meta_info"), root.get("obj")):
-                    hit = _get(node, path)
+                    hit = value_at(node, path)
                     if hit is not None:
                         return hit
             return None
         node = root[parts[0]]
         for i, part in enumerate(parts[1:], start=1):
-            node = _get_header(node, part) if parts[0] == "headers" and i == 1 else _get(node, part)
+            node = header_value(node, part) if parts[0] == "headers" and i == 1 else value_at(node, part)
             if node is None:
                 return None
         return node
 
     def _finish(self, event: _Event) -> StagedRequest:
         self._count("finish")
-        meta = _get(event.out, "meta_info")
-        rid = _get(meta, "id")
+        meta = value_at(event.out, "meta_info")
+        rid = value_at(meta, "id")
         if _text(rid) is None or isinstance(rid, bool):
             rid = event.rid
         rid_text = _text(rid) if not isinstance(rid, bool) else None
@@ -677,9 +443,9 @@ class RequestLogReader:
         if "account_id" in columns:
             account = self._lookup(root, columns["account_id"])
         else:
-            account = _get_header(headers, ROUTING_KEY_HEADER)
+            account = header_value(headers, ROUTING_KEY_HEADER)
             if account is None:
-                account = _get(event.obj, "routing_key")
+                account = value_at(event.obj, "routing_key")
         values["account_id"] = _text(account)
         if account is not None and values["account_id"] is None:
             problem = "account_id is not a single value in the request log"
@@ -692,7 +458,7 @@ class RequestLogReader:
             values["model"] = self.source.model
             self._count("model_setting")
         else:
-            model = _text(_get(event.obj, "model"))
+            model = _text(value_at(event.obj, "model"))
             if model:
                 self._count("model_obj")
             elif self.served_model:
@@ -703,7 +469,7 @@ class RequestLogReader:
         if "status" in columns:
             values["status"] = _text(self._lookup(root, columns["status"]))
         else:
-            status, abort_default = _status(_get(meta, "finish_reason"))
+            status, abort_default = _status(value_at(meta, "finish_reason"))
             values["status"] = status
             if status is not None and status != "200":
                 self._count("abort")
@@ -713,24 +479,24 @@ class RequestLogReader:
         for canonical, key in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens"),
                                ("cached_tokens", "cached_tokens")):
             values[canonical] = _text(self._lookup(root, columns[canonical]) if canonical in columns
-                                      else _get(meta, key))
+                                      else value_at(meta, key))
         values["latency_ms"] = (_text(self._lookup(root, columns["latency_ms"])) if "latency_ms" in columns
-                                else _seconds_to_ms(_get(meta, "e2e_latency")))
+                                else _seconds_to_ms(value_at(meta, "e2e_latency")))
         values["ttft_ms"] = (_text(self._lookup(root, columns["ttft_ms"])) if "ttft_ms" in columns
-                             else _seconds_to_ms(_get(meta, "first_token_latency")))
+                             else _seconds_to_ms(value_at(meta, "first_token_latency")))
         for canonical in ("prefill_instance", "decode_instance"):
             values[canonical] = _text(self._lookup(root, columns[canonical])) if canonical in columns else None
 
-        summary = {"line": "Finish", "rid": _plain(rid), "receive_line": pending.line if pending else None,
-                   "headers": _plain(headers), "meta_info": _plain(meta)}
+        summary = {"line": "Finish", "rid": plain_summary(rid), "receive_line": pending.line if pending else None,
+                   "headers": plain_summary(headers), "meta_info": plain_summary(meta)}
         raw = json.dumps(summary, ensure_ascii=False, default=str)
         if len(raw) > RAW_LIMIT:
             raw = raw[:RAW_LIMIT] + f"... [{len(raw) - RAW_LIMIT} more chars]"
         return StagedRequest(line=event.line, raw=raw, problem=problem, values=values)
 
     def _received_ts(self, meta: object, event: _Event, pending: _Pending | None) -> str | None:
-        for value, key in ((_get(meta, "request_received_ts"), "ts_metrics"),
-                           (_get(event.obj, "received_time"), "ts_obj")):
+        for value, key in ((value_at(meta, "request_received_ts"), "ts_metrics"),
+                           (value_at(event.obj, "received_time"), "ts_obj")):
             n = _number(value)
             if n is not None and n > 0:
                 self._count(key)
@@ -738,7 +504,7 @@ class RequestLogReader:
         if pending is not None and pending.ts is not None:
             self._count("ts_receive")
             return pending.ts
-        derived = _minus_seconds(event.ts, _get(meta, "e2e_latency"))
+        derived = _minus_seconds(event.ts, value_at(meta, "e2e_latency"))
         if derived is not None:
             self._count("ts_derived")
             return derived
