@@ -63,6 +63,8 @@ ENGINE_LINE = (r"^\[(?P<ts>[^\]]+)\] (?:ReqTimeStats\(rid=(?P<rid>[^,]+), bootst
                r"entry_time=(?P<entry>[\d.]+)|Input length \((?P<prompt>\d+) tokens\) exceeds the maximum "
                r"allowed length \((?P<limit>\d+) tokens\).*self\.rid='(?P<abort_rid>[^']+)')")
 ENGINE_NUMBERS = ["input_len", "cached", "queue_ms", "forward_ms", "entry", "prompt", "limit"]
+BATCH_LINES = 500_000             # engine-log lines per str.extract
+BATCH_RECORDS = 100_000           # content records per read_json chunk (the words and sets are Python objects)
 
 
 # --- read ----------------------------------------------------------------------------------------
@@ -129,17 +131,18 @@ def read_engine_lines(incident: Incident) -> tuple[pd.DataFrame, int]:
     for source in incident.sources_of("engine_log"):
         for path in source.files():
             with open_text(path) as fh:
-                lines = pd.Series(fh.read().splitlines(), dtype=object)
-            lines_read += len(lines)
-            x = lines.str.extract(ENGINE_LINE)
-            x = x[x["rid"].notna() | x["abort_rid"].notna()]
-            stamp = pd.to_datetime(x["ts"].str.replace(r" TP\d+$", "", regex=True), format="%Y-%m-%d %H:%M:%S")
-            frames.append(pd.DataFrame({
-                "instance": source.instance_for(path),
-                "ts": stamp.dt.tz_localize(source.tz, ambiguous="NaT", nonexistent="NaT"),
-                "kind": np.where(x["rid"].notna(), "req_time_stats", "abort_input_too_long"),
-                "request_id": x["rid"].fillna(x["abort_rid"]),
-                **{c: pd.to_numeric(x[c]) for c in ENGINE_NUMBERS}}))
+                while batch := list(itertools.islice(fh, BATCH_LINES)):
+                    lines_read += len(batch)
+                    x = pd.Series(batch, dtype=object).str.rstrip("\r\n").str.extract(ENGINE_LINE)
+                    x = x[x["rid"].notna() | x["abort_rid"].notna()]
+                    stamp = pd.to_datetime(x["ts"].str.replace(r" TP\d+$", "", regex=True),
+                                           format="%Y-%m-%d %H:%M:%S")
+                    frames.append(pd.DataFrame({
+                        "instance": source.instance_for(path),
+                        "ts": stamp.dt.tz_localize(source.tz, ambiguous="NaT", nonexistent="NaT"),
+                        "kind": np.where(x["rid"].notna(), "req_time_stats", "abort_input_too_long"),
+                        "request_id": x["rid"].fillna(x["abort_rid"]),
+                        **{c: pd.to_numeric(x[c]) for c in ENGINE_NUMBERS}}))
     events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["kind", "request_id"])
     return events, lines_read
 
@@ -168,18 +171,19 @@ def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int]:
     records = 0
     for source in incident.sources_of("content"):
         for path in source.files():
-            df = pd.read_json(path, lines=True, dtype=False)
-            records += len(df)
-            for code, part in enumerate(("prompt", "output")):
-                if source.column(part) not in df.columns:
-                    continue
-                words = df[source.column(part)].dropna().astype(str).str.lower().str.findall(r"\w+")
-                fps = [shingle_fingerprints(w, key) for w in words]
-                counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))
-                out.append(pd.DataFrame({
-                    "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
-                    "part": np.int8(code),
-                    "fp": np.fromiter(itertools.chain.from_iterable(fps), dtype=np.int64, count=int(counts.sum()))}))
+            for df in pd.read_json(path, lines=True, dtype=False, chunksize=BATCH_RECORDS):
+                records += len(df)
+                for code, part in enumerate(("prompt", "output")):
+                    if source.column(part) not in df.columns:
+                        continue
+                    words = df[source.column(part)].dropna().astype(str).str.lower().str.findall(r"\w+")
+                    fps = [shingle_fingerprints(w, key) for w in words]
+                    counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))
+                    out.append(pd.DataFrame({
+                        "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
+                        "part": np.int8(code),
+                        "fp": np.fromiter(itertools.chain.from_iterable(fps), dtype=np.int64,
+                                          count=int(counts.sum()))}))
     return out, records
 
 
