@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
-from kvforensics.loaders.requests import FileLoad
+from kvforensics.loaders.staging import FileLoad
 from kvforensics.loaders.textio import printable_raw
 
 TEXT_FIELDS = ("model", "instance", "description", "details")

@@ -20,7 +20,7 @@ from kvforensics.config import Source
 from kvforensics.db import run_script
 from kvforensics.fingerprint import SHINGLE_WORDS, hmac_blocks, rendered_text, shingle_words
 from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
-from kvforensics.loaders.requests import FileLoad
+from kvforensics.loaders.staging import FileLoad
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 16 << 20  # text characters per DuckDB batch: large enough to amortise, small in memory

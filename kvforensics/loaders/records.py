@@ -18,7 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.loaders.requests import FileLoad
+from kvforensics.loaders.staging import FileLoad
 from kvforensics.loaders.textio import INCOMPLETE_RECORD, LineStream, decode_line, open_binary, printable_raw
 
 # (line, raw text, the record or None, the reason it cannot be loaded or None)
