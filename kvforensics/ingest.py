@@ -181,35 +181,25 @@ def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files
 def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident):
     """One engine log file, which may hold several instances (an export of interleaved pods): its
     events and quarantined lines into the database, one load report for the file's physical lines."""
-    from kvforensics.loaders.engine_common import EngineFileParse, parse_engine_file
+    from kvforensics.loaders.engine_columnar import parse_engine_file_columnar
+    from kvforensics.loaders.engine_common import EngineFileParse
 
     digest = file_digest(path)
     year = source.year or incident.year
     derived = year is None and source.format in ("vllm", "auto")
     if derived:
         year = _year_for_yearless_stamps(con, path)
-    parsed: EngineFileParse = parse_engine_file(
+    parsed: EngineFileParse = parse_engine_file_columnar(
         path, fmt=source.format, instance=lambda labels: source.instance_for(path, labels), tz=source.tz,
-        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope)
+        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope, con=con)
     if derived and any("carry no year" in n for n in parsed.all_notes()):
         parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
                             f"modification time); set [settings] year or the source's year to override")
-    events = parsed.events
-    if events:
-        table = pa.table({
-            "instance": [e.instance for e in events],
-            "ts": pa.array([e.ts for e in events], type=pa.timestamp("us", tz="UTC")),
-            "kind": [e.kind for e in events],
-            "request_id": [e.request_id for e in events],
-            "prompt_tokens": pa.array([e.prompt_tokens for e in events], type=pa.int64()),
-            "limit_tokens": pa.array([e.limit_tokens for e in events], type=pa.int64()),
-            "detail": [e.detail for e in events],
-            "source": [source.name] * len(events),
-            "source_file": [str(path)] * len(events),
-            "source_line": pa.array([e.line for e in events], type=pa.int64()),
-        })
-        con.register("events_batch", table)
-        con.execute("INSERT INTO engine_events SELECT * FROM events_batch").fetchall()
+    events = parsed.event_table()  # per-request lines read column-wise stay columns (engine_columnar.py)
+    if events.num_rows:
+        con.register("events_batch", events)
+        con.execute("INSERT INTO engine_events SELECT instance, ts, kind, request_id, prompt_tokens, limit_tokens, "
+                    "detail, $source, $file, line FROM events_batch", {"source": source.name, "file": str(path)})
         con.unregister("events_batch")
     quarantined = parsed.all_quarantined()
     for q in quarantined:

@@ -57,6 +57,23 @@ class LocalClock:
                 entry[0] += 1
         return (local - utcoffset).replace(tzinfo=UTC) + self.offset
 
+    def hour_shift_us(self, year: int, month: int, day: int, hour: int) -> int | None:
+        """Microseconds to subtract from a naive stamp of this local hour to get its UTC instant (the
+        clock offset included), or None when the hour cannot be read with one offset: a daylight
+        saving change falls in it, it is not a date, or it is out of range. Every stamp of a hour
+        with a shift reads as :meth:`to_utc` reads it (the columnar reader relies on this)."""
+        try:
+            start = datetime(year, month, day, hour)
+            end = start + timedelta(minutes=59, seconds=59, microseconds=999_999)
+            (off, kind), (end_off, end_kind) = self._classify(start), self._classify(end)
+            if kind is not None or end_kind is not None or off != end_off:
+                return None
+            (start - off).replace(tzinfo=UTC) + self.offset  # noqa: B018 - the range check
+            (end - off).replace(tzinfo=UTC) + self.offset  # noqa: B018
+        except (ValueError, OverflowError):
+            return None
+        return (off - self.offset) // timedelta(microseconds=1)
+
     def _classify(self, local: datetime) -> tuple[timedelta, str | None]:
         early = local.replace(tzinfo=self.tz, fold=0)
         late = local.replace(tzinfo=self.tz, fold=1)

@@ -172,13 +172,13 @@ def parse_engine_file(
             lines = itertools.chain(head, stream)
             if found == "none":
                 name = namer(None)
-                parse = parsers[_engine_format(fmt, [t for _, t, _ in head], path)](
+                parse = parsers[engine_format(fmt, [t for _, t, _ in head], path)](
                     lines, instance=name, tz=tz, year=year, clock_offset_s=clock_offset_s
                 )
                 result = EngineFileParse(envelope="none", instances={name: parse}, lines_read=parse.lines_read)
             else:
                 result = parse_enveloped(
-                    found, lines, fmt=lambda texts: _engine_format(fmt, texts, path), parsers=parsers,
+                    found, lines, fmt=lambda texts: engine_format(fmt, texts, path), parsers=parsers,
                     namer=namer, tz=tz, year=year, clock_offset_s=clock_offset_s,
                 )
                 result.lines_read = stream.lines_yielded
@@ -194,11 +194,12 @@ def parse_engine_file(
                     result.notes.insert(0, f"read as a {found} export (recognised from its first lines)")
     finally:
         stream.close()
-    _add_truncation(result, stream)
+    add_truncation(result, stream)
     return result
 
 
-def _engine_format(fmt: str, texts: Iterable[str | None], path: Path) -> str:
+def engine_format(fmt: str, texts: Iterable[str | None], path: Path) -> str:
+    """*fmt*, or the engine recognised from the first *texts* when it is ``auto`` (InputError if neither)."""
     if fmt != "auto":
         return fmt
     head = list(itertools.islice(texts, SNIFF_LINES))
@@ -212,7 +213,8 @@ def _engine_format(fmt: str, texts: Iterable[str | None], path: Path) -> str:
     return sniffed
 
 
-def _add_truncation(parse: EngineFileParse, stream: LineStream) -> None:
+def add_truncation(parse: EngineFileParse, stream: LineStream) -> None:
+    """Note where a truncated stream stopped, and quarantine its incomplete last line."""
     t = stream.truncated
     if t is None:
         return

@@ -167,6 +167,61 @@ class LineStream(Iterator[EngineLine]):
             yield _decode(number, bytes(pending))
 
 
+    def batches(self, max_lines: int) -> Iterator[LineBatch]:
+        """The same lines as iterating (numbers, text, bytes, truncation), in batches of up to
+        *max_lines*, decoded a batch at a time. Use either this or iteration on one stream."""
+        pending = b""
+        number = 0
+        held: list[bytes] = []
+        error: Exception | None = None
+        try:
+            for chunk in self._chunks():
+                parts = (pending + chunk).split(b"\n")
+                pending = parts.pop()
+                held += parts
+                while len(held) >= max_lines:
+                    yield _decode_batch(number + 1, held[:max_lines])
+                    number += max_lines
+                    self.lines_yielded = number
+                    held = held[max_lines:]
+        except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
+            error = e
+        self.close()
+        if error is None and pending:  # a last line without a newline is an ordinary line in a complete file
+            held.append(pending)
+            pending = b""
+        if held:
+            yield _decode_batch(number + 1, held)
+            number += len(held)
+            self.lines_yielded = number
+        if error is not None:
+            self.truncated = TruncatedInput(self.compression, number, str(error) or type(error).__name__, pending)
+
+
+@dataclass(frozen=True)
+class LineBatch:
+    """Consecutive lines of a file: ``texts[i]`` and ``raws[i]`` are line ``first + i`` as
+    :class:`LineStream` gives it (text None when the bytes are not UTF-8)."""
+
+    first: int
+    texts: list[str | None]
+    raws: list[bytes]
+
+
+def _decode_batch(first: int, raws: list[bytes]) -> LineBatch:
+    joined = b"\n".join(raws)
+    if b"\r" in joined:
+        raws = [r[:-1] if r.endswith(b"\r") else r for r in raws]
+        joined = b"\n".join(raws)
+    try:
+        texts: list[str | None] = list(joined.decode("utf-8").split("\n"))
+    except UnicodeDecodeError:
+        texts = [_decode(first + i, raw)[1] for i, raw in enumerate(raws)]
+    if first == 1 and texts[0] is not None and texts[0].startswith("\ufeff"):
+        texts[0] = texts[0][1:]
+    return LineBatch(first, texts, raws)
+
+
 def _decode(number: int, raw: bytes) -> EngineLine:
     if raw.endswith(b"\r"):
         raw = raw[:-1]

@@ -16,8 +16,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
+
+import pyarrow as pa
 
 EVENT_KINDS = (
     "abort_input_too_long",  # prompt longer than what the engine accepts (N tokens vs limit M)
@@ -94,6 +96,48 @@ class EngineLogParse:
     quarantined: list[QuarantinedLine] = field(default_factory=list)
     lines_read: int = 0
     notes: list[str] = field(default_factory=list)
+    # events read column-wise (loaders/engine_columnar.py), Arrow tables with EVENT_COLUMNS; they are
+    # part of the parse like ``events`` (see all_events), kept as columns so that ingest stores them
+    # without a Python object per line
+    event_tables: list[pa.Table] = field(default_factory=list)
+
+    def all_events(self) -> list[EngineEvent]:
+        """``events`` and the events of ``event_tables``, in line order."""
+        if not self.event_tables:
+            return list(self.events)
+        return sorted([*self.events, *(e for t in self.event_tables for e in events_from_table(t))],
+                      key=lambda e: e.line)
+
+
+EVENT_COLUMNS = pa.schema([
+    ("instance", pa.string()), ("ts", pa.timestamp("us", tz="UTC")), ("kind", pa.string()),
+    ("request_id", pa.string()), ("prompt_tokens", pa.int64()), ("limit_tokens", pa.int64()),
+    ("detail", pa.string()), ("line", pa.int64()),
+])
+"""The columns of an event table: :class:`EngineEvent`'s fields, in its order."""
+
+
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def events_table(events: list[EngineEvent]) -> pa.Table:
+    """*events* as a table with :data:`EVENT_COLUMNS`. A token count too large for a 64-bit integer
+    (a corrupted line) is left empty; the detail text still shows it."""
+    columns = []
+    for name, f in zip(EVENT_COLUMNS.names, EVENT_COLUMNS, strict=True):
+        values = [getattr(e, name) for e in events]
+        if f.type == pa.int64():
+            values = [v if v is None or v in _INT64 else None for v in values]
+        columns.append(pa.array(values, type=f.type))
+    return pa.table(columns, schema=EVENT_COLUMNS)
+
+
+def events_from_table(table: pa.Table) -> list[EngineEvent]:
+    """The rows of an event table as :class:`EngineEvent` items (times as UTC datetimes)."""
+    columns = [table.column(name).to_pylist() for name in EVENT_COLUMNS.names]
+    columns[1] = [None if ts is None else ts.astimezone(UTC) for ts in columns[1]]
+    return [EngineEvent(i, ts, line, kind, rid, prompt, limit, detail)
+            for i, ts, kind, rid, prompt, limit, detail, line in zip(*columns, strict=True)]
 
 
 EngineLine = tuple[int, str | None, bytes]
@@ -149,7 +193,16 @@ class EngineFileParse:
 
     @property
     def events(self) -> list[EngineEvent]:
-        return [e for parse in self.instances.values() for e in parse.events]
+        return [e for parse in self.instances.values() for e in parse.all_events()]
+
+    def event_table(self) -> pa.Table:
+        """Every event of the file as one table with :data:`EVENT_COLUMNS`, in the order of :attr:`events`
+        (the column-wise events are never turned into Python objects)."""
+        tables = []
+        for parse in self.instances.values():
+            table = pa.concat_tables([events_table(parse.events), *parse.event_tables])
+            tables.append(table.sort_by([("line", "ascending")]) if parse.event_tables else table)
+        return pa.concat_tables(tables) if tables else events_table([])
 
     def all_quarantined(self) -> list[QuarantinedLine]:
         """Every quarantined physical line once (the reasons of one line's pieces joined), by line."""

@@ -18,6 +18,7 @@ install paths when present, and otherwise inferred from format features (§1.7).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,12 +38,12 @@ from kvforensics.loaders.engine_types import (
     raw_for_quarantine,
     truncate_detail,
 )
-from kvforensics.loaders.sglang_events import match_event
+from kvforensics.loaders.sglang_events import OTHER_EVENT_NEEDLES, match_event
 from kvforensics.loaders.sglang_startup import ENGINE, SglangStartup, startup_record
 from kvforensics.loaders.sglang_versions import VERSION_LINES
-from kvforensics.loaders.shutdown import shutdown_reason
+from kvforensics.loaders.shutdown import SHUTDOWN_NEEDLES, shutdown_reason
 
-__all__ = ["ENGINE", "parse_lines"]
+__all__ = ["ENGINE", "SELF_CONTAINED_EXCLUDES", "RequestRun", "SglangParser", "parse_lines", "rank_tags"]
 
 # ---------------------------------------------------------------------------------------------
 # Envelopes
@@ -62,6 +63,14 @@ _RANK_TAG = re.compile(r"\b(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d+)\b")
 _NOT_A_CONTINUATION = re.compile(
     r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]|Traceback |\[|sglang version)"
 )
+
+
+@functools.lru_cache(maxsize=1024)
+def rank_tags(extra: str | None) -> tuple[str, int | None, int | None, int | None]:
+    """The rank prefix of a stamped line (`` DP1 TP3``) as (``"DP1 TP3"``, tp, dp, pp)."""
+    found = _RANK_TAG.findall(extra) if extra else []
+    tags = {k: int(v) for k, v in found}
+    return " ".join(f"{k}{v}" for k, v in found), tags.get("TP"), tags.get("DP"), tags.get("PP")
 
 
 @dataclass
@@ -132,7 +141,30 @@ _ROLE_HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
 # server args kept as flags: these names, plus names containing one of the fragments, plus
 # enable_* switches that are on
 
-class _SglangParser:
+@dataclass(frozen=True)
+class RequestRun:
+    """A run of consecutive self-contained ``ReqTimeStats`` lines read elsewhere (engine_columnar.py)."""
+
+    first_line: int
+    last_line: int
+    first_ts: datetime
+    last_ts: datetime
+    last_stamp: str  # the stamp text of the last line ("2026-08-27 10:00:00.123")
+    ranks: tuple[tuple[int, str], ...]  # (first line, rank prefix text such as " TP0") per prefix, by line
+
+
+# Texts that make a line matter to the parser beyond one request event: a line with none of them
+# (and a dated stamp, and a ReqTimeStats event) changes nothing but the time and ranks last seen.
+# The columnar reader (engine_columnar.py) reads only such lines itself.
+SELF_CONTAINED_EXCLUDES = tuple(dict.fromkeys((
+    *_STARTUP_NEEDLES, *_ROLE_HINT_NEEDLES, *SHUTDOWN_NEEDLES, *OTHER_EVENT_NEEDLES,
+    "server_args=", "fired up", "lang", "LANG", '"event": "request.', "\x00", "\x1b", "\r",
+)))
+
+
+class SglangParser:
+    """Reads one instance's lines in file order: :meth:`feed` each line, then :meth:`finish`."""
+
     def __init__(self, instance: str, tz: ZoneInfo, clock_offset_s: float) -> None:
         self.instance = instance
         self.clock = LocalClock(tz, clock_offset_s)
@@ -204,12 +236,8 @@ class _SglangParser:
                 if docker_ts is None:
                     self.undated_time_lines += 1
                 ts = docker_ts
-            found = _RANK_TAG.findall(m["extra"]) if m["extra"] else []
-            tags = {k: int(v) for k, v in found}
-            rank = " ".join(f"{k}{v}" for k, v in found)
-            return _Line(
-                number, ts, rank, tags.get("TP"), tags.get("DP"), tags.get("PP"), rest[m.end() :], envelope
-            )
+            rank, tp, dp, pp = rank_tags(m["extra"])
+            return _Line(number, ts, rank, tp, dp, pp, rest[m.end() :], envelope)
         g = _GPU_ENV.match(rest)
         if g:
             if docker_ts is None:
@@ -249,7 +277,7 @@ class _SglangParser:
             if st.shutdown is None and (why := shutdown_reason(msg)) is not None:
                 st.shutdown = (line.number, line.ts or self.last_ts, why)
             if line.rank and line.envelope != "gpu":
-                self._ranks(st, line)
+                self._ranks(st, line.number, line.tp, line.dp, line.pp)
             if line.envelope == "gpu":
                 st.clue("gpu_envelope", line.number)
             elif line.envelope == "time":
@@ -343,10 +371,10 @@ class _SglangParser:
         st.read_pool_line(line.number, line.rank, msg)
 
     @staticmethod
-    def _ranks(st: SglangStartup, line: _Line) -> None:
-        for seen, value in ((st.tp_seen, line.tp), (st.dp_seen, line.dp), (st.pp_seen, line.pp)):
+    def _ranks(st: SglangStartup, number: int, tp: int | None, dp: int | None, pp: int | None) -> None:
+        for seen, value in ((st.tp_seen, tp), (st.dp_seen, dp), (st.pp_seen, pp)):
             if value is not None:
-                seen.setdefault(value, line.number)
+                seen.setdefault(value, number)
 
     def _version_line(self, line: _Line) -> None:
         for i, pattern in enumerate(VERSION_LINES):
@@ -425,6 +453,26 @@ class _SglangParser:
 
     # -- end ----------------------------------------------------------------------------------
 
+    def feed_request_run(self, run: RequestRun) -> None:
+        """Take in a run of self-contained ``ReqTimeStats`` lines whose events were read elsewhere.
+
+        Valid only after the line before the run went through :meth:`feed` and for dated lines
+        without any of :data:`SELF_CONTAINED_EXCLUDES`: then each line changes only the time last
+        seen, the start-up's last line and the ranks it has seen, as :meth:`feed` would.
+        """
+        self.out.lines_read += run.last_line - run.first_line + 1
+        st = self.current
+        if st is not None:
+            for number, extra in run.ranks:
+                _rank, tp, dp, pp = rank_tags(extra)
+                self._ranks(st, number, tp, dp, pp)
+            if st.ts is None:
+                st.ts = run.first_ts
+            st.clue("req_time_stats_new", run.first_line)
+            st.last_line, st.last_ts = run.last_line, run.last_ts
+        self.last_ts = run.last_ts
+        self._last_stamp = (run.last_stamp, run.last_ts)
+
     def finish(self) -> EngineLogParse:
         self._finish_current()
         notes = self.out.notes
@@ -459,7 +507,7 @@ def parse_lines(
     ``year`` is accepted for symmetry with vLLM and unused: SGLang stamps carry a date, or none.
     """
     del year
-    parser = _SglangParser(instance, tz, clock_offset_s)
+    parser = SglangParser(instance, tz, clock_offset_s)
     for number, text, raw in lines:
         parser.feed(number, text, raw)
     return parser.finish()

@@ -179,6 +179,9 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
 )
 _REQ_TIME_STATS_NEEDLES = ("ReqTimeStats(", "Req Time Stats(")
 _GENERIC_ABORT_NEEDLES = ("bort", "BORT")
+OTHER_EVENT_NEEDLES = tuple(dict.fromkeys(
+    [n for rule in _EVENT_RULES for n in rule.needles] + [*_GENERIC_ABORT_NEEDLES, "Req Time Stats("]))
+"""Texts of every event line other than the new ``ReqTimeStats(...)`` one."""
 EVENT_NEEDLES = tuple(
     dict.fromkeys(
         [n for rule in _EVENT_RULES for n in rule.needles]
