@@ -25,16 +25,6 @@ ROOT = PACKAGE.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_LINES = 600
 
-# Parts of the package being reworked, with what is known to be wrong in them: a cycle or an
-# oversized module lying wholly inside one of them makes the checks an expected failure (not a
-# pass) that names it; anywhere else it fails. Remove an entry once its part is done.
-REWORKED = {
-    "engine-log loaders": re.compile(r"kvforensics\.loaders\.(engine_\w+|envelope\w*|sglang(?!_requests)\w*|"
-                                     r"vllm\w*|shutdown)$"),
-    "outputs, report rendering and verify": re.compile(r"kvforensics\.(outputs|verify|report(\.\w+)*)$"),
-    "simulator": re.compile(r"kvforensics\.simulate(\.\w+)*$"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
@@ -129,20 +119,6 @@ def one_cycle(graph: dict[str, dict[str, int]], group: list[str]) -> str:
     raise AssertionError(f"no cycle through {start}")
 
 
-def reworked_part(names: list[str]) -> str | None:
-    """The part being reworked that holds all of ``names``, if one does."""
-    return next((part for part, pattern in REWORKED.items() if all(pattern.match(n) for n in names)), None)
-
-
-def settle(problems: list[tuple[list[str], str]], what: str) -> None:
-    """Fail on problems outside the parts being reworked; an expected failure naming the rest."""
-    unexpected = [text for names, text in problems if reworked_part(names) is None]
-    assert not unexpected, f"{what}:\n" + "\n".join(unexpected)
-    if problems:
-        pytest.xfail(f"{what}, in parts being reworked:\n" + "\n".join(
-            f"[{reworked_part(names)}] {text}" for names, text in problems))
-
-
 def test_the_import_graph_sees_every_kind_of_import() -> None:
     known = {"kvforensics", "kvforensics.a", "kvforensics.b", "kvforensics.sub", "kvforensics.sub.c",
              "kvforensics.sub.d"}
@@ -165,7 +141,8 @@ def test_the_import_graph_sees_every_kind_of_import() -> None:
 def test_no_import_cycles() -> None:
     graph = import_graph()
     assert len(graph) > 50 and "kvforensics.loaders.requests" in graph["kvforensics.ingest"]
-    settle([(group, one_cycle(graph, group)) for group in strongly_connected(graph)], "import cycles")
+    cycles = [one_cycle(graph, group) for group in strongly_connected(graph)]
+    assert not cycles, "import cycles (move what both sides need down into a module of its own):\n" + "\n".join(cycles)
 
 
 def size_reason(source: str) -> str | None:
@@ -187,9 +164,9 @@ def test_no_module_outside_the_simulator_above_600_lines_without_a_reason() -> N
         source = path.read_text(encoding="utf-8")
         lines = len(source.splitlines())
         if not name.startswith("kvforensics.simulate") and lines > MAX_LINES and size_reason(source) is None:
-            problems.append(([name], f"{path.relative_to(ROOT)}: {lines} lines; split it where that makes it "
-                                     "easier to follow, or say why not in a docstring line starting 'Size:'"))
-    settle(problems, f"modules above {MAX_LINES} lines")
+            problems.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not problems, (f"modules above {MAX_LINES} lines (split them where that makes them easier to follow, "
+                          "or say why not in a docstring line starting 'Size:'):\n" + "\n".join(problems))
 
 
 PATH_TOKEN = re.compile(r"`([A-Za-z0-9_./-]+(?:\.py|/))`")
