@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvforensics.config import Source
 from kvforensics.errors import InputError
-from kvforensics.loaders.engine_common import open_lines
+from kvforensics.loaders.engine_lines import open_lines
 from kvforensics.loaders.otlp_encoding import (
     SpanProblem,
     attribute_map,

@@ -61,7 +61,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from kvforensics.config import Source
-from kvforensics.loaders.engine_common import split_outer_prefixes
+from kvforensics.loaders.engine_lines import split_outer_prefixes
 from kvforensics.loaders.sglang_repr import ReprDump, header_value, plain_summary, top_level_items, value_at
 from kvforensics.loaders.textio import LineStream
 
