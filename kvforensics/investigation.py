@@ -251,14 +251,14 @@ class Investigation:
         return manifest
 
     def report(self) -> Path:
-        from kvforensics.report.render import render_pdf, render_report
+        from kvforensics.report.render import render_pdf, render_report, report_files
 
-        stage("report: report.html, report.md, report.pdf, notices", self.progress)
+        stage("report: " + ", ".join(report_files(pdf=self.pdf)), self.progress)
         with self.writing(stale=("report.pdf", "notices")) as out:
             if not (out / "manifest.json").exists() and (self.out_dir / "manifest.json").exists():
                 shutil.copy2(self.out_dir / "manifest.json", out / "manifest.json")  # the report cites it
             render_report(self.con, self.incident, out)
-            problem = render_pdf(out) if self.pdf else "report.pdf not requested"
+            problem = render_pdf(out) if self.pdf else None  # --no-pdf: none asked for, nothing to say
         if problem:
             stage(f"[yellow]note:[/] {problem}", self.progress)
         return self.out_dir / "report.html"

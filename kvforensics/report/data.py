@@ -32,6 +32,7 @@ class ReportData:
     quarantine_reasons: pd.DataFrame
     capacity: pd.DataFrame
     sources_per_response: pd.DataFrame
+    exploitation_note: str = ""
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     # (instance, start as in scope.json) -> how that start-up ended, in words (see how_it_ended)
     endings: dict[tuple[str, str | None], str] = field(default_factory=dict)
@@ -79,6 +80,38 @@ def _evidence_line(end_file: str | None, end_line: Any, source_file: str | None)
         return ""
     other = end_file.split("/")[-1] + " " if end_file and end_file != source_file else ""
     return f"{other}line {int(end_line)}"
+
+
+# what a probing pattern (account_behaviour.looks_deliberate) is, by account class, and whether it is exploitation:
+# the provider's own load tests and the reporter's reproduction send the same prompts, and are not
+PATTERNS = {
+    "customer": ("probing: many oversize prompts, near the pool, in bursts or of one length", "yes"),
+    "internal": ("load test (internal): the provider's own traffic", "no"),
+    "reporter": ("reproduction by the reporter", "no"),
+}
+ORDINARY = ("ordinary long-context use", "no")
+
+
+def exploitation_verdicts(behaviour: pd.DataFrame) -> pd.DataFrame:
+    """``account_behaviour`` rows with ``pattern`` and ``deliberate`` (yes / no) in the words the conclusion uses:
+    only a customer's probing pattern is deliberate exploitation (as ``scope.json``'s
+    ``accounts_looking_deliberate``)."""
+    verdicts = [PATTERNS.get(str(cls), PATTERNS["customer"]) if bool(looks) else ORDINARY
+                for cls, looks in zip(behaviour["account_class"], behaviour["looks_deliberate"], strict=True)]
+    return behaviour.assign(pattern=[v[0] for v in verdicts], deliberate=[v[1] for v in verdicts])
+
+
+def set_apart_note(behaviour: pd.DataFrame) -> str:
+    """A sentence naming the internal and reporter accounts whose traffic has the probing pattern and is not
+    exploitation ("" when there are none)."""
+    parts = []
+    for cls, words in (("internal", "the provider's own load tests"), ("reporter", "the reporter's reproduction")):
+        ids = sorted(behaviour.loc[(behaviour["account_class"] == cls) & behaviour["looks_deliberate"].fillna(False)
+                                   .astype(bool), "account_id"].astype(str))
+        if ids:
+            parts.append(f"{len(ids)} {cls} account(s) ({', '.join(ids)}): {words}")
+    return ("The same pattern came from " + "; and from ".join(parts)
+            + ". They are set apart: not deliberate exploitation.") if parts else ""
 
 
 def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
@@ -168,7 +201,10 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
               "description": r.description, "parameters": r.parameters,
               "flagged": rule_counts.get(r.id, 0), "flagged_affected": affected_counts.get(r.id, 0)}
              for r in load_rules()]
-    behaviour = _df(con, "SELECT * FROM account_behaviour ORDER BY looks_deliberate DESC, oversize_requests DESC")
+    behaviour = exploitation_verdicts(_df(con, """
+        SELECT * FROM account_behaviour
+        ORDER BY looks_deliberate AND account_class = 'customer' DESC, looks_deliberate DESC, oversize_requests DESC,
+                 account_id"""))
     load_report = _df(con, "SELECT source, kind, file, records_read, loaded, quarantined, duplicates, sha256, notes "
                            "FROM load_report ORDER BY source, file")
     qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
@@ -194,7 +230,8 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                       accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),
                       rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
                       quarantine_reasons=without_na(qreasons), capacity=capacity,
-                      sources_per_response=without_na(per_response), endings=endings)
+                      sources_per_response=without_na(per_response), endings=endings,
+                      exploitation_note=set_apart_note(behaviour))
 
 
 __all__ = ["ReportData", "build", "money_frames", "timeline_events", "iso"]

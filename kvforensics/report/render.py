@@ -19,6 +19,7 @@ from kvforensics.config import Incident
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames
 from kvforensics.report.embed import chart_box, live_charts
+from kvforensics.report.missing import missing_inputs
 from kvforensics.report.notices import write_notices
 from kvforensics.report.templating import template_env
 from kvforensics.report.views import account_frames, exposure_period, timeline_frames
@@ -34,7 +35,8 @@ def chart_svg(chart: Any) -> str:
 
 def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True) -> dict[str, Any]:
     data: ReportData = build(con, incident, out_dir)
-    money = money_frames(con)
+    # a model whose requests carry no timing has nothing to plot: the report says what is missing instead
+    money = {model: frames for model, frames in money_frames(con).items() if not frames[0].empty}
     chart_svgs: dict[str, str] = {}
     live_specs: dict[str, dict[str, Any]] = {}
     if svg:
@@ -44,10 +46,13 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         # the live charts (zoom, brush, pick an account) over their static SVG, which print and no-script readers see
         timeline, accounts = timeline_frames(con, incident), account_frames(con)
         period = exposure_period(timeline)
-        for key, static, live in (
-                ("timeline", charts.timeline_chart(timeline, interactive=False, period=period),
-                 charts.timeline_chart(timeline, period=period)),
-                ("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts))):
+        views = []
+        if not (timeline.events.empty and timeline.windows.empty and timeline.affected.empty):
+            views.append(("timeline", charts.timeline_chart(timeline, interactive=False, period=period),
+                          charts.timeline_chart(timeline, period=period)))
+        if not accounts.accounts.empty:
+            views.append(("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts)))
+        for key, static, live in views:
             chart_svgs[key] = chart_box(chart_svg(static))
             live_specs[f"chart-{key}"] = live.to_dict(validate=False)
     scripts = live_charts(live_specs) if live_specs else None
@@ -70,7 +75,8 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "csp_scripts": Markup(scripts.csp if scripts else "script-src 'none'"),
         "physical": physical, "hardware": incident.hardware,
         "audit_headline": audit.headline(), "audit_html": Markup(audit._repr_html_()),
-        "audit_md": audit.to_markdown(),
+        "audit_md": audit.to_markdown(), "audited": audit.exit_code != 2,  # 2: no start-up to audit
+        "missing": missing_inputs(con, incident),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
     }
 
@@ -84,6 +90,11 @@ def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     (out_dir / "report.md").write_text(md, encoding="utf-8")
     write_notices(con, incident, out_dir)
     return out_dir / "report.html"
+
+
+def report_files(*, pdf: bool = True) -> list[str]:
+    """The files and folders the report stage writes (report.pdf only when asked for)."""
+    return ["report.html", "report.md", *(["report.pdf"] if pdf else []), "notices"]
 
 
 def render_pdf(out_dir: Path) -> str | None:
