@@ -144,10 +144,6 @@ def _json_paths(name: str) -> list[str]:
     return [quoted, "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))]
 
 
-def _json_path(name: str) -> str:
-    return "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))
-
-
 def _candidate_names(source: Source, canonical: str) -> list[str]:
     if canonical in source.columns:
         return [source.columns[canonical]]
@@ -296,7 +292,7 @@ def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines
     paths, wrong_type, values = _field_expressions(source, chosen)
     params: dict[str, Any] = {"paths": paths or ["$.__none__"]}
     if finish_reason is not None and "status" not in values:
-        base = _json_path(finish_reason)
+        base = json_path(finish_reason)
         values["status"] = _STATUS_FROM_FINISH_REASON
         params.update(fr=base, fr_type=base + '."type"', fr_code=base + '."status_code"')
     fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
