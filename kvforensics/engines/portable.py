@@ -29,6 +29,7 @@ from typing import Callable
 
 import duckdb
 
+from kvforensics.db import sql, statements
 from kvforensics.errors import KvForensicsError
 
 ENGINES = ("duckdb", "spark")
@@ -311,8 +312,6 @@ class TableStatement:
 
 def script_statements(name: str) -> list[TableStatement]:
     """The statements of ``kvforensics/sql/<name>.sql``, each a CREATE OR REPLACE TABLE ... AS query."""
-    from kvforensics.db import sql, statements
-
     out = []
     for stmt in statements(sql(name)):
         code = "\n".join(line for line in stmt.splitlines() if not line.strip().startswith("--")).strip()
