@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import duckdb
 
 from kvforensics.canonical import CANONICAL_REQUEST_FIELDS
+from kvforensics.db import one
 from kvforensics.errors import ConfigError
 
 # characters that make a `columns` entry an expression rather than a column name or path
@@ -103,7 +104,7 @@ def parse_expression(text: str) -> Expression:
     """Parse and check an expression; raises ExpressionError saying what is wrong."""
     con = duckdb.connect()
     try:
-        parsed = json.loads(con.execute("SELECT json_serialize_sql($q)", {"q": "SELECT " + text}).fetchone()[0])
+        parsed = json.loads(one(con, "SELECT json_serialize_sql($q)", {"q": "SELECT " + text})[0])
     finally:
         con.close()
     if parsed.get("error"):

@@ -237,7 +237,7 @@ def require_header(source: Source, path: Path, header: Iterable[str], chosen: di
                              f"it has {sorted(have)}", location=f"source '{source.name}': {path}")
 
 
-def in_milliseconds(source: Source, canonical: str, column: str, expr: str) -> str:
+def in_milliseconds(source: Source, canonical: str, column: str | None, expr: str) -> str:
     """A duration the record gives in seconds under a known name (SGLang's ``e2e_latency``), in
     milliseconds as text; an explicit mapping in the incident file is taken as milliseconds."""
     if column in SECONDS_ALIASES and canonical in CANONICAL_REQUEST_FIELDS and canonical not in source.columns:
