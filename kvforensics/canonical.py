@@ -13,3 +13,6 @@ CANONICAL_REQUEST_FIELDS = (
 REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")
 CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
 CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
+# kv_events: the keys of a batch written as an object (dotted for a nested key); `instance` read from a
+# field only when mapped, else from the source's instance template
+CANONICAL_KV_EVENT_FIELDS = ("instance", "ts", "events", "dp_rank")

@@ -19,6 +19,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from kvforensics.canonical import (
     CANONICAL_CHANGE_FIELDS,
     CANONICAL_CONTENT_FIELDS,
+    CANONICAL_KV_EVENT_FIELDS,
     CANONICAL_REQUEST_FIELDS,
 )
 from kvforensics.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
@@ -29,9 +30,10 @@ from kvforensics.loaders.mapping import source_mapping
 from kvforensics.presets import with_preset
 from kvforensics.rulebook import load_rules
 
-SOURCE_KINDS = ("requests", "engine_log", "changes", "content")
+SOURCE_KINDS = ("requests", "engine_log", "changes", "content", "kv_events")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
+KV_EVENT_FORMATS = ("jsonl",)  # one batch per line, array or object form (loaders/kv_events.py)
 ENGINE_ENVELOPES = ("auto", "none", "kubectl", "cri", "docker", "loki", "cloudwatch", "journald")
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
@@ -266,21 +268,23 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     if kind not in SOURCE_KINDS:
         raise ConfigError(f"kind {kind!r} is not one of {list(SOURCE_KINDS)}", location=where)
     path = _require(raw, "path", where)
-    default_format = {"requests": None, "engine_log": "sglang", "changes": "csv", "content": "jsonl"}[kind]
+    default_format = {"requests": None, "engine_log": "sglang", "changes": "csv", "content": "jsonl",
+                      "kv_events": "jsonl"}[kind]
     fmt = raw.get("format", default_format)
     if fmt is None:
         fmt = _guess_request_format(path)
         if fmt is None:
             raise ConfigError("cannot tell the format from the path; set format = \"jsonl\", \"csv\" or "
                               "\"parquet\"", location=where)
-    allowed = ENGINE_FORMATS if kind == "engine_log" else REQUEST_FORMATS
+    allowed = {"engine_log": ENGINE_FORMATS, "kv_events": KV_EVENT_FORMATS}.get(kind, REQUEST_FORMATS)
     if fmt not in allowed:
         raise ConfigError(f"format {fmt!r} is not one of {list(allowed)} for kind {kind!r}", location=where)
     columns = raw.get("columns", {})
     if not isinstance(columns, Mapping) or not all(isinstance(v, str) for v in columns.values()):
         raise ConfigError("columns must be a table of canonical = \"source column\"", location=where)
     canonical = {"requests": CANONICAL_REQUEST_FIELDS, "changes": CANONICAL_CHANGE_FIELDS,
-                 "content": CANONICAL_CONTENT_FIELDS, "engine_log": ()}[kind]
+                 "content": CANONICAL_CONTENT_FIELDS, "engine_log": (),
+                 "kv_events": CANONICAL_KV_EVENT_FIELDS}[kind]
     bad = sorted(set(columns) - set(canonical))
     if len(bad) == 1 and nearest(bad[0], canonical):
         raise ConfigError(f"columns maps unknown canonical field '{bad[0]}'; did you mean "
@@ -302,6 +306,10 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     except (KeyError, IndexError, ValueError, AttributeError):
         raise ConfigError(f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}} and "
                           f"{{label:NAME}} (a label of an engine log's envelope)", location=where) from None
+    if kind == "kv_events" and "{label:" in instance:
+        raise ConfigError(f"instance template {instance!r} names an envelope label, which KV-event files do not "
+                          "have; use {stem}, {name}, {parent}, or columns = { instance = \"<key>\" } to read it "
+                          "from each batch", location=where)
     envelope = raw.get("envelope", "auto")
     if kind != "engine_log" and "envelope" in raw:
         raise ConfigError("envelope applies to kind \"engine_log\" only", location=where)

@@ -26,6 +26,7 @@ from kvforensics.fingerprint import key_for
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.changes import load_changes
 from kvforensics.loaders.content import load_content
+from kvforensics.loaders.kv_events import Chains, load_kv_events
 from kvforensics.loaders.requests import FileLoad, load_requests_files
 from kvforensics.loaders.textio import file_digest, printable_raw
 
@@ -91,6 +92,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     con.execute("DELETE FROM changes").fetchall()
     con.execute("DELETE FROM content_fingerprints").fetchall()
     con.execute("DELETE FROM content_stats").fetchall()
+    con.execute("DELETE FROM kv_events").fetchall()
+    chains = Chains()  # KV-event chains continue across files
     startups: list[tuple[Source, Path, Any]] = []
     for source, files in plan:
         if source.kind == "requests":
@@ -105,6 +108,9 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                 result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
             elif source.kind == "changes":
                 record = _record(con, source, path, _digest(path, digests), load_changes(con, source, path))
+            elif source.kind == "kv_events":
+                record = _record(con, source, path, _digest(path, digests),
+                                 load_kv_events(con, source, path, key_for(incident.id), chains))
             else:
                 record = _record(con, source, path, _digest(path, digests),
                                  load_content(con, source, path, key_for(incident.id)))

@@ -54,7 +54,7 @@ def test_good_incident_parses(tmp_path):
 @pytest.mark.parametrize(("change", "message"), [
     (('id = "t-1"', 'id = "T 1"'), "incident.toml: [incident]: id 'T 1' may only use a-z, 0-9 and '-'"),
     (('kind = "engine_log"', 'kind = "engine"'),
-     "incident.toml: source 'engines': kind 'engine' is not one of ['requests', 'engine_log', 'changes', 'content']"),
+     "incident.toml: source 'engines': kind 'engine' is not one of ['requests', 'engine_log', 'changes', 'content', 'kv_events']"),
     (('timezone = "America/Los_Angeles"', 'timezone = "Mars/Olympus"'),
      "incident.toml: source 'engines': unknown time zone 'Mars/Olympus'; use an IANA name such as 'UTC' or 'Europe/Berlin'"),
     (('columns = { request_id = "rid" }', 'columns = { req = "rid" }'),

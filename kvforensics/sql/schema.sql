@@ -116,6 +116,29 @@ CREATE TABLE IF NOT EXISTS content_stats (
     shingles          BIGINT NOT NULL
 );
 
+-- KV-cache events the engines published (kind "kv_events", kvforensics/loaders/kv_events.py): one row per
+-- block a BlockStored or BlockRemoved event names, one per AllBlocksCleared. Token ids are never stored.
+CREATE TABLE IF NOT EXISTS kv_events (
+    instance          VARCHAR NOT NULL,       -- the engine instance (source template or a field of the batch)
+    dp_rank           INTEGER,                -- data_parallel_rank (vLLM) / attn_dp_rank (SGLang): its own cache
+    ts                TIMESTAMPTZ NOT NULL,   -- the batch's time (epoch seconds as published), UTC
+    batch             BIGINT NOT NULL,        -- the line the batch was read from
+    seq               INTEGER NOT NULL,       -- the event's index in its batch (0-based)
+    kind              VARCHAR NOT NULL,       -- stored | removed | cleared
+    block_hash        VARCHAR,                -- an int as its decimal digits, bytes as lower-case hex; NULL: cleared
+    parent_block_hash VARCHAR,                -- stored: the block before it in the chain (NULL: first block)
+    position          BIGINT,                 -- stored: the block's index in its chain (0 = first), when known
+    num_tokens        BIGINT,                 -- stored: token ids the block holds
+    block_fp          BIGINT,                 -- stored: keyed HMAC of the block's token ids, never the ids
+    lora              VARCHAR,                -- lora_name, else lora_id
+    medium            VARCHAR,                -- GPU | CPU_PINNED | DISK | EXTERNAL ... as published
+    salt              VARCHAR,                -- the cache salt the block's chain was stored under, when published
+    kv_group          INTEGER,                -- vLLM group_idx (hybrid models hash each group apart)
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS quarantine (
     source            VARCHAR NOT NULL,
     file              VARCHAR NOT NULL,

@@ -1,0 +1,300 @@
+"""KV-cache events as an input: both encodings of vLLM and SGLang batches, every refusal quarantined
+with its reason, token ids kept only as keyed fingerprints."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kvforensics.config import load_incident
+from kvforensics.db import connect
+from kvforensics.errors import ConfigError
+from kvforensics.loaders.kv_events import Chains, block_fingerprint, canonical_hash, load_kv_events
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
+KEY = bytes.fromhex("a7" * 32)
+
+
+def kv_source(tmp_path: Path, path: str = "events/*.jsonl*", extra: str = ""):
+    (tmp_path / "incident.toml").write_text(f"""[incident]
+id = "kv-events-test"
+title = "kv events"
+
+[[sources]]
+name = "kv"
+kind = "kv_events"
+path = "{path}"
+{extra}
+
+[[sources]]
+name = "gateway"
+kind = "requests"
+path = "gateway.jsonl"
+format = "jsonl"
+""")
+    return load_incident(tmp_path / "incident.toml").sources[0]
+
+
+def load_lines(tmp_path: Path, lines: list, name: str = "e0.jsonl", extra: str = "", key: bytes = KEY):
+    folder = tmp_path / "events"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    source = kv_source(tmp_path, extra=extra)
+    con = connect()
+    return con, load_kv_events(con, source, path, key)
+
+
+def rows(con, sql: str = "SELECT * EXCLUDE (source, source_file) FROM kv_events ORDER BY source_line, seq, "
+                         "position NULLS LAST, block_hash") -> list[dict]:
+    cur = con.execute(sql)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
+def load_fixture(tmp_path: Path, name: str, key: bytes = KEY):
+    folder = tmp_path / "events"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXTURES / name, folder / name)
+    con = connect()
+    return con, load_kv_events(con, kv_source(tmp_path), folder / name, key)
+
+
+def test_vllm_first_array_form(tmp_path):
+    con, load = load_fixture(tmp_path, "vllm-0.9-array.jsonl")
+    assert (load.records_read, load.loaded, load.quarantined) == (4, 4, 0)
+    got = rows(con)
+    assert [(r["kind"], r["block_hash"], r["parent_block_hash"], r["position"], r["num_tokens"]) for r in got] == [
+        ("stored", "-4611686018427387904", None, 0, 4),
+        ("stored", "1311768467294899695", "-4611686018427387904", 1, 4),
+        ("stored", "7", "1311768467294899695", 2, 3),  # the next batch continues the chain; a partial block
+        ("removed", "-4611686018427387904", None, None, None),
+        ("cleared", None, None, None, None)]
+    assert {r["instance"] for r in got} == {"vllm-0.9-array"}
+    assert {r["dp_rank"] for r in got} == {None}
+    assert str(got[0]["ts"]) == "2025-09-09 06:40:00.250000+00:00"
+    assert [r["batch"] for r in got] == [1, 1, 2, 2, 3] and [r["seq"] for r in got] == [0, 0, 0, 1, 0]
+    assert got[0]["block_fp"] == block_fingerprint([101, 102, 103, 104], KEY)
+    assert got[2]["block_fp"] == block_fingerprint([109, 110, 111], KEY)
+
+
+def test_vllm_array_with_lora_salt_and_group(tmp_path):
+    con, _ = load_fixture(tmp_path, "vllm-0.11-array.jsonl")
+    stored = rows(con, "SELECT * FROM kv_events WHERE kind = 'stored' ORDER BY position")
+    assert [(r["lora"], r["salt"], r["medium"], r["kv_group"], r["dp_rank"]) for r in stored] == [
+        ("adapter-a", "salt-tenant-a", "GPU", 0, 0), ("adapter-a", "salt-tenant-a", "GPU", 0, 0)]
+    assert stored[0]["block_hash"] == "89a1a98e709fa672374b463bbd8d5946ff4f530c5e65be07bf17ef8473ec96e9"
+    assert stored[1]["parent_block_hash"] == stored[0]["block_hash"]
+
+
+def test_vllm_object_form_base64_hashes_and_inherited_salt(tmp_path):
+    con, load = load_fixture(tmp_path, "vllm-object.jsonl")
+    assert (load.records_read, load.loaded) == (4, 4)
+    got = rows(con)
+    assert [(r["kind"], r["position"], r["salt"], r["dp_rank"]) for r in got] == [
+        ("stored", 0, "salt-tenant-b", 1),
+        ("stored", 1, "salt-tenant-b", 1),  # the salt is on the first block only; its child inherits it
+        ("removed", None, None, 1), ("cleared", None, None, 1)]
+    first = base64.b64decode(json.loads((FIXTURES / "vllm-object.jsonl").read_text().splitlines()[0])
+                             ["events"][0]["block_hashes"][0]).hex()
+    assert got[0]["block_hash"] == first and got[1]["parent_block_hash"] == first
+
+
+def test_sglang_metadata_salt_and_equal_tokens_equal_fingerprints(tmp_path):
+    con, _ = load_fixture(tmp_path, "sglang-0.5.18-array.jsonl")
+    got = rows(con, "SELECT * FROM kv_events WHERE kind = 'stored' ORDER BY block_hash")
+    by_hash = {r["block_hash"]: r for r in got}
+    assert by_hash["900001"]["salt"] is None and by_hash["900101"]["salt"] == "salt-tenant-c"
+    assert by_hash["900102"]["medium"] == "CPU_PINNED" and by_hash["900102"]["num_tokens"] == 2
+    # the same tokens stored unsalted and salted: two hashes, one fingerprint (a shared prefix)
+    assert by_hash["900001"]["block_fp"] == by_hash["900101"]["block_fp"]
+    assert by_hash["900002"]["block_fp"] != by_hash["900001"]["block_fp"]
+
+
+def test_fingerprints_are_keyed():
+    tokens = [11, 22, 33, 44]
+    assert block_fingerprint(tokens, KEY) == block_fingerprint(list(tokens), KEY)
+    assert block_fingerprint(tokens, KEY) != block_fingerprint(tokens, bytes.fromhex("b8" * 32))
+    assert block_fingerprint(tokens, KEY) != block_fingerprint([11, 22, 33, 45], KEY)
+    assert 0 <= block_fingerprint(tokens, KEY) < 2 ** 63
+
+
+def test_fingerprints_in_the_database_follow_the_key(tmp_path):
+    a, _ = load_fixture(tmp_path / "a", "vllm-0.9-array.jsonl")
+    b, _ = load_fixture(tmp_path / "b", "vllm-0.9-array.jsonl", key=bytes.fromhex("b8" * 32))
+    query = "SELECT block_fp FROM kv_events WHERE kind = 'stored' ORDER BY source_line, position"
+    fa, fb = a.execute(query).fetchall(), b.execute(query).fetchall()
+    assert len(fa) == 3 and all(x != y for x, y in zip(fa, fb, strict=True))
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (42, "42"), (-7, "-7"), ("0x2a", "42"), ("0X2A", "42"), ("ABCDEF01", "abcdef01"),
+    (base64.b64encode(bytes(range(32))).decode(), bytes(range(32)).hex()), (2 ** 200, str(2 ** 200))])
+def test_hash_forms(value, text):
+    assert canonical_hash(value) == text
+
+
+TOKENS = [5, 6, 7, 8]
+STORED = ["BlockStored", [1], None, TOKENS, 4, None]
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    ("{not json", "malformed JSON"),
+    ([1.0], "a batch array has 1 items"),
+    ("42", "a batch must be a JSON array"),
+    ([1.0, {"a": 1}], "the batch's events are an object, not a list"),
+    (["yesterday", [STORED]], "event 0: the batch's timestamp \"yesterday\" is not epoch seconds"),
+    ([float("nan"), [STORED]], "is not epoch seconds"),
+    ([1.0, [STORED], -1], "dp rank -1 is not a non-negative integer"),
+    ([1.0, [["BlockEvicted", [1]]]], "event 0: unknown event tag \"BlockEvicted\""),
+    ([1.0, [[7, [1]]]], "must start with its tag"),
+    ([1.0, ["BlockStored"]], "an event must be an array or object, not a string"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4]]], "BlockStored with 4 fields; expected 5 to 11 (wrong arity)"),
+    ([1.0, [["BlockRemoved"]]], "BlockRemoved with 0 fields; expected 1 to 3 (wrong arity)"),
+    ([1.0, [["AllBlocksCleared", 1]]], "AllBlocksCleared with 1 fields; expected 0 (wrong arity)"),
+    ([1.0, [{"block_hashes": [1]}]], "needs its tag in \"type\""),
+    ([1.0, [{"type": "BlockStored", "block_hashes": [1]}]], "BlockStored lacks field(s) parent_block_hash"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, -4, None]]], "block_size -4 is not positive (negative size)"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 0, None]]], "block_size is 0"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, "4", None]]], "block_size \"4\" is not an integer"),
+    ([1.0, [["BlockStored", [], None, [], 4, None]]], "block_hashes must be a non-empty list"),
+    ([1.0, [["BlockStored", [1.5], None, TOKENS, 4, None]]], "block hash 1.5 is not an integer, hex or base64"),
+    ([1.0, [["BlockStored", ["zz!"], None, TOKENS, 4, None]]], "block hash \"zz!\" is not"),
+    ([1.0, [["BlockStored", [1], True, TOKENS, 4, None]]], "block hash true is not"),
+    ([1.0, [["BlockStored", [1], None, [5, "6", 7, 8], 4, None]]], "token_ids must be a list of integers"),
+    ([1.0, [["BlockStored", [1], None, [5, -6, 7, 8], 4, None]]], "token_ids holds a negative token id"),
+    ([1.0, [["BlockStored", [1], None, TOKENS + TOKENS, 4, None]]], "token_ids holds 8 ids for 1 block(s)"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4, -1]]], "negative lora_id -1"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4, None, 3]]], "medium 3 is not a string"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4, None, "GPU", None, [None, None]]]], "extra_keys must be a list"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4, None, "GPU", None, None, -2]]], "negative group_idx -2"),
+    ([1.0, [["BlockStored", [1], None, TOKENS, 4, None, "GPU", {"cache_salt": 5}]]], "metadata.cache_salt 5"),
+])
+def test_every_refusal_is_quarantined_with_its_reason(tmp_path, line, reason):
+    good = [2.0, [["BlockRemoved", [9]]]]
+    con, load = load_lines(tmp_path, [good, line, good])
+    assert load.loaded == 2 and load.quarantined == 1 and load.records_read == 3
+    (qline, qreason, raw), = con.execute("SELECT line, reason, raw FROM quarantine").fetchall()
+    assert qline == 2 and reason in qreason, qreason
+    assert raw is None or "5, 6" not in raw and "5,6" not in raw  # token ids never shown
+
+
+def test_a_bad_batch_quarantines_each_of_its_events(tmp_path):
+    con, load = load_lines(tmp_path, [["noon", [STORED, ["BlockRemoved", [1]], ["AllBlocksCleared"]]]])
+    assert (load.records_read, load.loaded, load.quarantined) == (3, 0, 3)
+    assert [r[0] for r in con.execute("SELECT reason FROM quarantine ORDER BY reason").fetchall()] == [
+        f"event {i}: the batch's timestamp \"noon\" is not epoch seconds or ISO 8601" for i in range(3)]
+
+
+def test_one_bad_event_does_not_cost_its_batch(tmp_path):
+    con, load = load_lines(tmp_path, [[1.0, [STORED, ["Nope"], ["BlockRemoved", [1]]]]])
+    assert (load.loaded, load.quarantined) == (2, 1)
+    assert rows(con, "SELECT kind FROM kv_events ORDER BY seq") == [{"kind": "stored"}, {"kind": "removed"}]
+
+
+def test_token_ids_never_reach_the_database_file(tmp_path):
+    secret = [914_207, 733_151, 802_919, 655_003]
+    lines = [[1757400000.0, [["BlockStored", [77], None, secret, 4, None]]],
+             [1757400001.0, [["BlockStored", [78], 77, secret, 4, "x"]]],  # quarantined: lora_id "x"
+             "[1757400002.0, [[\"BlockStored\", [79], null, " + json.dumps(secret) + ", 4, nul",  # malformed
+             [1757400003.0, [["BlockStored", [80], None, secret + secret, 4, None]]]]  # quarantined: arity
+    folder = tmp_path / "events"
+    folder.mkdir()
+    (folder / "e0.jsonl").write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    db = tmp_path / "evidence.duckdb"
+    con = connect(db)
+    load = load_kv_events(con, kv_source(tmp_path), folder / "e0.jsonl", KEY)
+    assert (load.loaded, load.quarantined) == (1, 3)
+    con.execute("CHECKPOINT")
+    con.close()
+    data = db.read_bytes()
+    for needle in (", ".join(map(str, secret)).encode(), ",".join(map(str, secret)).encode(),
+                   struct.pack("<4i", *secret), struct.pack("<4q", *secret), str(secret[0]).encode()):
+        assert needle not in data
+
+
+def test_compressed_files_and_a_truncated_stream(tmp_path):
+    text = (FIXTURES / "sglang-0.5.18-array.jsonl").read_bytes()
+    folder = tmp_path / "events"
+    folder.mkdir()
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress(text))
+    (folder / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(text))
+    (folder / "c.jsonl.gz").write_bytes(gzip.compress(text)[:-30])
+    source = kv_source(tmp_path)
+    con = connect()
+    loads = [load_kv_events(con, source, p, KEY) for p in source.files()]
+    assert [(x.loaded, x.quarantined) for x in loads[:2]] == [(5, 0), (5, 0)]
+    assert loads[2].quarantined >= 1 and any("input ends early" in n for n in loads[2].notes)
+    assert {r[0] for r in con.execute("SELECT DISTINCT instance FROM kv_events").fetchall()} == {"a", "b", "c"}
+
+
+def test_instance_from_a_field_and_from_the_template(tmp_path):
+    lines = [{"pod": "prefill-3", "ts": 1.0, "events": [STORED]}, {"ts": 2.0, "events": [STORED]},
+             [3.0, [STORED]]]
+    con, load = load_lines(tmp_path, lines, extra='columns = { instance = "pod" }')
+    assert (load.loaded, load.quarantined) == (1, 2)
+    assert con.execute("SELECT instance FROM kv_events").fetchall() == [("prefill-3",)]
+    assert sorted(r[0] for r in con.execute("SELECT reason FROM quarantine").fetchall()) == [
+        "no instance: key 'pod' (columns.instance) is missing or not a string",
+        "the batch is an array, so it has no key 'pod' naming the instance (columns.instance)"]
+    con, _ = load_lines(tmp_path / "t", [[1.0, [STORED]]], name="node-7.jsonl", extra='instance = "engine-{stem}"')
+    assert con.execute("SELECT instance FROM kv_events").fetchall() == [("engine-node-7",)]
+
+
+def test_nested_keys_clock_offset_and_chains_across_files(tmp_path):
+    first = {"batch": {"t": 100.0, "evs": [["BlockStored", [1], None, TOKENS, 4, None]]}, "rank": 2}
+    second = {"batch": {"t": 101.0, "evs": [["BlockStored", [2], 1, TOKENS, 4, None]]}, "rank": 2}
+    folder = tmp_path / "events"
+    folder.mkdir()
+    (folder / "p0.1.jsonl").write_text(json.dumps(first) + "\n")
+    (folder / "p0.2.jsonl").write_text(json.dumps(second) + "\n")
+    source = kv_source(tmp_path, extra='instance = "p0"\nclock_offset_s = 2.5\n'
+                                       'columns = { ts = "batch.t", events = "batch.evs", dp_rank = "rank" }')
+    con = connect()
+    chains = Chains()
+    for p in source.files():
+        load_kv_events(con, source, p, KEY, chains)
+    got = rows(con, "SELECT instance, dp_rank, epoch(ts) AS t, position FROM kv_events ORDER BY ts")
+    assert got == [{"instance": "p0", "dp_rank": 2, "t": 102.5, "position": 0},
+                   {"instance": "p0", "dp_rank": 2, "t": 103.5, "position": 1}]
+
+
+def test_config_refuses_other_formats_and_envelope_labels(tmp_path):
+    with pytest.raises(ConfigError, match=r"format 'csv' is not one of \['jsonl'\] for kind 'kv_events'"):
+        kv_source(tmp_path, extra='format = "csv"')
+    with pytest.raises(ConfigError, match="names an envelope label"):
+        kv_source(tmp_path, extra='instance = "{label:pod}"')
+    with pytest.raises(ConfigError, match="did you mean 'instance'"):
+        kv_source(tmp_path, extra='columns = { instanc = "pod" }')
+
+
+def test_sample_ingest_is_unchanged_by_a_kv_events_source(tmp_path, sample_incident):
+    """Ingest-only: the sample with a KV-event source added loads the same requests, start-ups and
+    events, and the KV events beside them (load report, no quarantine)."""
+    from kvforensics.ingest import ingest
+
+    sample = sample_incident.parent
+    folder = tmp_path / "sample"
+    shutil.copytree(sample, folder, ignore=shutil.ignore_patterns("ground_truth.json"))
+    shutil.copytree(FIXTURES, folder / "kv")
+    text = (folder / "incident.toml").read_text()
+    plain = load_incident(folder / "incident.toml")
+    (folder / "incident.toml").write_text(text.replace("[scope]", '[[sources]]\nname = "kv"\nkind = "kv_events"\n'
+                                                                 'path = "kv/*.jsonl"\n\n[scope]', 1))
+    with_kv = load_incident(folder / "incident.toml")
+    counts = "SELECT (SELECT count(*) FROM requests), (SELECT count(*) FROM capacity), " \
+             "(SELECT count(*) FROM engine_events), (SELECT count(*) FROM quarantine)"
+    a, b = connect(), connect()
+    ingest(a, plain)
+    ingest(b, with_kv)
+    assert a.execute(counts).fetchall() == b.execute(counts).fetchall()
+    assert b.execute("SELECT count(*), count(DISTINCT instance) FROM kv_events").fetchall() == [(17, 4)]
+    assert b.execute("SELECT sum(loaded), sum(quarantined) FROM load_report WHERE kind = 'kv_events'"
+                     ).fetchall() == [(15, 0)]
