@@ -42,6 +42,8 @@ def test_report_renders_offline_in_chromium(sample_run):
             (svg,) = [s for s in chart.query_selector_all("svg") if s.is_visible()]
             assert svg.bounding_box()["width"] > 200
             assert len(svg.query_selector_all("path, rect, line")) > 5
+        ids = page.eval_on_selector_all("[id]", "els => els.map(e => e.id)")
+        assert sorted(ids) == sorted(set(ids)), "duplicate ids: a chart's clip path would resolve to another's"
         check_timeline_zooms_and_brushes(page)
         check_account_picker_filters(page)
         # the headline numbers are on the page

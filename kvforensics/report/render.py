@@ -7,6 +7,7 @@ report.html is one offline file: static SVG charts, and the timeline and per-acc
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,17 @@ from kvforensics.report.views import account_frames, exposure_period, timeline_f
 from kvforensics.timestamps import iso
 
 
-def chart_svg(chart: Any) -> str:
-    """A chart as inline SVG (no JavaScript, no network)."""
+def chart_svg(chart: Any, key: str) -> str:
+    """A chart as inline SVG (no JavaScript, no network), its element ids (clip paths) prefixed with ``key``:
+    ids are page-wide, and the live charts Vega draws name theirs ``clip1``, ``clip2``... too."""
     import vl_convert as vlc
 
-    return vlc.vegalite_to_svg(chart.to_dict(validate=False))
+    svg = vlc.vegalite_to_svg(chart.to_dict(validate=False))
+    prefix = "svg-" + re.sub(r"[^A-Za-z0-9_-]+", "-", key) + "-"
+    return _SVG_REF.sub(lambda m: f"{m.group(1)}{prefix}", svg)
+
+
+_SVG_REF = re.compile(r'(\bid="|url\(#|href="#)')
 
 
 def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True) -> dict[str, Any]:
@@ -42,7 +49,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     if svg:
         for model, (points, pools, curve) in money.items():
             chart_svgs[f"money:{model}"] = chart_svg(charts.money_chart(
-                points, pools, curve, title=f"{model}: prompt tokens vs time to first token"))
+                points, pools, curve, title=f"{model}: prompt tokens vs time to first token"), f"money-{len(chart_svgs)}")
         # the live charts (zoom, brush, pick an account) over their static SVG, which print and no-script readers see
         timeline, accounts = timeline_frames(con, incident), account_frames(con)
         period = exposure_period(timeline)
@@ -53,7 +60,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         if not accounts.accounts.empty:
             views.append(("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts)))
         for key, static, live in views:
-            chart_svgs[key] = chart_box(chart_svg(static))
+            chart_svgs[key] = chart_box(chart_svg(static, key))
             live_specs[f"chart-{key}"] = live.to_dict(validate=False)
     scripts = live_charts(live_specs) if live_specs else None
     from kvforensics.audit import audit_database
