@@ -9,6 +9,7 @@ import re
 from html import unescape
 from pathlib import Path
 
+import duckdb
 import pandas as pd
 import pytest
 from conftest import INCIDENT, mini_requests, write_mini
@@ -16,7 +17,9 @@ from pages import markup_outside_scripts
 
 from kvforensics.cli import main
 from kvforensics.investigation import run
+from kvforensics.report import charts
 from kvforensics.report.data import exploitation_verdicts, set_apart_note
+from kvforensics.report.views import account_frames, timeline_frames
 
 ENGINE_SOURCE = '''[[sources]]
 name = "engines"
@@ -193,3 +196,26 @@ def test_the_progress_names_report_pdf_only_when_it_is_written(mini_incident, tm
     assert line.endswith("report: report.html, report.md, notices")
     assert "report.pdf" not in err
     assert not (tmp_path / "out" / "report.pdf").exists()
+
+
+def test_the_timeline_and_account_views_read_the_evidence_database(variant_runs):
+    out = variant_runs["no_ttft"]
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    try:
+        affected = con.execute("SELECT count(*) FROM affected_responses").fetchall()[0][0]
+        frames = timeline_frames(con)
+        assert frames.affected_total == len(frames.affected) == affected > 0
+        assert list(frames.windows["lane"]) == ["p0 (prefill, pool 681,280)"]
+        assert {"start-up", "restart"} <= set(frames.events["kind"])  # p0 started, then restarted with a larger pool
+        sampled = timeline_frames(con, max_points=0)
+        assert sampled.affected.empty and sampled.affected_total == affected
+        assert "(0 drawn, a sample by request id)" in charts.timeline_chart(sampled).to_dict()["vconcat"][0]["title"]
+        (recipient,) = con.execute("SELECT DISTINCT account_id FROM affected_responses").fetchall()[0]
+        one = account_frames(con, account=recipient)
+        assert list(one.accounts["account_id"]) == [recipient] and set(one.affected["account_id"]) == {recipient}
+        assert account_frames(con, account="no such account").accounts.empty
+        spec = charts.account_chart(con, account=recipient).to_dict()
+        assert spec["hconcat"][1]["title"] == f"affected responses of {recipient}" and "params" not in spec
+        assert charts.timeline_chart(con).to_dict()["vconcat"][0]["title"] == f"{affected} affected responses"
+    finally:
+        con.close()

@@ -14,6 +14,7 @@ import duckdb
 import pandas as pd
 
 from kvforensics.config import Incident
+from kvforensics.escaping import visible_controls
 from kvforensics.report.views import (
     MAX_ACCOUNTS,
     MAX_POINTS,
@@ -183,7 +184,7 @@ def account_chart(source: duckdb.DuckDBPyConnection | AccountFrames, *, account:
         tooltip=[alt.Tooltip("time:N", title="time (UTC)"), "request_id:N", "account_id:N", "model:N",
                  "instance:N", alt.Tooltip("prompt_tokens:Q", format=","), "confidence:N"],
     ).properties(width=420, height=max(160, min(16 * len(ids), 400)),
-                 title="affected responses" + (f" of {account}" if account is not None else ""))
+                 title="affected responses" + (f" of {visible_controls(account)}" if account is not None else ""))
     if pick is not None:
         bars = bars.add_params(pick).encode(opacity=alt.condition(pick, alt.value(1.0), alt.value(0.35)))
         dots = dots.transform_filter(pick)
