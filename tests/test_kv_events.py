@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
-from kvforensics.loaders.kv_events import Chains, block_fingerprint, canonical_hash, load_kv_events
+from kvforensics.loaders.kv_events import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 KEY = bytes.fromhex("a7" * 32)
@@ -152,7 +154,9 @@ STORED = ["BlockStored", [1], None, TOKENS, 4, None]
     ([1.0, {"a": 1}], "the batch's events are an object, not a list"),
     (["yesterday", [STORED]], "event 0: the batch's timestamp \"yesterday\" is not epoch seconds"),
     ([float("nan"), [STORED]], "is not epoch seconds"),
-    ([1.0, [STORED], -1], "dp rank -1 is not a non-negative integer"),
+    ([1.0, [STORED], -1], "dp rank -1 is not a non-negative 32-bit integer"),
+    ([1.0, [STORED], 2 ** 40], "dp rank 1099511627776 is not a non-negative 32-bit integer"),
+    ([1.0, [["BlockRemoved", [1], "GPU", 2 ** 40]]], "group_idx 1099511627776 is out of range"),
     ([1.0, [["BlockEvicted", [1]]]], "event 0: unknown event tag \"BlockEvicted\""),
     ([1.0, [[7, [1]]]], "must start with its tag"),
     ([1.0, ["BlockStored"]], "an event must be an array or object, not a string"),
@@ -298,3 +302,27 @@ def test_sample_ingest_is_unchanged_by_a_kv_events_source(tmp_path, sample_incid
     assert b.execute("SELECT count(*), count(DISTINCT instance) FROM kv_events").fetchall() == [(17, 4)]
     assert b.execute("SELECT sum(loaded), sum(quarantined) FROM load_report WHERE kind = 'kv_events'"
                      ).fetchall() == [(15, 0)]
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2 ** 70) | st.just(2 ** 33) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                    max_leaves=12)
+FIELD = st.one_of(JSON, st.integers(-3, 20), st.lists(st.integers(-1, 9), max_size=9), st.sampled_from(["GPU", "0x1f"]))
+EVENT = st.one_of(
+    JSON,
+    st.builds(lambda tag, fields: [tag, *fields], st.sampled_from([*FIELDS, "Other"]), st.lists(FIELD, max_size=12)),
+    st.builds(lambda tag, fields: {"type": tag, **dict(zip(FIELDS["BlockStored"], fields, strict=False))},
+              st.sampled_from([*FIELDS, None]), st.lists(FIELD, max_size=11)))
+BATCH = st.one_of(JSON, st.builds(lambda ts, events: [ts, events], st.one_of(st.floats(), st.integers(), JSON),
+                                  st.lists(EVENT, max_size=4)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(BATCH, min_size=1, max_size=4))
+def test_any_batch_is_loaded_or_quarantined_never_a_crash(tmp_path, batches):
+    lines = [json.dumps(b, allow_nan=True) for b in batches]
+    con, load = load_lines(tmp_path, lines)
+    assert load.records_read == load.loaded + load.quarantined
+    assert con.execute("SELECT count(*) FROM quarantine").fetchall()[0][0] == load.quarantined
+    events = con.execute("SELECT count(DISTINCT (source_line, seq)) FROM kv_events").fetchall()[0][0]
+    assert events == load.loaded

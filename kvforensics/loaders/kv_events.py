@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from hmac import digest as hmac_digest
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,8 @@ FIELDS = {
     "AllBlocksCleared": (),
 }
 REQUIRED = {"BlockStored": 5, "BlockRemoved": 1, "AllBlocksCleared": 0}
+_LORA_NAME = FIELDS["BlockStored"].index("lora_name")
+_INT32 = 2 ** 31  # dp_rank and group_idx are INTEGER columns
 FLUSH_ROWS = 500_000  # block rows per insert
 NOTE = "token ids fingerprinted per block (keyed HMAC); none stored"
 _HEX = re.compile(r"[0-9a-fA-F]+")
@@ -74,7 +76,7 @@ def block_fingerprint(token_ids: list[int], key: bytes) -> int:
     ``b"kv-block:"`` and the ids as decimal numbers joined by commas. Equal ids give equal
     fingerprints within an investigation; without the key they cannot be tested against guesses."""
     message = b"kv-block:" + ",".join(map(str, token_ids)).encode("ascii")
-    return int.from_bytes(hmac.digest(key, message, "sha256")[:8], "big") >> 1
+    return int.from_bytes(hmac_digest(key, message, "sha256")[:8], "big") >> 1
 
 
 def canonical_hash(value: Any) -> str:
@@ -213,8 +215,8 @@ def _batch(rawb: bytes, source: Source, default_instance: str) -> tuple[str, int
     ts = _batch_time(ts_raw, source)
     if ts is None:
         problem = f"the batch's timestamp {_shown(ts_raw)} is not epoch seconds or ISO 8601"
-    elif rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        problem = f"the batch's dp rank {_shown(rank)} is not a non-negative integer"
+    elif rank is not None and (type(rank) is not int or not 0 <= rank < _INT32):
+        problem = f"the batch's dp rank {_shown(rank)} is not a non-negative 32-bit integer"
     if not events and problem:
         raise Refused(problem)
     return instance, rank, ts, events, problem
@@ -245,19 +247,21 @@ def _get(record: dict, key: str) -> Any:
     return value
 
 
-def _event(event: Any) -> tuple[str, dict[str, Any]]:
-    """The event's tag and its fields by name, shape checked (arity, tag); values checked later."""
-    if isinstance(event, list):
-        if not event or not isinstance(event[0], str):
+def _event(event: Any) -> tuple[str, list[Any]]:
+    """The event's tag and its fields in ``FIELDS`` order (absent trailing ones None), shape checked
+    (tag, arity); values are checked by :func:`_add_rows`."""
+    if type(event) is list:
+        tag = event[0] if event else None
+        if not isinstance(tag, str):
             raise Refused("an event array must start with its tag (BlockStored, BlockRemoved, AllBlocksCleared)")
-        tag, values = event[0], event[1:]
-        if tag not in FIELDS:
+        names = FIELDS.get(tag)
+        if names is None:
             raise Refused(f"unknown event tag {_shown(tag)}")
-        names = FIELDS[tag]
-        if not REQUIRED[tag] <= len(values) <= len(names):
-            expected = (f"{REQUIRED[tag]} to {len(names)}" if len(names) > REQUIRED[tag] else str(len(names)))
-            raise Refused(f"{tag} with {len(values)} fields; expected {expected} (wrong arity)")
-        return tag, dict(zip(names, values, strict=False))
+        given = len(event) - 1
+        if not REQUIRED[tag] <= given <= len(names):
+            expected = f"{REQUIRED[tag]} to {len(names)}" if len(names) > REQUIRED[tag] else str(len(names))
+            raise Refused(f"{tag} with {given} fields; expected {expected} (wrong arity)")
+        return tag, event[1:] + [None] * (len(names) - given)
     if isinstance(event, dict):
         tag = event.get("type")
         if tag not in FIELDS:
@@ -266,69 +270,67 @@ def _event(event: Any) -> tuple[str, dict[str, Any]]:
         missing = [n for n in FIELDS[tag][:REQUIRED[tag]] if n not in event]
         if missing:
             raise Refused(f"{tag} lacks field(s) {', '.join(missing)}")
-        values = {n: event.get(n) for n in FIELDS[tag]}
-        if isinstance(event.get("metadata"), dict):  # SGLang's BlockStoredWithMetadata as an object
-            values["lora_name"] = event["metadata"]
+        values = [event.get(n) for n in FIELDS[tag]]
+        if tag == "BlockStored" and isinstance(event.get("metadata"), dict):  # SGLang's metadata as a key
+            values[_LORA_NAME] = event["metadata"]
         return tag, values
     raise Refused(f"an event must be an array or object, not {_type(event)}")
 
 
-def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: dict[str, Any],
+def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[Any],
               head: tuple[str, int | None, datetime, int, int], line: int) -> None:
-    """The event's rows: ``head`` is (instance, dp_rank, ts, batch, seq)."""
+    """The event's rows; ``v`` its fields in ``FIELDS`` order, ``head`` (instance, dp_rank, ts, batch, seq)."""
     kind = KINDS[tag]
     if tag == "AllBlocksCleared":
         rows.append((*head, kind, None, None, None, None, None, None, None, None, None, line))
         return
-    hashes = v["block_hashes"]
-    if not isinstance(hashes, list) or not hashes:
+    hashes = v[0]
+    if type(hashes) is not list or not hashes:
         raise Refused("block_hashes must be a non-empty list")
-    hashes = [canonical_hash(h) for h in hashes]
-    medium = _optional(v.get("medium"), str, "medium")
-    group = _optional(v.get("group_idx"), int, "group_idx")
-    if group is not None and group < 0:
-        raise Refused(f"negative group_idx {group}")
+    hashes = [str(h) if type(h) is int else canonical_hash(h) for h in hashes]
     if tag == "BlockRemoved":
+        medium, group = _optional(v[1], str, "medium"), _group(v[2])
         rows.extend((*head, kind, h, None, None, None, None, None, medium, None, group, line) for h in hashes)
         return
-    parent = None if v["parent_block_hash"] is None else canonical_hash(v["parent_block_hash"])
-    tokens, size = v["token_ids"], v["block_size"]
-    if isinstance(size, bool) or not isinstance(size, int):
+    parent_raw, tokens, size, lora_id, medium, lora_name, extra, group, spec_kind, window = v[1:]
+    parent = None if parent_raw is None else str(parent_raw) if type(parent_raw) is int else \
+        canonical_hash(parent_raw)
+    if type(size) is not int:
         raise Refused(f"block_size {_shown(size)} is not an integer")
     if size <= 0:
         raise Refused(f"block_size {size} is not positive (negative size)" if size < 0 else "block_size is 0")
-    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
+    if type(tokens) is not list or not set(map(type, tokens)) <= {int}:
         raise Refused("token_ids must be a list of integers")
     if tokens and min(tokens) < 0:
         raise Refused("token_ids holds a negative token id")
     n = len(hashes)
     if tokens and not (n - 1) * size < len(tokens) <= n * size:
         raise Refused(f"token_ids holds {len(tokens)} ids for {n} block(s) of block_size {size}")
-    lora_id = _optional(v.get("lora_id"), int, "lora_id")
-    if lora_id is not None and lora_id < 0:
+    if lora_id is not None and (_optional(lora_id, int, "lora_id") < 0):
         raise Refused(f"negative lora_id {lora_id}")
-    lora_name, salt = v.get("lora_name"), None
-    if isinstance(lora_name, dict):  # SGLang 0.5.18+: {"cache_salt": ..., "session_id": ...} in this slot
+    salt = None
+    if type(lora_name) is dict:  # SGLang 0.5.18+: {"cache_salt": ..., "session_id": ...} in this slot
         salt = _optional(lora_name.get("cache_salt"), str, "metadata.cache_salt") or None
         lora_name = None
-    lora_name = _optional(lora_name, str, "lora_name")
-    extra = v.get("extra_keys")
-    if extra is not None and (not isinstance(extra, list) or len(extra) != n
-                              or not all(e is None or isinstance(e, list) for e in extra)):
+    medium, lora_name, group = _optional(medium, str, "medium"), _optional(lora_name, str, "lora_name"), _group(group)
+    if extra is not None and (type(extra) is not list or len(extra) != n
+                              or not all(e is None or type(e) is list for e in extra)):
         raise Refused(f"extra_keys must be a list of {n} lists or nulls, one per block")
-    _optional(v.get("kv_cache_spec_kind"), str, "kv_cache_spec_kind")
-    _optional(v.get("kv_cache_spec_sliding_window"), int, "kv_cache_spec_sliding_window")
+    _optional(spec_kind, str, "kv_cache_spec_kind")
+    _optional(window, int, "kv_cache_spec_sliding_window")
     lora = lora_name if lora_name is not None else None if lora_id is None else str(lora_id)
     instance = head[0]
-    position, chain_salt = (0, None) if parent is None else chains.known.get((instance, parent), (None, None))
+    known = chains.known
+    position, chain_salt = (0, None) if parent is None else known.get((instance, parent), (None, None))
     if parent is not None and position is not None:
         position += 1
     for i, h in enumerate(hashes):
-        block = tokens[i * size:(i + 1) * size]
-        own = salt or (_vllm_salt(extra[i], lora_name) if extra is not None else None)
-        chain_salt = own or chain_salt
-        chains.known[(instance, h)] = (position, chain_salt)
-        rows.append((*head, kind, h, parent, position, len(block) if block else None,
+        block = tokens if n == 1 else tokens[i * size:(i + 1) * size]
+        if extra is not None and extra[i]:
+            chain_salt = _vllm_salt(extra[i], lora_name) or chain_salt
+        chain_salt = salt or chain_salt
+        known[(instance, h)] = (position, chain_salt)
+        rows.append((*head, kind, h, parent, position, len(block) or None,
                      block_fingerprint(block, key) if block else None, lora, medium, chain_salt, group, line))
         parent = h
         position = None if position is None else position + 1
@@ -343,8 +345,15 @@ def _vllm_salt(keys: list | None, lora_name: str | None) -> str | None:
     return strings[0] if strings else None
 
 
+def _group(value: Any) -> int | None:
+    if _optional(value, int, "group_idx") is not None and not 0 <= value < _INT32:
+        raise Refused(f"negative group_idx {value}" if value < 0 else f"group_idx {value} is out of range")
+    return value
+
+
 def _optional(value: Any, kind: type, name: str) -> Any:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+    """*value* if it is None or of type *kind* (a boolean is no integer), else refused."""
+    if value is not None and type(value) is not kind:
         raise Refused(f"{name} {_shown(value)} is not {'an integer' if kind is int else 'a string'}")
     return value
 
