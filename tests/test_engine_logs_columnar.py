@@ -104,6 +104,9 @@ NEAR_MISSES = [
     _request_line(8, body="rid=a, cached_input_len=3"),
     _request_line(9, body="rid=a, type=x=y, input_len=2"),
     _request_line(10, body="rid=a, input_len=2, extra=ümlaut"),
+    _request_line(10, body="rid=a\x1c, input_len=2"),
+    _request_line(10, body="rid=a, input_len=\t2"),
+    _request_line(10, ranks=" TP0\x0bX"),
     _request_line(11, stamp="2026-02-30 10:00:00"),
     _request_line(12, stamp="2026-08-27 24:00:00"),
     _request_line(13, stamp="2026-08-27 10:00:60"),
@@ -175,7 +178,7 @@ def _write(path: Path, lines: list[str | bytes], compression: str, newline: byte
     path.write_bytes(data)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lines=generated_log(), batch_lines=st.sampled_from([2, 5, 1000]),
        zone=st.sampled_from(["UTC", "America/New_York", "Australia/Lord_Howe"]),
        clock_offset_s=st.sampled_from([0.0, -3600.5]),

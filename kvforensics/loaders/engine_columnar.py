@@ -12,7 +12,8 @@ quarantined lines, notes and events are the parser's own.
 
 A line is read in DuckDB only when all of these hold, and otherwise by the parser:
 
-* it is valid UTF-8 and ASCII (so character counts and truncation agree), without NUL, ESC or CR;
+* it is valid UTF-8 and ASCII (so character counts and truncation agree), without control
+  characters other than tab;
 * it has SGLang's dated envelope ``[YYYY-MM-DD HH:MM:SS[.ffffff] <ranks>]``, a real date and time,
   in a local hour with no daylight-saving change (:meth:`LocalClock.hour_shift_us`);
 * its message starts with ``ReqTimeStats(`` and the body is plain ``key=value`` pairs, the first
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from bisect import bisect_right
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -59,33 +59,39 @@ def _re2_literal(text: str) -> str:
     return "".join("\\" + c if c in r"\.+*?()|[]{}^$" else c for c in text)
 
 
-_EXCLUDE = "|".join(_re2_literal(n).replace("\x00", r"\x00").replace("\x1b", r"\x1b").replace("\r", r"\r")
-                    for n in SELF_CONTAINED_EXCLUDES)
+# Control characters other than tab are excluded too: Python's \s and str.strip() count \v and
+# \x1c-\x1f as white space, RE2's \s does not.
+_EXCLUDE = "|".join([*(_re2_literal(n) for n in SELF_CONTAINED_EXCLUDES if n.isprintable()), r"[\x00-\x08\x0a-\x1f\x7f]"])
 
 # One pass over a batch: the lines DuckDB reads, with their stamp, ranks, rid, input_len and detail.
 # The patterns are literals (a pattern given as a parameter is compiled again for every row); the
 # exclusions are the parser's own constants, never input text.
 _SELF_CONTAINED_SQL = f"""
 WITH headed AS (
-    SELECT n, line, regexp_extract(line, '^\\[[^\\]]*\\] ?ReqTimeStats\\(', 0) AS head
+    -- the envelope ends at the first ']' (nothing in it may be one); the message must follow it
+    SELECT n, line, position(']' IN line) + CASE
+               WHEN substr(line, position(']' IN line) + 1, 13) = 'ReqTimeStats(' THEN 13
+               WHEN substr(line, position(']' IN line) + 1, 14) = ' ReqTimeStats(' THEN 14 ELSE 0 END AS head_len
     FROM batch
-    WHERE line IS NOT NULL AND contains(line, 'ReqTimeStats(') AND strlen(line) = length(line)
-      AND NOT regexp_matches(line, '{_EXCLUDE.replace("'", "''")}')
+    WHERE line IS NOT NULL AND starts_with(line, '[') AND contains(line, 'ReqTimeStats(')
+      AND strlen(line) = length(line) AND NOT regexp_matches(line, '{_EXCLUDE.replace("'", "''")}')
 ), stamped AS (
-    SELECT n, head, substr(line, strlen(head) - 12) AS msg, split_part(substr(line, strlen(head) + 1), ')', 1) AS body,
+    SELECT n, substr(line, 1, head_len) AS head, substr(line, head_len - 12) AS msg,
+           split_part(substr(line, head_len + 1), ')', 1) AS body
+    FROM headed
+    WHERE head_len > 13 AND contains(substr(line, head_len + 1), ')')
+), fields AS (
+    SELECT n, head, msg,
            CASE WHEN substr(head, 21, 1) IN ('.', ',') THEN regexp_extract(substr(head, 22, 7), '^\\d+', 0) ELSE '' END
                AS frac,
-           try_strptime(substr(head, 2, 19), '%Y-%m-%d %H:%M:%S') AS local
-    FROM headed
-    WHERE head <> '' AND contains(substr(line, strlen(head) + 1), ')') AND substr(head, 2, 4) >= '0001'
-      AND regexp_matches(head,
-          '^\\[\\d{{4}}-\\d{{2}}-\\d{{2}} \\d{{2}}:\\d{{2}}:\\d{{2}}(?:[.,]\\d{{1,6}})?(?: +[^\\]\\s]+)* *\\] ?ReqTimeStats\\($')
-), fields AS (
-    SELECT n, head, msg, frac, local, substr(split_part(body, ',', 1), 5) AS rid,
+           try_strptime(substr(head, 2, 19), '%Y-%m-%d %H:%M:%S') AS local,
+           substr(split_part(body, ',', 1), 5) AS rid,
            split_part(split_part(body, ', input_len=', 2), ',', 1) AS input_len,
            strlen(body) - strlen(replace(body, ', input_len=', '')) AS input_len_chars
     FROM stamped
-    WHERE local IS NOT NULL AND NOT contains(body, ', rid=')
+    WHERE substr(head, 2, 4) >= '0001' AND NOT contains(body, ', rid=')
+      AND regexp_matches(head,
+          '^\\[\\d{{4}}-\\d{{2}}-\\d{{2}} \\d{{2}}:\\d{{2}}:\\d{{2}}(?:[.,]\\d{{1,6}})?(?: +[^\\]\\s]+)* *\\] ?ReqTimeStats\\($')
       AND regexp_full_match(body, 'rid=[^,=\\s]+(?:, \\w+=[^,=]*)*')
 )
 SELECT n, substr(head, 2, 13) AS hour,
@@ -95,7 +101,7 @@ SELECT n, substr(head, 2, 13) AS hour,
        rid, CASE WHEN input_len_chars = 0 THEN NULL ELSE CAST(input_len AS BIGINT) END AS input_len,
        CASE WHEN length(msg) <= {DETAIL_LIMIT} THEN msg ELSE msg[1:{DETAIL_LIMIT - 1}] || '\u2026' END AS detail
 FROM fields
-WHERE input_len_chars = 0 OR (input_len_chars = 12 AND regexp_full_match(input_len, '\\d{{1,18}}'))
+WHERE local IS NOT NULL AND (input_len_chars = 0 OR (input_len_chars = 12 AND regexp_full_match(input_len, '\\d{{1,18}}')))
 """
 
 
@@ -138,29 +144,31 @@ def parse_engine_file_columnar(
     return result
 
 
-# The lines read here: self-contained lines in hours with one UTC offset, in islands of consecutive
-# lines; the first line of each island is left to the parser (it reads it after what came before).
-_RUN_LINES_SQL = """
-CREATE OR REPLACE TEMP TABLE kvf_run_lines AS
-WITH shifted AS (
-    SELECT s.*, s.local_us - h.shift_us AS utc_us FROM kvf_self_contained s JOIN kvf_hours h USING (hour)
-    WHERE h.shift_us IS NOT NULL
-), islands AS (
-    SELECT *, n - row_number() OVER (ORDER BY n) AS island FROM shifted
-)
-SELECT * FROM (SELECT *, min(n) OVER (PARTITION BY island) AS island_start FROM islands) WHERE n > island_start
+# Self-contained lines in hours with one UTC offset, numbered into islands of consecutive lines. The
+# first line of each island is left to the parser (it reads it after whatever came before); the
+# rest of an island is a run read here.
+_ISLANDS_SQL = """
+CREATE OR REPLACE TEMP TABLE kvf_islands AS
+SELECT n, extra, utc_us, stamp, n - row_number() OVER (ORDER BY n) AS island
+FROM (SELECT s.n, s.extra, s.local_us - h.shift_us AS utc_us, s.stamp
+      FROM kvf_self_contained s JOIN kvf_hours h USING (hour) WHERE h.shift_us IS NOT NULL)
 """
 _RUNS_SQL = """
-SELECT min(n), max(n), arg_min(utc_us, n), arg_max(utc_us, n), arg_max(stamp, n) FROM kvf_run_lines
-GROUP BY island_start ORDER BY 1
+SELECT min(n) + 1 AS first, max(n) AS last, island FROM kvf_islands GROUP BY island HAVING count(*) > 1 ORDER BY first
 """
+_RUN_ENDS_SQL = """
+SELECT n, utc_us, stamp FROM kvf_islands SEMI JOIN kvf_run_ends USING (n)
+"""
+# the first line of a prefix in each island (the island's own first line included: the parser saw
+# it before the run, so it changes nothing)
 _RUN_RANKS_SQL = """
-SELECT min(n) AS first, extra FROM kvf_run_lines WHERE extra <> '' GROUP BY island_start, extra ORDER BY first
+SELECT island, min(n) AS first, extra FROM kvf_islands WHERE extra <> '' GROUP BY island, extra ORDER BY first
 """
 _RUN_EVENTS_SQL = """
-SELECT $instance AS instance, utc_us AS ts, 'req_time_stats' AS kind, rid AS request_id, input_len AS prompt_tokens,
-       CAST(NULL AS BIGINT) AS limit_tokens, detail, n AS line
-FROM kvf_run_lines ORDER BY n
+SELECT $instance AS instance, i.utc_us AS ts, 'req_time_stats' AS kind, s.rid AS request_id,
+       s.input_len AS prompt_tokens, CAST(NULL AS BIGINT) AS limit_tokens, s.detail, s.n AS line
+FROM kvf_self_contained s JOIN kvf_islands i USING (n)
+WHERE s.n NOT IN (SELECT min(n) FROM kvf_islands GROUP BY island)
 """
 
 
@@ -176,25 +184,30 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
     db.register("kvf_hours", pa.table({"hour": pa.array(hours, type=pa.string()),
                                        "shift_us": pa.array([_hour_shift(parser, h) for h in hours], type=pa.int64())}))
     try:
-        db.execute(_RUN_LINES_SQL)
+        db.execute(_ISLANDS_SQL)
     finally:
         db.unregister("kvf_hours")
-    ranks: dict[int, list[tuple[int, str]]] = {}
     runs = db.execute(_RUNS_SQL).fetchall()
-    starts = [r[0] for r in runs]
-    for first, extra in db.execute(_RUN_RANKS_SQL).fetchall():
-        ranks.setdefault(starts[bisect_right(starts, first) - 1], []).append((first, extra))
     if runs:
+        db.register("kvf_run_ends", pa.table({"n": pa.array([n for first, last, _ in runs for n in (first, last)],
+                                                             type=pa.int64())}))
+        try:
+            ends = {n: (us, stamp) for n, us, stamp in db.execute(_RUN_ENDS_SQL).fetchall()}
+        finally:
+            db.unregister("kvf_run_ends")
+        ranks: dict[int, list[tuple[int, str]]] = {}
+        for island, first, extra in db.execute(_RUN_RANKS_SQL).fetchall():
+            ranks.setdefault(island, []).append((first, extra))
         table = db.sql(_RUN_EVENTS_SQL, params={"instance": parser.instance}).to_arrow_table()
         ts = table.column("ts").combine_chunks().view(pa.timestamp("us", tz="UTC"))
         parser.out.event_tables.append(table.set_column(1, "ts", ts).cast(EVENT_COLUMNS))
     i = 0
-    for first, last, first_us, last_us, last_stamp in runs:
+    for first, last, island in runs:
         while i < first - first_number:
             parser.feed(first_number + i, texts[i], raws[i])
             i += 1
-        parser.feed_request_run(RequestRun(first, last, _utc(first_us), _utc(last_us), last_stamp,
-                                           tuple(ranks.get(first, ()))))
+        parser.feed_request_run(RequestRun(first, last, _utc(ends[first][0]), _utc(ends[last][0]), ends[last][1],
+                                           tuple(ranks.get(island, ()))))
         i = last - first_number + 1
     while i < len(texts):
         parser.feed(first_number + i, texts[i], raws[i])

@@ -216,19 +216,23 @@ def _decode_batch(first: int, raws: list[bytes]) -> LineBatch:
     try:
         texts: list[str | None] = list(joined.decode("utf-8").split("\n"))
     except UnicodeDecodeError:
-        texts = [_decode(first + i, raw)[1] for i, raw in enumerate(raws)]
+        texts = [_utf8(raw) for raw in raws]
     if first == 1 and texts[0] is not None and texts[0].startswith("\ufeff"):
         texts[0] = texts[0][1:]
     return LineBatch(first, texts, raws)
 
 
+def _utf8(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _decode(number: int, raw: bytes) -> EngineLine:
     if raw.endswith(b"\r"):
         raw = raw[:-1]
-    try:
-        text: str | None = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
+    text = _utf8(raw)
     if number == 1 and text is not None and text.startswith("\ufeff"):
         text = text[1:]
     return number, text, raw
