@@ -9,10 +9,12 @@ from __future__ import annotations
 CANONICAL_REQUEST_FIELDS = (
     "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
     "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance",
+    "cache_salt",  # the prefix-cache salt / namespace the gateway or engine saw (optional)
 )
 REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")
 CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
-CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output")
+# prompt_token_ids (optional): the prompt as the engine's token ids, cut into prefix blocks (loaders/prefix_blocks.py)
+CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output", "prompt_token_ids")
 # kv_events: the keys of a batch written as an object (dotted for a nested key); `instance` read from a
 # field only when mapped, else from the source's instance template
 CANONICAL_KV_EVENT_FIELDS = ("instance", "ts", "events", "dp_rank")

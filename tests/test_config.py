@@ -60,7 +60,7 @@ def test_good_incident_parses(tmp_path):
     (('columns = { request_id = "rid" }', 'columns = { req = "rid" }'),
      "incident.toml: source 'gateway': columns maps unknown canonical field(s) ['req']; canonical fields are "
      "['request_id', 'ts', 'account_id', 'model', 'status', 'prompt_tokens', 'completion_tokens', 'cached_tokens', "
-     "'ttft_ms', 'latency_ms', 'prefill_instance', 'decode_instance']"),
+     "'ttft_ms', 'latency_ms', 'prefill_instance', 'decode_instance', 'cache_salt']"),
     (('start = "2026-08-01T00:00:00Z"', 'start = "2026-08-01T00:00:00"'),
      "incident.toml: [scope].start: timestamp 2026-08-01T00:00:00 has no time zone; add 'Z' or an offset such as +02:00"),
     (('name = "engines"', 'name = "gateway"'), "incident.toml: source names must be unique; repeated: ['gateway']"),

@@ -247,7 +247,7 @@ def test_expressions_need_a_format_whose_columns_the_mapping_names(tmp_path):
     ('values = { state = { ok = 200 } }', "values maps unknown canonical field 'state'; canonical fields are "
                                          "['request_id', 'ts', 'account_id', 'model', 'status', 'prompt_tokens', "
                                          "'completion_tokens', 'cached_tokens', 'ttft_ms', 'latency_ms', "
-                                         "'prefill_instance', 'decode_instance']"),
+                                         "'prefill_instance', 'decode_instance', 'cache_salt']"),
     ('values = { status = { ok = true } }', "values.status: 'ok' must map to a text or a number"),
     ('null_tokens = "-"', 'null_tokens must be a list of texts, e.g. null_tokens = ["", "null", "-"]'),
 ])

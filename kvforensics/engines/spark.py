@@ -201,11 +201,13 @@ class SparkEngine:
                               f"([settings] spark_requests_table): {str(e).splitlines()[0]}") from None
         cols = _duckdb_columns(con, "requests")
         have = {c.lower(): c for c in source.columns}
-        missing = [c for c, _ in cols if c.lower() not in have]
+        optional = {"cache_salt"}  # added after Spark tables were first read: NULL when absent
+        missing = [c for c, _ in cols if c.lower() not in have and c not in optional]
         if missing:
             raise EngineError(f"Spark table {self.requests_table!r} lacks the canonical request column(s) "
                               f"{missing}; it needs {[c for c, _ in cols]} (see kvforensics/sql/schema.sql)")
-        df = source.selectExpr(*[f"CAST(`{have[c.lower()]}` AS {_spark_type(t)}) AS `{c}`" for c, t in cols])
+        df = source.selectExpr(*[f"CAST(`{have[c.lower()]}` AS {_spark_type(t)}) AS `{c}`" if c.lower() in have
+                                 else f"CAST(NULL AS {_spark_type(t)}) AS `{c}`" for c, t in cols])
         df = df.cache()
         df.createOrReplaceTempView("requests")
         self._cached["requests"] = df

@@ -230,7 +230,7 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
 # digits). That matters only for the fields kept as text: in a number or timestamp field such a text
 # fails the typing, and a refused record gives the file up anyway. The range test picks texts that
 # start like a number ('-', '.', '/' or a digit) before the regular expression runs.
-_TEXT_FIELDS = ("request_id", "account_id", "model", "prefill_instance", "decode_instance")
+_TEXT_FIELDS = ("request_id", "account_id", "model", "prefill_instance", "decode_instance", "cache_salt")
 _NUMBER_FIELDS = ("status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms")
 _AMBIGUOUS_TEXT = ("starts_with({k}, '{{') OR starts_with({k}, '[') OR {k} IN ('true', 'false') "
                    "OR ({k} >= '-' AND {k} < ':' AND regexp_full_match({k}, '-?[0-9][0-9.]*[eE][-+]?[0-9]+'))")

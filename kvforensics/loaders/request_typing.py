@@ -30,7 +30,7 @@ TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
     ts_naive BOOLEAN, ts_dst VARCHAR, account_id VARCHAR, model VARCHAR, status INTEGER, prompt_tokens BIGINT,
     completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
-    prefill_instance VARCHAR, decode_instance VARCHAR, id_hash UBIGINT)"""
+    prefill_instance VARCHAR, decode_instance VARCHAR, cache_salt VARCHAR, id_hash UBIGINT)"""
 MISSING = "UPDATE kvf_batch.typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
 MISSING_FROM_EXPRESSION = ("UPDATE kvf_batch.typed_all SET reason = reason || ' (columns.' || $field || ' = ' || $expr "
                            "|| ' gave NULL)' WHERE file_no = $n AND reason = $missing")

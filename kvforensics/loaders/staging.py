@@ -45,6 +45,7 @@ KNOWN_ALIASES: dict[str, tuple[str, ...]] = {
                    "out.meta_info.e2e_latency"),
     "prefill_instance": ("prefill_node", "prefill_host"),
     "decode_instance": ("decode_node", "decode_host"),
+    "cache_salt": ("extra_key",),  # SGLang's name for it
 }
 # Aliases whose values are seconds (SGLang meta_info); the canonical fields are milliseconds.
 SECONDS_ALIASES = frozenset(f"{prefix}{name}" for prefix in ("", "meta_info.", "out.meta_info.")

@@ -19,12 +19,12 @@ CREATE OR REPLACE TEMP TABLE repeated AS
 WITH candidates AS (
     SELECT -1 AS file_no, r.source_file AS file, r.source_line AS line, r.request_id, r.ts, r.account_id, r.model,
            r.status, r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.ttft_ms, r.latency_ms,
-           r.prefill_instance, r.decode_instance
+           r.prefill_instance, r.decode_instance, r.cache_salt
     FROM requests r SEMI JOIN repeated_ids i ON i.id_hash = hash(r.request_id)
     UNION ALL
     SELECT t.file_no, f.file, t.line, t.request_id, t.ts, t.account_id, t.model,
            t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.ttft_ms, t.latency_ms,
-           t.prefill_instance, t.decode_instance
+           t.prefill_instance, t.decode_instance, t.cache_salt
     FROM kvf_batch.typed_all t SEMI JOIN repeated_ids i ON i.id_hash = t.id_hash
     JOIN kvf_batch.load_files f ON f.file_no = t.file_no
     WHERE t.reason IS NULL
@@ -40,19 +40,20 @@ SELECT c.*, w.file || ':' || CAST(w.line AS VARCHAR) AS kept_at,
                  AND c.cached_tokens IS NOT DISTINCT FROM w.cached_tokens
                  AND c.ttft_ms IS NOT DISTINCT FROM w.ttft_ms AND c.latency_ms IS NOT DISTINCT FROM w.latency_ms
                  AND c.prefill_instance IS NOT DISTINCT FROM w.prefill_instance
-                 AND c.decode_instance IS NOT DISTINCT FROM w.decode_instance THEN 'duplicate'
+                 AND c.decode_instance IS NOT DISTINCT FROM w.decode_instance
+                 AND c.cache_salt IS NOT DISTINCT FROM w.cache_salt THEN 'duplicate'
             ELSE 'conflict' END AS outcome
 FROM ranked c JOIN ranked w ON w.request_id = c.request_id AND w.nth = 1;
 
 INSERT INTO requests
 SELECT t.request_id, t.ts, t.account_id, t.model, t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
-       t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line
+       t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line, t.cache_salt
 FROM kvf_batch.typed_all t ANTI JOIN repeated_ids i ON i.id_hash = t.id_hash
 JOIN kvf_batch.load_files f ON f.file_no = t.file_no
 WHERE t.reason IS NULL
 UNION ALL
 SELECT request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
-       ttft_ms, latency_ms, prefill_instance, decode_instance, $source, file, line
+       ttft_ms, latency_ms, prefill_instance, decode_instance, $source, file, line, cache_salt
 FROM repeated WHERE outcome = 'loaded';
 
 INSERT INTO quarantine

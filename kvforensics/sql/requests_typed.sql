@@ -96,7 +96,7 @@ WITH trimmed AS (
 )
 SELECT line, reason, CASE WHEN reason IS NOT NULL THEN left(raw, 2000) END AS raw,
     request_id, ts, ts_naive, ts_dst, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
-    ttft_ms, latency_ms, prefill_instance, decode_instance,
+    ttft_ms, latency_ms, prefill_instance, decode_instance, cache_salt,
     -- what the merge groups and joins on to find repeated ids (8 bytes instead of the text; a
     -- collision only makes the merge compare two records by their ids, which tells them apart)
     hash(request_id) AS id_hash
@@ -159,5 +159,6 @@ FROM (SELECT
     ttft_num AS ttft_ms,
     latency_num AS latency_ms,
     nullif(trim(prefill_instance_raw), '') AS prefill_instance,
-    nullif(trim(decode_instance_raw), '') AS decode_instance
+    nullif(trim(decode_instance_raw), '') AS decode_instance,
+    nullif(trim(cache_salt_raw), '') AS cache_salt
 FROM bounded));

@@ -20,6 +20,8 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 -- evidence databases written before duplicates were compared by value carry a hash column
 ALTER TABLE requests DROP COLUMN IF EXISTS row_hash;
+-- the prefix-cache salt / namespace the gateway or engine saw (optional; after source_line in every database)
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS cache_salt VARCHAR;
 
 CREATE TABLE IF NOT EXISTS capacity (
     instance          VARCHAR NOT NULL,
