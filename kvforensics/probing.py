@@ -78,7 +78,7 @@ def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
                 + ("SELECT request_id, position, block_fp, chain_fp FROM request_blocks"
                    if _has_table(con, "request_blocks") else
                    "SELECT CAST(NULL AS VARCHAR) AS request_id, CAST(NULL AS BIGINT) AS position, "
-                   "CAST(NULL AS VARCHAR) AS block_fp, CAST(NULL AS VARCHAR) AS chain_fp WHERE false"))
+                   "CAST(NULL AS BIGINT) AS block_fp, CAST(NULL AS BIGINT) AS chain_fp WHERE false"))
     con.execute("CREATE OR REPLACE TEMP TABLE probe_rules (rule_id VARCHAR)")
     rules = [r.id for r in load_rules() if r.mechanism == MECHANISM]
     if rules:
@@ -101,4 +101,26 @@ def probing_assessment(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]
                                    short_requests DESC, account_id""").df()
 
 
-__all__ = ["PROBING_PARAMETERS", "TIERS", "probing_assessment", "probing_inputs", "probing_parameters"]
+def probing_selected(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the investigation runs the prefix_reuse mechanism (the ``mechanisms`` table detect writes)."""
+    return _has_table(con, "mechanisms") and bool(one(
+        con, "SELECT count(*) FROM mechanisms WHERE id = $m AND selected", {"m": MECHANISM})[0])
+
+
+def probing_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    """For ``scope.json``: the accounts probing likely or possibly, with their class, signals and why,
+    and the customers among the likely ones (deliberate exploitation); None when the assessment did not run."""
+    if not _has_table(con, "probing_assessment"):
+        return None
+    rows = con.execute("""SELECT account_id, account_class, probing, signals, short_requests, cross_tenant_hits, why
+                          FROM probing_assessment WHERE probing <> 'no'
+                          ORDER BY probing = 'likely' DESC, signals DESC, account_id""").fetchall()
+    accounts = [{"account_id": a, "account_class": c, "probing": t, "signals": n, "short_requests": short,
+                 "cross_tenant_hits": hits, "why": why} for a, c, t, n, short, hits, why in rows]
+    return {"accounts": accounts,
+            "likely_customers": [a["account_id"] for a in accounts
+                                 if a["probing"] == "likely" and a["account_class"] == "customer"]}
+
+
+__all__ = ["PROBING_PARAMETERS", "TIERS", "probing_assessment", "probing_inputs", "probing_parameters",
+           "probing_selected", "probing_summary"]

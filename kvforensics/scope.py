@@ -17,6 +17,7 @@ from kvforensics.conclusive import gate, recorded
 from kvforensics.config import Incident
 from kvforensics.db import one
 from kvforensics.engines.portable import run_duckdb_script
+from kvforensics.probing import PROBING_PARAMETERS, probing_assessment, probing_selected, probing_summary
 from kvforensics.timestamps import iso
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     else:
         for name, script_params in scripts:
             run_duckdb_script(con, name, script_params)
+    if probing_selected(con):  # prefix-cache probing, when the prefix_reuse mechanism is investigated
+        probing_assessment(con, {k: v for k, v in (overrides or {}).items() if k in PROBING_PARAMETERS})
+    else:
+        con.execute("DROP TABLE IF EXISTS probing_assessment")
     gate(con, incident.max_quarantine_fraction)
     return ScopeResult(summary=summarise(con, incident), parameters=params)
 
@@ -124,6 +129,8 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
     deliberate = [r[0] for r in con.execute(
         "SELECT account_id FROM account_behaviour WHERE looks_deliberate AND account_class = 'customer' "
         "ORDER BY 1").fetchall()]
+    probing = probing_summary(con)
+    deliberate = sorted({*deliberate, *(probing["likely_customers"] if probing else [])})
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
     gaps = [{"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}
             for src, inst, a, b, n, d in con.execute(
@@ -143,7 +150,9 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
         "source_accounts": {"confirmed": confirmed, "possible": possible},
         "exploitation": {"accounts_looking_deliberate": deliberate,
                          "conclusion": "signs of deliberate exploitation" if deliberate
-                         else "no sign of deliberate exploitation"},
+                         else "no sign of deliberate exploitation",
+                         # prefix-cache probing per account (kvforensics/probing.py), when prefix_reuse ran
+                         **({"prefix_probing": probing} if probing else {})},
         "log_gaps": gaps,
         "analysed_period": {"first_request": iso(period[0]), "last_request": iso(period[1]), "requests": period[2],
                             "start": iso(incident.scope.start), "end": iso(incident.scope.end)},

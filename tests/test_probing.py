@@ -16,7 +16,13 @@ import pytest
 
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
-from kvforensics.probing import PROBING_PARAMETERS, probing_assessment, probing_parameters
+from kvforensics.probing import (
+    PROBING_PARAMETERS,
+    probing_assessment,
+    probing_parameters,
+    probing_selected,
+    probing_summary,
+)
 from kvforensics.rulebook import load_rules
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)
@@ -30,6 +36,7 @@ class Traffic:
 
     requests: list[dict] = field(default_factory=list)
     blocks: list[dict] = field(default_factory=list)
+    fingerprints: dict[str, int] = field(default_factory=dict)
 
     def send(self, account: str, ts: datetime, prompt: int, output: int, cached: int | None, *,
              status: int = 200, ttft_ms: float | None = 50.0, blocks: list[str] | None = None) -> str:
@@ -41,11 +48,15 @@ class Traffic:
                               "source": "gateway", "source_file": "gateway.jsonl", "source_line": len(self.requests)})
         if blocks is not None:
             chain = ""
-            for position, fp in enumerate(blocks):
-                chain = f"{chain}/{fp}"
+            for position, name in enumerate(blocks):
+                chain = f"{chain}/{name}"
                 self.blocks.append({"request_id": rid, "position": position, "num_tokens": BLOCK,
-                                    "block_fp": fp, "chain_fp": chain})
+                                    "block_fp": self._fingerprint(name), "chain_fp": self._fingerprint(chain)})
         return rid
+
+    def _fingerprint(self, name: str) -> int:
+        """A stand-in for the keyed block and chain fingerprints: one number per distinct block or chain."""
+        return self.fingerprints.setdefault(name, len(self.fingerprints) + 1)
 
     def database(self, *, with_blocks: bool = True) -> duckdb.DuckDBPyConnection:
         con = connect()
@@ -55,8 +66,8 @@ class Traffic:
         if with_blocks:
             blocks = pd.DataFrame(self.blocks, columns=["request_id", "position", "num_tokens", "block_fp",  # noqa: F841
                                                         "chain_fp"])
-            con.execute("CREATE TABLE IF NOT EXISTS request_blocks (request_id VARCHAR, position INTEGER, "
-                        "num_tokens INTEGER, block_fp VARCHAR, chain_fp VARCHAR)")
+            con.execute("CREATE TABLE IF NOT EXISTS request_blocks (request_id VARCHAR, position BIGINT, "
+                        "num_tokens BIGINT, block_fp BIGINT, chain_fp BIGINT)")
             con.execute("INSERT INTO request_blocks BY NAME SELECT * FROM blocks")
         return con
 
@@ -208,9 +219,10 @@ def test_findings_of_the_prefix_reuse_rules_are_cross_tenant_hits():
     traffic = Traffic()
     ids = probe(traffic, "acct-prober")
     con = traffic.database()
-    con.executemany("INSERT INTO findings VALUES ($r, $rule, 'v', 'confirmed', 'strong', NULL, NULL)",
+    con.executemany("INSERT INTO findings (request_id, rule_id, rule_version, confidence) VALUES ($r, $rule, 'v', 'confirmed')",
                     [{"r": rid, "rule": rules[0]} for rid in ids[:3]])
-    con.execute("INSERT INTO findings VALUES ($r, 'prompt_exceeds_kv_pool', 'v', 'confirmed', 'strong', NULL, NULL)",
+    con.execute("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
+                "VALUES ($r, 'prompt_exceeds_kv_pool', 'v', 'confirmed')",
                 {"r": ids[5]})      # another mechanism's finding is no prefix hit
     assert row(probing_assessment(con), "acct-prober")["cross_tenant_hits"] == 3
 
@@ -289,3 +301,44 @@ def test_defaults_are_every_parameter_the_script_uses():
     from kvforensics.engines.portable import used_parameters
 
     assert used_parameters(sql("prefix_probing")) == set(PROBING_PARAMETERS)
+
+
+# --- wiring ---------------------------------------------------------------------------------------------
+
+def _mechanisms(con: duckdb.DuckDBPyConnection, **selected: bool) -> None:
+    con.execute("CREATE TABLE IF NOT EXISTS mechanisms (id VARCHAR, title VARCHAR, named BOOLEAN, selected BOOLEAN, "
+                "missing_inputs VARCHAR[])")
+    for mechanism, chosen in selected.items():
+        con.execute("INSERT INTO mechanisms BY NAME SELECT $m AS id, $m AS title, false AS named, $s AS selected, "
+                    "CAST([] AS VARCHAR[]) AS missing_inputs",
+                    {"m": mechanism, "s": chosen})
+
+
+def test_probing_runs_only_for_the_prefix_reuse_mechanism():
+    con = Traffic().database(with_blocks=False)
+    assert not probing_selected(con)
+    _mechanisms(con, stale_pages=True, prefix_reuse=False)
+    assert not probing_selected(con)
+    con.execute("UPDATE mechanisms SET selected = true WHERE id = 'prefix_reuse'")
+    assert probing_selected(con)
+
+
+def test_summary_names_the_likely_customers_and_sets_internal_accounts_apart():
+    traffic = Traffic()
+    probe(traffic, "acct-prober")
+    probe(traffic, "loadtest-probe", start=T0 + timedelta(hours=1))   # the provider's own red team
+    probe(traffic, "acct-slow", pause_s=600, start=T0 + timedelta(hours=2))
+    harness(traffic, "acct-mmlu", output=(1, 1), seed=3)
+    con = traffic.database()
+    assert probing_summary(con) is None
+    con.execute("CREATE TABLE account_classes AS SELECT DISTINCT account_id, "
+                "CASE WHEN account_id LIKE 'loadtest-%' THEN 'internal' ELSE 'customer' END AS account_class "
+                "FROM requests")
+    probing_assessment(con)
+    summary = probing_summary(con)
+    assert summary is not None
+    assert [(a["account_id"], a["account_class"], a["probing"]) for a in summary["accounts"]] == [
+        ("acct-prober", "customer", "likely"), ("loadtest-probe", "internal", "likely"),
+        ("acct-slow", "customer", "possible")]
+    assert summary["likely_customers"] == ["acct-prober"]
+    assert summary["accounts"][0]["why"].startswith("48 of 48 requests")

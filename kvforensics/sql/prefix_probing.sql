@@ -138,5 +138,6 @@ SELECT account_id, account_class, requests, short_requests, short_share, cached_
                 || '% sent after the previous first token and within ' || CAST($probe_max_gap_seconds AS STRING)
                 || ' s of it' END,
            CASE WHEN foreign_prefixes THEN CAST(cross_tenant_hits AS STRING)
-                || ' requests reused prefixes stored by other tenants' END), ''), 'no probing signal') AS why
+                || CASE WHEN cross_tenant_hits = 1 THEN ' request' ELSE ' requests' END
+                || ' reused prefixes stored by other tenants' END), ''), 'no probing signal') AS why
 FROM signals;
