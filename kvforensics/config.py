@@ -44,7 +44,9 @@ _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
 #: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS).
 TOP_LEVEL_TABLES = {"incident": "[incident]", "sources": "[[sources]]", "scope": "[scope]", "events": "[[events]]",
-                    "models": "[models]", "settings": "[settings]", "instances": "[instances]", "rules": "[rules]"}
+                    "models": "[models]", "settings": "[settings]", "instances": "[instances]", "rules": "[rules]",
+                    "prefix_cache": "[prefix_cache]"}
+_PREFIX_CACHE_KEYS = {"block_size", "word_blocks"}
 _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
@@ -137,6 +139,8 @@ class Incident:
     year: int | None = None
     instances: InstanceMatching = field(default_factory=InstanceMatching)  # [instances]
     max_quarantine_fraction: float = 0.01  # [settings]: above it a requests source makes the run inconclusive
+    prefix_block_size: int | None = None  # [prefix_cache] block_size: the engines' prefix-cache block size
+    prefix_word_blocks: bool = False  # [prefix_cache] present: prompts without token ids cut into word blocks
 
     @property
     def base_dir(self) -> Path:
@@ -416,7 +420,8 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
                     instances=instances_from_config(_checked_instances(data.get("instances"), label),
                                                     f"{label}: [instances]"),
-                    max_quarantine_fraction=float(max_q))
+                    max_quarantine_fraction=float(max_q),
+                    **_parse_prefix_cache(data, label))
 
 
 def _check_top_level(data: Mapping[str, Any], label: str) -> None:
@@ -505,6 +510,23 @@ def _parse_rules(rules: Mapping[str, Any], label: str) -> dict[str, dict[str, An
                                   f"default {default!r}, got "
                                   f"{_type_name(value)}", location=where)
     return {k: dict(v) for k, v in rules.items()}
+
+
+def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """``[prefix_cache]``: the block size prompts are cut at, and whether prompts without token ids are
+    cut into blocks of words (on by default once the table is there)."""
+    if "prefix_cache" not in data:
+        return {}
+    where = f"{label}: [prefix_cache]"
+    table = _table(data, "prefix_cache", label)
+    check_keys(table, _PREFIX_CACHE_KEYS, where)
+    size = _optional(table, "block_size", int, where, "an integer (tokens per block)")
+    if size is not None and not 1 <= size <= 1_000_000:
+        raise ConfigError(f"block_size must be from 1 to 1000000 tokens, got {size}", location=where)
+    words = table.get("word_blocks", True)
+    if not isinstance(words, bool):
+        raise ConfigError(f"'word_blocks' must be true or false, got {_type_name(words)}", location=where)
+    return {"prefix_block_size": size, "prefix_word_blocks": words}
 
 
 def _checked_instances(raw: Any, label: str) -> Any:

@@ -27,6 +27,7 @@ from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.changes import load_changes
 from kvforensics.loaders.content import load_content
 from kvforensics.loaders.kv_events import Chains, load_kv_events
+from kvforensics.loaders.prefix_blocks import block_size
 from kvforensics.loaders.requests import FileLoad, load_requests_files
 from kvforensics.loaders.textio import file_digest, printable_raw
 
@@ -92,12 +93,12 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     con.execute("DELETE FROM changes").fetchall()
     con.execute("DELETE FROM content_fingerprints").fetchall()
     con.execute("DELETE FROM content_stats").fetchall()
+    con.execute("DELETE FROM request_blocks").fetchall()
     con.execute("DELETE FROM kv_events").fetchall()
     chains = Chains()  # KV-event chains continue across files
     startups: list[tuple[Source, Path, Any]] = []
-    for source, files in plan:
-        if source.kind == "requests":
-            continue
+    # content last: its prompts are cut into blocks of the size the KV events and start-ups show
+    for source, files in [p for p in plan if p[0].kind not in ("requests", "content")]:
         for path in files:
             on_file(f"{source.name}: {path.name}")
             _forget_file(con, source, path)
@@ -111,11 +112,16 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             elif source.kind == "kv_events":
                 record = _record(con, source, path, _digest(path, digests),
                                  load_kv_events(con, source, path, key_for(incident.id), chains))
-            else:
-                record = _record(con, source, path, _digest(path, digests),
-                                 load_content(con, source, path, key_for(incident.id)))
             result.files.append(record)
     _build_capacity(con, incident, startups, result)
+    size = block_size(con, incident.prefix_block_size)
+    for source, files in [p for p in plan if p[0].kind == "content"]:
+        for path in files:
+            on_file(f"{source.name}: {path.name}")
+            _forget_file(con, source, path)
+            result.files.append(_record(con, source, path, _digest(path, digests),
+                                        load_content(con, source, path, key_for(incident.id), size,
+                                                     incident.prefix_word_blocks)))
     _match_instance_names(con, incident, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)

@@ -19,12 +19,14 @@ import pyarrow as pa
 from kvforensics.config import Source
 from kvforensics.db import run_script
 from kvforensics.fingerprint import SHINGLE_WORDS, hmac_blocks, rendered_text, shingle_words
+from kvforensics.loaders.prefix_blocks import TOKEN_IDS_NOTE, WORDS_NOTE, BlockRows, prefix_blocks, token_ids
 from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
 from kvforensics.loaders.staging import FileLoad
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 16 << 20  # text characters per DuckDB batch: large enough to amortise, small in memory
 NOTE = "text fingerprinted (keyed HMAC of word shingles); no text stored"
+BLOCK_ROWS = 500_000  # request_blocks rows per insert
 
 
 class _TextBatch:
@@ -56,10 +58,16 @@ class _TextBatch:
                          "words": pa.array(self.words, type=pa.string())})
 
 
-def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes) -> FileLoad:
+def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
+                 block_size: int | None = None, word_blocks: bool = False) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
-    ``content_stats`` under *key*; refused records (without their text) into ``quarantine``."""
+    ``content_stats`` under *key*; refused records (without their text) into ``quarantine``. With a
+    *block_size*, each prompt's ``prompt_token_ids`` (or, with *word_blocks*, its words when it has none)
+    are cut into prefix-cache blocks in ``request_blocks`` (loaders/prefix_blocks.py)."""
     load = FileLoad(file=path)
+    blocks = BlockRows()
+    ids_column = source.column("prompt_token_ids")
+    cut = {"ids": 0, "words": 0}
     inner, outer = hmac_blocks(key)
     params = {"inner": inner, "outer": outer, "width": SHINGLE_WORDS}
     quarantine = QuarantineRows(con, source, path)
@@ -69,8 +77,11 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
     for line, _raw, rec, problem in read_records(source, path, load):
         load.records_read += 1
         rid = rec.get(id_column) if rec else None
+        ids = token_ids(rec.get(ids_column)) if rec else []
         if problem is None and not rid:
             problem = "missing required field 'request_id'"
+        elif problem is None and ids is None:
+            problem = f"{ids_column} is not a list of non-negative integer token ids"
         elif problem is None and lone_surrogate(str(rid)):
             problem = "request_id is not valid Unicode (a lone surrogate escape)"
         if problem or rec is None:
@@ -82,13 +93,34 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
             text = rendered_text(rec.get(column))  # a chat-messages array as its texts
             if text:
                 batch.add(str(rid), part, text)
+        if block_size:
+            words = rendered_text(rec.get(columns[0][1])) if word_blocks and not ids else None
+            _cut(blocks, str(rid), ids or [], words, block_size, key, cut)
+            if len(blocks) >= BLOCK_ROWS:
+                blocks.flush(con)
         if batch.chars >= BATCH_CHARS:
             _fingerprint(con, batch, params)
             batch = _TextBatch()
     _fingerprint(con, batch, params)
+    blocks.flush(con)
     quarantine.flush()
     load.notes.append(NOTE)
+    if cut["ids"]:
+        load.notes.append(TOKEN_IDS_NOTE.format(size=block_size))
+    if cut["words"]:
+        load.notes.append(WORDS_NOTE.format(size=block_size))
     return load
+
+
+def _cut(blocks: BlockRows, request_id: str, ids: list[int], prompt: str | None, block_size: int, key: bytes,
+         cut: dict[str, int]) -> None:
+    """One prompt's prefix blocks: from its token ids, else (when given) from its words."""
+    if ids:
+        blocks.add(request_id, prefix_blocks(ids, block_size, key))
+        cut["ids"] += 1
+    elif prompt:
+        blocks.add(request_id, prefix_blocks(shingle_words(prompt).split(), block_size, key))
+        cut["words"] += 1
 
 
 def _fingerprint(con: duckdb.DuckDBPyConnection, batch: _TextBatch, params: dict[str, object]) -> None:

@@ -112,6 +112,24 @@ CREATE TABLE IF NOT EXISTS content_fingerprints (
     fp                BIGINT NOT NULL         -- keyed HMAC of a word shingle, never the text
 );
 
+-- Prompts cut into prefix-cache blocks (kind "content", kvforensics/loaders/prefix_blocks.py): one row per full
+-- block of the engine's block size; fingerprints only, never token ids or words.
+CREATE TABLE IF NOT EXISTS request_blocks (
+    request_id        VARCHAR NOT NULL,
+    position          BIGINT NOT NULL,        -- the block's index in the prompt (0 = first)
+    num_tokens        BIGINT NOT NULL,        -- tokens (words, without token ids) the block holds
+    block_fp          BIGINT NOT NULL,        -- keyed HMAC of the block's token ids (= kv_events.block_fp)
+    chain_fp          BIGINT NOT NULL         -- keyed hash of the parent's chain_fp and block_fp: the prefix
+);
+
+-- The incident file's account globs ([scope] internal_accounts, reporter_accounts), written by ingest: rules
+-- read them to set the provider's own accounts apart (their shared prefixes expose nothing).
+CREATE TABLE IF NOT EXISTS account_patterns (
+    pattern           VARCHAR,
+    account_class     VARCHAR,                -- reporter | internal
+    priority          INTEGER
+);
+
 CREATE TABLE IF NOT EXISTS content_stats (
     request_id        VARCHAR NOT NULL,
     part              VARCHAR NOT NULL,
