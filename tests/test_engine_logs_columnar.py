@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import tempfile
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -18,6 +19,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvforensics.loaders.engine_clock import LocalClock
 from kvforensics.loaders.engine_columnar import parse_engine_file_columnar
 from kvforensics.loaders.engine_common import EngineFileParse, parse_engine_file
 from kvforensics.loaders.engine_types import EVENT_COLUMNS
@@ -216,3 +218,16 @@ def test_vllm_and_enveloped_files_take_the_reference_path() -> None:
         reference, columnar = _both(path)
         _assert_same(reference, columnar)
         assert not any(p.event_tables for p in columnar.instances.values())
+
+
+def test_an_hour_with_a_daylight_saving_change_has_no_single_shift() -> None:
+    clock = LocalClock(NEW_YORK, clock_offset_s=1.5)
+    assert clock.hour_shift_us(2026, 8, 27, 10) == -4 * 3600 * 1_000_000 - 1_500_000  # EDT, minus the clock offset
+    assert clock.hour_shift_us(2026, 3, 8, 2) is None  # skipped
+    assert clock.hour_shift_us(2026, 11, 1, 1) is None  # repeated
+    assert clock.hour_shift_us(2026, 2, 30, 10) is None  # not a date
+    assert clock.hour_shift_us(9999, 12, 31, 23) is None  # its UTC instant is out of range
+    local = datetime(2026, 8, 27, 10, 17, 3, 250)
+    shift = clock.hour_shift_us(2026, 8, 27, 10)
+    assert shift is not None
+    assert clock.to_utc(local, 1) == local.replace(tzinfo=UTC) - timedelta(microseconds=shift)

@@ -3,7 +3,8 @@ canary and corruption lines, ``ReqTimeStats``), read from the message without it
 
 :func:`match_event` is stateless; the parser adds what needs the lines around (the start-up a
 line belongs to, copies of one message printed by several TP ranks, the time of a line without a
-stamp). The vectorised reader (:mod:`kvforensics.loaders.engine_columnar`) uses the same patterns.
+stamp). The columnar reader (:mod:`kvforensics.loaders.engine_columnar`) reads the plainest
+``ReqTimeStats`` lines in SQL as :func:`match_event` reads them, and leaves every other line to the parser.
 """
 
 from __future__ import annotations
