@@ -77,17 +77,18 @@ def _system_blocks() -> list[str]:
 
 
 def probe(traffic: Traffic, account: str, *, probes: int = 48, candidates: int = 8, pause_s: float = 0.3,
-          cached: bool = True, start: datetime = T0) -> list[str]:
+          cached: bool = True, start: datetime = T0, full_blocks_only: bool = False) -> list[str]:
     """Token-by-token search over another tenant's cached document (the victim's 64 blocks after the system
     prompt): per position, ``candidates`` guesses of the next token, one output token each, each sent right
-    after the previous first token came back."""
+    after the previous first token came back. ``full_blocks_only``: the guess stays in a partial last block,
+    which request_blocks does not hold."""
     ts, ids = start, []
     victim = _system_blocks() + [f"victim-{i}" for i in range(64)]
     for i in range(probes):
         known = i // candidates                       # tokens recovered so far
         prompt = len(victim) * BLOCK + known + 1
         ids.append(traffic.send(account, ts, prompt, 1, len(victim) * BLOCK if cached else None,
-                                blocks=victim + [f"{account}-guess-{i}"]))
+                                blocks=victim if full_blocks_only else victim + [f"{account}-guess-{i}"]))
         ts += timedelta(seconds=pause_s)
     return ids
 
@@ -172,6 +173,15 @@ def test_prober_among_look_alikes_is_the_only_likely_account(with_blocks):
         assert prober["prompt_lengths"] == 6 and prober["small_step_share"] == 1.0
         assert "6 prompt lengths, 100% of consecutive ones within 4 tokens" in prober["why"]
     assert prober["why"].startswith("48 of 48 requests answered with at most 4 output tokens")
+
+
+def test_guesses_inside_a_partial_block_show_in_the_prompt_lengths():
+    traffic = Traffic()
+    probe(traffic, "acct-prober", full_blocks_only=True)
+    prober = row(probing_assessment(traffic.database()), "acct-prober")
+    assert (prober["continuation_basis"], prober["max_continuations"]) == ("prefix blocks", 1)
+    assert (prober["varied"], prober["probing"]) == (True, "likely")
+    assert "6 prompt lengths, 100% of consecutive ones within 4 tokens" in prober["why"]
 
 
 def test_each_signal_of_the_prober_is_measured():

@@ -103,9 +103,11 @@ WITH totals AS (
     SELECT f.*,
            f.short_requests >= $probe_min_requests AND f.short_share >= $probe_min_short_share AS many_short,
            f.cached_prefix_share >= $probe_min_cached_share AS long_prefix,
-           CASE WHEN f.continuation_basis = 'prefix blocks' THEN f.max_continuations >= $probe_min_continuations
-                ELSE f.prompt_lengths >= $probe_min_continuations
-                     AND f.small_step_share >= $probe_min_small_step_share END AS varied,
+           -- request_blocks holds full blocks only: a guess inside the last, partial block shows in the
+           -- prompt lengths alone, so either measure may show the variation
+           f.max_continuations >= $probe_min_continuations
+             OR (f.prompt_lengths >= $probe_min_continuations
+                 AND f.small_step_share >= $probe_min_small_step_share) AS varied,
            f.read_back_share >= $probe_min_read_back_share AS read_back,
            f.cross_tenant_hits > 0 AS foreign_prefixes
     FROM features f
@@ -128,7 +130,7 @@ SELECT account_id, account_class, requests, short_requests, short_share, cached_
                 || '% of them reused a cached prefix of at least '
                 || CAST(CAST({{ round_double(100 * $probe_min_cached_fraction, 0) }} AS BIGINT) AS STRING)
                 || '% of the prompt' END,
-           CASE WHEN varied AND continuation_basis = 'prefix blocks' THEN CAST(max_continuations AS STRING)
+           CASE WHEN varied AND max_continuations >= $probe_min_continuations THEN CAST(max_continuations AS STRING)
                 || ' different last blocks after one common prefix'
                 WHEN varied THEN CAST(prompt_lengths AS STRING) || ' prompt lengths, '
                 || CAST(CAST({{ round_double(100 * small_step_share, 0) }} AS BIGINT) AS STRING)
