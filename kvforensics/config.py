@@ -27,6 +27,7 @@ from kvforensics.errors import ConfigError
 from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
 from kvforensics.instances import InstanceMatching, instances_from_config
 from kvforensics.loaders.mapping import source_mapping
+from kvforensics.mechanisms import load_mechanisms
 from kvforensics.presets import with_preset
 from kvforensics.rulebook import load_rules
 
@@ -42,10 +43,11 @@ _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instan
 _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "preset", "envelope",
                      "ambiguous")
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
-#: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS).
-TOP_LEVEL_TABLES = {"incident": "[incident]", "sources": "[[sources]]", "scope": "[scope]", "events": "[[events]]",
-                    "models": "[models]", "settings": "[settings]", "instances": "[instances]", "rules": "[rules]",
-                    "prefix_cache": "[prefix_cache]"}
+#: rule's parameters; [models.hardware."<model>"]: kvforensics.hardware.SPEC_TABLE_KEYS), and its one
+#: top-level key, `mechanisms` (the ids of kvforensics/mechanisms/ to investigate; written before the tables).
+TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
+                    "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
+                    "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]"}
 _PREFIX_CACHE_KEYS = {"block_size", "word_blocks"}
 _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
@@ -139,6 +141,7 @@ class Incident:
     year: int | None = None
     instances: InstanceMatching = field(default_factory=InstanceMatching)  # [instances]
     max_quarantine_fraction: float = 0.01  # [settings]: above it a requests source makes the run inconclusive
+    mechanisms: tuple[str, ...] | None = None  # the mechanisms named; None: every one whose inputs are present
     prefix_block_size: int | None = None  # [prefix_cache] block_size: the engines' prefix-cache block size
     prefix_word_blocks: bool = False  # [prefix_cache] present: prompts without token ids cut into word blocks
 
@@ -421,6 +424,7 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     instances=instances_from_config(_checked_instances(data.get("instances"), label),
                                                     f"{label}: [instances]"),
                     max_quarantine_fraction=float(max_q),
+                    mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
                     **_parse_prefix_cache(data, label))
 
 
@@ -510,6 +514,21 @@ def _parse_rules(rules: Mapping[str, Any], label: str) -> dict[str, dict[str, An
                                   f"default {default!r}, got "
                                   f"{_type_name(value)}", location=where)
     return {k: dict(v) for k, v in rules.items()}
+
+
+def _parse_mechanisms(raw: Any, label: str) -> tuple[str, ...] | None:
+    """``mechanisms = [...]``: known mechanism ids, each once; None when the key is absent."""
+    if raw is None:
+        return None
+    names = _strings(raw, "mechanisms", label)
+    if not names:
+        raise ConfigError("'mechanisms' is empty: name the mechanisms to investigate, or leave the key out to "
+                          "investigate every mechanism whose inputs are present", location=label)
+    check_keys(dict.fromkeys(names), {m.id for m in load_mechanisms()}, f"{label}: mechanisms", what="mechanism")
+    if len(set(names)) < len(names):
+        raise ConfigError(f"'mechanisms' names {sorted({n for n in names if names.count(n) > 1})} more than once",
+                          location=label)
+    return names
 
 
 def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:

@@ -1,7 +1,9 @@
-"""Detect: run every rule of ``kvforensics/rules`` and combine their findings into confidence tiers.
+"""Detect: run the rules of the selected exposure mechanisms and combine their findings into confidence tiers.
 
-A rule is two files, ``<id>.sql`` and ``<id>.yml`` (read by ``kvforensics.rulebook``): the SQL
-returns ``request_id, strength, evidence`` for the requests it flags.
+The mechanisms run are the ones the incident file names, else every mechanism whose inputs the
+evidence holds (``kvforensics.mechanisms.select``); the choice is kept in the ``mechanisms`` table.
+A rule is two files in its mechanism's folder, ``rules/<id>.sql`` and ``rules/<id>.yml`` (read by
+``kvforensics.rulebook``): the SQL returns ``request_id, strength, evidence`` for the requests it flags.
 
 Confidence tiers per request (documented in the report's method section):
   * ``confirmed``: at least one strong signal and at least two rules agree;
@@ -16,7 +18,7 @@ mismatch, a bare transfer failure, exceeding only the smallest of several pools.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import duckdb
 import pandas as pd
@@ -24,13 +26,14 @@ import pandas as pd
 from kvforensics import latency
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
-from kvforensics.rulebook import RULES_DIR, Rule, load_rules, rule_parameters
+from kvforensics.mechanisms import Selection, load_mechanisms, present_inputs, select
+from kvforensics.rulebook import Rule, load_rules, rule_parameters
 
 if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine
 
-__all__ = ["AFFECTED_TIERS", "RULES_DIR", "Rule", "detect", "evaluate_case", "load_case_tables", "load_rules",
-           "rule_parameters", "run_rule"]
+__all__ = ["AFFECTED_TIERS", "Rule", "detect", "evaluate_case", "load_case_tables", "load_rules",
+           "rule_parameters", "run_rule", "select_mechanisms"]
 
 AFFECTED_TIERS = ("confirmed", "probable")
 
@@ -42,9 +45,26 @@ def run_rule(con: duckdb.DuckDBPyConnection, rule: Rule, params: Mapping[str, An
     return con.execute(rule.sql, args or None).df()
 
 
+def select_mechanisms(con: duckdb.DuckDBPyConnection, named: Sequence[str] | None = None) -> tuple[Selection, ...]:
+    """Choose the mechanisms to run (*named*, else those whose inputs are present) and record the choice
+    in the ``mechanisms`` table."""
+    known = load_mechanisms()
+    present = present_inputs(con, {i for m in known for i in (*m.required, *m.any_of)})
+    chosen = select(named, present, known)
+    con.execute("DELETE FROM mechanisms").fetchall()
+    for s in chosen:
+        con.execute("INSERT INTO mechanisms VALUES ($id, $title, $named, $selected, $missing)",
+                    {"id": s.mechanism.id, "title": s.mechanism.title, "named": s.named, "selected": s.selected,
+                     "missing": list(s.missing)}).fetchall()
+    return chosen
+
+
 def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-           rules: tuple[Rule, ...] | None = None, spark: SparkEngine | None = None) -> pd.DataFrame:
-    """Run all rules, fit the latency model in between, write ``findings`` and ``request_tiers``.
+           rules: tuple[Rule, ...] | None = None, spark: SparkEngine | None = None,
+           mechanisms: Sequence[str] | None = None) -> pd.DataFrame:
+    """Run the selected mechanisms' rules (*mechanisms*: the incident file's list, None: every mechanism
+    whose inputs are present; *rules*: exactly these instead), fit the latency model in between, write
+    ``mechanisms``, ``findings`` and ``request_tiers``.
 
     With ``spark`` (a :class:`kvforensics.engines.spark.SparkEngine` holding the canonical tables),
     the rules run on Spark; the latency fit (an aggregate over ``requests``) and the combination of
@@ -54,7 +74,8 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     unknown = set(overrides) - {r.id for r in (rules or load_rules())}
     if unknown:
         raise ConfigError(f"[rules] names unknown rule(s) {sorted(unknown)}")
-    rules = rules or load_rules()
+    selected = {s.mechanism.id for s in select_mechanisms(con, mechanisms) if s.selected}
+    rules = rules or tuple(r for r in load_rules() if r.mechanism in selected)
     frames = []
     con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
     for rule in [r for r in rules if not r.needs_latency_model]:
@@ -70,7 +91,7 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     for rule in [r for r in rules if r.needs_latency_model]:
         frames.append(_collect(con, rule, overrides.get(rule.id), spark))
     found = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters"])
+        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters", "mechanism"])
     con.register("raw_findings", found)
     con.execute("""
         CREATE OR REPLACE TABLE request_tiers AS
@@ -82,9 +103,10 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
         FROM raw_findings GROUP BY request_id""").fetchall()
     con.execute("DELETE FROM findings").fetchall()
     con.execute("""
-        INSERT INTO findings (request_id, rule_id, rule_version, confidence, parameters, evidence, strength)
+        INSERT INTO findings (request_id, rule_id, rule_version, confidence, parameters, evidence, strength,
+                              mechanism)
         SELECT f.request_id, f.rule_id, f.rule_version, t.confidence, CAST(f.parameters AS JSON),
-               CAST(f.evidence AS JSON), f.strength
+               CAST(f.evidence AS JSON), f.strength, f.mechanism
         FROM raw_findings f JOIN request_tiers t USING (request_id)
         ORDER BY f.request_id, f.rule_id""").fetchall()
     con.unregister("raw_findings")
@@ -100,6 +122,7 @@ def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str,
     df["strength"] = df["strength"].astype(str)
     df["rule_id"] = rule.id
     df["rule_version"] = rule.version
+    df["mechanism"] = rule.mechanism
     df["parameters"] = json.dumps(params, sort_keys=True)
     return df
 

@@ -226,7 +226,8 @@ class Investigation:
         from kvforensics.detect import detect
 
         stage(f"detect: rules and latency model{' (rules on Spark)' if self.spark else ''}", self.progress)
-        return detect(self.con, overrides=self.incident.rule_parameters, spark=self.spark)
+        return detect(self.con, overrides=self.incident.rule_parameters, spark=self.spark,
+                      mechanisms=self.incident.mechanisms)
 
     def scope(self) -> ScopeResult:
         stage(f"scope: affected responses, recipients, sources, windows{' (on Spark)' if self.spark else ''}",

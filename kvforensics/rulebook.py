@@ -1,5 +1,6 @@
-"""The detection rules as data: ``rules/<id>.sql`` and ``rules/<id>.yml`` read into :class:`Rule`.
+"""The detection rules as data: ``mechanisms/<mechanism>/rules/<id>.sql`` and ``<id>.yml`` read into :class:`Rule`.
 
+Each rule belongs to the exposure mechanism whose folder holds it (:mod:`kvforensics.mechanisms`).
 A rule is two files: ``<id>.sql`` returns ``request_id, strength, evidence`` for the requests it
 flags, using named parameters (``$name``) declared with defaults in ``<id>.yml``, which also holds
 its metadata and its own positive and negative test cases. The SQL is portable
@@ -21,8 +22,7 @@ import yaml
 
 from kvforensics.engines.portable import EngineError, render
 from kvforensics.errors import ConfigError
-
-RULES_DIR = Path(__file__).parent / "rules"
+from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms
 _PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -42,6 +42,7 @@ class Rule:
     needs_latency_model: bool = False
     meta: Mapping[str, Any] = field(default_factory=dict)
     template: str = ""           # the portable text of <id>.sql (helpers not yet expanded)
+    mechanism: str = ""          # the id of the mechanism whose folder holds the rule
 
     def used_parameters(self) -> set[str]:
         return set(_PARAM.findall(re.sub(r"--[^\n]*", "", self.sql)))
@@ -53,31 +54,58 @@ class Rule:
 
 
 @cache
-def load_rules(directory: Path = RULES_DIR) -> tuple[Rule, ...]:
-    """Every rule in the directory, sorted by id."""
-    rules = []
-    for yml in sorted(directory.glob("*.yml")):
-        sql_path = yml.with_suffix(".sql")
+def load_rules(directory: Path = MECHANISMS_DIR) -> tuple[Rule, ...]:
+    """Every rule of every mechanism under *directory*, sorted by id. *directory* may also be one
+    mechanism's folder or a folder of rule files (its rules then belong to the mechanism of the folder
+    above, if that has a ``mechanism.yml``)."""
+    if any(directory.glob("*.yml")) and not (directory / "mechanism.yml").is_file():
+        owner = directory.parent.name if (directory.parent / "mechanism.yml").is_file() else ""
+        folders = [(directory, owner)]
+    elif (directory / "mechanism.yml").is_file():
+        folders = [(directory / "rules", directory.name)]
+    else:
+        folders = [(m.rules_dir, m.id) for m in load_mechanisms(directory)]
+    rules: dict[str, Rule] = {}
+    for folder, mechanism in folders:
+        for yml in sorted(folder.glob("*.yml")):
+            rule = _read_rule(yml, mechanism)
+            if rule.id in rules:
+                raise ConfigError(f"rule id {rule.id!r} is used by two mechanisms ({rules[rule.id].mechanism} and "
+                                  f"{mechanism}): rename one", location=str(yml))
+            rules[rule.id] = rule
+    return tuple(sorted(rules.values(), key=lambda r: r.id))
+
+
+def _read_rule(yml: Path, mechanism: str) -> Rule:
+    sql_path = yml.with_suffix(".sql")
+    try:
         meta = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
-        if not sql_path.exists():
-            raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
-        text = sql_path.read_text(encoding="utf-8")
-        try:
-            duckdb_sql = render(text, "duckdb")
-        except EngineError as e:
-            raise ConfigError(f"rule {yml.stem}: {e}", location=str(sql_path)) from None
-        version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
-        params = meta.get("parameters") or {}
-        rules.append(Rule(
-            id=str(meta.get("id", "")), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
-            description=str(meta.get("description", "")).strip(), sql=duckdb_sql, version=version,
-            parameters={k: v.get("default") for k, v in params.items()},
-            parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
-            references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
-            tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
-            template=text,
-        ))
-    return tuple(sorted(rules, key=lambda r: r.id))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"rule {yml.stem}: not valid YAML ({' '.join(str(e).split())[:200]})",
+                          location=str(yml)) from None
+    if not isinstance(meta, Mapping):
+        raise ConfigError(f"rule {yml.stem}: the file must be a mapping (id, title, severity ...)", location=str(yml))
+    if meta.get("id") != yml.stem:
+        raise ConfigError(f"rule {yml.stem}: id {meta.get('id')!r} must be the file's name {yml.stem!r}",
+                          location=str(yml))
+    if not sql_path.exists():
+        raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
+    text = sql_path.read_text(encoding="utf-8")
+    try:
+        duckdb_sql = render(text, "duckdb")
+    except EngineError as e:
+        raise ConfigError(f"rule {yml.stem}: {e}", location=str(sql_path)) from None
+    version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
+    params = meta.get("parameters") or {}
+    return Rule(
+        id=str(meta["id"]), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
+        description=str(meta.get("description", "")).strip(), sql=duckdb_sql, version=version,
+        parameters={k: v.get("default") for k, v in params.items()},
+        parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
+        references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
+        tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
+        template=text, mechanism=mechanism,
+    )
 
 
 def rule_parameters(rule: Rule, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:

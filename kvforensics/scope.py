@@ -132,6 +132,7 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
     probing = probing_summary(con)
     deliberate = sorted({*deliberate, *(probing["likely_customers"] if probing else [])})
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
+    mechanisms = con.execute("SELECT id, title, selected, missing_inputs FROM mechanisms ORDER BY id").fetchall()
     gaps = [{"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}
             for src, inst, a, b, n, d in con.execute(
                 "SELECT source, instance, start, \"end\", requests, description FROM log_gaps ORDER BY start").fetchall()]
@@ -139,6 +140,10 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
         "incident": incident.id,
         "conclusive": not reasons,
         "inconclusive_reasons": reasons,
+        # the exposure mechanisms whose rules ran (kvforensics/mechanisms), and the others with the inputs they lack
+        "mechanisms": [{"id": i, "title": t} for i, t, chosen, _ in mechanisms if chosen],
+        "mechanisms_not_investigated": [{"id": i, "title": t, "missing_inputs": list(m)}
+                                        for i, t, chosen, m in mechanisms if not chosen],
         "affected_responses": affected,
         "affected_accounts": accounts,
         "by_account_class": by_class,

@@ -234,7 +234,7 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
         shutil.copyfile(f"{db}.wal", work / f"{EVIDENCE}.wal")
     con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
     try:
-        detect(con, overrides=incident.rule_parameters)
+        detect(con, overrides=incident.rule_parameters, mechanisms=incident.mechanisms)
         summary = scope(con, incident).summary
         derived = table_digests(con)
         write_tables(con, work, raw_csv=manifest.get("csv_cells") == "raw")
@@ -259,7 +259,7 @@ def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
     con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
     try:
         ingest(con, incident)
-        detect(con, overrides=incident.rule_parameters)
+        detect(con, overrides=incident.rule_parameters, mechanisms=incident.mechanisms)
         scope(con, incident)
         return table_digests(con)
     finally:

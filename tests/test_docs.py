@@ -274,7 +274,7 @@ def test_the_readme_python_example_runs_on_the_sample(sample_run):
 
 def test_readme_rules_table_is_the_rule_set():
     rules = {}
-    for path in sorted((ROOT / "kvforensics" / "rules").glob("*.yml")):
+    for path in sorted((ROOT / "kvforensics" / "mechanisms").glob("*/rules/*.yml")):
         meta = yaml.safe_load(path.read_text(encoding="utf-8"))
         rules[meta["id"]] = meta["severity"]
     text = section("README.md", "Detection rules")
@@ -284,7 +284,8 @@ def test_readme_rules_table_is_the_rule_set():
 
 def test_readme_rule_example_uses_the_keys_of_a_real_rule():
     example = next(yaml.safe_load(body) for info, body, _ in fences("README.md") if info == "yaml")
-    real = yaml.safe_load((ROOT / "kvforensics" / "rules" / "prompt_exceeds_kv_pool.yml").read_text())
+    real = yaml.safe_load((ROOT / "kvforensics" / "mechanisms" / "stale_pages" / "rules" / "prompt_exceeds_kv_pool.yml")
+                          .read_text())
     assert set(example) <= set(real) | {"version"}
     assert {"id", "title", "severity", "description", "tests"} <= set(example)
 

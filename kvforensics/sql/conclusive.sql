@@ -220,3 +220,12 @@ FROM log_gaps g
 WHERE g.instance IS NULL
   AND EXISTS (SELECT 1 FROM gate_windows w WHERE g."end" > w.valid_from AND (w.valid_to IS NULL OR g.start < w.valid_to))
 ORDER BY g.source, g.start;
+
+-- reason: mechanism_inputs_missing
+SELECT format('mechanism ''{}'' is named in the incident file but the evidence lacks {}: its rules cannot judge every '
+              || 'response, so finding nothing is not an all-clear; add the source(s) that carry it, or remove the '
+              || 'mechanism from mechanisms', m.id, array_to_string(m.missing_inputs, ' and ')) AS message,
+       m.id AS mechanism, m.missing_inputs
+FROM mechanisms m
+WHERE m.named AND len(m.missing_inputs) > 0
+ORDER BY m.id;

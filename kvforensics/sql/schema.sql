@@ -187,7 +187,19 @@ CREATE TABLE IF NOT EXISTS findings (
     confidence        VARCHAR NOT NULL,       -- the request's tier: confirmed | probable | possible
     strength          VARCHAR,                -- this rule's signal: strong | weak
     parameters        JSON,
-    evidence          JSON
+    evidence          JSON,
+    mechanism         VARCHAR                 -- the exposure mechanism the rule belongs to (kvforensics/mechanisms)
+);
+ALTER TABLE findings ADD COLUMN IF NOT EXISTS mechanism VARCHAR;  -- databases built before mechanisms
+
+-- The exposure mechanisms an investigation ran (detect): every known one, named in the incident file or
+-- chosen because its inputs are present, with the inputs the evidence lacks.
+CREATE TABLE IF NOT EXISTS mechanisms (
+    id                VARCHAR NOT NULL,
+    title             VARCHAR NOT NULL,
+    named             BOOLEAN NOT NULL,       -- the incident file's `mechanisms` names it
+    selected          BOOLEAN NOT NULL,       -- its rules ran
+    missing_inputs    VARCHAR[] NOT NULL      -- inputs it needs that the evidence lacks ("a or b": one of them)
 );
 
 CREATE TABLE IF NOT EXISTS latency_model (

@@ -1,0 +1,184 @@
+"""Exposure mechanisms as units: ``mechanisms/<id>/mechanism.yml`` and its rules in ``mechanisms/<id>/rules/``.
+
+A mechanism is one way KV-cache contents cross tenants (``stale_pages``: pages read past an exceeded
+pool; ``prefix_reuse``: prefix-cache blocks matched across tenants). Its folder holds what the toolkit
+knows about it: ``mechanism.yml`` (title, the report's summary and explanation, the inputs it needs and
+the ones that strengthen it, how its sources are attributed, the audit checks that bear on it, what
+deliberate use looks like) and its detection rules (``rules/<rule>.sql`` + ``rules/<rule>.yml``, read
+by :mod:`kvforensics.rulebook`). Adding a mechanism is adding a folder.
+
+An input is a source kind (``requests``, ``engine_log``, ``content``, ``changes``, ``kv_events``) or a
+field of one (``requests.cache_salt``, ``kv_events.salt``). :func:`present_inputs` says which of them the
+evidence database holds; :func:`select` picks the mechanisms an investigation runs: the ones the
+incident file names, else every mechanism whose inputs are present.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import duckdb
+import yaml
+
+from kvforensics.db import one
+from kvforensics.errors import ConfigError
+
+MECHANISMS_DIR = Path(__file__).parent
+#: The source kinds an input may name, with the evidence tables that hold them (a kind is present when
+#: one of its tables has a row; a field ``<kind>.<column>`` when that column of its table has a value).
+INPUT_TABLES: dict[str, tuple[str, ...]] = {
+    "requests": ("requests",),
+    "engine_log": ("capacity", "engine_events"),
+    "content": ("content_fingerprints",),
+    "changes": ("changes",),
+    "kv_events": ("kv_events",),
+}
+_FIELD_KINDS = ("requests", "kv_events")  # kinds whose fields are columns of their table
+_INPUT = re.compile(r"^([a-z_]+)(?:\.([a-z_][a-z0-9_]*))?$")
+_KEYS = {"id", "title", "summary", "explanation", "inputs", "attribution", "audit_checks", "exploitation"}
+_TEXT_KEYS = ("id", "title", "summary", "explanation", "attribution", "exploitation")
+_INPUT_KEYS = {"required", "any_of", "strengthens"}
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One exposure mechanism, as its ``mechanism.yml`` describes it."""
+
+    id: str
+    title: str
+    summary: str
+    explanation: str
+    required: tuple[str, ...]       # every one must be present
+    any_of: tuple[str, ...]         # at least one must be present (empty: no such need)
+    strengthens: tuple[str, ...]    # inputs that make its findings stronger or its sources surer
+    attribution: str
+    audit_checks: tuple[int, ...]   # numbers of kvforensics.audit.model.CHECKS
+    exploitation: str
+    path: Path                      # the mechanism's folder
+    rule_ids: tuple[str, ...]       # the rules found in its rules/ folder
+
+    @property
+    def rules_dir(self) -> Path:
+        return self.path / "rules"
+
+    def missing(self, present: Iterable[str]) -> tuple[str, ...]:
+        """The inputs it needs that are not in *present*: each required one, and its any_of group as
+        one entry ("a or b") when none of them is there."""
+        have = set(present)
+        lacking = [i for i in self.required if i not in have]
+        if self.any_of and not have & set(self.any_of):
+            lacking.append(" or ".join(self.any_of))
+        return tuple(lacking)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        return (f"<b>{escape(self.id)}</b>: {escape(self.title)}<p>{escape(self.summary)}</p>"
+                f"<p>rules: {escape(', '.join(self.rule_ids) or 'none')}</p>")
+
+
+def _text(meta: Mapping[str, Any], key: str, where: str) -> str:
+    value = meta.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"'{key}' must be a non-empty text", location=where)
+    return " ".join(value.split())
+
+
+def _inputs(meta: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
+    value = meta.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"inputs.{key} must be a list of inputs such as [requests, kv_events]", location=where)
+    for name in value:
+        m = _INPUT.match(name)
+        if not m or m.group(1) not in INPUT_TABLES or (m.group(2) and m.group(1) not in _FIELD_KINDS):
+            raise ConfigError(f"inputs.{key}: unknown input {name!r}; an input is a source kind "
+                              f"({', '.join(INPUT_TABLES)}) or a field of {' or '.join(_FIELD_KINDS)} "
+                              f"(e.g. requests.cached_tokens)", location=where)
+    return tuple(value)
+
+
+def read_mechanism(folder: Path) -> Mechanism:
+    """The mechanism of *folder*, its ``mechanism.yml`` checked whole (a ConfigError names the file)."""
+    path = folder / "mechanism.yml"
+    where = str(path)
+    try:
+        meta = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read the mechanism: {' '.join(str(e).split())[:200]}", location=where) from None
+    if not isinstance(meta, Mapping):
+        raise ConfigError("a mechanism.yml is a mapping of " + ", ".join(sorted(_KEYS)), location=where)
+    unknown = sorted(set(meta) - _KEYS)
+    missing = sorted(_KEYS - set(meta))
+    if unknown or missing:
+        raise ConfigError("; ".join(filter(None, [unknown and f"unknown key(s) {unknown}",
+                                                  missing and f"missing key(s) {missing}"])), location=where)
+    text = {k: _text(meta, k, where) for k in _TEXT_KEYS}
+    if text["id"] != folder.name:
+        raise ConfigError(f"id {text['id']!r} must be the folder's name {folder.name!r}", location=where)
+    inputs = meta["inputs"]
+    if not isinstance(inputs, Mapping) or not set(inputs) <= _INPUT_KEYS or "required" not in inputs:
+        raise ConfigError("inputs must be a mapping with required (and optionally any_of, strengthens), "
+                          "each a list of inputs", location=where)
+    checks = meta["audit_checks"]
+    if not isinstance(checks, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in checks):
+        raise ConfigError("audit_checks must be a list of audit check numbers, e.g. [6]", location=where)
+    rules_dir = folder / "rules"
+    rule_ids = tuple(sorted(p.stem for p in rules_dir.glob("*.yml"))) if rules_dir.is_dir() else ()
+    return Mechanism(id=text["id"], title=text["title"], summary=text["summary"], explanation=text["explanation"],
+                     required=_inputs(inputs, "required", where), any_of=_inputs(inputs, "any_of", where),
+                     strengthens=_inputs(inputs, "strengthens", where), attribution=text["attribution"],
+                     audit_checks=tuple(checks), exploitation=text["exploitation"], path=folder, rule_ids=rule_ids)
+
+
+@cache
+def load_mechanisms(directory: Path = MECHANISMS_DIR) -> tuple[Mechanism, ...]:
+    """Every mechanism of *directory* (each sub-folder holding a ``mechanism.yml``), sorted by id."""
+    return tuple(read_mechanism(p.parent) for p in sorted(directory.glob("*/mechanism.yml")))
+
+
+def present_inputs(con: duckdb.DuckDBPyConnection, names: Iterable[str]) -> set[str]:
+    """Which of the inputs *names* (validated by :func:`read_mechanism`) the evidence database holds.
+    ``requests`` is always present: an incident cannot be loaded without a requests source."""
+    present = set()
+    for name in set(names):
+        kind, _, column = name.partition(".")
+        if kind == "requests" and not column:
+            present.add(name)
+            continue
+        for table in INPUT_TABLES[kind]:
+            has_column = not column or one(
+                con, "SELECT count(*) FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
+                {"t": table, "c": column})[0]
+            # identifiers: a table of INPUT_TABLES and a column that exists in it
+            where = f'WHERE "{column}" IS NOT NULL' if column else ""
+            if has_column and one(con, f'SELECT count(*) FROM (SELECT 1 FROM "{table}" {where} LIMIT 1)')[0]:
+                present.add(name)
+                break
+    return present
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Whether an investigation runs a mechanism, and why."""
+
+    mechanism: Mechanism
+    named: bool                 # the incident file names it
+    selected: bool              # its rules run
+    missing: tuple[str, ...]    # inputs it needs that the evidence lacks
+
+
+def select(named: Sequence[str] | None, present: Iterable[str],
+           mechanisms: Sequence[Mechanism] | None = None) -> tuple[Selection, ...]:
+    """Every mechanism with whether it runs: those *named* (missing inputs or not), or, when the incident
+    file names none, every mechanism whose inputs are *present*."""
+    have = set(present)
+    out = []
+    for m in mechanisms if mechanisms is not None else load_mechanisms():
+        missing = m.missing(have)
+        is_named = named is not None and m.id in named
+        out.append(Selection(m, is_named, is_named if named is not None else not missing, missing))
+    return tuple(out)
