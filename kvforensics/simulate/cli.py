@@ -9,8 +9,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvforensics.errors import KvForensicsError
+from kvforensics.errors import ConfigError, KvForensicsError
 from kvforensics.simulate.exports import EXPORT_STYLES, ExportResult, export_incident
+from kvforensics.simulate.prefix import SCENARIOS as PREFIX_SCENARIOS
+from kvforensics.simulate.prefix import PrefixResult, simulate_prefix
 from kvforensics.simulate.run import SimulationResult, simulate
 from kvforensics.simulate.scenario import (
     COLUMN_STYLES,
@@ -60,6 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Grafana Loki and kubectl pod logs, pods replaced in rollouts (see simulate/exports.py)",
     )
     parser.add_argument(
+        "--mechanism",
+        choices=("stale_pages", "prefix_reuse"),
+        default="stale_pages",
+        help="exposure mechanism of the incident: stale KV pages (default, the sample) or prefix-cache "
+        "reuse across tenants (with --prefix-scenario; only --seed and --requests apply)",
+    )
+    parser.add_argument(
+        "--prefix-scenario",
+        choices=tuple(PREFIX_SCENARIOS),
+        default=None,
+        help="with --mechanism prefix_reuse: which prefix-cache incident (see simulate/prefix)",
+    )
+    parser.add_argument(
         "--logcli-timezone",
         default="UTC",
         help="with --export: IANA zone logcli printed the Loki timestamps in (its --timezone)",
@@ -101,9 +116,30 @@ def export_summary(result: ExportResult, console: Console) -> None:
     )
 
 
+def prefix_summary(result: PrefixResult, console: Console) -> None:
+    console.print(
+        f"Wrote {result.out_dir}: {result.scenario}, {result.requests:,} requests, {result.recipients} received "
+        f"another tenant's prefix blocks ({result.recipient_accounts} accounts; {result.source_accounts} source "
+        "accounts)."
+    )
+
+
+def run_prefix(args: argparse.Namespace, console: Console) -> None:
+    if args.prefix_scenario is None:
+        raise ConfigError(f"--mechanism prefix_reuse needs --prefix-scenario ({', '.join(PREFIX_SCENARIOS)})")
+    if args.export or args.scenario_file:
+        raise ConfigError("--export and --scenario-file apply to --mechanism stale_pages only")
+    prefix_summary(simulate_prefix(args.prefix_scenario, args.out, args.seed, args.requests), console)
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
+        if args.mechanism == "prefix_reuse":
+            run_prefix(args, console)
+            return 0
+        if args.prefix_scenario is not None:
+            raise ConfigError("--prefix-scenario needs --mechanism prefix_reuse")
         scenario = scenario_from_args(args)
         if args.export:
             export_summary(export_incident(scenario, args.out, args.logcli_timezone), console)
