@@ -63,6 +63,7 @@ class ScopeResult:
 
 
 SCOPE_SCRIPTS = ("scope", "exploitation", "notifications", "gaps")
+PREFIX_STORE_WINDOW_S = 60  # sql/prefix_sources.sql: as the block_hash_collision rule's default
 
 
 def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
@@ -70,6 +71,8 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     params = {**SCOPE_PARAMETERS, **(overrides or {})}
     period = {"start": incident.scope.start, "end": incident.scope.end}
     scripts = [(name, {**params, **period}) for name in SCOPE_SCRIPTS]
+    if probing_selected(con):  # prefix_reuse investigated: whose blocks each of its findings reused
+        scripts.append(("prefix_sources", {"store_window_s": PREFIX_STORE_WINDOW_S}))
     if spark is not None:
         spark.run_scripts(con, scripts)
     else:

@@ -1,4 +1,4 @@
--- A served request whose prefix-cache hit reused a block with a different content under the same
+-- A request whose prefix-cache hit reused a block with a different content under the same
 -- block hash: a collision in the engine's block keys (a predictable or truncated hash), so the
 -- request was computed on another prompt's KV. The reused blocks are the prompt's leading blocks its
 -- cached_tokens cover (request_blocks); the block hashes come from the KV-cache events (kv_events).
@@ -7,19 +7,21 @@
 -- $store_window_s before to $store_window_s after the request) names the hash of its parent, and the
 -- latest block stored under that hash before is what was reused. Its fingerprint differs from the
 -- request's block at that position: a collision. Also flagged: a reused block whose fingerprint the
--- events stored under a hash that, last before the request on its instance, held another fingerprint.
+-- events stored under a hash that, last before the request on its instance, held another fingerprint,
+-- and a reused block whose prefix no earlier request sent at all and whose content the events of its
+-- instance (covering the request's time) never stored before it (the request stored nothing itself).
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH hits AS (
     SELECT request_id, ts, prefill_instance, cached_tokens
     FROM requests
-    WHERE status BETWEEN 200 AND 299 AND cached_tokens > 0
+    WHERE cached_tokens > 0
 ), blocks AS (
-    SELECT request_id, position, block_fp,
+    SELECT request_id, position, block_fp, chain_fp,
            sum(num_tokens) OVER (PARTITION BY request_id ORDER BY position NULLS LAST
                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS end_token
     FROM request_blocks
 ), reused AS (
-    SELECT h.request_id, h.ts, h.prefill_instance, b.position, b.block_fp
+    SELECT h.request_id, h.ts, h.prefill_instance, b.position, b.block_fp, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
 ), last_reused AS (
@@ -34,8 +36,8 @@ WITH hits AS (
                                                                 k.seq NULLS LAST) AS pick
     FROM last_reused l
     JOIN blocks nb ON nb.request_id = l.request_id AND nb.position = l.position + 1
+    -- (not by position: the events number a chain from the block it hangs on, a colliding one's too)
     JOIN kv_events k ON k.instance = l.prefill_instance AND k.kind = 'stored' AND k.block_fp = nb.block_fp
-                    AND k.position = nb.position
     WHERE l.pick = 1 AND k.parent_block_hash IS NOT NULL
       AND k.ts >= {{ add_milliseconds(l.ts, -1000 * $store_window_s) }}
       AND k.ts <= {{ add_milliseconds(l.ts, 1000 * $store_window_s) }}
@@ -64,17 +66,38 @@ WITH hits AS (
     SELECT request_id, min(position) AS position, 2 AS priority, 'same_hash_other_fingerprint' AS basis
     FROM hashed WHERE latest = 1 AND held_fp <> block_fp
     GROUP BY request_id
-), found AS (
-    SELECT * FROM by_own_store
-    UNION ALL SELECT * FROM by_hash
-), ranked AS (
-    SELECT f.*, row_number() OVER (PARTITION BY f.request_id ORDER BY f.priority NULLS LAST) AS pick
-    FROM found f
 ), colliding_hashes AS (
     SELECT instance, count(*) AS hashes
     FROM (SELECT instance, block_hash FROM kv_events WHERE kind = 'stored' AND block_fp IS NOT NULL
           GROUP BY instance, block_hash HAVING count(DISTINCT block_fp) > 1) c
     GROUP BY instance
+), unexplained AS (
+    -- reused blocks whose prefix no earlier request sent anywhere: the cache held no such prefix
+    SELECT u.request_id, u.prefill_instance, min(u.position) AS position
+    FROM reused u
+    WHERE NOT EXISTS (SELECT 1 FROM request_blocks eb JOIN requests e ON e.request_id = eb.request_id
+                      WHERE eb.chain_fp = u.chain_fp AND eb.position = u.position AND e.ts < u.ts
+                        AND e.request_id <> u.request_id)
+    GROUP BY u.request_id, u.prefill_instance
+), instance_events AS (
+    SELECT instance, min(ts) AS first_ts, max(ts) AS last_ts FROM kv_events GROUP BY instance
+), by_unexplained AS (
+    -- and the events of its instance, which cover the request's time, never stored that block before
+    -- it: the cache held no such block, so the engine matched another under the same hash
+    SELECT x.request_id, x.position, 3 AS priority, 'hit_on_a_block_never_stored' AS basis
+    FROM unexplained x
+    JOIN hits h ON h.request_id = x.request_id
+    JOIN reused u ON u.request_id = x.request_id AND u.position = x.position
+    JOIN instance_events i ON i.instance = x.prefill_instance AND i.first_ts < h.ts AND h.ts < i.last_ts
+    WHERE NOT EXISTS (SELECT 1 FROM kv_events k WHERE k.instance = x.prefill_instance AND k.kind = 'stored'
+                                                  AND k.block_fp = u.block_fp AND k.ts < h.ts)
+), found AS (
+    SELECT * FROM by_own_store
+    UNION ALL SELECT * FROM by_hash
+    UNION ALL SELECT * FROM by_unexplained
+), ranked AS (
+    SELECT f.*, row_number() OVER (PARTITION BY f.request_id ORDER BY f.priority NULLS LAST) AS pick
+    FROM found f
 )
 SELECT h.request_id, 'strong' AS strength,
        {{ json_object('basis', r.basis, 'instance', h.prefill_instance, 'cached_tokens', h.cached_tokens,

@@ -1,10 +1,10 @@
--- A served request whose prefix-cache hit reused blocks that, on a cache it could read, only other
+-- A request whose prefix-cache hit reused blocks that, on a cache it could read, only other
 -- tenants had stored. The reused blocks are the prompt's leading blocks (request_blocks) that its
 -- cached_tokens cover. A block is foreign when an earlier request of another account sent the same
 -- prefix up to that block (equal chain_fp) and neither the requester's own account nor one of the
 -- provider's internal accounts ([scope] internal_accounts: a shared system prompt) had sent it before.
--- The store it came from: the earliest such request on the request's own instance, else (a hit no
--- request on its instance explains, or $shared_store) on any instance of the model.
+-- The store it came from: the earliest such request on the request's own instance under the same salt
+-- (its own cache), else (a hit nothing there explains, or $shared_store) on any instance of the model.
 -- Weak, from cached_tokens alone: a hit of at least $min_cached_tokens on a request whose blocks
 -- are unknown or unexplained, whose account never sent a prompt that long on the model before, that
 -- no internal account could have stored, and whose length fewer than $shared_length_accounts
@@ -16,29 +16,31 @@ WITH internal AS (
     JOIN account_patterns p ON {{ glob_match(a.account_id, p.pattern) }}
     WHERE p.account_class = 'internal'
 ), hits AS (
-    SELECT request_id, ts, account_id, model, prefill_instance, cached_tokens
+    -- cached_tokens says the engine served these tokens from its cache, whatever the client got after
+    SELECT request_id, ts, account_id, model, prefill_instance, cache_salt, cached_tokens
     FROM requests
-    WHERE status BETWEEN 200 AND 299 AND cached_tokens >= $min_cached_tokens
+    WHERE cached_tokens >= $min_cached_tokens
 ), blocks AS (
     SELECT request_id, position, num_tokens, chain_fp,
            sum(num_tokens) OVER (PARTITION BY request_id ORDER BY position NULLS LAST
                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS end_token
     FROM request_blocks
 ), reused AS (
-    SELECT h.request_id, h.ts, h.account_id, h.model, h.prefill_instance, b.position, b.chain_fp
+    SELECT h.request_id, h.ts, h.account_id, h.model, h.prefill_instance, h.cache_salt, b.position, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
 ), sent AS (
     -- every earlier send of the same prefix up to a reused block, on any instance of the model
     SELECT u.request_id, u.position, u.account_id, e.request_id AS sender_id, e.account_id AS sender_account,
            e.ts AS sender_ts,
-           CASE WHEN e.prefill_instance = u.prefill_instance THEN 1 ELSE 0 END AS local_send,
+           CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
+                THEN 1 ELSE 0 END AS local_send,
            CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
     FROM reused u
     JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
     JOIN requests e ON e.request_id = eb.request_id
     LEFT JOIN internal i ON i.account_id = e.account_id
-    WHERE e.ts < u.ts AND e.model = u.model AND e.status BETWEEN 200 AND 299 AND e.request_id <> u.request_id
+    WHERE e.ts < u.ts AND e.model = u.model AND e.request_id <> u.request_id
 ), per_block AS (
     SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local, count(*) AS sends
     FROM sent GROUP BY request_id, position

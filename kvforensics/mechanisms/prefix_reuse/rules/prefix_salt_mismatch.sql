@@ -1,4 +1,4 @@
--- A served request whose prefix-cache hit reused blocks stored under another cache salt: the
+-- A request whose prefix-cache hit reused blocks stored under another cache salt: the
 -- isolation the salt should give was lost (a store or router that drops the salt, salts never
 -- delivered to the scheduler). The reused blocks are the prompt's leading blocks its cached_tokens
 -- cover (request_blocks). Two bases, each strong:
@@ -21,7 +21,7 @@ WITH internal AS (
 ), hits AS (
     SELECT r.request_id, r.ts, r.account_id, r.model, r.prefill_instance, r.cache_salt, r.cached_tokens
     FROM requests r CROSS JOIN salts_logged l
-    WHERE r.status BETWEEN 200 AND 299 AND r.cached_tokens > 0 AND (r.cache_salt IS NOT NULL OR l.salted > 0)
+    WHERE r.cached_tokens > 0 AND (r.cache_salt IS NOT NULL OR l.salted > 0)
 ), blocks AS (
     SELECT request_id, position, block_fp, chain_fp,
            sum(num_tokens) OVER (PARTITION BY request_id ORDER BY position NULLS LAST
@@ -34,13 +34,14 @@ WITH internal AS (
 ), sent AS (
     SELECT u.request_id, u.position, e.account_id AS sender_account, e.cache_salt AS sender_salt, e.ts AS sender_ts,
            e.request_id AS sender_id,
-           CASE WHEN e.prefill_instance = u.prefill_instance THEN 1 ELSE 0 END AS local_send,
+           CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
+                THEN 1 ELSE 0 END AS local_send,
            CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
     FROM reused u
     JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
     JOIN requests e ON e.request_id = eb.request_id
     LEFT JOIN internal i ON i.account_id = e.account_id
-    WHERE e.ts < u.ts AND e.model = u.model AND e.status BETWEEN 200 AND 299 AND e.request_id <> u.request_id
+    WHERE e.ts < u.ts AND e.model = u.model AND e.request_id <> u.request_id
 ), per_block AS (
     SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local
     FROM sent GROUP BY request_id, position
