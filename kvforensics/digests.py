@@ -17,8 +17,10 @@ import duckdb
 from kvforensics.loaders.textio import file_digest
 
 CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "quarantine.csv")
+# written by the report stage only (`kvforensics report` or `run`); a folder `kvforensics scope` wrote has none
+REPORT_OUTPUTS = ("report.html", "report.md", "report.pdf", "notices")
 # the outputs the manifest hashes (folders: every file below); the database is hashed per table instead
-HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, "report.html", "report.md", "report.pdf", "notices")
+HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, *REPORT_OUTPUTS)
 _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums may differ in the last bits
 
 
@@ -67,3 +69,8 @@ def output_files(out_dir: Path) -> list[str]:
         path = out_dir / name
         found += [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path] if path.is_file() else []
     return sorted(p.relative_to(out_dir).as_posix() for p in found)
+
+
+def report_written(outputs: dict[str, str]) -> bool:
+    """Whether the manifest's ``outputs`` say the report stage wrote into the folder (its report or a notice)."""
+    return any(Path(rel).parts[:1] in [(name,) for name in REPORT_OUTPUTS] for rel in outputs)

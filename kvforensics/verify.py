@@ -3,7 +3,9 @@
 ``kvforensics verify DIR`` trusts nothing the run wrote. It
 
 * checks the manifest's SSH signature (``--allowed-signers``; ``ssh-keygen -Y verify``, namespace ``kvforensics``);
-* re-hashes every output file (scope.json, CSVs, reports, notices) against the manifest's ``outputs``;
+* re-hashes every output file (scope.json, CSVs, reports, notices) against the manifest's ``outputs``: a file it
+  lists must be there unchanged, a file it does not list must not (a folder ``kvforensics scope`` wrote holds no
+  report or notices, and its manifest lists none);
 * re-hashes every input against the manifest's ``inputs``;
 * hashes every table of the evidence database (its rows in a canonical order, not the file's bytes, which change
   on open) against the manifest's ``tables``;
@@ -29,7 +31,14 @@ import duckdb
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
-from kvforensics.digests import CSV_OUTPUTS, HASHED_OUTPUTS, output_digests, output_files, table_digests
+from kvforensics.digests import (
+    CSV_OUTPUTS,
+    HASHED_OUTPUTS,
+    output_digests,
+    output_files,
+    report_written,
+    table_digests,
+)
 from kvforensics.errors import ConfigError, InputError, KvForensicsError
 from kvforensics.loaders.textio import file_digest
 
@@ -245,7 +254,10 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
     problems += [f"scope.json {p}" for p in _json_diff(scope_json, json.loads(json.dumps(summary)))]
     for name in CSV_OUTPUTS:
         problems += _csv_diff(out_dir / name, work / name)
-    problems += _notices_diff(out_dir / "notices", work / "notices")
+    recorded = manifest.get("outputs")
+    # without the report stage no notice was written: only those present are compared (and each is unlisted)
+    complete = report_written(recorded) if isinstance(recorded, dict) else True
+    problems += _notices_diff(out_dir / "notices", work / "notices", complete=complete)
     return problems
 
 
@@ -332,10 +344,12 @@ def _csv_diff(have_path: Path, want_path: Path) -> list[str]:
     return problems
 
 
-def _notices_diff(have_dir: Path, want_dir: Path) -> list[str]:
+def _notices_diff(have_dir: Path, want_dir: Path, *, complete: bool = True) -> list[str]:
+    """Each notice that differs from the re-derived ones; those re-derived but absent only when the folder should
+    hold every notice (``complete``: the report stage wrote it)."""
     have = {p.relative_to(have_dir).as_posix() for p in have_dir.rglob("*") if p.is_file()} if have_dir.is_dir() else set()
     want = {p.relative_to(want_dir).as_posix() for p in want_dir.rglob("*") if p.is_file()} if want_dir.is_dir() else set()
-    problems = [f"notices/{rel} is missing; the evidence gives it" for rel in sorted(want - have)]
+    problems = [f"notices/{rel} is missing; the evidence gives it" for rel in sorted(want - have) if complete]
     problems += [f"notices/{rel} is not a notice the evidence gives" for rel in sorted(have - want)]
     problems += [f"notices/{rel} differs from the notice the evidence gives" for rel in sorted(have & want)
                  if (have_dir / rel).read_bytes() != (want_dir / rel).read_bytes()]

@@ -121,6 +121,41 @@ def test_a_forged_notice_and_a_removed_one_are_caught(out: Path) -> None:
     assert any(p.endswith("someone-else.md") and p.startswith("output not in the manifest") for p in problems)
 
 
+def test_deleted_notices_of_a_run_are_caught(out: Path) -> None:
+    listed = [rel for rel in json.loads((out / "manifest.json").read_text())["outputs"] if rel.startswith("notices/")]
+    assert listed
+    shutil.rmtree(out / "notices")
+    problems = verify(out)
+    assert {f"output missing: {rel}" for rel in listed} <= set(problems), problems
+    assert {f"{rel} is missing; the evidence gives it" for rel in listed} <= set(problems), problems
+
+
+def test_a_folder_written_by_the_stage_commands_up_to_scope_verifies_as_its_manifest_lists_it(tmp_path: Path,
+                                                                                          capsys) -> None:
+    incident = write_mini(tmp_path / "mini")
+    out = tmp_path / "out"
+    for command in ("ingest", "detect", "scope"):
+        assert main([command, str(incident), "--out", str(out), "--quiet"]) in (0, 3)
+    listed = json.loads((out / "manifest.json").read_text())["outputs"]
+    assert sorted(listed) == ["affected_requests.csv", "notifications.csv", "quarantine.csv", "scope.json"]
+    assert not (out / "notices").exists() and not (out / "report.html").exists()
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0, capsys.readouterr().out
+    assert verify(out) == []
+
+    forged = out / "notices" / "customers" / "someone-else.md"  # a notice no stage wrote
+    forged.parent.mkdir(parents=True)
+    forged.write_text("# Notice\n")
+    assert verify(out) == ["output not in the manifest: notices/customers/someone-else.md",
+                           "notices/customers/someone-else.md is not a notice the evidence gives"]
+    shutil.rmtree(out / "notices")
+
+    (out / "notifications.csv").unlink()  # a file the manifest lists
+    problems = verify(out)
+    assert "output missing: notifications.csv" in problems and "notifications.csv is missing" in problems, problems
+    assert main(["verify", str(out)]) == 1
+
+
 def test_an_input_changed_together_with_its_hash_in_the_manifest_is_caught(tmp_path: Path) -> None:
     incident = write_mini(tmp_path / "mini")
     out = tmp_path / "out"
