@@ -15,7 +15,7 @@ from kvforensics.db import connect
 from kvforensics.errors import ConfigError
 from kvforensics.investigation import Investigation
 
-RULES = sorted(p.stem for p in (Path(explore.__file__).parent.parent / "rules").glob("*.yml"))
+RULES = sorted(p.stem for p in (Path(explore.__file__).parent.parent / "mechanisms").glob("*/rules/*.yml"))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 import yaml
+from markupsafe import escape
 
 from kvforensics import conclusive
 from kvforensics.audit.model import CHECKS
@@ -231,6 +232,12 @@ def test_the_choice_shows_in_scope_json_and_the_report(sample_run):
         assert con.execute("SELECT DISTINCT mechanism FROM findings").fetchall() == [("stale_pages",)]
     finally:
         con.close()
+    stale = {m.id: m for m in load_mechanisms()}["stale_pages"]
+    for name, text in (("report.html", lambda t: str(escape(t))), ("report.md", str)):
+        report = (sample_run / name).read_text()
+        assert "How the data was exposed" in report and "Root cause" not in report
+        assert text(stale.title) in report and text(stale.summary.split(",")[0]) in report
+        assert "Not investigated, for want of its inputs: Prefix-cache blocks reused across tenants" in report
 
 
 def test_a_named_mechanism_without_its_inputs_makes_the_run_inconclusive(tmp_path):
@@ -245,6 +252,8 @@ def test_a_named_mechanism_without_its_inputs_makes_the_run_inconclusive(tmp_pat
     assert scope["inconclusive_reasons"][0]["evidence"]["mechanism"] == "prefix_reuse"
     assert "lacks kv_events or requests.cache_salt" in scope["inconclusive_reasons"][0]["message"]
     assert "mechanism_inputs_missing" in conclusive.codes()
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### Prefix-cache blocks reused across tenants" in report and "Not investigated" not in report
     assert scope["affected_responses"] >= 1  # stale_pages still finds the leak
 
 

@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from kvforensics import __version__
 from kvforensics.config import Incident
+from kvforensics.mechanisms import load_mechanisms
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames
 from kvforensics.report.embed import chart_box, live_charts
@@ -72,6 +73,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     physical = physical_bounds(specs, con.execute(
         "SELECT model, prompt_tokens, cached_tokens, ttft_ms, latency_ms FROM affected_responses").df()) if specs else []
     s = data.scope
+    known = {m.id: m for m in load_mechanisms()}
     first = min((w["first"] for w in s["windows"]), default=None)
     last = max((w["last"] for w in s["windows"]), default=None)
     return {
@@ -84,6 +86,9 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "audit_headline": audit.headline(), "audit_html": Markup(audit._repr_html_()),
         "audit_md": audit.to_markdown(), "audited": audit.exit_code != 2,  # 2: no start-up to audit
         "missing": missing_inputs(con, incident),
+        # the mechanisms investigated, with their report wording (kvforensics/mechanisms/<id>/mechanism.yml)
+        "mechanisms": [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
+        "not_investigated": s.get("mechanisms_not_investigated", []),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
     }
 
