@@ -1,8 +1,8 @@
 """The change log (``kind = "changes"``): deployments, restarts and config changes, from CSV or JSONL.
 
-A change needs a timestamp (ISO 8601 or epoch seconds/ms/us/ns; without an offset read in the
-source's timezone, the clock offset applied) and a description; model, instance and details are
-optional. Anything else is quarantined with its reason.
+A change needs a timestamp (ISO 8601 or epoch seconds/ms/us/ns; ISO 8601 without an offset read in
+the source's timezone; the clock offset applied to both) and a description; model, instance and
+details are optional. Anything else is quarantined with its reason.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _text(value: object) -> str | None:
 
 def parse_ts(value: str | None, source: Source) -> datetime | None:
     """A change's timestamp in UTC: epoch seconds/ms/us/ns by magnitude, or ISO 8601 (read in the
-    source's timezone when it has no offset); the source's clock offset applied. None if unreadable."""
+    source's timezone when it has no offset); the source's clock offset (real seconds) applied to
+    either, as the requests loader does. None if unreadable."""
     if value is None or not value.strip():
         return None
     v = value.strip()
@@ -83,10 +84,11 @@ def parse_ts(value: str | None, source: Source) -> datetime | None:
         num = float(v)
     except ValueError:
         num = None
+    offset = timedelta(seconds=source.clock_offset_s)
     if num is not None:
         scale = 1e9 if abs(num) >= 1e17 else 1e6 if abs(num) >= 1e14 else 1e3 if abs(num) >= 1e11 else 1.0
         try:
-            return datetime.fromtimestamp(num / scale, tz=timezone.utc)
+            return datetime.fromtimestamp(num / scale, tz=timezone.utc) + offset
         except (OverflowError, OSError, ValueError):  # inf, nan, beyond year 9999
             return None
     try:
@@ -95,4 +97,7 @@ def parse_ts(value: str | None, source: Source) -> datetime | None:
         return None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=source.tz)
-    return (dt + timedelta(seconds=source.clock_offset_s)).astimezone(timezone.utc)
+    try:  # in UTC first: an offset added to a zone's local time would move across a daylight-saving change
+        return dt.astimezone(timezone.utc) + offset
+    except OverflowError:  # an offset carrying a time beyond year 1 or 9999
+        return None

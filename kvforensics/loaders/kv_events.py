@@ -31,7 +31,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from hmac import digest as hmac_digest
 from pathlib import Path
 from typing import Any
@@ -231,10 +231,7 @@ def _batch_time(value: Any, source: Source) -> datetime | None:
         number: float | None = float(value)
     except ValueError:
         number = None
-    if number is None:
-        return parse_ts(str(value), source)  # ISO 8601: the offset applied there
-    epoch = parse_ts(repr(number), source)
-    return None if epoch is None else epoch + timedelta(seconds=source.clock_offset_s)
+    return parse_ts(str(value) if number is None else repr(number), source)  # the offset applied there
 
 
 def _get(record: dict, key: str) -> Any:
