@@ -344,7 +344,8 @@ def test_every_verdict_has_its_evidence_and_none_is_exposed(manifest: str | None
 def test_the_documented_manifest_example_reads(tmp_path: Path) -> None:
     doc = (Path(__file__).parent.parent / "docs" / "incident-config.md").read_text(encoding="utf-8")
     section = doc[doc.index("#### Check 6: prefix-cache isolation") :]
-    start = section.index("```toml\n") + len("```toml\n")
+    fence = "```toml manifest\n"  # fenced as a deployment manifest, not an incident file (tests/test_docs.py)
+    start = section.index(fence) + len(fence)
     example = section[start : section.index("```\n", start)]
     m = tmp_path / "deploy.toml"
     m.write_text(example)
