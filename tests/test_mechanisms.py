@@ -265,3 +265,21 @@ def test_readme_lists_every_mechanism_and_each_rules_mechanism():
     assert {r[1].strip().strip("`") for r in rows} == {m.id for m in load_mechanisms()}
     rows = [line.split("|") for line in rules_section.splitlines() if line.startswith("| `")]
     assert {r[1].strip().strip("`"): r[4].strip().strip("`") for r in rows} == {r.id: r.mechanism for r in load_rules()}
+
+
+def test_a_prefix_cache_incident_selects_prefix_reuse_by_its_inputs_and_needs_no_pool_window(tmp_path):
+    """Simulated L3 store dropping the salt: kv_events and cache_salt select prefix_reuse without naming it,
+    and its affected responses, served far from any exceeded pool, do not make the run inconclusive."""
+    from kvforensics.cli import main
+
+    assert main(["simulate", "--seed", "5", "--out", str(tmp_path / "in"), "--requests", "1500",
+                 "--mechanism", "prefix_reuse", "--prefix-scenario", "prefix-l3-unsalted"]) == 0
+    truth = json.loads((tmp_path / "in" / "ground_truth.json").read_text())
+    result = run(tmp_path / "in" / "incident.toml", tmp_path / "out", progress=False, pdf=False)
+    scope = json.loads((tmp_path / "out" / "scope.json").read_text())
+    assert [m["id"] for m in scope["mechanisms"]] == ["prefix_reuse", "stale_pages"]
+    assert scope["mechanisms_not_investigated"] == []
+    assert result.conclusive, scope["inconclusive_reasons"]
+    assert truth["recipients"] and scope["affected_responses"] > 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### Prefix-cache blocks reused across tenants" in report

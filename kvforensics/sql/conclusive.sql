@@ -180,10 +180,14 @@ GROUP BY u.field
 ORDER BY u.field DESC;
 
 -- reason: affected_outside_window
+-- (exposure windows are the stale_pages mechanism's: a response another mechanism's rules flagged, such as a
+-- prefix-cache hit, needs none; findings from before mechanisms have none recorded and count as stale_pages)
 WITH outside AS (
     SELECT a.model, a.ts FROM affected_responses a
     WHERE NOT EXISTS (SELECT 1 FROM gate_windows w
                       WHERE w.model = a.model AND a.ts >= w.valid_from AND (w.valid_to IS NULL OR a.ts < w.valid_to))
+      AND NOT EXISTS (SELECT 1 FROM findings f
+                      WHERE f.request_id = a.request_id AND coalesce(f.mechanism, 'stale_pages') <> 'stale_pages')
 ), spans AS (
     SELECT model, count(*) AS windows, min(valid_from) AS first_start,
            CASE WHEN bool_or(valid_to IS NULL) THEN NULL ELSE max(valid_to) END AS last_end
