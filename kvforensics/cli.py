@@ -15,6 +15,22 @@ from kvforensics.errors import KvForensicsError
 EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.conclusive)
 EXIT_PIPE_CLOSED = 141  # the reader of stdout went away (| head): as a tool ended by SIGPIPE, 128 + 13
 
+# --help, wrapped by hand (RawDescriptionHelpFormatter keeps the lines as written)
+DESCRIPTION = """\
+Investigate a suspected leak of KV-cache contents between the customers of an
+LLM inference provider: ingest gateway request logs and SGLang/vLLM engine logs
+into DuckDB, detect the affected responses, scope who is affected and write the
+report. 'kvforensics run incident.toml --out DIR' does every step; ingest,
+detect, scope and report each do one on the same folder."""
+EPILOG = f"""\
+Also: audit checks deployments for exposure (no incident needed), verify
+re-derives an output folder, simulate writes a synthetic incident. See
+'kvforensics COMMAND -h' for each command's options.
+
+Exit codes: 0 done; 1 audit found an exposure, or verify a difference; 2 could
+not run (one line says what to fix; --debug shows the traceback); {EXIT_INCONCLUSIVE} done, but
+the evidence cannot support the answer; {EXIT_PIPE_CLOSED} the reader of the output went away."""
+
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("incident", type=Path, help="the incident file (incident.toml)")
@@ -164,7 +180,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvforensics.config import ENGINE_ENVELOPES
 
-    parser = argparse.ArgumentParser(prog="kvforensics", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="kvforensics", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvforensics {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvforensics.cli import main
+import pytest
+
+from kvforensics.cli import EXIT_INCONCLUSIVE, EXIT_PIPE_CLOSED, build_parser, main
 
 
 def test_run_end_to_end(mini_incident, tmp_path, capsys):
@@ -151,3 +153,21 @@ def test_adding_a_new_days_file_loads_only_what_is_new(mini_incident, tmp_path):
     assert "already loaded (same SHA-256): not read again" in gateway["day1.jsonl"].notes
     assert (gateway["day2.jsonl"].records_read, gateway["day2.jsonl"].loaded) == (1, 1)
     assert (mini_incident.parent / "gateway" / "day1.jsonl").read_bytes() == before, "inputs are never modified"
+
+
+def test_help_says_what_the_tool_is_its_commands_and_exit_codes_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    parser = build_parser()
+    for text in (parser.description, parser.epilog):
+        flat = " ".join(text.split())
+        assert flat[:1].isupper() and flat.endswith("."), flat
+        assert flat in printed  # shown whole, not cut at its first line
+    (commands,) = [a.choices for a in parser._subparsers._group_actions]  # the subcommands argparse knows
+    for name in commands:
+        assert f" {name} " in f" {parser.description} {parser.epilog} ".replace(",", " "), name
+    exit_codes = parser.epilog[parser.epilog.index("Exit codes:"):]
+    for code in (0, 1, 2, EXIT_INCONCLUSIVE, EXIT_PIPE_CLOSED):
+        assert f" {code} " in exit_codes, code
