@@ -31,6 +31,7 @@ BLOCK_SIZE = 16
 INSTANCES = ["vllm-0", "vllm-1", "vllm-2", "vllm-3"]
 CAPACITY_BLOCKS = 6144  # 98,304 tokens per instance: evictions within hours
 DEFAULT_REQUESTS = 20_000
+MAX_REQUESTS = 100_000  # every request is kept in memory (~15 kB each)
 DEFAULT_SEED = 15
 START = datetime(2026, 10, 12, tzinfo=UTC)
 HOURS = 48
@@ -83,8 +84,9 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
         raise ConfigError(f"unknown prefix scenario '{name}'; choose one of {', '.join(SCENARIOS)}")
     seed = DEFAULT_SEED if seed is None else seed
     requests = DEFAULT_REQUESTS if requests is None else requests
-    if requests < 1000:
-        raise ConfigError(f"--requests {requests} is too few for a prefix-cache scenario; use at least 1000")
+    if not 1000 <= requests <= MAX_REQUESTS:
+        raise ConfigError(f"--requests {requests} is out of range for a prefix-cache scenario (held in memory): "
+                          f"use 1000 to {MAX_REQUESTS}")
     bits = scenario.weak_bits and (hash_bits or scenario.weak_bits)
     if bits is not None and not 8 <= bits <= 63:
         raise ConfigError(f"hash_bits {bits} is out of range; use 8 to 63")
