@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvforensics.errors import ConfigError
 from kvforensics.simulate.prefix import files
-from kvforensics.simulate.prefix.serve import Deployment, serve
+from kvforensics.simulate.prefix import serve as serving
 from kvforensics.simulate.prefix.workload import PROVIDER_ACCOUNT, build_workload
 
 BLOCK_SIZE = 16
@@ -90,12 +90,12 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     bits = scenario.weak_bits and (hash_bits or scenario.weak_bits)
     if bits is not None and not 8 <= bits <= 63:
         raise ConfigError(f"hash_bits {bits} is out of range; use 8 to 63")
-    dep = Deployment(INSTANCES, CAPACITY_BLOCKS, BLOCK_SIZE, l3=scenario.l3,
+    dep = serving.Deployment(INSTANCES, CAPACITY_BLOCKS, BLOCK_SIZE, l3=scenario.l3,
                      weak_instance="vllm-2" if bits else None, weak_bits=bits)
     w = build_workload(seed, requests, START, HOURS, INSTANCES, TENANTS, BLOCK_SIZE, scenario.probe)
     accounts = {r.account for r in w.requests}
     salts = {a: tenant_salt(seed, a) for a in sorted(accounts)} if scenario.salted else {}
-    served, caches = serve(w.requests, dep, salts, {PROVIDER_ACCOUNT}, seed)
+    served, caches = serving.serve(w.requests, dep, salts, {PROVIDER_ACCOUNT}, seed)
     out.mkdir(parents=True, exist_ok=True)
     files.write_requests(out, served, w)
     files.write_kv_events(out, caches, BLOCK_SIZE)
