@@ -36,6 +36,11 @@ RULE_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
 RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
     "prefill_too_fast": ("cached_tokens", "completion_tokens"),          # taken as 0 when missing
     "prompt_exceeds_kv_pool": ("prefill_instance", "decode_instance"),  # the model's prefill pools then
+    # prefix_reuse (its mechanism requires cached_tokens): without an instance the model's instances are
+    # read as one shared cache; without a request salt the KV events' salt is compared
+    "cross_tenant_prefix_hit": ("cache_salt", "prefill_instance"),
+    "prefix_salt_mismatch": ("cache_salt", "prefill_instance"),
+    "block_hash_collision": ("prefill_instance",),
 }
 
 _REASON = re.compile(r"^--\s*reason:\s*([a-z_]+)\s*$", re.MULTILINE)

@@ -123,17 +123,19 @@ def test_a_rule_id_is_its_file_name(tmp_path):
 
 def test_select_by_inputs_or_by_name():
     prefix = {m.id: m for m in load_mechanisms()}["prefix_reuse"]
-    assert prefix.missing({"requests"}) == ("kv_events or requests.cache_salt",)
-    assert prefix.missing({"requests", "kv_events"}) == ()
+    assert prefix.missing({"requests"}) == ("requests.cached_tokens", "kv_events or requests.cache_salt")
+    assert prefix.missing({"requests", "requests.cached_tokens"}) == ("kv_events or requests.cache_salt",)
+    assert prefix.missing({"requests", "kv_events"}) == ("requests.cached_tokens",)
+    assert prefix.missing({"requests", "requests.cached_tokens", "kv_events"}) == ()
     chosen = {s.mechanism.id: s for s in select(None, {"requests", "requests.cached_tokens", "content"})}
     assert chosen["stale_pages"].selected and not chosen["prefix_reuse"].selected
     assert not chosen["prefix_reuse"].named
-    chosen = {s.mechanism.id: s for s in select(None, {"requests", "requests.cache_salt"})}
+    chosen = {s.mechanism.id: s for s in select(None, {"requests", "requests.cached_tokens", "requests.cache_salt"})}
     assert chosen["stale_pages"].selected and chosen["prefix_reuse"].selected
     chosen = {s.mechanism.id: s for s in select(["prefix_reuse"], {"requests"})}
     assert not chosen["stale_pages"].selected
     assert chosen["prefix_reuse"].selected and chosen["prefix_reuse"].named
-    assert chosen["prefix_reuse"].missing == ("kv_events or requests.cache_salt",)
+    assert chosen["prefix_reuse"].missing == ("requests.cached_tokens", "kv_events or requests.cache_salt")
 
 
 def test_present_inputs_reads_the_evidence():
@@ -195,14 +197,16 @@ def test_detect_runs_only_the_selected_mechanisms_rules():
          "ttft_ms": 100 + 60 * i} for i in range(40)]})
     found = detect(con)
     assert set(found["mechanism"]) <= {"stale_pages"}
-    assert _mechanisms(con) == [("prefix_reuse", False, False, ["kv_events or requests.cache_salt"]),
+    assert _mechanisms(con) == [("prefix_reuse", False, False,
+                                 ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
                                 ("stale_pages", False, True, [])]
     assert set(con.execute("SELECT DISTINCT mechanism FROM findings").fetchall()) <= {("stale_pages",)}
 
     found = detect(con, mechanisms=["prefix_reuse"])
     prefix_rules = {r.id for r in load_rules() if r.mechanism == "prefix_reuse"}
     assert set(found["rule_id"]) <= prefix_rules
-    assert _mechanisms(con) == [("prefix_reuse", True, True, ["kv_events or requests.cache_salt"]),
+    assert _mechanisms(con) == [("prefix_reuse", True, True,
+                                 ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
                                 ("stale_pages", False, False, [])]
 
 
