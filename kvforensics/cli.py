@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  help="load only the input files added since --out was built into its evidence "
                                       "(refused if any was removed or modified)")
         p.set_defaults(func=func)
-    a = sub.add_parser("audit", help="is any deployment exposed now? the five operator checks (exit 1 if anything "
+    a = sub.add_parser("audit", help="is any deployment exposed now? the six operator checks (exit 1 if anything "
                                      "was exposed in the logs, --now: if a start-up still in force is)")
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
     a.add_argument("--incident", type=Path, help="audit the engine logs of an incident file instead")

@@ -1,4 +1,4 @@
-"""The deployment exposure audit (issue 6): five checks per instance and start-up, never a pass on
+"""The deployment exposure audit (issue 6): the checks per instance and start-up, never a pass on
 missing evidence, exit 1 when exposed / 0 when clean / 2 when nothing could be audited."""
 
 from __future__ import annotations
