@@ -62,7 +62,9 @@ class ScopeResult:
                 f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>")
 
 
-SCOPE_SCRIPTS = ("scope", "exploitation", "notifications", "gaps")
+# prefix_sources (the prefix_reuse attribution; empty unless its rules flagged a response) runs before
+# notifications, which joins every mechanism's confirmed sources in content_matches
+SCOPE_SCRIPTS = ("scope", "prefix_sources", "exploitation", "notifications", "gaps")
 PREFIX_STORE_WINDOW_S = 60  # sql/prefix_sources.sql: as the block_hash_collision rule's default
 
 
@@ -70,9 +72,7 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
           overrides: Mapping[str, Any] | None = None, spark: SparkEngine | None = None) -> ScopeResult:
     params = {**SCOPE_PARAMETERS, **(overrides or {})}
     period = {"start": incident.scope.start, "end": incident.scope.end}
-    scripts = [(name, {**params, **period}) for name in SCOPE_SCRIPTS]
-    if probing_selected(con):  # prefix_reuse investigated: whose blocks each of its findings reused
-        scripts.append(("prefix_sources", {"store_window_s": PREFIX_STORE_WINDOW_S}))
+    scripts = [(name, {**params, **period, "store_window_s": PREFIX_STORE_WINDOW_S}) for name in SCOPE_SCRIPTS]
     if spark is not None:
         spark.run_scripts(con, scripts)
     else:

@@ -3,20 +3,21 @@ prefix-cache blocks each flagged request reused), and the simulator's prefix-cac
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
+import duckdb
 import pytest
 
 import kvforensics
-from kvforensics.config import load_incident
+from kvforensics.cli import main
 from kvforensics.db import connect
-from kvforensics.detect import detect, evaluate_case, load_case_tables, run_rule
+from kvforensics.detect import evaluate_case, load_case_tables, run_rule
 from kvforensics.engines.portable import run_duckdb_script
-from kvforensics.ingest import ingest
 from kvforensics.rulebook import load_rules
-from kvforensics.scope import scope
 from kvforensics.simulate.prefix import SCENARIOS, simulate_prefix
+from kvforensics.verify import verify
 
 RULES_DIR = Path(kvforensics.__file__).parent / "mechanisms" / "prefix_reuse" / "rules"
 RULES = load_rules(RULES_DIR)
@@ -109,25 +110,24 @@ def _precision_recall(found: set[str], truth: set[str]) -> tuple[float, float]:
 
 @pytest.fixture(scope="module", params=sorted(SCENARIOS))
 def investigated(request, tmp_path_factory):
-    """One scenario generated, ingested, detected and scoped through the pipeline's own stages."""
-    out = tmp_path_factory.mktemp(request.param)
-    simulate_prefix(request.param, out, requests=3000)
-    incident = load_incident(out / "incident.toml")
-    con = connect()
-    ingest(con, incident)
-    detect(con, mechanisms=incident.mechanisms)
-    scope(con, incident)
-    yield request.param, con, json.loads((out / "ground_truth.json").read_text())
+    """One scenario generated, then ingested, detected and scoped by the stage commands into an output folder."""
+    base = tmp_path_factory.mktemp(request.param)
+    simulate_prefix(request.param, base / "incident", requests=3000)
+    out = base / "out"
+    for command in ("ingest", "detect", "scope"):
+        assert main([command, str(base / "incident" / "incident.toml"), "--out", str(out), "--quiet"]) == 0
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    yield request.param, con, json.loads((base / "incident" / "ground_truth.json").read_text()), out
     con.close()
 
 
 def test_prefix_reuse_is_investigated(investigated):
-    _, con, _ = investigated
+    _, con, _, _ = investigated
     assert con.execute("SELECT selected FROM mechanisms WHERE id = 'prefix_reuse'").fetchall() == [(True,)]
 
 
 def test_recipients_and_their_sources_match_the_ground_truth(investigated):
-    name, con, truth = investigated
+    name, con, truth, _ = investigated
     recipients = {r for (r,) in con.execute(
         "SELECT DISTINCT request_id FROM findings WHERE confidence IN ('confirmed', 'probable')").fetchall()}
     precision, recall = _precision_recall(recipients, set(truth["recipients"]))
@@ -148,7 +148,57 @@ def test_recipients_and_their_sources_match_the_ground_truth(investigated):
 
 
 def test_the_provider_system_prompt_is_never_a_source(investigated):
-    _, con, truth = investigated
+    _, con, truth, _ = investigated
     internal = tuple(truth["internal_accounts"])
     assert internal and con.execute("SELECT count(*) FROM prefix_sources WHERE list_contains($a, source_account)",
                                     {"a": list(internal)}).fetchall() == [(0,)]
+
+
+def _exposed(out: Path) -> dict[str, set[str]]:
+    """notifications.csv's accounts by role."""
+    roles: dict[str, set[str]] = {}
+    with (out / "notifications.csv").open(encoding="utf-8") as fh:
+        for row in csv.DictReader(fh):
+            roles.setdefault(row["role"], set()).add(row["account_id"])
+    return roles
+
+
+def test_the_attributed_sources_are_the_data_exposed_accounts_of_scope_and_notifications(investigated):
+    name, con, truth, out = investigated
+    summary = json.loads((out / "scope.json").read_text())
+    exposed = _exposed(out)
+    confirmed = exposed.get("data_exposed_confirmed", set())
+    assert summary["source_accounts"] == {"confirmed": len(confirmed),
+                                          "possible": len(exposed.get("data_exposed_possible", set()))}
+    precision, recall = _precision_recall(confirmed, set(truth["source_accounts"]))
+    assert precision >= 0.95, (name, precision)
+    assert recall >= (0.6 if name == "prefix-collision" else 0.95), (name, recall)
+    # every account a prefix-cache hit is attributed to is told, and no other (a hit is never a mere horizon)
+    attributed = {a for (a,) in con.execute(
+        """SELECT DISTINCT p.source_account FROM prefix_sources p
+           JOIN affected_responses a ON a.request_id = p.request_id""").fetchall()}
+    assert confirmed == attributed and not exposed.get("data_exposed_possible")
+    assert not set(truth["internal_accounts"]) & (confirmed | exposed.get("data_exposed_possible", set()))
+    recipients = {a for (a,) in con.execute(
+        "SELECT DISTINCT a.account_id FROM prefix_sources p JOIN affected_responses a ON a.request_id = p.request_id"
+    ).fetchall()}
+    assert recipients and recipients <= exposed["received_foreign_data"]
+
+
+def test_each_recipient_counts_the_accounts_whose_blocks_it_reused(investigated):
+    name, con, truth, _ = investigated
+    per_response = dict(con.execute(
+        """SELECT affected_request_id, count(DISTINCT source_account_id) FROM content_matches
+           WHERE confirmed AND source_account_id <> recipient_account_id GROUP BY 1""").fetchall())
+    assert per_response, name
+    for request_id, n in per_response.items():
+        assert n <= len(truth["recipients"].get(request_id, [])), (request_id, n)
+    assert {b for (b,) in con.execute("SELECT DISTINCT basis FROM content_matches").fetchall()} <= {
+        "block_fingerprints", "colliding_block"}
+
+
+def test_verify_rederives_a_prefix_cache_incident(investigated):
+    name, _, _, out = investigated
+    if name != "prefix-collision":  # one scenario: verify re-ingests and re-investigates the whole incident
+        pytest.skip("verified on prefix-collision")
+    assert verify(out) == []

@@ -1,3 +1,19 @@
+-- Confirmed sources of every investigated mechanism, one row per affected response, source request and
+-- basis: 'output_shingles' (sql/scope.sql: the response's output repeats the source's text) and the
+-- prefix_reuse attribution (sql/prefix_sources.sql: the response reused prefix-cache blocks the source
+-- stored, basis 'block_fingerprints' or 'colliding_block'; the shingle columns do not apply there).
+CREATE OR REPLACE TABLE content_matches AS
+SELECT affected_request_id, recipient_account_id, source_request_id, source_account_id, matching_shingles,
+       output_shingles, match_fraction, confirmed, within_horizon, 'output_shingles' AS basis
+FROM output_matches
+UNION ALL
+SELECT p.request_id AS affected_request_id, a.account_id AS recipient_account_id, p.source_request_id,
+       p.source_account AS source_account_id, CAST(NULL AS BIGINT) AS matching_shingles,
+       CAST(NULL AS BIGINT) AS output_shingles, CAST(NULL AS DOUBLE) AS match_fraction, TRUE AS confirmed,
+       CAST(NULL AS BOOLEAN) AS within_horizon, p.basis
+FROM prefix_sources p JOIN affected_responses a ON a.request_id = p.request_id
+GROUP BY p.request_id, a.account_id, p.source_request_id, p.source_account, p.basis;
+
 -- One row per (account, role) to notify. Sources exclude the recipient's own account: a response
 -- carrying your own earlier data is not an exposure of your data to someone else.
 CREATE OR REPLACE TABLE notifications AS

@@ -185,12 +185,13 @@ JOIN s
 -- Confirmed sources: shingles of an affected response's output found in an earlier request's prompt
 -- or output. Shingles shared by many accounts' own texts are boilerplate and do not count (affected
 -- outputs are left out of that count: they repeat other accounts' text by definition).
+-- sql/notifications.sql joins these with the prefix_reuse attribution (prefix_sources) in content_matches.
 CREATE OR REPLACE TEMP TABLE common_shingles AS
 SELECT c.fp FROM content_fingerprints c JOIN requests r ON r.request_id = c.request_id
 WHERE c.request_id NOT IN (SELECT request_id FROM affected_responses)
 GROUP BY c.fp HAVING count(DISTINCT r.account_id) >= $max_accounts_per_shingle;
 
-CREATE OR REPLACE TABLE content_matches AS
+CREATE OR REPLACE TEMP TABLE output_matches AS
 WITH out_fp AS (
     SELECT a.request_id, a.account_id, a.ts, c.fp
     FROM affected_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
