@@ -437,7 +437,8 @@ def _check_top_level(data: Mapping[str, Any], label: str) -> None:
         written = f"[[{key}]]" if isinstance(value, list) and value and isinstance(value[0], Mapping) else (
             f"[{key}]" if isinstance(value, Mapping) else f"key '{key}'")
         hint = (f"did you mean {TOP_LEVEL_TABLES[near]}?" if near
-                else f"the tables are {', '.join(TOP_LEVEL_TABLES.values())}")
+                else "the top level holds " + ", ".join(v for v in TOP_LEVEL_TABLES.values() if not v.startswith("["))
+                + " and the tables " + ", ".join(v for v in TOP_LEVEL_TABLES.values() if v.startswith("[")))
         raise ConfigError(f"unknown table {written}; {hint}" if written.startswith("[")
                           else f"unknown top-level {written}; {hint}", location=label)
 

@@ -119,8 +119,9 @@ def test_an_unknown_key_at_any_level_names_the_nearest_valid_key(tmp_path, chang
 def test_a_top_level_key_outside_any_table_lists_the_tables(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_text(tmp_path, "colour = 3\n" + FULL)
-    assert str(e.value) == ("incident.toml: unknown top-level key 'colour'; the tables are [incident], [[sources]], "
-                            "[scope], [[events]], [models], [settings], [instances], [rules]")
+    assert str(e.value) == ("incident.toml: unknown top-level key 'colour'; the top level holds mechanisms = [...] "
+                            "and the tables [incident], [[sources]], [scope], [[events]], [models], [settings], "
+                            "[instances], [rules], [prefix_cache]")
 
 
 WRONG_TYPES = [

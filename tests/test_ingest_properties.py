@@ -64,6 +64,7 @@ def valid_records(draw: st.DrawFn, index: int) -> dict:
         "latency_ms": draw(st.none() | finite),
         "prefill_instance": draw(st.none() | name_text),
         "decode_instance": draw(st.none() | name_text),
+        "cache_salt": draw(st.none() | name_text),
     }
     return rec
 

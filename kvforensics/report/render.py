@@ -35,10 +35,15 @@ def chart_svg(chart: Any, key: str) -> str:
 
     svg = vlc.vegalite_to_svg(chart.to_dict(validate=False))
     prefix = "svg-" + re.sub(r"[^A-Za-z0-9_-]+", "-", key) + "-"
-    return _SVG_REF.sub(lambda m: f"{m.group(1)}{prefix}", svg)
+    # Vega numbers its ids with a counter that lives as long as the process: renumbered in order of first
+    # appearance, so the same inputs give the same bytes whatever was drawn before
+    renamed = {old: re.sub(r"\d+$", "", old) + str(n)
+               for n, old in enumerate(dict.fromkeys(_SVG_ID.findall(svg)), 1)}
+    return _SVG_REF.sub(lambda m: f"{m.group(1)}{prefix}{renamed.get(m.group(2), m.group(2))}", svg)
 
 
-_SVG_REF = re.compile(r'(\bid="|url\(#|href="#)')
+_SVG_ID = re.compile(r'\bid="([^"]+)"')
+_SVG_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
 
 
 def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True) -> dict[str, Any]:
