@@ -68,6 +68,15 @@ class StartupRecord:
     shutdown_reason: str | None = None  # e.g. "SIGTERM received", "HTTP server shutting down"
 
 
+def log_end_fields(last_line: int | None, last_ts: datetime | None,
+                   shutdown: tuple[int, datetime | None, str] | None) -> dict[str, Any]:
+    """The :class:`StartupRecord` fields saying how far a start-up's log goes and where it says it stops,
+    from a parser's running state (``shutdown``: line, time, what it says)."""
+    line, ts, reason = shutdown if shutdown else (None, None, None)
+    return {"last_line": last_line, "last_ts": last_ts, "shutdown_line": line, "shutdown_ts": ts,
+            "shutdown_reason": reason}
+
+
 @dataclass(frozen=True)
 class EngineEvent:
     """One per-request engine line."""

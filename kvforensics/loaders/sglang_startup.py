@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from kvforensics.loaders.engine_fields import PoolReport, PoolReports, as_int, flag_value
-from kvforensics.loaders.engine_types import StartupRecord, add_note
+from kvforensics.loaders.engine_types import StartupRecord, add_note, log_end_fields
 from kvforensics.loaders.sglang_versions import infer_version, satisfies
 
 ENGINE = "sglang"
@@ -333,11 +333,7 @@ def startup_record(st: SglangStartup, *, instance: str, notes: list[str]) -> Sta
         dp_size=dp_size,
         flags=flags,
         evidence=evidence,
-        last_line=st.last_line,
-        last_ts=st.last_ts,
-        shutdown_line=st.shutdown[0] if st.shutdown else None,
-        shutdown_ts=st.shutdown[1] if st.shutdown else None,
-        shutdown_reason=st.shutdown[2] if st.shutdown else None,
+        **log_end_fields(st.last_line, st.last_ts, st.shutdown),
     )
 
 def _context_length(st: SglangStartup, args: dict[str, object]) -> tuple[int | None, int | None]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from kvforensics.loaders.engine_fields import PoolReport, PoolReports, as_int, flag_value
-from kvforensics.loaders.engine_types import StartupRecord, add_note
+from kvforensics.loaders.engine_types import StartupRecord, add_note, log_end_fields
 
 ENGINE = "vllm"
 DEFAULT_BLOCK_SIZE = 16
@@ -247,9 +247,5 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
         dp_size=dp_size,
         flags=flags,
         evidence=evidence,
-        last_line=st.last_line,
-        last_ts=st.last_ts,
-        shutdown_line=st.shutdown[0] if st.shutdown else None,
-        shutdown_ts=st.shutdown[1] if st.shutdown else None,
-        shutdown_reason=st.shutdown[2] if st.shutdown else None,
+        **log_end_fields(st.last_line, st.last_ts, st.shutdown),
     )
