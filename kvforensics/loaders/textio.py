@@ -50,7 +50,7 @@ class Recovering(io.RawIOBase):
     (CR or LF) handed over, i.e. the incomplete last line when the stream stops early."""
 
     def __init__(self, path: Path) -> None:
-        from kvforensics.loaders.engine_common import open_lines
+        from kvforensics.loaders.engine_lines import open_lines
 
         self._lines = open_lines(path)
         self._chunks = self._lines._chunks()
@@ -107,7 +107,7 @@ class LineStream:
     cr_only: bool = False
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        from kvforensics.loaders.engine_common import open_lines
+        from kvforensics.loaders.engine_lines import open_lines
 
         self.cr_only = _cr_only(self.path)
         if self.cr_only:
