@@ -108,7 +108,8 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
                          columns=["ts", "kind", "title", "detail"])
     present = [f for f in (startups, changes, noted) if not f.empty]
     events = pd.concat(present, ignore_index=True) if present else noted
-    events = _with_text_times(events, {"ts": "time"}).sort_values(["ts", "kind"], kind="stable").reset_index(drop=True)
+    # a total order: start-ups of the same second come from the database in no fixed order
+    events = _with_text_times(events, {"ts": "time"}).sort_values(["ts", "kind", "title", "detail"], kind="stable").reset_index(drop=True)
     hourly = _frame(con, "SELECT date_trunc('hour', ts) AS hour, model, count(*) AS responses FROM affected_responses "
                          "GROUP BY 1, 2 ORDER BY 1, 2")
     hourly = _with_text_times(hourly, {"hour": "time"})
