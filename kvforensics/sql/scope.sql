@@ -44,6 +44,15 @@ LEFT JOIN findings f ON f.request_id = t.request_id AND f.rule_id = 'prompt_exce
 LEFT JOIN expected_prefill e ON e.request_id = t.request_id
 WHERE t.confidence IN ('confirmed', 'probable');
 
+-- The affected responses the stale_pages mechanism's rules flagged: only these are attributed by the
+-- turnover horizon and by their output's shingles below (another mechanism's finding has its own
+-- attribution: a prefix-cache hit's sources are sql/prefix_sources.sql's; a response flagged by both has
+-- both). Findings from before mechanisms have none recorded and count as stale_pages.
+CREATE OR REPLACE TEMP TABLE stale_page_responses AS
+SELECT a.request_id, a.account_id, a.ts FROM affected_responses a
+WHERE EXISTS (SELECT 1 FROM findings f
+              WHERE f.request_id = a.request_id AND coalesce(f.mechanism, 'stale_pages') = 'stale_pages');
+
 CREATE OR REPLACE TABLE suspect_responses AS
 SELECT r.request_id, r.ts, r.account_id, ac.account_class, r.model, r.prompt_tokens, t.confidence, t.rules
 FROM request_tiers t
@@ -51,7 +60,7 @@ JOIN analysed_requests r ON r.request_id = t.request_id
 JOIN account_classes ac ON ac.account_id = r.account_id
 WHERE t.confidence = 'possible';
 
--- Possible sources. On decode instance D, a page freed at time f survives until D has allocated
+-- Possible sources of the stale_pages responses. On decode instance D, a page freed at time f survives until D has allocated
 -- (and written) about a pool's worth of tokens after f. The turnover horizon of an affected response
 -- at time t is therefore: requests on D whose pages were freed before t, after which fewer than
 -- horizon_factor x pool(D) tokens were written on D. Affected responses write only 1 + output tokens
@@ -73,7 +82,7 @@ SELECT r.request_id, r.account_id, r.model,
             ELSE r.prompt_tokens + coalesce(r.completion_tokens, 0) END AS written_tokens,
        a.request_id IS NOT NULL AS is_affected
 FROM requests r
-LEFT JOIN affected_responses a ON a.request_id = r.request_id
+LEFT JOIN stale_page_responses a ON a.request_id = r.request_id
 WHERE r.status BETWEEN 200 AND 299
 ), reach AS (
     -- from the affected responses themselves, not from w: a second reference to w would have it
@@ -81,7 +90,7 @@ WHERE r.status BETWEEN 200 AND 299
     SELECT coalesce(r.decode_instance, '(model) ' || r.model) AS kv_group,
            max({{ add_milliseconds(r.ts, coalesce(r.ttft_ms, 0)) }}) AS last_alloc
     FROM requests r
-    JOIN affected_responses a ON a.request_id = r.request_id
+    JOIN stale_page_responses a ON a.request_id = r.request_id
     WHERE r.status BETWEEN 200 AND 299
     GROUP BY 1
 )
@@ -194,7 +203,7 @@ GROUP BY c.fp HAVING count(DISTINCT r.account_id) >= $max_accounts_per_shingle;
 CREATE OR REPLACE TEMP TABLE output_matches AS
 WITH out_fp AS (
     SELECT a.request_id, a.account_id, a.ts, c.fp
-    FROM affected_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
+    FROM stale_page_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
     WHERE c.fp NOT IN (SELECT fp FROM common_shingles)
 ), hits AS (
     SELECT o.request_id AS affected_request_id, o.account_id AS recipient_account_id,
@@ -203,7 +212,7 @@ WITH out_fp AS (
     FROM out_fp o
     JOIN content_fingerprints c ON c.fp = o.fp AND c.request_id <> o.request_id
     JOIN requests r ON r.request_id = c.request_id AND r.ts < o.ts
-    WHERE c.request_id NOT IN (SELECT request_id FROM affected_responses)   -- their KV was a 1-token stub
+    WHERE c.request_id NOT IN (SELECT request_id FROM stale_page_responses)  -- their KV was a 1-token stub
     GROUP BY 1, 2, 3, 4
 ), horizon AS (
     SELECT DISTINCT affected_request_id, source_request_id FROM possible_sources
