@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import duckdb
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -89,11 +90,20 @@ def test_batches_do_not_change_the_result(tmp_path, monkeypatch):
     (tmp_path / "many").mkdir()
     con, _ = load_texts(tmp_path / "one", rows)
     monkeypatch.setattr(content_loader, "BATCH_CHARS", 100)
+    monkeypatch.setattr(content_loader, "ARROW_ROWS", 3)  # Arrow batches of 3 texts, taken by DuckDB's threads
     small, _ = load_texts(tmp_path / "many", rows)
     query = "SELECT request_id, part, fp FROM content_fingerprints ORDER BY ALL"
     assert con.execute(query).fetchall() == small.execute(query).fetchall()
     query = "SELECT request_id, part, shingles FROM content_stats ORDER BY ALL"
     assert con.execute(query).fetchall() == small.execute(query).fetchall()
+
+
+def test_an_error_while_fingerprinting_in_the_background_is_raised(tmp_path, monkeypatch):
+    rows = [{"request_id": f"r{i}", "prompt": f"words of text number {i}", "output": "ok"} for i in range(20)]
+    monkeypatch.setattr(content_loader, "BATCH_CHARS", 50)
+    monkeypatch.setattr(content_loader, "SHINGLE_WORDS", "not a width")  # the script's $width is refused
+    with pytest.raises(duckdb.ConversionException, match="not a width"):
+        load_texts(tmp_path, rows)
 
 
 def test_texts_without_words_duplicates_and_chat_messages(tmp_path):

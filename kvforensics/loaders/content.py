@@ -7,10 +7,16 @@ of a batch of texts are computed in bulk by DuckDB (sql/content_fingerprints.sql
 :func:`kvforensics.fingerprint.fingerprints` gives one text at a time. An ASCII text goes to DuckDB
 as it is, to be tokenised there; any other text as its words (:func:`fingerprint.shingle_words`),
 since DuckDB's regular expressions and lower-casing are not Python's beyond ASCII.
+
+A batch is handed to DuckDB as many small Arrow record batches, which its threads fingerprint in
+parallel, on a cursor of the connection in a background thread while Python reads the next batch
+(DuckDB works without the GIL): at most one batch is fingerprinted and one filled at a time. The
+cursor's inserts are committed on their own, so the connection must not be inside a transaction.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import duckdb
@@ -27,6 +33,7 @@ PARTS = ("prompt", "output")
 BATCH_CHARS = 16 << 20  # text characters per DuckDB batch: large enough to amortise, small in memory
 NOTE = "text fingerprinted (keyed HMAC of word shingles); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
+ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
 
 
 class _TextBatch:
@@ -51,11 +58,40 @@ class _TextBatch:
         self.chars += len(text)
 
     def table(self) -> pa.Table:
-        return pa.table({"t": pa.array(range(len(self.texts)), type=pa.int64()),
-                         "request_id": pa.array(self.request_ids, type=pa.string()),
-                         "part": pa.array(self.parts, type=pa.string()),
-                         "text": pa.array(self.texts, type=pa.string()),
-                         "words": pa.array(self.words, type=pa.string())})
+        table = pa.table({"request_id": pa.array(self.request_ids, type=pa.string()),
+                          "part": pa.array(self.parts, type=pa.string()),
+                          "text": pa.array(self.texts, type=pa.string()),
+                          "words": pa.array(self.words, type=pa.string())})
+        return pa.Table.from_batches(table.to_batches(max_chunksize=ARROW_ROWS), table.schema)
+
+
+class _Fingerprinter:
+    """Fingerprints batches of texts on a cursor of the connection in a background thread, one at a
+    time: :meth:`submit` waits for the previous batch, so at most one is in flight."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> None:
+        self._cursor = con.cursor()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvf-content")
+        self._params = params
+        self._pending: Future[None] | None = None
+
+    def submit(self, batch: _TextBatch) -> None:
+        self.wait()
+        if batch.texts:
+            self._pending = self._pool.submit(_fingerprint, self._cursor, batch.table(), self._params)
+
+    def wait(self) -> None:
+        """Wait for the batch in flight; its error, if any, is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+            self._cursor.close()
 
 
 def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
@@ -66,10 +102,29 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
     are cut into prefix-cache blocks in ``request_blocks`` (loaders/prefix_blocks.py)."""
     load = FileLoad(file=path)
     blocks = BlockRows()
-    ids_column = source.column("prompt_token_ids")
     cut = {"ids": 0, "words": 0}
     inner, outer = hmac_blocks(key)
     params = {"inner": inner, "outer": outer, "width": SHINGLE_WORDS}
+    fingerprinter = _Fingerprinter(con, params)
+    try:
+        _read(con, source, path, load, key, block_size, word_blocks, fingerprinter, blocks, cut)
+    finally:
+        fingerprinter.close()
+    blocks.flush(con)
+    load.notes.append(NOTE)
+    if cut["ids"]:
+        load.notes.append(TOKEN_IDS_NOTE.format(size=block_size))
+    if cut["words"]:
+        load.notes.append(WORDS_NOTE.format(size=block_size))
+    return load
+
+
+def _read(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad, key: bytes,
+          block_size: int | None, word_blocks: bool, fingerprinter: _Fingerprinter, blocks: BlockRows,
+          cut: dict[str, int]) -> None:
+    """Read the file's records: texts to *fingerprinter* batch by batch, refused records to the
+    quarantine, prompts cut into *blocks*."""
+    ids_column = source.column("prompt_token_ids")
     quarantine = QuarantineRows(con, source, path)
     batch = _TextBatch()
     id_column = source.column("request_id")
@@ -99,17 +154,10 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
             if len(blocks) >= BLOCK_ROWS:
                 blocks.flush(con)
         if batch.chars >= BATCH_CHARS:
-            _fingerprint(con, batch, params)
+            fingerprinter.submit(batch)
             batch = _TextBatch()
-    _fingerprint(con, batch, params)
-    blocks.flush(con)
+    fingerprinter.submit(batch)
     quarantine.flush()
-    load.notes.append(NOTE)
-    if cut["ids"]:
-        load.notes.append(TOKEN_IDS_NOTE.format(size=block_size))
-    if cut["words"]:
-        load.notes.append(WORDS_NOTE.format(size=block_size))
-    return load
 
 
 def _cut(blocks: BlockRows, request_id: str, ids: list[int], prompt: str | None, block_size: int, key: bytes,
@@ -123,10 +171,8 @@ def _cut(blocks: BlockRows, request_id: str, ids: list[int], prompt: str | None,
         cut["words"] += 1
 
 
-def _fingerprint(con: duckdb.DuckDBPyConnection, batch: _TextBatch, params: dict[str, object]) -> None:
-    if not batch.texts:
-        return
-    con.register("content_batch", batch.table())
+def _fingerprint(con: duckdb.DuckDBPyConnection, table: pa.Table, params: dict[str, object]) -> None:
+    con.register("content_batch", table)
     try:
         run_script(con, "content_fingerprints", params)
     finally:
