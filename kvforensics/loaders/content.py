@@ -30,7 +30,7 @@ from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_rec
 from kvforensics.loaders.staging import FileLoad
 
 PARTS = ("prompt", "output")
-BATCH_CHARS = 16 << 20  # text characters per DuckDB batch: large enough to amortise, small in memory
+BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early
 NOTE = "text fingerprinted (keyed HMAC of word shingles); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
 ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
