@@ -224,7 +224,11 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                (SELECT count(DISTINCT m.source_account_id) FROM content_matches m
                  WHERE m.affected_request_id = a.request_id AND m.confirmed
                    AND m.source_account_id <> m.recipient_account_id) AS confirmed_accounts
-        FROM affected_responses a LEFT JOIN possible_sources p ON p.affected_request_id = a.request_id
+        FROM affected_responses a
+        LEFT JOIN (SELECT affected_request_id, source_request_id, source_account_id, recipient_account_id
+                   FROM possible_sources
+                   UNION ALL SELECT affected_request_id, source_request_id, source_account_id, recipient_account_id
+                   FROM prefix_possible_sources) p ON p.affected_request_id = a.request_id
         GROUP BY a.request_id ORDER BY a.request_id""")
     return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
                       accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),

@@ -28,7 +28,9 @@ WITH received AS (
     WHERE m.confirmed AND m.source_account_id <> m.recipient_account_id
 ), possible AS (
     SELECT DISTINCT p.source_account_id AS account_id, p.source_request_id AS request_id
-    FROM possible_sources p
+    FROM (SELECT source_account_id, source_request_id, recipient_account_id FROM possible_sources
+          UNION ALL  -- a prefix-cache collision whose matched block no event names (sql/prefix_sources.sql)
+          SELECT source_account_id, source_request_id, recipient_account_id FROM prefix_possible_sources) p
     WHERE p.source_account_id <> p.recipient_account_id
       AND p.source_account_id NOT IN (SELECT account_id FROM confirmed)
 ), sourced AS (

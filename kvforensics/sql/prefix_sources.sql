@@ -7,9 +7,11 @@
 --     never count (their earlier sends make the block the tenant's own or a shared system prompt);
 --   colliding_block: the block the engine matched under a colliding hash (rule block_hash_collision)
 --     was stored by that request: the latest request on the instance with a block of the stored
---     block's fingerprint, sent before it was stored. The matched block is the one last stored under
---     the parent hash of the recipient's own first stored block, else (it stored nothing) the block
---     last stored with other content under the hash its previous block was stored under.
+--     block's fingerprint, sent before it was stored. The matched block is the one last stored, before
+--     the recipient, under the hash its reused block's content was stored under on the instance (the same
+--     content at the same chain position under its salt, at any time), else under the parent hash of the
+--     recipient's own first stored block (its last reused block). A hit on a hash no event shows (the
+--     recipient stored nothing and its content never reached that cache) has no determinable source.
 -- Reads findings (the flagged requests), requests, request_blocks, kv_events, account_classes.
 -- Parameters: $store_window_s (the block_hash_collision rule's default).
 CREATE OR REPLACE TABLE prefix_sources AS
@@ -61,43 +63,36 @@ WITH flagged AS (
     WHERE EXISTS (SELECT 1 FROM findings x WHERE x.request_id = u.request_id AND x.rule_id = 'block_hash_collision')
       AND u.position = (SELECT max(l.position) FROM reused l WHERE l.request_id = u.request_id)
       AND (e.ts < k.ts OR (e.ts = k.ts AND (e.batch < k.batch OR (e.batch = k.batch AND e.seq < k.seq))))
-), never_sent AS (
-    -- a collision the recipient's own store does not show: its first reused block no earlier request sent
-    SELECT u.request_id, min(u.position) AS position
+), own_hash AS (
+    -- a collision the recipient's own store does not show: the hash each of its reused blocks was stored
+    -- under on the instance (the same content at the same position of a chain under the recipient's salt,
+    -- at any time: a block's hash does not change)
+    SELECT DISTINCT u.request_id, u.position, u.ts, u.prefill_instance, u.block_fp, k.block_hash
     FROM reused u
+    JOIN kv_events k ON k.instance = u.prefill_instance AND k.kind = 'stored' AND k.block_fp = u.block_fp
+                    AND k.position = u.position AND (k.salt IS NULL OR u.cache_salt IS NULL OR k.salt = u.cache_salt)
     WHERE EXISTS (SELECT 1 FROM findings x WHERE x.request_id = u.request_id AND x.rule_id = 'block_hash_collision')
-      AND NOT EXISTS (SELECT 1 FROM collided c WHERE c.request_id = u.request_id)
-      AND NOT EXISTS (SELECT 1 FROM request_blocks eb JOIN requests e ON e.request_id = eb.request_id
-                      WHERE eb.chain_fp = u.chain_fp AND eb.position = u.position AND e.ts < u.ts
-                        AND e.request_id <> u.request_id)
-    GROUP BY u.request_id
-), parent_hash AS (
-    -- the hash the block before it was stored under on the instance, last before the request
-    SELECT n.request_id, n.position, k.block_hash,
-           row_number() OVER (PARTITION BY n.request_id
-                              ORDER BY k.ts DESC NULLS LAST, k.batch DESC NULLS LAST, k.seq DESC NULLS LAST) AS latest
-    FROM never_sent n
-    JOIN reused prev ON prev.request_id = n.request_id AND prev.position = n.position - 1
-    JOIN kv_events k ON k.instance = prev.prefill_instance AND k.kind = 'stored' AND k.block_fp = prev.block_fp
-                    AND k.ts < prev.ts
-), sibling AS (
-    -- what was stored under that parent with other content before the request: the block it matched
-    SELECT u.request_id, u.position, u.prefill_instance, u.block_fp, e.block_fp AS matched_fp, e.ts AS matched_ts,
-           row_number() OVER (PARTITION BY u.request_id
+), overwritten AS (
+    -- what that hash held last before the request: other content there is the block the engine matched
+    SELECT c.request_id, c.position, c.prefill_instance, c.block_fp, e.block_fp AS matched_fp, e.ts AS matched_ts,
+           row_number() OVER (PARTITION BY c.request_id, c.position, c.block_hash
                               ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
-    FROM parent_hash h
-    JOIN reused u ON u.request_id = h.request_id AND u.position = h.position
-    JOIN kv_events e ON e.instance = u.prefill_instance AND e.kind = 'stored' AND e.parent_block_hash = h.block_hash
-                    AND e.block_fp <> u.block_fp AND e.ts < u.ts
-    WHERE h.latest = 1
-), matched_blocks AS (
-    SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts FROM collided WHERE latest = 1
+    FROM own_hash c
+    JOIN kv_events e ON e.instance = c.prefill_instance AND e.kind = 'stored' AND e.block_hash = c.block_hash
+                    AND e.ts <= c.ts
+), matched_any AS (
+    SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts, 1 AS priority
+    FROM overwritten WHERE latest = 1 AND matched_fp <> block_fp
     UNION ALL
-    SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts FROM sibling WHERE latest = 1
+    SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts, 2 AS priority
+    FROM collided WHERE latest = 1
+), matched_blocks AS (
+    SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY request_id, position ORDER BY priority) AS pick
+                   FROM matched_any) WHERE pick = 1
 ), collision_stores AS (
     SELECT c.request_id, c.position, p.request_id AS sender_id, p.account_id AS sender_account,
            'colliding_block' AS basis,
-           row_number() OVER (PARTITION BY c.request_id
+           row_number() OVER (PARTITION BY c.request_id, c.position
                               ORDER BY p.ts DESC NULLS LAST, p.request_id NULLS LAST) AS earliest
     FROM matched_blocks c
     JOIN request_blocks pb ON pb.block_fp = c.matched_fp
@@ -118,3 +113,63 @@ SELECT request_id, sender_id AS source_request_id, sender_account AS source_acco
        min(position) AS position_from, max(position) AS position_to, basis
 FROM runs
 GROUP BY request_id, sender_id, sender_account, basis, run
+;
+
+-- Possible sources of a collision whose matched block no event names (rule block_hash_collision flagged
+-- the request, prefix_sources has no colliding_block row for it: it stored nothing and its content never
+-- reached that cache, so the hash the engine matched is unknown): every block resident in the instance's
+-- cache when the request was served could have been the one, so the requests that stored them are
+-- possible sources (as the turnover horizon gives the stale-pages mechanism's). Resident: stored on the
+-- instance before the request and neither removed (same hash) nor cleared since. Its storer: the latest
+-- request on the instance with a block of that content, sent at most $store_window_s after the store.
+-- The recipient's own account and the provider's internal accounts are never sources.
+CREATE OR REPLACE TABLE prefix_possible_sources AS
+WITH unattributed AS (
+    SELECT r.request_id, r.ts, r.account_id, r.prefill_instance
+    FROM requests r
+    WHERE r.request_id IN (SELECT request_id FROM findings WHERE rule_id = 'block_hash_collision')
+      AND r.request_id NOT IN (SELECT request_id FROM prefix_sources WHERE basis = 'colliding_block')
+), held AS (
+    -- per recipient, each hash's last store on its instance before it
+    SELECT * FROM (
+        SELECT u.request_id, u.ts, u.account_id, u.prefill_instance, e.block_hash, e.block_fp, e.ts AS stored_ts,
+               e.batch, e.seq,
+               row_number() OVER (PARTITION BY u.request_id, e.block_hash
+                                  ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
+        FROM unattributed u
+        JOIN kv_events e ON e.instance = u.prefill_instance AND e.kind = 'stored' AND e.ts < u.ts)
+    WHERE latest = 1
+), dropped AS (
+    -- a removal of that hash, or a clear of the cache, after that store and before the request
+    SELECT h.request_id, h.block_hash
+    FROM held h
+    JOIN kv_events x ON x.instance = h.prefill_instance AND x.kind = 'removed' AND x.block_hash = h.block_hash
+    WHERE x.ts < h.ts AND (x.ts > h.stored_ts OR (x.ts = h.stored_ts AND (x.batch > h.batch
+                                                  OR (x.batch = h.batch AND x.seq > h.seq))))
+    UNION
+    SELECT h.request_id, h.block_hash
+    FROM held h
+    JOIN kv_events x ON x.instance = h.prefill_instance AND x.kind = 'cleared'
+    WHERE x.ts < h.ts AND (x.ts > h.stored_ts OR (x.ts = h.stored_ts AND (x.batch > h.batch
+                                                  OR (x.batch = h.batch AND x.seq > h.seq))))
+), resident AS (
+    SELECT h.* FROM held h
+    WHERE NOT EXISTS (SELECT 1 FROM dropped d WHERE d.request_id = h.request_id AND d.block_hash = h.block_hash)
+), storers AS (
+    SELECT s.request_id, s.account_id AS recipient_account, p.request_id AS source_request_id,
+           p.account_id AS source_account,
+           row_number() OVER (PARTITION BY s.request_id, s.block_hash
+                              ORDER BY p.ts DESC NULLS LAST, p.request_id NULLS LAST) AS latest
+    FROM resident s
+    JOIN request_blocks pb ON pb.block_fp = s.block_fp
+    JOIN requests p ON p.request_id = pb.request_id AND p.prefill_instance = s.prefill_instance
+    WHERE p.ts <= {{ add_milliseconds(s.stored_ts, 1000 * $store_window_s) }} AND p.request_id <> s.request_id
+)
+-- (the columns of possible_sources, whose stale-pages columns do not apply here, and the basis)
+SELECT DISTINCT s.request_id AS affected_request_id, s.recipient_account AS recipient_account_id,
+       s.source_request_id, s.source_account AS source_account_id, CAST(NULL AS VARCHAR) AS kv_group,
+       CAST(NULL AS BIGINT) AS tokens_written_since, CAST(NULL AS BIGINT) AS pool_tokens,
+       'resident_on_instance' AS basis
+FROM storers s
+WHERE s.latest = 1 AND s.source_account <> s.recipient_account
+  AND s.source_account NOT IN (SELECT account_id FROM account_classes WHERE account_class = 'internal')

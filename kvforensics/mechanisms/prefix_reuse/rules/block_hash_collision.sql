@@ -12,7 +12,7 @@
 -- instance (covering the request's time) never stored before it (the request stored nothing itself).
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH hits AS (
-    SELECT request_id, ts, prefill_instance, cached_tokens
+    SELECT request_id, ts, prefill_instance, cache_salt, cached_tokens
     FROM requests
     WHERE cached_tokens > 0
 ), blocks AS (
@@ -21,7 +21,7 @@ WITH hits AS (
                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS end_token
     FROM request_blocks
 ), reused AS (
-    SELECT h.request_id, h.ts, h.prefill_instance, b.position, b.block_fp, b.chain_fp
+    SELECT h.request_id, h.ts, h.prefill_instance, h.cache_salt, b.position, b.block_fp, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
 ), last_reused AS (
@@ -53,13 +53,16 @@ WITH hits AS (
     SELECT request_id, position, 1 AS priority, 'parent_of_own_store' AS basis
     FROM matched WHERE latest = 1 AND matched_fp <> block_fp
 ), hashed AS (
-    -- reused blocks whose own hash the events show, and what that hash held last before the request
+    -- reused blocks whose own hash the events show (the same content stored at the same position of a chain
+    -- under the request's salt, at any time: a block's hash does not change), and what each such hash held
+    -- last before the request
     SELECT u.request_id, u.position, u.block_fp, e.block_fp AS held_fp,
-           row_number() OVER (PARTITION BY u.request_id, u.position
+           row_number() OVER (PARTITION BY u.request_id, u.position, k.block_hash
                               ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
     FROM reused u
-    JOIN kv_events k ON k.kind = 'stored' AND k.block_fp = u.block_fp AND k.position = u.position
-                    AND k.instance = u.prefill_instance
+    JOIN (SELECT DISTINCT instance, block_fp, position, salt, block_hash FROM kv_events WHERE kind = 'stored') k
+      ON k.block_fp = u.block_fp AND k.position = u.position AND k.instance = u.prefill_instance
+     AND (k.salt IS NULL OR u.cache_salt IS NULL OR k.salt = u.cache_salt)
     JOIN kv_events e ON e.kind = 'stored' AND e.block_hash = k.block_hash AND e.instance = u.prefill_instance
                     AND e.ts <= u.ts
 ), by_hash AS (
@@ -71,14 +74,20 @@ WITH hits AS (
     FROM (SELECT instance, block_hash FROM kv_events WHERE kind = 'stored' AND block_fp IS NOT NULL
           GROUP BY instance, block_hash HAVING count(DISTINCT block_fp) > 1) c
     GROUP BY instance
+), first_sent AS (
+    -- when each prefix (up to a block) was first sent, by any request
+    SELECT eb.chain_fp, eb.position, min(e.ts) AS first_ts
+    FROM request_blocks eb JOIN requests e ON e.request_id = eb.request_id
+    GROUP BY eb.chain_fp, eb.position
 ), unexplained AS (
     -- reused blocks whose prefix no earlier request sent anywhere: the cache held no such prefix
     SELECT u.request_id, u.prefill_instance, min(u.position) AS position
     FROM reused u
-    WHERE NOT EXISTS (SELECT 1 FROM request_blocks eb JOIN requests e ON e.request_id = eb.request_id
-                      WHERE eb.chain_fp = u.chain_fp AND eb.position = u.position AND e.ts < u.ts
-                        AND e.request_id <> u.request_id)
+    JOIN first_sent f ON f.chain_fp = u.chain_fp AND f.position = u.position
+    WHERE f.first_ts >= u.ts
     GROUP BY u.request_id, u.prefill_instance
+), first_stored AS (
+    SELECT instance, block_fp, min(ts) AS first_ts FROM kv_events WHERE kind = 'stored' GROUP BY instance, block_fp
 ), instance_events AS (
     SELECT instance, min(ts) AS first_ts, max(ts) AS last_ts FROM kv_events GROUP BY instance
 ), by_unexplained AS (
@@ -89,8 +98,8 @@ WITH hits AS (
     JOIN hits h ON h.request_id = x.request_id
     JOIN reused u ON u.request_id = x.request_id AND u.position = x.position
     JOIN instance_events i ON i.instance = x.prefill_instance AND i.first_ts < h.ts AND h.ts < i.last_ts
-    WHERE NOT EXISTS (SELECT 1 FROM kv_events k WHERE k.instance = x.prefill_instance AND k.kind = 'stored'
-                                                  AND k.block_fp = u.block_fp AND k.ts < h.ts)
+    LEFT JOIN first_stored s ON s.instance = x.prefill_instance AND s.block_fp = u.block_fp
+    WHERE s.first_ts IS NULL OR s.first_ts >= h.ts
 ), found AS (
     SELECT * FROM by_own_store
     UNION ALL SELECT * FROM by_hash
