@@ -26,6 +26,9 @@ from kvforensics.db import parameters_used, sql, statements
 from kvforensics.timestamps import iso
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
+# cached_tokens_disagree: the share of the requests both the gateway and the engine count cached tokens for
+# on which they may differ before the figures resting on cached tokens are unreliable (fewer: an ingest warning)
+MAX_CACHED_TOKENS_DISAGREE_FRACTION = 0.01
 
 # Optional canonical request fields each rule needs: one tuple per need, satisfied by any of its
 # fields. Fields a rule reads with a fallback are listed in RULE_FIELDS_WITH_FALLBACK instead
@@ -89,7 +92,8 @@ def codes() -> tuple[str, ...]:
 
 def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> dict[str, Any]:
     needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
-    return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs}
+    return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs,
+            "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION}
 
 
 def _plain(value: Any) -> Any:

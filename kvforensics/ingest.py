@@ -84,12 +84,16 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     # before get their gateway instance names back, so that re-delivered ones compare equal.
     if one(con, "SELECT count(*) FROM instance_names WHERE engine_instance <> gateway_name")[0]:
         run_script(con, "instance_restore")
+    # cached_tokens the engines filled in (sql/cached_tokens.sql) go back to the gateway's own value
+    con.execute("UPDATE requests SET cached_tokens = NULL, cached_tokens_source = NULL "
+                "WHERE cached_tokens_source IN ('engine_request', 'engine_batch')").fetchall()
     for source, files in plan:
         if source.kind == "requests":
             result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases,
                                                        digests or {}))
     con.execute("DELETE FROM capacity").fetchall()
     con.execute("DELETE FROM engine_events").fetchall()
+    con.execute("DELETE FROM prefill_batches").fetchall()
     con.execute("DELETE FROM changes").fetchall()
     con.execute("DELETE FROM content_fingerprints").fetchall()
     con.execute("DELETE FROM content_stats").fetchall()
@@ -123,6 +127,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                                         load_content(con, source, path, key_for(incident.id), size,
                                                      incident.prefix_word_blocks)))
     _match_instance_names(con, incident, result)
+    _fill_cached_tokens(con, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)
     con.execute("DELETE FROM ingest_notes").fetchall()
@@ -210,9 +215,18 @@ def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
     events = parsed.event_table()  # per-request lines read column-wise stay columns (engine_columnar.py)
     if events.num_rows:
         con.register("events_batch", events)
-        con.execute("INSERT INTO engine_events SELECT instance, ts, kind, request_id, prompt_tokens, limit_tokens, "
-                    "detail, $source, $file, line FROM events_batch", {"source": source.name, "file": str(path)})
+        con.execute("INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, "
+                    "source, source_file, source_line, cached_tokens) SELECT instance, ts, kind, request_id, "
+                    "prompt_tokens, limit_tokens, detail, $source, $file, line, cached_tokens FROM events_batch",
+                    {"source": source.name, "file": str(path)})
         con.unregister("events_batch")
+    batches = parsed.batch_table()  # prefill batch lines (loaders/sglang_batches.py)
+    if batches.num_rows:
+        con.register("prefill_batches_batch", batches)
+        con.execute("INSERT INTO prefill_batches SELECT instance, ts, new_seq, new_token, cached_token, running_req, "
+                    "queue_req, token_usage, role, ranks, $source, $file, line FROM prefill_batches_batch",
+                    {"source": source.name, "file": str(path)})
+        con.unregister("prefill_batches_batch")
     quarantined = parsed.all_quarantined()
     for q in quarantined:
         con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
@@ -365,6 +379,28 @@ def _match_instance_names(con: duckdb.DuckDBPyConnection, incident: Incident, re
             f"{', ...' if len(unknown) > 3 else ''}): the pool rule cannot judge them by instance; "
             f"add [instances] map = {{ \"{example}\" = \"<engine instance>\" }} or "
             f"match = \"<regex with a (?P<instance>...) group>\" to the incident file, or the missing engine logs")
+
+
+def _fill_cached_tokens(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:
+    """requests.cached_tokens the gateway lacks, from the engines (sql/cached_tokens.sql); where gateway and
+    engine both count a request's cached tokens and differ, a warning with the counts."""
+    run_script(con, "cached_tokens")
+    filled = con.execute("SELECT cached_tokens_source, count(*) FROM requests WHERE cached_tokens_source LIKE 'engine%' "
+                         "GROUP BY 1 ORDER BY 1").fetchall()
+    for how, n in filled:
+        what = ("the engine's per-request count (ReqTimeStats cached_input_len)" if how == "engine_request"
+                else "a prefill batch of that request alone (#new-seq: 1, #cached-token)")
+        result.assumptions.append(f"{n} request(s) without cached_tokens from the gateway took it from {what}; "
+                                  f"requests.cached_tokens_source = '{how}'")
+    compared, differ, example = one(con, """
+        SELECT count(*), count(*) FILTER (WHERE engine_cached <> gateway_cached),
+               min(request_id) FILTER (WHERE engine_cached <> gateway_cached)
+        FROM engine_cached_tokens WHERE gateway_cached IS NOT NULL""")
+    if differ:
+        result.warnings.append(
+            f"cached_tokens: the gateway and the engine's own count (ReqTimeStats cached_input_len) differ for "
+            f"{differ:,} of {compared:,} request(s) both count (e.g. '{example}'): the two sources contradict each "
+            "other; check which engine the gateway's number comes from (table engine_cached_tokens)")
 
 
 def _check_models(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:

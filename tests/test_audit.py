@@ -803,7 +803,8 @@ def test_audit_database_from_capacity_rows() -> None:
             list(row),
         )
     con.execute(
-        "INSERT INTO engine_events VALUES ('glm53-prefill-0', ?, 'abort_input_too_long', 'r1', 702311, "
+        "INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, source, "
+        "source_file, source_line) VALUES ('glm53-prefill-0', ?, 'abort_input_too_long', 'r1', 702311, "
         "681274, 'Input length (702311 tokens) exceeds the maximum allowed length (681274 tokens). "
         "Use a shorter input or enable --allow-auto-truncate., self.rid=''r1''', 'engines', "
         "'engine/glm53-prefill-0.log', 40)",
@@ -839,7 +840,8 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
         startups += [(path, s) for s in parse.startups]
         for e in parse.events:
             con.execute(
-                "INSERT INTO engine_events VALUES (?, ?, ?, ?, ?, ?, ?, 'engines', ?, ?)",
+                "INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, "
+                "source, source_file, source_line) VALUES (?, ?, ?, ?, ?, ?, ?, 'engines', ?, ?)",
                 [
                     e.instance,
                     e.ts,

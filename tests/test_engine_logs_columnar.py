@@ -47,6 +47,8 @@ def _assert_same(reference: EngineFileParse, columnar: EngineFileParse) -> None:
     assert columnar.all_notes() == reference.all_notes()
     assert columnar.warnings == reference.warnings
     assert columnar.event_table().to_pylist() == reference.event_table().to_pylist()
+    assert columnar.batches == reference.batches
+    assert columnar.batch_table().to_pylist() == reference.batch_table().to_pylist()
 
 
 @pytest.mark.parametrize("path", REAL_LOGS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -82,6 +84,37 @@ def test_request_lines_are_read_column_wise_and_give_the_parsers_answer(tmp_path
     assert all(t.schema == EVENT_COLUMNS for t in parse.event_tables)
     assert len(parse.events) == 200 - read_here
     assert columnar.startups[0].tp_size == 2 and columnar.startups[0].last_line == len(lines)
+
+
+# The prefill batch forms of SGLang's scheduler (see kvforensics/loaders/sglang_batches.py): 0.5.x
+# scheduler_components/metrics_reporter.py (PD prefill and hybrid variants), 0.4.x scheduler.py (a period,
+# cache hit rate, mixed chunked prefill).
+def _batch_line(i: int, stamp: str = "2026-08-27 10:00:0{s}", ranks: str = " TP0", body: str | None = None,
+                head: str = "Prefill batch, ") -> str:
+    body = body or (f"#new-seq: 1, #new-token: {200 + i}, #cached-token: {64 * (i % 3)}, token usage: 0.{i % 10}1, "
+                    f"#running-req: {i % 4}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
+                    f"input throughput (token/s): 1234.50")
+    return f"[{stamp.format(s=i % 10)}{ranks}] {head}{body}"
+
+
+PD_BATCH = ("#new-seq: 2, #new-token: 900, #cached-token: 128, token usage: 0.05, #running-req: 0, #queue-req: 1, "
+            "#pending-token: 0, #bootstrap-req: 0, #inflight-req: 1, #optimistic-req: 0, cuda graph: False, "
+            "input throughput (token/s): 5000.00")
+
+
+def test_prefill_batch_lines_are_read_column_wise_with_the_role_they_hint(tmp_path: Path) -> None:
+    bare = [s for s in START if "server_args" not in s]  # no server_args: the role comes from the batch lines
+    lines = bare + [(_batch_line(i, body=PD_BATCH) if i % 3 else _request_line(i)) for i in range(120)]
+    path = tmp_path / "prefill.log"
+    path.write_text("\n".join(lines) + "\n")
+    reference, columnar = _both(path, batch_lines=40)
+    _assert_same(reference, columnar)
+    (parse,) = columnar.instances.values()
+    read_here = sum(t.num_rows for t in parse.batch_tables)
+    assert read_here >= 70 and len(parse.prefill_batches) == 80 - read_here
+    assert columnar.startups[0].role == "prefill"
+    assert columnar.startups[0].flags["prefix_cache_hit_line"] == str(len(bare) + 2)  # i = 1
+    assert {b.role for b in columnar.batches} == {"prefill"}
 
 
 def test_a_private_or_the_callers_connection(tmp_path: Path) -> None:
@@ -149,6 +182,34 @@ NEAR_MISSES = [
     "sglang version: 0.5.20",
     "Traceback (most recent call last):",
     "",
+    _batch_line(30),
+    _batch_line(31, head="Prefill batch. ", body="#new-seq: 1, #new-token: 5, #cached-token: 0, cache hit rate: 0.00%, "
+                                                 "token usage: 0.01, #running-req: 0, #queue-req: 0"),
+    _batch_line(32, head="Prefill batch [17], "),
+    _batch_line(33, head="Prefill batch(mixed #running-req: 3). ",
+                body="#new-seq: 1, #new-token: 5, #cached-token: 2, cache hit rate: 1.00%, #queue-req: 0"),
+    _batch_line(34, body=PD_BATCH),
+    _batch_line(35, body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, "
+                         "swa token usage: 0.30, #running-req: 1, #queue-req: 0, "),
+    _batch_line(36, body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, mamba usage: 0.2, "
+                         "#unbootstrapped-req: 0, #queue-req: 0, #transferring-req: 2, "),
+    _batch_line(37, body="#new-seq: 1, #new-token: 9, #cached-token: -1, token usage: 0.10"),
+    _batch_line(38, body="#new-seq: 1, #new-token: 9, token usage: 0.10"),
+    _batch_line(39, body="#new-seq: 1, #new-token: 12345678901234567890, #cached-token: 0"),
+    _batch_line(40, body="#new-seq: 1, #new-token: 9, #cached-token: 4, #cached-token: 5, token usage: x"),
+    _batch_line(41, body="#new-seq: 1, #new-token: 9, #cached-token: 4,token usage: 0.5"),
+    _batch_line(42, body="#new-seq: 1, #new-token: 9,  #cached-token: 4"),
+    _batch_line(43, body="#new-seq: 1, #new-token: 9, #cached-token: 4: 5"),
+    _batch_line(44, body="#new-seq: 1, #new-token: 9, #cached-token: 4, token usage: 0.5, "),
+    _batch_line(45, body="#new-seq: 1, #new-token: 9, #cached-token: 4, token usage: 1e3, #queue-req: 08"),
+    _batch_line(46, body="#new-seq: 1, #new-token: 9, #cached-token: 4, note: ReqTimeStats(rid=a, input_len=5)"),
+    _batch_line(47, body="#new-seq: 1, #new-token: 9, #cached-token: 4, note: Prefill transfer failed"),
+    _batch_line(48, body="#new-seq: 1, #new-token: 9, #cached-token: 4, x: #prealloc-req: 1, #transfer-req: 2"),
+    _batch_line(49, body="#new-seq: \u0661, #new-token: 9, #cached-token: 4"),
+    _batch_line(50, head="Prefill batch,"),
+    _batch_line(51, head=" Prefill batch, "),
+    _batch_line(52, head="Prefill batches, "),
+    _batch_line(53, ranks=" DP1 TP3 MOE_DP1 XTP2"),
 ]
 
 
@@ -156,8 +217,13 @@ NEAR_MISSES = [
 def generated_log(draw: st.DrawFn) -> list[str | bytes]:
     out: list[str | bytes] = list(draw(st.sampled_from([[], START, START[:2]])))
     for _ in range(draw(st.integers(0, 40))):
-        kind = draw(st.sampled_from(["run", "miss", "bytes"]))
-        if kind == "run":
+        kind = draw(st.sampled_from(["run", "batches", "miss", "bytes"]))
+        if kind == "batches":
+            ranks = draw(st.sampled_from(["", " TP0", " DP1 TP2"]))
+            body = draw(st.sampled_from([None, PD_BATCH]))
+            start = draw(st.integers(0, 10_000))
+            out += [_batch_line(start + i, ranks=ranks, body=body) for i in range(draw(st.integers(1, 6)))]
+        elif kind == "run":
             ranks = draw(st.sampled_from(["", " TP0", " TP1", " DP1 TP0", " TP7"]))
             stamp = draw(st.sampled_from(["2026-08-27 10:00:0{s}", "2026-11-01 01:59:5{s}", "2026-11-01 02:00:0{s}.5",
                                           "2026-03-08 01:59:5{s}", "2026-12-31 23:59:5{s}.123456"]))

@@ -201,7 +201,7 @@ class SparkEngine:
                               f"([settings] spark_requests_table): {str(e).splitlines()[0]}") from None
         cols = _duckdb_columns(con, "requests")
         have = {c.lower(): c for c in source.columns}
-        optional = {"cache_salt"}  # added after Spark tables were first read: NULL when absent
+        optional = {"cache_salt", "cached_tokens_source"}  # added after Spark tables were first read: NULL when absent
         missing = [c for c, _ in cols if c.lower() not in have and c not in optional]
         if missing:
             raise EngineError(f"Spark table {self.requests_table!r} lacks the canonical request column(s) "

@@ -6,7 +6,8 @@ reference: they read a log line by line. Most lines of a busy SGLang prefill log
 changes nothing a start-up needs beyond the time and ranks last seen. This reader takes the lines
 of a file in batches, lets DuckDB pick out (with SQL regular expressions, on every core) the
 ReqTimeStats lines whose reading is certain, and reads them there: stamp, rank, rid, input_len and
-the detail text. Every other line goes to the Python parser in file order, and each run of lines
+the detail text; and the prefill batch lines (one per prefill step, :mod:`~kvforensics.loaders.sglang_batches`)
+in the same way. Every other line goes to the Python parser in file order, and each run of lines
 read in DuckDB is handed to it as one step (:meth:`SglangParser.feed_request_run`), so start-ups,
 quarantined lines, notes and events are the parser's own.
 
@@ -20,6 +21,11 @@ A line is read in DuckDB only when all of these hold, and otherwise by the parse
   ``rid=<id>``, with at most one ``input_len`` of at most 18 digits;
 * the line holds none of the texts another reading looks for (start-up, shutdown, role, version,
   other events: :data:`~kvforensics.loaders.sglang.SELF_CONTAINED_EXCLUDES`);
+* or its message starts with ``Prefill batch``, ``[iter]``, ``,`` or ``.``, and the rest is plain
+  ``key: value`` parts joined by ``", "`` whose ``#new-seq``, ``#new-token`` and ``#cached-token``
+  are numbers of at most 18 digits, and it holds none of the texts of
+  :data:`~kvforensics.loaders.sglang.BATCH_LINE_EXCLUDES` (its role hint, the PD queue counts, is
+  read here and handed over with the run);
 * the line before it is also read in DuckDB (the first line of each run goes through the parser,
   which closes whatever the line before left open, such as a wrapped server_args dump).
 
@@ -44,9 +50,22 @@ import pyarrow as pa
 
 from kvforensics.loaders.engine_common import add_truncation, engine_format, parse_engine_file
 from kvforensics.loaders.engine_lines import SNIFF_LINES, LineBatch, open_lines
-from kvforensics.loaders.engine_types import DETAIL_LIMIT, EVENT_COLUMNS, EngineFileParse, InstanceNamer
+from kvforensics.loaders.engine_types import (
+    BATCH_COLUMNS,
+    DETAIL_LIMIT,
+    EVENT_COLUMNS,
+    EngineFileParse,
+    InstanceNamer,
+)
 from kvforensics.loaders.envelopes import sniff_envelope
-from kvforensics.loaders.sglang import SELF_CONTAINED_EXCLUDES, RequestRun, SglangParser
+from kvforensics.loaders.sglang import (
+    BATCH_LINE_EXCLUDES,
+    ROLE_HINTS,
+    SELF_CONTAINED_EXCLUDES,
+    RequestRun,
+    SglangParser,
+)
+from kvforensics.loaders.sglang_batches import DECODE_FIELDS, PREFILL_FIELDS
 
 __all__ = ["BATCH_LINES", "parse_engine_file_columnar"]
 
@@ -61,7 +80,11 @@ def _re2_literal(text: str) -> str:
 
 # Control characters other than tab are excluded too: Python's \s and str.strip() count \v and
 # \x1c-\x1f as white space, RE2's \s does not.
-_EXCLUDE = "|".join([*(_re2_literal(n) for n in SELF_CONTAINED_EXCLUDES if n.isprintable()), r"[\x00-\x08\x0a-\x1f\x7f]"])
+def _exclude(needles: tuple[str, ...]) -> str:
+    return "|".join([*(_re2_literal(n) for n in needles if n.isprintable()), r"[\x00-\x08\x0a-\x1f\x7f]"])
+
+
+_EXCLUDE = _exclude(SELF_CONTAINED_EXCLUDES)
 
 # One pass over a batch: the lines DuckDB reads, with their stamp, ranks, rid, input_len and detail.
 # The patterns are literals (a pattern given as a parameter is compiled again for every row); the
@@ -87,7 +110,9 @@ WITH headed AS (
            try_strptime(substr(head, 2, 19), '%Y-%m-%d %H:%M:%S') AS local,
            substr(split_part(body, ',', 1), 5) AS rid,
            split_part(split_part(body, ', input_len=', 2), ',', 1) AS input_len,
-           strlen(body) - strlen(replace(body, ', input_len=', '')) AS input_len_chars
+           strlen(body) - strlen(replace(body, ', input_len=', '')) AS input_len_chars,
+           split_part(split_part(body, ', cached_input_len=', 2), ',', 1) AS cached_len,
+           strlen(body) - strlen(replace(body, ', cached_input_len=', '')) AS cached_len_chars
     FROM stamped
     WHERE substr(head, 2, 4) >= '0001' AND NOT contains(body, ', rid=')
       AND regexp_matches(head,
@@ -99,9 +124,78 @@ SELECT n, substr(head, 2, 13) AS hour,
        substr(head, 2, CASE WHEN frac = '' THEN 19 ELSE 20 + strlen(frac) END) AS stamp,
        split_part(substr(head, CASE WHEN frac = '' THEN 21 ELSE 22 + strlen(frac) END), ']', 1) AS extra,
        rid, CASE WHEN input_len_chars = 0 THEN NULL ELSE CAST(input_len AS BIGINT) END AS input_len,
+       CASE WHEN cached_len_chars = 0 THEN NULL ELSE CAST(cached_len AS BIGINT) END AS cached_len,
        CASE WHEN length(msg) <= {DETAIL_LIMIT} THEN msg ELSE msg[1:{DETAIL_LIMIT - 1}] || '\u2026' END AS detail
 FROM fields
 WHERE local IS NOT NULL AND (input_len_chars = 0 OR (input_len_chars = 12 AND regexp_full_match(input_len, '\\d{{1,18}}')))
+  AND (cached_len_chars = 0 OR (cached_len_chars = 19 AND regexp_full_match(cached_len, '\\d{{1,18}}')))
+"""
+
+
+def _sql_text(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _field(key: str) -> str:
+    """The value of the first ``key: value`` part of ``parts`` (``", "`` + the parts), '' when none."""
+    return f"regexp_extract(parts, {_sql_text(', ' + _re2_literal(key) + ': ([^,]*)')}, 1)"
+
+
+def _count(key: str) -> str:
+    return f"CASE WHEN regexp_full_match({_field(key)}, '[0-9]{{1,18}}') THEN CAST({_field(key)} AS BIGINT) END"
+
+
+def _any_field(keys: tuple[str, ...]) -> str:
+    return f"regexp_matches(parts, {_sql_text(', (?:' + '|'.join(_re2_literal(k) for k in keys) + '): ')})"
+
+
+_USAGE = ("CASE WHEN contains(parts, ', token usage: ') THEN " + _field("token usage")
+          + " ELSE " + _field("full token usage") + " END")
+# The role hint the parser would take from the line (sglang.ROLE_HINTS, in their order).
+_HINTS = " ".join(f"WHEN regexp_matches(msg, {_sql_text(pattern.pattern)}) THEN "
+                  f"[{_sql_text(role)}, regexp_extract(msg, {_sql_text(pattern.pattern)}, 0)]"
+                  for pattern, role in ROLE_HINTS)
+
+# One pass over a batch: the prefill batch lines DuckDB reads (sglang_batches.match_prefill_batch), with
+# their stamp, ranks and counts.
+_BATCH_LINES_SQL = f"""
+WITH headed AS (
+    SELECT n, line, position(']' IN line) AS close
+    FROM batch
+    WHERE line IS NOT NULL AND starts_with(line, '[') AND contains(line, 'Prefill batch')
+      AND strlen(line) = length(line) AND NOT regexp_matches(line, {_sql_text(_exclude(BATCH_LINE_EXCLUDES))})
+), split AS (
+    SELECT n, substr(line, 1, close) AS head,
+           substr(line, close + CASE WHEN substr(line, close + 1, 1) = ' ' THEN 2 ELSE 1 END) AS msg
+    FROM headed
+    WHERE close > 0
+), fields AS (
+    SELECT n, head, msg, ', ' || regexp_extract(msg, '^Prefill batch(?: ?\\[\\d+\\])?[.,] (.*)$', 1) AS parts,
+           CASE WHEN substr(head, 21, 1) IN ('.', ',') THEN regexp_extract(substr(head, 22, 7), '^\\d+', 0) ELSE '' END
+               AS frac,
+           try_strptime(substr(head, 2, 19), '%Y-%m-%d %H:%M:%S') AS local
+    FROM split
+    WHERE substr(head, 2, 4) >= '0001'
+      AND regexp_full_match(head,
+          '\\[\\d{{4}}-\\d{{2}}-\\d{{2}} \\d{{2}}:\\d{{2}}:\\d{{2}}(?:[.,]\\d{{1,6}})?(?: +[^\\]\\s]+)* *\\]')
+      AND regexp_full_match(msg, 'Prefill batch(?: ?\\[\\d+\\])?[.,] [^,:]+: [^,]*(?:, [^,:]+: [^,]*)*(?:, )?')
+), counted AS (
+    SELECT *, {_count("#new-seq")} AS new_seq, {_count("#new-token")} AS new_token,
+           {_count("#cached-token")} AS cached_token
+    FROM fields
+    WHERE local IS NOT NULL
+)
+SELECT n, substr(head, 2, 13) AS hour,
+       epoch_us(local) + CAST(rpad(CASE WHEN frac = '' THEN '0' ELSE frac END, 6, '0') AS BIGINT) AS local_us,
+       substr(head, 2, CASE WHEN frac = '' THEN 19 ELSE 20 + strlen(frac) END) AS stamp,
+       split_part(substr(head, CASE WHEN frac = '' THEN 21 ELSE 22 + strlen(frac) END), ']', 1) AS extra,
+       new_seq, new_token, cached_token, {_count("#running-req")} AS running_req, {_count("#queue-req")} AS queue_req,
+       CASE WHEN regexp_full_match({_USAGE}, '[0-9]{{1,6}}(?:\\.[0-9]{{1,6}})?') THEN CAST({_USAGE} AS DOUBLE) END
+           AS token_usage,
+       CASE WHEN {_any_field(PREFILL_FIELDS)} THEN 'prefill' WHEN {_any_field(DECODE_FIELDS)} THEN 'decode' END AS role,
+       CASE {_HINTS} END AS hint
+FROM counted
+WHERE new_seq IS NOT NULL AND new_token IS NOT NULL AND cached_token IS NOT NULL
 """
 
 
@@ -149,15 +243,27 @@ def parse_engine_file_columnar(
 # rest of an island is a run read here.
 _ISLANDS_SQL = """
 CREATE OR REPLACE TEMP TABLE kvf_islands AS
-SELECT n, extra, utc_us, stamp, n - row_number() OVER (ORDER BY n) AS island
-FROM (SELECT s.n, s.extra, s.local_us - h.shift_us AS utc_us, s.stamp
-      FROM kvf_self_contained s JOIN kvf_hours h USING (hour) WHERE h.shift_us IS NOT NULL)
+WITH lines AS (
+    SELECT n, hour, local_us, stamp, extra, 'stats' AS kind, NULL::VARCHAR[] AS hint, NULL::BIGINT AS cached_token
+    FROM kvf_self_contained
+    UNION ALL
+    SELECT n, hour, local_us, stamp, extra, 'batch', hint, cached_token FROM kvf_batch_lines
+), placed AS (
+    SELECT l.n, l.extra, l.local_us - h.shift_us AS utc_us, l.stamp, l.kind, l.hint, l.cached_token
+    FROM lines l JOIN kvf_hours h USING (hour) WHERE h.shift_us IS NOT NULL
+), numbered AS (
+    SELECT *, n - row_number() OVER (ORDER BY n) AS island FROM placed
+)
+SELECT *, min(n) OVER (PARTITION BY island) AS island_first FROM numbered
 """
+# One row per run (an island without its first line): its ends, its first ReqTimeStats line, its first
+# role hint and its first prefix-cache hit.
 _RUNS_SQL = """
-SELECT min(n) + 1 AS first, max(n) AS last, island FROM kvf_islands GROUP BY island HAVING count(*) > 1 ORDER BY first
-"""
-_RUN_ENDS_SQL = """
-SELECT n, utc_us, stamp FROM kvf_islands SEMI JOIN kvf_run_ends USING (n)
+SELECT island, min(n) AS first, max(n) AS last, arg_min(utc_us, n) AS first_us, arg_max(utc_us, n) AS last_us,
+       arg_max(stamp, n) AS last_stamp, min(n) FILTER (kind = 'stats') AS first_stats,
+       arg_min(hint, n) FILTER (hint IS NOT NULL) AS hint, min(n) FILTER (hint IS NOT NULL) AS hint_line,
+       min(n) FILTER (cached_token > 0) AS first_cached
+FROM kvf_islands WHERE n > island_first GROUP BY island ORDER BY first
 """
 # the first line of a prefix in each island (the island's own first line included: the parser saw
 # it before the run, so it changes nothing)
@@ -166,10 +272,25 @@ SELECT island, min(n) AS first, extra FROM kvf_islands WHERE extra <> '' GROUP B
 """
 _RUN_EVENTS_SQL = """
 SELECT $instance AS instance, i.utc_us AS ts, 'req_time_stats' AS kind, s.rid AS request_id,
-       s.input_len AS prompt_tokens, CAST(NULL AS BIGINT) AS limit_tokens, s.detail, s.n AS line
+       s.input_len AS prompt_tokens, CAST(NULL AS BIGINT) AS limit_tokens, s.detail, s.n AS line,
+       s.cached_len AS cached_tokens
 FROM kvf_self_contained s JOIN kvf_islands i USING (n)
-WHERE s.n NOT IN (SELECT min(n) FROM kvf_islands GROUP BY island)
+WHERE i.n > i.island_first
 """
+# the rank text as sglang.rank_tags gives it
+_RUN_BATCHES_SQL = """
+SELECT $instance AS instance, i.utc_us AS ts, b.n AS line, b.new_seq, b.new_token, b.cached_token, b.running_req,
+       b.queue_req, b.token_usage, b.role,
+       array_to_string(regexp_extract_all(b.extra, '\\b(?:DP|PP|ATTN_CP|MOE_DP|TP|EP)\\d+\\b'), ' ') AS ranks
+FROM kvf_batch_lines b JOIN kvf_islands i USING (n)
+WHERE i.n > i.island_first
+"""
+
+
+def _with_utc(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    i = table.schema.get_field_index("ts")
+    ts = table.column(i).combine_chunks().view(pa.timestamp("us", tz="UTC"))
+    return table.set_column(i, "ts", ts).select(schema.names).cast(schema)
 
 
 def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: LineBatch) -> None:
@@ -178,9 +299,11 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
                                    "line": pa.array(texts, type=pa.string())}))
     try:
         db.execute(f"CREATE OR REPLACE TEMP TABLE kvf_self_contained AS {_SELF_CONTAINED_SQL}")
+        db.execute(f"CREATE OR REPLACE TEMP TABLE kvf_batch_lines AS {_BATCH_LINES_SQL}")
     finally:
         db.unregister("batch")
-    hours = [h for (h,) in db.execute("SELECT DISTINCT hour FROM kvf_self_contained").fetchall()]
+    hours = [h for (h,) in db.execute("SELECT DISTINCT hour FROM kvf_self_contained UNION "
+                                      "SELECT DISTINCT hour FROM kvf_batch_lines").fetchall()]
     db.register("kvf_hours", pa.table({"hour": pa.array(hours, type=pa.string()),
                                        "shift_us": pa.array([_hour_shift(parser, h) for h in hours], type=pa.int64())}))
     try:
@@ -189,25 +312,25 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
         db.unregister("kvf_hours")
     runs = db.execute(_RUNS_SQL).fetchall()
     if runs:
-        db.register("kvf_run_ends", pa.table({"n": pa.array([n for first, last, _ in runs for n in (first, last)],
-                                                             type=pa.int64())}))
-        try:
-            ends = {n: (us, stamp) for n, us, stamp in db.execute(_RUN_ENDS_SQL).fetchall()}
-        finally:
-            db.unregister("kvf_run_ends")
         ranks: dict[int, list[tuple[int, str]]] = {}
         for island, first, extra in db.execute(_RUN_RANKS_SQL).fetchall():
             ranks.setdefault(island, []).append((first, extra))
-        table = db.sql(_RUN_EVENTS_SQL, params={"instance": parser.instance}).to_arrow_table()
-        ts = table.column("ts").combine_chunks().view(pa.timestamp("us", tz="UTC"))
-        parser.out.event_tables.append(table.set_column(1, "ts", ts).cast(EVENT_COLUMNS))
+        params = {"instance": parser.instance}
+        events = db.sql(_RUN_EVENTS_SQL, params=params).to_arrow_table()
+        if events.num_rows:
+            parser.out.event_tables.append(_with_utc(events, EVENT_COLUMNS))
+        batches = db.sql(_RUN_BATCHES_SQL, params=params).to_arrow_table()
+        if batches.num_rows:
+            parser.out.batch_tables.append(_with_utc(batches, BATCH_COLUMNS))
     i = 0
-    for first, last, island in runs:
+    for island, first, last, first_us, last_us, last_stamp, first_stats, hint, hint_line, first_cached in runs:
         while i < first - first_number:
             parser.feed(first_number + i, texts[i], raws[i])
             i += 1
-        parser.feed_request_run(RequestRun(first, last, _utc(ends[first][0]), _utc(ends[last][0]), ends[last][1],
-                                           tuple(ranks.get(island, ()))))
+        parser.feed_request_run(RequestRun(
+            first, last, _utc(first_us), _utc(last_us), last_stamp, tuple(ranks.get(island, ())),
+            first_stats_line=first_stats, role_hint=(hint[0], hint_line, hint[1]) if hint else None,
+            first_cached_batch_line=first_cached))
         i = last - first_number + 1
     while i < len(texts):
         parser.feed(first_number + i, texts[i], raws[i])

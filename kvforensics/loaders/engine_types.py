@@ -2,6 +2,7 @@
 
 * :class:`StartupRecord`  one start-up of one engine instance (KV pool, context length, role ...),
 * :class:`EngineEvent`    one per-request engine line (aborts, transfer failures, timing stats ...),
+* :class:`PrefillBatch`   one prefill batch line (``#new-seq``, ``#new-token``, ``#cached-token`` ...),
 * :class:`QuarantinedLine` a line that looks like a log line but could not be read, with the reason,
 * :class:`EngineLogParse` all of the above for one instance, plus ``lines_read`` and ``notes``,
 * :class:`EngineFileParse` one file: an :class:`EngineLogParse` per instance it holds (an export of
@@ -89,6 +90,24 @@ class EngineEvent:
     prompt_tokens: int | None  # N from "Input length (N tokens)", input_len= from ReqTimeStats ...
     limit_tokens: int | None  # M from "maximum allowed length (M tokens)" ...
     detail: str  # the message, truncated to 300 characters
+    cached_tokens: int | None = None  # req_time_stats: prompt tokens the engine's prefix cache served
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """One prefill batch line: what the scheduler put into one prefill step of one replica."""
+
+    instance: str
+    ts: datetime | None
+    line: int
+    new_seq: int  # requests (or chunks of one) in the batch
+    new_token: int  # prompt tokens computed
+    cached_token: int  # prompt tokens served from the prefix cache
+    running_req: int | None
+    queue_req: int | None
+    token_usage: float | None  # KV pool in use (hybrid pools: the full-attention layers')
+    role: str | None  # "prefill" / "decode" when the line's own fields say (PD queue counts), else None
+    ranks: str  # the rank prefix ("DP1 TP0"), "" without one
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,15 @@ class EngineLogParse:
     # part of the parse like ``events`` (see all_events), kept as columns so that ingest stores them
     # without a Python object per line
     event_tables: list[pa.Table] = field(default_factory=list)
+    prefill_batches: list[PrefillBatch] = field(default_factory=list)
+    batch_tables: list[pa.Table] = field(default_factory=list)  # prefill batches read column-wise (BATCH_COLUMNS)
+
+    def all_batches(self) -> list[PrefillBatch]:
+        """``prefill_batches`` and the rows of ``batch_tables``, in line order."""
+        if not self.batch_tables:
+            return list(self.prefill_batches)
+        return sorted([*self.prefill_batches, *(b for t in self.batch_tables for b in batches_from_table(t))],
+                      key=lambda b: b.line)
 
     def all_events(self) -> list[EngineEvent]:
         """``events`` and the events of ``event_tables``, in line order."""
@@ -121,9 +149,16 @@ class EngineLogParse:
 EVENT_COLUMNS = pa.schema([
     ("instance", pa.string()), ("ts", pa.timestamp("us", tz="UTC")), ("kind", pa.string()),
     ("request_id", pa.string()), ("prompt_tokens", pa.int64()), ("limit_tokens", pa.int64()),
-    ("detail", pa.string()), ("line", pa.int64()),
+    ("detail", pa.string()), ("line", pa.int64()), ("cached_tokens", pa.int64()),
 ])
-"""The columns of an event table: :class:`EngineEvent`'s fields, in its order."""
+"""The columns of an event table: :class:`EngineEvent`'s fields."""
+
+BATCH_COLUMNS = pa.schema([
+    ("instance", pa.string()), ("ts", pa.timestamp("us", tz="UTC")), ("line", pa.int64()), ("new_seq", pa.int64()),
+    ("new_token", pa.int64()), ("cached_token", pa.int64()), ("running_req", pa.int64()), ("queue_req", pa.int64()),
+    ("token_usage", pa.float64()), ("role", pa.string()), ("ranks", pa.string()),
+])
+"""The columns of a prefill batch table: :class:`PrefillBatch`'s fields, in its order."""
 
 
 _INT64 = range(-(1 << 63), 1 << 63)
@@ -145,8 +180,20 @@ def events_from_table(table: pa.Table) -> list[EngineEvent]:
     """The rows of an event table as :class:`EngineEvent` items (times as UTC datetimes)."""
     columns = [table.column(name).to_pylist() for name in EVENT_COLUMNS.names]
     columns[1] = [None if ts is None else ts.astimezone(UTC) for ts in columns[1]]
-    return [EngineEvent(i, ts, line, kind, rid, prompt, limit, detail)
-            for i, ts, kind, rid, prompt, limit, detail, line in zip(*columns, strict=True)]
+    return [EngineEvent(i, ts, line, kind, rid, prompt, limit, detail, cached)
+            for i, ts, kind, rid, prompt, limit, detail, line, cached in zip(*columns, strict=True)]
+
+
+def batches_table(batches: list[PrefillBatch]) -> pa.Table:
+    """*batches* as a table with :data:`BATCH_COLUMNS`."""
+    return pa.table([pa.array([getattr(b, f.name) for b in batches], type=f.type) for f in BATCH_COLUMNS],
+                    schema=BATCH_COLUMNS)
+
+
+def batches_from_table(table: pa.Table) -> list[PrefillBatch]:
+    """The rows of a prefill batch table as :class:`PrefillBatch` items (times as UTC datetimes)."""
+    rows = table.to_pylist()
+    return [PrefillBatch(**{**r, "ts": None if r["ts"] is None else r["ts"].astimezone(UTC)}) for r in rows]
 
 
 EngineLine = tuple[int, str | None, bytes]
@@ -213,6 +260,18 @@ class EngineFileParse:
             tables.append(table.sort_by([("line", "ascending")]) if parse.event_tables else table)
         return pa.concat_tables(tables) if tables else events_table([])
 
+    @property
+    def batches(self) -> list[PrefillBatch]:
+        return [b for parse in self.instances.values() for b in parse.all_batches()]
+
+    def batch_table(self) -> pa.Table:
+        """Every prefill batch of the file as one table with :data:`BATCH_COLUMNS`, in the order of :attr:`batches`."""
+        tables = []
+        for parse in self.instances.values():
+            table = pa.concat_tables([batches_table(parse.prefill_batches), *parse.batch_tables])
+            tables.append(table.sort_by([("line", "ascending")]) if parse.batch_tables else table)
+        return pa.concat_tables(tables) if tables else batches_table([])
+
     def all_quarantined(self) -> list[QuarantinedLine]:
         """Every quarantined physical line once (the reasons of one line's pieces joined), by line."""
         by_line: dict[int, QuarantinedLine] = {}
@@ -236,5 +295,5 @@ class EngineFileParse:
     def merged(self) -> EngineLogParse:
         """All instances as one :class:`EngineLogParse` (each record still names its instance)."""
         return EngineLogParse(startups=self.startups, events=self.events, quarantined=self.all_quarantined(),
-                              lines_read=self.lines_read, notes=self.all_notes())
+                              lines_read=self.lines_read, notes=self.all_notes(), prefill_batches=self.batches)
 

@@ -32,18 +32,21 @@ from kvforensics.loaders.engine_types import (
     EngineEvent,
     EngineLine,
     EngineLogParse,
+    PrefillBatch,
     QuarantinedLine,
     add_note,
     add_reading_notes,
     raw_for_quarantine,
     truncate_detail,
 )
+from kvforensics.loaders.sglang_batches import BATCH_NEEDLE, BatchRefusal, match_prefill_batch
 from kvforensics.loaders.sglang_events import OTHER_EVENT_NEEDLES, match_event
 from kvforensics.loaders.sglang_startup import ENGINE, SglangStartup, startup_record
 from kvforensics.loaders.sglang_versions import VERSION_LINES
 from kvforensics.loaders.shutdown import SHUTDOWN_NEEDLES, shutdown_reason
 
-__all__ = ["ENGINE", "SELF_CONTAINED_EXCLUDES", "RequestRun", "SglangParser", "parse_lines", "rank_tags"]
+__all__ = ["BATCH_LINE_EXCLUDES", "ENGINE", "ROLE_HINTS", "ROLE_HINT_NEEDLES", "SELF_CONTAINED_EXCLUDES", "RequestRun",
+           "SglangParser", "parse_lines", "rank_tags"]
 
 # ---------------------------------------------------------------------------------------------
 # Envelopes
@@ -112,9 +115,11 @@ _STARTUP_NEEDLES = (
 _RESTART_MARKER = re.compile(r"Load weight begin|Init torch distributed begin")
 
 
-_ROLE_HINT_NEEDLES = (
+ROLE_HINT_NEEDLES = (
     "#bootstrap-req",
     "#inflight-req",
+    "#unbootstrapped-req",
+    "#transferring-req",
     "CommonKVBootstrapServer",
     "bootstrap failed",
     "transfer failed",
@@ -124,10 +129,11 @@ _ROLE_HINT_NEEDLES = (
     "pre-allocated usage",
     "handshake failed",
 )
-_ROLE_HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
+ROLE_HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(
-            r"#bootstrap-req|#inflight-req|CommonKVBootstrapServer started|Prefill (?:bootstrap|transfer) failed"
+            r"#bootstrap-req|#inflight-req|#unbootstrapped-req|#transferring-req|CommonKVBootstrapServer started"
+            r"|Prefill (?:bootstrap|transfer) failed"
             r"|End of prefill disaggregation mode warmup"
         ),
         "prefill",
@@ -138,12 +144,13 @@ _ROLE_HINTS: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
 )
 
-# server args kept as flags: these names, plus names containing one of the fragments, plus
-# enable_* switches that are on
+"""The role-hint patterns must be RE2 patterns too: the columnar reader runs them in DuckDB."""
+
 
 @dataclass(frozen=True)
 class RequestRun:
-    """A run of consecutive self-contained ``ReqTimeStats`` lines read elsewhere (engine_columnar.py)."""
+    """A run of consecutive self-contained ``ReqTimeStats`` and prefill batch lines read elsewhere
+    (engine_columnar.py)."""
 
     first_line: int
     last_line: int
@@ -151,15 +158,21 @@ class RequestRun:
     last_ts: datetime
     last_stamp: str  # the stamp text of the last line ("2026-08-27 10:00:00.123")
     ranks: tuple[tuple[int, str], ...]  # (first line, rank prefix text such as " TP0") per prefix, by line
+    first_stats_line: int | None = None  # its first ReqTimeStats line
+    role_hint: tuple[str, int, str] | None = None  # its first role hint: (role, line, the text)
+    first_cached_batch_line: int | None = None  # its first prefill batch with #cached-token > 0
 
 
-# Texts that make a line matter to the parser beyond one request event: a line with none of them
-# (and a dated stamp, and a ReqTimeStats event) changes nothing but the time and ranks last seen.
-# The columnar reader (engine_columnar.py) reads only such lines itself.
-SELF_CONTAINED_EXCLUDES = tuple(dict.fromkeys((
-    *_STARTUP_NEEDLES, *_ROLE_HINT_NEEDLES, *SHUTDOWN_NEEDLES, *OTHER_EVENT_NEEDLES,
+# Texts that make a line matter to the parser beyond one request event or prefill batch: a line with
+# none of them (and a dated stamp, and a ReqTimeStats event or a prefill batch) changes nothing but the
+# time and ranks last seen; a prefill batch line may also carry a role hint (ROLE_HINT_NEEDLES), which
+# a run hands over (RequestRun.role_hint). The columnar reader (engine_columnar.py) reads only such lines.
+_LINE_EXCLUDES = (
+    *_STARTUP_NEEDLES, *SHUTDOWN_NEEDLES, *OTHER_EVENT_NEEDLES,
     "server_args=", "fired up", "lang", "LANG", '"event": "request.', "\x00", "\x1b", "\r",
-)))
+)
+SELF_CONTAINED_EXCLUDES = tuple(dict.fromkeys((*_LINE_EXCLUDES, *ROLE_HINT_NEEDLES)))
+BATCH_LINE_EXCLUDES = tuple(dict.fromkeys((*_LINE_EXCLUDES, "ReqTimeStats(")))
 
 
 class SglangParser:
@@ -282,14 +295,16 @@ class SglangParser:
                 st.clue("gpu_envelope", line.number)
             elif line.envelope == "time":
                 st.clue("time_only_envelope", line.number)
-            if st.role_hint is None and st.server_args is None and contains_any(msg, _ROLE_HINT_NEEDLES):
-                for pattern, role in _ROLE_HINTS:
+            if st.role_hint is None and st.server_args is None and contains_any(msg, ROLE_HINT_NEEDLES):
+                for pattern, role in ROLE_HINTS:
                     hint = pattern.search(msg)
                     if hint:
                         st.role_hint = (role, line.number, hint.group(0))
                         break
         if "lang" in msg or "LANG" in msg:
             self._version_line(line)
+        if msg.startswith(BATCH_NEEDLE):
+            self._prefill_batch(line, raw)
         self._event(line)
 
     # -- start-ups ----------------------------------------------------------------------------
@@ -434,8 +449,23 @@ class SglangParser:
                 prompt_tokens=found.prompt_tokens,
                 limit_tokens=limit,
                 detail=truncate_detail(msg),
+                cached_tokens=found.cached_tokens,
             )
         )
+
+    def _prefill_batch(self, line: _Line, raw: bytes) -> None:
+        found = match_prefill_batch(line.msg)
+        if found is None:
+            return
+        if isinstance(found, BatchRefusal):
+            self._quarantine(line.number, found.reason, raw)
+            return
+        if found.cached_token > 0 and self.current is not None and self.current.cached_batch_line is None:
+            self.current.cached_batch_line = line.number
+        self.out.prefill_batches.append(PrefillBatch(
+            instance=self.instance, ts=line.ts, line=line.number, new_seq=found.new_seq, new_token=found.new_token,
+            cached_token=found.cached_token, running_req=found.running_req, queue_req=found.queue_req,
+            token_usage=found.token_usage, role=found.role, ranks=line.rank))
 
     def _duplicate_across_ranks(self, kind: str, line: _Line) -> bool:
         """Every TP rank of one replica sees the same requests in the same order, and older builds
@@ -454,11 +484,12 @@ class SglangParser:
     # -- end ----------------------------------------------------------------------------------
 
     def feed_request_run(self, run: RequestRun) -> None:
-        """Take in a run of self-contained ``ReqTimeStats`` lines whose events were read elsewhere.
+        """Take in a run of self-contained ``ReqTimeStats`` and prefill batch lines read elsewhere.
 
         Valid only after the line before the run went through :meth:`feed` and for dated lines
-        without any of :data:`SELF_CONTAINED_EXCLUDES`: then each line changes only the time last
-        seen, the start-up's last line and the ranks it has seen, as :meth:`feed` would.
+        without any of :data:`SELF_CONTAINED_EXCLUDES` (prefill batch lines: of :data:`BATCH_LINE_EXCLUDES`):
+        then each line changes only the time last seen, the start-up's last line, the ranks it has
+        seen, its first role hint and its first prefix-cache hit, as :meth:`feed` would.
         """
         self.out.lines_read += run.last_line - run.first_line + 1
         st = self.current
@@ -468,7 +499,12 @@ class SglangParser:
                 self._ranks(st, number, tp, dp, pp)
             if st.ts is None:
                 st.ts = run.first_ts
-            st.clue("req_time_stats_new", run.first_line)
+            if run.first_stats_line is not None:
+                st.clue("req_time_stats_new", run.first_stats_line)
+            if st.role_hint is None and st.server_args is None and run.role_hint is not None:
+                st.role_hint = run.role_hint
+            if st.cached_batch_line is None:
+                st.cached_batch_line = run.first_cached_batch_line
             st.last_line, st.last_ts = run.last_line, run.last_ts
         self.last_ts = run.last_ts
         self._last_stamp = (run.last_stamp, run.last_ts)

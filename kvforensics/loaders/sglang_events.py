@@ -206,6 +206,7 @@ class EventMatch:
     prompt_tokens: int | None
     limit_tokens: int | None
     clue: str | None = None  # the version clue the line's format gives (sglang_versions), if any
+    cached_tokens: int | None = None  # ReqTimeStats cached_input_len= (>= 0.5.15): the prefix-cache hit
 
 
 def match_event(msg: str) -> EventMatch | None:
@@ -217,7 +218,7 @@ def match_event(msg: str) -> EventMatch | None:
     if not contains_any(msg, EVENT_NEEDLES) or _REQUEST_LOG.search(msg):
         return None
     kind = rid = clue = None
-    prompt = limit = None
+    prompt = limit = cached = None
     for rule in _EVENT_RULES:
         if not contains_any(msg, rule.needles):
             continue
@@ -235,6 +236,7 @@ def match_event(msg: str) -> EventMatch | None:
         if m_new is not None:
             body = dict(re.findall(r"(\w+)=([^,]*)", m_new["body"]))
             kind, rid, prompt = "req_time_stats", body.get("rid", "").strip() or None, as_int(body.get("input_len"))
+            cached = as_int(body.get("cached_input_len"))
             clue = "req_time_stats_new"
         elif m_old is not None:
             kind, rid, prompt = "req_time_stats", m_old["rid"].strip() or None, int(m_old["n"])
@@ -247,4 +249,4 @@ def match_event(msg: str) -> EventMatch | None:
         rid = _rid(_SELF_RID.search(msg)) or _rid(_REQ_RID.search(msg))
         if rid is None and kind in ("abort_other", "req_time_stats"):
             rid = _rid(_ANY_RID.search(msg))
-    return EventMatch(kind, rid, prompt, limit, clue)
+    return EventMatch(kind, rid, prompt, limit, clue, cached)

@@ -93,6 +93,7 @@ class SglangStartup:
     dp_seen: dict[int, int] = field(default_factory=dict)
     pp_seen: dict[int, int] = field(default_factory=dict)
     role_hint: tuple[str, int, str] | None = None
+    cached_batch_line: int | None = None  # the first prefill batch line with #cached-token > 0
     abort_limits: list[tuple[int, int]] = field(default_factory=list)  # (limit, line)
     notes: list[str] = field(default_factory=list)
     last_line: int | None = None
@@ -174,6 +175,9 @@ def startup_record(st: SglangStartup, *, instance: str, notes: list[str]) -> Sta
                 flags[key] = flag_value(value)
     if st.fired_up_line is not None:
         evidence["fired_up"] = st.fired_up_line
+    if st.cached_batch_line is not None:  # the prefix cache served tokens: it is on (audit check 6)
+        evidence["prefix_cache_hit"] = st.cached_batch_line
+        flags["prefix_cache_hit_line"] = str(st.cached_batch_line)
 
     # role
     mode = args.get("disaggregation_mode")

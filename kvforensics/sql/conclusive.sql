@@ -233,3 +233,25 @@ SELECT format('mechanism ''{}'' is named in the incident file but the evidence l
 FROM mechanisms m
 WHERE m.named AND len(m.missing_inputs) > 0
 ORDER BY m.id;
+
+-- reason: cached_tokens_disagree
+-- the gateway's cached_tokens against the engine's own count for the same request and prompt (table
+-- engine_cached_tokens, sql/cached_tokens.sql): a few differences are an ingest warning; more than
+-- $max_cached_tokens_disagree_fraction of the requests both count make the two sources contradict each other
+WITH compared AS (
+    SELECT e.request_id, e.engine_cached <> e.gateway_cached AS differ
+    FROM engine_cached_tokens e SEMI JOIN analysed_requests r ON r.request_id = e.request_id
+    WHERE e.gateway_cached IS NOT NULL
+)
+SELECT format('cached_tokens: the gateway''s count and the engines'' own count (ReqTimeStats cached_input_len) differ '
+              || 'for {:,} of the {:,} requests both count ({:.1f}%, above {:.1f}%; e.g. {}): the prefix-cache hits '
+              || 'and expected prefill times rest on two contradicting sources; check which engine the gateway''s '
+              || 'number comes from (a PD decode instance may report its own) and map the field that holds the '
+              || 'prefill''s count', count(*) FILTER (WHERE differ), count(*),
+              100.0 * count(*) FILTER (WHERE differ) / count(*), 100.0 * $max_cached_tokens_disagree_fraction,
+              gate_names(list(request_id ORDER BY request_id) FILTER (WHERE differ))) AS message,
+       count(*) FILTER (WHERE differ) AS differing, count(*) AS compared,
+       round(count(*) FILTER (WHERE differ) / count(*), 4) AS fraction,
+       $max_cached_tokens_disagree_fraction AS max_fraction
+FROM compared
+HAVING count(*) > 0 AND count(*) FILTER (WHERE differ) > $max_cached_tokens_disagree_fraction * count(*);

@@ -47,13 +47,15 @@ FROM ranked c JOIN ranked w ON w.request_id = c.request_id AND w.nth = 1;
 
 INSERT INTO requests
 SELECT t.request_id, t.ts, t.account_id, t.model, t.status, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
-       t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line, t.cache_salt
+       t.ttft_ms, t.latency_ms, t.prefill_instance, t.decode_instance, $source, f.file, t.line, t.cache_salt,
+       CASE WHEN t.cached_tokens IS NOT NULL THEN 'gateway' END
 FROM kvf_batch.typed_all t ANTI JOIN repeated_ids i ON i.id_hash = t.id_hash
 JOIN kvf_batch.load_files f ON f.file_no = t.file_no
 WHERE t.reason IS NULL
 UNION ALL
 SELECT request_id, ts, account_id, model, status, prompt_tokens, completion_tokens, cached_tokens,
-       ttft_ms, latency_ms, prefill_instance, decode_instance, $source, file, line, cache_salt
+       ttft_ms, latency_ms, prefill_instance, decode_instance, $source, file, line, cache_salt,
+       CASE WHEN cached_tokens IS NOT NULL THEN 'gateway' END
 FROM repeated WHERE outcome = 'loaded';
 
 INSERT INTO quarantine

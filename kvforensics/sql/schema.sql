@@ -22,6 +22,9 @@ CREATE TABLE IF NOT EXISTS requests (
 ALTER TABLE requests DROP COLUMN IF EXISTS row_hash;
 -- the prefix-cache salt / namespace the gateway or engine saw (optional; after source_line in every database)
 ALTER TABLE requests ADD COLUMN IF NOT EXISTS cache_salt VARCHAR;
+-- where cached_tokens came from (sql/cached_tokens.sql): gateway | engine_request (the engine's per-request
+-- count) | engine_batch (a prefill batch of that request alone); NULL when no source gives it
+ALTER TABLE requests ADD COLUMN IF NOT EXISTS cached_tokens_source VARCHAR;
 
 CREATE TABLE IF NOT EXISTS capacity (
     instance          VARCHAR NOT NULL,
@@ -92,6 +95,38 @@ CREATE TABLE IF NOT EXISTS engine_events (
     detail            VARCHAR,
     source            VARCHAR NOT NULL,
     source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+-- req_time_stats: the prompt tokens the engine's prefix cache served (SGLang cached_input_len=, >= 0.5.15)
+ALTER TABLE engine_events ADD COLUMN IF NOT EXISTS cached_tokens BIGINT;
+
+-- The engines' prefill batch lines (SGLang "Prefill batch, #new-seq: N, #new-token: N, #cached-token: N, ...",
+-- kvforensics/loaders/sglang_batches.py): one row per prefill step of one replica.
+CREATE TABLE IF NOT EXISTS prefill_batches (
+    instance          VARCHAR NOT NULL,
+    ts                TIMESTAMPTZ,
+    new_seq           BIGINT NOT NULL,        -- requests (or chunks of one) the step prefilled
+    new_token         BIGINT NOT NULL,        -- prompt tokens computed
+    cached_token      BIGINT NOT NULL,        -- prompt tokens served from the prefix cache
+    running_req       BIGINT,
+    queue_req         BIGINT,
+    token_usage       DOUBLE,                 -- share of the KV pool in use (hybrid: full-attention layers)
+    role              VARCHAR,                -- prefill | decode | unified: the line's PD counts, else its start-up's
+    ranks             VARCHAR,                -- the rank prefix ("DP1 TP0"); each DP replica batches on its own
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+
+-- Requests whose engine logged its own count of cached prompt tokens for the same prompt (SGLang ReqTimeStats
+-- on the request's prefill instance, input_len = the gateway's prompt_tokens), with the gateway's count beside it
+-- (sql/cached_tokens.sql): where the two sources can be compared.
+CREATE TABLE IF NOT EXISTS engine_cached_tokens (
+    request_id        VARCHAR NOT NULL,
+    instance          VARCHAR NOT NULL,
+    engine_cached     BIGINT NOT NULL,
+    gateway_cached    BIGINT,                 -- NULL: the gateway gives none (requests.cached_tokens is the engine's)
+    source_file       VARCHAR NOT NULL,       -- the engine line
     source_line       BIGINT NOT NULL
 );
 

@@ -12,7 +12,9 @@ Each start-up is judged from its server args (log or ``/get_server_info`` dump) 
   https://docs.sglang.ai/advanced_features/server_arguments.html). vLLM: ``--enable-prefix-caching`` /
   ``--no-enable-prefix-caching``; the V1 engine (the default from v0.8.0, the only engine from
   v0.11.0) turns it on by default, V0 off (https://docs.vllm.ai/en/v0.8.0/getting_started/v1_user_guide.html,
-  v0.11.0 release notes). The engine config line gives the resolved value.
+  v0.11.0 release notes). The engine config line gives the resolved value. When the flags do not say, a
+  prefill batch line with ``#cached-token`` above 0 in the start-up's log (the parsers' flag
+  ``prefix_cache_hit_line``, :mod:`kvforensics.loaders.sglang_batches`) shows the cache serving tokens: on.
 * **block-hash algorithm (vLLM).** ``--prefix-caching-hash-algo``. Before v0.7.2 the block hash was
   Python ``hash()`` seeded with ``hash(None)``, a constant from Python 3.12: collisions could be
   crafted (GHSA-rm76-4mrf-v9r8, CVE-2025-25183, fixed by vllm-project/vllm#12621). ``sha256`` exists
@@ -99,6 +101,15 @@ def _version(s: Startup) -> Version | None:
 
 def caching(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
     """Is the prefix cache on? (on, how we know, file, line); on is None when the evidence does not say."""
+    on, how, file, line = _caching_flags(s)
+    hit = s.flags.get("prefix_cache_hit_line", "")
+    if on is None and hit.isdigit():
+        return (True, "prefix cache on: a prefill batch line reports #cached-token > 0 (the server args do not say)",
+                s.file, int(hit))
+    return on, how, file, line
+
+
+def _caching_flags(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
     if s.engine == "sglang":
         flag = _flag(s, "disable_radix_cache")
         if flag is not None:
