@@ -9,6 +9,9 @@ helper expands to the engine's own SQL and refuses an engine it has no expansion
     {{ json_object('basis', basis, 'instance', instance) }}
     {{ round_double(expected_ms, 1) }}
 
+``{{ fragment('name') }}`` is the one helper that is not an engine difference: it inserts the CTEs
+of ``kvforensics/sql/<name>.sql`` that several queries share.
+
 Arguments are SQL text, split at top-level commas. Parameters are written ``$name`` (DuckDB's
 named parameters) and become ``:name`` (Spark's named parameter markers) when rendered for Spark;
 values are always bound, never formatted into the text.
@@ -98,6 +101,20 @@ def _string_agg_ordered(engine: str) -> Expansion:
     return expand
 
 
+def _fragment(engine: str) -> Expansion:
+    def expand(name: str) -> str:
+        m = re.fullmatch(r"'([a-z_][a-z0-9_]*)'", name.strip())
+        if not m:
+            raise EngineError(f"fragment() takes a quoted file name like 'prefix_senders', got {name!r}")
+        try:
+            text = sql(m.group(1))
+        except FileNotFoundError:
+            raise EngineError(f"fragment {m.group(1)!r}: there is no kvforensics/sql/{m.group(1)}.sql") from None
+        # without its comments, so that nothing after the call is commented out
+        return expand_helpers("".join(t for k, t in _segments(text) if k != "comment").strip(), engine)
+    return expand
+
+
 HELPERS: dict[str, dict[str, Expansion]] = {
     # JSON text of key/value pairs, nulls kept; keys in the given order.
     "json_object": {"duckdb": _json_object_duckdb, "spark": _json_object_spark},
@@ -138,6 +155,9 @@ HELPERS: dict[str, dict[str, Expansion]] = {
     },
     # string_agg(value, sep) ordered by the keys, ascending, nulls last.
     "string_agg_ordered": {"duckdb": _string_agg_ordered("duckdb"), "spark": _string_agg_ordered("spark")},
+    # The CTEs of kvforensics/sql/<name>.sql, shared by several queries (its first comment says which CTEs
+    # of the including query it reads and which it defines), rendered for the engine.
+    "fragment": {"duckdb": _fragment("duckdb"), "spark": _fragment("spark")},
     # A column name that is a reserved word in one of the engines (e.g. end).
     "column": {
         "duckdb": lambda name: f'"{_identifier(name)}"',

@@ -30,25 +30,13 @@ WITH flagged AS (
                                        ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS end_token
           FROM request_blocks) b ON b.request_id = r.request_id
     WHERE b.end_token <= r.cached_tokens
-), sent AS (
-    SELECT u.request_id, u.position, e.request_id AS sender_id, e.account_id AS sender_account, e.ts AS sender_ts,
-           CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
-                THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
-    FROM reused u
-    JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
-    JOIN requests e ON e.request_id = eb.request_id
-    LEFT JOIN internal i ON i.account_id = e.account_id
-    WHERE e.ts < u.ts AND e.model = u.model AND e.request_id <> u.request_id
-), per_block AS (
-    SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local
-    FROM sent GROUP BY request_id, position
-), stores AS (
-    SELECT s.request_id, s.position, s.sender_id, s.sender_account, 'block_fingerprints' AS basis,
-           row_number() OVER (PARTITION BY s.request_id, s.position
-                              ORDER BY s.sender_ts NULLS LAST, s.sender_id NULLS LAST) AS earliest
-    FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
-    WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0)
+), {{ fragment('prefix_senders') }}, stores AS (
+    -- the earliest send on the recipient's own cache (instance and salt), else on any instance of the model
+    SELECT request_id, position, 'block_fingerprints' AS basis,
+           CASE WHEN any_local = 1 THEN local_id ELSE first_id END AS sender_id,
+           CASE WHEN any_local = 1 THEN local_account ELSE first_account END AS sender_account
+    FROM block_senders
+    WHERE benign = 0
 ), collided AS (
     -- the block stored under the hash the recipient matched (the parent of its own first stored block)
     SELECT u.request_id, u.position, u.prefill_instance, u.block_fp, e.block_fp AS matched_fp, e.ts AS matched_ts,
@@ -100,7 +88,7 @@ WITH flagged AS (
     WHERE c.matched_fp <> c.block_fp AND p.prefill_instance = c.prefill_instance
       AND p.ts <= {{ add_milliseconds(c.matched_ts, 1000 * $store_window_s) }} AND p.request_id <> c.request_id
 ), chosen AS (
-    SELECT request_id, position, sender_id, sender_account, basis FROM stores WHERE earliest = 1
+    SELECT request_id, position, sender_id, sender_account, basis FROM stores
     UNION ALL
     SELECT request_id, position, sender_id, sender_account, basis FROM collision_stores WHERE earliest = 1
 ), runs AS (

@@ -29,33 +29,19 @@ WITH internal AS (
     SELECT h.request_id, h.ts, h.account_id, h.model, h.prefill_instance, h.cache_salt, b.position, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
-), sent AS (
-    -- every earlier send of the same prefix up to a reused block, on any instance of the model
-    SELECT u.request_id, u.position, u.account_id, e.request_id AS sender_id, e.account_id AS sender_account,
-           e.ts AS sender_ts,
-           CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
-                THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
-    FROM reused u
-    JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
-    JOIN requests e ON e.request_id = eb.request_id
-    LEFT JOIN internal i ON i.account_id = e.account_id
-    WHERE e.ts < u.ts AND e.model = u.model AND e.request_id <> u.request_id
-), per_block AS (
-    SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local, count(*) AS sends
-    FROM sent GROUP BY request_id, position
-), stores AS (
-    SELECT s.request_id, s.position, s.sender_id, s.sender_account, s.local_send, b.any_local,
-           row_number() OVER (PARTITION BY s.request_id, s.position
-                              ORDER BY s.sender_ts NULLS LAST, s.sender_id NULLS LAST) AS earliest
-    FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
-    WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0 OR $shared_store)
+), {{ fragment('prefix_senders') }}, stores AS (
+    -- each foreign block's store: the earliest send on the requester's own cache (instance and salt), else
+    -- (nothing there explains it, or $shared_store) the earliest on any instance of the model
+    SELECT request_id, position, any_local,
+           CASE WHEN any_local = 0 OR $shared_store THEN first_account ELSE local_account END AS sender_account
+    FROM block_senders
+    WHERE benign = 0
 ), foreign_blocks AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, max(position) AS last_position,
            count(DISTINCT sender_account) AS source_accounts, min(any_local) AS all_local
-    FROM stores WHERE earliest = 1 GROUP BY request_id
+    FROM stores GROUP BY request_id
 ), explained AS (
-    SELECT request_id FROM per_block GROUP BY request_id
+    SELECT request_id FROM block_senders GROUP BY request_id
 ), strong AS (
     SELECT h.request_id, 'strong' AS strength,
            {{ json_object('basis', CASE WHEN f.all_local = 1 THEN 'block_fingerprints_same_instance'

@@ -31,31 +31,13 @@ WITH internal AS (
     SELECT h.*, b.position, b.block_fp, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
-), sent AS (
-    SELECT u.request_id, u.position, e.account_id AS sender_account, e.cache_salt AS sender_salt, e.ts AS sender_ts,
-           e.request_id AS sender_id,
-           CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
-                THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
-    FROM reused u
-    JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
-    JOIN requests e ON e.request_id = eb.request_id
-    LEFT JOIN internal i ON i.account_id = e.account_id
-    WHERE e.ts < u.ts AND e.model = u.model AND e.request_id <> u.request_id
-), per_block AS (
-    SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local
-    FROM sent GROUP BY request_id, position
-), stores AS (
-    SELECT s.*, row_number() OVER (PARTITION BY s.request_id, s.position
-                                   ORDER BY s.local_send DESC NULLS LAST, s.sender_ts NULLS LAST,
-                                            s.sender_id NULLS LAST) AS pick
-    FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
-    WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0 OR $shared_store)
-), by_request_salt AS (
+), {{ fragment('prefix_senders') }}, by_request_salt AS (
+    -- the block's store (the earliest send on the requester's own cache, else on any instance) had another salt
     SELECT u.request_id, count(*) AS blocks, min(u.position) AS first_position, 1 AS priority,
            'request_salt' AS basis
-    FROM reused u JOIN stores s ON s.request_id = u.request_id AND s.position = u.position AND s.pick = 1
-    WHERE s.sender_salt IS DISTINCT FROM u.cache_salt
+    FROM reused u JOIN block_senders s ON s.request_id = u.request_id AND s.position = u.position
+    WHERE s.benign = 0
+      AND (CASE WHEN s.any_local = 1 THEN s.local_salt ELSE s.first_salt END) IS DISTINCT FROM u.cache_salt
     GROUP BY u.request_id
 ), event_stores AS (
     SELECT u.request_id, u.position,
@@ -64,8 +46,8 @@ WITH internal AS (
     FROM reused u
     JOIN kv_events k ON k.block_fp = u.block_fp AND k.position = u.position AND k.kind = 'stored'
     WHERE k.ts <= u.ts AND (k.instance = u.prefill_instance OR u.prefill_instance IS NULL OR $shared_store)
-      AND NOT EXISTS (SELECT 1 FROM per_block b WHERE b.request_id = u.request_id AND b.position = u.position
-                                                  AND b.benign = 1)
+      AND NOT EXISTS (SELECT 1 FROM block_senders b WHERE b.request_id = u.request_id AND b.position = u.position
+                                                      AND b.benign = 1)
     GROUP BY u.request_id, u.position
 ), by_event_salt AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, 2 AS priority, 'kv_event_salt' AS basis
