@@ -253,3 +253,20 @@ def test_batches_keep_their_fields_through_a_table() -> None:
     batches = parse(FORMS).prefill_batches
     assert batches_from_table(batches_table(batches)) == batches
     assert all(isinstance(b, PrefillBatch) for b in batches)
+
+
+def test_in_a_collection_envelope_batches_and_the_hit_flag_name_the_files_lines(tmp_path: Path) -> None:
+    """Docker's json-file records (https://docs.docker.com/engine/logging/drivers/json-file/), written out of
+    clock order: the parse reads them in the envelope's order and names the file's own lines."""
+    from kvforensics.loaders.engine_common import parse_engine_file
+
+    records = [("08:00:05", BARE_STARTUP.splitlines()[0]), ("09:00:01", HIT.rstrip("\n")),
+               ("08:00:06", BARE_STARTUP.splitlines()[1]), ("08:00:30", BARE_STARTUP.splitlines()[2])]
+    path = tmp_path / "u0.log"
+    path.write_text("".join(json.dumps({"log": text + "\n", "stream": "stdout", "time": f"2026-08-28T{t}.000000000Z"})
+                            + "\n" for t, text in records))
+    parsed = parse_engine_file(path, fmt="sglang", instance="u0", tz=UTC, envelope="auto")
+    assert parsed.envelope == "docker"
+    assert [(b.line, b.cached_token) for b in parsed.batches] == [(2, 64)]
+    (startup,) = parsed.startups
+    assert startup.flags["prefix_cache_hit_line"] == "2" and startup.evidence["prefix_cache_hit"] == 2

@@ -276,10 +276,15 @@ def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetim
                 changes[name] = file_line(value)
         if has_evidence:
             changes["evidence"] = {k: file_line(v) if type(v) is int else v for k, v in rec.evidence.items()}
+        if has_flags and any(k.endswith("_line") for k in rec.flags):  # a flag naming a line (prefix_cache_hit_line)
+            flags = changes.get("flags", rec.flags)
+            changes["flags"] = {k: str(file_line(int(v))) if k.endswith("_line") and v.isdigit() else v
+                                for k, v in flags.items()}
         return replace(rec, **changes)
 
     parse.startups = [remap(s) for s in parse.startups]
     parse.events = [remap(e) for e in parse.events]
+    parse.prefill_batches = [remap(b) for b in parse.prefill_batches]
     parse.quarantined = [replace(q, line=file_line(q.line)) for q in parse.quarantined]
     notes = parse.notes
     if all(c is not None for c in clock):  # no line is left without a time or given another's
