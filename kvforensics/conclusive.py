@@ -8,7 +8,8 @@ seen, what to do) and the numbers behind it. The reasons go to the ``inconclusiv
 ``scope.json``, the manifest, the console and the top of the report; ``kvforensics run`` then exits 3.
 
 The checks are data: a new reason is a new statement in the SQL file. ``RULE_FIELDS`` says which
-optional request fields each rule cannot do without (a group is missing when all of its fields are).
+optional request fields each rule cannot do without (a group is missing when all of its fields are);
+``PREFIX_NEEDS`` what the prefix_reuse mechanism needs of the requests of the whole period it judges.
 """
 
 from __future__ import annotations
@@ -45,6 +46,31 @@ RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
     "prefix_salt_mismatch": ("cache_salt", "prefill_instance"),
     "block_hash_collision": ("prefill_instance",),
 }
+_PREFIX_RULES = "cross_tenant_prefix_hit, prefix_salt_mismatch and block_hash_collision"
+_MAP_FIELD = "map the field in the requests source's columns (or a preset), or check its null tokens"
+# What the prefix_reuse mechanism needs of the requests it judges, when it is investigated (its rules
+# read every successful request of the analysed period, not only exposure windows): `fields` (any of
+# them) on the successful requests, or with `hits_only` on its prefix-cache hits; missing for a model
+# when empty for all of them or present for fewer than `min_share`; with `when_logged`, only when some
+# request carries one of them. The reason's message is "<fields> empty for N of its M <requests> in the
+# analysed period, so <consequence>".
+PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
+    {"rule": "prefix_reuse", "fields": ["cached_tokens"], "hits_only": False, "min_share": 0.5, "when_logged": False,
+     "consequence": f"rules {_PREFIX_RULES} cannot tell which of them reused another tenant's prefix-cache "
+                    f"blocks; {_MAP_FIELD} (OpenAI-style usage: prompt_tokens_details.cached_tokens)"},
+    {"rule": "prefix_salt_mismatch", "fields": ["cache_salt", "kv_events.salt"], "hits_only": True, "min_share": 0.0,
+     "when_logged": True,
+     "consequence": "rule prefix_salt_mismatch cannot compare their salts with the storing requests' although "
+                    f"other requests carry one; {_MAP_FIELD}"},
+    {"rule": "prefix_reuse", "fields": ["request_blocks", "kv_events"], "hits_only": True, "min_share": 0.5,
+     "when_logged": False,
+     "consequence": f"rules {_PREFIX_RULES} can flag them from cached_tokens alone, weakly, and name no source; "
+                    "add the content source with prompt_token_ids (or a [prefix_cache] table for blocks of words) "
+                    "or the engines' KV events (kind = \"kv_events\") for that period"},
+    {"rule": "prefix_probing", "fields": ["ttft_ms", "latency_ms"], "hits_only": False, "min_share": 0.0,
+     "when_logged": False,
+     "consequence": f"the prefix-cache probing assessment cannot see the timing read back; {_MAP_FIELD}"},
+)
 
 _REASON = re.compile(r"^--\s*reason:\s*([a-z_]+)\s*$", re.MULTILINE)
 
@@ -93,7 +119,8 @@ def codes() -> tuple[str, ...]:
 def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> dict[str, Any]:
     needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
     return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs,
-            "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION}
+            "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION,
+            "prefix_needs": [dict(n) for n in PREFIX_NEEDS]}
 
 
 def _plain(value: Any) -> Any:
@@ -122,7 +149,7 @@ def evaluate(con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = Non
     for check in all_checks:
         if only is not None and check.code not in only:
             continue
-        if check.code == "rule_field_missing" and not params.get("needs"):
+        if check.code == "rule_field_missing" and not (params.get("needs") and params.get("prefix_needs")):
             continue
         cur = _execute(con, check.sql, params)
         names = [d[0] for d in cur.description]

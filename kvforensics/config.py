@@ -29,6 +29,7 @@ from kvforensics.instances import InstanceMatching, instances_from_config
 from kvforensics.loaders.mapping import source_mapping
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.presets import with_preset
+from kvforensics.probing import probing_parameters
 from kvforensics.rulebook import load_rules
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content", "kv_events")
@@ -48,7 +49,7 @@ _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "
 TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
                     "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
                     "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]"}
-_PREFIX_CACHE_KEYS = {"block_size", "word_blocks"}
+_PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing"}
 _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
@@ -144,6 +145,9 @@ class Incident:
     mechanisms: tuple[str, ...] | None = None  # the mechanisms named; None: every one whose inputs are present
     prefix_block_size: int | None = None  # [prefix_cache] block_size: the engines' prefix-cache block size
     prefix_word_blocks: bool = False  # [prefix_cache] present: prompts without token ids cut into word blocks
+    # [prefix_cache.probing]: thresholds of the prefix-cache probing assessment (kvforensics.probing), the
+    # ones the file sets; the others keep their defaults
+    probing_parameters: Mapping[str, int | float] = field(default_factory=dict)
 
     @property
     def base_dir(self) -> Path:
@@ -533,8 +537,9 @@ def _parse_mechanisms(raw: Any, label: str) -> tuple[str, ...] | None:
 
 
 def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """``[prefix_cache]``: the block size prompts are cut at, and whether prompts without token ids are
-    cut into blocks of words (on by default once the table is there)."""
+    """``[prefix_cache]``: the block size prompts are cut at, whether prompts without token ids are cut
+    into blocks of words (on by default once the table is there, unless it holds only ``probing``), and
+    ``[prefix_cache.probing]``, the thresholds of the probing assessment."""
     if "prefix_cache" not in data:
         return {}
     where = f"{label}: [prefix_cache]"
@@ -543,10 +548,15 @@ def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
     size = _optional(table, "block_size", int, where, "an integer (tokens per block)")
     if size is not None and not 1 <= size <= 1_000_000:
         raise ConfigError(f"block_size must be from 1 to 1000000 tokens, got {size}", location=where)
-    words = table.get("word_blocks", True)
+    words = table.get("word_blocks", set(table) != {"probing"})
     if not isinstance(words, bool):
         raise ConfigError(f"'word_blocks' must be true or false, got {_type_name(words)}", location=where)
-    return {"prefix_block_size": size, "prefix_word_blocks": words}
+    probing = _table(table, "probing", where)
+    try:
+        probing_parameters(probing)
+    except ConfigError as e:
+        raise ConfigError(str(e), location=f"{label}: [prefix_cache.probing]") from None
+    return {"prefix_block_size": size, "prefix_word_blocks": words, "probing_parameters": dict(probing)}
 
 
 def _checked_instances(raw: Any, label: str) -> Any:

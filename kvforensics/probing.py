@@ -16,6 +16,7 @@ which the report sets apart as it does for the stale-pages exploitation table.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Mapping
 
 import duckdb
@@ -44,11 +45,14 @@ TIERS = ("likely", "possible", "no")
 
 
 def probing_parameters(overrides: Mapping[str, Any] | None = None) -> dict[str, int | float]:
-    """The defaults with ``overrides`` applied; an unknown name or a value of the wrong kind is refused."""
+    """The defaults with ``overrides`` applied (the incident file's ``[prefix_cache.probing]``, checked with
+    it by :mod:`kvforensics.config`); an unknown name or a value of the wrong kind is refused."""
     params = dict(PROBING_PARAMETERS)
     for key, value in (overrides or {}).items():
         if key not in PROBING_PARAMETERS:
-            raise ConfigError(f"unknown probing parameter {key!r}; known: {', '.join(PROBING_PARAMETERS)}")
+            near = difflib.get_close_matches(str(key), list(PROBING_PARAMETERS), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"unknown probing parameter {key!r}{hint}; known: {', '.join(PROBING_PARAMETERS)}")
         default = PROBING_PARAMETERS[key]
         kinds: tuple[type, ...] = (int,) if isinstance(default, int) else (int, float)
         if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:

@@ -17,7 +17,13 @@ from kvforensics.conclusive import gate, recorded
 from kvforensics.config import Incident
 from kvforensics.db import one
 from kvforensics.engines.portable import run_duckdb_script
-from kvforensics.probing import PROBING_PARAMETERS, probing_assessment, probing_selected, probing_summary
+from kvforensics.probing import (
+    PROBING_PARAMETERS,
+    probing_assessment,
+    probing_parameters,
+    probing_selected,
+    probing_summary,
+)
 from kvforensics.timestamps import iso
 
 if TYPE_CHECKING:
@@ -78,12 +84,17 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
     else:
         for name, script_params in scripts:
             run_duckdb_script(con, name, script_params)
-    if probing_selected(con):  # prefix-cache probing, when the prefix_reuse mechanism is investigated
-        probing_assessment(con, {k: v for k, v in (overrides or {}).items() if k in PROBING_PARAMETERS})
+    # prefix-cache probing, when the prefix_reuse mechanism is investigated: the incident file's
+    # [prefix_cache.probing] thresholds, then the overrides
+    probing = probing_parameters({**incident.probing_parameters,
+                                  **{k: v for k, v in (overrides or {}).items() if k in PROBING_PARAMETERS}})
+    if probing_selected(con):
+        probing_assessment(con, probing)
+        params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
     gate(con, incident.max_quarantine_fraction)
-    return ScopeResult(summary=summarise(con, incident), parameters=params)
+    return ScopeResult(summary=summarise(con, incident, probing), parameters=params)
 
 
 def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | None, at: str | None) -> str | None:
@@ -100,7 +111,9 @@ def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | 
     return rows[0][0] if rows else None
 
 
-def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, Any]:
+def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
+              probing_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """scope.json's content; *probing_params*: the probing thresholds scope used (default: the incident file's)."""
     reasons = recorded(con)
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(
@@ -133,6 +146,9 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident) -> dict[str, A
         "SELECT account_id FROM account_behaviour WHERE looks_deliberate AND account_class = 'customer' "
         "ORDER BY 1").fetchall()]
     probing = probing_summary(con)
+    if probing is not None:
+        probing["parameters"] = probing_parameters(incident.probing_parameters if probing_params is None
+                                                   else probing_params)
     deliberate = sorted({*deliberate, *(probing["likely_customers"] if probing else [])})
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
     mechanisms = con.execute("SELECT id, title, selected, missing_inputs FROM mechanisms ORDER BY id").fetchall()

@@ -7,6 +7,7 @@ case needs them) in an evidence database."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -294,7 +295,9 @@ def test_parameters_change_the_tier():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"probe_max_tokens": 4}, "unknown probing parameter 'probe_max_tokens'; known: probe_max_output_tokens"),
+    ({"probe_max_tokens": 4}, "unknown probing parameter 'probe_max_tokens' (did you mean 'probe_max_output_tokens'?); "
+                              "known: probe_max_output_tokens, probe_min_requests"),
+    ({"tokens": 4}, "unknown probing parameter 'tokens'; known: probe_max_output_tokens"),
     ({"probe_min_requests": 2.5}, "probing parameter probe_min_requests must be a whole number >= 0, got 2.5"),
     ({"probe_min_short_share": -1}, "probing parameter probe_min_short_share must be a number >= 0, got -1"),
     ({"probe_min_cached_share": 2}, "probing parameter probe_min_cached_share is a share between 0 and 1, got 2"),
@@ -302,7 +305,7 @@ def test_parameters_change_the_tier():
     ({"probe_min_requests": "20"}, "probing parameter probe_min_requests must be a whole number >= 0, got '20'"),
 ])
 def test_bad_parameters_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
         probing_parameters(overrides)
 
 

@@ -4,7 +4,7 @@ A mechanism is one way KV-cache contents cross tenants (``stale_pages``: pages r
 pool; ``prefix_reuse``: prefix-cache blocks matched across tenants). Its folder holds what the toolkit
 knows about it: ``mechanism.yml`` (title, the report's summary and explanation, the inputs it needs and
 the ones that strengthen it, how its sources are attributed, the audit checks that bear on it, what
-deliberate use looks like) and its detection rules (``rules/<rule>.sql`` + ``rules/<rule>.yml``, read
+deliberate use looks like, what the per-account notices say) and its detection rules (``rules/<rule>.sql`` + ``rules/<rule>.yml``, read
 by :mod:`kvforensics.rulebook`). Adding a mechanism is adding a folder.
 
 An input is a source kind (``requests``, ``engine_log``, ``content``, ``changes``, ``kv_events``) or a
@@ -39,9 +39,34 @@ INPUT_TABLES: dict[str, tuple[str, ...]] = {
 }
 _FIELD_KINDS = ("requests", "kv_events")  # kinds whose fields are columns of their table
 _INPUT = re.compile(r"^([a-z_]+)(?:\.([a-z_][a-z0-9_]*))?$")
-_KEYS = {"id", "title", "summary", "explanation", "inputs", "attribution", "audit_checks", "exploitation"}
+_KEYS = {"id", "title", "summary", "explanation", "inputs", "attribution", "audit_checks", "exploitation", "notice"}
 _TEXT_KEYS = ("id", "title", "summary", "explanation", "attribution", "exploitation")
 _INPUT_KEYS = {"required", "any_of", "strengthens"}
+_NOTICE_ROLES = ("received", "exposed", "possible")  # possible: only a mechanism whose attribution has possible sources
+_BASIS = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class NoticeSection:
+    """A notice's heading and paragraph for one role of an account."""
+
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """What a mechanism's per-account notices say: to an account that received responses it flagged, to one
+    whose data they confirmably carried (``exposed``) or possibly did (``possible``), and what each basis of
+    its confirmed sources (``content_matches.basis``) means."""
+
+    received: NoticeSection
+    exposed: NoticeSection
+    possible: NoticeSection | None
+    bases: tuple[tuple[str, str], ...]  # (basis, what it means to the account told)
+
+    def basis(self, name: str) -> str | None:
+        return dict(self.bases).get(name)
 
 
 @dataclass(frozen=True)
@@ -58,6 +83,7 @@ class Mechanism:
     attribution: str
     audit_checks: tuple[int, ...]   # numbers of kvforensics.audit.model.CHECKS
     exploitation: str
+    notice: Notice                  # what the per-account notices say
     path: Path                      # the mechanism's folder
     rule_ids: tuple[str, ...]       # the rules found in its rules/ folder
 
@@ -101,6 +127,29 @@ def _inputs(meta: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _notice_section(raw: Mapping[str, Any], role: str, where: str) -> NoticeSection:
+    section = raw.get(role)
+    if not isinstance(section, Mapping) or set(section) != {"title", "text"}:
+        raise ConfigError(f"notice.{role} must be a mapping of title and text", location=where)
+    return NoticeSection(_text(section, "title", f"{where}: notice.{role}"),
+                         _text(section, "text", f"{where}: notice.{role}"))
+
+
+def _notice(meta: Mapping[str, Any], where: str) -> Notice:
+    raw = meta.get("notice")
+    if not isinstance(raw, Mapping) or not set(raw) <= {*_NOTICE_ROLES, "bases"} or not {
+            "received", "exposed", "bases"} <= set(raw):
+        raise ConfigError("notice must be a mapping of received and exposed (each with title and text), optionally "
+                          "possible, and bases (each basis of its confirmed sources with what it means)", location=where)
+    bases = raw["bases"]
+    if not isinstance(bases, Mapping) or not bases or not all(isinstance(b, str) and _BASIS.match(b) for b in bases):
+        raise ConfigError("notice.bases must map each basis (a lower-case name such as block_fingerprints) to what "
+                          "it means", location=where)
+    return Notice(received=_notice_section(raw, "received", where), exposed=_notice_section(raw, "exposed", where),
+                  possible=_notice_section(raw, "possible", where) if "possible" in raw else None,
+                  bases=tuple((b, _text(bases, b, f"{where}: notice.bases")) for b in bases))
+
+
 def read_mechanism(folder: Path) -> Mechanism:
     """The mechanism of *folder*, its ``mechanism.yml`` checked whole (a ConfigError names the file)."""
     path = folder / "mechanism.yml"
@@ -131,7 +180,8 @@ def read_mechanism(folder: Path) -> Mechanism:
     return Mechanism(id=text["id"], title=text["title"], summary=text["summary"], explanation=text["explanation"],
                      required=_inputs(inputs, "required", where), any_of=_inputs(inputs, "any_of", where),
                      strengthens=_inputs(inputs, "strengthens", where), attribution=text["attribution"],
-                     audit_checks=tuple(checks), exploitation=text["exploitation"], path=folder, rule_ids=rule_ids)
+                     audit_checks=tuple(checks), exploitation=text["exploitation"], notice=_notice(meta, where),
+                     path=folder, rule_ids=rule_ids)
 
 
 @cache

@@ -3,7 +3,8 @@
 -- each `-- reason: <code>` statement is one check and returns one row per problem found: `message`
 -- (one line: what was seen and what to do) and the numbers behind it (every other column).
 -- Parameters: $max_quarantine_fraction; $needs, a list of {rule, fields}: a rule cannot judge a
--- model's responses when every field of its group is NULL for all of them.
+-- model's responses when every field of its group is NULL for all of them; $prefix_needs, what the
+-- prefix_reuse mechanism's rules and probing need of the requests they judge (conclusive.PREFIX_NEEDS).
 
 -- timestamps in messages: UTC ISO-8601 to the second
 CREATE OR REPLACE TEMP MACRO gate_ts(t) AS coalesce(strftime(t, '%Y-%m-%dT%H:%M:%SZ'), 'still running');
@@ -39,6 +40,36 @@ GROUP BY w.instance, w.valid_from;
 -- per requested model: how many requests, the largest prompt
 CREATE OR REPLACE TEMP TABLE gate_models AS
 SELECT model, count(*) AS requests, max(prompt_tokens) AS largest_prompt FROM analysed_requests GROUP BY model;
+
+-- the requests the prefix_reuse mechanism judges, when it is investigated: every successful request of
+-- the analysed period (cached_tokens says whether it hit), and its hits (cached_tokens > 0) for the
+-- salt and block needs. Per model, hit or not and the list of what each request carries, counted:
+-- its optional fields, 'request_blocks' (its prompt cut into blocks), 'kv_events' (its instance, any
+-- instance when it names none, published KV events in the hour it was served) and 'kv_events.salt'
+-- (one of those events carried a salt)
+CREATE OR REPLACE TEMP TABLE gate_prefix_requests AS
+WITH event_hours AS (
+    SELECT instance, date_trunc('hour', ts) AS hour, bool_or(salt IS NOT NULL) AS salted
+    FROM kv_events GROUP BY 1, 2
+), any_instance AS (
+    SELECT hour, bool_or(salted) AS salted FROM event_hours GROUP BY hour
+), judged AS (
+    SELECT r.model, coalesce(r.cached_tokens, 0) > 0 AS hit,
+           list_filter([CASE WHEN r.cached_tokens IS NOT NULL THEN 'cached_tokens' END,
+                        CASE WHEN r.cache_salt IS NOT NULL THEN 'cache_salt' END,
+                        CASE WHEN r.ttft_ms IS NOT NULL THEN 'ttft_ms' END,
+                        CASE WHEN r.latency_ms IS NOT NULL THEN 'latency_ms' END,
+                        CASE WHEN r.request_id IN (SELECT request_id FROM request_blocks) THEN 'request_blocks' END,
+                        CASE WHEN coalesce(e.hour, a.hour) IS NOT NULL THEN 'kv_events' END,
+                        CASE WHEN coalesce(e.salted, a.salted) THEN 'kv_events.salt' END],
+                       lambda x: x IS NOT NULL) AS present
+    FROM analysed_requests r
+    LEFT JOIN event_hours e ON e.instance = r.prefill_instance AND e.hour = date_trunc('hour', r.ts)
+    LEFT JOIN any_instance a ON r.prefill_instance IS NULL AND a.hour = date_trunc('hour', r.ts)
+    WHERE r.status BETWEEN 200 AND 299
+      AND EXISTS (SELECT 1 FROM mechanisms m WHERE m.id = 'prefix_reuse' AND m.selected)
+)
+SELECT model, hit, present, count(*) AS requests FROM judged GROUP BY model, hit, present;
 
 -- reason: quarantine_share
 WITH per_source AS (
@@ -148,15 +179,40 @@ WITH per_model AS (
     UNPIVOT (SELECT * EXCLUDE (successful) FROM per_model) ON COLUMNS(* EXCLUDE (model)) INTO NAME field VALUE n
 ), needs AS (
     SELECT n.rule, n.fields, unnest(n.fields) AS field FROM (SELECT unnest($needs) AS n)
+), windows AS (
+    SELECT format('model ''{}'': {} empty for every successful request in its exposure windows (at least {:,}), so rule {} '
+                  || 'cannot judge them; map the field in the requests source''s columns (or a preset), or check its '
+                  || 'null tokens', p.model, array_to_string(n.fields, ' and '), any_value(m.successful), n.rule) AS message,
+           p.model, n.rule, n.fields, any_value(m.successful) AS requests
+    FROM needs n JOIN present p USING (field) JOIN per_model m ON m.model = p.model
+    GROUP BY p.model, n.rule, n.fields
+    HAVING sum(p.n) = 0
+), prefix_needs AS (
+    -- $prefix_needs (conclusive.PREFIX_NEEDS): a need is missing for a model when its fields are all empty
+    -- for the requests it judges (its hits, or every successful request), or present for fewer than
+    -- min_share of them; when_logged: only when some request of the period carries one of them (a salt
+    -- nobody logs is not missing, it was never set)
+    SELECT unnest($prefix_needs) AS n
+), prefix AS (
+    SELECT p.n.rule AS rule, p.n.fields AS fields, p.n.hits_only AS hits_only, p.n.min_share AS min_share,
+           p.n.when_logged AS when_logged, p.n.consequence AS consequence, g.model,
+           sum(g.requests) AS requests,
+           coalesce(sum(g.requests) FILTER (WHERE list_has_any(g.present, p.n.fields)), 0) AS with_fields
+    FROM prefix_needs p JOIN gate_prefix_requests g ON g.hit OR NOT p.n.hits_only
+    GROUP BY ALL
 )
-SELECT format('model ''{}'': {} empty for every successful request in its exposure windows (at least {:,}), so rule {} '
-              || 'cannot judge them; map the field in the requests source''s columns (or a preset), or check its '
-              || 'null tokens', p.model, array_to_string(n.fields, ' and '), any_value(m.successful), n.rule) AS message,
-       p.model, n.rule, n.fields, any_value(m.successful) AS requests
-FROM needs n JOIN present p USING (field) JOIN per_model m ON m.model = p.model
-GROUP BY p.model, n.rule, n.fields
-HAVING sum(p.n) = 0
-ORDER BY p.model, n.rule;
+SELECT * FROM windows
+UNION ALL
+SELECT format('model ''{}'': {} empty for {:,} of its {:,} {} in the analysed period, so {}', model,
+              array_to_string(fields, ' and '), requests - with_fields, requests,
+              CASE WHEN hits_only THEN 'prefix-cache hits (cached_tokens > 0)' ELSE 'successful requests' END,
+              consequence) AS message,
+       model, rule, fields, requests
+FROM prefix
+WHERE requests > 0 AND (with_fields = 0 OR with_fields < min_share * requests)
+  AND (NOT when_logged
+       OR EXISTS (SELECT 1 FROM gate_prefix_requests x WHERE list_has_any(x.present, fields)))
+ORDER BY model, rule;
 
 -- reason: unknown_instances
 WITH named AS (
