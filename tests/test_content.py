@@ -149,8 +149,10 @@ def test_refused_records_are_quarantined_in_batches_without_text(tmp_path, monke
                    (5, "request_id is not valid Unicode (a lone surrogate escape)", None),
                    (6, "missing required field 'request_id'", None), (8, "not UTF-8", None)]
     assert [n for n in inserts if n] == [3, 3]  # 6 refused records: two inserts of 3
-    assert not any("secret" in str(v) for table in ("quarantine", "content_fingerprints", "content_stats")
-                   for row in con.execute(f"SELECT * FROM {table}").fetchall() for v in row)
+    tables = con.execute("SELECT database_name, schema_name, table_name FROM duckdb_tables()").fetchall()
+    assert {"quarantine", "content_fingerprints", "content_stats"} <= {t[2] for t in tables}
+    assert not any("secret" in str(v) for db, schema, table in tables
+                   for row in con.execute(f'SELECT * FROM "{db}"."{schema}"."{table}"').fetchall() for v in row)
     assert con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE 'content_batch%'").fetchall() == [(0,)]
 
 
