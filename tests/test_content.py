@@ -4,6 +4,7 @@ are quarantined in batches, and no content text reaches the database."""
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
 import duckdb
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
 from kvforensics.db import connect
+from kvforensics.errors import InputError
 from kvforensics.fingerprint import fingerprints, hmac_blocks
 from kvforensics.loaders import content as content_loader
 from kvforensics.loaders import records
@@ -103,6 +105,21 @@ def test_an_error_while_fingerprinting_in_the_background_is_raised(tmp_path, mon
     monkeypatch.setattr(content_loader, "BATCH_CHARS", 50)
     monkeypatch.setattr(content_loader, "SHINGLE_WORDS", "not a width")  # the script's $width is refused
     with pytest.raises(duckdb.ConversionException, match="not a width"):
+        load_texts(tmp_path, rows)
+
+
+def test_a_reading_error_is_the_one_raised_over_a_batch_in_flight(tmp_path, monkeypatch):
+    rows = [{"request_id": f"r{i}", "prompt": f"words of text number {i}", "output": "ok"} for i in range(20)]
+    read = content_loader.read_records
+
+    def failing(source, path, load):  # two records (a batch of 48 characters, submitted), then an error
+        yield from islice(read(source, path, load), 2)
+        raise InputError("the input stops here")
+
+    monkeypatch.setattr(content_loader, "read_records", failing)
+    monkeypatch.setattr(content_loader, "BATCH_CHARS", 40)
+    monkeypatch.setattr(content_loader, "SHINGLE_WORDS", "not a width")  # every batch fails as well
+    with pytest.raises(InputError, match="the input stops here"):
         load_texts(tmp_path, rows)
 
 

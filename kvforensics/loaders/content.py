@@ -86,9 +86,14 @@ class _Fingerprinter:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Wait for the batch in flight and release the thread and cursor. When the reading *failed*,
+        that error is the one to report: the batch's own error, if any, is not raised over it."""
         try:
             self.wait()
+        except duckdb.Error:
+            if not failed:
+                raise
         finally:
             self._pool.shutdown()
             self._cursor.close()
@@ -108,8 +113,10 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
     fingerprinter = _Fingerprinter(con, params)
     try:
         _read(con, source, path, load, key, block_size, word_blocks, fingerprinter, blocks, cut)
-    finally:
-        fingerprinter.close()
+    except BaseException:
+        fingerprinter.close(failed=True)
+        raise
+    fingerprinter.close()
     blocks.flush(con)
     load.notes.append(NOTE)
     if cut["ids"]:
