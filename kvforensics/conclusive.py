@@ -44,7 +44,8 @@ RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
     # read as one shared cache; without a request salt the KV events' salt is compared
     "cross_tenant_prefix_hit": ("cache_salt", "prefill_instance"),
     "prefix_salt_mismatch": ("cache_salt", "prefill_instance"),
-    "block_hash_collision": ("prefill_instance",),
+    # without a request salt, a block's hash is looked for under every salt its content was stored with
+    "block_hash_collision": ("cache_salt", "prefill_instance"),
 }
 _PREFIX_RULES = "cross_tenant_prefix_hit, prefix_salt_mismatch and block_hash_collision"
 _MAP_FIELD = "map the field in the requests source's columns (or a preset), or check its null tokens"
