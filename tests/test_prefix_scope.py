@@ -153,6 +153,8 @@ def test_a_mechanism_brings_its_own_notice_and_it_is_checked(tmp_path):
               "bases": {"bus_trace": "a trace of the bus"}}
     (folder / "mechanism.yml").write_text(yaml.safe_dump({**meta, "id": "tapped_bus", "notice": notice}))
     assert read_mechanism(folder).notice.basis("bus_trace") == "a trace of the bus"
+    # both shipped mechanisms word their possible sources (stale pages' horizon, a collision's resident blocks)
+    assert all(m.notice.possible is not None for m in load_mechanisms())
     for broken, message in [
         ({k: v for k, v in notice.items() if k != "received"}, "notice must be a mapping of received and exposed"),
         ({**notice, "received": {"title": "x"}}, "notice.received must be a mapping of title and text"),

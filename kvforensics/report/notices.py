@@ -109,6 +109,24 @@ def _exposed(con: duckdb.DuckDBPyConnection, mechanisms: tuple[Mechanism, ...]) 
     return out
 
 
+def _possible(con: duckdb.DuckDBPyConnection) -> dict[Any, list[str]]:
+    """Per possible source account, the mechanisms whose rules flagged the responses it possibly fed (the
+    stale-pages turnover horizon, the prefix cache's resident blocks), for their notice wording."""
+    tables = [t for (t,) in con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_name IN "
+        "('possible_sources', 'prefix_possible_sources') ORDER BY 1").fetchall()]
+    if not tables:
+        return {}
+    sources = " UNION ALL ".join(f"SELECT affected_request_id, source_account_id FROM {t}" for t in tables)
+    out: dict[Any, list[str]] = {}
+    for account, mechanism in con.execute(
+            f"""SELECT DISTINCT p.source_account_id, coalesce(f.mechanism, $legacy) AS mechanism
+                FROM ({sources}) p JOIN findings f ON f.request_id = p.affected_request_id
+                ORDER BY 1, 2""", {"legacy": _LEGACY_MECHANISM}).fetchall():
+        out.setdefault(account, []).append(mechanism)
+    return out
+
+
 def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> list[Path]:
     """One Markdown notice per account with only that account's facts; internal/reporter kept apart."""
     env = template_env(False)
@@ -117,11 +135,10 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     conclusive = not con.execute("SELECT count(*) FROM inconclusive_reasons").fetchall()[0][0]
     mechanisms = load_mechanisms()
     by_id = {m.id: m for m in mechanisms}
-    # the wording for possible sources: the first mechanism whose attribution has them
-    possible = next((m.notice.possible for m in mechanisms if m.notice.possible is not None), None)
     # every account's facts in one query per role (not one per account), grouped here
     received = _received(con)
     exposed = _exposed(con, mechanisms)
+    possible = _possible(con)
     roles_by_account: dict[object, list[dict]] = {}
     for rec in rows.to_dict("records"):
         roles_by_account.setdefault(rec["account_id"], []).append(rec)
@@ -136,6 +153,7 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
             incident=incident, conclusive=conclusive, account_id=account_id, account_class=cls, roles=roles,
             received=[(by_id.get(m), responses) for m, responses in received.get(account_id, {}).items()],
             exposed=[(by_id.get(m) if m else None, requests) for m, requests in exposed.get(account_id, {}).items()],
-            possible=possible), encoding="utf-8")
+            possible=[by_id[m].notice.possible for m in possible.get(account_id, [])
+                      if m in by_id and by_id[m].notice.possible is not None]), encoding="utf-8")
         written.append(path)
     return written
