@@ -24,23 +24,66 @@ HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, *REPORT_OUTPUTS)
 _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums may differ in the last bits
 
 
-def table_digests(con: duckdb.DuckDBPyConnection) -> dict[str, dict[str, Any]]:
+# How `tables` digests are taken (recorded in the manifest as `table_digest`): "rows-v2" hashes each row
+# in DuckDB (a JSON array of its values: timestamps as epoch microseconds, floats to 12 significant
+# digits) and the table as the SHA-256 of its column names and its rows' hashes in sorted order, so the
+# database does the work on every core; "rows-v1" (manifests without `table_digest`) renders every row
+# in Python, in the table's sorted order.
+TABLE_DIGEST = "rows-v2"
+TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST)
+_HASH_BATCH = 100_000
+
+
+def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST) -> dict[str, dict[str, Any]]:
     """Every table of the database: its row count and the SHA-256 of its column names and rows, sorted."""
+    if method not in TABLE_DIGESTS:
+        raise ValueError(f"unknown table digest {method!r}; known: {', '.join(TABLE_DIGESTS)}")
     names = [r[0] for r in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
         "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
-    digests = {}
-    for name in names:
-        ident = '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
-        cur = con.execute(f"SELECT * FROM {ident} ORDER BY ALL")
-        h = hashlib.sha256(json.dumps([d[0] for d in cur.description]).encode() + b"\n")
-        rows = 0
-        while batch := cur.fetchmany(10_000):
-            for row in batch:
-                h.update(_canonical_row(row))
-            rows += len(batch)
-        digests[name] = {"rows": rows, "sha256": h.hexdigest()}
-    return digests
+    digest = _table_digest_v2 if method == TABLE_DIGEST else _table_digest_v1
+    return {name: digest(con, name) for name in names}
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
+
+
+def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
+    columns = con.execute(
+        """SELECT column_name, data_type FROM information_schema.columns
+           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
+           ORDER BY ordinal_position""", {"t": name}).fetchall()
+    values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
+    cur = con.execute(f"SELECT sha256(json_array({values})) AS h FROM {_quoted(name)} ORDER BY h")
+    h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
+    rows = 0
+    while batch := cur.fetchmany(_HASH_BATCH):
+        h.update("\n".join(r[0] for r in batch).encode("ascii") + b"\n")
+        rows += len(batch)
+    return {"rows": rows, "sha256": h.hexdigest()}
+
+
+def _canonical_sql(column: str, data_type: str) -> str:
+    """A column's value as the row hash renders it: floats to 12 significant digits (parallel sums may
+    differ in the last bits), timestamps as epoch microseconds (whatever the session's time zone)."""
+    if data_type in ("DOUBLE", "FLOAT", "REAL"):
+        return (f"CASE WHEN {column} IS NULL THEN NULL WHEN isfinite({column}) "
+                f"THEN printf('%.{_FLOAT_DIGITS}g', {column}) ELSE CAST({column} AS VARCHAR) END")
+    if data_type.startswith("TIMESTAMP") or data_type == "DATE":
+        return f"epoch_us({column})"
+    return column
+
+
+def _table_digest_v1(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
+    cur = con.execute(f"SELECT * FROM {_quoted(name)} ORDER BY ALL")
+    h = hashlib.sha256(json.dumps([d[0] for d in cur.description]).encode() + b"\n")
+    rows = 0
+    while batch := cur.fetchmany(10_000):
+        for row in batch:
+            h.update(_canonical_row(row))
+        rows += len(batch)
+    return {"rows": rows, "sha256": h.hexdigest()}
 
 
 def _canonical_row(row: tuple) -> bytes:

@@ -18,7 +18,7 @@ import duckdb
 from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.detect import load_rules
-from kvforensics.digests import output_digests, table_digests
+from kvforensics.digests import TABLE_DIGEST, output_digests, table_digests
 from kvforensics.escaping import csv_cell
 from kvforensics.loaders.textio import file_digest
 from kvforensics.scope import ScopeResult, iso
@@ -104,6 +104,7 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         # what `kvforensics verify` re-hashes: every output file, every table of the evidence database
         "outputs": output_digests(out),
         "tables": table_digests(con),
+        "table_digest": TABLE_DIGEST,  # how `tables` was taken (kvforensics/digests.py)
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest

@@ -34,6 +34,8 @@ from kvforensics.db import connect
 from kvforensics.digests import (
     CSV_OUTPUTS,
     HASHED_OUTPUTS,
+    TABLE_DIGEST,
+    TABLE_DIGESTS,
     output_digests,
     output_files,
     report_written,
@@ -143,10 +145,18 @@ def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str 
     evidence = connect(db, read_only=True)
     try:
         stored = table_digests(evidence)
+        # a manifest written before `table_digest` was recorded hashed its tables row by row in Python
+        method = manifest.get("table_digest", "rows-v1")
+        if method not in TABLE_DIGESTS:
+            problems.append(f"the manifest's table_digest {str(method)[:40]!r} is not one this version knows "
+                            f"({', '.join(TABLE_DIGESTS)}): its tables cannot be checked")
+            recorded = stored
+        else:
+            recorded = stored if method == TABLE_DIGEST else table_digests(evidence, method)
         problems += _check_headlines(evidence, scope_json)
     finally:
         evidence.close()
-    problems += _compare_tables(manifest.get("tables"), stored, "the manifest records")
+    problems += _compare_tables(manifest.get("tables"), recorded, "the manifest records")
     with tempfile.TemporaryDirectory(prefix="kvforensics-verify-") as tmp:
         problems += _rederive_from_evidence(db, Path(tmp), incident, manifest, scope_json, stored, out_dir)
         try:

@@ -259,3 +259,39 @@ def test_a_signing_key_that_does_not_exist_stops_the_run_before_it_starts(tmp_pa
     assert "signing key" in capsys.readouterr().err and not (out / "evidence.duckdb").exists()
     with pytest.raises(ConfigError, match="allowed signers file .* does not exist"):
         check_signature(tmp_path, tmp_path / "nope")
+
+
+def _digest_of(rows: list[tuple], method: str = "rows-v2") -> dict:
+    con = connect()
+    con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
+    return table_digests(con, method)["t"]
+
+
+def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_bits() -> None:
+    rows = [("a", "2026-08-28T10:00:00Z", 0.1 + 0.2, ["x"]), ("b", "2026-08-28T11:00:00+02:00", None, None),
+            ("c", None, float("inf"), [])]
+    for method in ("rows-v1", "rows-v2"):
+        base = _digest_of(rows, method)
+        assert base["rows"] == 3
+        assert _digest_of(rows[::-1], method) == base
+        assert _digest_of([("a", "2026-08-28T10:00:00Z", 0.3, ["x"]), *rows[1:]], method) == base
+        for changed in (("a", "2026-08-28T10:00:01Z", 0.3, ["x"]), ("a", "2026-08-28T10:00:00Z", 0.31, ["x"]),
+                        ("a", "2026-08-28T10:00:00Z", 0.3, ["y"]), ("A", "2026-08-28T10:00:00Z", 0.3, ["x"])):
+            assert _digest_of([changed, *rows[1:]], method)["sha256"] != base["sha256"], (method, changed)
+        assert _digest_of([*rows, rows[0]], method)["sha256"] != base["sha256"]  # a duplicated row counts
+
+
+def test_a_manifest_of_an_earlier_version_is_checked_with_the_digests_it_recorded(out: Path) -> None:
+    con = connect(out / "evidence.duckdb", read_only=True)
+    v1 = table_digests(con, "rows-v1")
+    con.close()
+    edit_json(out / "manifest.json", lambda m: (m.update(tables=v1), m.pop("table_digest")))
+    assert verify(out) == []
+    con = duckdb.connect(str(out / "evidence.duckdb"))
+    con.execute("DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)")
+    con.execute("CHECKPOINT")
+    con.close()
+    assert any("findings" in p for p in verify(out))
+    edit_json(out / "manifest.json", lambda m: m.update(table_digest="rows-v9"))
+    assert any("table_digest" in p for p in verify(out))
