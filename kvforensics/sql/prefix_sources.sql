@@ -75,8 +75,8 @@ WITH flagged AS (
     SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts, 2 AS priority
     FROM collided WHERE latest = 1
 ), matched_blocks AS (
-    SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY request_id, position ORDER BY priority) AS pick
-                   FROM matched_any) WHERE pick = 1
+    SELECT * FROM (SELECT *, row_number() OVER (PARTITION BY request_id, position ORDER BY priority NULLS LAST) AS pick
+                   FROM matched_any) m WHERE pick = 1
 ), collision_stores AS (
     SELECT c.request_id, c.position, p.request_id AS sender_id, p.account_id AS sender_account,
            'colliding_block' AS basis,
@@ -125,7 +125,7 @@ WITH unattributed AS (
                row_number() OVER (PARTITION BY u.request_id, e.block_hash
                                   ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
         FROM unattributed u
-        JOIN kv_events e ON e.instance = u.prefill_instance AND e.kind = 'stored' AND e.ts < u.ts)
+        JOIN kv_events e ON e.instance = u.prefill_instance AND e.kind = 'stored' AND e.ts < u.ts) l
     WHERE latest = 1
 ), dropped AS (
     -- a removal of that hash, or a clear of the cache, after that store and before the request
@@ -155,7 +155,7 @@ WITH unattributed AS (
 )
 -- (the columns of possible_sources, whose stale-pages columns do not apply here, and the basis)
 SELECT DISTINCT s.request_id AS affected_request_id, s.recipient_account AS recipient_account_id,
-       s.source_request_id, s.source_account AS source_account_id, CAST(NULL AS VARCHAR) AS kv_group,
+       s.source_request_id, s.source_account AS source_account_id, CAST(NULL AS STRING) AS kv_group,
        CAST(NULL AS BIGINT) AS tokens_written_since, CAST(NULL AS BIGINT) AS pool_tokens,
        'resident_on_instance' AS basis
 FROM storers s
