@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from kvforensics.db import sql
 from kvforensics.engines.portable import EngineError, render
 from kvforensics.errors import ConfigError
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms
@@ -76,6 +77,18 @@ def load_rules(directory: Path = MECHANISMS_DIR) -> tuple[Rule, ...]:
     return tuple(sorted(rules.values(), key=lambda r: r.id))
 
 
+_FRAGMENT_CALL = re.compile(r"\{\{\s*fragment\(\s*'([a-z_][a-z0-9_]*)'\s*\)\s*\}\}")
+
+
+def rule_version(yml: Path, sql_path: Path) -> str:
+    """The hash of a rule's two files and of every SQL fragment its query includes (by name, sorted), so
+    that a finding's rule_version changes whenever the text its query ran changes."""
+    raw = yml.read_bytes() + b"\0" + sql_path.read_bytes()
+    for name in sorted(set(_FRAGMENT_CALL.findall(sql_path.read_text(encoding="utf-8")))):
+        raw += b"\0" + sql(name).encode("utf-8")
+    return hashlib.sha256(raw).hexdigest()[:12]
+
+
 def _read_rule(yml: Path, mechanism: str) -> Rule:
     sql_path = yml.with_suffix(".sql")
     try:
@@ -95,7 +108,7 @@ def _read_rule(yml: Path, mechanism: str) -> Rule:
         duckdb_sql = render(text, "duckdb")
     except EngineError as e:
         raise ConfigError(f"rule {yml.stem}: {e}", location=str(sql_path)) from None
-    version = hashlib.sha256(yml.read_bytes() + b"\0" + sql_path.read_bytes()).hexdigest()[:12]
+    version = rule_version(yml, sql_path)
     params = meta.get("parameters") or {}
     return Rule(
         id=str(meta["id"]), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -67,13 +68,22 @@ def test_adding_a_mechanism_is_adding_a_folder(tmp_path):
 
 
 def test_moving_rules_kept_their_versions():
-    """A rule's version is the hash of its two files: a finding's rule_version still names the same text."""
+    """A rule's version is the hash of its two files and of the SQL fragments its query includes: a finding's
+    rule_version still names the same text, and changes with a fragment's."""
     import hashlib
 
+    from kvforensics.db import sql
+
+    with_fragments = 0
     for rule in load_rules():
         folder = MECHANISMS_DIR / rule.mechanism / "rules"
         raw = (folder / f"{rule.id}.yml").read_bytes() + b"\0" + (folder / f"{rule.id}.sql").read_bytes()
+        included = sorted(set(re.findall(r"fragment\('([a-z_]+)'\)", (folder / f"{rule.id}.sql").read_text())))
+        with_fragments += bool(included)
+        for name in included:
+            raw += b"\0" + sql(name).encode("utf-8")
         assert rule.version == hashlib.sha256(raw).hexdigest()[:12]
+    assert with_fragments >= 2  # cross_tenant_prefix_hit and prefix_salt_mismatch include prefix_senders
 
 
 @pytest.mark.parametrize(("change", "message"), [
