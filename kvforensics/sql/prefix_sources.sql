@@ -51,23 +51,14 @@ WITH flagged AS (
     WHERE EXISTS (SELECT 1 FROM findings x WHERE x.request_id = u.request_id AND x.rule_id = 'block_hash_collision')
       AND u.position = (SELECT max(l.position) FROM reused l WHERE l.request_id = u.request_id)
       AND (e.ts < k.ts OR (e.ts = k.ts AND (e.batch < k.batch OR (e.batch = k.batch AND e.seq < k.seq))))
-), own_hash AS (
-    -- a collision the recipient's own store does not show: the hash each of its reused blocks was stored
-    -- under on the instance (the same content at the same position of a chain under the recipient's salt,
-    -- at any time: a block's hash does not change)
-    SELECT DISTINCT u.request_id, u.position, u.ts, u.prefill_instance, u.block_fp, k.block_hash
-    FROM reused u
-    JOIN kv_events k ON k.instance = u.prefill_instance AND k.kind = 'stored' AND k.block_fp = u.block_fp
-                    AND k.position = u.position AND (k.salt IS NULL OR u.cache_salt IS NULL OR k.salt = u.cache_salt)
-    WHERE EXISTS (SELECT 1 FROM findings x WHERE x.request_id = u.request_id AND x.rule_id = 'block_hash_collision')
-), overwritten AS (
-    -- what that hash held last before the request: other content there is the block the engine matched
-    SELECT c.request_id, c.position, c.prefill_instance, c.block_fp, e.block_fp AS matched_fp, e.ts AS matched_ts,
-           row_number() OVER (PARTITION BY c.request_id, c.position, c.block_hash
-                              ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
-    FROM own_hash c
-    JOIN kv_events e ON e.instance = c.prefill_instance AND e.kind = 'stored' AND e.block_hash = c.block_hash
-                    AND e.ts <= c.ts
+), {{ fragment('prefix_block_hashes') }}, overwritten AS (
+    -- a collision the recipient's own store does not show: the block last stored, before it, under the
+    -- hash its reused block's content was stored under (sql/prefix_block_hashes.sql)
+    SELECT h.request_id, h.position, u.prefill_instance, h.block_fp, h.held_fp AS matched_fp, h.held_ts AS matched_ts,
+           h.latest
+    FROM held_hashes h
+    JOIN reused u ON u.request_id = h.request_id AND u.position = h.position
+    WHERE EXISTS (SELECT 1 FROM findings x WHERE x.request_id = h.request_id AND x.rule_id = 'block_hash_collision')
 ), matched_any AS (
     SELECT request_id, position, prefill_instance, block_fp, matched_fp, matched_ts, 1 AS priority
     FROM overwritten WHERE latest = 1 AND matched_fp <> block_fp

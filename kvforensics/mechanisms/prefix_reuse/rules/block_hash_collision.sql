@@ -52,22 +52,9 @@ WITH hits AS (
 ), by_own_store AS (
     SELECT request_id, position, 1 AS priority, 'parent_of_own_store' AS basis
     FROM matched WHERE latest = 1 AND matched_fp <> block_fp
-), hashed AS (
-    -- reused blocks whose own hash the events show (the same content stored at the same position of a chain
-    -- under the request's salt, at any time: a block's hash does not change), and what each such hash held
-    -- last before the request
-    SELECT u.request_id, u.position, u.block_fp, e.block_fp AS held_fp,
-           row_number() OVER (PARTITION BY u.request_id, u.position, k.block_hash
-                              ORDER BY e.ts DESC NULLS LAST, e.batch DESC NULLS LAST, e.seq DESC NULLS LAST) AS latest
-    FROM reused u
-    JOIN (SELECT DISTINCT instance, block_fp, position, salt, block_hash FROM kv_events WHERE kind = 'stored') k
-      ON k.block_fp = u.block_fp AND k.position = u.position AND k.instance = u.prefill_instance
-     AND (k.salt IS NULL OR u.cache_salt IS NULL OR k.salt = u.cache_salt)
-    JOIN kv_events e ON e.kind = 'stored' AND e.block_hash = k.block_hash AND e.instance = u.prefill_instance
-                    AND e.ts <= u.ts
-), by_hash AS (
+), {{ fragment('prefix_block_hashes') }}, by_hash AS (
     SELECT request_id, min(position) AS position, 2 AS priority, 'same_hash_other_fingerprint' AS basis
-    FROM hashed WHERE latest = 1 AND held_fp <> block_fp
+    FROM held_hashes WHERE latest = 1 AND held_fp <> block_fp
     GROUP BY request_id
 ), colliding_hashes AS (
     SELECT instance, count(*) AS hashes
