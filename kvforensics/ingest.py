@@ -11,6 +11,8 @@ content are small and re-read whole.
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -101,22 +103,26 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     con.execute("DELETE FROM kv_events").fetchall()
     chains = Chains()  # KV-event chains continue across files
     startups: list[tuple[Source, Path, Any]] = []
-    # content last: its prompts are cut into blocks of the size the KV events and start-ups show
-    for source, files in [p for p in plan if p[0].kind not in ("requests", "content")]:
-        for path in files:
-            on_file(f"{source.name}: {path.name}")
-            _forget_file(con, source, path)
-            if source.kind == "engine_log":
-                record, parsed = _ingest_engine_log(con, source, path, incident)
-                startups.extend((source, path, s) for s in parsed.startups)
-                result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.all_notes())
-                result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
-            elif source.kind == "changes":
-                record = _record(con, source, path, _digest(path, digests), load_changes(con, source, path))
-            elif source.kind == "kv_events":
-                record = _record(con, source, path, _digest(path, digests),
-                                 load_kv_events(con, source, path, key_for(incident.id), chains))
-            result.files.append(record)
+    engine_logs = [(source, path) for source, files in plan if source.kind == "engine_log" for path in files]
+    with _EngineLogReader(con, incident, engine_logs, digests) as reader:
+        # content last: its prompts are cut into blocks of the size the KV events and start-ups show
+        for source, files in [p for p in plan if p[0].kind not in ("requests", "content")]:
+            for path in files:
+                on_file(f"{source.name}: {path.name}")
+                if source.kind == "engine_log":
+                    record, parsed = reader.next_file(source, path)
+                    startups.extend((source, path, s) for s in parsed.startups)
+                    result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.all_notes())
+                    result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
+                    result.files.append(record)
+                    continue
+                _forget_file(con, source, path)
+                if source.kind == "changes":
+                    record = _record(con, source, path, _digest(path, digests), load_changes(con, source, path))
+                elif source.kind == "kv_events":
+                    record = _record(con, source, path, _digest(path, digests),
+                                     load_kv_events(con, source, path, key_for(incident.id), chains))
+                result.files.append(record)
     _build_capacity(con, incident, startups, result)
     size = block_size(con, incident.prefix_block_size)
     for source, files in [p for p in plan if p[0].kind == "content"]:
@@ -195,24 +201,76 @@ def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files
     return [records[path] for path in files]
 
 
-def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, incident: Incident):
-    """One engine log file, which may hold several instances (an export of interleaved pods): its
-    events and quarantined lines into the database, one load report for the file's physical lines."""
-    from kvforensics.loaders.engine_columnar import parse_engine_file_columnar
-    from kvforensics.loaders.engine_common import EngineFileParse
+class _EngineLogReader:
+    """Engine log files read side by side: up to one per core (at most four) is parsed at a time, in a
+    thread of its own on its own DuckDB cursor, inserting the lines it reads column-wise as it goes
+    (loaders/engine_columnar.py); :meth:`next_file` then stores the rest of each file in the incident
+    file's order (events the parser read, quarantined lines, its load report). A file that fails
+    raises when its turn comes; leaving the ``with`` block waits for every parse under way."""
 
-    digest = file_digest(path)
-    year = source.year or incident.year
-    derived = year is None and source.format in ("vllm", "auto")
-    if derived:
-        year = _year_for_yearless_stamps(con, path)
-    parsed: EngineFileParse = parse_engine_file_columnar(
+    def __init__(self, con: duckdb.DuckDBPyConnection, incident: Incident, files: list[tuple[Source, Path]],
+                 digests: Mapping[str, tuple[str, int]] | None) -> None:
+        self.con, self.incident, self.digests = con, incident, digests or {}
+        self.todo = list(files)
+        self.workers = max(1, min(4, os.cpu_count() or 1, len(files)))
+        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvf-engine-log")
+        self.running: dict[tuple[str, Path], tuple[Future, duckdb.DuckDBPyConnection, int | None, bool]] = {}
+
+    def __enter__(self) -> _EngineLogReader:
+        self._fill()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for _, cursor, _, _ in self.running.values():
+            cursor.close()
+
+    def _fill(self) -> None:
+        while self.todo and len(self.running) < self.workers:
+            source, path = self.todo.pop(0)
+            year = source.year or self.incident.year
+            derived = year is None and source.format in ("vllm", "auto")
+            if derived:
+                year = _year_for_yearless_stamps(self.con, path)
+            _forget_file(self.con, source, path)
+            cursor = self.con.cursor()
+            digest = self.digests.get(str(path.resolve()))
+            future = self.pool.submit(_parse_engine_log, cursor, source, path, year, digest)
+            self.running[(source.name, path)] = (future, cursor, year, derived)
+
+    def next_file(self, source: Source, path: Path):
+        """The load report and parse of *path* (the next file of the plan), stored."""
+        future, cursor, year, derived = self.running.pop((source.name, path))
+        try:
+            digest, parsed = future.result()
+        finally:
+            cursor.close()
+            self._fill()
+        if derived and any("carry no year" in n for n in parsed.all_notes()):
+            parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
+                                f"modification time); set [settings] year or the source's year to override")
+        return _store_engine_log(self.con, source, path, digest, parsed), parsed
+
+
+def _parse_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, year: int | None,
+                      digest: tuple[str, int] | None):
+    """One engine log file, which may hold several instances (an export of interleaved pods): its
+    SHA-256, and its parse, the lines read column-wise already inserted into ``con``'s tables."""
+    from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
+
+    digest = digest or file_digest(path)
+    parsed = parse_engine_file_columnar(
         path, fmt=source.format, instance=lambda labels: source.instance_for(path, labels), tz=source.tz,
-        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope, con=con)
-    if derived and any("carry no year" in n for n in parsed.all_notes()):
-        parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
-                            f"modification time); set [settings] year or the source's year to override")
-    events = parsed.event_table()  # per-request lines read column-wise stay columns (engine_columnar.py)
+        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope, con=con,
+        sink=EvidenceSink(source.name, str(path)))
+    return digest, parsed
+
+
+def _store_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
+                      parsed) -> InputFile:
+    """The rest of a parsed engine log: the parser's events and prefill batches, quarantined lines, and
+    one load report for the file's physical lines."""
+    events = parsed.event_table()  # the parser's events (the column-wise ones are in already)
     if events.num_rows:
         con.register("events_batch", events)
         con.execute("INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, "
@@ -237,7 +295,7 @@ def _ingest_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
         notes.append("no engine start-up found: this file gives no KV pool size")
     load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(quarantined),
                     quarantined=len(quarantined), notes=notes)
-    return _record(con, source, path, digest, load), parsed
+    return _record(con, source, path, digest, load)
 
 
 def _year_for_yearless_stamps(con: duckdb.DuckDBPyConnection, path: Path) -> int:

@@ -247,7 +247,7 @@ def test_the_other_checks_do_not_change_with_the_prefix_cache_table() -> None:
 def test_bad_manifest_keys_are_clear_errors(tmp_path: Path, text: str, message: str) -> None:
     m = tmp_path / "m.toml"
     m.write_text(text)
-    with pytest.raises(InputError, match="") as e:
+    with pytest.raises(InputError) as e:
         read_manifest(m)
     assert message in str(e.value)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gzip
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_common import (
@@ -91,6 +94,38 @@ def test_truncated_compressed_file_yields_complete_lines_and_says_where_it_stopp
     assert stream.truncated.compression == compression
     assert stream.truncated.after_line == len(lines)
     assert stream.truncated.describe().startswith(f"{compression} stream truncated after line {len(lines)}: ")
+
+
+_LINE_PIECES = st.sampled_from([b"", b"x", b"[2026-08-27 10:00:00 TP0] ReqTimeStats(rid=a)", b"\r", b"\xef\xbb\xbf",
+                                 b"\xff\xfe", "\u00e9\u2026".encode(), b"\x00", b"\t \x1f", b"\xe2\x80"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=st.lists(st.lists(_LINE_PIECES, max_size=3).map(b"".join), max_size=12), final_newline=st.booleans(),
+       compression=st.sampled_from(["none", "gzip", "zstd"]), cut=st.sampled_from([None, 0.5, 0.9]),
+       max_lines=st.sampled_from([1, 2, 5, 1000]))
+def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_newline: bool, compression: str,
+                                                   cut: float | None, max_lines: int) -> None:
+    """Batches cut by offsets (valid UTF-8) and batches read line by line (anything else) both give
+    iteration's numbers, texts, bytes and truncation; the Arrow column holds the texts."""
+    data = b"\n".join(lines) + (b"\n" if final_newline else b"")
+    if compression != "none":
+        data = gzip.compress(data) if compression == "gzip" else zstandard.ZstdCompressor().compress(data)
+        if cut is not None:
+            data = data[: int(len(data) * cut)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write(Path(tmp) / "engine.log", data)
+        stream = open_lines(path)
+        expected = list(stream)
+        batched = open_lines(path)
+        got = []
+        for batch in batched.batches(max_lines):
+            assert 0 < len(batch.raws) <= max_lines and len(batch.texts) == len(batch.raws)
+            assert batch.column.to_pylist() == list(batch.texts)
+            got += [(batch.first + i, batch.texts[i], batch.raws[i]) for i in range(len(batch.raws))]
+    assert got == expected
+    assert batched.lines_yielded == stream.lines_yielded == len(expected)
+    assert batched.truncated == stream.truncated
 
 
 def test_open_lines_refuses_a_missing_file_with_its_path(tmp_path: Path) -> None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import zstandard
 
 from kvforensics.errors import InputError
@@ -169,31 +172,49 @@ class LineStream(Iterator[EngineLine]):
 
     def batches(self, max_lines: int) -> Iterator[LineBatch]:
         """The same lines as iterating (numbers, text, bytes, truncation), in batches of up to
-        *max_lines*, decoded a batch at a time. Use either this or iteration on one stream."""
-        pending = b""
+        *max_lines*, each also as one Arrow column (:attr:`LineBatch.column`). Use either this or
+        iteration on one stream.
+
+        The bytes of a batch are split at newlines once, by offsets (no Python object per line);
+        a line's text and bytes are made only when asked for."""
+        pieces: list[bytes] = []
+        count = 0  # newlines in pieces
         number = 0
-        held: list[bytes] = []
         error: Exception | None = None
         try:
             for chunk in self._chunks():
-                parts = (pending + chunk).split(b"\n")
-                pending = parts.pop()
-                held += parts
-                while len(held) >= max_lines:
-                    yield _decode_batch(number + 1, held[:max_lines])
-                    number += max_lines
-                    self.lines_yielded = number
-                    held = held[max_lines:]
+                pieces.append(chunk)
+                count += chunk.count(b"\n")
+                if count >= max_lines:
+                    data = b"".join(pieces)
+                    ends = _newlines(data)
+                    done = 0
+                    while len(ends) - done >= max_lines:
+                        start = 0 if done == 0 else int(ends[done - 1]) + 1
+                        stop = int(ends[done + max_lines - 1]) + 1
+                        yield _line_batch(number + 1, data[start:stop], ends[done:done + max_lines] - start)
+                        number += max_lines
+                        self.lines_yielded = number
+                        done += max_lines
+                    pieces = [data[int(ends[done - 1]) + 1:]]
+                    count = len(ends) - done
         except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
             error = e
         self.close()
+        data = b"".join(pieces)
+        cut = data.rfind(b"\n") + 1
+        complete, pending = data[:cut], data[cut:]
         if error is None and pending:  # a last line without a newline is an ordinary line in a complete file
-            held.append(pending)
-            pending = b""
-        if held:
-            yield _decode_batch(number + 1, held)
-            number += len(held)
+            complete, pending = complete + pending + b"\n", b""
+        ends = _newlines(complete)
+        done = 0
+        while done < len(ends):
+            start = 0 if done == 0 else int(ends[done - 1]) + 1
+            take = min(max_lines, len(ends) - done)
+            yield _line_batch(number + 1, complete[start:int(ends[done + take - 1]) + 1], ends[done:done + take] - start)
+            number += take
             self.lines_yielded = number
+            done += take
         if error is not None:
             self.truncated = TruncatedInput(self.compression, number, str(error) or type(error).__name__, pending)
 
@@ -201,14 +222,70 @@ class LineStream(Iterator[EngineLine]):
 @dataclass(frozen=True)
 class LineBatch:
     """Consecutive lines of a file: ``texts[i]`` and ``raws[i]`` are line ``first + i`` as
-    :class:`LineStream` gives it (text None when the bytes are not UTF-8)."""
+    :class:`LineStream` gives it (text None when the bytes are not UTF-8); ``column`` holds the
+    texts as one Arrow string column (null where the text is None)."""
 
     first: int
+    texts: Sequence[str | None]
+    raws: Sequence[bytes]
+    column: pa.Array
+
+
+class _Slices(Sequence):
+    """The lines of *data* (each ending in a newline, which is left out), as bytes or text, made
+    one at a time when asked for."""
+
+    def __init__(self, data: bytes, starts: list[int], text: bool) -> None:
+        self._data, self._starts, self._text = data, starts, text
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        raw = self._data[self._starts[i]:self._starts[i + 1] - 1]
+        return raw.decode("utf-8") if self._text else raw
+
+
+def _newlines(data: bytes) -> np.ndarray:
+    return np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+
+
+def _line_batch(first: int, data: bytes, ends: np.ndarray) -> LineBatch:
+    """The lines of *data*, which ends with a newline (at the offsets *ends*). Lines of valid UTF-8
+    without a carriage return or (at the start of the file) a byte order mark are cut by offsets;
+    any other batch is read line by line, as iterating reads it."""
+    if b"\r" not in data and not (first == 1 and data.startswith(b"\xef\xbb\xbf")):
+        starts = np.empty(len(ends) + 1, dtype=np.int64)
+        starts[0] = 0
+        starts[1:] = ends + 1
+        whole = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(ends),
+                                                 [None, pa.py_buffer(starts), pa.py_buffer(data)])
+        column = pc.binary_slice(whole, 0, -1).view(pa.large_string())
+        try:
+            column.validate(full=True)  # UTF-8
+        except pa.ArrowInvalid:
+            pass
+        else:
+            offsets = starts.tolist()
+            return LineBatch(first, _Slices(data, offsets, True), _Slices(data, offsets, False), column)
+    raws = data[:-1].split(b"\n")
+    decoded = _decode_batch(first, raws)
+    return LineBatch(first, decoded.texts, decoded.raws, pa.array(decoded.texts, type=pa.large_string()))
+
+
+@dataclass(frozen=True)
+class _Decoded:
     texts: list[str | None]
     raws: list[bytes]
 
 
-def _decode_batch(first: int, raws: list[bytes]) -> LineBatch:
+def _decode_batch(first: int, raws: list[bytes]) -> _Decoded:
     joined = b"\n".join(raws)
     if b"\r" in joined:
         raws = [r[:-1] if r.endswith(b"\r") else r for r in raws]
@@ -219,7 +296,7 @@ def _decode_batch(first: int, raws: list[bytes]) -> LineBatch:
         texts = [_utf8(raw) for raw in raws]
     if first == 1 and texts[0] is not None and texts[0].startswith("\ufeff"):
         texts[0] = texts[0][1:]
-    return LineBatch(first, texts, raws)
+    return _Decoded(texts, raws)
 
 
 def _utf8(raw: bytes) -> str | None:
