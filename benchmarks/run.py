@@ -145,8 +145,9 @@ class Runner:
     def sources_stage(self, ds: Dataset) -> dict[str, Any]:
         limit = self.args.memory_limit or DEFAULT_LIMITS["sources"]
         steps, floors, floor_of = [], [], {}
+        wanted = {k for k in self.args.sources.split(",") if k}
         for kind, (floor, label) in SOURCE_STEPS.items():
-            if kind == "content" and not ds.has_content:
+            if kind not in wanted or (kind == "content" and not ds.has_content):
                 continue
             out = self.fresh(ds, label)
             steps += [self.step(floor, ds, memory_limit=limit),
@@ -338,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)")
     p.add_argument("--stages", default="ingest,sources,pipeline",
                    help="ingest, sources and/or pipeline (comma list)")
+    p.add_argument("--sources", default=",".join(SOURCE_STEPS),
+                   help="with the sources stage: which sources, comma list (engine_log, content)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
     p.add_argument("--pandas-baseline", action="store_true", help="also run the pandas implementation")
     p.add_argument("--seed", type=int, default=7)
@@ -357,6 +360,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(args.stages) - set(STAGES)
     if bad:
         p.error(f"unknown stage(s) {sorted(bad)}; use {', '.join(STAGES)}")
+    bad = {k for k in args.sources.split(",") if k} - set(SOURCE_STEPS)
+    if bad:
+        p.error(f"unknown source(s) {sorted(bad)}; use {', '.join(SOURCE_STEPS)}")
     args.profile = {s.strip() for s in args.profile.split(",") if s.strip()}
     args.formats = ["jsonl", "parquet"] if args.format == "both" else [args.format]
     return args

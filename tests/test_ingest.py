@@ -123,7 +123,8 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
 
 
 def test_missing_mapped_field_names_the_source_column(tmp_path):
-    con, r, reasons = load(tmp_path, "gw.jsonl", json.dumps({"received_at": "2026-08-28T10:00:00Z"}) + "\n")
+    lines = [json.dumps({"received_at": "2026-08-28T10:00:00Z"}), rec("r2")]
+    con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join(lines) + "\n")
     assert reasons == ["missing required field 'request_id' (column rid)"]
 
 
@@ -179,6 +180,28 @@ def test_csv_missing_required_column_is_a_clear_error(tmp_path):
         f"source 'gw': {tmp_path / 'gw.csv'}: required field 'account_id' is missing (no column of that name); "
         "the file has columns ['http_status', 'model', 'prompt_tokens', 'received_at', 'rid']. "
         "Map it in the incident file: columns = { account_id = \"<column>\" }")
+
+
+@pytest.mark.parametrize("name", ["gw.jsonl", "gw.jsonl.gz"])
+def test_jsonl_mapped_to_a_key_no_record_has_is_a_clear_error(tmp_path, name):
+    """A misspelt mapping (ts = "recieved_at") is a mapping mistake, as a CSV column the header lacks
+    is: exit 2 with the key and the keys the records have, not every record quarantined."""
+    text = "\n".join(rec(f"r{i}") for i in range(3)) + "\n"
+    with pytest.raises(InputError) as e:
+        load(tmp_path, name, text, columns={**COLUMNS, "ts": "recieved_at"})
+    assert str(e.value) == (
+        f"source 'gw': {tmp_path / name}: required field 'ts' is missing (mapped to key 'recieved_at'): no record "
+        "has it; the records have keys ['account_id', 'http_status', 'model', 'prompt_tokens', 'received_at', "
+        "'rid']. Map it in the incident file: columns = { ts = \"<key>\" }")
+
+
+def test_jsonl_key_missing_from_the_first_records_only_is_read_where_it_is(tmp_path):
+    """The keys are sampled from the first records; a key that appears later in the file is no
+    mapping mistake: records without it are quarantined, the others load."""
+    lines = [json.dumps({k: v for k, v in json.loads(rec(f"r{i}")).items() if k != "received_at"}) for i in range(2001)]
+    con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join([*lines, rec("late")]) + "\n")
+    assert (r.loaded, r.quarantined) == (1, 2001)
+    assert set(reasons) == {"missing required field 'ts' (column received_at)"}
 
 
 def test_opentelemetry_names_are_recognised_without_a_mapping(tmp_path):

@@ -108,49 +108,64 @@ def _exclude(needles: tuple[str, ...]) -> str:
 
 _EXCLUDE = _exclude(SELF_CONTAINED_EXCLUDES)
 
+# What Arrow checks of every line of a batch (each a kernel over the whole column, without a Python
+# object per line), given to DuckDB as columns beside it:
+# * shaped: SGLang's dated envelope then a ReqTimeStats message whose body (up to the first ')') is
+#   plain key=value pairs, the first rid=<id>; the envelope ends at the first ']' (nothing in it may
+#   be one);
+# * excluded: the line holds one of the texts another reading looks for (the parser's constants);
+# * ascii: character and byte counts agree (so truncating the detail agrees);
+# * input_lens / cached_lens: how often ", input_len=" / ", cached_input_len=" occur in the line. A
+#   line with either twice is left to the parser; with once, only a body that holds it has a count.
+_SHAPE = (r"^\[\d{4}-\d{2}-\d{2} \d{2}:[0-5]\d:[0-5]\d(?:[.,]\d{1,6})?(?: +[^\]\s]+)* *\] ?"
+          r"ReqTimeStats\(rid=[^,=\s)]+(?:, \w+=[^,=)]*)*\)")
+
+
+def _line_checks(column: pa.Array) -> dict[str, pa.Array]:
+    candidates = pc.match_substring(column, "ReqTimeStats(")
+    if not pc.any(candidates).as_py():
+        false = pa.array([False] * len(column), pa.bool_())
+        return {"shaped": false, "excluded": false, "ascii": false, "input_lens": pa.nulls(len(column), pa.int32()),
+                "cached_lens": pa.nulls(len(column), pa.int32())}
+    return {"shaped": pc.match_substring_regex(column, _SHAPE), "excluded": pc.match_substring_regex(column, _EXCLUDE),
+            "ascii": pc.string_is_ascii(column),
+            "input_lens": pc.count_substring(column, ", input_len=").cast(pa.int32()),
+            "cached_lens": pc.count_substring(column, ", cached_input_len=").cast(pa.int32())}
+
+
 # One pass over a batch: the lines DuckDB reads, with their stamp, ranks, rid, input_len and detail.
-# The patterns are literals (a pattern given as a parameter is compiled again for every row); the
-# exclusions are the parser's own constants, never input text.
 _SELF_CONTAINED_SQL = f"""
 WITH headed AS (
-    -- the envelope ends at the first ']' (nothing in it may be one); the message must follow it
-    SELECT n, line, position(']' IN line) + CASE
-               WHEN substr(line, position(']' IN line) + 1, 13) = 'ReqTimeStats(' THEN 13
-               WHEN substr(line, position(']' IN line) + 1, 14) = ' ReqTimeStats(' THEN 14 ELSE 0 END AS head_len
+    SELECT n, line, position(']' IN line) + CASE WHEN substr(line, position(']' IN line) + 1, 1) = ' ' THEN 14 ELSE 13 END
+               AS head_len
     FROM batch
-    WHERE line IS NOT NULL AND starts_with(line, '[') AND contains(line, 'ReqTimeStats(')
-      AND strlen(line) = length(line) AND NOT excluded
+    WHERE shaped AND ascii AND NOT excluded AND input_lens <= 1 AND cached_lens <= 1
 ), stamped AS (
     SELECT n, substr(line, 1, head_len) AS head, substr(line, head_len - 12) AS msg,
            split_part(substr(line, head_len + 1), ')', 1) AS body
     FROM headed
-    WHERE head_len > 13 AND contains(substr(line, head_len + 1), ')')
 ), fields AS (
     SELECT n, head, msg,
            CASE WHEN substr(head, 21, 1) IN ('.', ',') THEN regexp_extract(substr(head, 22, 7), '^\\d+', 0) ELSE '' END
                AS frac,
            substr(split_part(body, ',', 1), 5) AS rid,
-           split_part(split_part(body, ', input_len=', 2), ',', 1) AS input_len,
-           strlen(body) - strlen(replace(body, ', input_len=', '')) AS input_len_chars,
-           split_part(split_part(body, ', cached_input_len=', 2), ',', 1) AS cached_len,
-           strlen(body) - strlen(replace(body, ', cached_input_len=', '')) AS cached_len_chars
+           CASE WHEN contains(body, ', input_len=') THEN split_part(split_part(body, ', input_len=', 2), ',', 1) END
+               AS input_len,
+           CASE WHEN contains(body, ', cached_input_len=')
+                THEN split_part(split_part(body, ', cached_input_len=', 2), ',', 1) END AS cached_len
     FROM stamped
     WHERE substr(head, 2, 4) >= '0001' AND NOT contains(body, ', rid=')
-      AND regexp_matches(head,
-          '^\\[\\d{{4}}-\\d{{2}}-\\d{{2}} \\d{{2}}:[0-5]\\d:[0-5]\\d(?:[.,]\\d{{1,6}})?(?: +[^\\]\\s]+)* *\\] ?ReqTimeStats\\($')
-      AND regexp_full_match(body, 'rid=[^,=\\s]+(?:, \\w+=[^,=]*)*')
 )
 SELECT n, substr(head, 2, 13) AS hour,
        (CAST(substr(head, 16, 2) AS BIGINT) * 60 + CAST(substr(head, 19, 2) AS BIGINT)) * 1000000
            + CAST(rpad(CASE WHEN frac = '' THEN '0' ELSE frac END, 6, '0') AS BIGINT) AS within_us,
        substr(head, 2, CASE WHEN frac = '' THEN 19 ELSE 20 + strlen(frac) END) AS stamp,
        split_part(substr(head, CASE WHEN frac = '' THEN 21 ELSE 22 + strlen(frac) END), ']', 1) AS extra,
-       rid, CASE WHEN input_len_chars = 0 THEN NULL ELSE CAST(input_len AS BIGINT) END AS input_len,
-       CASE WHEN cached_len_chars = 0 THEN NULL ELSE CAST(cached_len AS BIGINT) END AS cached_len,
+       rid, CAST(input_len AS BIGINT) AS input_len, CAST(cached_len AS BIGINT) AS cached_len,
        CASE WHEN strlen(msg) <= {DETAIL_LIMIT} THEN msg ELSE msg[1:{DETAIL_LIMIT - 1}] || '\u2026' END AS detail
 FROM fields
-WHERE (input_len_chars = 0 OR (input_len_chars = 12 AND regexp_full_match(input_len, '\\d{{1,18}}')))
-  AND (cached_len_chars = 0 OR (cached_len_chars = 19 AND regexp_full_match(cached_len, '\\d{{1,18}}')))
+WHERE (input_len IS NULL OR regexp_full_match(input_len, '\\d{{1,18}}'))
+  AND (cached_len IS NULL OR regexp_full_match(cached_len, '\\d{{1,18}}'))
 """
 
 
@@ -339,12 +354,8 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
                 ) -> None:
     first_number, texts, raws = batch.first, batch.texts, batch.raws
     # in record batches, which DuckDB's threads scan side by side (one chunk is read by one thread)
-    # the exclusions (one RE2 pattern) matched by Arrow, which does it in half DuckDB's time
-    candidates = pc.match_substring(batch.column, "ReqTimeStats(")
-    excluded = (pc.match_substring_regex(batch.column, _EXCLUDE) if pc.any(candidates).as_py()
-                else pa.nulls(len(texts), pa.bool_()))
     lines = pa.table({"n": pa.arange(first_number, first_number + len(texts)), "line": batch.column,
-                      "excluded": excluded})
+                      **_line_checks(batch.column)})
     db.register("batch", pa.Table.from_batches(lines.to_batches(max_chunksize=_SCAN_CHUNK)))
     try:
         db.execute(f"CREATE OR REPLACE TEMP TABLE kvf_self_contained AS {_SELF_CONTAINED_SQL}")

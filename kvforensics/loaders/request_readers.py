@@ -23,7 +23,7 @@ import duckdb
 import pyarrow as pa
 import zstandard
 
-from kvforensics.canonical import CANONICAL_REQUEST_FIELDS
+from kvforensics.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders import otlp, sglang_requests
@@ -84,6 +84,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     for ref in expression_refs(source):
         if keys and ref not in keys and ref.split(".")[0] not in top_level:
             raise unknown_column(source, path, ref, top_level)
+    _require_json_keys(source, path, keys, chosen)
     finish_reason = None
     if chosen["status"] is None and "status" not in source.expressions:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
@@ -136,6 +137,41 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE python_lines").fetchall()
     return python_staged()
+
+
+def _require_json_keys(source: Source, path: Path, keys: set[str], chosen: Mapping[str, str | None]) -> None:
+    """A required field the incident file maps to a key that no record has is a mapping mistake, as a
+    CSV column the header lacks is (staging.require_header): an InputError naming the key and the keys
+    the records have, not a file whose every record is quarantined. A JSON record may leave out a key,
+    so the key must be absent from the sampled records and its name must appear nowhere in the file."""
+    if not keys:
+        return  # no record parsed: the loader quarantines each line with its reason
+    for canonical in REQUIRED_REQUEST_FIELDS:
+        col = chosen.get(canonical)
+        if canonical not in source.columns or canonical in source.expressions or col is None or col in keys:
+            continue
+        if _json_key_in_file(path, col):
+            continue
+        top = sorted({k.split(".")[0] for k in keys})
+        raise InputError(f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
+                         f"records have keys {top[:30]}{' ...' if len(top) > 30 else ''}. Map it in the incident "
+                         f"file: columns = {{ {canonical} = \"<key>\" }}", location=f"source '{source.name}': {path}")
+
+
+def _json_key_in_file(path: Path, key: str) -> bool:
+    """Whether the key's (last) name occurs as a JSON string anywhere in the file (read in chunks;
+    an unreadable stream counts as a yes, so the loader reports it in its own words)."""
+    needle = json.dumps(key.split(".")[-1]).encode()
+    tail = b""
+    try:
+        with open_binary(path) as fh:
+            while chunk := fh.read(CHUNK):
+                if needle in tail + chunk[: len(needle)] or needle in chunk:
+                    return True
+                tail = chunk[-len(needle):]
+    except Exception:  # noqa: BLE001 - truncated or corrupt: the line reader says so per record
+        return True
+    return False
 
 
 def _json_keys(obj: object, prefix: str = "", depth: int = 0) -> Iterator[str]:
