@@ -24,16 +24,13 @@ HASHED_OUTPUTS = ("scope.json", *CSV_OUTPUTS, *REPORT_OUTPUTS)
 _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums may differ in the last bits
 
 
-# How `tables` digests are taken (recorded in the manifest as `table_digest`). Each row is hashed in
-# DuckDB as a JSON array of its values (timestamps as epoch microseconds, floats to 12 significant
-# digits). "rows-v3": the rows' hashes fall into 4,096 buckets by their first three hex digits; a
-# bucket's digest is the SHA-256 of its hashes in sorted order, taken in the database, and the table's
-# is the SHA-256 of its column names and the non-empty buckets' digests in bucket order, so neither a
-# sort of every row nor a row in Python is needed (at 10M requests the content fingerprints are 108M
-# rows). "rows-v2" is the SHA-256 of the column names and every row hash in sorted order, streamed to
-# Python; "rows-v1" (manifests without `table_digest`) renders every row in Python, in sorted order.
-TABLE_DIGEST = "rows-v3"
-TABLE_DIGESTS = ("rows-v1", "rows-v2", TABLE_DIGEST)
+# How `tables` digests are taken (recorded in the manifest as `table_digest`): "rows-v2" hashes each row
+# in DuckDB (a JSON array of its values: timestamps as epoch microseconds, floats to 12 significant
+# digits) and the table as the SHA-256 of its column names and its rows' hashes in sorted order, so the
+# database does the work on every core; "rows-v1" (manifests without `table_digest`) renders every row
+# in Python, in the table's sorted order.
+TABLE_DIGEST = "rows-v2"
+TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST)
 _HASH_BATCH = 100_000
 
 
@@ -44,7 +41,7 @@ def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST) ->
     names = [r[0] for r in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
         "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
-    digest = {"rows-v1": _table_digest_v1, "rows-v2": _table_digest_v2, "rows-v3": _table_digest_v3}[method]
+    digest = _table_digest_v2 if method == TABLE_DIGEST else _table_digest_v1
     return {name: digest(con, name) for name in names}
 
 
@@ -52,31 +49,13 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
 
 
-def _row_hashes(con: duckdb.DuckDBPyConnection, name: str) -> tuple[list[tuple[str, str]], str]:
-    """The table's (column, type) pairs, and the SQL expression of a row's hash."""
+def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
     columns = con.execute(
         """SELECT column_name, data_type FROM information_schema.columns
            WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
            ORDER BY ordinal_position""", {"t": name}).fetchall()
     values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
-    return columns, f"sha256(json_array({values}))"
-
-
-def _table_digest_v3(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
-    columns, row_hash = _row_hashes(con, name)
-    buckets = con.execute(
-        f"""SELECT substr(h, 1, 3) AS bucket, count(*) AS n, sha256(string_agg(h, chr(10) ORDER BY h)) AS d
-            FROM (SELECT {row_hash} AS h FROM {_quoted(name)}) AS hashed
-            GROUP BY bucket ORDER BY bucket""").fetchall()
-    h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
-    for bucket, _, d in buckets:
-        h.update(f"{bucket} {d}\n".encode("ascii"))
-    return {"rows": sum(n for _, n, _ in buckets), "sha256": h.hexdigest()}
-
-
-def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
-    columns, row_hash = _row_hashes(con, name)
-    cur = con.execute(f"SELECT {row_hash} AS h FROM {_quoted(name)} ORDER BY h")
+    cur = con.execute(f"SELECT sha256(json_array({values})) AS h FROM {_quoted(name)} ORDER BY h")
     h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
     rows = 0
     while batch := cur.fetchmany(_HASH_BATCH):
