@@ -166,7 +166,7 @@ def _json_key_in_file(path: Path, key: str) -> bool:
     try:
         with open_binary(path) as fh:
             while chunk := fh.read(CHUNK):
-                if needle in tail + chunk[: len(needle)] or needle in chunk:
+                if needle in tail + chunk:  # the chunk with the last bytes before it: a name cut between chunks
                     return True
                 tail = chunk[-len(needle):]
     except Exception:  # noqa: BLE001 - truncated or corrupt: the line reader says so per record
