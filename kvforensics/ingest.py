@@ -270,21 +270,9 @@ def _store_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path
                       parsed) -> InputFile:
     """The rest of a parsed engine log: the parser's events and prefill batches, quarantined lines, and
     one load report for the file's physical lines."""
-    events = parsed.event_table()  # the parser's events (the column-wise ones are in already)
-    if events.num_rows:
-        con.register("events_batch", events)
-        con.execute("INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, "
-                    "source, source_file, source_line, cached_tokens) SELECT instance, ts, kind, request_id, "
-                    "prompt_tokens, limit_tokens, detail, $source, $file, line, cached_tokens FROM events_batch",
-                    {"source": source.name, "file": str(path)})
-        con.unregister("events_batch")
-    batches = parsed.batch_table()  # prefill batch lines (loaders/sglang_batches.py)
-    if batches.num_rows:
-        con.register("prefill_batches_batch", batches)
-        con.execute("INSERT INTO prefill_batches SELECT instance, ts, new_seq, new_token, cached_token, running_req, "
-                    "queue_req, token_usage, role, ranks, $source, $file, line FROM prefill_batches_batch",
-                    {"source": source.name, "file": str(path)})
-        con.unregister("prefill_batches_batch")
+    from kvforensics.loaders.engine_columnar import EvidenceSink
+
+    EvidenceSink(source.name, str(path)).store(con, parsed)  # the column-wise rows are in already
     quarantined = parsed.all_quarantined()
     for q in quarantined:
         con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",

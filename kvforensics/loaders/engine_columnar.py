@@ -94,6 +94,17 @@ class EvidenceSink:
     source: str
     file: str
 
+    def store(self, con: duckdb.DuckDBPyConnection, parsed: EngineFileParse) -> None:
+        """The rest of the file's rows, those the parser read (its events and prefill batches)."""
+        params = {"source": self.source, "file": self.file}
+        for table, insert in ((parsed.event_table(), _EVENTS_INSERT), (parsed.batch_table(), _BATCHES_INSERT)):
+            if table.num_rows:
+                con.register("engine_rows_batch", table)
+                try:
+                    con.execute(insert.format(ts="ts", rows="SELECT * FROM engine_rows_batch"), params)
+                finally:
+                    con.unregister("engine_rows_batch")
+
 
 def _re2_literal(text: str) -> str:
     """*text* as a literal inside an RE2 pattern."""
@@ -319,13 +330,23 @@ FROM kvf_self_contained s JOIN kvf_islands i USING (n)
 WHERE i.n > i.island_first
 """
 # the rank text as sglang.rank_tags gives it
-_SINK_EVENTS_SQL = f"""
+# The inserts of an engine log's rows, from rows with EVENT_COLUMNS / BATCH_COLUMNS ({rows}), their times
+# as {ts}: read column-wise (microseconds) or by the parser (an Arrow table of timestamps).
+_EVENTS_INSERT = """
 INSERT INTO engine_events (instance, ts, kind, request_id, prompt_tokens, limit_tokens, detail, source, source_file,
                            source_line, cached_tokens)
-SELECT instance, to_timestamp(0) + to_microseconds(ts), kind, request_id, prompt_tokens, limit_tokens, detail,
-       $source, $file, line, cached_tokens
-FROM ({_RUN_EVENTS_SQL}) AS run_events
+SELECT instance, {ts}, kind, request_id, prompt_tokens, limit_tokens, detail, $source, $file, line, cached_tokens
+FROM ({rows}) AS engine_rows
 """
+_BATCHES_INSERT = """
+INSERT INTO prefill_batches (instance, ts, new_seq, new_token, cached_token, running_req, queue_req, token_usage, role,
+                             ranks, source, source_file, source_line)
+SELECT instance, {ts}, new_seq, new_token, cached_token, running_req, queue_req, token_usage, role, ranks,
+       $source, $file, line
+FROM ({rows}) AS engine_rows
+"""
+_MICROSECONDS = "to_timestamp(0) + to_microseconds(ts)"
+_SINK_EVENTS_SQL = _EVENTS_INSERT.format(ts=_MICROSECONDS, rows=_RUN_EVENTS_SQL)
 _RUN_BATCHES_SQL = """
 SELECT $instance AS instance, i.utc_us AS ts, b.n AS line, b.new_seq, b.new_token, b.cached_token, b.running_req,
        b.queue_req, b.token_usage, b.role,
@@ -335,13 +356,7 @@ WHERE i.n > i.island_first
 """
 
 
-_SINK_BATCHES_SQL = f"""
-INSERT INTO prefill_batches (instance, ts, new_seq, new_token, cached_token, running_req, queue_req, token_usage, role,
-                             ranks, source, source_file, source_line)
-SELECT instance, to_timestamp(0) + to_microseconds(ts), new_seq, new_token, cached_token, running_req, queue_req,
-       token_usage, role, ranks, $source, $file, line
-FROM ({_RUN_BATCHES_SQL}) AS run_batches
-"""
+_SINK_BATCHES_SQL = _BATCHES_INSERT.format(ts=_MICROSECONDS, rows=_RUN_BATCHES_SQL)
 
 
 def _with_utc(table: pa.Table, schema: pa.Schema) -> pa.Table:
