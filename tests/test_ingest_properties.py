@@ -170,6 +170,15 @@ def test_jsonl_never_crashes_and_accounts_for_every_line(garbage, n_valid, data,
     _check_round_trip(con, valid, ts_exact=ts_style != "epoch_ms")
 
 
+def test_a_line_of_ascii_whitespace_is_blank_to_every_reader():
+    """Tab, VT and FF lines are blank (bytes.strip()), on the DuckDB reader as on the Python one;
+    a line holding another control character is a record, quarantined as malformed."""
+    for data in (b"\t\n", b" \x0b\x0c\r\n", b"\t\n\x1c\n"):
+        con, load = _load("jsonl", "gw.jsonl", data)
+        _check_accounting(con, load)
+        assert load.records_read == sum(1 for line in data.split(b"\n") if line.strip())
+
+
 csv_fields = st.one_of(st.text(max_size=15), json_scalars.map(lambda v: "" if v is None else str(v)),
                        st.binary(max_size=10).map(lambda b: b.decode("utf-8", "surrogateescape")))
 

@@ -291,7 +291,8 @@ def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines
     fields (json_type / json_extract_string over the list of paths); blank lines dropped. Returns the
     query and its parameters (the JSON paths: never spliced into the text)."""
     paths, wrong_type, values = _field_expressions(source, chosen)
-    params: dict[str, Any] = {"paths": paths or ["$.__none__"]}
+    # blank as the Python reader's bytes.strip() sees it: ASCII space, tab, LF, CR, VT, FF
+    params: dict[str, Any] = {"paths": paths or ["$.__none__"], "blank": " \t\n\r\x0b\x0c"}
     if finish_reason is not None and "status" not in values:
         base = json_path(finish_reason)
         values["status"] = _STATUS_FROM_FINISH_REASON
@@ -305,7 +306,7 @@ def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines
             SELECT line, raw,
                    coalesce(problem, CASE WHEN NOT json_valid(raw) THEN 'malformed JSON'
                                           WHEN json_type(raw) <> 'OBJECT' THEN 'not a JSON object' END) AS first_problem
-            FROM lines WHERE raw IS NOT NULL AND trim(raw) <> ''
+            FROM lines WHERE raw IS NOT NULL AND trim(raw, $blank) <> ''
         ), parsed AS (
             SELECT line, raw, first_problem,
                    CASE WHEN first_problem IS NULL THEN json_type(raw, $paths) END AS t,
