@@ -3,6 +3,8 @@ passes, a folder it cannot check ends in one line (exit 2), and a signed manifes
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import shutil
 import subprocess
@@ -261,11 +263,23 @@ def test_a_signing_key_that_does_not_exist_stops_the_run_before_it_starts(tmp_pa
         check_signature(tmp_path, tmp_path / "nope")
 
 
-def _digest_of(rows: list[tuple], method: str = "rows-v2") -> dict:
+def _digest_of(rows: list[tuple], method: str = "rows-v2", rows_per_pass: int | None = None) -> dict:
     con = connect()
     con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
-    con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
-    return table_digests(con, method)["t"]
+    if rows:
+        con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
+    return table_digests(con, method, rows_per_pass)["t"]
+
+
+def test_a_table_sorted_in_passes_over_ranges_of_row_hashes_has_the_digest_of_one_sort() -> None:
+    rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(300)]
+    one = _digest_of(rows)
+    assert one["rows"] == 300
+    for per_pass in (1, 7, 100, 299):
+        assert _digest_of(rows, rows_per_pass=per_pass) == one, per_pass
+    assert _digest_of(rows[:-1], rows_per_pass=7)["sha256"] != one["sha256"]
+    names = hashlib.sha256(b'["id", "ts", "ms", "tags"]\n').hexdigest()  # an empty table: its column names only
+    assert _digest_of([], rows_per_pass=1) == _digest_of([]) == {"rows": 0, "sha256": names}
 
 
 def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_bits() -> None:
