@@ -2,8 +2,10 @@
 
 ``os.wait4`` returns the resource usage of exactly that child (``ru_maxrss``, KiB on Linux), so
 each measured step gets its own peak RSS even though the harness starts many children. A /proc
-poller would miss short peaks; the kernel's high-water mark does not. The harness itself imports
-nothing heavy, so the fork-time RSS it hands a child is small (and ``exec`` resets it anyway).
+poller would miss short peaks; the kernel's high-water mark does not. Linux keeps the high-water
+mark of the memory a child starts with (the parent's, shared until ``exec``) across ``exec``, so a
+child's peak is at least its parent's RSS at the start: the harness imports nothing heavy (about
+20 MB), which is the most a step's figure can be above its own.
 """
 
 from __future__ import annotations
