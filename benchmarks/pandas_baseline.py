@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
@@ -44,6 +45,7 @@ from pandas.api.types import union_categoricals
 from kvforensics.config import Incident, Source, load_incident
 from kvforensics.fingerprint import SHINGLE_WORDS, key_for
 from kvforensics.ingest import resolve_model
+from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
 from kvforensics.loaders.engine_common import parse_engine_log
 
 FIELDS = ["request_id", "ts", "account_id", "model", "status", "prompt_tokens", "completion_tokens",
@@ -102,13 +104,19 @@ def read_gateway(source: Source) -> tuple[pd.DataFrame, int]:
     return out, rows
 
 
-def load_capacity(incident: Incident, gateway_models: list[str] | None) -> pd.DataFrame:
-    """Start-up intervals per engine instance, from the engine logs through kvforensics' parser."""
+def load_capacity(incident: Incident, gateway_models: list[str] | None,
+                  scratch: duckdb.DuckDBPyConnection | None = None) -> pd.DataFrame:
+    """Start-up intervals per engine instance, from the engine logs through kvforensics' parser: the
+    reference parser, or with ``scratch`` (an evidence database to throw away) the column-wise one,
+    which inserts the per-request rows there instead of holding them (what a floor's preparation
+    needs at 100M requests, where the reference parse of the engine logs outgrows the machine)."""
     rows = []
     for source in incident.sources_of("engine_log"):
         for path in source.files():
-            parsed = parse_engine_log(path, fmt=source.format, instance=source.instance_for(path), tz=source.tz,
-                                      year=source.year or incident.year, clock_offset_s=source.clock_offset_s)
+            kwargs = dict(fmt=source.format, instance=source.instance_for(path), tz=source.tz,
+                          year=source.year or incident.year, clock_offset_s=source.clock_offset_s)
+            parsed = (parse_engine_log(path, **kwargs) if scratch is None else parse_engine_file_columnar(
+                path, **kwargs, con=scratch, sink=EvidenceSink(source.name, str(path))))
             for s in parsed.startups:
                 model, _ = resolve_model(s.model, source, dict(incident.model_aliases), gateway_models or [])
                 rows.append({"instance": s.instance, "role": s.role, "model": model, "valid_from": s.ts,

@@ -186,10 +186,17 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
     intervals (built from the engine logs by our parser, outside the timed part)."""
     import pandas_baseline
 
+    import tempfile
+
+    from kvforensics.db import connect
+
     incident, source = gateway_source(args.incident)
-    capacity = pandas_baseline.load_capacity(incident, gateway_models=None)
-    files = [str(p) for p in source.files()]
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    with tempfile.TemporaryDirectory(dir=args.temp_dir) as scratch_dir:  # the engine logs' per-request rows
+        scratch = connect(Path(scratch_dir) / "capacity.duckdb", memory_limit=args.memory_limit or "2GB")
+        capacity = pandas_baseline.load_capacity(incident, gateway_models=None, scratch=scratch)
+        scratch.close()
+    files = [str(p) for p in source.files()]
     con.register("capacity", capacity)
     col = {c: source.column(c) for c in ("request_id", "ts", "status", "prompt_tokens", "prefill_instance")}
     text = bench_sql("floor_oversize").format(
