@@ -192,6 +192,8 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
 
     incident, source = gateway_source(args.incident)
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
+    if args.temp_dir:
+        args.temp_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.temp_dir) as scratch_dir:  # the engine logs' per-request rows
         scratch = connect(Path(scratch_dir) / "capacity.duckdb", memory_limit=args.memory_limit or "2GB")
         capacity = pandas_baseline.load_capacity(incident, gateway_models=None, scratch=scratch)
