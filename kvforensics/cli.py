@@ -4,6 +4,7 @@ cannot support its answer prints why and exits 3."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -277,6 +278,9 @@ def _main(argv: list[str] | None) -> int:
 
 def _describe(e: Exception) -> str:
     """What went wrong and what to do, in one line."""
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):  # OSError or duckdb's IOException
+        return (f"out of disk space ({_one_line(e)}): DuckDB spills beyond memory_limit into <out>/evidence.spill; "
+                "free disk there, or run with --out on a larger disk")
     if isinstance(e, (KvForensicsError, OSError)):  # bad input or configuration: the message says what to fix
         return str(e)
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryException":  # duckdb's, without importing it

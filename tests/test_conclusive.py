@@ -269,6 +269,29 @@ def test_unexpected_errors_are_one_line(tmp_path, capsys, monkeypatch):
         main(["--debug", "run", str(incident), "--out", str(tmp_path / "o"), "--quiet", "--no-pdf"])
 
 
+def test_a_full_disk_is_one_line_that_says_so(tmp_path, capsys, monkeypatch):
+    """DuckDB spilling into a full disk (its IOException) or a write failing with ENOSPC: exit 2, one
+    line naming the disk and where DuckDB spills, not "a kvforensics bug"."""
+    import errno
+
+    import duckdb
+
+    import kvforensics.investigation as investigation
+
+    incident = mini(tmp_path)
+    for i, error in enumerate((duckdb.IOException('IO Error: Could not write file "x/evidence.spill/duckdb_temp_1.tmp": '
+                                                  "No space left on device"),
+                               OSError(errno.ENOSPC, "No space left on device"))):
+        def full(self, error=error):
+            raise error
+
+        monkeypatch.setattr(investigation.Investigation, "scope", full)
+        assert main(["run", str(incident), "--out", str(tmp_path / f"o{i}"), "--quiet", "--no-pdf"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("Error: out of disk space") and "evidence.spill" in err
+        assert "kvforensics bug" not in err
+
+
 # --- the observations of issue 12 on the bundled sample -----------------------------------------------------
 
 def sample_copy(sample_incident: Path, dst: Path, rewrite=None, incident_text=None) -> Path:
