@@ -22,6 +22,7 @@ import dataclasses
 import json
 import re
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -185,8 +186,6 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
     """The bare oversize scan of issue 8: one query over the gateway files joined to the capacity
     intervals (built from the engine logs by our parser, outside the timed part)."""
     import pandas_baseline
-
-    import tempfile
 
     from kvforensics.db import connect
 

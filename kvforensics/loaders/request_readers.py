@@ -29,6 +29,7 @@ from kvforensics.errors import InputError
 from kvforensics.loaders import otlp, sglang_requests
 from kvforensics.loaders.staging import (
     BATCH,
+    BLANK,
     FIELD_COLUMNS,
     FINISH_REASON_KEYS,
     FileLoad,
@@ -103,7 +104,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     problems: list[str | None] = []
     blank = 0
     for n, raw in stream:
-        if not raw.strip():
+        if not raw.strip(BLANK):
             blank += 1
             continue
         text = decode_line(raw)

@@ -97,6 +97,10 @@ class Staged:
     cells: Mapping[str, str] = field(default_factory=dict)
 
 
+# What a blank JSONL line holds, to the DuckDB and the Python reader alike: ASCII whitespace (bytes.strip())
+BLANK = b" \t\n\r\x0b\x0c"
+
+
 def python_staged(rewrites: Mapping[str, str] | None = None) -> Staged:
     return Staged("staging_requests", rewrites=rewrites or {})
 
@@ -291,8 +295,7 @@ def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines
     fields (json_type / json_extract_string over the list of paths); blank lines dropped. Returns the
     query and its parameters (the JSON paths: never spliced into the text)."""
     paths, wrong_type, values = _field_expressions(source, chosen)
-    # blank as the Python reader's bytes.strip() sees it: ASCII space, tab, LF, CR, VT, FF
-    params: dict[str, Any] = {"paths": paths or ["$.__none__"], "blank": " \t\n\r\x0b\x0c"}
+    params: dict[str, Any] = {"paths": paths or ["$.__none__"], "blank": BLANK.decode("ascii")}
     if finish_reason is not None and "status" not in values:
         base = json_path(finish_reason)
         values["status"] = _STATUS_FROM_FINISH_REASON
