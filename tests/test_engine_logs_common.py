@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import tempfile
+from unittest import mock
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforensics.errors import InputError
+from kvforensics.loaders import engine_lines
 from kvforensics.loaders.engine_common import (
     LocalClock,
     PoolReport,
@@ -103,17 +105,18 @@ _LINE_PIECES = st.sampled_from([b"", b"x", b"[2026-08-27 10:00:00 TP0] ReqTimeSt
 @settings(max_examples=150, deadline=None)
 @given(lines=st.lists(st.lists(_LINE_PIECES, max_size=3).map(b"".join), max_size=12), final_newline=st.booleans(),
        compression=st.sampled_from(["none", "gzip", "zstd"]), cut=st.sampled_from([None, 0.5, 0.9]),
-       max_lines=st.sampled_from([1, 2, 5, 1000]))
+       max_lines=st.sampled_from([1, 2, 5, 1000]), chunk=st.sampled_from([None, 3, 17]))
 def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_newline: bool, compression: str,
-                                                   cut: float | None, max_lines: int) -> None:
+                                                   cut: float | None, max_lines: int, chunk: int | None) -> None:
     """Batches cut by offsets (valid UTF-8) and batches read line by line (anything else) both give
-    iteration's numbers, texts, bytes and truncation; the Arrow column holds the texts."""
+    iteration's numbers, texts, bytes and truncation; the Arrow column holds the texts. With small
+    reads (*chunk* bytes), lines and batches span reads."""
     data = b"\n".join(lines) + (b"\n" if final_newline else b"")
     if compression != "none":
         data = gzip.compress(data) if compression == "gzip" else zstandard.ZstdCompressor().compress(data)
         if cut is not None:
             data = data[: int(len(data) * cut)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.object(engine_lines, "_CHUNK", chunk or engine_lines._CHUNK):
         path = _write(Path(tmp) / "engine.log", data)
         stream = open_lines(path)
         expected = list(stream)

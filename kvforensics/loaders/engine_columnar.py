@@ -281,6 +281,7 @@ def parse_engine_file_columnar(
     try:
         for batch in stream.batches(batch_lines):
             _read_batch(db, parser, batch, sink)
+            del batch  # not held while the next one is read
     finally:
         stream.close()
         db.close()

@@ -176,42 +176,47 @@ class LineStream(Iterator[EngineLine]):
         iteration on one stream.
 
         The bytes of a batch are split at newlines once, by offsets (no Python object per line);
-        a line's text and bytes are made only when asked for."""
-        pieces: list[bytes] = []
-        count = 0  # newlines in pieces
-        number = 0
+        a line's text and bytes are made only when asked for. A batch is a view of the bytes read,
+        not a copy, and newlines are found read by read, so a batch's bytes are held twice (as read,
+        and as Arrow text without the newlines), not four times."""
+        # the bytes read since the last batch, in one buffer that a batch's lines then refer to (never
+        # changed once a batch is cut from it: the next bytes go to a new one)
+        data = bytearray()
+        piece_ends: list[np.ndarray] = []  # offsets of the newlines in data
+        count = number = 0
         error: Exception | None = None
         try:
             for chunk in self._chunks():
-                pieces.append(chunk)
-                count += chunk.count(b"\n")
+                piece_ends.append(_newlines(chunk) + len(data))
+                data += chunk
+                count += len(piece_ends[-1])
                 if count >= max_lines:
-                    data = b"".join(pieces)
-                    ends = _newlines(data)
+                    ends = np.concatenate(piece_ends)
                     done = 0
                     while len(ends) - done >= max_lines:
                         start = 0 if done == 0 else int(ends[done - 1]) + 1
-                        stop = int(ends[done + max_lines - 1]) + 1
-                        yield _line_batch(number + 1, data[start:stop], ends[done:done + max_lines] - start)
+                        yield _line_batch(number + 1, data, start, ends[done:done + max_lines])
                         number += max_lines
                         self.lines_yielded = number
                         done += max_lines
-                    pieces = [data[int(ends[done - 1]) + 1:]]
-                    count = len(ends) - done
+                    rest = int(ends[done - 1]) + 1
+                    data = bytearray(memoryview(data)[rest:])
+                    piece_ends = [ends[done:] - rest]
+                    count = len(piece_ends[0])
         except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
             error = e
         self.close()
-        data = b"".join(pieces)
-        cut = data.rfind(b"\n") + 1
-        complete, pending = data[:cut], data[cut:]
+        ends = np.concatenate(piece_ends) if piece_ends else np.empty(0, dtype=np.int64)
+        pending = bytes(data[int(ends[-1]) + 1:] if len(ends) else data)
         if error is None and pending:  # a last line without a newline is an ordinary line in a complete file
-            complete, pending = complete + pending + b"\n", b""
-        ends = _newlines(complete)
+            ends = np.append(ends, len(data))
+            data += b"\n"
+            pending = b""
         done = 0
         while done < len(ends):
             start = 0 if done == 0 else int(ends[done - 1]) + 1
             take = min(max_lines, len(ends) - done)
-            yield _line_batch(number + 1, complete[start:int(ends[done + take - 1]) + 1], ends[done:done + take] - start)
+            yield _line_batch(number + 1, data, start, ends[done:done + take])
             number += take
             self.lines_yielded = number
             done += take
@@ -233,10 +238,10 @@ class LineBatch:
 
 class _Slices(Sequence):
     """The lines of *data* (each ending in a newline, which is left out), as bytes or text, made
-    one at a time when asked for."""
+    one at a time when asked for: line *i* is ``data[starts[i]:starts[i + 1] - 1]``."""
 
-    def __init__(self, data: bytes, starts: list[int], text: bool) -> None:
-        self._data, self._starts, self._text = data, starts, text
+    def __init__(self, data: bytes | bytearray, starts: np.ndarray, text: bool) -> None:
+        self._data, self._starts, self._text = data, starts.tolist(), text
 
     def __len__(self) -> int:
         return len(self._starts) - 1
@@ -249,20 +254,22 @@ class _Slices(Sequence):
         if not 0 <= i < len(self):
             raise IndexError(i)
         raw = self._data[self._starts[i]:self._starts[i + 1] - 1]
-        return raw.decode("utf-8") if self._text else raw
+        return raw.decode("utf-8") if self._text else bytes(raw)
 
 
 def _newlines(data: bytes) -> np.ndarray:
     return np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
 
 
-def _line_batch(first: int, data: bytes, ends: np.ndarray) -> LineBatch:
-    """The lines of *data*, which ends with a newline (at the offsets *ends*). Lines of valid UTF-8
-    without a carriage return or (at the start of the file) a byte order mark are cut by offsets;
-    any other batch is read line by line, as iterating reads it."""
-    if b"\r" not in data and not (first == 1 and data.startswith(b"\xef\xbb\xbf")):
+def _line_batch(first: int, data: bytes | bytearray, start: int, ends: np.ndarray) -> LineBatch:
+    """The lines of ``data[start:ends[-1] + 1]`` (*ends*: the offsets of their newlines in *data*),
+    without copying them. Lines of valid UTF-8 without a carriage return or (at the start of the
+    file) a byte order mark are cut by offsets; any other batch is read line by line, as iterating
+    reads it."""
+    stop = int(ends[-1]) + 1
+    if data.find(b"\r", start, stop) < 0 and not (first == 1 and data.startswith(b"\xef\xbb\xbf", start)):
         starts = np.empty(len(ends) + 1, dtype=np.int64)
-        starts[0] = 0
+        starts[0] = start
         starts[1:] = ends + 1
         whole = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(ends),
                                                  [None, pa.py_buffer(starts), pa.py_buffer(data)])
@@ -272,9 +279,8 @@ def _line_batch(first: int, data: bytes, ends: np.ndarray) -> LineBatch:
         except pa.ArrowInvalid:
             pass
         else:
-            offsets = starts.tolist()
-            return LineBatch(first, _Slices(data, offsets, True), _Slices(data, offsets, False), column)
-    raws = data[:-1].split(b"\n")
+            return LineBatch(first, _Slices(data, starts, True), _Slices(data, starts, False), column)
+    raws = bytes(data[start:stop - 1]).split(b"\n")
     decoded = _decode_batch(first, raws)
     return LineBatch(first, decoded.texts, decoded.raws, pa.array(decoded.texts, type=pa.large_string()))
 
