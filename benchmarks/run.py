@@ -164,7 +164,7 @@ class Runner:
     def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
         limit = self.args.memory_limit or DEFAULT_LIMITS["pipeline"]
         out = self.fresh(ds, "pipeline")
-        steps = [self.step("floor-oversize", ds, memory_limit=limit)]
+        steps = [] if self.args.skip_floors else [self.step("floor-oversize", ds, memory_limit=limit)]
         for name in PIPELINE:
             entry = self.step(name, ds, out=out, memory_limit=limit)
             steps.append(entry)
@@ -351,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-sql", action="store_true",
                    help="time every DuckDB statement of the kvforensics steps (<workdir>/traces/*.sql.json)")
     p.add_argument("--keep-evidence", action="store_true", help="keep the evidence databases in the workdir")
+    p.add_argument("--skip-floors", action="store_true",
+                   help="pipeline stage: no floor (at 100M its capacity preparation parses every engine log first)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--show", type=Path, help="print the tables of a results JSON file and exit")
     p.add_argument("--markdown", action="store_true", help="with --show: Markdown tables (for README.md)")

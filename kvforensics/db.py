@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -15,7 +17,9 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
     con.execute("SET TimeZone = 'UTC'")
     if memory_limit:
         # Validated against a strict pattern above, so it is safe to inline (SET takes no parameters).
-        con.execute(f"SET memory_limit = '{_checked_size(memory_limit)}'").fetchall()
+        limit = _checked_size(memory_limit)
+        con.execute(f"SET memory_limit = '{limit}'").fetchall()
+        con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside
         if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
             con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
         con.execute("SET preserve_insertion_order = false").fetchall()
@@ -24,6 +28,38 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
     if not read_only:
         run_script(con, "schema")
     return con
+
+
+@contextmanager
+def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[None]:
+    """DuckDB's memory_limit lowered by *nbytes* while the block runs: memory the caller's own readers
+    hold outside DuckDB (Python and Arrow buffers), so that the process as a whole stays near the limit
+    set by :func:`connect` (DuckDB's limit counts its own buffers only). Without such a limit, or on
+    another connection, nothing changes. DuckDB keeps at least half the limit."""
+    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
+    if not limit or nbytes <= 0:
+        yield
+        return
+    limit = int(limit)  # set by connect() from a validated size: safe to inline
+    con.execute(f"SET memory_limit = '{max(limit - int(nbytes), limit // 2)}B'").fetchall()
+    try:
+        yield
+    finally:
+        con.execute(f"SET memory_limit = '{limit}B'").fetchall()
+
+
+_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}  # as DuckDB reads them
+
+
+def size_bytes(value: str) -> int:
+    """The bytes of a size such as '2GB' (10**9 bytes a GB) or '512MiB' (2**20 a MiB), as DuckDB reads it."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B)", _checked_size(value), flags=re.IGNORECASE)
+    if m is None:
+        raise ValueError(value)
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _checked_size(value: str) -> str:

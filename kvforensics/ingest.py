@@ -22,7 +22,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Incident, Source
-from kvforensics.db import one, run_script
+from kvforensics.db import memory_set_aside, one, run_script
 from kvforensics.errors import InputError, StrictModeError
 from kvforensics.fingerprint import key_for
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
@@ -104,7 +104,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     chains = Chains()  # KV-event chains continue across files
     startups: list[tuple[Source, Path, Any]] = []
     engine_logs = [(source, path) for source, files in plan if source.kind == "engine_log" for path in files]
-    with _EngineLogReader(con, incident, engine_logs, digests) as reader:
+    reader = _EngineLogReader(con, incident, engine_logs, digests)
+    with memory_set_aside(con, reader.memory_held), reader:
         # content last: its prompts are cut into blocks of the size the KV events and start-ups show
         for source, files in [p for p in plan if p[0].kind not in ("requests", "content")]:
             for path in files:
@@ -215,6 +216,13 @@ class _EngineLogReader:
         self.workers = max(1, min(4, os.cpu_count() or 1, len(files)))
         self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvf-engine-log")
         self.running: dict[tuple[str, Path], tuple[Future, duckdb.DuckDBPyConnection, int | None, bool]] = {}
+
+    @property
+    def memory_held(self) -> int:
+        """Bytes the parses under way hold outside DuckDB's buffers, at most (set aside from its limit)."""
+        from kvforensics.loaders.engine_columnar import HELD_PER_FILE
+
+        return self.workers * HELD_PER_FILE if self.todo else 0
 
     def __enter__(self) -> _EngineLogReader:
         self._fill()

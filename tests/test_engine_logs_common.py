@@ -105,13 +105,16 @@ _LINE_PIECES = st.sampled_from([b"", b"x", b"[2026-08-27 10:00:00 TP0] ReqTimeSt
 @settings(max_examples=150, deadline=None)
 @given(lines=st.lists(st.lists(_LINE_PIECES, max_size=3).map(b"".join), max_size=12), final_newline=st.booleans(),
        compression=st.sampled_from(["none", "gzip", "zstd"]), cut=st.sampled_from([None, 0.5, 0.9]),
-       max_lines=st.sampled_from([1, 2, 5, 1000]), chunk=st.sampled_from([None, 3, 17]))
+       max_lines=st.sampled_from([1, 2, 5, 1000]), chunk=st.sampled_from([None, 3, 17]),
+       max_bytes=st.sampled_from([None, 1, 12, 40]))
 def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_newline: bool, compression: str,
-                                                   cut: float | None, max_lines: int, chunk: int | None) -> None:
+                                                   cut: float | None, max_lines: int, chunk: int | None,
+                                                   max_bytes: int | None) -> None:
     """Batches cut by offsets (valid UTF-8) and batches read line by line (anything else) both give
     iteration's numbers, texts, bytes and truncation; the Arrow column holds the texts. With small
-    reads (*chunk* bytes), lines and batches span reads."""
+    reads (*chunk* bytes), lines and batches span reads; a batch holds at most *max_bytes* (or one line)."""
     data = b"\n".join(lines) + (b"\n" if final_newline else b"")
+    in_file = data.split(b"\n")
     if compression != "none":
         data = gzip.compress(data) if compression == "gzip" else zstandard.ZstdCompressor().compress(data)
         if cut is not None:
@@ -121,11 +124,17 @@ def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_ne
         stream = open_lines(path)
         expected = list(stream)
         batched = open_lines(path)
-        got = []
-        for batch in batched.batches(max_lines):
+        got, sizes = [], []
+        for batch in batched.batches(max_lines, max_bytes):
             assert 0 < len(batch.raws) <= max_lines and len(batch.texts) == len(batch.raws)
             assert batch.column.to_pylist() == list(batch.texts)
             got += [(batch.first + i, batch.texts[i], batch.raws[i]) for i in range(len(batch.raws))]
+            sizes.append([len(in_file[batch.first + i - 1]) + 1 for i in range(len(batch.raws))])  # bytes in the file
+    # every batch but the last is full: max_lines lines, or the next line would pass max_bytes
+    for lengths, following in zip(sizes, sizes[1:]):
+        if max_bytes is not None and len(lengths) > 1:
+            assert sum(lengths) <= max_bytes
+        assert len(lengths) == max_lines or (max_bytes is not None and sum(lengths) + following[0] > max_bytes)
     assert got == expected
     assert batched.lines_yielded == stream.lines_yielded == len(expected)
     assert batched.truncated == stream.truncated

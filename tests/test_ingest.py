@@ -6,7 +6,10 @@ import gzip
 import json
 from pathlib import Path
 
+import duckdb
 import pytest
+
+from conftest import write_mini
 
 from kvforensics.config import Source
 from kvforensics.db import connect
@@ -485,3 +488,53 @@ def test_a_reader_error_whose_message_python_cannot_decode_falls_back(tmp_path):
     assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-lines", 2, 0, 2)
     assert [reason for (reason,) in con.execute("SELECT reason FROM quarantine ORDER BY line").fetchall()] == [
         "missing required field 'ts'", "not a JSON object"]
+
+
+def _setting(con) -> str:
+    return con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+
+def test_sizes_are_read_as_duckdb_reads_them() -> None:
+    from kvforensics.db import size_bytes
+
+    assert size_bytes("2GB") == 2 * 10 ** 9 and size_bytes("512MiB") == 2 ** 29 and size_bytes("1.5 GB") == 15 * 10 ** 8
+    con = duckdb.connect()
+    for size in ("2GB", "512MiB", "1.5 GB", "300MB"):
+        con.execute(f"SET memory_limit = '{size}'")
+        shown = _setting(con)
+        con.execute(f"SET memory_limit = '{size_bytes(size)}B'")
+        assert _setting(con) == shown
+
+
+def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
+    """DuckDB's memory_limit counts its own buffers only: while engine logs are parsed, what their
+    batches hold outside it is taken off its limit, and the limit is the incident's again after."""
+    import kvforensics.ingest as ingest_module
+    from kvforensics.config import load_incident
+    from kvforensics.db import memory_set_aside, size_bytes
+    from kvforensics.loaders.engine_columnar import HELD_PER_FILE
+
+    incident = load_incident(write_mini(tmp_path / "mini"))
+    con = connect(tmp_path / "evidence.duckdb", memory_limit="3GB")
+    expected = duckdb.connect()
+    expected.execute(f"SET memory_limit = '{size_bytes('3GB') - 2 * HELD_PER_FILE}B'")  # two logs, two cores
+    seen = []
+    parse = ingest_module._parse_engine_log
+
+    def spying(cursor, *args):
+        seen.append(_setting(cursor))
+        return parse(cursor, *args)
+
+    monkeypatch.setattr(ingest_module, "_parse_engine_log", spying)
+    monkeypatch.setattr(ingest_module.os, "cpu_count", lambda: 2)
+    ingest_module.ingest(con, incident)
+    assert seen == [_setting(expected)] * 2
+    assert _setting(con) == _setting(connect(tmp_path / "other.duckdb", memory_limit="3GB"))
+    # never below half the limit; without a limit of the incident's, nothing changes
+    with memory_set_aside(con, 10 ** 12):
+        expected.execute(f"SET memory_limit = '{size_bytes('3GB') // 2}B'")
+        assert _setting(con) == _setting(expected)
+    unlimited = connect(tmp_path / "unlimited.duckdb")
+    before = _setting(unlimited)
+    with memory_set_aside(unlimited, 10 ** 9):
+        assert _setting(unlimited) == before

@@ -80,6 +80,12 @@ from kvforensics.loaders.sglang_batches import DECODE_FIELDS, PREFILL_FIELDS
 __all__ = ["BATCH_LINES", "EvidenceSink", "parse_engine_file_columnar"]
 
 BATCH_LINES = 200_000
+BATCH_BYTES = 64 << 20  # a batch ends at BATCH_LINES lines or this many bytes, whichever comes first
+# What parsing one file holds outside DuckDB's buffers, at most: the batch as read and as Arrow text
+# (twice BATCH_BYTES), and DuckDB's own working memory for it, which its memory_limit does not count
+# (measured: 280 MB for a 66 MB batch of a 10M-request prefill log). Ingest sets this much aside from
+# DuckDB's limit per file parsed at once (kvforensics/ingest.py).
+HELD_PER_FILE = 5 * BATCH_BYTES
 _SCAN_CHUNK = 25_000
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _NAIVE_EPOCH = datetime(1970, 1, 1)
@@ -279,7 +285,7 @@ def parse_engine_file_columnar(
     stream = open_lines(path)
     db = duckdb.connect() if con is None else con.cursor()
     try:
-        for batch in stream.batches(batch_lines):
+        for batch in stream.batches(batch_lines, BATCH_BYTES):
             _read_batch(db, parser, batch, sink)
             del batch  # not held while the next one is read
     finally:

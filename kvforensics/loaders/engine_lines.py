@@ -8,6 +8,7 @@ by line (never the whole file in memory) and records where a truncated compresse
 from __future__ import annotations
 
 import re
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -170,10 +171,10 @@ class LineStream(Iterator[EngineLine]):
             yield _decode(number, bytes(pending))
 
 
-    def batches(self, max_lines: int) -> Iterator[LineBatch]:
+    def batches(self, max_lines: int, max_bytes: int | None = None) -> Iterator[LineBatch]:
         """The same lines as iterating (numbers, text, bytes, truncation), in batches of up to
-        *max_lines*, each also as one Arrow column (:attr:`LineBatch.column`). Use either this or
-        iteration on one stream.
+        *max_lines* lines and *max_bytes* bytes (but at least one line), each also as one Arrow
+        column (:attr:`LineBatch.column`). Use either this or iteration on one stream.
 
         The bytes of a batch are split at newlines once, by offsets (no Python object per line);
         a line's text and bytes are made only when asked for. A batch is a view of the bytes read,
@@ -181,6 +182,7 @@ class LineStream(Iterator[EngineLine]):
         and as Arrow text without the newlines), not four times."""
         # the bytes read since the last batch, in one buffer that a batch's lines then refer to (never
         # changed once a batch is cut from it: the next bytes go to a new one)
+        limit = max_bytes or sys.maxsize
         data = bytearray()
         piece_ends: list[np.ndarray] = []  # offsets of the newlines in data
         count = number = 0
@@ -190,18 +192,19 @@ class LineStream(Iterator[EngineLine]):
                 piece_ends.append(_newlines(chunk) + len(data))
                 data += chunk
                 count += len(piece_ends[-1])
-                if count >= max_lines:
+                if count >= max_lines or (count and len(data) >= limit):
                     ends = np.concatenate(piece_ends)
-                    done = 0
-                    while len(ends) - done >= max_lines:
-                        start = 0 if done == 0 else int(ends[done - 1]) + 1
-                        yield _line_batch(number + 1, data, start, ends[done:done + max_lines])
-                        number += max_lines
+                    done = start = 0
+                    # whole batches only: max_lines lines, or lines up to max_bytes with more bytes after them
+                    while (take := _take(ends, done, start, max_lines, limit)) and (
+                            take == max_lines or len(data) - start >= limit):
+                        yield _line_batch(number + 1, data, start, ends[done:done + take])
+                        number += take
                         self.lines_yielded = number
-                        done += max_lines
-                    rest = int(ends[done - 1]) + 1
-                    data = bytearray(memoryview(data)[rest:])
-                    piece_ends = [ends[done:] - rest]
+                        done += take
+                        start = int(ends[done - 1]) + 1
+                    data = bytearray(memoryview(data)[start:])
+                    piece_ends = [ends[done:] - start]
                     count = len(piece_ends[0])
         except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
             error = e
@@ -212,14 +215,13 @@ class LineStream(Iterator[EngineLine]):
             ends = np.append(ends, len(data))
             data += b"\n"
             pending = b""
-        done = 0
-        while done < len(ends):
-            start = 0 if done == 0 else int(ends[done - 1]) + 1
-            take = min(max_lines, len(ends) - done)
+        done = start = 0
+        while take := _take(ends, done, start, max_lines, limit):
             yield _line_batch(number + 1, data, start, ends[done:done + take])
             number += take
             self.lines_yielded = number
             done += take
+            start = int(ends[done - 1]) + 1
         if error is not None:
             self.truncated = TruncatedInput(self.compression, number, str(error) or type(error).__name__, pending)
 
@@ -255,6 +257,13 @@ class _Slices(Sequence):
             raise IndexError(i)
         raw = self._data[self._starts[i]:self._starts[i + 1] - 1]
         return raw.decode("utf-8") if self._text else bytes(raw)
+
+
+def _take(ends: np.ndarray, done: int, start: int, max_lines: int, max_bytes: int) -> int:
+    """How many of the lines after the first *done* (which end at *ends*; the next begins at
+    *start*) the next batch takes: up to *max_lines*, and up to *max_bytes* bytes but at least one."""
+    fit = int(np.searchsorted(ends, start + max_bytes - 1, side="right")) - done  # lines ending within max_bytes
+    return min(max_lines, len(ends) - done, max(1, fit))
 
 
 def _newlines(data: bytes) -> np.ndarray:
