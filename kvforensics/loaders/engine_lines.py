@@ -242,8 +242,8 @@ class _Slices(Sequence):
     """The lines of *data* (each ending in a newline, which is left out), as bytes or text, made
     one at a time when asked for: line *i* is ``data[starts[i]:starts[i + 1] - 1]``."""
 
-    def __init__(self, data: bytes | bytearray, starts: np.ndarray, text: bool) -> None:
-        self._data, self._starts, self._text = data, starts.tolist(), text
+    def __init__(self, data: bytes | bytearray, starts: list[int], text: bool) -> None:
+        self._data, self._starts, self._text = data, starts, text
 
     def __len__(self) -> int:
         return len(self._starts) - 1
@@ -288,7 +288,8 @@ def _line_batch(first: int, data: bytes | bytearray, start: int, ends: np.ndarra
         except pa.ArrowInvalid:
             pass
         else:
-            return LineBatch(first, _Slices(data, starts, True), _Slices(data, starts, False), column)
+            offsets = starts.tolist()
+            return LineBatch(first, _Slices(data, offsets, True), _Slices(data, offsets, False), column)
     raws = bytes(data[start:stop - 1]).split(b"\n")
     decoded = _decode_batch(first, raws)
     return LineBatch(first, decoded.texts, decoded.raws, pa.array(decoded.texts, type=pa.large_string()))
