@@ -115,6 +115,10 @@ class Runner:
             trace = self.workdir / "traces" / f"{ds.format}-n{ds.requests}-{label}.sql.json"
             trace.parent.mkdir(parents=True, exist_ok=True)
             argv += ["--trace-sql", str(trace)]
+        if self.args.memory_trace:
+            memory = self.workdir / "traces" / f"{ds.format}-n{ds.requests}-{label}.memory.jsonl"
+            memory.parent.mkdir(parents=True, exist_ok=True)
+            argv += ["--memory-trace", str(memory)]
         print(f"  {label:<16}", end="", flush=True)
         m = run_measured(argv, report_path=report, log_path=self.log, timeout_s=self.args.timeout)
         entry = summarise_step(label, m, memory_limit)
@@ -351,6 +355,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace-sql", action="store_true",
                    help="time every DuckDB statement of the kvforensics steps (<workdir>/traces/*.sql.json)")
     p.add_argument("--keep-evidence", action="store_true", help="keep the evidence databases in the workdir")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="each step samples its RSS and DuckDB's memory by tag every 5 s (workdir/traces/*.memory.jsonl)")
     p.add_argument("--skip-floors", action="store_true",
                    help="pipeline stage: no floor (at 100M its capacity preparation parses every engine log first)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)

@@ -49,6 +49,63 @@ def timed(result: dict[str, Any], key: str, profile: Path | None) -> Iterator[No
             prof.dump_stats(str(profile))
 
 
+class MemoryTrace:
+    """Every few seconds, one JSON line: the process's RSS, what DuckDB's buffer manager holds by tag
+    (``duckdb_memory()``, which counts its own buffers only) and the input files open, so that memory
+    outside DuckDB's limit can be told from its buffers and placed in a phase of the step."""
+
+    def __init__(self, path: Path, every_s: float = 5.0) -> None:
+        self.path, self.every_s = path, every_s
+        self.con: Any = None
+        self.stop = threading.Event()
+
+    def install(self) -> None:
+        import kvforensics.db
+        import kvforensics.investigation
+
+        real = kvforensics.db.connect
+        trace = self
+
+        def connect(*args: Any, **kwargs: Any) -> Any:
+            con = real(*args, **kwargs)
+            if trace.con is None:
+                trace.con = con.cursor()  # the same database instance, its own cursor
+            return con
+
+        kvforensics.db.connect = connect
+        kvforensics.investigation.connect = connect
+        threading.Thread(target=self._run, daemon=True, name="kvf-memory-trace").start()
+
+    def _run(self) -> None:
+        import os
+
+        with self.path.open("w", encoding="utf-8") as fh:
+            start = time.perf_counter()
+            while not self.stop.wait(self.every_s):
+                status = Path("/proc/self/status").read_text()
+                rss = next((int(line.split()[1]) // 1024 for line in status.splitlines() if line.startswith("VmRSS")), None)
+                tags: dict[str, int] = {}
+                if self.con is not None:
+                    try:
+                        tags = {t: round(m / 2 ** 20) for t, m in self.con.execute(
+                            "SELECT tag, memory_usage_bytes FROM duckdb_memory() WHERE memory_usage_bytes > 0").fetchall()}
+                    except Exception as e:  # noqa: BLE001 - a sample is skipped, the step goes on
+                        tags = {"error": str(e)[:80]}
+                files = []
+                for fd in os.listdir("/proc/self/fd"):
+                    try:
+                        target = os.readlink(f"/proc/self/fd/{fd}")
+                    except OSError:
+                        continue
+                    if (target.startswith("/") and not target.startswith(("/dev", "/proc")) and ".duckdb" not in target
+                            and target != str(self.path.absolute())):
+                        files.append(Path(target).name)
+                fh.write(json.dumps({"s": round(time.perf_counter() - start, 1), "rss_mb": rss,
+                                     "duckdb_mb": sum(v for v in tags.values() if isinstance(v, int)),
+                                     "tags": tags, "files": sorted(files)}) + "\n")
+                fh.flush()
+
+
 class SqlTrace:
     """Wraps DuckDB connections so every ``execute`` is timed, keyed by its statement's first line."""
 
@@ -479,10 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="", help="ingest: only the sources of these kinds (comma list, e.g. requests)")
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--trace-sql", type=Path, default=None, help="time every DuckDB execute; JSON written here")
+    p.add_argument("--memory-trace", type=Path, default=None,
+                   help="RSS, DuckDB's memory by tag and the open input files every 5 s, as JSON lines written here")
     args = p.parse_args(argv)
     trace = SqlTrace() if args.trace_sql else None
     if trace:
         trace.install()
+    if args.memory_trace:
+        MemoryTrace(args.memory_trace).install()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(BENCH_DIR))
