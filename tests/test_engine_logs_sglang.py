@@ -550,3 +550,48 @@ def test_every_sglang_event_form_is_recognised() -> None:
         p = parse(f"[2026-08-27 10:00:00] {message}")
         got = [(e.kind, e.request_id, e.prompt_tokens, e.limit_tokens) for e in p.events]
         assert got == ([(kind, rid, prompt, limit)] if kind else []), message
+
+
+def test_python_literals_are_read_safely_by_threads_side_by_side() -> None:
+    """Engine logs are parsed in threads at once. CPython 3.11's ast.literal_eval, called from two
+    threads with garbage collections in between, raises SystemError ("AST constructor recursion depth
+    mismatch"): a server_args line was quarantined that way. The collector is made to run often here
+    (cycles with finalizers, threshold 1), which makes the bare call fail within a few hundred tries."""
+    import gc
+    import sys
+    import threading
+
+    from kvforensics.loaders.sglang_repr import literal
+
+    class Finalized:
+        def __del__(self) -> None:
+            pass
+
+    text = "[" + ", ".join(f"{{'k{i}': ({i}, [{i}, {{'x': 'y'}}], None)}}" for i in range(100)) + "]"
+    expected = literal(text)
+    failures: list[object] = []
+
+    def work() -> None:
+        for _ in range(200):
+            junk: list[object] = [Finalized() for _ in range(10)]
+            junk.append(junk)
+            del junk
+            try:
+                if literal(text) != expected:
+                    failures.append("different value")
+            except SystemError as e:
+                failures.append(e)
+
+    interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(1, 1, 1)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*thresholds)
+    assert failures == []

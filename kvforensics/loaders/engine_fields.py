@@ -3,10 +3,10 @@ reported by several ranks."""
 
 from __future__ import annotations
 
-import ast
 import re
-import warnings
 from dataclasses import dataclass
+
+from kvforensics.loaders.sglang_repr import literal
 
 # --------------------------------------------------------------------------------------------
 # Python repr dumps: ServerArgs(...), Namespace(...), {'k': v}, "k=v, k=v" config strings
@@ -58,12 +58,7 @@ def _split_top_level(text: str, start: int) -> tuple[list[str], int | None]:
 def _literal(value: str) -> object:
     if not value or len(value) > 100_000:
         return value
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for "1x"
-            return ast.literal_eval(value)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return value
+    return literal(value)
 
 
 def parse_repr_fields(text: str) -> tuple[dict[str, object], bool]:

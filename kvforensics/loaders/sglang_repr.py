@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+import threading
 import warnings
 from collections.abc import Mapping
 
@@ -116,8 +117,20 @@ def _literal(text: str, *, fallback: bool = True) -> object:
         return float(text)
     if not fallback or len(text) > 10_000:
         return text
+    return literal(text)
+
+
+# Engine logs are parsed in threads side by side (kvforensics/ingest.py). CPython 3.11 builds an AST's
+# Python objects with a recursion count shared by threads: two threads doing it at once, with a
+# garbage collection between, raise SystemError "AST constructor recursion depth mismatch" (a start-up's
+# server_args line was quarantined that way). warnings.catch_warnings() is not thread-safe either.
+_LITERAL_LOCK = threading.Lock()
+
+
+def literal(text: str) -> object:
+    """``ast.literal_eval(text)``, or *text* itself when it is not a Python literal; one thread at a time."""
     try:
-        with warnings.catch_warnings():
+        with _LITERAL_LOCK, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. SyntaxWarning for "1x"
             return ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
