@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -49,23 +50,18 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
 
 
 _UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}  # as DuckDB reads them
+          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}  # as DuckDB reads them
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(" + "|".join(_UNITS) + ")")
 
 
 def size_bytes(value: str) -> int:
     """The bytes of a size such as '2GB' (10**9 bytes a GB) or '512MiB' (2**20 a MiB), as DuckDB reads it."""
-    import re
-
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B)", _checked_size(value), flags=re.IGNORECASE)
-    if m is None:
-        raise ValueError(value)
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    number, unit = _SIZE.fullmatch(_checked_size(value)).groups()  # type: ignore[union-attr]
+    return int(float(number) * _UNITS[unit])
 
 
 def _checked_size(value: str) -> str:
-    import re
-
-    if not re.fullmatch(r"\d+(\.\d+)?\s*(KB|MB|GB|TB|KiB|MiB|GiB|TiB)", value.strip()):
+    if not _SIZE.fullmatch(value.strip()):
         from kvforensics.errors import ConfigError
 
         raise ConfigError(f"memory_limit {value!r} must look like '2GB' or '512MiB'")
@@ -80,8 +76,6 @@ def sql(name: str) -> str:
 
 def statements(text: str) -> list[str]:
     """Split a SQL script into statements (a statement ends with ';' at the end of a line)."""
-    import re
-
     parts = re.split(r";[ \t]*(?:--[^\n]*)?\n", text + "\n")
     return [p.strip() for p in parts if p.strip() and not all(
         line.strip().startswith("--") or not line.strip() for line in p.strip().splitlines())]
@@ -104,8 +98,6 @@ def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = 
 def parameters_used(statement: str) -> set[str]:
     """The ``$name`` parameters a statement uses (outside comments and string literals): DuckDB
     refuses named parameters a statement does not use."""
-    import re
-
     code = re.sub(r"--[^\n]*", "", statement)
     code = re.sub(r"'(?:[^']|'')*'", "''", code)
     return set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
