@@ -195,13 +195,16 @@ JOIN s
 -- or output. Shingles shared by many accounts' own texts are boilerplate and do not count (affected
 -- outputs are left out of that count: they repeat other accounts' text by definition).
 -- sql/notifications.sql joins these with the prefix_reuse attribution (prefix_sources) in content_matches.
--- Only the shingles of the outputs matched below are asked about, so only those are counted (a count per
--- fingerprint over every row of content_fingerprints spilled 1.9 GB at 10M requests and filled the disk
--- at 100M).
+-- The fingerprints of the stale-page responses' outputs (stale_output_fps) are the only ones matched
+-- below, so only those are counted (a count per fingerprint over every row of content_fingerprints
+-- spilled 1.9 GB at 10M requests and filled the disk at 100M).
+CREATE OR REPLACE TEMP TABLE stale_output_fps AS
+SELECT a.request_id, a.account_id, a.ts, c.fp
+FROM stale_page_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output';
+
 CREATE OR REPLACE TEMP TABLE common_shingles AS
 WITH asked AS (
-    SELECT DISTINCT c.fp
-    FROM stale_page_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
+    SELECT DISTINCT fp FROM stale_output_fps
 ), accounts AS (
     SELECT DISTINCT c.fp, r.account_id
     FROM content_fingerprints c JOIN asked s ON s.fp = c.fp JOIN requests r ON r.request_id = c.request_id
@@ -211,9 +214,7 @@ SELECT fp FROM accounts GROUP BY fp HAVING count(account_id) >= $max_accounts_pe
 
 CREATE OR REPLACE TEMP TABLE output_matches AS
 WITH out_fp AS (
-    SELECT a.request_id, a.account_id, a.ts, c.fp
-    FROM stale_page_responses a JOIN content_fingerprints c ON c.request_id = a.request_id AND c.part = 'output'
-    WHERE c.fp NOT IN (SELECT fp FROM common_shingles)
+    SELECT * FROM stale_output_fps WHERE fp NOT IN (SELECT fp FROM common_shingles)
 ), hits AS (
     SELECT o.request_id AS affected_request_id, o.account_id AS recipient_account_id,
            c.request_id AS source_request_id, r.account_id AS source_account_id,
