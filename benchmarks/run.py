@@ -167,9 +167,17 @@ class Runner:
     # issue 8: every stage on one evidence database, 2 GB
     def pipeline_stage(self, ds: Dataset) -> dict[str, Any]:
         limit = self.args.memory_limit or DEFAULT_LIMITS["pipeline"]
-        out = self.fresh(ds, "pipeline")
-        steps = [] if self.args.skip_floors else [self.step("floor-oversize", ds, memory_limit=limit)]
-        for name in PIPELINE:
+        wanted = self.args.steps or PIPELINE
+        if wanted[0] == "ingest":
+            out = self.fresh(ds, "pipeline")
+        else:  # later steps only: on the database a run with --keep-evidence left
+            out = self.workdir / "runs" / f"{ds.format}-n{ds.requests}-seed{ds.seed}" / "pipeline"
+            if not (out / "evidence.duckdb").exists():
+                raise SystemExit(f"--steps {','.join(wanted)}: no evidence database in {out}; "
+                                 "run the steps before them with --keep-evidence first")
+        skip = self.args.skip_floors or wanted[0] != "ingest"
+        steps = [] if skip else [self.step("floor-oversize", ds, memory_limit=limit)]
+        for name in wanted:
             entry = self.step(name, ds, out=out, memory_limit=limit)
             steps.append(entry)
             if not entry["ok"]:
@@ -359,6 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="each step samples its RSS and DuckDB's memory by tag every 5 s (workdir/traces/*.memory.jsonl)")
     p.add_argument("--skip-floors", action="store_true",
                    help="pipeline stage: no floor (at 100M its capacity preparation parses every engine log first)")
+    p.add_argument("--steps", default="",
+                   help="pipeline stage: only these steps, in order (comma list; from a later step, on the "
+                        "database an earlier run kept with --keep-evidence)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--show", type=Path, help="print the tables of a results JSON file and exit")
     p.add_argument("--markdown", action="store_true", help="with --show: Markdown tables (for README.md)")
@@ -371,6 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = {k for k in args.sources.split(",") if k} - set(SOURCE_STEPS)
     if bad:
         p.error(f"unknown source(s) {sorted(bad)}; use {', '.join(SOURCE_STEPS)}")
+    args.steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    if args.steps and [s for s in PIPELINE if s in args.steps] != args.steps:
+        p.error(f"--steps: steps of {', '.join(PIPELINE)}, in that order")
     args.profile = {s.strip() for s in args.profile.split(",") if s.strip()}
     args.formats = ["jsonl", "parquet"] if args.format == "both" else [args.format]
     return args

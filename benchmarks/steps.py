@@ -17,6 +17,7 @@ under cProfile and dumps the stats there.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import cProfile
 import dataclasses
 import json
@@ -91,6 +92,10 @@ class MemoryTrace:
                             "SELECT tag, memory_usage_bytes FROM duckdb_memory() WHERE memory_usage_bytes > 0").fetchall()}
                     except Exception as e:  # noqa: BLE001 - a sample is skipped, the step goes on
                         tags = {"error": str(e)[:80]}
+                try:
+                    limit = self.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0] if self.con else None
+                except Exception:  # noqa: BLE001 - as above
+                    limit = None
                 files = []
                 for fd in os.listdir("/proc/self/fd"):
                     try:
@@ -102,8 +107,29 @@ class MemoryTrace:
                         files.append(Path(target).name)
                 fh.write(json.dumps({"s": round(time.perf_counter() - start, 1), "rss_mb": rss,
                                      "duckdb_mb": sum(v for v in tags.values() if isinstance(v, int)),
-                                     "tags": tags, "files": sorted(files)}) + "\n")
+                                     "tags": tags, "limit": limit, **_outside_duckdb(), "files": sorted(files)}) + "\n")
                 fh.flush()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _outside_duckdb() -> dict[str, int]:
+    """Memory the process holds outside DuckDB's buffers, MiB: Arrow's pool, and glibc malloc's heap
+    (Python's objects and strings) as in use, free but kept, and mapped (mallinfo2)."""
+    import pyarrow as pa
+
+    found = {"arrow_mb": pa.total_allocated_bytes() // 2 ** 20}
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+    except (OSError, AttributeError):  # not glibc 2.33 or later
+        return found
+    return {**found, "malloc_used_mb": (info.uordblks + info.hblkhd) // 2 ** 20,
+            "malloc_free_mb": info.fordblks // 2 ** 20, "malloc_mapped_mb": info.hblkhd // 2 ** 20}
 
 
 class SqlTrace:
