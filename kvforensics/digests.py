@@ -7,9 +7,12 @@ its rows in a canonical order), because the file's bytes change whenever it is o
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from kvforensics.db import memory_set_aside
 from kvforensics.loaders.textio import file_digest
 
 CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "quarantine.csv")
@@ -35,78 +39,185 @@ _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums 
 TABLE_DIGEST = "rows-v2"
 TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST)
 _HASH_BATCH = 1_000_000
-_SPILL_BYTES_PER_ROW = 24  # measured: a sort of 30M 32-byte row hashes spilled 19 bytes a row at memory_limit 2GB
+_HASH_BYTES = 32  # a row hash, as sorted and as written to the bucket files
+_BUCKET_BYTES = 32 * 2 ** 20  # a bucket's row hashes are sorted in memory when they are at most this
+_MAX_BUCKETS = 256  # bucket files written at once
+_HEX_ROWS = 1 << 18  # rows rendered as hex lines at once
+# what the digest holds outside DuckDB at most: an Arrow batch, a bucket, its sorted copy and keys, hex lines
+DIGEST_MEMORY = 3 * _BUCKET_BYTES + _HASH_BATCH * _HASH_BYTES + _HEX_ROWS * 4 * 65
 _MIN_ROWS_PER_PASS = 10_000_000
 _PREFIXES = 16 ** 4
 
 
-def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST,
-                  rows_per_pass: int | None = None) -> dict[str, dict[str, Any]]:
+def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST, rows_per_pass: int | None = None,
+                  rows_per_bucket: int | None = None) -> dict[str, dict[str, Any]]:
     """Every table of the database: its row count and the SHA-256 of its column names and rows, sorted
-    (rows-v2 sorts at most ``rows_per_pass`` rows at a time; the digests do not depend on it)."""
+    (rows-v2 hashes the rows again for every ``rows_per_pass`` of them and sorts ``rows_per_bucket`` at
+    a time; the digests depend on neither)."""
     if method not in TABLE_DIGESTS:
         raise ValueError(f"unknown table digest {method!r}; known: {', '.join(TABLE_DIGESTS)}")
     names = [r[0] for r in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
         "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
-    if method == TABLE_DIGEST:
-        return {name: _table_digest_v2(con, name, rows_per_pass) for name in names}
-    return {name: _table_digest_v1(con, name) for name in names}
+    if method != TABLE_DIGEST:
+        return {name: _table_digest_v1(con, name) for name in names}
+    with memory_set_aside(con, DIGEST_MEMORY), _Buckets(
+            _spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets:
+        return {name: _table_digest_v2(con, name, buckets, rows_per_pass) for name in names}
 
 
 def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
 
 
-def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, rows_per_pass: int | None = None) -> dict[str, Any]:
-    """rows-v2 of one table. A table of more than ``rows_per_pass`` rows (by default as many as half
-    the free disk of the spill folder holds) is sorted in several passes, each over one range of the
-    row hashes (by their first four hex digits), so that no sort spills more than a pass's rows; the
-    passes' rows, in order, are the whole sorted list, so the digest is the same however many passes
-    it took. Each pass hashes every row again: time for disk."""
+def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Buckets,
+                     rows_per_pass: int | None = None) -> dict[str, Any]:
+    """rows-v2 of one table, without a database sort: the row hashes are uniform, so they are written
+    to bucket files by their leading bytes (ranges in order), and each bucket is sorted in memory and
+    hashed in turn. The files of a table of more than ``rows_per_pass`` rows (by default as many as
+    two thirds of the free disk of the spill folder hold) would not fit at once: it is read in several passes,
+    each over one range of the row hashes' first four hex digits, so the disk holds one pass's hashes
+    (32 bytes a row, exactly); each pass hashes every row again, time for disk."""
     columns = con.execute(
         """SELECT column_name, data_type FROM information_schema.columns
            WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
            ORDER BY ordinal_position""", {"t": name}).fetchall()
     values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
-    # the hashes are sorted as 32-byte blobs (the order of their hex texts, a third of the sort's spill)
     hashed = f"SELECT unhex(sha256(json_array({values}))) AS h FROM {_quoted(name)}"
     total = con.execute(f"SELECT count(*) FROM {_quoted(name)}").fetchall()[0][0]
     passes = max(1, min(_PREFIXES, -(-total // (rows_per_pass or _rows_per_pass(con)))))
-    bounds = [f"{_PREFIXES * i // passes:04x}" for i in range(passes)] + [None]
+    bounds = [_PREFIXES * i // passes for i in range(passes + 1)]
     h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
     rows = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        ranged = hashed if passes == 1 else f"SELECT h FROM ({hashed}) AS r WHERE h >= unhex('{lo}')" + (
-            f" AND h < unhex('{hi}')" if hi else "")
-        # streamed as Arrow: each batch's digests are one buffer of 32-byte values, written as hex lines
-        # by numpy (a Python object per row made this half the time of a 10M-request pipeline)
-        for batch in con.sql(f"{ranged} ORDER BY h").to_arrow_reader(_HASH_BATCH):
-            h.update(_hex_lines(batch.column(0)))
-            rows += batch.num_rows
+        ranged = hashed if passes == 1 else (f"SELECT h FROM ({hashed}) AS r WHERE h >= unhex('{lo:04x}')"
+                                             + (f" AND h < unhex('{hi:04x}')" if hi < _PREFIXES else ""))
+        batches = (_rows_of(b.column(0)) for b in con.sql(ranged).to_arrow_reader(_HASH_BATCH))
+        for sorted_rows in buckets.sorted(batches, -(-total // passes), lo, hi):
+            for at in range(0, len(sorted_rows), _HEX_ROWS):
+                h.update(_hex_lines(sorted_rows[at:at + _HEX_ROWS]))
+            rows += len(sorted_rows)
     return {"rows": rows, "sha256": h.hexdigest()}
 
 
-def _rows_per_pass(con: duckdb.DuckDBPyConnection) -> int:
-    """How many row hashes one sort may spill: half the free disk of DuckDB's temp directory."""
+class _Buckets:
+    """Row hashes ((n, 32) uint8 arrays) in sorted order, through bucket files in a temporary folder
+    under *parent* (made when first needed, removed on exit). A bucket holds the hashes whose 16-bit
+    chunk at ``depth`` (bytes 2*depth and 2*depth+1) is in ``[lo, hi)`` and whose earlier chunks are the
+    same; a bucket of more than ``per_bucket`` rows is split again, finer or by its next chunk (a bucket
+    of identical hashes is already sorted)."""
+
+    def __init__(self, parent: Path, per_bucket: int) -> None:
+        self.parent, self.per_bucket = parent, per_bucket
+        self._folder: Path | None = None
+        self._made = 0
+
+    def __enter__(self) -> _Buckets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def sorted(self, batches: Iterator[np.ndarray], expected: int, lo: int, hi: int,
+               depth: int = 0) -> Iterator[np.ndarray]:
+        """The hashes of *batches* (each chunk at *depth* in ``[lo, hi)``; about *expected* of them),
+        sorted, a bucket at a time."""
+        if expected <= self.per_bucket:  # small: in memory, unless it turns out larger
+            together, held = [], 0
+            for batch in batches:
+                together.append(batch)
+                held += len(batch)
+                if held > self.per_bucket:
+                    yield from self.sorted(itertools.chain(together, batches), held, lo, hi, depth)
+                    return
+            if held:
+                yield _sort(np.concatenate(together))
+            return
+        if hi - lo == 1:  # one value of this chunk: split by the next
+            if depth == _HASH_BYTES // 2 - 1:  # every byte the same: sorted as they are
+                yield from batches
+                return
+            depth, lo, hi = depth + 1, 0, _PREFIXES
+        parts = min(_MAX_BUCKETS, hi - lo, -(-expected // self.per_bucket))
+        paths = [self._path() for _ in range(parts)]
+        counts = [0] * parts
+        files = [p.open("wb") for p in paths]
+        try:
+            for batch in batches:
+                chunk = batch[:, 2 * depth].astype(np.int64) << 8 | batch[:, 2 * depth + 1]
+                part = ((chunk - lo) * parts // (hi - lo)).astype(np.uint8)  # parts <= 256: a radix sort
+                ends = np.cumsum(np.bincount(part, minlength=parts))
+                grouped = batch[np.argsort(part, kind="stable")]
+                for j, (start, end) in enumerate(zip((0, *ends[:-1]), ends)):
+                    if end > start:
+                        files[j].write(grouped[start:end].tobytes())
+                        counts[j] += int(end - start)
+        finally:
+            for f in files:
+                f.close()
+        try:
+            for j, path in enumerate(paths):
+                sub_lo, sub_hi = lo + -(-j * (hi - lo) // parts), lo + -(-(j + 1) * (hi - lo) // parts)
+                yield from self.sorted(self._read(path), counts[j], sub_lo, sub_hi, depth)
+                path.unlink()
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)
+
+    def _read(self, path: Path) -> Iterator[np.ndarray]:
+        with path.open("rb") as f:
+            while chunk := f.read(self.per_bucket * _HASH_BYTES):
+                yield np.frombuffer(chunk, dtype=np.uint8).reshape(-1, _HASH_BYTES)
+
+    def _path(self) -> Path:
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="kvf-digest-", dir=self.parent))
+        self._made += 1
+        return self._folder / f"{self._made}.bin"
+
+
+def _sort(rows: np.ndarray) -> np.ndarray:
+    """(n, 32) uint8 rows in byte order: by their first 8 bytes, then all 32 if any of those tie."""
+    keys = rows.view(">u8").astype(np.uint64)  # (n, 4), big-endian words as numbers: byte order
+    order = np.argsort(keys[:, 0], kind="stable")
+    first = keys[order, 0]
+    if len(first) > 1 and (first[1:] == first[:-1]).any():
+        order = np.lexsort(keys[:, ::-1].T)
+    return rows[order]
+
+
+def _spill_folder(con: duckdb.DuckDBPyConnection) -> Path:
+    """DuckDB's temp directory, or the nearest folder above it that exists."""
     temp = Path(con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0] or ".").absolute()
-    folder = next((p for p in (temp, *temp.parents) if p.exists()), Path.cwd())
-    return max(_MIN_ROWS_PER_PASS, shutil.disk_usage(folder).free // 2 // _SPILL_BYTES_PER_ROW)
+    return next((p for p in (temp, *temp.parents) if p.exists()), Path.cwd())
 
 
-def _hex_lines(column: pa.Array) -> bytes:
-    """The 32-byte digests of a binary column as 64 hex digits each, each followed by a newline."""
+def _rows_per_pass(con: duckdb.DuckDBPyConnection) -> int:
+    """How many row hashes one pass may write: two thirds of the free disk of DuckDB's temp directory
+    (a bucket split again holds its hashes twice for a while; nothing else of the digest spills)."""
+    return max(_MIN_ROWS_PER_PASS, shutil.disk_usage(_spill_folder(con)).free * 2 // 3 // _HASH_BYTES)
+
+
+def _rows_of(column: pa.Array) -> np.ndarray:
+    """A binary column of 32-byte digests as an (n, 32) uint8 array."""
     n = len(column)
     if n == 0:
-        return b""
+        return np.empty((0, _HASH_BYTES), dtype=np.uint8)
     offsets_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
     _, offsets, data = column.buffers()
     ends = np.frombuffer(offsets, dtype=offsets_type, count=column.offset + n + 1)[column.offset:]
-    if ends[-1] - ends[0] != 32 * n:
+    if ends[-1] - ends[0] != _HASH_BYTES * n:
         raise ValueError("a row hash is not 32 bytes")
-    digests = bytes(memoryview(data)[int(ends[0]):int(ends[-1])])
+    return np.frombuffer(data, dtype=np.uint8, count=int(ends[-1] - ends[0]),
+                         offset=int(ends[0])).reshape(n, _HASH_BYTES)
+
+
+def _hex_lines(rows: np.ndarray) -> bytes:
+    """(n, 32) digests as 64 hex digits each, each followed by a newline."""
+    n = len(rows)
     lines = np.empty((n, 65), dtype=np.uint8)
-    lines[:, :64] = np.frombuffer(digests.hex().encode("ascii"), dtype=np.uint8).reshape(n, 64)
+    lines[:, :64] = np.frombuffer(rows.tobytes().hex().encode("ascii"), dtype=np.uint8).reshape(n, 64)
     lines[:, 64] = ord("\n")
     return lines.tobytes()
 

@@ -4,18 +4,19 @@ passes, a folder it cannot check ends in one line (exit 2), and a signed manifes
 from __future__ import annotations
 
 import hashlib
-
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pytest
 from conftest import write_mini
 
 from kvforensics.cli import main
 from kvforensics.db import connect
+from kvforensics.digests import _Buckets
 from kvforensics.errors import ConfigError
 from kvforensics.investigation import run
 from kvforensics.loaders.textio import file_digest
@@ -263,12 +264,46 @@ def test_a_signing_key_that_does_not_exist_stops_the_run_before_it_starts(tmp_pa
         check_signature(tmp_path, tmp_path / "nope")
 
 
-def _digest_of(rows: list[tuple], method: str = "rows-v2", rows_per_pass: int | None = None) -> dict:
+def _digest_of(rows: list[tuple], method: str = "rows-v2", rows_per_pass: int | None = None,
+               rows_per_bucket: int | None = None) -> dict:
     con = connect()
     con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
     if rows:
         con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
-    return table_digests(con, method, rows_per_pass)["t"]
+    return table_digests(con, method, rows_per_pass, rows_per_bucket)["t"]
+
+
+def test_row_hashes_sorted_through_bucket_files_are_in_byte_order_whatever_the_bucket_size(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    hashes = rng.integers(0, 256, size=(500, 32), dtype=np.uint8)
+    hashes[:40] = hashes[40]  # 41 identical hashes: split down to their last byte
+    hashes[100:140, :31] = hashes[140, :31]  # 41 that differ in their last byte only
+    hashes[200:230, :8] = hashes[230, :8]  # 31 that tie on the first 8 bytes
+    expected = sorted(bytes(r) for r in hashes)
+    for per_bucket in (1, 3, 7, 64, 1000):
+        with _Buckets(tmp_path, per_bucket) as buckets:
+            batches = (hashes[i:i + 50] for i in range(0, len(hashes), 50))
+            got = [bytes(r) for part in buckets.sorted(batches, len(hashes), 0, 16 ** 4) for r in part]
+            assert got == expected, per_bucket
+            assert (buckets._made > 0) == (per_bucket < len(hashes)), per_bucket  # files only when too many
+        assert list(tmp_path.iterdir()) == []  # the bucket files and their folder are gone
+
+
+def test_a_table_digest_through_bucket_files_and_passes_is_the_hash_of_its_sorted_row_hashes(tmp_path: Path) -> None:
+    rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(200)]
+    rows += [rows[3]] * 30  # identical rows: identical hashes
+    con = connect()
+    con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
+    con.execute("SET temp_directory = ?", [str(tmp_path / "spill")])
+    lines = con.execute("""SELECT sha256(json_array(id, epoch_us(ts), CASE WHEN ms IS NULL THEN NULL
+                           WHEN isfinite(ms) THEN printf('%.12g', ms) ELSE CAST(ms AS VARCHAR) END, tags)) AS h
+                           FROM t ORDER BY h""").fetchall()
+    expected = hashlib.sha256(b'["id", "ts", "ms", "tags"]\n' + "".join(f"{h}\n" for (h,) in lines).encode())
+    for per_pass, per_bucket in ((None, None), (None, 5), (40, 3), (7, 1000), (1, 2)):
+        assert table_digests(con, "rows-v2", per_pass, per_bucket)["t"] == {
+            "rows": 230, "sha256": expected.hexdigest()}, (per_pass, per_bucket)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_table_sorted_in_passes_over_ranges_of_row_hashes_has_the_digest_of_one_sort() -> None:
