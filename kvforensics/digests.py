@@ -139,7 +139,8 @@ class _Buckets:
                 yield from batches
                 return
             depth, lo, hi = depth + 1, 0, _PREFIXES
-        parts = min(_MAX_BUCKETS, hi - lo, -(-expected // self.per_bucket))
+        # buckets of 3/4 the size on average: one that comes out larger than a bucket is split again
+        parts = min(_MAX_BUCKETS, hi - lo, -(-expected * 4 // (self.per_bucket * 3)))
         paths = [self._path() for _ in range(parts)]
         counts = [0] * parts
         files = [p.open("wb") for p in paths]
@@ -148,7 +149,7 @@ class _Buckets:
                 chunk = batch[:, 2 * depth].astype(np.int64) << 8 | batch[:, 2 * depth + 1]
                 part = ((chunk - lo) * parts // (hi - lo)).astype(np.uint8)  # parts <= 256: a radix sort
                 ends = np.cumsum(np.bincount(part, minlength=parts))
-                grouped = batch[np.argsort(part, kind="stable")]
+                grouped = _taken(batch, np.argsort(part, kind="stable"))
                 for j, (start, end) in enumerate(zip((0, *ends[:-1]), ends)):
                     if end > start:
                         files[j].write(grouped[start:end].tobytes())
@@ -179,12 +180,17 @@ class _Buckets:
 
 def _sort(rows: np.ndarray) -> np.ndarray:
     """(n, 32) uint8 rows in byte order: by their first 8 bytes, then all 32 if any of those tie."""
-    keys = rows.view(">u8").astype(np.uint64)  # (n, 4), big-endian words as numbers: byte order
-    order = np.argsort(keys[:, 0], kind="stable")
-    first = keys[order, 0]
-    if len(first) > 1 and (first[1:] == first[:-1]).any():
-        order = np.lexsort(keys[:, ::-1].T)
-    return rows[order]
+    first = rows.view(">u8")[:, 0].astype(np.uint64)  # big-endian words as numbers: byte order
+    order = np.argsort(first)
+    ranked = first[order]
+    if len(ranked) > 1 and (ranked[1:] == ranked[:-1]).any():
+        order = np.lexsort(rows.view(">u8").astype(np.uint64)[:, ::-1].T)
+    return _taken(rows, order)
+
+
+def _taken(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``rows[order]``, four times faster: the rows as four 8-byte words each."""
+    return np.take(rows.view(np.uint64), order, axis=0).view(np.uint8)
 
 
 def _spill_folder(con: duckdb.DuckDBPyConnection) -> Path:
