@@ -16,6 +16,9 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
     """Open (or create) an evidence database with the session settings every stage relies on."""
     con = duckdb.connect(str(path), read_only=read_only)
     con.execute("SET TimeZone = 'UTC'")
+    # memory DuckDB frees goes back to the system within seconds; otherwise its allocator keeps it, and
+    # the process stays at the most DuckDB ever held, above memory_limit once Python holds memory too
+    con.execute("SET allocator_background_threads = true").fetchall()
     if memory_limit:
         # Validated against a strict pattern above, so it is safe to inline (SET takes no parameters).
         limit = _checked_size(memory_limit)

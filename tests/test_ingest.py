@@ -506,6 +506,37 @@ def test_sizes_are_read_as_duckdb_reads_them() -> None:
         assert _setting(con) == shown
 
 
+_RSS_AFTER_A_DROP = """
+import sys, time
+from kvforensics.db import connect
+
+def rss_mb():
+    return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+con = connect(sys.argv[1], memory_limit="2GB")
+con.execute("CREATE TEMP TABLE t AS SELECT i, md5(CAST(i AS VARCHAR)) AS s FROM range(12000000) AS r(i)")
+held = rss_mb()
+con.execute("DROP TABLE t")
+deadline = time.monotonic() + 20
+while rss_mb() > held - 300 and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(held, rss_mb())
+"""
+
+
+def test_memory_duckdb_frees_leaves_the_process(tmp_path) -> None:
+    """Without its allocator's background threads, DuckDB keeps what it freed: the process stays at the
+    most DuckDB ever held, and RSS exceeds memory_limit once Python holds memory too."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RSS_AFTER_A_DROP, str(tmp_path / "evidence.duckdb")],
+                          capture_output=True, text=True, timeout=300, check=True)
+    held, after = map(int, done.stdout.split()[-2:])  # after any progress bar DuckDB printed
+    assert held > 450, held  # the table was in memory (~520 MB)
+    assert after < held - 300, (held, after)
+
+
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
     """DuckDB's memory_limit counts its own buffers only: while engine logs are parsed, what their
     batches hold outside it is taken off its limit, and the limit is the incident's again after."""
