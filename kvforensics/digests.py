@@ -6,6 +6,7 @@ its rows in a canonical order), because the file's bytes change whenever it is o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -102,7 +103,7 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
 
 class _Buckets:
     """Row hashes ((n, 32) uint8 arrays) in sorted order, through bucket files in a temporary folder
-    under *parent* (made when first needed, removed on exit). A bucket holds the hashes whose 16-bit
+    under *parent* (DuckDB's spill folder: both made when first needed, removed on exit). A bucket holds the hashes whose 16-bit
     chunk at ``depth`` (bytes 2*depth and 2*depth+1) is in ``[lo, hi)`` and whose earlier chunks are the
     same; a bucket of more than ``per_bucket`` rows is split again, finer or by its next chunk (a bucket
     of identical hashes is already sorted)."""
@@ -110,7 +111,7 @@ class _Buckets:
     def __init__(self, parent: Path, per_bucket: int) -> None:
         self.parent, self.per_bucket = parent, per_bucket
         self._folder: Path | None = None
-        self._made = 0
+        self._made, self._made_parent = 0, False
 
     def __enter__(self) -> _Buckets:
         return self
@@ -118,6 +119,9 @@ class _Buckets:
     def __exit__(self, *exc: object) -> None:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+        if self._made_parent:
+            with contextlib.suppress(OSError):  # unless DuckDB spilled there meanwhile
+                self.parent.rmdir()
 
     def sorted(self, batches: Iterator[np.ndarray], expected: int, lo: int, hi: int,
                depth: int = 0) -> Iterator[np.ndarray]:
@@ -173,6 +177,8 @@ class _Buckets:
 
     def _path(self) -> Path:
         if self._folder is None:
+            self._made_parent = not self.parent.exists()
+            self.parent.mkdir(parents=True, exist_ok=True)
             self._folder = Path(tempfile.mkdtemp(prefix="kvf-digest-", dir=self.parent))
         self._made += 1
         return self._folder / f"{self._made}.bin"
@@ -194,15 +200,19 @@ def _taken(rows: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 
 def _spill_folder(con: duckdb.DuckDBPyConnection) -> Path:
-    """DuckDB's temp directory, or the nearest folder above it that exists."""
-    temp = Path(con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0] or ".").absolute()
-    return next((p for p in (temp, *temp.parents) if p.exists()), Path.cwd())
+    """DuckDB's temp directory (next to the database: evidence.spill, which a new run clears), or the
+    system's for a database in memory."""
+    database = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchall()
+    temp = con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0]
+    return Path(temp).absolute() if database and database[0][0] and temp else Path(tempfile.gettempdir())
 
 
 def _rows_per_pass(con: duckdb.DuckDBPyConnection) -> int:
     """How many row hashes one pass may write: two thirds of the free disk of DuckDB's temp directory
     (a bucket split again holds its hashes twice for a while; nothing else of the digest spills)."""
-    return max(_MIN_ROWS_PER_PASS, shutil.disk_usage(_spill_folder(con)).free * 2 // 3 // _HASH_BYTES)
+    spill = _spill_folder(con)
+    folder = next((p for p in (spill, *spill.parents) if p.exists()), Path.cwd())
+    return max(_MIN_ROWS_PER_PASS, shutil.disk_usage(folder).free * 2 // 3 // _HASH_BYTES)
 
 
 def _rows_of(column: pa.Array) -> np.ndarray:

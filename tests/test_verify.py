@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import duckdb
@@ -289,21 +290,28 @@ def test_row_hashes_sorted_through_bucket_files_are_in_byte_order_whatever_the_b
         assert list(tmp_path.iterdir()) == []  # the bucket files and their folder are gone
 
 
-def test_a_table_digest_through_bucket_files_and_passes_is_the_hash_of_its_sorted_row_hashes(tmp_path: Path) -> None:
+def test_a_table_digest_through_bucket_files_and_passes_is_the_hash_of_its_sorted_row_hashes(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
     rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(200)]
     rows += [rows[3]] * 30  # identical rows: identical hashes
-    con = connect()
+    con = connect(tmp_path / "evidence.duckdb", memory_limit="1GB")  # spills to evidence.spill
     con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
     con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
-    con.execute("SET temp_directory = ?", [str(tmp_path / "spill")])
+    tables = set(table_digests(con))
+    made = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(kw["dir"]) or mkdtemp(**kw))
     lines = con.execute("""SELECT sha256(json_array(id, epoch_us(ts), CASE WHEN ms IS NULL THEN NULL
                            WHEN isfinite(ms) THEN printf('%.12g', ms) ELSE CAST(ms AS VARCHAR) END, tags)) AS h
                            FROM t ORDER BY h""").fetchall()
     expected = hashlib.sha256(b'["id", "ts", "ms", "tags"]\n' + "".join(f"{h}\n" for (h,) in lines).encode())
     for per_pass, per_bucket in ((None, None), (None, 5), (40, 3), (7, 1000), (1, 2)):
-        assert table_digests(con, "rows-v2", per_pass, per_bucket)["t"] == {
-            "rows": 230, "sha256": expected.hexdigest()}, (per_pass, per_bucket)
-    assert list(tmp_path.iterdir()) == []
+        digests = table_digests(con, "rows-v2", per_pass, per_bucket)
+        assert digests["t"] == {"rows": 230, "sha256": expected.hexdigest()}, (per_pass, per_bucket)
+        assert set(digests) == tables
+        # the bucket files were in evidence.spill, made for them and removed with them
+        assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".wal") == ["evidence.duckdb"]
+    assert made and set(made) == {tmp_path / "evidence.spill"}
 
 
 def test_a_table_sorted_in_passes_over_ranges_of_row_hashes_has_the_digest_of_one_sort() -> None:
