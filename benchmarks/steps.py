@@ -50,6 +50,21 @@ def timed(result: dict[str, Any], key: str, profile: Path | None) -> Iterator[No
             prof.dump_stats(str(profile))
 
 
+def _wrap_connect(wrap: Callable[[Any], Any]) -> None:
+    """Every connection the stages open (``kvforensics.db.connect``, also as investigation imports it)
+    passes through *wrap*; wrappers installed one after the other chain."""
+    import kvforensics.db
+    import kvforensics.investigation
+
+    real = kvforensics.db.connect
+
+    def connect(*args: Any, **kwargs: Any) -> Any:
+        return wrap(real(*args, **kwargs))
+
+    kvforensics.db.connect = connect
+    kvforensics.investigation.connect = connect
+
+
 class MemoryTrace:
     """Every few seconds, one JSON line: the process's RSS, what DuckDB's buffer manager holds by tag
     (``duckdb_memory()``, which counts its own buffers only) and the input files open, so that memory
@@ -61,20 +76,12 @@ class MemoryTrace:
         self.stop = threading.Event()
 
     def install(self) -> None:
-        import kvforensics.db
-        import kvforensics.investigation
-
-        real = kvforensics.db.connect
-        trace = self
-
-        def connect(*args: Any, **kwargs: Any) -> Any:
-            con = real(*args, **kwargs)
-            if trace.con is None:
-                trace.con = con.cursor()  # the same database instance, its own cursor
+        def first(con: Any) -> Any:
+            if self.con is None:
+                self.con = con.cursor()  # the same database instance, its own cursor
             return con
 
-        kvforensics.db.connect = connect
-        kvforensics.investigation.connect = connect
+        _wrap_connect(first)
         threading.Thread(target=self._run, daemon=True, name="kvf-memory-trace").start()
 
     def _run(self) -> None:
@@ -140,10 +147,6 @@ class SqlTrace:
         self.lock = threading.Lock()  # statements on concurrent cursors overlap: totals can exceed the wall time
 
     def install(self) -> None:
-        import kvforensics.db
-        import kvforensics.investigation
-
-        real = kvforensics.db.connect
         trace = self
 
         class Traced:
@@ -167,11 +170,7 @@ class SqlTrace:
             def __getattr__(self, name: str) -> Any:
                 return getattr(self._con, name)
 
-        def connect(*args: Any, **kwargs: Any) -> Any:
-            return Traced(real(*args, **kwargs))
-
-        kvforensics.db.connect = connect
-        kvforensics.investigation.connect = connect
+        _wrap_connect(Traced)
 
     def dump(self, path: Path) -> None:
         rows = sorted(([k, n, round(t, 3)] for k, (n, t) in self.totals.items()), key=lambda r: -r[2])
