@@ -75,10 +75,10 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
                      rows_per_pass: int | None = None) -> dict[str, Any]:
     """rows-v2 of one table, without a database sort: the row hashes are uniform, so they are written
     to bucket files by their leading bytes (ranges in order), and each bucket is sorted in memory and
-    hashed in turn. The files of a table of more than ``rows_per_pass`` rows (by default as many as
-    two thirds of the free disk of the spill folder hold) would not fit at once: it is read in several passes,
-    each over one range of the row hashes' first four hex digits, so the disk holds one pass's hashes
-    (32 bytes a row, exactly); each pass hashes every row again, time for disk."""
+    hashed in turn. A table of more than ``rows_per_pass`` rows (by default as many as two thirds of
+    the free disk of the spill folder hold) is read in several passes, each over one range of the row
+    hashes' first four hex digits, so that the disk holds one pass's hashes (32 bytes a row, exactly);
+    each pass hashes every row again: time for disk."""
     columns = con.execute(
         """SELECT column_name, data_type FROM information_schema.columns
            WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
@@ -103,10 +103,10 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
 
 class _Buckets:
     """Row hashes ((n, 32) uint8 arrays) in sorted order, through bucket files in a temporary folder
-    under *parent* (DuckDB's spill folder: both made when first needed, removed on exit). A bucket holds the hashes whose 16-bit
-    chunk at ``depth`` (bytes 2*depth and 2*depth+1) is in ``[lo, hi)`` and whose earlier chunks are the
-    same; a bucket of more than ``per_bucket`` rows is split again, finer or by its next chunk (a bucket
-    of identical hashes is already sorted)."""
+    under *parent* (DuckDB's spill folder; both made when first needed, removed on exit). A bucket
+    holds the hashes whose 16-bit chunk at ``depth`` (bytes 2*depth and 2*depth+1) is in ``[lo, hi)``
+    and whose earlier chunks are the same; a bucket of more than ``per_bucket`` rows is split again,
+    finer or by its next chunk (a bucket of identical hashes is already sorted)."""
 
     def __init__(self, parent: Path, per_bucket: int) -> None:
         self.parent, self.per_bucket = parent, per_bucket
