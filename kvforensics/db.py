@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -50,6 +52,56 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
         yield
     finally:
         con.execute(f"SET memory_limit = '{limit}B'").fetchall()
+
+
+class MemoryGovernor:
+    """Keeps the whole process near the memory_limit :func:`connect` set, through a long load. DuckDB's
+    limit counts its own buffers only; what the process holds besides them (Python's objects, Arrow
+    buffers, DuckDB's bookkeeping outside its buffer pool, allocator slack) grows as a load goes on.
+    :meth:`tick`, called between batches, measures that at most every *every_s* seconds (the RSS, from
+    /proc/self/statm, less ``duckdb_memory()``) and sets DuckDB's limit to the configured one less it,
+    never below half; the configured limit is restored on exit. Without a configured limit, or
+    without /proc, nothing changes."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, every_s: float = 5.0) -> None:
+        self.con, self.every_s = con, every_s
+        limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
+        self.limit = int(limit) if limit else None  # set by connect() from a validated size: safe to inline
+        self.outside = 0  # bytes outside DuckDB's buffers at the last measurement
+        self._next = 0.0
+        self._changed = False
+
+    def __enter__(self) -> MemoryGovernor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._changed:
+            self.con.execute(f"SET memory_limit = '{self.limit}B'").fetchall()
+            self._changed = False
+
+    def tick(self) -> None:
+        if self.limit is None or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.every_s
+        rss = _rss_bytes()
+        if rss is None:
+            self.limit = None
+            return
+        held = self.con.execute("SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory()").fetchall()[0][0]
+        self.outside = max(0, rss - int(held))
+        self.con.execute(f"SET memory_limit = '{max(self.limit - self.outside, self.limit // 2)}B'").fetchall()
+        self._changed = True
+
+
+def _rss_bytes() -> int | None:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 _UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,

@@ -537,6 +537,34 @@ def test_memory_duckdb_frees_leaves_the_process(tmp_path) -> None:
     assert after < held - 300, (held, after)
 
 
+def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its_limit(tmp_path) -> None:
+    from kvforensics.db import MemoryGovernor, size_bytes
+
+    def shown(nbytes: int) -> str:  # a limit as DuckDB shows it
+        scratch = duckdb.connect()
+        scratch.execute(f"SET memory_limit = '{nbytes}B'")
+        return _setting(scratch)
+
+    con = connect(tmp_path / "evidence.duckdb", memory_limit="2GB")
+    configured = _setting(con)
+    held = bytearray(b"\x01" * 400_000_000)  # 400 MB that DuckDB does not count
+    with MemoryGovernor(con, every_s=0) as governor:
+        governor.tick()
+        assert 400_000_000 < governor.outside < 10 ** 9
+        assert _setting(con) == shown(size_bytes("2GB") - governor.outside)
+        more = bytearray(b"\x01" * 800_000_000)  # outside more than half the limit: DuckDB keeps half
+        governor.tick()
+        assert _setting(con) == shown(size_bytes("2GB") // 2)
+        del more
+    assert _setting(con) == configured  # restored
+    del held
+    unlimited = connect(tmp_path / "unlimited.duckdb")
+    before = _setting(unlimited)
+    with MemoryGovernor(unlimited, every_s=0) as governor:
+        governor.tick()
+        assert _setting(unlimited) == before and governor.outside == 0
+
+
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
     """DuckDB's memory_limit counts its own buffers only: while engine logs are parsed, what their
     batches hold outside it is taken off its limit, and the limit is the incident's again after."""

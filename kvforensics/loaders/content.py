@@ -12,6 +12,8 @@ A batch is handed to DuckDB as many small Arrow record batches, which its thread
 parallel, on a cursor of the connection in a background thread while Python reads the next batch
 (DuckDB works without the GIL): at most one batch is fingerprinted and one filled at a time. The
 cursor's inserts are committed on their own, so the connection must not be inside a transaction.
+Between batches, DuckDB's memory limit is lowered by what the process holds outside it
+(:class:`kvforensics.db.MemoryGovernor`), which grows over a file of a billion shingles.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.db import run_script
+from kvforensics.db import MemoryGovernor, run_script
 from kvforensics.fingerprint import SHINGLE_WORDS, hmac_blocks, rendered_text, shingle_words
 from kvforensics.loaders.prefix_blocks import TOKEN_IDS_NOTE, WORDS_NOTE, BlockRows, prefix_blocks, token_ids
 from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
@@ -70,6 +72,7 @@ class _Fingerprinter:
     time: :meth:`submit` waits for the previous batch, so at most one is in flight."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> None:
+        self._governor = MemoryGovernor(con)  # between batches, on the reading thread's connection
         self._cursor = con.cursor()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvf-content")
         self._params = params
@@ -77,6 +80,7 @@ class _Fingerprinter:
 
     def submit(self, batch: _TextBatch) -> None:
         self.wait()
+        self._governor.tick()
         if batch.texts:
             self._pending = self._pool.submit(_fingerprint, self._cursor, batch.table(), self._params)
 
@@ -97,6 +101,7 @@ class _Fingerprinter:
         finally:
             self._pool.shutdown()
             self._cursor.close()
+            self._governor.close()
 
 
 def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
