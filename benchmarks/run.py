@@ -154,10 +154,11 @@ class Runner:
             if kind not in wanted or (kind == "content" and not ds.has_content):
                 continue
             out = self.fresh(ds, label)
-            steps += [self.step(floor, ds, memory_limit=limit),
-                      self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", kind), label=label)]
-            floors.append(floor)
-            floor_of[label] = floor
+            if not self.args.skip_floors:
+                steps.append(self.step(floor, ds, memory_limit=limit))
+                floors.append(floor)
+                floor_of[label] = floor
+            steps.append(self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", kind), label=label))
             if not self.args.keep_evidence:
                 shutil.rmtree(out, ignore_errors=True)
         if self.args.pandas_baseline:
@@ -366,7 +367,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-trace", action="store_true",
                    help="each step samples its RSS and DuckDB's memory by tag every 5 s (workdir/traces/*.memory.jsonl)")
     p.add_argument("--skip-floors", action="store_true",
-                   help="pipeline stage: no floor (at 100M its capacity preparation parses every engine log first)")
+                   help="no floors in the sources and pipeline stages (at 100M the pipeline floor's capacity "
+                        "preparation alone parses every engine log)")
     p.add_argument("--steps", default="",
                    help="pipeline stage: only these steps, in order (comma list; from a later step, on the "
                         "database an earlier run kept with --keep-evidence)")
