@@ -42,16 +42,21 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
     hold outside DuckDB (Python and Arrow buffers), so that the process as a whole stays near the limit
     set by :func:`connect` (DuckDB's limit counts its own buffers only). Without such a limit, or on
     another connection, nothing changes. DuckDB keeps at least half the limit."""
-    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
-    if not limit or nbytes <= 0:
+    limit = _configured_limit(con)
+    if limit is None or nbytes <= 0:
         yield
         return
-    limit = int(limit)  # set by connect() from a validated size: safe to inline
     con.execute(f"SET memory_limit = '{max(limit - int(nbytes), limit // 2)}B'").fetchall()
     try:
         yield
     finally:
         con.execute(f"SET memory_limit = '{limit}B'").fetchall()
+
+
+def _configured_limit(con: duckdb.DuckDBPyConnection) -> int | None:
+    """The memory_limit :func:`connect` set, in bytes (from a validated size: safe to inline), or None."""
+    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
+    return int(limit) if limit else None
 
 
 class MemoryGovernor:
@@ -65,8 +70,7 @@ class MemoryGovernor:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, every_s: float = 5.0) -> None:
         self.con, self.every_s = con, every_s
-        limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
-        self.limit = int(limit) if limit else None  # set by connect() from a validated size: safe to inline
+        self.limit = _configured_limit(con)
         self.outside = 0  # bytes outside DuckDB's buffers at the last measurement
         self._next = 0.0
         self._changed = False
