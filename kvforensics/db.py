@@ -25,7 +25,7 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
         # Validated against a strict pattern above, so it is safe to inline (SET takes no parameters).
         limit = _checked_size(memory_limit)
         con.execute(f"SET memory_limit = '{limit}'").fetchall()
-        con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside
+        con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside, MemoryGovernor
         if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
             con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
         con.execute("SET preserve_insertion_order = false").fetchall()
@@ -41,15 +41,18 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
     """DuckDB's memory_limit lowered by *nbytes* while the block runs: memory the caller's own readers
     hold outside DuckDB (Python and Arrow buffers), so that the process as a whole stays near the limit
     set by :func:`connect` (DuckDB's limit counts its own buffers only). Without such a limit, or on
-    another connection, nothing changes. DuckDB keeps at least half the limit."""
+    another connection, nothing changes. DuckDB keeps at least half the limit. While it is in force,
+    :class:`MemoryGovernor` on the same connection leaves the limit alone."""
     limit = _configured_limit(con)
     if limit is None or nbytes <= 0:
         yield
         return
     con.execute(f"SET memory_limit = '{max(limit - int(nbytes), limit // 2)}B'").fetchall()
+    con.execute(f"SET VARIABLE kvf_memory_set_aside = {int(nbytes)}").fetchall()
     try:
         yield
     finally:
+        con.execute("SET VARIABLE kvf_memory_set_aside = 0").fetchall()
         con.execute(f"SET memory_limit = '{limit}B'").fetchall()
 
 
@@ -60,13 +63,14 @@ def _configured_limit(con: duckdb.DuckDBPyConnection) -> int | None:
 
 
 class MemoryGovernor:
-    """Keeps the whole process near the memory_limit :func:`connect` set, through a long load. DuckDB's
-    limit counts its own buffers only; what the process holds besides them (Python's objects, Arrow
-    buffers, DuckDB's bookkeeping outside its buffer pool, allocator slack) grows as a load goes on.
-    :meth:`tick`, called between batches, measures that at most every *every_s* seconds (the RSS, from
-    /proc/self/statm, less ``duckdb_memory()``) and sets DuckDB's limit to the configured one less it,
-    never below half; the configured limit is restored on exit. Without a configured limit, or
-    without /proc, nothing changes."""
+    """Keeps the whole process near the memory_limit :func:`connect` set, through a long load or a long
+    script. DuckDB's limit counts its own buffers only; what the process holds besides them (Python's
+    objects, Arrow buffers, DuckDB's bookkeeping outside its buffer pool, allocator slack) grows as the
+    work goes on. :meth:`tick`, called between batches or statements, measures that at most every
+    *every_s* seconds (the RSS, from /proc/self/statm, less ``duckdb_memory()``) and sets DuckDB's limit
+    to the configured one less it, never below half; the configured limit is restored on exit. Without a
+    configured limit, without /proc, or while :func:`memory_set_aside` is in force on the connection,
+    nothing changes."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, every_s: float = 5.0) -> None:
         self.con, self.every_s = con, every_s
@@ -83,8 +87,8 @@ class MemoryGovernor:
 
     def close(self) -> None:
         if self._changed:
-            self.con.execute(f"SET memory_limit = '{self.limit}B'").fetchall()
             self._changed = False
+            self._set(self.limit)
 
     def tick(self) -> None:
         if self.limit is None or time.monotonic() < self._next:
@@ -94,10 +98,18 @@ class MemoryGovernor:
         if rss is None:
             self.limit = None
             return
+        if self.con.execute("SELECT getvariable('kvf_memory_set_aside')").fetchall()[0][0]:
+            return  # the caller's own measure is in force
         held = self.con.execute("SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory()").fetchall()[0][0]
         self.outside = max(0, rss - int(held))
-        self.con.execute(f"SET memory_limit = '{max(self.limit - self.outside, self.limit // 2)}B'").fetchall()
-        self._changed = True
+        self._changed = self._set(max(self.limit - self.outside, self.limit // 2)) or self._changed
+
+    def _set(self, nbytes: int | None) -> bool:
+        try:
+            self.con.execute(f"SET memory_limit = '{nbytes}B'").fetchall()
+        except duckdb.OutOfMemoryException:  # DuckDB could not free enough for it: the limit stays
+            return False
+        return True
 
 
 def _rss_bytes() -> int | None:
@@ -143,15 +155,17 @@ def statements(text: str) -> list[str]:
 def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None, *,
                text: str | None = None) -> None:
     """Run ``sql/<name>.sql`` (or ``text``, a script built from it) statement by statement, giving
-    each the named parameters it uses."""
+    each the named parameters it uses, under a :class:`MemoryGovernor`."""
 
     params = params or {}
-    for stmt in statements(sql(name) if text is None else text):
-        used = parameters_used(stmt)
-        missing = used - set(params)
-        if missing:
-            raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
-        con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
+    with MemoryGovernor(con) as governor:
+        for stmt in statements(sql(name) if text is None else text):
+            used = parameters_used(stmt)
+            missing = used - set(params)
+            if missing:
+                raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
+            governor.tick()
+            con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
 
 
 def parameters_used(statement: str) -> set[str]:

@@ -24,7 +24,7 @@ import duckdb
 import pandas as pd
 
 from kvforensics import latency
-from kvforensics.db import connect
+from kvforensics.db import MemoryGovernor, connect
 from kvforensics.errors import ConfigError
 from kvforensics.mechanisms import Selection, load_mechanisms, present_inputs, select
 from kvforensics.rulebook import Rule, load_rules, rule_parameters
@@ -76,22 +76,8 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
         raise ConfigError(f"[rules] names unknown rule(s) {sorted(unknown)}")
     selected = {s.mechanism.id for s in select_mechanisms(con, mechanisms) if s.selected}
     rules = rules or tuple(r for r in load_rules() if r.mechanism in selected)
-    frames = []
-    con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
-    for rule in [r for r in rules if not r.needs_latency_model]:
-        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
-    if frames:
-        ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
-        con.register("flagged_ids", ids)
-        con.execute("INSERT INTO flagged_before_latency SELECT request_id FROM flagged_ids").fetchall()
-        con.unregister("flagged_ids")
-    latency.fit_models(con, exclude_table="flagged_before_latency")
-    if spark is not None:
-        spark.push_tables(con, ["latency_model"])
-    for rule in [r for r in rules if r.needs_latency_model]:
-        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
-    found = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters", "mechanism"])
+    with MemoryGovernor(con) as governor:  # ticked before each rule
+        found = _findings(con, rules, overrides, spark, governor)
     con.register("raw_findings", found)
     con.execute("""
         CREATE OR REPLACE TABLE request_tiers AS
@@ -111,6 +97,32 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
         ORDER BY f.request_id, f.rule_id""").fetchall()
     con.unregister("raw_findings")
     return found
+
+
+
+def _findings(con: duckdb.DuckDBPyConnection, rules: Sequence[Rule], overrides: Mapping[str, Mapping[str, Any]],
+              spark: SparkEngine | None, governor: MemoryGovernor) -> pd.DataFrame:
+    """Every rule's flagged requests: the rules that need no latency model, the latency fit (without the
+    requests they flagged), then the rules that need it."""
+    frames = []
+    con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
+    for rule in [r for r in rules if not r.needs_latency_model]:
+        governor.tick()
+        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
+    if frames:
+        ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
+        con.register("flagged_ids", ids)
+        con.execute("INSERT INTO flagged_before_latency SELECT request_id FROM flagged_ids").fetchall()
+        con.unregister("flagged_ids")
+    governor.tick()
+    latency.fit_models(con, exclude_table="flagged_before_latency")
+    if spark is not None:
+        spark.push_tables(con, ["latency_model"])
+    for rule in [r for r in rules if r.needs_latency_model]:
+        governor.tick()
+        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters", "mechanism"])
 
 
 def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None,

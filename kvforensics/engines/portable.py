@@ -32,7 +32,7 @@ from typing import Callable
 
 import duckdb
 
-from kvforensics.db import sql, statements
+from kvforensics.db import MemoryGovernor, sql, statements
 from kvforensics.errors import KvForensicsError
 
 ENGINES = ("duckdb", "spark")
@@ -357,14 +357,17 @@ def create_duckdb_view(con: duckdb.DuckDBPyConnection, stmt: TableStatement) -> 
 
 
 def run_duckdb_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None) -> None:
-    """Run a portable ``sql/<name>.sql`` on DuckDB, giving each statement the parameters it uses."""
+    """Run a portable ``sql/<name>.sql`` on DuckDB, giving each statement the parameters it uses, under a
+    :class:`kvforensics.db.MemoryGovernor`."""
     params = params or {}
-    for stmt in script_statements(name):
-        if stmt.view:
-            create_duckdb_view(con, stmt)
-            continue
-        used = used_parameters(stmt.text)
-        missing = used - set(params)
-        if missing:
-            raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
-        con.execute(render(stmt.text, "duckdb"), {k: v for k, v in params.items() if k in used} or None)
+    with MemoryGovernor(con) as governor:
+        for stmt in script_statements(name):
+            if stmt.view:
+                create_duckdb_view(con, stmt)
+                continue
+            used = used_parameters(stmt.text)
+            missing = used - set(params)
+            if missing:
+                raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
+            governor.tick()
+            con.execute(render(stmt.text, "duckdb"), {k: v for k, v in params.items() if k in used} or None)
