@@ -1,4 +1,5 @@
-"""Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald.
+"""Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald,
+Fluent Bit.
 
 The fixtures in ``tests/fixtures/envelopes`` hold SGLang fixture lines in each collector's documented
 format (README.md there cites the documentation; make_fixtures.py writes them).
@@ -76,6 +77,8 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
     ("cloudwatch-filter-log-events.json", "cloudwatch"),
     ("cloudwatch-glm53-decode-0.jsonl", "cloudwatch"),
     ("journald-sglang-decode.jsonl", "journald"),
+    ("fluentbit-out-file-2-pods.log", "fluentbit"),
+    ("fluentbit-json-lines-qwen3.jsonl", "fluentbit"),
 ])
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
     head = list(open_lines(FIXTURES / name))[:200]
@@ -204,6 +207,90 @@ def test_records_with_the_same_clock_keep_their_written_order_in_a_newest_first_
     assert [capacity(s) for s in got.startups] == [capacity(s) for s in want.startups]
     assert [(len(lines) + 1 - e.line, e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
         (e.line, e.kind, e.request_id, e.prompt_tokens) for e in want.events]
+
+
+# --- Fluent Bit ---------------------------------------------------------------------------------
+
+FLUENTBIT = "fluentbit-out-file-2-pods.log"
+
+
+def test_fluent_bit_file_output_with_two_pods_gives_each_pod_its_capacity_and_events() -> None:
+    p = parse(FLUENTBIT)
+    every_line_once(p, FLUENTBIT)
+    assert sorted(p.instances) == ["glm53-decode-0", "glm53-prefill-0"]  # told apart by kubernetes.pod_name
+    by = {s.instance: s for s in p.startups}
+    [prefill] = plain("sglang-0.5.15-pd-prefill-tp8.log").startups
+    [decode] = plain("sglang-0.5.15-pd-decode-tp8.log").startups
+    # the prefill pod's server_args line came in three partial records (logtag P, P, F)
+    assert capacity(by["glm53-prefill-0"]) == capacity(prefill) == (
+        "prefill", "@cf/zai-org/glm-5.3", 681280, 1048576, 64, 8)
+    assert capacity(by["glm53-decode-0"]) == capacity(decode)
+    # the clock is Fluent Bit's event time, to the nanosecond; the start-up points at its first piece
+    assert (by["glm53-prefill-0"].line, by["glm53-prefill-0"].ts) == (1, utc(2026, 8, 26, 21, 10, 0, 1123))
+    assert "logtag" in file_lines(FLUENTBIT)[by["glm53-decode-0"].line - 1]
+    for pod, name in (("glm53-prefill-0", "sglang-0.5.15-pd-prefill-tp8.log"),
+                      ("glm53-decode-0", "sglang-0.5.15-pd-decode-tp8.log")):
+        got = p.instances[pod]
+        assert [(e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
+            (e.kind, e.request_id, e.prompt_tokens) for e in plain(name).events], pod
+        for e in got.events:  # each event points at its own pod's record
+            assert f'"pod_name":"{pod}"' in file_lines(FLUENTBIT)[e.line - 1]
+    [q] = p.all_quarantined()
+    assert (q.line, q.reason) == (50, "bad fluentbit record: an out_file line cut short (no closing ']')")
+    assert q.raw == file_lines(FLUENTBIT)[49]
+
+
+def test_fluent_bit_json_lines_name_the_instance_from_the_pod_label() -> None:
+    name = "fluentbit-json-lines-qwen3.jsonl"
+    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
+                    instance="{label:namespace_name}/{label:pod_name}")
+    p = parse(name, instance=lambda labels: source.instance_for(FIXTURES / name, labels))
+    every_line_once(p, name)
+    [s] = p.startups
+    [want] = plain("sglang-0.5.4-pd-prefill.log").startups
+    assert (s.instance, capacity(s)) == ("inference/qwen3-prefill-0", capacity(want))
+    assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)  # "date", a double: to the microsecond
+    assert [(e.kind, e.request_id) for e in p.events] == [
+        (e.kind, e.request_id) for e in plain("sglang-0.5.4-pd-prefill.log").events]
+    assert p.all_quarantined() == []
+
+
+@pytest.mark.parametrize(("line", "ns"), [
+    ('kube.a: [1787778600.001123456, {"log":"x"}]', 1787778600001123456),  # Fluent Bit 2.1 and later
+    ('kube.a: [1787778600.001123, {"log":"x"}]', 1787778600001123000),  # before: printf %f
+    ('cpu.local: [1787778600, {"message":"x"}]', 1787778600000000000),
+])
+def test_fluent_bit_out_file_times_of_every_version(line: str, ns: int) -> None:
+    from kvforensics.loaders.envelope_fluentbit import out_file_line
+
+    assert out_file_line(line)[1] == ns
+
+
+@pytest.mark.parametrize(("date", "ns"), [
+    (1787778600.001123, 1787778600001123000),  # json_date_format double (the default)
+    (1787778600, 1787778600000000000),  # epoch
+    (1787778600001, 1787778600001000000),  # epoch_ms
+    ("2026-08-26T21:10:00.001123Z", 1787778600001123000),  # iso8601
+    ("2026-08-26 21:10:00.001123", 1787778600001123000),  # java_sql_timestamp (UTC)
+    ("2026-08-26T23:10:00.001+02:00", 1787778600001000000),
+])
+def test_fluent_bit_dates_in_every_json_date_format(date: object, ns: int) -> None:
+    from kvforensics.loaders.envelope_fluentbit import date_ns
+
+    assert date_ns(date) == ns
+
+
+@pytest.mark.parametrize("record", [
+    b'{"date":"yesterday","log":"x"}', b'{"date":true,"log":"x"}', b'{"date":-5,"log":"x"}',
+    b'kube.a: [1787778600.5, {"log":1}]', b'kube.a: [1787778600.5, "x"]', b'kube.a: [1787778600.5, {"log":"x"',
+])
+def test_a_fluent_bit_record_that_cannot_be_read_is_quarantined_with_its_reason(tmp_path: Path, record: bytes) -> None:
+    path = tmp_path / "fb.log"
+    good = (FIXTURES / FLUENTBIT).read_bytes().splitlines(keepends=True)[:3]
+    path.write_bytes(b"".join(good) + record + b"\n")
+    p = parse_engine_file(path, fmt="sglang", instance="fb", tz=UTC_ZONE, envelope="fluentbit")
+    [q] = p.all_quarantined()
+    assert q.line == 4 and q.reason.startswith("bad fluentbit record: "), q.reason
 
 
 # --- CRI, Docker json-file, kubectl ------------------------------------------------------------
@@ -420,6 +507,7 @@ FIXTURE_LINES = {
     name: file_lines(name) for name in (
         "kubectl-glm53-decode-0.log", "cri-glm53-prefill-0.log", "docker-qwen3-prefill-0-json.log", LOKI,
         "loki-query-range.json", "cloudwatch-filter-log-events.json", "cloudwatch-glm53-decode-0.jsonl", JOURNALD,
+        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl",
     )
 }
 
@@ -443,6 +531,7 @@ def mangled_export(draw: st.DrawFn) -> tuple[str, bytes]:
                 [b'{"log":1,"time":"x"}', b'{"line":"a","timestamp":"-1"}', b'{"__REALTIME_TIMESTAMP":"9"*40}',
                  b'{"timestamp":1e400,"message":"m"}', b'{"data":{"result":[{"values":[[1]]}]}}', b"[1,2", b"{}",
                  b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}', b"2026-13-45T99:00:00Z stdout F x",
+                 b'{"date":1e400,"log":"x"}', b'k: [99999999999999999999.1, {"log":"x","logtag":"P"}]',
                  b"[" * 50_000])))
         else:
             other = draw(st.integers(0, len(lines) - 1))

@@ -17,6 +17,8 @@ cloudwatch CloudWatch Logs: ``aws logs filter-log-events`` / ``get-log-events`` 
            one per line
 journald   ``journalctl -o json`` (or ``json-pretty``): ``__REALTIME_TIMESTAMP`` (µs), ``MESSAGE``
            (a string, or an array of byte values when it is not UTF-8), ``_HOSTNAME`` ...
+fluentbit  Fluent Bit's ``file`` output (``<tag>: [<seconds>, {record}]``) or JSON lines: see
+           :mod:`kvforensics.loaders.envelope_fluentbit`
 ========== ====================================================================================
 
 This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
@@ -38,8 +40,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kvforensics.loaders.engine_types import EngineLine, QuarantinedLine, raw_for_quarantine
+from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, out_file_line, record_of
 
-ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald")
+ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit")
 """Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
 
 ENVELOPE_CLOCKS = {
@@ -49,6 +52,7 @@ ENVELOPE_CLOCKS = {
     "loki": "Loki entry timestamp",
     "cloudwatch": "CloudWatch event timestamp",
     "journald": "journald __REALTIME_TIMESTAMP",
+    "fluentbit": "Fluent Bit event time",
 }
 
 _NO_LABELS: Mapping[str, str] = {}
@@ -147,6 +151,8 @@ def json_kind(obj: object) -> str | None:
     """Which envelope a JSON value belongs to, from its keys; None if none."""
     if not isinstance(obj, dict):
         return None
+    if is_record(obj):  # before Docker's: the docker parser's records keep its "log" and "time"
+        return "fluentbit"
     if "log" in obj and "time" in obj:
         return "docker"
     if "line" in obj and "timestamp" in obj:
@@ -183,7 +189,7 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
         if found and len(found) * 2 >= len(texts):
             return max(found, key=found.count)  # ties: the kind met first
         joined = "\n".join(t for _, t, _ in head if t)
-        for key, kind in (('"__REALTIME_TIMESTAMP"', "journald"), ('"resultType"', "loki"), ('"result"', "loki"),
+        for key, kind in (('"__REALTIME_TIMESTAMP"', "journald"), ('"kubernetes"', "fluentbit"), ('"resultType"', "loki"), ('"result"', "loki"),
                           ('"logStreamName"', "cloudwatch"), ('"events"', "cloudwatch"), ('"ingestionTime"',
                           "cloudwatch"), ('"stream"', "docker")):
             if key in joined:
@@ -195,6 +201,8 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
     kubectl = sum(1 for t in texts if _KUBECTL.match(t))
     if kubectl * 2 > len(texts):
         return "kubectl"
+    if sum(1 for t in texts if OUT_FILE.match(t)) * 2 > len(texts):
+        return "fluentbit"
     return "none"
 
 
@@ -289,6 +297,35 @@ def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
             yield EnvelopeRecord(joined[0], joined[1], joined[2], joined[3], b"")
     for line, ns, labels, piece in partials.rest():
         yield EnvelopeRecord(line, ns, labels, piece, b"")
+
+
+def _read_fluentbit(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+    """Fluent Bit's out_file lines or JSON records; partial pieces joined per origin and stream."""
+    partials = _Partials()
+    origins: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {}
+    for number, text, raw in lines:
+        if text is None or not text.strip():
+            if text is None:
+                yield _quarantine(number, "not UTF-8 (Fluent Bit writes UTF-8 text)", raw)
+            continue
+        try:
+            if text.lstrip().startswith("{"):
+                record = record_of(json.loads(text))
+            else:
+                tag, ns, obj = out_file_line(text)
+                record = record_of(obj, tag=tag, ns=ns)
+        except json.JSONDecodeError as e:
+            yield _quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
+            continue
+        except (ValueError, OverflowError, RecursionError) as e:
+            yield _quarantine(number, f"bad fluentbit record: {e}", raw)
+            continue
+        labels = origins.setdefault(key := tuple(sorted(record.labels.items())), record.labels)
+        joined = partials.add(repr(key), number, record.ns, labels, record.message, not record.partial)  # type: ignore[arg-type]
+        if joined is not None:
+            yield from _split_message(*joined)
+    for joined in partials.rest():
+        yield from _split_message(*joined)
 
 
 # -- JSON envelopes ----------------------------------------------------------------------------
@@ -552,6 +589,7 @@ READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
     "loki": lambda lines: _read_json(lines, "loki"),
     "cloudwatch": lambda lines: _read_json(lines, "cloudwatch"),
     "journald": lambda lines: _read_json(lines, "journald"),
+    "fluentbit": _read_fluentbit,
 }
 
 

@@ -1,7 +1,7 @@
 """Engine logs in their collection envelopes: the record around each engine line, and its clock.
 
 Production rarely hands over an engine's stdout as it was written. It arrives wrapped by whatever
-collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald; the formats are described in
+collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald, Fluent Bit; the formats are described in
 :mod:`kvforensics.loaders.envelope_formats`), one envelope per line or record, each with a UTC
 clock of its own.
 
@@ -58,6 +58,7 @@ NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "cloudwatch": ("logGroupName", "logStreamName"),
     "journald": ("CONTAINER_NAME", "_HOSTNAME", "_SYSTEMD_UNIT", "SYSLOG_IDENTIFIER"),
     "docker": ("tag", "container_name", "name"),
+    "fluentbit": ("pod_name", "container_name", "host", "hostname", "tag", "filename", "file", "path"),
 }
 
 
