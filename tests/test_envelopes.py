@@ -1,5 +1,5 @@
 """Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald,
-Fluent Bit.
+Fluent Bit, syslog.
 
 The fixtures in ``tests/fixtures/envelopes`` hold SGLang fixture lines in each collector's documented
 format (README.md there cites the documentation; make_fixtures.py writes them).
@@ -79,6 +79,8 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
     ("journald-sglang-decode.jsonl", "journald"),
     ("fluentbit-out-file-2-pods.log", "fluentbit"),
     ("fluentbit-json-lines-qwen3.jsonl", "fluentbit"),
+    ("syslog-gpu-node-7.log", "syslog"),
+    ("syslog-traditional-decode.log", "syslog"),
 ])
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
     head = list(open_lines(FIXTURES / name))[:200]
@@ -291,6 +293,51 @@ def test_a_fluent_bit_record_that_cannot_be_read_is_quarantined_with_its_reason(
     p = parse_engine_file(path, fmt="sglang", instance="fb", tz=UTC_ZONE, envelope="fluentbit")
     [q] = p.all_quarantined()
     assert q.line == 4 and q.reason.startswith("bad fluentbit record: "), q.reason
+
+
+# --- syslog (rsyslog, syslog-ng) ---------------------------------------------------------------
+
+SYSLOG = "syslog-gpu-node-7.log"
+
+
+def test_syslog_with_two_engines_on_one_host_tells_them_apart_by_program() -> None:
+    p = parse(SYSLOG, tz=BERLIN)
+    every_line_once(p, SYSLOG)
+    assert sorted(p.instances) == ["sglang-decode", "sglang-prefill", "systemd"]
+    by = {s.instance: s for s in p.startups}
+    assert sorted(by) == ["sglang-decode", "sglang-prefill"]  # systemd's line is no engine's
+    [prefill] = plain("sglang-0.5.15-pd-prefill-tp8.log").startups
+    [decode] = plain("sglang-0.5.15-pd-decode-tp8.log").startups
+    assert capacity(by["sglang-prefill"]) == capacity(prefill)
+    assert capacity(by["sglang-decode"]) == capacity(decode)
+    # the header's RFC 3339 time (+02:00) is the clock: to the microsecond, in UTC
+    assert by["sglang-prefill"].ts == utc(2026, 8, 26, 19, 10, 0, 1123)
+    assert p.warnings == []  # the engine's Berlin stamps agree with it
+    for name, plain_name in (("sglang-prefill", "sglang-0.5.15-pd-prefill-tp8.log"),
+                             ("sglang-decode", "sglang-0.5.15-pd-decode-tp8.log")):
+        assert [(e.kind, e.request_id, e.prompt_tokens) for e in p.instances[name].events] == [
+            (e.kind, e.request_id, e.prompt_tokens) for e in plain(plain_name).events], name
+        for e in p.instances[name].events:
+            assert f" {name}[" in file_lines(SYSLOG)[e.line - 1]
+    [q] = p.all_quarantined()
+    assert (q.line, q.reason, q.raw) == (
+        31, "not a syslog line (<time> <host> <program>[<pid>]: <message>)", "continued without a header")
+
+
+def test_a_traditional_syslog_header_has_no_year_or_zone_so_the_engine_stamp_is_the_time() -> None:
+    p = parse("syslog-traditional-decode.log", tz=BERLIN)
+    [s] = p.startups
+    [want] = plain("sglang-0.5.15-pd-decode-tp8.log").startups
+    assert capacity(s) == capacity(want)
+    assert s.ts == utc(2026, 8, 26, 19, 20, 0)  # the engine's own stamp, read in the source's zone
+    assert [e.request_id for e in p.events] == [e.request_id for e in plain("sglang-0.5.15-pd-decode-tp8.log").events]
+
+
+def test_syslog_labels_name_instances_by_host_and_program() -> None:
+    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="Europe/Berlin",
+                    base_dir=FIXTURES, instance="{label:host}/{label:program}")
+    p = parse(SYSLOG, tz=BERLIN, instance=lambda labels: source.instance_for(FIXTURES / SYSLOG, labels))
+    assert sorted(s.instance for s in p.startups) == ["gpu-node-7/sglang-decode", "gpu-node-7/sglang-prefill"]
 
 
 # --- CRI, Docker json-file, kubectl ------------------------------------------------------------
@@ -507,7 +554,7 @@ FIXTURE_LINES = {
     name: file_lines(name) for name in (
         "kubectl-glm53-decode-0.log", "cri-glm53-prefill-0.log", "docker-qwen3-prefill-0-json.log", LOKI,
         "loki-query-range.json", "cloudwatch-filter-log-events.json", "cloudwatch-glm53-decode-0.jsonl", JOURNALD,
-        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl",
+        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl", SYSLOG, "syslog-traditional-decode.log",
     )
 }
 

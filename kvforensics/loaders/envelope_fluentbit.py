@@ -19,18 +19,21 @@ labels are the record's other text fields (``stream``, a ``Path_Key`` ...), the 
 text fields (``pod_name``, ``namespace_name``, ``container_name``, ``host`` ...) and the ``out_file``
 tag (``tag``).
 
-This module reads one line or record and knows nothing of files; the reader that joins partial lines
-and quarantines is ``_read_fluentbit`` in :mod:`kvforensics.loaders.envelope_formats`.
+:func:`read_fluentbit` reads a file's lines: one record each, partial pieces joined, a record that
+cannot be read quarantined with its reason.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.envelope_records import EnvelopeItem, Partials, quarantine, split_message
 
 OUT_FILE = re.compile(r"^(?P<tag>[^\s\[{][^\s]*?): \[(?P<sec>\d{1,12})(?:\.(?P<frac>\d{1,9}))?, ")
 """The start of an ``out_file`` line: the tag, then the event time in seconds."""
@@ -116,3 +119,32 @@ def date_ns(value: Any) -> int:
         seconds = int((when - _EPOCH).total_seconds())
         return seconds * 1_000_000_000 + int((m[3] or "0").ljust(9, "0"))
     raise ValueError(f"'date' {str(value)[:40]!r} is not a time")
+
+
+def read_fluentbit(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+    """Fluent Bit's out_file lines or JSON records; partial pieces joined per origin and stream."""
+    partials = Partials()
+    origins: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {}
+    for number, text, raw in lines:
+        if text is None or not text.strip():
+            if text is None:
+                yield quarantine(number, "not UTF-8 (Fluent Bit writes UTF-8 text)", raw)
+            continue
+        try:
+            if text.lstrip().startswith("{"):
+                record = record_of(json.loads(text))
+            else:
+                tag, ns, obj = out_file_line(text)
+                record = record_of(obj, tag=tag, ns=ns)
+        except json.JSONDecodeError as e:
+            yield quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
+            continue
+        except (ValueError, OverflowError, RecursionError) as e:
+            yield quarantine(number, f"bad fluentbit record: {e}", raw)
+            continue
+        labels = origins.setdefault(key := tuple(sorted(record.labels.items())), record.labels)
+        joined = partials.add(repr(key), number, record.ns, labels, record.message, not record.partial)
+        if joined is not None:
+            yield from split_message(*joined)
+    for joined in partials.rest():
+        yield from split_message(*joined)

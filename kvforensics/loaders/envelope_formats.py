@@ -19,6 +19,8 @@ journald   ``journalctl -o json`` (or ``json-pretty``): ``__REALTIME_TIMESTAMP``
            (a string, or an array of byte values when it is not UTF-8), ``_HOSTNAME`` ...
 fluentbit  Fluent Bit's ``file`` output (``<tag>: [<seconds>, {record}]``) or JSON lines: see
            :mod:`kvforensics.loaders.envelope_fluentbit`
+syslog     rsyslog / syslog-ng files: ``<time> <host> <program>[<pid>]: <line>``: see
+           :mod:`kvforensics.loaders.envelope_syslog`
 ========== ====================================================================================
 
 This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
@@ -35,14 +37,25 @@ import json
 import re
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kvforensics.loaders.engine_types import EngineLine, QuarantinedLine, raw_for_quarantine
-from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, out_file_line, record_of
+from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, read_fluentbit
+from kvforensics.loaders.envelope_syslog import header as syslog_header
+from kvforensics.loaders.envelope_syslog import read_syslog
+from kvforensics.loaders.envelope_records import (
+    RFC3339,
+    EnvelopeItem,
+    EnvelopeRecord,
+    Partials,
+    epoch_ns,
+    match_ns,
+    quarantine,
+    rfc3339_ns,
+    split_message,
+)
 
-ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit")
+ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit", "syslog")
 """Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
 
 ENVELOPE_CLOCKS = {
@@ -53,96 +66,28 @@ ENVELOPE_CLOCKS = {
     "cloudwatch": "CloudWatch event timestamp",
     "journald": "journald __REALTIME_TIMESTAMP",
     "fluentbit": "Fluent Bit event time",
+    "syslog": "syslog header time",
 }
 
 _NO_LABELS: Mapping[str, str] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class EnvelopeRecord:
-    """One engine line taken out of its envelope."""
-
-    line: int  # 1-based physical line of the file the record starts on
-    ts_ns: int | None  # the envelope's clock: UTC nanoseconds since the epoch (None: the record has none)
-    labels: Mapping[str, str]  # the record's labels / fields (pod, _HOSTNAME, logStreamName, stream ...)
-    text: str | None  # the engine line; None when its bytes are not UTF-8
-    raw: bytes  # the engine line's bytes when text is None (b"" otherwise: text holds the line)
-
-
-EnvelopeItem = EnvelopeRecord | QuarantinedLine
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def utc_from_ns(ns: int) -> datetime:
-    """The UTC instant of *ns* nanoseconds since the epoch (to the microsecond)."""
-    return _EPOCH + timedelta(microseconds=ns // 1000)
 
 
 # --------------------------------------------------------------------------------------------
 # Clocks
 # --------------------------------------------------------------------------------------------
 
-_RFC3339 = re.compile(
-    r"(?P<date>\d{4}-\d{2}-\d{2})[Tt ](?P<time>\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,9}))?"
-    r"(?P<tz>[Zz]|[+-]\d{2}:?\d{2})"
-)
-
-
-def _rfc3339_ns(value: str) -> int:
-    """Nanoseconds since the epoch of an RFC 3339 stamp with an offset; ValueError otherwise."""
-    m = _RFC3339.fullmatch(value.strip())
-    if m is None:
-        raise ValueError(f"not an RFC 3339 timestamp with an offset: {value[:60]!r}")
-    return _match_ns(m)
-
-
-_SECONDS: dict[tuple[str, str, str], int] = {}
-
-
-def _match_ns(m: re.Match[str]) -> int:
-    key = (m["date"], m["time"], m["tz"])
-    seconds = _SECONDS.get(key)
-    if seconds is None:
-        base = datetime.fromisoformat(f"{key[0]}T{key[1]}").replace(tzinfo=UTC)
-        tz = key[2]
-        if tz not in ("Z", "z"):
-            sign = -1 if tz[0] == "-" else 1
-            digits = tz[1:].replace(":", "")
-            base -= sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
-        seconds = (base - _EPOCH) // timedelta(seconds=1)
-        if len(_SECONDS) > 100_000:
-            _SECONDS.clear()
-        _SECONDS[key] = seconds
-    frac = m["frac"]
-    return seconds * 1_000_000_000 + (int(frac.ljust(9, "0")) if frac else 0)
-
-
-def _epoch_ns(value: Any, unit_ns: int, what: str) -> int:
-    """An epoch count (int, or a string of digits) in units of *unit_ns* nanoseconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"{what} is not an epoch count: {str(value)[:60]!r}")
-    if isinstance(value, str):
-        if not value.strip().isdigit():
-            raise ValueError(f"{what} is not an epoch count: {value[:60]!r}")
-        value = int(value)
-    ns = value * unit_ns
-    utc_from_ns(ns)  # OverflowError if outside datetime's range
-    return ns
-
-
 def _loki_ns(value: Any) -> int:
     """Loki timestamps: nanoseconds (string or number) or RFC 3339 (logcli prints local time)."""
     if isinstance(value, str) and not value.strip().isdigit():
-        return _rfc3339_ns(value)
-    return _epoch_ns(value, 1, "timestamp")
+        return rfc3339_ns(value)
+    return epoch_ns(value, 1, "timestamp")
 
 
 # --------------------------------------------------------------------------------------------
 # Recognising an envelope from the first lines
 # --------------------------------------------------------------------------------------------
 
-_KUBECTL = re.compile(r"^" + _RFC3339.pattern + r" ")
+_KUBECTL = re.compile(r"^" + RFC3339.pattern + r" ")
 _CRI = re.compile(r"^(?P<ts>\S+) (?P<stream>stdout|stderr) (?P<tag>[A-Z])(?::\S*)? ?")
 SNIFF_RECORDS = 20
 
@@ -195,9 +140,11 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
             if key in joined:
                 return kind
         return "none"
-    cri = sum(1 for t in texts if _CRI.match(t) and _RFC3339.fullmatch(t.split(" ", 1)[0]))
+    cri = sum(1 for t in texts if _CRI.match(t) and RFC3339.fullmatch(t.split(" ", 1)[0]))
     if cri * 2 > len(texts):
         return "cri"
+    if sum(1 for t in texts if syslog_header(t)) * 2 > len(texts):  # before kubectl: both start with a time
+        return "syslog"
     kubectl = sum(1 for t in texts if _KUBECTL.match(t))
     if kubectl * 2 > len(texts):
         return "kubectl"
@@ -211,23 +158,6 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _split_message(line: int, ts_ns: int | None, labels: Mapping[str, str], message: str) -> Iterator[EnvelopeRecord]:
-    """One record per engine line of a message (a message may hold several lines, e.g. a traceback)."""
-    if message.endswith("\n"):
-        message = message[:-1]
-    if "\n" not in message:
-        text = message[:-1] if message.endswith("\r") else message
-        yield EnvelopeRecord(line, ts_ns, labels, text, b"")
-        return
-    for part in message.split("\n"):
-        text = part[:-1] if part.endswith("\r") else part
-        yield EnvelopeRecord(line, ts_ns, labels, text, b"")
-
-
-def _quarantine(line: int, reason: str, raw: bytes | str) -> QuarantinedLine:
-    return QuarantinedLine(line, reason, raw_for_quarantine(raw))
-
-
 def _read_kubectl(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
     for number, text, raw in lines:
         if text is None:
@@ -238,57 +168,30 @@ def _read_kubectl(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
             yield EnvelopeRecord(number, None, _NO_LABELS, text, b"")
             continue
         try:
-            ns = _match_ns(m)
+            ns = match_ns(m)
         except (ValueError, OverflowError):
-            yield _quarantine(number, f"bad kubectl --timestamps prefix '{m.group(0).strip()}'", raw)
+            yield quarantine(number, f"bad kubectl --timestamps prefix '{m.group(0).strip()}'", raw)
             continue
         yield EnvelopeRecord(number, ns, _NO_LABELS, text[m.end():], b"")
 
 
-class _Partials:
-    """Join the pieces of a line split over several records, per stream, until its last piece."""
-
-    def __init__(self) -> None:
-        self.open: dict[str, tuple[int, int, Mapping[str, str], list[str]]] = {}
-
-    def add(self, stream: str, line: int, ns: int, labels: Mapping[str, str], piece: str,
-            last: bool) -> tuple[int, int, Mapping[str, str], str] | None:
-        held = self.open.get(stream)
-        if held is None:
-            if last:
-                return line, ns, labels, piece
-            self.open[stream] = (line, ns, labels, [piece])
-            return None
-        held[3].append(piece)
-        if not last:
-            return None
-        del self.open[stream]
-        return held[0], held[1], held[2], "".join(held[3])
-
-    def rest(self) -> Iterator[tuple[int, int, Mapping[str, str], str]]:
-        """Pieces still open at the end of the file (the collector stopped mid-line)."""
-        for line, ns, labels, pieces in self.open.values():
-            yield line, ns, labels, "".join(pieces)
-        self.open.clear()
-
-
 def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
-    partials = _Partials()
+    partials = Partials()
     streams: dict[str, Mapping[str, str]] = {}
     for number, text, raw in lines:
         if text is None:
-            yield _quarantine(number, "not UTF-8 (a CRI log file is UTF-8 text)", raw)
+            yield quarantine(number, "not UTF-8 (a CRI log file is UTF-8 text)", raw)
             continue
         if not text.strip():
             continue
         m = _CRI.match(text)
         if m is None or m["tag"] not in "FP":
-            yield _quarantine(number, "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)", raw)
+            yield quarantine(number, "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)", raw)
             continue
         try:
-            ns = _rfc3339_ns(m["ts"])
+            ns = rfc3339_ns(m["ts"])
         except (ValueError, OverflowError):
-            yield _quarantine(number, f"bad CRI timestamp '{m['ts'][:40]}'", raw)
+            yield quarantine(number, f"bad CRI timestamp '{m['ts'][:40]}'", raw)
             continue
         stream = m["stream"]
         labels = streams.setdefault(stream, {"stream": stream})
@@ -297,35 +200,6 @@ def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
             yield EnvelopeRecord(joined[0], joined[1], joined[2], joined[3], b"")
     for line, ns, labels, piece in partials.rest():
         yield EnvelopeRecord(line, ns, labels, piece, b"")
-
-
-def _read_fluentbit(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
-    """Fluent Bit's out_file lines or JSON records; partial pieces joined per origin and stream."""
-    partials = _Partials()
-    origins: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {}
-    for number, text, raw in lines:
-        if text is None or not text.strip():
-            if text is None:
-                yield _quarantine(number, "not UTF-8 (Fluent Bit writes UTF-8 text)", raw)
-            continue
-        try:
-            if text.lstrip().startswith("{"):
-                record = record_of(json.loads(text))
-            else:
-                tag, ns, obj = out_file_line(text)
-                record = record_of(obj, tag=tag, ns=ns)
-        except json.JSONDecodeError as e:
-            yield _quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
-            continue
-        except (ValueError, OverflowError, RecursionError) as e:
-            yield _quarantine(number, f"bad fluentbit record: {e}", raw)
-            continue
-        labels = origins.setdefault(key := tuple(sorted(record.labels.items())), record.labels)
-        joined = partials.add(repr(key), number, record.ns, labels, record.message, not record.partial)  # type: ignore[arg-type]
-        if joined is not None:
-            yield from _split_message(*joined)
-    for joined in partials.rest():
-        yield from _split_message(*joined)
 
 
 # -- JSON envelopes ----------------------------------------------------------------------------
@@ -345,7 +219,7 @@ class _JsonRecords:
 
     def __init__(self, envelope: str) -> None:
         self.envelope = envelope
-        self.partials = _Partials()
+        self.partials = Partials()
         self.label_cache: dict[tuple[tuple[str, str], ...], Mapping[str, str]] = {}
 
     def labels(self, pairs: Iterable[tuple[str, Any]]) -> Mapping[str, str]:
@@ -364,27 +238,27 @@ class _JsonRecords:
                 for at, element in zip(lines, obj, strict=True):
                     yield from self.records(element, at, json.dumps(element), _same_line(at))
                 return
-            yield _quarantine(line, f"not a {self.envelope} record (a JSON value with none of its keys)", raw)
+            yield quarantine(line, f"not a {self.envelope} record (a JSON value with none of its keys)", raw)
             return
         if kind != self.envelope:
-            yield _quarantine(line, f"a {kind} record in a {self.envelope} export", raw)
+            yield quarantine(line, f"a {kind} record in a {self.envelope} export", raw)
             return
         try:
             yield from getattr(self, f"_{kind}")(obj, line, raw, positions)
         except (ValueError, OverflowError, TypeError, AttributeError) as e:
-            yield _quarantine(line, f"bad {kind} record: {e}", raw)
+            yield quarantine(line, f"bad {kind} record: {e}", raw)
 
     def _docker(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
         log, stream = obj["log"], obj.get("stream", "")
         if not isinstance(log, str):
             raise ValueError("'log' is not a string")
-        ns = _rfc3339_ns(str(obj["time"]))
+        ns = rfc3339_ns(str(obj["time"]))
         attrs = obj.get("attrs")
         extra = attrs.items() if isinstance(attrs, dict) else ()
         labels = self.labels([("stream", stream), *extra])
         joined = self.partials.add(str(stream), line, ns, labels, log, log.endswith("\n"))
         if joined is not None:
-            yield from _split_message(*joined)
+            yield from split_message(*joined)
 
     def _loki(self, obj: dict[str, Any], line: int, raw: str,
               positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
@@ -392,7 +266,7 @@ class _JsonRecords:
             labels = obj.get("labels") or {}
             if not isinstance(labels, dict) or not isinstance(obj["line"], str):
                 raise ValueError("'labels' is not an object or 'line' is not a string")
-            yield from _split_message(line, _loki_ns(obj["timestamp"]), self.labels(labels.items()), obj["line"])
+            yield from split_message(line, _loki_ns(obj["timestamp"]), self.labels(labels.items()), obj["line"])
             return
         streams = obj["data"]["result"]
         if not isinstance(streams, list):
@@ -402,7 +276,7 @@ class _JsonRecords:
         for stream in streams:
             values = stream.get("values") if isinstance(stream, dict) else None
             if not isinstance(values, list):
-                yield _quarantine(line, "a query_range stream without 'values' (a metric query?)", json.dumps(stream))
+                yield quarantine(line, "a query_range stream without 'values' (a metric query?)", json.dumps(stream))
                 continue
             labels = self.labels((stream.get("stream") or stream.get("metric") or {}).items())
             for value in values:
@@ -412,9 +286,9 @@ class _JsonRecords:
                     if not isinstance(message, str):
                         raise ValueError("the log line is not a string")
                 except (ValueError, OverflowError, TypeError, IndexError, KeyError) as e:
-                    yield _quarantine(at, f"bad loki entry: {e}", json.dumps(value))
+                    yield quarantine(at, f"bad loki entry: {e}", json.dumps(value))
                     continue
-                yield from _split_message(at, ns, labels, message)
+                yield from split_message(at, ns, labels, message)
 
     def _cloudwatch(self, obj: dict[str, Any], line: int, raw: str,
                     positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
@@ -424,24 +298,24 @@ class _JsonRecords:
             for i, event in enumerate(events):
                 at = lines[i]
                 if json_kind(event) != "cloudwatch":
-                    yield _quarantine(at, "a CloudWatch event without 'timestamp' and 'message'", json.dumps(event))
+                    yield quarantine(at, "a CloudWatch event without 'timestamp' and 'message'", json.dumps(event))
                     continue
                 yield from self.records(event, at, json.dumps(event), positions)
             return
         message = obj["message"]
         if not isinstance(message, str):
             raise ValueError("'message' is not a string")
-        ns = _epoch_ns(obj["timestamp"], 1_000_000, "timestamp")
+        ns = epoch_ns(obj["timestamp"], 1_000_000, "timestamp")
         labels = self.labels((k, v) for k, v in obj.items() if k in ("logStreamName", "logGroupName"))
-        yield from _split_message(line, ns, labels, message)
+        yield from split_message(line, ns, labels, message)
 
     def _journald(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
-        ns = _epoch_ns(obj["__REALTIME_TIMESTAMP"], 1_000, "__REALTIME_TIMESTAMP")
+        ns = epoch_ns(obj["__REALTIME_TIMESTAMP"], 1_000, "__REALTIME_TIMESTAMP")
         labels = self.labels((k, v) for k, v in obj.items()
                              if isinstance(v, str) and k != "MESSAGE" and not k.startswith("__"))
         message = obj.get("MESSAGE")
         if message is None:
-            yield _quarantine(line, "MESSAGE is null: journalctl leaves out fields over 4096 bytes "
+            yield quarantine(line, "MESSAGE is null: journalctl leaves out fields over 4096 bytes "
                                     "(export with journalctl --all -o json)", raw)
             return
         if isinstance(message, list) and all(isinstance(b, int) and 0 <= b < 256 for b in message):
@@ -459,11 +333,11 @@ class _JsonRecords:
             message = "\n".join(m if isinstance(m, str) else bytes(m).decode("utf-8", "replace") for m in message)
         if not isinstance(message, str):
             raise ValueError("MESSAGE is neither a string nor an array of bytes")
-        yield from _split_message(line, ns, labels, message)
+        yield from split_message(line, ns, labels, message)
 
     def rest(self) -> Iterator[EnvelopeRecord]:
         for joined in self.partials.rest():
-            yield from _split_message(*joined)
+            yield from split_message(*joined)
 
 
 # Where the arrays of records of a JSON document start. A JSON string escapes every quote, so an
@@ -494,17 +368,17 @@ def _read_json_lines(lines: Iterable[EngineLine], envelope: str) -> Iterator[Env
     reader = _JsonRecords(envelope)
     for number, text, raw in lines:
         if text is None:
-            yield _quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            yield quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
             continue
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield _quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
+            yield quarantine(number, f"malformed JSON ({e.msg} at column {e.colno})", raw)
             continue
         except (ValueError, RecursionError) as e:
-            yield _quarantine(number, f"malformed JSON ({type(e).__name__})", raw)
+            yield quarantine(number, f"malformed JSON ({type(e).__name__})", raw)
             continue
         yield from reader.records(obj, number, text, _same_line(number))
     yield from reader.rest()
@@ -515,7 +389,7 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
     texts = []
     for number, text, raw in lines:
         if text is None:
-            yield _quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            yield quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
             texts.append("")
         else:
             texts.append(text)
@@ -538,7 +412,7 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
             reason = f"malformed JSON document ({getattr(e, 'msg', e)} at line {line_at(getattr(e, 'pos', i))})"
             for k in range(line_at(i) - first_line, len(texts)):
                 if texts[k].strip():
-                    yield _quarantine(first_line + k, reason, texts[k])
+                    yield quarantine(first_line + k, reason, texts[k])
             return
         start, stop = i, end
 
@@ -589,7 +463,8 @@ READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
     "loki": lambda lines: _read_json(lines, "loki"),
     "cloudwatch": lambda lines: _read_json(lines, "cloudwatch"),
     "journald": lambda lines: _read_json(lines, "journald"),
-    "fluentbit": _read_fluentbit,
+    "fluentbit": read_fluentbit,
+    "syslog": read_syslog,
 }
 
 

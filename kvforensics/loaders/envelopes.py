@@ -1,7 +1,7 @@
 """Engine logs in their collection envelopes: the record around each engine line, and its clock.
 
 Production rarely hands over an engine's stdout as it was written. It arrives wrapped by whatever
-collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald, Fluent Bit; the formats are described in
+collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald, Fluent Bit, syslog; the formats are described in
 :mod:`kvforensics.loaders.envelope_formats`), one envelope per line or record, each with a UTC
 clock of its own.
 
@@ -27,14 +27,8 @@ from zoneinfo import ZoneInfo
 
 from kvforensics.loaders.engine_lines import SNIFF_LINES
 from kvforensics.loaders.engine_types import EngineFileParse, EngineLine, EngineLogParse, InstanceNamer, LineParser
-from kvforensics.loaders.envelope_formats import (
-    ENVELOPE_CLOCKS,
-    ENVELOPES,
-    EnvelopeRecord,
-    read_envelope,
-    sniff_envelope,
-    utc_from_ns,
-)
+from kvforensics.loaders.envelope_formats import ENVELOPE_CLOCKS, ENVELOPES, read_envelope, sniff_envelope
+from kvforensics.loaders.envelope_records import EnvelopeRecord, utc_from_ns
 
 __all__ = [
     "ENVELOPES",
@@ -59,6 +53,7 @@ NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "journald": ("CONTAINER_NAME", "_HOSTNAME", "_SYSTEMD_UNIT", "SYSLOG_IDENTIFIER"),
     "docker": ("tag", "container_name", "name"),
     "fluentbit": ("pod_name", "container_name", "host", "hostname", "tag", "filename", "file", "path"),
+    "syslog": ("host", "program"),
 }
 
 
