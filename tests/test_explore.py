@@ -137,7 +137,7 @@ def test_response_sources_and_account_exposure(sample):
         set(matches.loc[matches["affected_request_id"] == ex.response, "source_request_id"])
     assert set(view.frame["source_request_id"]) == expected and len(view) == len(expected)
     confirmed = matches[(matches["affected_request_id"] == ex.response) & matches["confirmed"]]
-    assert set(view.frame.loc[view.frame["content_confirmed"], "source_request_id"]) == \
+    assert set(view.frame.loc[view.frame["confirmed"], "source_request_id"]) == \
         set(confirmed["source_request_id"])
     exposure = explore.account_exposure(con, ex.source_account)
     theirs = possible[(possible["source_account_id"] == ex.source_account)
@@ -146,7 +146,9 @@ def test_response_sources_and_account_exposure(sample):
                       & (matches["recipient_account_id"] != ex.source_account)]
     assert set(exposure.frame["affected_request_id"]) == \
         set(theirs["affected_request_id"]) | set(content["affected_request_id"])
-    assert exposure.frame["content_confirmed"].any()
+    assert exposure.frame["confirmed"].any()
+    assert set(exposure.frame.loc[exposure.frame["confirmed"], "basis"]) <= {
+        "output_shingles", "output_shingles turnover_horizon"}
 
 
 def test_unknown_and_missing_names_give_an_empty_view_that_says_so(sample):

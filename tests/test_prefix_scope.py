@@ -100,6 +100,56 @@ def test_both_mechanisms_flag_a_response_and_each_has_its_own_sources(mixed):
         con.close()
 
 
+def test_the_drill_down_views_show_each_mechanisms_sources(mixed):
+    from kvforensics import explore
+
+    con = _con(mixed)
+    try:
+        view = explore.response_sources(con, "p-hit")
+        rows = view.frame.set_index("source_request_id")
+        assert (rows.loc["p-src", "source_account_id"], rows.loc["p-src", "confirmed"], rows.loc["p-src", "basis"]) == (
+            "owner-a", True, "block_fingerprints")
+        assert view.note.startswith("1 candidate source requests from 1 accounts other than the recipient reader-b; "
+                                    "1 accounts confirmed"), view.note
+        exposure = explore.account_exposure(con, "owner-a").frame
+        assert exposure[["affected_request_id", "source_request_id", "confirmed", "basis"]].values.tolist() == [
+            ["p-hit", "p-src", True, "block_fingerprints"],  # its blocks reused
+            ["r-leak", "p-src", False, "turnover_horizon"]]  # and its pages possibly read by the stale-pages leak
+        stale = explore.response_sources(con, "r-leak").frame
+        assert set(stale["basis"]) <= {"turnover_horizon", "output_shingles turnover_horizon", "output_shingles"}
+        assert stale["within_horizon"].any()
+    finally:
+        con.close()
+
+
+def test_a_collision_no_event_names_lists_the_resident_blocks_owners_as_possible_sources(tmp_path):
+    """prefix_possible_sources rows appear in the drill-down views as possible sources (not confirmed)."""
+    from kvforensics import explore
+
+    con = duckdb.connect()
+    con.execute("""CREATE TABLE possible_sources (affected_request_id VARCHAR, recipient_account_id VARCHAR,
+                   source_request_id VARCHAR, source_account_id VARCHAR, kv_group VARCHAR,
+                   tokens_written_since BIGINT, pool_tokens BIGINT)""")
+    con.execute("""CREATE TABLE prefix_possible_sources AS SELECT 'hit' AS affected_request_id,
+                   'reader' AS recipient_account_id, 'stored' AS source_request_id, 'owner' AS source_account_id,
+                   NULL::VARCHAR AS kv_group, NULL::BIGINT AS tokens_written_since, NULL::BIGINT AS pool_tokens,
+                   'resident_on_instance' AS basis""")
+    con.execute("""CREATE TABLE content_matches (affected_request_id VARCHAR, recipient_account_id VARCHAR,
+                   source_request_id VARCHAR, source_account_id VARCHAR, matching_shingles BIGINT,
+                   output_shingles BIGINT, match_fraction DOUBLE, confirmed BOOLEAN, within_horizon BOOLEAN,
+                   basis VARCHAR)""")
+    con.execute("CREATE TABLE requests AS SELECT 'stored' AS request_id, TIMESTAMPTZ '2026-08-28 09:00:00Z' AS ts")
+    con.execute("CREATE TABLE account_classes AS SELECT 'owner' AS account_id, 'customer' AS account_class")
+    con.execute("""CREATE TABLE affected_responses AS SELECT 'hit' AS request_id, 'reader' AS account_id,
+                   'customer' AS account_class, TIMESTAMPTZ '2026-08-28 09:01:00Z' AS ts""")
+    view = explore.response_sources(con, "hit").frame
+    assert view[["source_request_id", "source_account_id", "confirmed", "within_horizon", "basis"]].values.tolist() == [
+        ["stored", "owner", False, False, "resident_on_instance"]]
+    exposure = explore.account_exposure(con, "owner").frame
+    assert exposure[["affected_request_id", "confirmed", "basis"]].values.tolist() == [
+        ["hit", False, "resident_on_instance"]]
+
+
 # --- notices in the mechanism's words ----------------------------------------------------------------------
 
 def _notice(out: Path, account: str) -> str:

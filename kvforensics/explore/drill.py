@@ -173,29 +173,56 @@ def response_evidence(con: duckdb.DuckDBPyConnection, request_id: str | None) ->
     return View(title, frame, note)
 
 
+# Every mechanism's sources of an affected response, one row per (affected response, source request):
+# possible (the stale-pages turnover horizon; a prefix-cache block resident on the instance when a
+# collision no event names was served) and confirmed (the output repeats the source's text; the
+# response reused prefix-cache blocks the source stored), with the bases that name it.
+_SOURCES = """
+    WITH possible AS (
+        SELECT affected_request_id, recipient_account_id, source_request_id, source_account_id,
+               tokens_written_since, pool_tokens, 'turnover_horizon' AS basis
+        FROM possible_sources WHERE {where}
+        UNION ALL
+        SELECT affected_request_id, recipient_account_id, source_request_id, source_account_id,
+               tokens_written_since, pool_tokens, basis
+        FROM prefix_possible_sources WHERE {where}
+    ), horizon AS (
+        SELECT affected_request_id, any_value(recipient_account_id) AS recipient_account_id, source_request_id,
+               any_value(source_account_id) AS source_account_id, min(tokens_written_since) AS tokens_written_since,
+               max(pool_tokens) AS pool_tokens, bool_or(basis = 'turnover_horizon') AS within_horizon,
+               string_agg(DISTINCT basis, ' ' ORDER BY basis) AS basis
+        FROM possible GROUP BY affected_request_id, source_request_id
+    ), confirming AS (
+        SELECT affected_request_id, any_value(recipient_account_id) AS recipient_account_id, source_request_id,
+               any_value(source_account_id) AS source_account_id, max(matching_shingles) AS matching_shingles,
+               max(match_fraction) AS match_fraction, bool_or(confirmed) AS confirmed,
+               string_agg(DISTINCT basis, ' ' ORDER BY basis) AS basis
+        FROM content_matches WHERE {where} GROUP BY affected_request_id, source_request_id
+    )
+    SELECT affected_request_id, source_request_id,
+           coalesce(h.recipient_account_id, c.recipient_account_id) AS recipient_account_id,
+           coalesce(h.source_account_id, c.source_account_id) AS source_account_id,
+           h.tokens_written_since, h.pool_tokens, coalesce(h.within_horizon, false) AS within_horizon,
+           coalesce(c.matching_shingles, 0) AS matching_shingles, c.match_fraction,
+           coalesce(c.confirmed, false) AS confirmed, concat_ws(' ', c.basis, h.basis) AS basis
+    FROM horizon h FULL OUTER JOIN confirming c USING (affected_request_id, source_request_id)"""
+
+
 @reads
 def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> View:
-    """Whose data one affected response could have carried: the requests whose KV pages it could have read
-    (freed on its decode instance less than the turnover horizon before it), and those whose text its output
-    shares (content-confirmed), with their accounts."""
-    frame = read_frame(con, """
-        WITH horizon AS (
-            SELECT source_request_id, source_account_id, tokens_written_since, pool_tokens
-            FROM possible_sources WHERE affected_request_id = $id
-        ), content AS (
-            SELECT source_request_id, source_account_id, matching_shingles, match_fraction, confirmed
-            FROM content_matches WHERE affected_request_id = $id
-        )
+    """Whose data one affected response could have carried, by every investigated mechanism: the requests
+    whose KV pages it could have read (freed on its decode instance less than the turnover horizon before
+    it), whose prefix-cache blocks were resident when a collision was served, whose text its output shares,
+    and whose stored blocks it reused (``confirmed``; ``basis`` says which), with their accounts."""
+    frame = read_frame(con, f"""
+        WITH s AS ({_SOURCES.format(where="affected_request_id = $id")})
         SELECT s.source_request_id, s.source_account_id, ac.account_class, r.ts AS source_ts,
-               h.tokens_written_since, h.pool_tokens, h.source_request_id IS NOT NULL AS within_horizon,
-               coalesce(c.matching_shingles, 0) AS matching_shingles, c.match_fraction,
-               coalesce(c.confirmed, false) AS content_confirmed
-        FROM (SELECT source_request_id, source_account_id FROM horizon
-              UNION SELECT source_request_id, source_account_id FROM content) s
-        LEFT JOIN horizon h USING (source_request_id) LEFT JOIN content c USING (source_request_id)
+               s.tokens_written_since, s.pool_tokens, s.within_horizon, s.matching_shingles, s.match_fraction,
+               s.confirmed, s.basis
+        FROM s
         LEFT JOIN requests r ON r.request_id = s.source_request_id
         LEFT JOIN account_classes ac ON ac.account_id = s.source_account_id
-        ORDER BY content_confirmed DESC, matching_shingles DESC, h.tokens_written_since NULLS LAST,
+        ORDER BY s.confirmed DESC, s.matching_shingles DESC, s.tokens_written_since NULLS LAST,
                  s.source_request_id""", {"id": request_id})
     title = f"Response {request_id}: whose data it could have carried"
     recipient = con.execute("SELECT account_id FROM affected_responses WHERE request_id = $id",
@@ -204,34 +231,23 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
         return View(title, frame, f"{request_id!r} is not an affected response: no sources are computed for it "
                                   f"(response_evidence shows how the rules saw it).")
     others = frame[frame["source_account_id"] != recipient[0]]
-    confirmed = others[others["content_confirmed"]]
+    confirmed = others[others["confirmed"]]
     note = (f"{len(frame):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
             f"other than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts "
-            f"confirmed by content (their text is in the output).")
+            f"confirmed (their text is in the output, or the response reused their prefix-cache blocks).")
     return View(title, frame, note)
 
 
 @reads
 def account_exposure(con: duckdb.DuckDBPyConnection, account_id: str | None) -> View:
     """Where one account's data could have gone: the affected responses of other accounts that could have
-    carried it (its request as a possible or content-confirmed source)."""
-    frame = read_frame(con, """
-        WITH horizon AS (
-            SELECT affected_request_id, recipient_account_id, source_request_id, tokens_written_since
-            FROM possible_sources WHERE source_account_id = $account AND recipient_account_id <> $account
-        ), content AS (
-            SELECT affected_request_id, recipient_account_id, source_request_id, matching_shingles, confirmed
-            FROM content_matches WHERE source_account_id = $account AND recipient_account_id <> $account
-        )
-        SELECT p.affected_request_id, a.ts, p.recipient_account_id, a.account_class AS recipient_class,
-               p.source_request_id, h.tokens_written_since, coalesce(c.matching_shingles, 0) AS matching_shingles,
-               coalesce(c.confirmed, false) AS content_confirmed
-        FROM (SELECT affected_request_id, recipient_account_id, source_request_id FROM horizon
-              UNION SELECT affected_request_id, recipient_account_id, source_request_id FROM content) p
-        LEFT JOIN horizon h USING (affected_request_id, source_request_id)
-        LEFT JOIN content c USING (affected_request_id, source_request_id)
-        LEFT JOIN affected_responses a ON a.request_id = p.affected_request_id
-        ORDER BY content_confirmed DESC, a.ts, p.affected_request_id, p.source_request_id""",
+    carried it (its request as a possible or confirmed source of any investigated mechanism)."""
+    frame = read_frame(con, f"""
+        WITH s AS ({_SOURCES.format(where="source_account_id = $account AND recipient_account_id <> $account")})
+        SELECT s.affected_request_id, a.ts, s.recipient_account_id, a.account_class AS recipient_class,
+               s.source_request_id, s.tokens_written_since, s.matching_shingles, s.confirmed, s.basis
+        FROM s LEFT JOIN affected_responses a ON a.request_id = s.affected_request_id
+        ORDER BY s.confirmed DESC, a.ts, s.affected_request_id, s.source_request_id""",
                        {"account": account_id})
     title = f"Account {account_id}: where its data could have gone"
     if frame.empty:
@@ -240,9 +256,9 @@ def account_exposure(con: duckdb.DuckDBPyConnection, account_id: str | None) -> 
         return View(title, frame, f"No affected response of another account could have carried data of "
                                   f"{account_id!r}." if known else
                     f"No request of account {account_id!r} in the evidence (account ids are exact).")
-    confirmed = frame[frame["content_confirmed"]]
+    confirmed = frame[frame["confirmed"]]
     note = (f"{frame['affected_request_id'].nunique():,} affected responses to "
             f"{frame['recipient_account_id'].nunique()} other accounts could have carried its data; "
-            f"{confirmed['affected_request_id'].nunique():,} confirmed by content (to "
+            f"{confirmed['affected_request_id'].nunique():,} confirmed (to "
             f"{confirmed['recipient_account_id'].nunique()} accounts).")
     return View(title, frame, note)

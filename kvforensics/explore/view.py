@@ -21,7 +21,7 @@ MAX_ROWS = 50  # rows a view shows in a notebook; the frame holds them all
 STAGE_OF_TABLE = {"request_tiers": "detect", "affected_responses": "scope", "suspect_responses": "scope",
                   "possible_sources": "scope", "content_matches": "scope", "notifications": "scope",
                   "account_behaviour": "scope", "account_classes": "scope", "analysed_requests": "scope",
-                  "log_gaps": "scope"}
+                  "log_gaps": "scope", "prefix_sources": "scope", "prefix_possible_sources": "scope"}
 _MISSING_TABLE = re.compile(r"Table with name (\w+) does not exist")
 F = TypeVar("F", bound=Callable[..., Any])
 
