@@ -19,17 +19,22 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import Any, Mapping
 
 import duckdb
 
 from kvforensics.db import parameters_used, sql, statements
+from kvforensics.rulebook import load_rules, rule_parameters
 from kvforensics.timestamps import iso
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
 # cached_tokens_disagree: the share of the requests both the gateway and the engine count cached tokens for
 # on which they may differ before the figures resting on cached tokens are unreliable (fewer: an ingest warning)
 MAX_CACHED_TOKENS_DISAGREE_FRACTION = 0.01
+# prompt_tokens_disagree: the same for prompt_tokens against the engines' input_len, on the requests the incident
+# does not explain (no abort, no other finding), beyond the tolerance of the rule that compares the two
+MAX_PROMPT_TOKENS_DISAGREE_FRACTION = 0.01
+TOKEN_COUNT_RULE = "engine_token_count_mismatch"
 
 # Optional canonical request fields each rule needs: one tuple per need, satisfied by any of its
 # fields. Fields a rule reads with a fallback are listed in RULE_FIELDS_WITH_FALLBACK instead
@@ -117,10 +122,17 @@ def codes() -> tuple[str, ...]:
     return tuple(c.code for c in checks())
 
 
-def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> dict[str, Any]:
+def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
+               rule_overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The checks' parameters; *rule_overrides* (the incident's ``[rules.<id>]``) set the tolerance of the
+    prompt_tokens comparison as they set the rule's."""
     needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
+    [rule] = [r for r in load_rules() if r.id == TOKEN_COUNT_RULE]
+    tolerance = rule_parameters(rule, (rule_overrides or {}).get(TOKEN_COUNT_RULE))
     return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs,
             "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION,
+            "max_prompt_tokens_disagree_fraction": MAX_PROMPT_TOKENS_DISAGREE_FRACTION,
+            "token_min_abs_diff": int(tolerance["min_abs_diff"]), "token_max_rel_diff": float(tolerance["max_rel_diff"]),
             "prefix_needs": [dict(n) for n in PREFIX_NEEDS]}
 
 
@@ -169,9 +181,10 @@ def record(con: duckdb.DuckDBPyConnection, reasons: list[Reason]) -> None:
                     {"n": i, "c": r.code, "m": r.message, "e": json.dumps(r.evidence)}).fetchall()
 
 
-def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION) -> list[Reason]:
+def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
+         rule_overrides: Mapping[str, Mapping[str, Any]] | None = None) -> list[Reason]:
     """Evaluate every check and record the reasons; empty when the run is conclusive."""
-    reasons = evaluate(con, parameters(max_quarantine_fraction))
+    reasons = evaluate(con, parameters(max_quarantine_fraction, rule_overrides))
     record(con, reasons)
     return reasons
 

@@ -93,7 +93,7 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
         params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
-    gate(con, incident.max_quarantine_fraction)
+    gate(con, incident.max_quarantine_fraction, incident.rule_parameters)
     return ScopeResult(summary=summarise(con, incident, probing), parameters=params)
 
 

@@ -22,6 +22,15 @@ def test_money_chart_draws_points_pool_and_curve():
     assert {"field": "request_id", "type": "nominal"} in spec["layer"][0]["encoding"]["tooltip"]
 
 
+def test_money_chart_says_when_it_draws_a_sample_of_the_flagged_requests():
+    points = POINTS.copy()
+    points.attrs["flagged_total"] = 9000  # report.data.money_frames: more flagged requests than a chart holds
+    spec = charts.money_chart(points, POOLS, CURVE, title="m").to_dict()
+    assert spec["title"] == "m (1 of 9,000 flagged requests drawn: confirmed first, then probable)"
+    points.attrs["flagged_total"] = 1
+    assert charts.money_chart(points, POOLS, CURVE, title="m").to_dict()["title"] == "m"
+
+
 def test_interactive_money_chart_zooms_and_selects_by_legend():
     spec = charts.money_chart(POINTS, POOLS, CURVE, title="m", interactive=True).to_dict()
     params = [p for layer in spec["layer"] for p in layer.get("params", [])] + spec.get("params", [])

@@ -368,6 +368,45 @@ def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tm
     assert line.startswith("**INCONCLUSIVE") and "outside every exposure window" in line
 
 
+@pytest.mark.slow
+def test_a_total_mapped_to_prompt_tokens_contradicts_the_engines_counts(sample_incident, tmp_path):
+    """A mapping mistake that quarantines nothing: prompt_tokens mapped to the total with the completion. The
+    engines' own counts (ReqTimeStats input_len) of the requests the incident does not explain disagree, and the
+    report still renders although thousands of requests are now flagged (its chart draws a sample)."""
+    def total(text: str) -> str:
+        return text.replace('status = "http_status" }',
+                            'status = "http_status", prompt_tokens = "prompt_tokens + completion_tokens" }')
+
+    incident = sample_copy(sample_incident, tmp_path / "s", incident_text=total)
+    code, scope = run(incident, tmp_path / "out")
+    assert code == 3 and codes(scope) == {"prompt_tokens_disagree"}
+    (reason,) = scope["inconclusive_reasons"]
+    assert reason["message"].startswith("prompt_tokens: the gateway's count and the engines' own count (ReqTimeStats "
+                                        "input_len) differ by more than 64 tokens and 5% for ")
+    assert reason["evidence"]["fraction"] > 0.3 and reason["evidence"]["max_fraction"] == 0.01
+    assert "flagged requests drawn: confirmed first" in (tmp_path / "out" / "report.html").read_text()
+    # the rule's own tolerance, set by the incident, is the check's: a tolerance that accepts the completion
+    # lengths accepts the mapping too
+    loose = total(incident.read_text()) + "\n[rules.engine_token_count_mismatch]\nmin_abs_diff = 100000\n"
+    incident.write_text(loose)
+    code, scope = run(incident, tmp_path / "out2")
+    assert "prompt_tokens_disagree" not in codes(scope)
+
+
+def test_prompt_tokens_disagree_leaves_out_what_the_incident_explains(sample_run):
+    """On the sample, the 155 engine counts that differ (the rejected prompts' 1-token stubs) are aborted and
+    flagged by other rules: the gateway's counts agree with the engines' on every other request."""
+    from kvforensics.db import connect
+
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        assert conclusive.evaluate(con, only=("prompt_tokens_disagree",)) == []
+        mismatched = con.execute("SELECT count(*) FROM findings WHERE rule_id = 'engine_token_count_mismatch'").fetchall()
+        assert mismatched == [(155,)]
+    finally:
+        con.close()
+
+
 def test_verify_of_a_folder_that_is_no_run_output_is_one_line(tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 2
     (tmp_path / "manifest.json").write_text("{")

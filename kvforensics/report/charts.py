@@ -81,6 +81,10 @@ def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, 
             x="kv_pool_tokens:Q", tooltip=["label:N", "kv_pool_tokens:Q"]))
         layers.append(alt.Chart(pools).mark_text(align="left", dx=4, dy=-6, color="#8e44ad", fontSize=11).encode(
             x="kv_pool_tokens:Q", y=alt.value(12), text="label:N"))
+    drawn = int((points["confidence"] != "not flagged").sum()) if "confidence" in points else 0
+    total = int(points.attrs.get("flagged_total", drawn))
+    if total > drawn:  # more flagged requests than a chart can hold: say that the dots are a sample
+        title = f"{title} ({drawn:,} of {total:,} flagged requests drawn: confirmed first, then probable)"
     chart = alt.layer(dots, *layers).properties(title=title, width=640, height=340)
     return chart.interactive() if interactive else chart
 

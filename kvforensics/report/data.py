@@ -14,7 +14,8 @@ from kvforensics.config import Incident
 from kvforensics.detect import AFFECTED_TIERS, load_rules
 from kvforensics.scope import iso, summarise
 
-MAX_POINTS = 4000
+MAX_POINTS = 4000  # requests drawn per model in the prompt-vs-TTFT chart (Altair embeds at most 5,000 rows)
+MIN_CONTEXT_POINTS = 1000  # of them, at least this many unflagged requests, the background the findings stand out from
 
 
 @dataclass
@@ -150,20 +151,26 @@ def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame
     models = [r[0] for r in con.execute(
         "SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall()]
     for model in models:
-        points = _df(con, f"""
-            WITH r AS (
-                SELECT q.request_id, q.account_id, q.prompt_tokens,
-                       coalesce(q.ttft_ms, q.latency_ms) AS observed_ms,
-                       CASE WHEN q.ttft_ms IS NOT NULL THEN 'ttft' ELSE 'e2e latency' END AS measure,
-                       coalesce(t.confidence, 'not flagged') AS confidence
-                FROM analysed_requests q LEFT JOIN request_tiers t USING (request_id)
-                WHERE q.model = $m AND q.status BETWEEN 200 AND 299 AND coalesce(q.ttft_ms, q.latency_ms) > 0
-            )
-            SELECT * FROM r WHERE confidence <> 'not flagged'
-            UNION ALL
-            SELECT * FROM (SELECT * FROM r WHERE confidence = 'not flagged'
-                           ORDER BY (prompt_tokens >= 100000) DESC, hash(request_id) LIMIT {MAX_POINTS})
-            """, {"m": model})
+        requests = """
+            SELECT q.request_id, q.account_id, q.prompt_tokens, coalesce(q.ttft_ms, q.latency_ms) AS observed_ms,
+                   CASE WHEN q.ttft_ms IS NOT NULL THEN 'ttft' ELSE 'e2e latency' END AS measure,
+                   coalesce(t.confidence, 'not flagged') AS confidence
+            FROM analysed_requests q LEFT JOIN request_tiers t USING (request_id)
+            WHERE q.model = $m AND q.status BETWEEN 200 AND 299 AND coalesce(q.ttft_ms, q.latency_ms) > 0"""
+        # every flagged request when they fit; beyond that confirmed, then probable, then possible (by request
+        # id), and the rest of the dots unflagged requests, long prompts first
+        flagged = _df(con, f"""
+            SELECT * FROM ({requests}) r WHERE confidence <> 'not flagged'
+            ORDER BY CASE confidence WHEN 'confirmed' THEN 0 WHEN 'probable' THEN 1 ELSE 2 END,
+                     hash(request_id), request_id
+            LIMIT {MAX_POINTS - MIN_CONTEXT_POINTS}""", {"m": model})
+        unflagged = _df(con, f"""
+            SELECT * FROM ({requests}) r WHERE confidence = 'not flagged'
+            ORDER BY (prompt_tokens >= 100000) DESC, hash(request_id), request_id
+            LIMIT {MAX_POINTS - len(flagged)}""", {"m": model})
+        points = pd.concat([flagged, unflagged], ignore_index=True) if not flagged.empty else unflagged
+        points.attrs["flagged_total"] = con.execute(
+            f"SELECT count(*) FROM ({requests}) r WHERE confidence <> 'not flagged'", {"m": model}).fetchall()[0][0]
         pools = _df(con, """SELECT DISTINCT kv_pool_tokens,
                                    'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' || role || ')' AS label
                             FROM capacity WHERE model = $m AND role IN ('prefill', 'unified')

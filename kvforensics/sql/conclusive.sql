@@ -311,3 +311,40 @@ SELECT format('cached_tokens: the gateway''s count and the engines'' own count (
        $max_cached_tokens_disagree_fraction AS max_fraction
 FROM compared
 HAVING count(*) > 0 AND count(*) FILTER (WHERE differ) > $max_cached_tokens_disagree_fraction * count(*);
+
+-- reason: prompt_tokens_disagree
+-- the gateway's prompt_tokens against the engines' own count of the same successful request (SGLang ReqTimeStats
+-- input_len), beyond the engine_token_count_mismatch rule's tolerance, on the requests the incident does not
+-- explain: the engine logged no abort for them and no other rule flagged them (a rejected prompt's 1-token stub
+-- is the incident's own signal). More than $max_prompt_tokens_disagree_fraction of them differing means the
+-- gateway's count is not the prompt the engine prefilled (a total, or the uncached part, mapped to
+-- prompt_tokens?), and every comparison with a KV pool rests on it
+WITH counted AS (
+    SELECT request_id, min(prompt_tokens) AS engine_prompt
+    FROM engine_events
+    WHERE kind = 'req_time_stats' AND request_id IS NOT NULL AND prompt_tokens IS NOT NULL
+    GROUP BY request_id
+    HAVING count(DISTINCT prompt_tokens) = 1
+), compared AS (
+    SELECT r.request_id,
+           abs(c.engine_prompt - r.prompt_tokens) > greatest($token_min_abs_diff, $token_max_rel_diff * r.prompt_tokens)
+               AS differ
+    FROM analysed_requests r JOIN counted c ON c.request_id = r.request_id
+    WHERE r.status BETWEEN 200 AND 299
+      AND NOT EXISTS (SELECT 1 FROM engine_events a WHERE a.request_id = r.request_id AND a.kind LIKE 'abort%')
+      AND NOT EXISTS (SELECT 1 FROM findings f WHERE f.request_id = r.request_id
+                                                 AND f.rule_id <> 'engine_token_count_mismatch')
+)
+SELECT format('prompt_tokens: the gateway''s count and the engines'' own count (ReqTimeStats input_len) differ by more '
+              || 'than {:,} tokens and {:.0f}% for {:,} of the {:,} successful requests both count that no engine '
+              || 'aborted and no other rule flagged ({:.1f}%, above {:.1f}%; e.g. {}): the prompt lengths compared with '
+              || 'the KV pools contradict the engines''; check that prompt_tokens maps the prompt''s own token count '
+              || '(not a total with the completion, nor the uncached part)',
+              $token_min_abs_diff, 100.0 * $token_max_rel_diff, count(*) FILTER (WHERE differ), count(*),
+              100.0 * count(*) FILTER (WHERE differ) / count(*), 100.0 * $max_prompt_tokens_disagree_fraction,
+              gate_names(list(request_id ORDER BY request_id) FILTER (WHERE differ))) AS message,
+       count(*) FILTER (WHERE differ) AS differing, count(*) AS compared,
+       round(count(*) FILTER (WHERE differ) / count(*), 4) AS fraction,
+       $max_prompt_tokens_disagree_fraction AS max_fraction
+FROM compared
+HAVING count(*) > 0 AND count(*) FILTER (WHERE differ) > $max_prompt_tokens_disagree_fraction * count(*);
