@@ -207,6 +207,29 @@ def test_jsonl_key_missing_from_the_first_records_only_is_read_where_it_is(tmp_p
     assert set(reasons) == {"missing required field 'ts' (column received_at)"}
 
 
+@pytest.mark.parametrize("name", ["gw.jsonl", "gw.jsonl.gz"])
+def test_an_optional_field_first_logged_after_the_sample_is_mapped(tmp_path, name):
+    """A gateway upgraded mid-file starts logging cached_tokens (under a known alias) after the records whose
+    keys are sampled: it is mapped all the same, for the records that have it."""
+    lines = [rec(f"r{i}") for i in range(2500)]
+    lines += [json.dumps({**json.loads(rec(f"c{i}")), "usage": {"prompt_tokens_details": {"cached_tokens": 64}}})
+              for i in range(3)]
+    con, r, reasons = load(tmp_path, name, "\n".join(lines) + "\n")
+    assert reasons == [] and r.loaded == 2503
+    assert con.execute("SELECT request_id, cached_tokens FROM requests WHERE cached_tokens IS NOT NULL "
+                       "ORDER BY 1").fetchall() == [("c0", 64), ("c1", 64), ("c2", 64)]
+    assert ("cached_tokens <- usage.prompt_tokens_details.cached_tokens: first logged after the first 2,000 records "
+            "(the keys of every record were read to map it)") in r.notes
+
+
+def test_a_field_name_that_is_only_a_value_maps_nothing(tmp_path):
+    lines = [rec(f"r{i}") for i in range(2100)] + [rec("v", model="cached_tokens")]
+    con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join(lines) + "\n")
+    assert reasons == [] and r.loaded == 2101
+    assert not any("first logged" in n for n in r.notes)
+    assert con.execute("SELECT count(*) FROM requests WHERE cached_tokens IS NOT NULL").fetchall() == [(0,)]
+
+
 def test_opentelemetry_names_are_recognised_without_a_mapping(tmp_path):
     line = json.dumps({"gen_ai.response.id": "otel1", "timestamp": "2026-08-28T10:00:00Z", "account_id": "a",
                        "gen_ai.request.model": "m", "http.response.status_code": 200,

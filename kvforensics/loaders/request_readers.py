@@ -35,6 +35,7 @@ from kvforensics.loaders.staging import (
     FileLoad,
     Staged,
     Stager,
+    candidate_names,
     choose_columns,
     expression_refs,
     in_milliseconds,
@@ -79,8 +80,16 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
             load.notes.append(f"the columns of preset '{source.preset}' apply over the otlp mapping: "
                               "for these files use preset = \"otlp\"")
         return otlp.stage(con, source, path, load, tick, fast)
-    keys = _sample_json_keys(path)
+    keys, whole = _sample_json_keys(path)
     chosen = choose_columns(source, keys)
+    needles = {} if whole else _late_needles(source, keys, chosen)
+    lines, late = _scan_file(path, needles) if needles or (fast and FAST_STAGING) else (None, [])
+    if late:  # a name of a field the sample lacks is in the file: read every record's keys, in case it is a key
+        keys, _ = _sample_json_keys(path, None)
+        chosen = choose_columns(source, keys)
+        if mapped := [f for f in late if chosen.get(f) is not None]:
+            load.notes.append(f"{', '.join(f'{f} <- {chosen[f]}' for f in mapped)}: first logged after the first "
+                              f"{SAMPLE_RECORDS:,} records (the keys of every record were read to map it)")
     top_level = {k.split(".")[0] for k in keys}
     for ref in expression_refs(source):
         if keys and ref not in keys and ref.split(".")[0] not in top_level:
@@ -94,7 +103,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
                           "or 500 without one; otherwise 200), as the records have no status column")
     if fast and FAST_STAGING:
-        staged = _stage_jsonl_in_duckdb(source, path, chosen, finish_reason)
+        staged = _stage_jsonl_in_duckdb(source, path, chosen, finish_reason, lines)
         if staged is not None:
             return staged
     stager = Stager(con)
@@ -184,38 +193,88 @@ def _json_keys(obj: object, prefix: str = "", depth: int = 0) -> Iterator[str]:
                 yield from _json_keys(v, key + ".", depth + 1)
 
 
-def _sample_json_keys(path: Path, limit: int = 2000) -> set[str]:
+SAMPLE_RECORDS = 2000  # records whose keys choose a JSONL file's columns
+
+
+def _sample_json_keys(path: Path, limit: int | None = SAMPLE_RECORDS) -> tuple[set[str], bool]:
+    """The keys (and dotted paths) of the file's first *limit* lines' records (None: every line), and
+    whether that was the whole file."""
     keys: set[str] = set()
     stream = LineStream(path)
     for n, raw in stream:
-        if n > limit:
-            break
+        if limit is not None and n > limit:
+            return keys, False
         try:
             keys.update(_json_keys(json.loads(raw)))
         except (ValueError, UnicodeDecodeError):
             continue
-    return keys
+    return keys, True
 
 
-def _plain_line_count(path: Path) -> int | None:
-    """The number of physical lines of the (decompressed) file, or None when a byte in it is a CR or
-    the 0x01 that DuckDB's line reader uses as its delimiter: either would make DuckDB split or cut
-    a physical line (shifting line numbers, or silently dropping the text after the 0x01). The whole
-    stream is scanned at memchr speed; a file that fails goes to the Python reader, which keeps
-    every byte. A last line without a newline counts, as it does for the Python reader."""
-    count = 0
+def _late_needles(source: Source, keys: set[str], chosen: Mapping[str, str | None]) -> dict[str, set[bytes]]:
+    """Per optional field the sample left unmapped, its names (the canonical one and known aliases; the
+    last part of a path) as JSON strings: found in the rest of the file, the field was logged later (a
+    gateway upgraded mid-file). A name some sampled key already ends in proves nothing and is left out."""
+    sampled = {k.rsplit(".", 1)[-1] for k in keys}
+    needles = {}
+    for canonical in CANONICAL_REQUEST_FIELDS:
+        if canonical in REQUIRED_REQUEST_FIELDS or chosen.get(canonical) is not None or canonical in source.columns \
+                or canonical in source.expressions:
+            continue
+        names = {n.rsplit(".", 1)[-1] for n in candidate_names(source, canonical)} - sampled
+        if names:
+            needles[canonical] = {json.dumps(n).encode() for n in names}
+    return needles
+
+
+NEEDLE_EVERY = 8  # _scan_file looks for late field names in every 8th chunk (1 MiB each) and in the last
+
+
+def _scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | None, list[str]]:
+    """One pass over the decompressed file at memchr speed: its physical lines, and the fields of
+    *needles* one of whose names occurs in it (looked for in every ``NEEDLE_EVERY``-th chunk and in the
+    last one, where a field logged from some record on is sure to be). The line count is None when a
+    byte in the file is a CR or the 0x01 that DuckDB's line reader uses as its delimiter (either would
+    make DuckDB split or cut a physical line, shifting line numbers or dropping the text after the
+    0x01), or when the stream cannot be read to its end: such a file goes to the Python reader, which
+    keeps every byte and says why. A last line without a newline counts, as it does for the Python
+    reader."""
+    count: int | None = 0
     last = b"\n"
-    with open_binary(path, fast_gzip=True) as fh:
-        while chunk := fh.read(CHUNK):
-            if b"\r" in chunk or b"\x01" in chunk:
-                return None
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
+    found: set[str] = set()
+    longest = max((len(n) for names in needles.values() for n in names), default=0)
+    before = b""  # the end of the chunk before: a name cut between two chunks
+    unseen: tuple[bytes, bytes] | None = None  # the last chunk read, while not looked at
+
+    def look(text: bytes) -> None:
+        found.update(f for f, names in needles.items() if f not in found and any(n in text for n in names))
+
+    try:
+        with open_binary(path, fast_gzip=True) as fh:
+            for i, chunk in enumerate(iter(lambda: fh.read(CHUNK), b"")):
+                if count is not None and (b"\r" in chunk or b"\x01" in chunk):
+                    count = None
+                    if not needles:
+                        break
+                if count is not None:
+                    count += chunk.count(b"\n")
+                    last = chunk[-1:]
+                if len(found) < len(needles):
+                    if i % NEEDLE_EVERY == 0:
+                        look(before + chunk)
+                        unseen = None
+                    else:
+                        unseen = (before, chunk)
+                    before = chunk[-longest:]
+        if unseen is not None and len(found) < len(needles):
+            look(unseen[0] + unseen[1])  # the last chunk
+    except Exception:  # noqa: BLE001 - truncated or corrupt: the Python reader says why, record by record
+        count = None
+    return (None if count is None else count + (last != b"\n")), sorted(found)
 
 
 def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str | None],
-                           finish_reason: str | None) -> Staged | None:
+                           finish_reason: str | None, lines: int | None) -> Staged | None:
     """Stage a JSONL file with DuckDB's own readers. None when DuckDB cannot read the file as clean
     text (a CR or 0x01 byte, a truncated or unreadable stream): the Python reader then takes the
     file, line by line, and quarantines what it must.
@@ -226,11 +285,8 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
     blank or malformed line fails that check (or makes the reader raise) and is staged again by the
     second choice: every physical line a row of ``read_csv`` (a delimiter valid JSON cannot contain
     unescaped, no quoting), each record parsed for all fields with the JSON functions. Bytes that
-    are not UTF-8 make either reader fail; the loader then hands the file to the Python reader."""
-    try:
-        lines = _plain_line_count(path)
-    except Exception:  # noqa: BLE001 - any read failure (truncated gzip/zstd, I/O): the Python reader says why
-        return None
+    are not UTF-8 make either reader fail; the loader then hands the file to the Python reader.
+    *lines*: the file's physical lines, None when DuckDB cannot number them (see ``_scan_file``)."""
     if lines is None:
         return None
     reader = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "

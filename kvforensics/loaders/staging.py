@@ -149,7 +149,8 @@ def _json_paths(name: str) -> list[str]:
     return [quoted, "$." + ".".join('"' + p.replace('"', '\\"') + '"' for p in name.split("."))]
 
 
-def _candidate_names(source: Source, canonical: str) -> list[str]:
+def candidate_names(source: Source, canonical: str) -> list[str]:
+    """The names a canonical field is looked for under: its mapping, else its own name and known aliases."""
     if canonical in source.columns:
         return [source.columns[canonical]]
     return [canonical, *KNOWN_ALIASES.get(canonical, ())]
@@ -163,7 +164,7 @@ def choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
         if canonical in source.expressions:
             chosen[canonical] = None
             continue
-        names = _candidate_names(source, canonical)
+        names = candidate_names(source, canonical)
         hit = next((n for n in names if n in present), None)
         if hit is None and canonical in source.columns:
             hit = source.columns[canonical]
