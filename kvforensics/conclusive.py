@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import duckdb
 
-from kvforensics.db import parameters_used, sql, statements
+from kvforensics.db import MemoryGovernor, parameters_used, sql, statements
 from kvforensics.rulebook import load_rules, rule_parameters
 from kvforensics.timestamps import iso
 
@@ -156,20 +156,23 @@ def evaluate(con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = Non
     """Run the checks (``only`` these codes, else all) on a scoped evidence database."""
     params = params or parameters()
     prelude, all_checks = _script()
-    for stmt in prelude:
-        _execute(con, stmt, params).fetchall()
     reasons: list[Reason] = []
-    for check in all_checks:
-        if only is not None and check.code not in only:
-            continue
-        if check.code == "rule_field_missing" and not (params.get("needs") and params.get("prefix_needs")):
-            continue
-        cur = _execute(con, check.sql, params)
-        names = [d[0] for d in cur.description]
-        for row in cur.fetchall():
-            rec = dict(zip(names, row, strict=True))
-            message = str(rec.pop("message") or check.code)
-            reasons.append(Reason(check.code, message, {k: _plain(v) for k, v in rec.items()}))
+    with MemoryGovernor(con) as governor:  # the checks join the whole period's requests: a long script
+        for stmt in prelude:
+            governor.tick()
+            _execute(con, stmt, params).fetchall()
+        for check in all_checks:
+            if only is not None and check.code not in only:
+                continue
+            if check.code == "rule_field_missing" and not (params.get("needs") and params.get("prefix_needs")):
+                continue
+            governor.tick()
+            cur = _execute(con, check.sql, params)
+            names = [d[0] for d in cur.description]
+            for row in cur.fetchall():
+                rec = dict(zip(names, row, strict=True))
+                message = str(rec.pop("message") or check.code)
+                reasons.append(Reason(check.code, message, {k: _plain(v) for k, v in rec.items()}))
     return reasons
 
 
