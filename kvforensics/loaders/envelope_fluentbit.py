@@ -29,19 +29,17 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from kvforensics.loaders.engine_types import EngineLine
-from kvforensics.loaders.envelope_records import EnvelopeItem, Partials, quarantine, split_message
+from kvforensics.loaders.envelope_records import EnvelopeItem, Partials, quarantine, rfc3339_ns, split_message
 
 OUT_FILE = re.compile(r"^(?P<tag>[^\s\[{][^\s]*?): \[(?P<sec>\d{1,12})(?:\.(?P<frac>\d{1,9}))?, ")
 """The start of an ``out_file`` line: the tag, then the event time in seconds."""
 
 MESSAGE_KEYS = ("log", "message")
 _NOT_LABELS = frozenset({*MESSAGE_KEYS, "date", "time", "logtag", "_p", "kubernetes"})
-_ISO = re.compile(r"^(\d{4}-\d{2}-\d{2})[T ](\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:?\d{2})?$")
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ZONE = re.compile(r"(?:[Zz]|[+-]\d{2}:?\d{2})$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +108,9 @@ def date_ns(value: Any) -> int:
         if isinstance(value, int):
             return value * scale
         return round(value * scale / 1000) * 1000  # a double holds about microseconds, no finer
-    if isinstance(value, str):
-        m = _ISO.match(value.strip())
-        if m is None:
-            raise ValueError(f"'date' {value[:40]!r} is not a time Fluent Bit writes")
-        zone = m[4] or "Z"
-        when = datetime.fromisoformat(f"{m[1]}T{m[2]}{'+00:00' if zone == 'Z' else zone}")
-        seconds = int((when - _EPOCH).total_seconds())
-        return seconds * 1_000_000_000 + int((m[3] or "0").ljust(9, "0"))
+    if isinstance(value, str):  # UTC when it names no zone (java_sql_timestamp)
+        text = value.strip()
+        return rfc3339_ns(text if _ZONE.search(text) else text + "Z")
     raise ValueError(f"'date' {str(value)[:40]!r} is not a time")
 
 
