@@ -23,7 +23,7 @@ from kvforensics.canonical import (
     CANONICAL_REQUEST_FIELDS,
 )
 from kvforensics.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
-from kvforensics.errors import ConfigError
+from kvforensics.errors import ConfigError, InputError
 from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
 from kvforensics.instances import InstanceMatching, instances_from_config
 from kvforensics.loaders.mapping import source_mapping
@@ -50,7 +50,10 @@ _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "
 TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
                     "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
                     "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]"}
-_PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing"}
+_PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing", "shared_namespaces",
+                      # the deployment's isolation facts, the keys of the audit manifest's [prefix_cache]
+                      "tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances"}
+_ISOLATION_KEYS = ("tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances")
 _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
@@ -149,6 +152,12 @@ class Incident:
     # [prefix_cache.probing]: thresholds of the prefix-cache probing assessment (kvforensics.probing), the
     # ones the file sets; the others keep their defaults
     probing_parameters: Mapping[str, int | float] = field(default_factory=dict)
+    # [prefix_cache] isolation facts (tenants, cache_salt, kv_store_keys_salt, engine_version and their
+    # per-model / per-instance overrides): a kvforensics.audit.tenancy.PrefixCachePolicy, None when unstated
+    prefix_isolation: Any = None
+    # [prefix_cache] shared_namespaces: cache salts (globs) the provider documents as shared by every
+    # tenant (a public playground's namespace): their blocks are never another tenant's data
+    prefix_shared_namespaces: tuple[str, ...] = ()
 
     @property
     def base_dir(self) -> Path:
@@ -430,7 +439,7 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                                                     f"{label}: [instances]"),
                     max_quarantine_fraction=float(max_q),
                     mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
-                    **_parse_prefix_cache(data, label))
+                    **_parse_prefix_cache(data, label, path))
 
 
 def _check_top_level(data: Mapping[str, Any], label: str) -> None:
@@ -537,7 +546,7 @@ def _parse_mechanisms(raw: Any, label: str) -> tuple[str, ...] | None:
     return names
 
 
-def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
+def _parse_prefix_cache(data: Mapping[str, Any], label: str, path: Path) -> dict[str, Any]:
     """``[prefix_cache]``: the block size prompts are cut at, whether prompts without token ids are cut
     into blocks of words (on by default once the table is there, unless it holds only ``probing``), and
     ``[prefix_cache.probing]``, the thresholds of the probing assessment."""
@@ -549,7 +558,8 @@ def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
     size = _optional(table, "block_size", int, where, "an integer (tokens per block)")
     if size is not None and not 1 <= size <= 1_000_000:
         raise ConfigError(f"block_size must be from 1 to 1000000 tokens, got {size}", location=where)
-    words = table.get("word_blocks", set(table) != {"probing"})
+    # word blocks by default when the table says how prompts are cut (not for probing or isolation facts alone)
+    words = table.get("word_blocks", bool(set(table) - {"probing", "shared_namespaces", *_ISOLATION_KEYS}))
     if not isinstance(words, bool):
         raise ConfigError(f"'word_blocks' must be true or false, got {_type_name(words)}", location=where)
     probing = _table(table, "probing", where)
@@ -557,7 +567,30 @@ def _parse_prefix_cache(data: Mapping[str, Any], label: str) -> dict[str, Any]:
         probing_parameters(probing)
     except ConfigError as e:
         raise ConfigError(str(e), location=f"{label}: [prefix_cache.probing]") from None
-    return {"prefix_block_size": size, "prefix_word_blocks": words, "probing_parameters": dict(probing)}
+    shared = table.get("shared_namespaces", [])
+    if not isinstance(shared, list) or not all(isinstance(x, str) and x for x in shared):
+        raise ConfigError("shared_namespaces must be a list of cache salts (globs allowed), e.g. "
+                          "[\"playground\"]", location=where)
+    return {"prefix_block_size": size, "prefix_word_blocks": words, "probing_parameters": dict(probing),
+            "prefix_isolation": _prefix_isolation(table, path, where), "prefix_shared_namespaces": tuple(shared)}
+
+
+def _prefix_isolation(table: Mapping[str, Any], path: Path, where: str) -> Any:
+    """The isolation facts of ``[prefix_cache]`` as the audit manifest's policy (same keys, same checks),
+    None when the table states none."""
+    facts = {k: table[k] for k in _ISOLATION_KEYS if k in table}
+    if not facts:
+        return None
+    from kvforensics.audit.tenancy import read_prefix_cache  # (the audit package imports this module)
+
+    try:
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    except OSError:
+        text = ""
+    try:
+        return read_prefix_cache({"prefix_cache": facts}, text, str(path))
+    except InputError as e:
+        raise ConfigError(str(e), location=where) from None
 
 
 def _checked_instances(raw: Any, label: str) -> Any:

@@ -28,6 +28,7 @@ from kvforensics.fingerprint import key_for
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.changes import load_changes
 from kvforensics.loaders.content import load_content
+from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.loaders.kv_events import Chains, load_kv_events
 from kvforensics.loaders.prefix_blocks import block_size
 from kvforensics.loaders.requests import FileLoad, load_requests_files
@@ -134,6 +135,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                                         load_content(con, source, path, key_for(incident.id), size,
                                                      incident.prefix_word_blocks)))
     _match_instance_names(con, incident, result)
+    write_prefix_windows(con, incident)
     _fill_cached_tokens(con, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)

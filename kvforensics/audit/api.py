@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kvforensics.audit.checks.common import Judged
 from kvforensics.audit.checks.corruption_detection import check_corruption_detection
-from kvforensics.audit.checks.engine_version import check_engine_version
+from kvforensics.audit.checks.engine_version import check_engine_version, exact_version
 from kvforensics.audit.checks.load_balancer import check_load_balancer
 from kvforensics.audit.checks.pool_vs_context import check_pool_vs_context
 from kvforensics.audit.checks.prefix_cache import check_prefix_cache
@@ -99,6 +99,17 @@ def _judge(startups: list[Startup], manifest: DeploymentManifest | None) -> list
     return verdicts
 
 
+def declare_versions(startups: Iterable[Startup], manifest: DeploymentManifest | None) -> None:
+    """A start-up whose log names no exact version takes the one ``[prefix_cache] engine_version`` declares
+    (source ``declared``); a version the log or a server-info dump states wins."""
+    if manifest is None or manifest.prefix_cache is None:
+        return
+    for s in startups:
+        said = manifest.prefix_cache.for_startup(s.instance, (s.model, s.engine_model)).get("engine_version")
+        if said is not None and exact_version(s) is None:
+            s.version, s.version_source = str(said.value), "declared"
+
+
 def _report(
     startups: list[Startup],
     *,
@@ -123,6 +134,7 @@ def _report(
                 "in their file and no timestamp inside a logged interval); not audited"
             )
     attach_server_info(startups, infos, notes)
+    declare_versions(startups, lb)
     if not startups:
         notes.append("no engine start-up found in the inputs: nothing to audit")
     inputs = inputs + [i.file for i in infos] + ([lb.file] if lb is not None else [])

@@ -10,6 +10,8 @@ Check 6 (:mod:`kvforensics.audit.checks.prefix_cache`) needs facts no engine log
                                #   "none":    no salt reaches the engine
     kv_store_keys_salt = true  # optional: you checked that the external KV store's keys include the salt
                                # (true) or not (false); without it the audit judges from the store and version
+    engine_version = "0.5.18"  # optional: the engine build, for engines whose logs name none (SGLang often);
+                               # a version the log states wins
 
     [prefix_cache.models."@cf/zai-org/glm-5.3"]      # optional, per gateway or engine model id
     cache_salt = "client"
@@ -32,7 +34,8 @@ from kvforensics.errors import InputError
 
 TENANTS = ("multi", "single")
 CACHE_SALT = ("gateway", "client", "none")
-KEYS = ("tenants", "cache_salt", "kv_store_keys_salt")
+KEYS = ("tenants", "cache_salt", "kv_store_keys_salt", "engine_version")
+_VERSION = re.compile(r"v?\d+(\.\d+){0,3}([a-z0-9.+-]*)?")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class PrefixCachePolicy:
 
 
 def _value(key: str, raw: object, where: str, file: str) -> str | bool:
+    if key == "engine_version":
+        if not isinstance(raw, str) or not _VERSION.fullmatch(raw.strip()):
+            raise InputError(f"{where}.{key} = {raw!r}; write the engine's version as text, e.g. \"0.5.18\"",
+                             location=file)
+        return raw.strip().lstrip("v")
     if key == "kv_store_keys_salt":
         if not isinstance(raw, bool):
             raise InputError(f"{where}.{key} = {raw!r}; write true or false", location=file)

@@ -266,3 +266,26 @@ CREATE TABLE IF NOT EXISTS inconclusive_reasons (
     message           VARCHAR NOT NULL,       -- one line: what was seen and what to do
     evidence          JSON                    -- the numbers behind it
 );
+
+-- The prefix_reuse mechanism's exposure windows (kvforensics/audit/isolation.py): per engine start-up, each
+-- way KV could cross tenants while it ran (audit check 6 on its server args and the incident file's
+-- [prefix_cache] isolation facts), or one row path = 'isolated' when none. reach: local (the instance's
+-- own cache) | shared_store (a store several instances read) | collision | any (undetermined) | none.
+CREATE TABLE IF NOT EXISTS prefix_windows (
+    instance          VARCHAR NOT NULL,
+    model             VARCHAR,
+    engine            VARCHAR,
+    engine_version    VARCHAR,
+    valid_from        TIMESTAMPTZ,            -- NULL: the start-up has no timestamp (from the beginning)
+    valid_to          TIMESTAMPTZ,            -- NULL: still in force
+    end_reason        VARCHAR,
+    path              VARCHAR NOT NULL,       -- salt_blind_store | no_salt | client_salt | engine_ignores_salt
+                                              -- | weak_hash | undetermined | isolated
+    reach             VARCHAR NOT NULL,
+    status            VARCHAR NOT NULL,       -- fail | unknown | pass
+    sentence          VARCHAR NOT NULL,
+    evidence_file     VARCHAR,
+    evidence_line     BIGINT,
+    startup_file      VARCHAR,
+    startup_line      BIGINT
+);

@@ -33,7 +33,7 @@ def is_fixed(v: Version) -> bool:
 
 
 def exact_version(s: Startup) -> Version | None:
-    if s.version_source == "log":
+    if s.version_source in ("log", "declared"):
         v = _version_of(s.version)
         if v is not None:
             return v
@@ -70,6 +70,8 @@ def spec_side(spec: str, bound: Version = SGLANG_FIXED_VERSION) -> str:
 
 
 def _version_text(s: Startup) -> str:
+    if s.version_source == "declared" and s.version:
+        return f"{s.version} (declared in [prefix_cache] engine_version; the log names none)"
     if s.version_source == "log" and s.version:
         if "engine_version" not in s.evidence:
             return f"{s.version} (from the log)"

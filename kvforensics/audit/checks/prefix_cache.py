@@ -401,3 +401,58 @@ def check_prefix_cache(s: Startup, manifest: DeploymentManifest | None) -> Judge
     salted = f"cache_salt set per tenant by the gateway{_where(salt)}" if salt is not None else ""
     rest = "; ".join(f[1] for f in findings)
     return "pass", "; ".join(x for x in (how, salted, rest) if x), file, line
+
+
+# --- the paths across tenants, one per failing (or undecided) part of check 6 -------------------------
+# Each path is how KV could cross tenants while the start-up ran: the exposure windows of the
+# prefix_reuse mechanism (kvforensics/audit/isolation.py). "local" paths cross tenants inside one
+# instance's own cache; "shared_store" through a store several instances read (an L3 / LMCache store
+# whose keys drop the salt); "collision" through block hashes that collide.
+PATH_REACH = {
+    "no_salt": "local",
+    "client_salt": "local",
+    "engine_ignores_salt": "local",
+    "salt_blind_store": "shared_store",
+    "weak_hash": "collision",
+    "undetermined": "any",
+}
+
+IsolationPath = tuple[str, str, str, str | None, int | None]  # path, status (fail | unknown), sentence, file, line
+
+
+def isolation_paths(s: Startup, manifest: DeploymentManifest | None) -> list[IsolationPath]:
+    """Every way KV could cross tenants on start-up *s* (status ``fail``) or might (``unknown``), from
+    the same evidence as :func:`check_prefix_cache`; empty when the start-up keeps tenants apart."""
+    on, how, file, line = caching(s)
+    if on is False:
+        return []
+    said = _said(manifest, s)
+    tenants, salt = said.get("tenants"), said.get("cache_salt")
+    if tenants is not None and tenants.value == "single":
+        return []
+    if on is None:
+        return [("undetermined", "unknown", how, file, line)]
+    if manifest is None or manifest.prefix_cache is None or tenants is None:
+        return [("undetermined", "unknown",
+                 f"{how}; whether several tenants share it is not stated ([prefix_cache] tenants)", file, line)]
+    mfile = manifest.file
+    paths: list[IsolationPath] = []
+    if salt is None:
+        paths.append(("undetermined", "unknown", "who sets cache_salt is not stated ([prefix_cache] cache_salt)",
+                      mfile, None))
+    elif salt.value == "none":
+        paths.append(("no_salt", "fail", f"multi-tenant with no cache_salt{_where(salt)}", mfile, salt.line))
+    elif salt.value == "client":
+        paths.append(("client_salt", "fail", f"cache_salt from the client's request body{_where(salt)}",
+                      mfile, salt.line))
+    else:
+        honoured = engine_honours_salt(s)
+        if honoured is not None:
+            paths.append(("engine_ignores_salt", *honoured))
+        stored = store(s, said.get("kv_store_keys_salt"))
+        if stored is not None and stored[0] != "pass":
+            paths.append(("salt_blind_store", *stored))
+    hashed = hashing(s)
+    if hashed is not None and hashed[0] != "pass":
+        paths.append(("weak_hash", *hashed))
+    return paths

@@ -101,7 +101,7 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     files.write_kv_events(out, caches, BLOCK_SIZE)
     files.write_engine_logs(out, dep, START - timedelta(hours=1))
     (out / "deploy.toml").write_text(files.manifest(scenario.salted), encoding="utf-8")
-    (out / "incident.toml").write_text(files.incident_toml(scenario.name, scenario.title, INTERNAL_GLOB),
+    (out / "incident.toml").write_text(files.incident_toml(scenario.name, scenario.title, INTERNAL_GLOB, scenario.salted),
                                        encoding="utf-8")
     truth = files.ground_truth(scenario.name, seed, BLOCK_SIZE, served, w, [PROVIDER_ACCOUNT])
     (out / "ground_truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True) + "\n", encoding="utf-8")
