@@ -9,12 +9,15 @@ are not read again); a different one is built afresh, refused (``--no-rebuild``)
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import duckdb
 
+from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.db import run_script
 from kvforensics.loaders.textio import file_digest
@@ -115,3 +118,21 @@ def record(con: duckdb.DuckDBPyConnection, inputs: InputSet) -> None:
     con.execute("INSERT INTO evidence_set VALUES ($f, $h)",
                 {"f": inputs.incident_file, "h": inputs.incident_sha256}).fetchall()
     con.executemany("INSERT INTO evidence_inputs VALUES (?, ?, ?)", sorted(inputs.files))
+
+
+def scope_key(con: duckdb.DuckDBPyConnection, incident: Incident) -> str | None:
+    """What a scope's outputs follow from besides the evidence tables: the incident file as it is now (its
+    parameters), the evidence set the database records and the kvforensics version, as one SHA-256. A scope
+    whose manifest records the same key need not run again (``kvforensics report`` after ``scope``). None
+    when the database records no evidence set (built by an older kvforensics, or not ingested)."""
+    tables = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+    if not {"evidence_set", "evidence_inputs"} <= tables:
+        return None
+    head = con.execute("SELECT incident_file, incident_sha256 FROM evidence_set").fetchall()
+    if not head:
+        return None
+    files = con.execute("SELECT source, file, sha256 FROM evidence_inputs ORDER BY ALL").fetchall()
+    key = {"kvforensics": __version__, "incident_file": str(incident.path.resolve()),
+           "incident_sha256": file_digest(incident.path)[0], "evidence_set": list(head[0]),
+           "evidence_inputs": [list(f) for f in files]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -16,8 +16,9 @@ from rich.markup import escape
 
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
+from kvforensics.digests import CSV_OUTPUTS
 from kvforensics.errors import ConfigError, InputError
-from kvforensics.evidence_set import changes, current_inputs, record, recorded_inputs
+from kvforensics.evidence_set import changes, current_inputs, record, recorded_inputs, scope_key
 from kvforensics.ingest import IngestResult, ingest
 from kvforensics.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
 from kvforensics.progress import record_progress, stage
@@ -45,11 +46,13 @@ class Investigation:
     evidence_built: str | None = None    # how this run came to its evidence set (manifest run.evidence)
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
+    scope_reused: bool = False           # the report reused the folder's scope of the same inputs (not run again)
     _con: duckdb.DuckDBPyConnection | None = None
     _spark: Any = None
     _lock: FolderLock | None = None
     _staging: Path | None = None
     _digests: dict[str, tuple[str, int]] = field(default_factory=dict)  # input files hashed by _prepare_evidence
+    _scope_key: str | None = None        # evidence_set.scope_key when scope() ran: the manifest's run.scope_key
 
     def __post_init__(self) -> None:
         from kvforensics.engines import ENGINES
@@ -232,8 +235,28 @@ class Investigation:
     def scope(self) -> ScopeResult:
         stage(f"scope: affected responses, recipients, sources, windows{' (on Spark)' if self.spark else ''}",
               self.progress)
+        key = scope_key(self.con, self.incident)  # before: what this scope follows from
         self.scope_result = scope(self.con, self.incident, spark=self.spark)
+        self._scope_key = key
         return self.scope_result
+
+    def completed_scope(self) -> ScopeResult | None:
+        """The scope the output folder already holds, if it was computed from the same incident file, the same
+        evidence set and the same kvforensics version (its manifest's ``run.scope_key``) and its outputs are in
+        place; else None. Detect, run again on the same inputs, gives the same tables."""
+        scope_json, manifest_json = self.out_dir / "scope.json", self.out_dir / "manifest.json"
+        if not (self.has("scope") and scope_json.is_file() and manifest_json.is_file()
+                and all((self.out_dir / name).is_file() for name in CSV_OUTPUTS)):
+            return None
+        try:
+            manifest = json.loads(manifest_json.read_text(encoding="utf-8"))
+            summary = json.loads(scope_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        recorded = (manifest.get("run") or {}).get("scope_key") if isinstance(manifest, dict) else None
+        if recorded is None or recorded != scope_key(self.con, self.incident):
+            return None
+        return ScopeResult(summary=summary, parameters=manifest.get("scope_parameters") or {})
 
     def write_outputs(self) -> dict[str, Any]:
         from kvforensics import outputs
@@ -246,8 +269,10 @@ class Investigation:
             outputs.write_tables(self.con, out, raw_csv=self.raw_csv)
             manifest = outputs.write_manifest(self.con, self.incident, self.scope_result, out, self.started,
                                               raw_csv=self.raw_csv)
-            if self.evidence_built:  # how this run came to its evidence set, beside its times
-                manifest["run"]["evidence"] = self.evidence_built
+            run = {"evidence": self.evidence_built,  # how this run came to its evidence set, beside its times
+                   "scope_key": self._scope_key}  # what the scope followed from: a report may reuse it
+            if any(run.values()):
+                manifest["run"].update({k: v for k, v in run.items() if v})
                 (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         return manifest
 
@@ -274,8 +299,12 @@ class Investigation:
     def scope_outputs(self, with_report: bool) -> ScopeResult:
         """``kvforensics scope`` / ``report`` on an ingested and detected folder: scope, then its outputs
         (scope.json, CSVs, manifest) and, with the report, the report and notices, put in place together. A
-        report of an earlier scope is removed by ``scope`` alone (it would no longer match scope.json)."""
+        report of an earlier scope is removed by ``scope`` alone (it would no longer match scope.json). The report
+        of a folder that holds a completed scope of the same inputs (:meth:`completed_scope`) reuses it: its
+        scope.json, CSVs and manifest stay as they are, and only the report and notices are written."""
         self.require("scope")
+        if with_report and (done := self.completed_scope()) is not None:
+            return self._report_of(done)
         result = self.scope()
         report_files = ("report.html", "report.md", "report.pdf", "notices")
         stale = ("manifest.json.sig",) + (("report.pdf", "notices") if with_report else report_files)
@@ -285,6 +314,17 @@ class Investigation:
                 self.report()
             self.seal()
         return result
+
+    def _report_of(self, done: ScopeResult) -> ScopeResult:
+        """The report and notices of the folder's completed scope *done*, its outputs left as they are."""
+        stage("scope: reused (the folder's scope is of the same incident file and evidence)", self.progress)
+        self.scope_result, self.scope_reused = done, True
+        with self.writing(stale=("report.pdf", "notices", "manifest.json.sig")) as out:
+            for name in ("scope.json", *CSV_OUTPUTS):  # beside the report, so that the seal hashes every output
+                _link_or_copy(self.out_dir / name, out / name)
+            self.report()
+            self.seal()
+        return done
 
     def run(self) -> ScopeResult:
         """Every stage, in order; returns the headline numbers."""
@@ -312,6 +352,14 @@ class Investigation:
 
         return (f"<b>Investigation</b> {escape(self.incident.id)}: {escape(self.incident.title)}<br>"
                 f"{len(self.incident.sources)} sources, output in <code>{escape(str(self.out_dir))}</code>")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """*dst* as a hard link to *src* (renaming it over *src* later does nothing), else a copy."""
+    try:
+        dst.hardlink_to(src)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def run(incident: str | Path, out_dir: str | Path, **kwargs: Any) -> ScopeResult:
