@@ -37,7 +37,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("incident", type=Path, help="the incident file (incident.toml)")
     p.add_argument("--out", type=Path, required=True, help="output folder (evidence.duckdb, scope.json, report)")
     p.add_argument("--strict", action="store_true", help="fail on the first record that would be quarantined")
-    p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it)")
+    p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it; default: "
+                   "[settings] memory_limit, else the smaller of 4GB and half the machine's memory)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--no-pdf", action="store_true", help="skip report.pdf (it needs a local Chromium)")
     p.add_argument("--engine", choices=["duckdb", "spark"], default="duckdb",

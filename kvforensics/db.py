@@ -13,27 +13,59 @@ from pathlib import Path
 import duckdb
 
 
+# Without --memory-limit or [settings] memory_limit, a connection's limit is the smaller of this and half the
+# memory the process may use (DuckDB's own default, 80% of the machine, let a run grow to 20 GB of RSS)
+DEFAULT_MEMORY_CAP = "4GB"
+
+
 def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
             threads: int | None = None, read_only: bool = False) -> duckdb.DuckDBPyConnection:
-    """Open (or create) an evidence database with the session settings every stage relies on."""
+    """Open (or create) an evidence database with the session settings every stage relies on. Its memory
+    limit is *memory_limit*, else :func:`default_memory_limit`; :class:`MemoryGovernor` holds the process to it."""
     con = duckdb.connect(str(path), read_only=read_only)
     con.execute("SET TimeZone = 'UTC'")
     # memory DuckDB frees goes back to the system within seconds; otherwise its allocator keeps it, and
     # the process stays at the most DuckDB ever held, above memory_limit once Python holds memory too
     con.execute("SET allocator_background_threads = true").fetchall()
-    if memory_limit:
-        # Validated against a strict pattern above, so it is safe to inline (SET takes no parameters).
-        limit = _checked_size(memory_limit)
-        con.execute(f"SET memory_limit = '{limit}'").fetchall()
-        con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside, MemoryGovernor
-        if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
-            con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
-        con.execute("SET preserve_insertion_order = false").fetchall()
+    # Validated against a strict pattern, so it is safe to inline (SET takes no parameters).
+    limit = _checked_size(memory_limit) if memory_limit else default_memory_limit()
+    con.execute(f"SET memory_limit = '{limit}'").fetchall()
+    con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside, MemoryGovernor
+    if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
+        con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
+    con.execute("SET preserve_insertion_order = false").fetchall()
     if threads:
         con.execute(f"SET threads = {int(threads)}")
     if not read_only:
         run_script(con, "schema")
     return con
+
+
+def default_memory_limit() -> str:
+    """The memory_limit of a connection opened without one: the smaller of ``DEFAULT_MEMORY_CAP`` and half the
+    memory this process may use (the machine's, or its cgroup's limit in a container), in MiB."""
+    cap = size_bytes(DEFAULT_MEMORY_CAP)
+    usable = usable_memory_bytes()
+    return f"{(cap if usable is None else min(cap, usable // 2)) // 2 ** 20}MiB"
+
+
+def usable_memory_bytes() -> int | None:
+    """The machine's physical memory, or less where a cgroup (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
+    limits this process; None where neither can be read."""
+    found = []
+    try:
+        found.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    for limit in (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
+        try:
+            text = limit.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) is no limit; v1 says none with a number near 2**63
+            found.append(int(text))
+    found = [n for n in found if n > 0]
+    return min(found) if found else None
 
 
 @contextmanager

@@ -581,11 +581,43 @@ def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its
         del more
     assert _setting(con) == configured  # restored
     del held
-    unlimited = connect(tmp_path / "unlimited.duckdb")
+    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.db.connect did not set
     before = _setting(unlimited)
     with MemoryGovernor(unlimited, every_s=0) as governor:
         governor.tick()
         assert _setting(unlimited) == before and governor.outside == 0
+
+
+def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, monkeypatch) -> None:
+    """Without --memory-limit or [settings] memory_limit, DuckDB's own default (80% of the machine) would let
+    a run grow to 20 GB of RSS: the limit is the smaller of 4 GB and half the memory, and the governor holds it."""
+    from kvforensics import db
+    from kvforensics.db import MemoryGovernor, size_bytes
+
+    default = db.default_memory_limit()
+    assert size_bytes(default) <= size_bytes("4GB")
+    con = connect(tmp_path / "evidence.duckdb")
+    expected = duckdb.connect()
+    expected.execute(f"SET memory_limit = '{default}'")
+    shown = con.execute("SELECT value FROM duckdb_settings() WHERE name = 'memory_limit'").fetchall()[0][0]
+    assert shown == _setting(expected)
+    assert con.execute("SELECT current_setting('temp_directory')").fetchall()[0][0].endswith("evidence.spill")
+    with MemoryGovernor(con, every_s=0) as governor:  # active: what Python holds is taken off DuckDB's limit
+        assert governor.limit == size_bytes(default)
+        governor.tick()
+        assert governor.outside > 0
+        expected.execute(f"SET memory_limit = '{max(size_bytes(default) - governor.outside, size_bytes(default) // 2)}B'")
+        assert _setting(con) == _setting(expected)
+    # half of a small machine (or container), 4 GB of a large one
+    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 6 * 2 ** 30)
+    assert db.default_memory_limit() == "3072MiB"
+    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 64 * 2 ** 30)
+    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2 ** 20}MiB"
+    monkeypatch.setattr(db, "usable_memory_bytes", lambda: None)
+    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2 ** 20}MiB"
+    # an explicit limit wins, and may be larger
+    assert _setting(connect(tmp_path / "big.duckdb", memory_limit="6GB")) == _setting(duckdb.connect(
+        config={"memory_limit": "6GB"}))
 
 
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
@@ -616,7 +648,7 @@ def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs
     with memory_set_aside(con, 10 ** 12):
         expected.execute(f"SET memory_limit = '{size_bytes('3GB') // 2}B'")
         assert _setting(con) == _setting(expected)
-    unlimited = connect(tmp_path / "unlimited.duckdb")
+    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.db.connect did not set
     before = _setting(unlimited)
     with memory_set_aside(unlimited, 10 ** 9):
         assert _setting(unlimited) == before
