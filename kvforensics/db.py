@@ -12,7 +12,6 @@ from pathlib import Path
 
 import duckdb
 
-
 # Without --memory-limit or [settings] memory_limit, a connection's limit is the smaller of this and half the
 # memory the process may use (DuckDB's own default, 80% of the machine, let a run grow to 20 GB of RSS)
 DEFAULT_MEMORY_CAP = "4GB"
