@@ -154,6 +154,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from kvforensics import audit
 
     kwargs = {"server_info": list(args.server_info), "manifest": args.manifest}
+    if args.incident and args.instance:
+        print("Error: --instance names the instances of engine logs given on the command line; with --incident, "
+              "set `instance` in each engine_log source of the incident file", file=sys.stderr)
+        return 2
     if args.incident:
         from kvforensics.config import load_incident
 
@@ -163,7 +167,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print("Error: name engine logs to audit, or --incident incident.toml", file=sys.stderr)
             return 2
         report = audit.audit_paths(list(args.sources), fmt=args.format, tz=args.timezone, year=args.year,
-                                   envelope=args.envelope, **kwargs)
+                                   envelope=args.envelope, instance_template=args.instance, **kwargs)
     if args.json:
         print(report.to_json())
     elif args.markdown:
@@ -222,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--format", default="auto", choices=["auto", "sglang", "vllm"])
     a.add_argument("--timezone", default="UTC", help="IANA zone of the log timestamps")
     a.add_argument("--year", type=int, help="year for vLLM timestamps, which carry none")
+    a.add_argument("--instance", metavar="TEMPLATE",
+                   help="the instance a log belongs to, from its path: {stem} (file name without extensions), {name}, "
+                        "{parent} (its folder), {label:NAME} (an envelope label); default {stem}, or {parent} "
+                        "(said in a note) when files in different folders share a stem (engines/*/sglang.log.gz)")
     a.add_argument("--envelope", default="auto", choices=list(ENGINE_ENVELOPES),
                    help="the collection envelope of the engine logs (auto: recognised from the first lines; "
                         "an incident file sets it per source)")

@@ -25,6 +25,7 @@ from kvforensics.audit import (
     read_manifest,
     read_server_info,
 )
+from kvforensics.cli import main
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_common import EngineEvent, StartupRecord
 
@@ -948,3 +949,65 @@ def test_sample_incident_glm53_prefill_exposed_27_aug_to_9_sep_and_glm52_clean()
     assert all(v.status == "pass" for v in glm52 if v.check == 1)
     assert {w.instance for w in report.exposure_windows} == {v.instance for v in exposed}
     assert report.exit_code == 1
+
+
+def _two_pods_with_one_file_name(root: Path) -> list[Path]:
+    """engines/prefill-0/sglang.log.gz and engines/prefill-1/sglang.log.gz: two engines, one start-up each."""
+    import gzip
+
+    startup = (FIXTURES / "engine_logs" / "sglang-0.5.4-pd-prefill.log").read_text().splitlines(keepends=True)[:17]
+    paths = []
+    for pod in ("prefill-0", "prefill-1"):
+        path = root / "engines" / pod / "sglang.log.gz"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(gzip.compress("".join(startup).encode()))
+        paths.append(path)
+    return paths
+
+
+def test_files_of_one_name_in_several_folders_are_several_instances_by_default(tmp_path: Path) -> None:
+    """Issue 26: `engines/*/sglang.log.gz` under the default {stem} would be one instance, `sglang`, whose two
+    start-ups read as a restart; each folder is its own instance instead, and a note says so."""
+    paths = _two_pods_with_one_file_name(tmp_path)
+    report = audit_paths(paths)
+    assert {v.instance for v in report.verdicts} == {"prefill-0", "prefill-1"}
+    assert report.notes[0] == (
+        "2 files in different folders share the instance name 'sglang' that --instance '{stem}' gives: told apart "
+        "by their folder instead (--instance '{parent}'); pass --instance '{stem}' if they are one engine's logs")
+    assert {v.startup_to for v in report.verdicts} == {None}  # both still running
+    merged = audit_paths(paths, instance_template="{stem}")
+    assert {v.instance for v in merged.verdicts} == {"sglang"}
+    assert len({v.startup_to for v in merged.verdicts}) == 2  # one read as restarted by the other
+    assert not any("share the instance name" in n for n in merged.notes)
+    both = audit_paths(paths, instance_template="{parent}/{stem}")
+    assert {v.instance for v in both.verdicts} == {"prefill-0/sglang", "prefill-1/sglang"}
+
+
+def test_the_default_instance_template_keeps_the_stem_unless_folders_share_it() -> None:
+    from kvforensics.audit.api import default_instance_template
+
+    assert default_instance_template([Path("engine/p0.log"), Path("engine/d0.log.gz")]) == ("{stem}", None)
+    # one engine's logs rotated in one folder: one instance
+    assert default_instance_template([Path("engine/p0.log"), Path("engine/p0.log.gz")]) == ("{stem}", None)
+    # a folder a day, several pods in each: the folder alone would merge the pods of a day
+    template, note = default_instance_template([Path("logs/2026-08-27/p0.log"), Path("logs/2026-08-27/p1.log"),
+                                                Path("logs/2026-08-28/p0.log")])
+    assert template == "{parent}/{stem}" and note is not None and "'p0'" in note
+
+
+def test_cli_audit_instance_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = [str(p) for p in _two_pods_with_one_file_name(tmp_path)]
+    main(["audit", "--json", *paths])
+    doc = json.loads(capsys.readouterr().out)
+    assert {v["instance"] for v in doc["verdicts"]} == {"prefill-0", "prefill-1"}
+    assert "told apart by their folder instead (--instance '{parent}')" in doc["notes"][0]
+    main(["audit", "--json", "--instance", "{stem}", *paths])
+    assert {v["instance"] for v in json.loads(capsys.readouterr().out)["verdicts"]} == {"sglang"}
+    assert main(["audit", "--instance", "{pod}", *paths]) == 2
+    assert capsys.readouterr().err == (
+        "Error: instance template '{pod}' may only use {stem}, {name}, {parent} and {label:NAME}: "
+        "e.g. --instance '{parent}'\n")
+    assert main(["audit", "--incident", str(tmp_path / "incident.toml"), "--instance", "{parent}"]) == 2
+    assert capsys.readouterr().err == (
+        "Error: --instance names the instances of engine logs given on the command line; with --incident, set "
+        "`instance` in each engine_log source of the incident file\n")

@@ -230,7 +230,7 @@ def audit_paths(
     fmt: str = "auto",
     tz: str | ZoneInfo = "UTC",
     year: int | None = None,
-    instance_template: str = "{stem}",
+    instance_template: str | None = None,
     clock_offset_s: float = 0.0,
     server_info: Sequence[str | Path | ServerInfo] = (),
     manifest: str | Path | DeploymentManifest | None = None,
@@ -242,7 +242,8 @@ def audit_paths(
 
     ``tz`` is the zone of the engines' naive timestamps, ``year`` the year of vLLM's year-less
     stamps, ``instance_template`` names the instance from the file (``{stem}``, ``{name}``,
-    ``{parent}``, or an envelope label ``{label:NAME}``), ``envelope`` the collection envelope
+    ``{parent}``, or an envelope label ``{label:NAME}``; by default :func:`default_instance_template`,
+    which says in a note when it is not ``{stem}``), ``envelope`` the collection envelope
     (``auto``: recognised; a file of several instances gives several), ``handover_s`` how long a
     successor may start before a replaced pod's log ends (``[instances] handover_s``). Raises
     :class:`~kvforensics.errors.InputError` for an unreadable input.
@@ -250,21 +251,11 @@ def audit_paths(
     if not paths:
         raise InputError("no engine logs given: name at least one SGLang or vLLM log file")
     zone = _zone(tz)
-    try:
-        template = Source(
-            name="audit",
-            kind="engine_log",
-            path="",
-            format=fmt,
-            timezone=zone.key,
-            base_dir=Path("."),
-            instance=instance_template,
-        )
-        template.instance_for(Path("x.log"))
-    except (KeyError, IndexError, ValueError) as e:
-        raise InputError(
-            f"instance template {instance_template!r} may only use {{stem}}, {{name}}, {{parent}}"
-        ) from e
+    notes: list[str] = []
+    if instance_template is None:
+        instance_template, note = default_instance_template([Path(p) for p in paths])
+        notes += [note] if note else []
+    template = _instance_source(instance_template, fmt, zone)
     parses: dict[str | Path, EngineLogParse] = {}
     for p in paths:
         path = Path(p)
@@ -283,8 +274,60 @@ def audit_paths(
         i if isinstance(i, ServerInfo) else read_server_info(i, instance_template=instance_template)
         for i in server_info
     ]
-    return audit_parses(
+    report = audit_parses(
         parses, server_info=infos, manifest=manifest, model_aliases=model_aliases, handover_s=handover_s
+    )
+    report.notes[:0] = notes
+    return report
+
+
+def _instance_source(instance_template: str, fmt: str, zone: ZoneInfo) -> Source:
+    """A source that names instances with *instance_template* (refused unless its placeholders are known)."""
+    try:
+        template = Source(
+            name="audit",
+            kind="engine_log",
+            path="",
+            format=fmt,
+            timezone=zone.key,
+            base_dir=Path("."),
+            instance=instance_template,
+        )
+        template.instance_for(Path("x.log"))
+    except (KeyError, IndexError, ValueError) as e:
+        raise InputError(
+            f"instance template {instance_template!r} may only use {{stem}}, {{name}}, {{parent}} and "
+            "{label:NAME}: e.g. --instance '{parent}'"
+        ) from e
+    return template
+
+
+def default_instance_template(paths: Sequence[Path]) -> tuple[str, str | None]:
+    """The instance template of engine logs audited without one, and a note when it is not ``{stem}``.
+
+    ``{stem}`` (the file name without its extensions) unless files in different folders share a stem,
+    as ``engines/*/sglang.log.gz`` do: merged into one instance, their start-ups would be judged as one
+    engine's. Then each folder is an instance: ``{parent}`` when every folder holds files of one stem
+    (and no two folders share a name), else ``{parent}/{stem}``."""
+    stem = _instance_source("{stem}", "auto", ZoneInfo("UTC"))
+    folders: dict[str, set[Path]] = {}
+    for path in paths:
+        folders.setdefault(stem.instance_for(path), set()).add(path.resolve().parent)
+    shared = sorted(name for name, where in folders.items() if len(where) > 1)
+    if not shared:
+        return "{stem}", None
+    stems_of: dict[Path, set[str]] = {}
+    for path in paths:
+        stems_of.setdefault(path.resolve().parent, set()).add(stem.instance_for(path))
+    one_stem_each = all(len(stems) == 1 for stems in stems_of.values())
+    distinct_names = len({folder.name for folder in stems_of}) == len(stems_of)
+    chosen = "{parent}" if one_stem_each and distinct_names else "{parent}/{stem}"
+    files = sum(len(folders[name]) for name in shared)
+    names = ", ".join(f"'{name}'" for name in shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+    return chosen, (
+        f"{files} files in different folders share the instance name {names} that --instance '{{stem}}' gives: "
+        f"told apart by their folder instead (--instance '{chosen}'); pass --instance '{{stem}}' if they are "
+        "one engine's logs"
     )
 
 
