@@ -49,7 +49,8 @@ _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "
 #: top-level key, `mechanisms` (the ids of kvforensics/mechanisms/ to investigate; written before the tables).
 TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
                     "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
-                    "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]"}
+                    "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]",
+                    "quarantine": "[quarantine]"}
 _PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing", "shared_namespaces",
                       # the deployment's isolation facts, the keys of the audit manifest's [prefix_cache]
                       "tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances"}
@@ -145,7 +146,9 @@ class Incident:
     memory_limit: str | None = None
     year: int | None = None
     instances: InstanceMatching = field(default_factory=InstanceMatching)  # [instances]
-    max_quarantine_fraction: float = 0.01  # [settings]: above it a requests source makes the run inconclusive
+    max_quarantine_fraction: float = 0.01  # [settings]: above it a source makes the run inconclusive
+    # [quarantine] <kind> = fraction: the limit of the sources of that kind, where it is not the default above
+    quarantine_fractions: Mapping[str, float] = field(default_factory=dict)
     mechanisms: tuple[str, ...] | None = None  # the mechanisms named; None: every one whose inputs are present
     prefix_block_size: int | None = None  # [prefix_cache] block_size: the engines' prefix-cache block size
     prefix_word_blocks: bool = False  # [prefix_cache] present: prompts without token ids cut into word blocks
@@ -162,6 +165,11 @@ class Incident:
     @property
     def base_dir(self) -> Path:
         return self.path.parent
+
+    def max_quarantine_fractions(self) -> dict[str, float]:
+        """The share of a source's records that may be quarantined before the run is inconclusive, per
+        source kind: ``[quarantine] <kind>``, else ``[settings] max_quarantine_fraction``."""
+        return {kind: float(self.quarantine_fractions.get(kind, self.max_quarantine_fraction)) for kind in SOURCE_KINDS}
 
     def sources_of(self, kind: str) -> list[Source]:
         return [s for s in self.sources if s.kind == kind]
@@ -417,11 +425,8 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                           location=label)
     settings = _table(data, "settings", label)
     check_keys(settings, _SETTINGS_KEYS, f"{label}: [settings]")
-    max_q = settings.get("max_quarantine_fraction", 0.01)
-    if isinstance(max_q, bool) or not isinstance(max_q, (int, float)) or not 0 <= max_q <= 1:
-        raise ConfigError("max_quarantine_fraction must be a number from 0 to 1 (the share of a requests source's "
-                          "records that may be quarantined before the run is inconclusive)",
-                          location=f"{label}: [settings]")
+    max_q = _fraction(settings.get("max_quarantine_fraction", 0.01), "max_quarantine_fraction",
+                      f"{label}: [settings]")
     for key in ("memory_limit", "spark_requests_table"):
         _optional(settings, key, str, f"{label}: [settings]", "a string")
     models = _table(data, "models", label)
@@ -437,9 +442,24 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
                     instances=instances_from_config(_checked_instances(data.get("instances"), label),
                                                     f"{label}: [instances]"),
-                    max_quarantine_fraction=float(max_q),
+                    max_quarantine_fraction=max_q,
+                    quarantine_fractions=_parse_quarantine(_table(data, "quarantine", label), f"{label}: [quarantine]"),
                     mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
                     **_parse_prefix_cache(data, label, path))
+
+
+def _fraction(value: Any, key: str, where: str) -> float:
+    """A share of a source's records that may be quarantined: a number from 0 to 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{key} must be a number from 0 to 1 (the share of a source's records that may be "
+                          f"quarantined before the run is inconclusive), got {value!r}", location=where)
+    return float(value)
+
+
+def _parse_quarantine(table: Mapping[str, Any], where: str) -> dict[str, float]:
+    """``[quarantine]``: a limit per source kind (``kv_events = 0.001``), each a number from 0 to 1."""
+    check_keys(table, SOURCE_KINDS, where, what="source kind")
+    return {kind: _fraction(value, kind, where) for kind, value in table.items()}
 
 
 def _check_top_level(data: Mapping[str, Any], label: str) -> None:

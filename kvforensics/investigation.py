@@ -14,6 +14,7 @@ import duckdb
 import pandas as pd
 from rich.markup import escape
 
+from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
 from kvforensics.digests import CSV_OUTPUTS
@@ -221,6 +222,7 @@ class Investigation:
         with record_progress("loading", self.progress) as (tick, describe):
             self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe,
                                         digests=self._digests)
+        write_prefix_windows(self.con, self.incident)  # the prefix_reuse exposure windows of the start-ups
         for w in self.ingest_result.warnings:
             stage(f"[yellow]warning:[/] {escape(w)}", self.progress)  # "[instances]" is text, not markup
         return self.ingest_result

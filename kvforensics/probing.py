@@ -40,6 +40,9 @@ PROBING_PARAMETERS: dict[str, int | float] = {
     "probe_min_small_step_share": 0.5,  #   this share of consecutive short requests
     "probe_max_gap_seconds": 30,        # read back: next request after the previous first token, within this, in
     "probe_min_read_back_share": 0.5,   #   this share of consecutive short requests
+    "probe_min_foreign_hits": 3,        # on other tenants' content: this many short requests reused it
+    "probe_min_rises": 2,               # a growing prefix: the prompt grew by more than a length step this often,
+    "probe_min_rising_share": 0.9,      #   and never shrank in this share of consecutive short requests
 }
 TIERS = ("likely", "possible", "no")
 

@@ -71,14 +71,28 @@ class ScopeResult:
 # prefix_sources (the prefix_reuse attribution; empty unless its rules flagged a response) runs before
 # notifications, which joins every mechanism's confirmed sources in content_matches
 SCOPE_SCRIPTS = ("scope", "prefix_sources", "exploitation", "notifications", "gaps")
-PREFIX_STORE_WINDOW_S = 60  # sql/prefix_sources.sql: as the block_hash_collision rule's default
+# sql/prefix_sources.sql reads these parameters of the prefix_reuse rules whose findings it attributes
+PREFIX_RULE_PARAMETERS = {"block_hash_collision": ("store_window_s",),
+                          "cross_tenant_store_load": ("load_window_s", "clock_skew_s")}
+
+
+def prefix_rule_parameters(incident: Incident) -> dict[str, Any]:
+    """The prefix_reuse rules' parameters prefix_sources.sql needs, as detect ran them ([rules] overrides)."""
+    from kvforensics.rulebook import load_rules, rule_parameters
+
+    out: dict[str, Any] = {}
+    for rule in load_rules():
+        if rule.id in PREFIX_RULE_PARAMETERS:
+            params = rule_parameters(rule, incident.rule_parameters.get(rule.id))
+            out.update({k: params[k] for k in PREFIX_RULE_PARAMETERS[rule.id]})
+    return out
 
 
 def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
           overrides: Mapping[str, Any] | None = None, spark: SparkEngine | None = None) -> ScopeResult:
     params = {**SCOPE_PARAMETERS, **(overrides or {})}
     period = {"start": incident.scope.start, "end": incident.scope.end}
-    scripts = [(name, {**params, **period, "store_window_s": PREFIX_STORE_WINDOW_S}) for name in SCOPE_SCRIPTS]
+    scripts = [(name, {**params, **period, **prefix_rule_parameters(incident)}) for name in SCOPE_SCRIPTS]
     if spark is not None:
         spark.run_scripts(con, scripts)
     else:
@@ -93,7 +107,7 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
         params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
-    gate(con, incident.max_quarantine_fraction, incident.rule_parameters)
+    gate(con, incident.max_quarantine_fraction, incident.rule_parameters, incident.max_quarantine_fractions())
     return ScopeResult(summary=summarise(con, incident, probing), parameters=params)
 
 
@@ -109,6 +123,24 @@ def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | 
            ORDER BY abs(epoch(ts) - epoch(CAST($t AS TIMESTAMPTZ))), instance NULLS LAST LIMIT 1""",
         {"i": instance, "m": model, "t": at}).fetchall()
     return rows[0][0] if rows else None
+
+
+def prefix_windows_summary(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """The start-ups with a path across tenants (prefix_windows), in time order, each with the prefix_reuse
+    responses affected on its instance while it ran."""
+    rows = con.execute(
+        """SELECT w.instance, w.model, w.path, w.status, w.valid_from, w.valid_to, w.end_reason, w.sentence,
+                  w.evidence_file, w.evidence_line,
+                  (SELECT count(*) FROM affected_responses a
+                   WHERE a.prefill_instance = w.instance
+                     AND (w.valid_from IS NULL OR a.ts >= w.valid_from) AND (w.valid_to IS NULL OR a.ts < w.valid_to)
+                     AND EXISTS (SELECT 1 FROM findings f WHERE f.request_id = a.request_id
+                                                            AND f.mechanism = 'prefix_reuse')) AS responses
+           FROM prefix_windows w WHERE w.path <> 'isolated'
+           ORDER BY w.valid_from NULLS FIRST, w.instance, w.path""").fetchall()
+    return [{"instance": i, "model": m, "path": path, "status": st, "start": iso(f), "end": iso(t),
+             "end_reason": why, "sentence": sentence, "evidence_file": ef, "evidence_line": el, "responses": n}
+            for i, m, path, st, f, t, why, sentence, ef, el, n in rows]
 
 
 def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
@@ -137,6 +169,7 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
     for w in exposure:
         w["opened_by_change"] = _nearest_change(con, w["instance"], w["model"], w["start"])
         w["closed_by_change"] = _nearest_change(con, w["instance"], w["model"], w["end"])
+    prefix = prefix_windows_summary(con) if probing_selected(con) else None
     confirmed, possible = (one(con, "SELECT count(DISTINCT account_id) FROM notifications WHERE role = $r",
                                {"r": r})[0] for r in ("data_exposed_confirmed", "data_exposed_possible"))
     tiers = {t: n for t, n in con.execute(
@@ -171,6 +204,9 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
         "responses_by_model": by_model,
         "windows": windows,
         "exposure_windows": exposure,
+        # the prefix_reuse mechanism's windows (table prefix_windows), when it ran: each start-up's path
+        # across tenants, with the affected responses served through it
+        **({"prefix_windows": prefix} if prefix is not None else {}),
         "source_accounts": {"confirmed": confirmed, "possible": possible},
         "exploitation": {"accounts_looking_deliberate": deliberate,
                          "conclusion": "signs of deliberate exploitation" if deliberate

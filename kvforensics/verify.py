@@ -273,6 +273,7 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
 
 def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
     """Table digests of a fresh ingest, detection and scope of the incident's inputs in a scratch database."""
+    from kvforensics.audit.isolation import write_prefix_windows
     from kvforensics.detect import detect
     from kvforensics.ingest import ingest
     from kvforensics.scope import scope
@@ -281,6 +282,7 @@ def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
     con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
     try:
         ingest(con, incident)
+        write_prefix_windows(con, incident)
         detect(con, overrides=incident.rule_parameters, mechanisms=incident.mechanisms)
         scope(con, incident)
         return table_digests(con)

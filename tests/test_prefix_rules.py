@@ -24,8 +24,9 @@ RULES = load_rules(RULES_DIR)
 CASES = [pytest.param(rule, case, id=f"{rule.id}: {case['name']}") for rule in RULES for case in rule.tests]
 
 
-def test_the_three_rules_are_there():
-    assert [r.id for r in RULES] == ["block_hash_collision", "cross_tenant_prefix_hit", "prefix_salt_mismatch"]
+def test_the_four_rules_are_there():
+    assert [r.id for r in RULES] == ["block_hash_collision", "cross_tenant_prefix_hit", "cross_tenant_store_load",
+                                     "prefix_salt_mismatch"]
 
 
 @pytest.mark.parametrize(("rule", "case"), CASES)
@@ -48,7 +49,7 @@ def _attribute(tables: dict, possible: bool = False) -> list[tuple]:
         for rid in run_rule(con, rule, rule.parameters)["request_id"]:
             con.execute("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
                         "VALUES ($r, $rule, 'v', 'probable')", {"r": rid, "rule": rule.id}).fetchall()
-    run_duckdb_script(con, "prefix_sources", {"store_window_s": 60})
+    run_duckdb_script(con, "prefix_sources", {"store_window_s": 60, "load_window_s": 60, "clock_skew_s": 2})
     if possible:
         return con.execute("""SELECT affected_request_id, source_request_id, source_account_id, basis
                               FROM prefix_possible_sources ORDER BY ALL""").fetchall()

@@ -71,7 +71,7 @@ def _assert_sources_match(con: duckdb.DuckDBPyConnection) -> int:
             con.execute("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
                         "VALUES ($r, $rule, 'v', 'probable')", {"r": rid, "rule": rule.id}).fetchall()
     _account_classes(con)
-    run_duckdb_script(con, "prefix_sources", {"store_window_s": 60})
+    run_duckdb_script(con, "prefix_sources", {"store_window_s": 60, "load_window_s": 60, "clock_skew_s": 2})
     new = sorted(con.execute("SELECT * FROM prefix_sources WHERE basis = 'block_fingerprints'").fetchall(), key=repr)
     assert new == _reference_rows(con, "prefix_sources_block_fingerprints", {})
     return len(new)

@@ -42,7 +42,8 @@ def _mixed_rows() -> list[dict]:
 
 
 def _write_mixed(root: Path, rows: list[dict] | None = None, content: bool = True) -> Path:
-    incident = INCIDENT + "\n[prefix_cache]\nblock_size = 4\n"
+    # the deployment: tenants salted by the gateway on an SGLang build whose radix key ignores the salt
+    incident = INCIDENT + "\n[prefix_cache]\nblock_size = 4\ntenants = \"multi\"\ncache_salt = \"gateway\"\nengine_version = \"0.5.1\"\n"
     if content:
         incident += '\n[[sources]]\nname = "content"\nkind = "content"\npath = "content/*.jsonl"\nformat = "jsonl"\n'
     path = write_mini(root, _mixed_rows() if rows is None else rows, incident)

@@ -73,6 +73,12 @@ class Traffic:
         return con
 
 
+def flag(con: duckdb.DuckDBPyConnection, ids: list[str], rule: str = "cross_tenant_store_load") -> None:
+    """The requests a prefix_reuse rule flagged: their reuse of other tenants' prefixes (what probing reads)."""
+    con.executemany("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
+                    "VALUES ($r, $rule, 'v', 'confirmed')", [{"r": rid, "rule": rule} for rid in ids])
+
+
 def _system_blocks() -> list[str]:
     return [f"system-{i}" for i in range(SYSTEM_PROMPT // BLOCK)]
 
@@ -155,13 +161,16 @@ def row(frame: pd.DataFrame, account: str) -> pd.Series:
 @pytest.mark.parametrize("with_blocks", [True, False], ids=["prefix blocks", "prompt lengths only"])
 def test_prober_among_look_alikes_is_the_only_likely_account(with_blocks):
     traffic = Traffic()
-    probe(traffic, "acct-prober")
+    ids = probe(traffic, "acct-prober")
     harness(traffic, "acct-eval")
     harness(traffic, "acct-mmlu", output=(1, 1), seed=3)   # multiple choice: one output token per question
     retries(traffic, "acct-retry")
     chat(traffic, "acct-chat")
     load_test(traffic, "acct-load")
-    frame = probing_assessment(traffic.database(with_blocks=with_blocks))
+    con = traffic.database(with_blocks=with_blocks)
+    assert set(tiers(probing_assessment(con)).values()) == {"no"}  # the shape of traffic alone is no probing
+    flag(con, ids)  # the probes were served another tenant's cached document
+    frame = probing_assessment(con)
     assert {a: t for a, t in tiers(frame).items() if t != "no"} == {"acct-prober": "likely"}
     prober = row(frame, "acct-prober")
     assert prober["continuation_basis"] == ("prefix blocks" if with_blocks else "prompt lengths")
@@ -178,8 +187,10 @@ def test_prober_among_look_alikes_is_the_only_likely_account(with_blocks):
 
 def test_guesses_inside_a_partial_block_show_in_the_prompt_lengths():
     traffic = Traffic()
-    probe(traffic, "acct-prober", full_blocks_only=True)
-    prober = row(probing_assessment(traffic.database()), "acct-prober")
+    ids = probe(traffic, "acct-prober", full_blocks_only=True)
+    con = traffic.database()
+    flag(con, ids)
+    prober = row(probing_assessment(con), "acct-prober")
     assert (prober["continuation_basis"], prober["max_continuations"]) == ("prefix blocks", 1)
     assert (prober["varied"], prober["probing"]) == (True, "likely")
     assert "6 prompt lengths, 100% of consecutive ones within 4 tokens" in prober["why"]
@@ -196,8 +207,10 @@ def test_each_signal_of_the_prober_is_measured():
 
 def test_a_slow_prober_without_timing_read_back_is_possible():
     traffic = Traffic()
-    probe(traffic, "acct-slow", pause_s=600)     # a guess every ten minutes: no read-back pattern
-    prober = row(probing_assessment(traffic.database()), "acct-slow")
+    ids = probe(traffic, "acct-slow", pause_s=600)     # a guess every ten minutes: no read-back pattern
+    con = traffic.database()
+    flag(con, ids)
+    prober = row(probing_assessment(con), "acct-slow")
     assert prober["read_back"] == False and prober["probing"] == "possible"  # noqa: E712
 
 
@@ -219,7 +232,7 @@ def test_cross_tenant_hits_count_and_complete_the_picture_without_cached_tokens(
     prober, own_row = row(frame, "acct-prober"), row(frame, "acct-own")
     assert (prober["cross_tenant_hits"], prober["source_accounts"], prober["long_prefix"]) == (10, 2, False)
     assert prober["probing"] == "possible"
-    assert "10 requests reused prefixes stored by other tenants" in prober["why"]
+    assert "10 short requests reused prefixes stored by other tenants" in prober["why"]
     assert (own_row["cross_tenant_hits"], own_row["foreign_prefixes"]) == (0, False)
 
 
@@ -252,7 +265,8 @@ def test_look_alikes_alone_are_no_probing_and_say_why():
     # the same prompt back to back: one continuation only
     assert (load["many_short"], load["varied"], load["max_continuations"], load["probing"]) == (True, False, 1, "no")
     assert load["why"].endswith("of the prompt; but no continuations varied over one common prefix; "
-                                "100% sent after the previous first token and within 30 s of it")
+                                "100% sent after the previous first token and within 30 s of it; "
+                                "but no short request reused another tenant's prefix")
 
 
 def test_harness_with_short_answers_is_no_probing_from_prompt_lengths_alone():
@@ -287,10 +301,12 @@ def test_no_probe_shaped_traffic_gives_an_empty_assessment():
 
 def test_parameters_change_the_tier():
     traffic = Traffic()
-    probe(traffic, "acct-prober")
+    ids = probe(traffic, "acct-prober")
     con = traffic.database()
+    flag(con, ids)
+    assert row(probing_assessment(con, {"probe_min_foreign_hits": 49}), "acct-prober")["probing"] == "no"
     assert row(probing_assessment(con, {"probe_min_requests": 49}), "acct-prober")["probing"] == "no"
-    assert row(probing_assessment(con, {"probe_min_continuations": 49}), "acct-prober")["probing"] == "no"
+    assert row(probing_assessment(con, {"probe_min_continuations": 49}), "acct-prober")["probing"] == "possible"
     assert row(probing_assessment(con), "acct-prober")["probing"] == "likely"
 
 
@@ -338,11 +354,12 @@ def test_probing_runs_only_for_the_prefix_reuse_mechanism():
 
 def test_summary_names_the_likely_customers_and_sets_internal_accounts_apart():
     traffic = Traffic()
-    probe(traffic, "acct-prober")
-    probe(traffic, "loadtest-probe", start=T0 + timedelta(hours=1))   # the provider's own red team
-    probe(traffic, "acct-slow", pause_s=600, start=T0 + timedelta(hours=2))
+    ids = probe(traffic, "acct-prober")
+    ids += probe(traffic, "loadtest-probe", start=T0 + timedelta(hours=1))   # the provider's own red team
+    ids += probe(traffic, "acct-slow", pause_s=600, start=T0 + timedelta(hours=2))
     harness(traffic, "acct-mmlu", output=(1, 1), seed=3)
     con = traffic.database()
+    flag(con, ids)
     assert probing_summary(con) is None
     con.execute("CREATE TABLE account_classes AS SELECT DISTINCT account_id, "
                 "CASE WHEN account_id LIKE 'loadtest-%' THEN 'internal' ELSE 'customer' END AS account_class "
@@ -355,3 +372,28 @@ def test_summary_names_the_likely_customers_and_sets_internal_accounts_apart():
         ("acct-slow", "customer", "possible")]
     assert summary["likely_customers"] == ["acct-prober"]
     assert summary["accounts"][0]["why"].startswith("48 of 48 requests")
+
+
+def test_a_growing_prefix_on_other_tenants_content_is_probing_and_autocomplete_is_not():
+    """The documented pattern (PromptPeek; arXiv 2409.20002): candidates differing in a few tokens of one
+    block, one-token answers, the known prefix growing by a block after each hit. Autocomplete grows its
+    own context the same way, with short answers too, but never on another tenant's content."""
+    traffic = Traffic()
+    ids, ts, prefix = [], T0, 2048
+    for step in range(6):                       # six blocks recovered, four candidates each
+        for c in range(4):
+            ids.append(traffic.send("acct-grow", ts, prefix + BLOCK, 1, prefix))
+            ts += timedelta(seconds=0.4)
+        prefix += BLOCK
+    ts, context = T0, 200
+    for _ in range(40):                         # a user typing: its own context grows, a few tokens suggested
+        traffic.send("acct-autocomplete", ts, context, 3, context - 6)
+        context += 7
+        ts += timedelta(seconds=2)
+    con = traffic.database(with_blocks=False)
+    flag(con, ids[4:])                          # from the second block on, the probes hit the victim's pages
+    frame = probing_assessment(con, {"probe_min_requests": 20})
+    grow, auto = row(frame, "acct-grow"), row(frame, "acct-autocomplete")
+    assert (grow["growing"], grow["rises"], grow["probing"]) == (True, 5, "likely")
+    assert "the prompt grew 5 times by more than 4 tokens" in grow["why"]
+    assert (auto["growing"], auto["foreign_prefixes"], auto["probing"]) == (True, False, "no")

@@ -138,6 +138,11 @@ HELPERS: dict[str, dict[str, Expansion]] = {
         "duckdb": lambda ts, ms: f"({ts} + to_microseconds(CAST(({ms}) * 1000 AS BIGINT)))",
         "spark": lambda ts, ms: f"timestamp_micros(unix_micros({ts}) + CAST(bround(({ms}) * 1000, 0) AS BIGINT))",
     },
+    # Microseconds since the epoch of an instant (BIGINT): differences of instants, portably.
+    "epoch_us": {
+        "duckdb": lambda ts: f"epoch_us({ts})",
+        "spark": lambda ts: f"unix_micros({ts})",
+    },
     # ts + a whole number of hours.
     "add_hours": {
         "duckdb": lambda ts, n: f"({ts} + to_hours(CAST(({n}) AS BIGINT)))",

@@ -29,6 +29,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.db import one
+from kvforensics.loaders.chain import chain_fingerprint
 from kvforensics.loaders.kv_events import block_fingerprint
 
 DEFAULT_BLOCK_SIZE = 16
@@ -43,12 +44,6 @@ def word_fingerprint(words: Sequence[str], key: bytes) -> int:
     """The keyed fingerprint of a block of words, the message :func:`block_fingerprint` builds from
     token ids with the words in their place."""
     message = b"kv-block:" + ",".join(words).encode("utf-8")
-    return int.from_bytes(hmac_digest(key, message, "sha256")[:8], "big") >> 1
-
-
-def chain_fingerprint(parent: int | None, block_fp: int, key: bytes) -> int:
-    """The keyed fingerprint of a prefix up to a block: its parent's chain fingerprint and its own."""
-    message = f"kv-chain:{'' if parent is None else parent}:{block_fp}".encode("ascii")
     return int.from_bytes(hmac_digest(key, message, "sha256")[:8], "big") >> 1
 
 

@@ -348,3 +348,88 @@ SELECT format('prompt_tokens: the gateway''s count and the engines'' own count (
        $max_prompt_tokens_disagree_fraction AS max_fraction
 FROM compared
 HAVING count(*) > 0 AND count(*) FILTER (WHERE differ) > $max_prompt_tokens_disagree_fraction * count(*);
+
+-- reason: prefix_path_undetermined
+-- prefix_reuse responses counted as affected whose instance had no start-up the investigation could judge
+-- when they were served (no engine log covers them, or the isolation facts are not stated): whether a path
+-- across tenants was open then is unknown, so the finding cannot be told from a tenant's own reuse
+WITH flagged AS (
+    SELECT DISTINCT a.request_id, a.ts, a.prefill_instance
+    FROM affected_responses a JOIN findings f ON f.request_id = a.request_id AND f.mechanism = 'prefix_reuse'
+), judged AS (
+    SELECT x.request_id,
+           max(CASE WHEN w.instance IS NULL OR w.reach = 'any' THEN 1 ELSE 0 END) AS undetermined,
+           list(DISTINCT w.sentence) FILTER (WHERE w.reach = 'any') AS why
+    FROM flagged x
+    LEFT JOIN prefix_windows w ON w.instance = x.prefill_instance
+                              AND (w.valid_from IS NULL OR w.valid_from <= x.ts) AND (w.valid_to IS NULL OR x.ts < w.valid_to)
+    GROUP BY x.request_id
+)
+SELECT format('prefix_reuse: {:,} affected response(s) were served where no engine start-up says whether a path across '
+              || 'tenants was open (e.g. {}{}): add the engine logs of those instances and state the deployment''s '
+              || 'isolation facts in [prefix_cache] (tenants, cache_salt, engine_version)',
+              count(*), gate_names(list(request_id ORDER BY request_id)),
+              coalesce('; ' || any_value(why[1]), '')) AS message,
+       count(*) AS responses
+FROM judged WHERE undetermined = 1
+HAVING count(*) > 0;
+
+-- reason: prefix_affected_outside_window
+-- prefix_reuse responses counted as affected on an instance whose start-up, when they were served, had no path
+-- across tenants (salted per tenant, no shared store, a sound hash): the KV events and the engine logs (or the
+-- isolation facts) contradict each other
+WITH flagged AS (
+    SELECT DISTINCT a.request_id, a.ts, a.prefill_instance
+    FROM affected_responses a JOIN findings f ON f.request_id = a.request_id AND f.mechanism = 'prefix_reuse'
+), judged AS (
+    SELECT x.request_id, x.prefill_instance, count(w.instance) AS startups,
+           count(*) FILTER (WHERE w.reach <> 'none') AS open_paths
+    FROM flagged x
+    JOIN prefix_windows w ON w.instance = x.prefill_instance
+                         AND (w.valid_from IS NULL OR w.valid_from <= x.ts) AND (w.valid_to IS NULL OR x.ts < w.valid_to)
+    GROUP BY x.request_id, x.prefill_instance
+)
+SELECT format('prefix_reuse: {:,} affected response(s) were served on instance(s) {} while their start-up had no path '
+              || 'across tenants (e.g. {}): the KV events and the start-ups contradict each other; check the start-up '
+              || 'logs (a storage backend or salt setting not logged) and [prefix_cache] (kv_store_keys_salt, '
+              || 'engine_version)', count(*), gate_names(list(DISTINCT prefill_instance ORDER BY prefill_instance)),
+              gate_names(list(request_id ORDER BY request_id))) AS message,
+       count(*) AS responses
+FROM judged WHERE open_paths = 0
+HAVING count(*) > 0;
+
+-- reason: prefix_window_unseen
+-- a start-up with a store whose keys drop the salt, served cache hits, and published pages whose content
+-- another namespace had stored first, but no prefix_reuse finding falls in it: the reuse through the store
+-- left no signature this run can read (a build that publishes no host store for a load, events lost), so
+-- "none affected" there is not shown
+WITH windows AS (
+    SELECT DISTINCT instance, valid_from, valid_to FROM prefix_windows WHERE path = 'salt_blind_store'
+), first_stores AS (
+    SELECT chain_fp, salt, min(ts) AS ts FROM kv_events
+    WHERE kind = 'stored' AND chain_fp IS NOT NULL AND salt IS NOT NULL GROUP BY chain_fp, salt
+), crossed AS (
+    SELECT w.instance, w.valid_from, count(DISTINCT e.chain_fp) AS pages
+    FROM windows w
+    JOIN kv_events e ON e.instance = w.instance AND e.kind = 'stored' AND e.salt IS NOT NULL
+                    AND (w.valid_from IS NULL OR e.ts >= w.valid_from) AND (w.valid_to IS NULL OR e.ts < w.valid_to)
+    WHERE EXISTS (SELECT 1 FROM first_stores f WHERE f.chain_fp = e.chain_fp AND f.salt <> e.salt AND f.ts < e.ts)
+    GROUP BY w.instance, w.valid_from
+), silent AS (
+    SELECT c.* FROM crossed c
+    WHERE EXISTS (SELECT 1 FROM analysed_requests r
+                  WHERE r.prefill_instance = c.instance AND r.cached_tokens > 0
+                    AND (c.valid_from IS NULL OR r.ts >= c.valid_from))
+      AND NOT EXISTS (SELECT 1 FROM findings f JOIN requests r ON r.request_id = f.request_id
+                      JOIN windows w ON w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from
+                      WHERE f.mechanism = 'prefix_reuse' AND r.prefill_instance = c.instance
+                        AND (w.valid_from IS NULL OR r.ts >= w.valid_from) AND (w.valid_to IS NULL OR r.ts < w.valid_to))
+)
+SELECT format('prefix_reuse: {:,} start-up(s) with a store that drops the cache salt ({}) served cache hits and '
+              || 'published {:,} page(s) another namespace had stored first, yet no response there is flagged: '
+              || 'the loads from the store left no signature in the KV events (a build that publishes no host '
+              || 'store for a load, or lost events); check the engine build and the event archive',
+              count(*), gate_names(list(instance ORDER BY instance)), sum(pages)) AS message,
+       count(*) AS startups, sum(pages) AS pages
+FROM silent
+HAVING count(*) > 0;

@@ -13,7 +13,8 @@
 -- prefix_reuse rules' findings and attributions, with the source account where known).
 -- Parameters (kvforensics/probing.py, PROBING_PARAMETERS): $probe_max_output_tokens, $probe_min_requests,
 -- $probe_min_short_share, $probe_min_cached_fraction, $probe_min_cached_share, $probe_max_length_step,
--- $probe_min_small_step_share, $probe_min_continuations, $probe_max_gap_seconds, $probe_min_read_back_share.
+-- $probe_min_small_step_share, $probe_min_continuations, $probe_max_gap_seconds, $probe_min_read_back_share,
+-- $probe_min_foreign_hits, $probe_min_rises, $probe_min_rising_share.
 
 -- The probe-shaped requests: answered (2xx) with at most a few output tokens, in each account's order.
 CREATE OR REPLACE TEMP TABLE probe_candidates AS
@@ -31,6 +32,8 @@ WHERE r.status BETWEEN 200 AND 299 AND r.completion_tokens IS NOT NULL
 CREATE OR REPLACE TEMP TABLE probe_steps AS
 SELECT n.account_id,
        abs(n.prompt_tokens - p.prompt_tokens) <= $probe_max_length_step AS small_step,
+       n.prompt_tokens >= p.prompt_tokens AS not_shrinking,
+       n.prompt_tokens - p.prompt_tokens > $probe_max_length_step AS rise,
        n.ts >= {{ add_milliseconds(p.ts, coalesce(p.ttft_ms, p.latency_ms, 0)) }}
          AND n.ts <= {{ add_milliseconds(p.ts, coalesce(p.ttft_ms, p.latency_ms, 0) + $probe_max_gap_seconds * 1000) }}
          AS read_back
@@ -68,13 +71,16 @@ WITH totals AS (
 ), steps AS (
     SELECT account_id, count(*) AS pairs,
            count(CASE WHEN small_step THEN 1 END) AS small_steps,
+           count(CASE WHEN not_shrinking THEN 1 END) AS not_shrinking, count(CASE WHEN rise THEN 1 END) AS rises,
            count(CASE WHEN read_back THEN 1 END) AS read_backs
     FROM probe_steps GROUP BY account_id
 ), blocks AS (
     SELECT account_id, count(*) AS probes_with_blocks FROM probe_last_blocks GROUP BY account_id
 ), hits AS (
     SELECT r.account_id, count(DISTINCT h.request_id) AS cross_tenant_hits,
-           count(DISTINCT h.source_account) AS source_accounts
+           count(DISTINCT h.source_account) AS source_accounts,
+           count(DISTINCT CASE WHEN h.request_id IN (SELECT request_id FROM probe_candidates) THEN h.request_id END)
+               AS foreign_probe_hits
     FROM probe_hits h JOIN probe_requests r ON r.request_id = h.request_id
     WHERE h.source_account IS NULL OR h.source_account <> r.account_id
     GROUP BY r.account_id
@@ -90,6 +96,9 @@ WITH totals AS (
            coalesce(p.prompt_lengths, 0) AS prompt_lengths,
            {{ round_double(coalesce(s.small_steps, 0) / GREATEST(coalesce(s.pairs, 0), 1), 4) }} AS small_step_share,
            {{ round_double(coalesce(s.read_backs, 0) / GREATEST(coalesce(s.pairs, 0), 1), 4) }} AS read_back_share,
+           {{ round_double(coalesce(s.not_shrinking, 0) / GREATEST(coalesce(s.pairs, 0), 1), 4) }} AS rising_share,
+           coalesce(s.rises, 0) AS rises,
+           coalesce(x.foreign_probe_hits, 0) AS foreign_probe_hits,
            coalesce(x.cross_tenant_hits, 0) AS cross_tenant_hits,
            coalesce(x.source_accounts, 0) AS source_accounts
     FROM totals t
@@ -109,18 +118,24 @@ WITH totals AS (
              OR (f.prompt_lengths >= $probe_min_continuations
                  AND f.small_step_share >= $probe_min_small_step_share) AS varied,
            f.read_back_share >= $probe_min_read_back_share AS read_back,
-           f.cross_tenant_hits > 0 AS foreign_prefixes
+           -- probes on content the account had not sent itself: its short requests reused other tenants' blocks
+           f.foreign_probe_hits >= $probe_min_foreign_hits AND f.foreign_probe_hits > 0 AS foreign_prefixes,
+           -- the known prefix grows (by a block after each hit): lengths never shrink and rise step by step
+           f.rises >= $probe_min_rises AND f.rising_share >= $probe_min_rising_share AS growing
     FROM features f
     WHERE f.short_requests > 0 OR f.cross_tenant_hits > 0
 )
 SELECT account_id, account_class, requests, short_requests, short_share, cached_prefix_share, continuation_basis,
        max_continuations, prompt_lengths, small_step_share, read_back_share, cross_tenant_hits, source_accounts,
-       many_short, long_prefix, varied, read_back, foreign_prefixes,
+       rising_share, rises, foreign_probe_hits,
+       many_short, long_prefix, varied, read_back, foreign_prefixes, growing,
        CAST(many_short AS INTEGER) + CAST(long_prefix AS INTEGER) + CAST(varied AS INTEGER)
-         + CAST(read_back AS INTEGER) + CAST(foreign_prefixes AS INTEGER) AS signals,
-       CASE WHEN many_short AND varied AND long_prefix AND (read_back OR foreign_prefixes) THEN 'likely'
-            WHEN many_short AND ((varied AND (long_prefix OR read_back OR foreign_prefixes))
-                                 OR (long_prefix AND foreign_prefixes)) THEN 'possible'
+         + CAST(read_back AS INTEGER) + CAST(foreign_prefixes AS INTEGER) + CAST(growing AS INTEGER) AS signals,
+       -- probing reads other tenants' content: without short requests on it, no shape of traffic alone
+       -- (an evaluation harness, autocomplete, keep-alives, retries) is probing
+       CASE WHEN many_short AND foreign_prefixes AND long_prefix AND (varied OR growing) AND (read_back OR growing)
+                THEN 'likely'
+            WHEN many_short AND foreign_prefixes AND (varied OR growing OR long_prefix OR read_back) THEN 'possible'
             ELSE 'no' END AS probing,
        coalesce(nullif(concat_ws('; ',
            CASE WHEN many_short THEN CAST(short_requests AS STRING) || ' of ' || CAST(requests AS STRING)
@@ -139,7 +154,12 @@ SELECT account_id, account_class, requests, short_requests, short_share, cached_
            CASE WHEN read_back THEN CAST(CAST({{ round_double(100 * read_back_share, 0) }} AS BIGINT) AS STRING)
                 || '% sent after the previous first token and within ' || CAST($probe_max_gap_seconds AS STRING)
                 || ' s of it' END,
-           CASE WHEN foreign_prefixes THEN CAST(cross_tenant_hits AS STRING)
-                || CASE WHEN cross_tenant_hits = 1 THEN ' request' ELSE ' requests' END
-                || ' reused prefixes stored by other tenants' END), ''), 'no probing signal') AS why
+           CASE WHEN growing THEN 'the prompt grew ' || CAST(rises AS STRING)
+                || ' times by more than ' || CAST($probe_max_length_step AS STRING) || ' tokens and never shrank in '
+                || CAST(CAST({{ round_double(100 * rising_share, 0) }} AS BIGINT) AS STRING)
+                || '% of consecutive short requests' END,
+           CASE WHEN foreign_prefixes THEN CAST(foreign_probe_hits AS STRING)
+                || ' short requests reused prefixes stored by other tenants'
+                WHEN many_short THEN 'but no short request reused another tenant''s prefix' END), ''),
+           'no probing signal') AS why
 FROM signals;

@@ -13,11 +13,16 @@
 --     recipient's own first stored block (its last reused block). A hit on a hash no event shows (the
 --     recipient stored nothing and its content never reached that cache) has no determinable source.
 -- Reads findings (the flagged requests), requests, request_blocks, kv_events, account_classes.
--- Parameters: $store_window_s (the block_hash_collision rule's default).
+--   shared_store_pages: the recipient loaded pages from a shared store (rule cross_tenant_store_load) that
+--     another namespace had written there first: that namespace's request on the writing instance that
+--     arrived last before the write (sql/prefix_store_loads.sql), else its account alone.
+-- Parameters: $store_window_s (the block_hash_collision rule's), $load_window_s and $clock_skew_s (the
+-- cross_tenant_store_load rule's).
 CREATE OR REPLACE TABLE prefix_sources AS
 WITH flagged AS (
     SELECT DISTINCT request_id FROM findings
     WHERE rule_id IN ('cross_tenant_prefix_hit', 'prefix_salt_mismatch', 'block_hash_collision')
+       OR rule_id = 'cross_tenant_store_load'
 ), internal AS (
     SELECT account_id FROM account_classes WHERE account_class = 'internal'
 ), reused AS (
@@ -78,7 +83,30 @@ WITH flagged AS (
     JOIN requests p ON p.request_id = pb.request_id
     WHERE c.matched_fp <> c.block_fp AND p.prefill_instance = c.prefill_instance
       AND p.ts <= {{ add_milliseconds(c.matched_ts, 1000 * $store_window_s) }} AND p.request_id <> c.request_id
+), {{ fragment('prefix_store_loads') }}, store_pages AS (
+    -- pages a flagged response loaded from a shared store that another namespace wrote
+    SELECT c.request_id, f.position, f.owner_salt, f.owner_instance, f.written
+    FROM load_requests c
+    JOIN foreign_pages f ON f.instance = c.instance AND f.ts = c.ts AND f.salt = c.salt
+    WHERE c.nearest = 1
+      AND c.request_id IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
+), store_writers AS (
+    -- each page's writer: the owner namespace's request on the writing instance that arrived last before
+    -- the write (within $load_window_s), else the namespace's account alone
+    SELECT p.request_id, p.position, r.request_id AS sender_id,
+           coalesce(r.account_id, a.account_id) AS sender_account,
+           row_number() OVER (PARTITION BY p.request_id, p.position
+                              ORDER BY r.ts DESC NULLS LAST, r.request_id NULLS LAST) AS latest
+    FROM store_pages p
+    LEFT JOIN salt_accounts a ON a.cache_salt = p.owner_salt
+    LEFT JOIN requests r ON r.cache_salt = p.owner_salt AND r.prefill_instance = p.owner_instance
+                        AND r.ts <= {{ add_milliseconds(p.written, 1000 * $clock_skew_s) }}
+                        AND r.ts >= {{ add_milliseconds(p.written, -1000 * $load_window_s) }}
 ), chosen AS (
+    SELECT request_id, coalesce(position, 0) AS position, sender_id, sender_account,
+           'shared_store_pages' AS basis
+    FROM store_writers WHERE latest = 1 AND sender_account IS NOT NULL
+    UNION ALL
     SELECT request_id, position, sender_id, sender_account, basis FROM stores
     UNION ALL
     SELECT request_id, position, sender_id, sender_account, basis FROM collision_stores WHERE earliest = 1

@@ -10,6 +10,9 @@
 -- events stored under a hash that, last before the request on its instance, held another fingerprint,
 -- and a reused block whose prefix no earlier request sent at all and whose content the events of its
 -- instance (covering the request's time) never stored before it (the request stored nothing itself).
+-- The last basis is absence of evidence: it counts only where the request's start-up hashed blocks with an
+-- algorithm that allows collisions (prefix_windows path weak_hash), weak where no start-up says (a SHA-256
+-- chain gives no collision to find). The first two are one hash seen with two contents.
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH hits AS (
     SELECT request_id, ts, prefill_instance, cache_salt, cached_tokens
@@ -77,7 +80,7 @@ WITH hits AS (
     SELECT instance, block_fp, min(ts) AS first_ts FROM kv_events WHERE kind = 'stored' GROUP BY instance, block_fp
 ), instance_events AS (
     SELECT instance, min(ts) AS first_ts, max(ts) AS last_ts FROM kv_events GROUP BY instance
-), by_unexplained AS (
+), {{ fragment('prefix_paths') }}, by_unexplained AS (
     -- and the events of its instance, which cover the request's time, never stored that block before
     -- it: the cache held no such block, so the engine matched another under the same hash
     SELECT x.request_id, x.position, 3 AS priority, 'hit_on_a_block_never_stored' AS basis
@@ -86,6 +89,8 @@ WITH hits AS (
     JOIN reused u ON u.request_id = x.request_id AND u.position = x.position
     JOIN instance_events i ON i.instance = x.prefill_instance AND i.first_ts < h.ts AND h.ts < i.last_ts
     LEFT JOIN first_stored s ON s.instance = x.prefill_instance AND s.block_fp = u.block_fp
+    -- absence of evidence proves a collision only where the block hash allows one (a weak hash)
+    JOIN request_paths p ON p.request_id = x.request_id AND p.collision_path = 1
     WHERE s.first_ts IS NULL OR s.first_ts >= h.ts
 ), found AS (
     SELECT * FROM by_own_store
@@ -95,11 +100,14 @@ WITH hits AS (
     SELECT f.*, row_number() OVER (PARTITION BY f.request_id ORDER BY f.priority NULLS LAST) AS pick
     FROM found f
 )
-SELECT h.request_id, 'strong' AS strength,
+SELECT h.request_id,
+       CASE WHEN r.basis = 'hit_on_a_block_never_stored' AND p.undetermined = 1 THEN 'weak' ELSE 'strong' END
+           AS strength,
        {{ json_object('basis', r.basis, 'instance', h.prefill_instance, 'cached_tokens', h.cached_tokens,
                       'colliding_block', r.position, 'hashes_with_several_contents', coalesce(c.hashes, 0)) }}
            AS evidence
 FROM ranked r
 JOIN hits h ON h.request_id = r.request_id
+JOIN request_paths p ON p.request_id = r.request_id
 LEFT JOIN colliding_hashes c ON c.instance = h.prefill_instance
 WHERE r.pick = 1

@@ -9,6 +9,9 @@
 -- are unknown or unexplained, whose account never sent a prompt that long on the model before, that
 -- no internal account could have stored, and whose length fewer than $shared_length_accounts
 -- accounts' unexplained hits share (a prefix every tenant gets from the cache is a shared one).
+-- Only through a path across tenants open on the request's instance when it was served (prefix_windows,
+-- sql/prefix_paths.sql): its own cache (no salt, a client's salt, a build that ignores it) for a store on
+-- its instance, a store whose keys drop the salt for one on any instance; with no start-up to judge, both.
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH internal AS (
     SELECT DISTINCT a.account_id
@@ -29,13 +32,17 @@ WITH internal AS (
     SELECT h.request_id, h.ts, h.account_id, h.model, h.prefill_instance, h.cache_salt, b.position, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
-), {{ fragment('prefix_senders') }}, stores AS (
-    -- each foreign block's store: the earliest send on the requester's own cache (instance and salt), else
-    -- (nothing there explains it, or $shared_store) the earliest on any instance of the model
-    SELECT request_id, position, any_local,
-           CASE WHEN any_local = 0 OR $shared_store THEN first_account ELSE local_account END AS sender_account
-    FROM block_senders
-    WHERE benign = 0
+), {{ fragment('prefix_senders') }}, {{ fragment('prefix_paths') }}, stores AS (
+    -- each foreign block's store, through a path open on the requester's instance then (prefix_windows):
+    -- the earliest send on its own cache (instance and salt) when that cache crossed tenants, else (nothing
+    -- there explains it, or $shared_store) the earliest on any instance of the model when a store whose
+    -- keys drop the salt was in force
+    SELECT s.request_id, s.position,
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN 1 ELSE 0 END AS any_local,
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN s.local_account
+                ELSE s.first_account END AS sender_account
+    FROM block_senders s JOIN request_paths p ON p.request_id = s.request_id
+    WHERE s.benign = 0 AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
 ), foreign_blocks AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, max(position) AS last_position,
            count(DISTINCT sender_account) AS source_accounts, min(any_local) AS all_local
@@ -69,7 +76,8 @@ WITH internal AS (
            {{ json_object('basis', 'cached_tokens_only', 'cached_tokens', f.cached_tokens,
                           'accounts_with_this_hit_length', l.accounts) }} AS evidence
     FROM first_time f JOIN lengths l ON l.model = f.model AND l.cached_tokens = f.cached_tokens
-    WHERE l.accounts < $shared_length_accounts
+    JOIN request_paths p ON p.request_id = f.request_id
+    WHERE l.accounts < $shared_length_accounts AND (p.local_path = 1 OR p.store_path = 1)
       AND NOT EXISTS (SELECT 1 FROM strong s WHERE s.request_id = f.request_id)
 )
 SELECT request_id, strength, evidence FROM strong

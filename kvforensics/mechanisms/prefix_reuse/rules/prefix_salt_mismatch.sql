@@ -10,6 +10,8 @@
 -- A prefix the requester's own account or one of the provider's internal accounts had sent before is
 -- never counted (a shared system prompt). A request without a salt counts only when the requests
 -- source logs salts at all (some request carries one).
+-- Only through a path across tenants open on the request's instance when it was served (prefix_windows,
+-- sql/prefix_paths.sql); with no start-up to judge, any.
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH internal AS (
     SELECT DISTINCT a.account_id
@@ -31,12 +33,13 @@ WITH internal AS (
     SELECT h.*, b.position, b.block_fp, b.chain_fp
     FROM hits h JOIN blocks b ON b.request_id = h.request_id
     WHERE b.end_token <= h.cached_tokens
-), {{ fragment('prefix_senders') }}, by_request_salt AS (
+), {{ fragment('prefix_senders') }}, {{ fragment('prefix_paths') }}, by_request_salt AS (
     -- the block's store (the earliest send on the requester's own cache, else on any instance) had another salt
     SELECT u.request_id, count(*) AS blocks, min(u.position) AS first_position, 1 AS priority,
            'request_salt' AS basis
     FROM reused u JOIN block_senders s ON s.request_id = u.request_id AND s.position = u.position
-    WHERE s.benign = 0
+    JOIN request_paths p ON p.request_id = u.request_id
+    WHERE s.benign = 0 AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
       AND (CASE WHEN s.any_local = 1 THEN s.local_salt ELSE s.first_salt END) IS DISTINCT FROM u.cache_salt
     GROUP BY u.request_id
 ), event_stores AS (
@@ -51,7 +54,10 @@ WITH internal AS (
     GROUP BY u.request_id, u.position
 ), by_event_salt AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, 2 AS priority, 'kv_event_salt' AS basis
-    FROM event_stores WHERE same_salt = 0 AND other_salt = 1
+    FROM event_stores e
+    WHERE same_salt = 0 AND other_salt = 1
+      AND EXISTS (SELECT 1 FROM request_paths p WHERE p.request_id = e.request_id
+                                                  AND (p.local_path = 1 OR p.store_path = 1))
     GROUP BY request_id
 ), found AS (
     SELECT * FROM by_request_salt

@@ -1,0 +1,114 @@
+-- Loads from a shared KV store of pages another namespace wrote there, and the response each load served:
+-- CTEs shared by the cross_tenant_store_load rule and sql/prefix_sources.sql, included with
+-- {{ fragment('prefix_store_loads') }}. The method is the rule's (its SQL file's header).
+-- Reads the CTE internal (account_id) of the query that includes it: the provider's own accounts.
+-- Parameters: $load_window_s, $clock_skew_s.
+-- Defines, among others:
+--   foreign_pages (instance, ts, salt, position, num_tokens, chain_fp, owner_salt, owner_instance, written):
+--     each page loaded from the store whose content another namespace wrote first (owner_salt, on
+--     owner_instance at written);
+--   load_requests (instance, ts, salt, pages, last_position, tokens, owners, request_id, cached_tokens,
+--     nearest): the requests of the loading namespace near each load; nearest = 1 on the one it served.
+ordered AS (
+    -- every event of an instance in publication order
+    SELECT instance, ts, kind, block_hash, medium, salt, position, num_tokens, chain_fp,
+           row_number() OVER (PARTITION BY instance ORDER BY ts NULLS LAST, batch NULLS LAST, seq NULLS LAST,
+                                                         block_hash NULLS LAST) AS ord
+    FROM kv_events
+), cleared AS (
+    -- the instance's last clear at or before each event
+    SELECT o.*,
+           max(CASE WHEN o.kind = 'cleared' THEN o.ord END) OVER (PARTITION BY o.instance ORDER BY o.ord
+                                                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+               AS cleared_ord
+    FROM ordered o
+), startups AS (
+    SELECT instance, valid_from, valid_to,
+           max(CASE WHEN reach IN ('shared_store', 'any') THEN 1 ELSE 0 END) AS shared_store,
+           max(model) AS model
+    FROM prefix_windows GROUP BY instance, valid_from, valid_to
+), blocks AS (
+    -- block events with the start of their instance's start-up (its caches begin empty), the previous
+    -- event of the same hash on the device and in host memory
+    SELECT c.*,
+           max(CASE WHEN c.medium IS NULL OR c.medium = 'GPU' THEN c.ord END)
+               OVER (PARTITION BY c.instance, c.block_hash ORDER BY c.ord
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_device,
+           max(CASE WHEN c.medium = 'CPU_PINNED' THEN c.ord END)
+               OVER (PARTITION BY c.instance, c.block_hash ORDER BY c.ord
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_host
+    FROM cleared c
+    WHERE c.kind IN ('stored', 'removed') AND c.block_hash IS NOT NULL
+), placed AS (
+    SELECT b.*, s.valid_from AS started, s.shared_store, s.model,
+           CASE WHEN s.instance IS NULL THEN 1 ELSE 0 END AS no_startup
+    FROM blocks b
+    LEFT JOIN startups s ON s.instance = b.instance
+                        AND (s.valid_from IS NULL OR s.valid_from <= b.ts) AND (s.valid_to IS NULL OR b.ts < s.valid_to)
+), held AS (
+    -- is the page on the device / in host memory just before this event (stored since the start-up and
+    -- the last clear, not removed since)?
+    SELECT p.*,
+           CASE WHEN d.kind = 'stored' AND d.ord > coalesce(p.cleared_ord, 0)
+                     AND (p.started IS NULL OR d.ts >= p.started) THEN 1 ELSE 0 END AS on_device,
+           CASE WHEN h.kind = 'stored' AND h.ord > coalesce(p.cleared_ord, 0)
+                     AND (p.started IS NULL OR h.ts >= p.started) THEN 1 ELSE 0 END AS in_host
+    FROM placed p
+    LEFT JOIN ordered d ON d.instance = p.instance AND d.ord = p.prev_device
+    LEFT JOIN ordered h ON h.instance = p.instance AND h.ord = p.prev_host
+), loads AS (
+    -- host stores of pages held nowhere: read from the shared store
+    SELECT instance, ts, salt, position, num_tokens, chain_fp, model
+    FROM held
+    WHERE kind = 'stored' AND medium = 'CPU_PINNED' AND on_device = 0 AND in_host = 0
+      AND chain_fp IS NOT NULL AND salt IS NOT NULL
+), writes AS (
+    -- the other stores, on instances whose start-up had a shared store: pages put in the store
+    SELECT h.instance, h.ts, h.salt, h.chain_fp, h.model
+    FROM held h
+    WHERE h.kind = 'stored' AND h.chain_fp IS NOT NULL AND (h.shared_store = 1 OR h.no_startup = 1)
+      AND NOT (h.medium = 'CPU_PINNED' AND h.on_device = 0 AND h.in_host = 0)
+), first_writes AS (
+    -- per content (and model), each namespace's first write, and where it was made
+    SELECT chain_fp, model, salt, ts, instance
+    FROM (SELECT w.*, row_number() OVER (PARTITION BY w.chain_fp, w.model, w.salt
+                                         ORDER BY w.ts NULLS LAST, w.instance NULLS LAST) AS pick
+          FROM writes w) f
+    WHERE pick = 1
+), owners AS (
+    -- per loaded page, the namespace that wrote it first before the load, and whether the loading
+    -- namespace had written it itself
+    SELECT l.instance, l.ts, l.salt, l.position, l.num_tokens, l.chain_fp, f.salt AS owner_salt, f.ts AS written,
+           f.instance AS owner_instance,
+           row_number() OVER (PARTITION BY l.instance, l.ts, l.salt, l.chain_fp
+                              ORDER BY f.ts NULLS LAST, f.salt NULLS LAST) AS first,
+           max(CASE WHEN f.salt = l.salt THEN 1 ELSE 0 END)
+               OVER (PARTITION BY l.instance, l.ts, l.salt, l.chain_fp) AS own_copy
+    FROM loads l
+    JOIN first_writes f ON f.chain_fp = l.chain_fp AND f.ts < l.ts
+                       AND (f.model = l.model OR f.model IS NULL OR l.model IS NULL)
+), salt_accounts AS (
+    SELECT cache_salt, min(account_id) AS account_id FROM requests WHERE cache_salt IS NOT NULL GROUP BY cache_salt
+), foreign_pages AS (
+    SELECT o.*
+    FROM owners o
+    LEFT JOIN salt_accounts a ON a.cache_salt = o.owner_salt
+    WHERE o.first = 1 AND o.own_copy = 0 AND o.owner_salt IS NOT NULL AND o.owner_salt <> o.salt
+      AND NOT EXISTS (SELECT 1 FROM prefix_shared_namespaces n WHERE {{ glob_match(o.owner_salt, n.pattern) }})
+      AND (a.account_id IS NULL OR a.account_id NOT IN (SELECT account_id FROM internal))
+), load_groups AS (
+    -- the pages one namespace loaded at one moment on one instance
+    SELECT instance, ts, salt, count(*) AS pages, max(position) AS last_position,
+           sum(num_tokens) AS tokens, count(DISTINCT owner_salt) AS owners
+    FROM foreign_pages GROUP BY instance, ts, salt
+), load_requests AS (
+    SELECT g.*, r.request_id, r.cached_tokens,
+           row_number() OVER (PARTITION BY g.instance, g.ts, g.salt
+                              ORDER BY abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
+                                       r.request_id NULLS LAST) AS nearest
+    FROM load_groups g
+    JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt AND r.cached_tokens > 0
+                   AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
+                   AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
+                   AND (g.last_position IS NULL OR r.cached_tokens >= g.tokens)
+)
