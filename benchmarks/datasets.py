@@ -1,4 +1,5 @@
-"""Generated data sets, cached in the work directory by request count, gateway format and seed.
+"""Generated data sets, cached in the work directory by request count, gateway format (or prefix-cache
+scenario: ``kvforensics simulate --mechanism prefix_reuse --prefix-scenario NAME``) and seed.
 
 A data set is the simulator's output folder (``incident.toml``, ``gateway/``, ``engine/``, ...). It
 is generated into a temporary folder and renamed into place only when the simulator succeeded, so
@@ -27,6 +28,12 @@ class Dataset:
     format: str
     seed: int
     info: dict
+    scenario: str | None = None  # a prefix-cache incident (simulate/prefix), else the stale-pages one
+
+    @property
+    def label(self) -> str:
+        """What the results file keys the runs of this data set by: its prefix scenario, else its format."""
+        return self.scenario or self.format
 
     @property
     def incident_toml(self) -> Path:
@@ -57,29 +64,33 @@ def simulator_sha256() -> str:
     return digest.hexdigest()[:16]
 
 
-def dataset_dir(workdir: Path, requests: int, fmt: str, seed: int) -> Path:
-    return workdir / "data" / f"{fmt}-n{requests}-seed{seed}"
+def dataset_dir(workdir: Path, requests: int, fmt: str, seed: int, scenario: str | None = None) -> Path:
+    return workdir / "data" / f"{scenario or fmt}-n{requests}-seed{seed}"
 
 
 def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_path: Path,
-                   timeout_s: float | None = None) -> Dataset:
-    """The cached data set, generating it with ``kvforensics simulate`` when absent."""
-    final = dataset_dir(workdir, requests, fmt, seed)
+                   timeout_s: float | None = None, scenario: str | None = None) -> Dataset:
+    """The cached data set, generating it with ``kvforensics simulate`` when absent. With *scenario*, the
+    prefix-cache incident of that name (its gateway log is JSONL: *fmt* must be ``jsonl``)."""
+    if scenario and fmt != "jsonl":
+        raise ValueError(f"the prefix scenario {scenario} writes its gateway log as JSONL, not {fmt}")
+    final = dataset_dir(workdir, requests, fmt, seed, scenario)
     marker = final / MARKER
     if marker.exists():
         info = json.loads(marker.read_text(encoding="utf-8"))
         info["simulator_changed_since"] = info.get("simulator_sha256") != simulator_sha256()
-        return Dataset(final, requests, fmt, seed, info)
+        return Dataset(final, requests, fmt, seed, info, scenario)
     partial = final.with_name(final.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
     partial.parent.mkdir(parents=True, exist_ok=True)
     sim_hash = simulator_sha256()
+    kind = ["--mechanism", "prefix_reuse", "--prefix-scenario", scenario] if scenario else ["--format", fmt]
     m = run_measured([sys.executable, "-m", "kvforensics", "simulate", "--seed", str(seed),
-                      "--requests", str(requests), "--format", fmt, "--out", str(partial)],
+                      "--requests", str(requests), *kind, "--out", str(partial)],
                      log_path=log_path, timeout_s=timeout_s)
     if not m.ok:
-        raise RuntimeError(f"simulate --requests {requests} --format {fmt} failed (exit {m.returncode}); "
+        raise RuntimeError(f"simulate --requests {requests} {' '.join(kind)} failed (exit {m.returncode}); "
                            f"see {log_path}:\n{m.stderr_tail}")
     if final.exists():
         shutil.rmtree(final)
@@ -94,11 +105,16 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
         "requests": requests, "format": fmt, "seed": seed,
         "generate_wall_s": round(m.wall_s, 2), "generate_peak_rss_mb": round(m.peak_rss_mb, 1),
         "gateway_files": len(gateway), "gateway_bytes": sum(p.stat().st_size for p in gateway),
-        "gateway_lines": truth["counts"]["gateway_lines"], "unique_requests": truth["counts"]["requests"],
-        "affected_responses": truth["counts"]["affected_responses"],
-        "engine_bytes": size("engine"), "content_bytes": size("content"),
-        "page_simulation": truth["page_simulation"], "simulator_sha256": sim_hash,
+        "engine_bytes": size("engine"), "content_bytes": size("content"), "simulator_sha256": sim_hash,
     }
+    if scenario:  # simulate/prefix's ground truth: the responses computed on another tenant's blocks
+        info.update(scenario=scenario, gateway_lines=truth["requests"], unique_requests=truth["requests"],
+                    affected_responses=len(truth["recipients"]), recipient_accounts=len(truth["recipient_accounts"]),
+                    source_accounts=len(truth["source_accounts"]), kv_events_bytes=size("kv-events"))
+    else:
+        info.update(gateway_lines=truth["counts"]["gateway_lines"], unique_requests=truth["counts"]["requests"],
+                    affected_responses=truth["counts"]["affected_responses"],
+                    page_simulation=truth["page_simulation"])
     # incident.toml paths are relative to the file, so the rename keeps the data set usable.
     (final / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-    return Dataset(final, requests, fmt, seed, info)
+    return Dataset(final, requests, fmt, seed, info, scenario)

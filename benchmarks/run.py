@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --requests 10000000 [--format jsonl|parquet|both] [--memory-limit 1GB]
                              [--stages ingest,pipeline] [--workdir /tmp/kvf-bench] [--pandas-baseline]
+    python benchmarks/run.py --requests 20000,100000 --prefix-scenario prefix-l3-unsalted
 
 Generates the data with ``kvforensics simulate`` (cached in the work directory by request count,
 format and seed), runs every measured step in its own process (``steps.py``; peak RSS is that
@@ -96,7 +97,7 @@ class Runner:
     def step(self, name: str, ds: Dataset, *, out: Path | None = None, memory_limit: str | None = None,
              extra: tuple[str, ...] = (), label: str | None = None) -> dict[str, Any]:
         label = label or name
-        report = self.workdir / "reports" / f"{ds.format}-n{ds.requests}-{label}.json"
+        report = self.workdir / "reports" / f"{ds.label}-n{ds.requests}-{label}.json"
         report.parent.mkdir(parents=True, exist_ok=True)
         argv = python_argv("steps.py", name, "--incident", str(ds.incident_toml), "--report", str(report), *extra)
         if out is not None:
@@ -108,15 +109,15 @@ class Runner:
         if name.startswith("floor"):
             argv += ["--temp-dir", str(self.workdir / "duckdb-tmp")]
         if label in self.args.profile or name in self.args.profile:
-            prof = self.workdir / "profiles" / f"{ds.format}-n{ds.requests}-{label}.prof"
+            prof = self.workdir / "profiles" / f"{ds.label}-n{ds.requests}-{label}.prof"
             prof.parent.mkdir(parents=True, exist_ok=True)
             argv += ["--profile", str(prof)]
         if self.args.trace_sql and not name.startswith("floor"):
-            trace = self.workdir / "traces" / f"{ds.format}-n{ds.requests}-{label}.sql.json"
+            trace = self.workdir / "traces" / f"{ds.label}-n{ds.requests}-{label}.sql.json"
             trace.parent.mkdir(parents=True, exist_ok=True)
             argv += ["--trace-sql", str(trace)]
         if self.args.memory_trace:
-            memory = self.workdir / "traces" / f"{ds.format}-n{ds.requests}-{label}.memory.jsonl"
+            memory = self.workdir / "traces" / f"{ds.label}-n{ds.requests}-{label}.memory.jsonl"
             memory.parent.mkdir(parents=True, exist_ok=True)
             argv += ["--memory-trace", str(memory)]
         print(f"  {label:<16}", end="", flush=True)
@@ -172,18 +173,20 @@ class Runner:
         if wanted[0] == "ingest":
             out = self.fresh(ds, "pipeline")
         else:  # later steps only: on the database a run with --keep-evidence left
-            out = self.workdir / "runs" / f"{ds.format}-n{ds.requests}-seed{ds.seed}" / "pipeline"
+            out = self.workdir / "runs" / f"{ds.label}-n{ds.requests}-seed{ds.seed}" / "pipeline"
             if not (out / "evidence.duckdb").exists():
                 raise SystemExit(f"--steps {','.join(wanted)}: no evidence database in {out}; "
                                  "run the steps before them with --keep-evidence first")
-        skip = self.args.skip_floors or wanted[0] != "ingest"
+        # the floor is the stale-pages investigation's (oversize prompts against the pool): none for a prefix scenario
+        skip = self.args.skip_floors or wanted[0] != "ingest" or ds.scenario is not None
         steps = [] if skip else [self.step("floor-oversize", ds, memory_limit=limit)]
         for name in wanted:
             entry = self.step(name, ds, out=out, memory_limit=limit)
             steps.append(entry)
             if not entry["ok"]:
                 break
-        result: dict[str, Any] = {"memory_limit": limit, "floors": ["floor-oversize"], "steps": steps}
+        result: dict[str, Any] = {"memory_limit": limit, "floors": [] if ds.scenario else ["floor-oversize"],
+                                  "steps": steps}
         if self.args.pandas_baseline:
             steps.append(self.step("pandas", ds, out=out))
             result["agreement"] = agreement(out)
@@ -194,7 +197,7 @@ class Runner:
         return result
 
     def fresh(self, ds: Dataset, stage: str) -> Path:
-        out = self.workdir / "runs" / f"{ds.format}-n{ds.requests}-seed{ds.seed}" / stage
+        out = self.workdir / "runs" / f"{ds.label}-n{ds.requests}-seed{ds.seed}" / stage
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         return out
@@ -331,10 +334,11 @@ def header(info: dict[str, Any], code: dict[str, Any]) -> str:
 
 # --- results file ------------------------------------------------------------------------------------
 
-def write_results(requests: int, run: dict[str, Any], results_dir: Path) -> Path:
-    """Merge into ``<date>-<N>.json``: one entry per format and stage, the latest run wins."""
+def write_results(requests: int, run: dict[str, Any], results_dir: Path, name: str | None = None) -> Path:
+    """Merge into ``<date>-<N>.json`` (``<date>-<N>-<name>.json`` with *name*, e.g. a prefix scenario): one entry
+    per format (or scenario) and stage, the latest run wins."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{dt.date.today().isoformat()}-{requests}.json"
+    path = results_dir / f"{dt.date.today().isoformat()}-{requests}{f'-{name}' if name else ''}.json"
     doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"requests": requests, "runs": {}}
     doc.update({k: v for k, v in run.items() if k != "runs"})
     for fmt, entry in run["runs"].items():  # stage by stage: a pipeline-only run keeps the ingest stage
@@ -350,8 +354,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--format", choices=["jsonl", "parquet", "both"], default="both")
     p.add_argument("--memory-limit", default=None,
                    help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)")
-    p.add_argument("--stages", default="ingest,sources,pipeline",
-                   help="ingest, sources and/or pipeline (comma list)")
+    p.add_argument("--stages", default=None,
+                   help="ingest, sources and/or pipeline (comma list; default all three, with --prefix-scenario "
+                        "pipeline, the only one it has)")
+    p.add_argument("--prefix-scenario", default=None,
+                   help="measure a prefix-cache incident instead (kvforensics simulate --mechanism prefix_reuse "
+                        "--prefix-scenario NAME, e.g. prefix-l3-unsalted): the pipeline stage, without floors, "
+                        "results in <date>-<N>-<NAME>.json")
     p.add_argument("--sources", default=",".join(SOURCE_STEPS),
                    help="with the sources stage: which sources, comma list (engine_log, content)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
@@ -377,10 +386,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true", help="with --show: Markdown tables (for README.md)")
     args = p.parse_args(argv)
     args.requests = [int(x.replace("_", "")) for x in args.requests.split(",") if x]
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    default_stages = "pipeline" if args.prefix_scenario else ",".join(STAGES)
+    args.stages = [s.strip() for s in (args.stages or default_stages).split(",") if s.strip()]
     bad = set(args.stages) - set(STAGES)
     if bad:
         p.error(f"unknown stage(s) {sorted(bad)}; use {', '.join(STAGES)}")
+    if args.prefix_scenario:
+        if args.stages != ["pipeline"] or args.pandas_baseline:
+            p.error("--prefix-scenario measures the pipeline stage only, without the pandas baseline "
+                    "(both are the stale-pages investigation's)")
+        if args.format == "parquet":
+            p.error("--prefix-scenario: the prefix simulator writes its gateway log as JSONL; leave --format out")
+        args.format = "jsonl"
     bad = {k for k in args.sources.split(",") if k} - set(SOURCE_STEPS)
     if bad:
         p.error(f"unknown source(s) {sorted(bad)}; use {', '.join(SOURCE_STEPS)}")
@@ -428,10 +445,11 @@ def main(argv: list[str] | None = None) -> int:
                                "runs": {}}
         tables = []
         for fmt in args.formats:
-            print(f"== {n:,} requests, {fmt}: data set", end="", flush=True)
+            print(f"== {n:,} requests, {args.prefix_scenario or fmt}: data set", end="", flush=True)
             if args.regenerate:
-                shutil.rmtree(dataset_dir(args.workdir, n, fmt, args.seed), ignore_errors=True)
-            ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout)
+                shutil.rmtree(dataset_dir(args.workdir, n, fmt, args.seed, args.prefix_scenario), ignore_errors=True)
+            ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout,
+                                scenario=args.prefix_scenario)
             print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines; "
                   f"engine logs {ds.info.get('engine_bytes', 0) / 1e6:,.0f} MB, "
                   f"content {ds.info.get('content_bytes', 0) / 1e6:,.0f} MB; "
@@ -445,13 +463,13 @@ def main(argv: list[str] | None = None) -> int:
                 result["table"] = stage_rows(stage, result)
                 entry[stage] = result
                 failed |= not all(s["ok"] for s in result["steps"])
-                title = (f"{stage} | {n:,} requests | {fmt} | memory_limit {result['memory_limit']} | "
+                title = (f"{stage} | {n:,} requests | {ds.label} | memory_limit {result['memory_limit']} | "
                          "x <floor> = wall / floor wall; pandas x = pandas wall / ours")
                 tables.append(render_table(title, result["table"], result["floors"]))
                 if result.get("agreement"):
                     tables.append(f"agreement with pandas: {result['agreement']['summary']}")
-            run["runs"][fmt] = entry
-            path = write_results(n, run, args.results_dir)
+            run["runs"][ds.label] = entry
+            path = write_results(n, run, args.results_dir, args.prefix_scenario)
         print()
         print(header(info, code))
         for t in tables:

@@ -28,6 +28,20 @@ def test_a_later_run_of_the_day_replaces_only_the_stages_it_ran(tmp_path: Path) 
         "dataset": {"n": 2}, "ingest": {"steps": "first"}, "pipeline": {"steps": "second"}}
 
 
+def test_a_prefix_scenario_is_measured_in_the_pipeline_stage_into_its_own_results_file(tmp_path: Path) -> None:
+    from run import parse_args, write_results
+
+    args = parse_args(["--requests", "20000,100000", "--prefix-scenario", "prefix-l3-unsalted"])
+    assert (args.stages, args.formats, args.requests) == (["pipeline"], ["jsonl"], [20000, 100000])
+    path = write_results(20000, {"runs": {"prefix-l3-unsalted": {"pipeline": {"steps": []}}}}, tmp_path,
+                         "prefix-l3-unsalted")
+    assert path.name.endswith("-20000-prefix-l3-unsalted.json")
+    assert list(json.loads(path.read_text())["runs"]) == ["prefix-l3-unsalted"]
+    for refused in (["--stages", "ingest,pipeline"], ["--pandas-baseline"], ["--format", "parquet"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--prefix-scenario", "prefix-l3-unsalted", *refused])
+
+
 _LEAN_PARENT = """
 import json, sys
 from pathlib import Path
