@@ -968,6 +968,8 @@ def _two_pods_with_one_file_name(root: Path) -> list[Path]:
 def test_files_of_one_name_in_several_folders_are_several_instances_by_default(tmp_path: Path) -> None:
     """Issue 26: `engines/*/sglang.log.gz` under the default {stem} would be one instance, `sglang`, whose two
     start-ups read as a restart; each folder is its own instance instead, and a note says so."""
+    import gzip
+
     paths = _two_pods_with_one_file_name(tmp_path)
     report = audit_paths(paths)
     assert {v.instance for v in report.verdicts} == {"prefill-0", "prefill-1"}
@@ -981,6 +983,11 @@ def test_files_of_one_name_in_several_folders_are_several_instances_by_default(t
     assert not any("share the instance name" in n for n in merged.notes)
     both = audit_paths(paths, instance_template="{parent}/{stem}")
     assert {v.instance for v in both.verdicts} == {"prefill-0/sglang", "prefill-1/sglang"}
+    # a note about one of them names its folder too
+    (tmp_path / "engines" / "prefill-2").mkdir()
+    (tmp_path / "engines" / "prefill-2" / "sglang.log.gz").write_bytes(gzip.compress(b"not a start-up\n"))
+    notes = audit_paths([*paths, tmp_path / "engines" / "prefill-2" / "sglang.log.gz"], fmt="sglang").notes
+    assert "prefill-2/sglang.log.gz: no engine start-up found; this file gives no KV pool size" in notes
 
 
 def test_the_default_instance_template_keeps_the_stem_unless_folders_share_it() -> None:

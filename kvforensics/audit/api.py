@@ -189,11 +189,13 @@ def audit_parses(
     norm: list[Startup] = []
     events: list[tuple[str | None, EngineEvent]] = []
     notes: list[str] = []
+    names = [Path(p).name for p in parses]
+    shared = {n for n in names if names.count(n) > 1}  # engines/*/sglang.log.gz: named with their folder
     for path, parse in parses.items():
         file = str(path)
         norm += [from_record(r, file, aliases) for r in parse.startups]
         events += [(file, e) for e in parse.events if e.kind in AUDIT_EVENT_KINDS]
-        name = Path(file).name
+        name = Path(file).name if Path(file).name not in shared else f"{Path(file).parent.name}/{Path(file).name}"
         notes += [f"{name}: {n}" for n in parse.notes]
         if parse.quarantined:
             notes.append(
