@@ -41,9 +41,13 @@ def _mixed_rows() -> list[dict]:
     ]
 
 
-def _write_mixed(root: Path, rows: list[dict] | None = None, content: bool = True) -> Path:
-    # the deployment: tenants salted by the gateway on an SGLang build whose radix key ignores the salt
-    incident = INCIDENT + "\n[prefix_cache]\nblock_size = 4\ntenants = \"multi\"\ncache_salt = \"gateway\"\nengine_version = \"0.5.1\"\n"
+# the deployment: tenants salted by the gateway on an SGLang build whose radix key ignores the salt
+SALT_IGNORED = 'tenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.1"\n'
+
+
+def _write_mixed(root: Path, rows: list[dict] | None = None, content: bool = True,
+                 isolation: str = SALT_IGNORED) -> Path:
+    incident = INCIDENT + "\n[prefix_cache]\nblock_size = 4\n" + isolation
     if content:
         incident += '\n[[sources]]\nname = "content"\nkind = "content"\npath = "content/*.jsonl"\nformat = "jsonl"\n'
     path = write_mini(root, _mixed_rows() if rows is None else rows, incident)
@@ -358,3 +362,24 @@ def test_a_prefix_incident_without_cached_tokens_for_most_requests_is_inconclusi
     assert [(r["evidence"]["rule"], r["evidence"]["fields"]) for r in reasons] == [("prefix_reuse", ["cached_tokens"])]
     assert "cached_tokens empty for " in reasons[0]["message"]
 
+
+
+@pytest.mark.parametrize(("isolation", "outcome"), [
+    ("", "undetermined"),                                                    # no isolation facts stated
+    ('tenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.22"\n', "isolated"),  # salt honoured
+    (SALT_IGNORED, "flagged"),
+])
+def test_a_cross_salt_hit_counts_only_through_a_path_the_startups_open(tmp_path, isolation, outcome):
+    """The same hit on another salt's blocks: with no isolation facts the run is inconclusive
+    (prefix_path_undetermined); on a build that keys its radix tree on the salt it is no finding; on one
+    that ignores the salt it is flagged."""
+    code, scope = _run(_write_mixed(tmp_path / "incident", isolation=isolation), tmp_path / "out")
+    con = _con(tmp_path / "out")
+    try:
+        flagged = con.execute("SELECT count(*) FROM findings WHERE request_id = 'p-hit'").fetchone()[0]
+    finally:
+        con.close()
+    reasons = [r["code"] for r in scope["inconclusive_reasons"]]
+    assert (flagged > 0, "prefix_path_undetermined" in reasons) == {
+        "undetermined": (True, True), "isolated": (False, False), "flagged": (True, False)}[outcome]
+    assert code == (3 if outcome == "undetermined" else 0)

@@ -440,11 +440,16 @@ def isolation_paths(s: Startup, manifest: DeploymentManifest | None) -> list[Iso
     if salt is None:
         paths.append(("undetermined", "unknown", "who sets cache_salt is not stated ([prefix_cache] cache_salt)",
                       mfile, None))
-    elif salt.value == "none":
-        paths.append(("no_salt", "fail", f"multi-tenant with no cache_salt{_where(salt)}", mfile, salt.line))
-    elif salt.value == "client":
-        paths.append(("client_salt", "fail", f"cache_salt from the client's request body{_where(salt)}",
-                      mfile, salt.line))
+    elif salt.value in ("none", "client"):
+        if salt.value == "none":
+            paths.append(("no_salt", "fail", f"multi-tenant with no cache_salt{_where(salt)}", mfile, salt.line))
+        else:
+            paths.append(("client_salt", "fail", f"cache_salt from the client's request body{_where(salt)}",
+                          mfile, salt.line))
+        shared = _store(s)  # without a salt of the tenant's own, any store several instances read is shared
+        if shared is not None:
+            paths.append(("salt_blind_store", "fail", f"{shared[1].split(':')[0]} shared by the instances, and no "
+                          "salt of the tenant's own keys it", shared[2], shared[3]))
     else:
         honoured = engine_honours_salt(s)
         if honoured is not None:
