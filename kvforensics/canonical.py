@@ -15,6 +15,7 @@ REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", 
 CANONICAL_CHANGE_FIELDS = ("ts", "model", "instance", "description", "details")
 # prompt_token_ids (optional): the prompt as the engine's token ids, cut into prefix blocks (loaders/prefix_blocks.py)
 CANONICAL_CONTENT_FIELDS = ("request_id", "prompt", "output", "prompt_token_ids")
-# kv_events: the keys of a batch written as an object (dotted for a nested key); `instance` read from a
-# field only when mapped, else from the source's instance template
-CANONICAL_KV_EVENT_FIELDS = ("instance", "ts", "events", "dp_rank")
+# kv_events: the keys of a message written as an object (dotted for a nested key, a number indexing an array:
+# "batch.1"); `instance` read from a field only when mapped, else from the source's instance template; `seq`
+# the publisher's sequence number (kv_event_gaps)
+CANONICAL_KV_EVENT_FIELDS = ("instance", "ts", "events", "dp_rank", "seq")

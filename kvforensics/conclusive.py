@@ -28,6 +28,19 @@ from kvforensics.rulebook import load_rules, rule_parameters
 from kvforensics.timestamps import iso
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
+# quarantine_share: what to fix when a source of each kind quarantined more than its limit allows (the limits:
+# [settings] max_quarantine_fraction, or [quarantine] <kind>; kvforensics.config.Incident.max_quarantine_fractions)
+QUARANTINE_FIXES: dict[str, str] = {
+    "requests": "fix the source's mapping (columns, value maps, null tokens) so these records load",
+    "engine_log": "check the source's format, envelope, timezone and year so these lines load",
+    "changes": "fix the source's columns so these records load",
+    "content": "fix the source's columns so these records load",
+    "kv_events": "fix the source's columns (ts, events, dp_rank, instance, seq: where the archive keeps each part of "
+                 "a message) so these events load",
+}
+# kv_event_gap: the mechanism whose responses lost KV events leave unexplained (its rules' findings are the
+# flagged responses; its rules are read from the rule registry)
+KV_EVENT_MECHANISM = "prefix_reuse"
 # cached_tokens_disagree: the share of the requests both the gateway and the engine count cached tokens for
 # on which they may differ before the figures resting on cached tokens are unreliable (fewer: an ingest warning)
 MAX_CACHED_TOKENS_DISAGREE_FRACTION = 0.01
@@ -123,13 +136,22 @@ def codes() -> tuple[str, ...]:
 
 
 def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
-               rule_overrides: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+               rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+               max_quarantine_fractions: Mapping[str, float] | None = None) -> dict[str, Any]:
     """The checks' parameters; *rule_overrides* (the incident's ``[rules.<id>]``) set the tolerance of the
-    prompt_tokens comparison as they set the rule's."""
+    prompt_tokens comparison as they set the rule's; *max_quarantine_fractions* the quarantine limit of a
+    source kind (``[quarantine]``) where it is not *max_quarantine_fraction*."""
     needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
-    [rule] = [r for r in load_rules() if r.id == TOKEN_COUNT_RULE]
+    rules = load_rules()
+    [rule] = [r for r in rules if r.id == TOKEN_COUNT_RULE]
     tolerance = rule_parameters(rule, (rule_overrides or {}).get(TOKEN_COUNT_RULE))
+    limits = {kind: float((max_quarantine_fractions or {}).get(kind, max_quarantine_fraction))
+              for kind in QUARANTINE_FIXES}
     return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs,
+            "quarantine_limits": [{"kind": kind, "max_fraction": limits[kind], "fix": QUARANTINE_FIXES[kind]}
+                                  for kind in sorted(limits)],
+            "kv_event_rules": sorted(r.id for r in rules if r.mechanism == KV_EVENT_MECHANISM),
+            "kv_event_mechanism": KV_EVENT_MECHANISM,
             "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION,
             "max_prompt_tokens_disagree_fraction": MAX_PROMPT_TOKENS_DISAGREE_FRACTION,
             "token_min_abs_diff": int(tolerance["min_abs_diff"]), "token_max_rel_diff": float(tolerance["max_rel_diff"]),
@@ -185,9 +207,10 @@ def record(con: duckdb.DuckDBPyConnection, reasons: list[Reason]) -> None:
 
 
 def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
-         rule_overrides: Mapping[str, Mapping[str, Any]] | None = None) -> list[Reason]:
+         rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+         max_quarantine_fractions: Mapping[str, float] | None = None) -> list[Reason]:
     """Evaluate every check and record the reasons; empty when the run is conclusive."""
-    reasons = evaluate(con, parameters(max_quarantine_fraction, rule_overrides))
+    reasons = evaluate(con, parameters(max_quarantine_fraction, rule_overrides, max_quarantine_fractions))
     record(con, reasons)
     return reasons
 

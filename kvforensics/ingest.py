@@ -28,7 +28,6 @@ from kvforensics.fingerprint import key_for
 from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
 from kvforensics.loaders.changes import load_changes
 from kvforensics.loaders.content import load_content
-from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.loaders.kv_events import Chains, load_kv_events
 from kvforensics.loaders.prefix_blocks import block_size
 from kvforensics.loaders.requests import FileLoad, load_requests_files
@@ -102,6 +101,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
     con.execute("DELETE FROM content_stats").fetchall()
     con.execute("DELETE FROM request_blocks").fetchall()
     con.execute("DELETE FROM kv_events").fetchall()
+    con.execute("DELETE FROM kv_event_messages").fetchall()
     chains = Chains()  # KV-event chains continue across files
     startups: list[tuple[Source, Path, Any]] = []
     engine_logs = [(source, path) for source, files in plan if source.kind == "engine_log" for path in files]
@@ -125,6 +125,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                     record = _record(con, source, path, _digest(path, digests),
                                      load_kv_events(con, source, path, key_for(incident.id), chains))
                 result.files.append(record)
+    _find_kv_event_gaps(con, result)
     _build_capacity(con, incident, startups, result)
     size = block_size(con, incident.prefix_block_size)
     for source, files in [p for p in plan if p[0].kind == "content"]:
@@ -135,7 +136,6 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
                                         load_content(con, source, path, key_for(incident.id), size,
                                                      incident.prefix_word_blocks)))
     _match_instance_names(con, incident, result)
-    write_prefix_windows(con, incident)
     _fill_cached_tokens(con, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)
@@ -389,6 +389,30 @@ def _build_capacity(con: duckdb.DuckDBPyConnection, incident: Incident, startups
         result.warnings.append(f"engine instance '{inst}': a start-up logs no KV pool size")
 
 
+def _find_kv_event_gaps(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:
+    """Breaks in the KV-event publishers' sequence numbers (sql/kv_event_gaps.sql): lost messages are a
+    warning per instance and rank, restarts an assumption."""
+    run_script(con, "kv_event_gaps")
+    for instance, rank, kind, breaks, missing, first, last in con.execute("""
+            SELECT instance, dp_rank, kind, count(*), sum(missing), min(from_ts), max(to_ts) FROM kv_event_gaps
+            WHERE kind = 'gap' OR missing > 0 GROUP BY ALL ORDER BY instance, dp_rank NULLS FIRST, kind""").fetchall():
+        where = f"KV events of instance '{instance}'" + ("" if rank is None else f" (dp rank {rank})")
+        what = "sequence gap(s)" if kind == "gap" else "restart(s) whose new sequence does not start at 0"
+        result.warnings.append(
+            f"{where}: {missing:,} message(s) lost in {breaks:,} {what}, from {_utc(first)} to {_utc(last)} "
+            "(table kv_event_gaps); recover them from the publisher's replay buffer or the subscriber's other copy")
+    for instance, rank, restarts in con.execute("""
+            SELECT instance, dp_rank, count(*) FROM kv_event_gaps WHERE kind = 'restart'
+            GROUP BY ALL ORDER BY instance, dp_rank NULLS FIRST""").fetchall():
+        result.assumptions.append(
+            f"KV events of instance '{instance}'" + ("" if rank is None else f" (dp rank {rank})")
+            + f": the publisher's sequence started again {restarts:,} time(s) (an engine restart; table kv_event_gaps)")
+
+
+def _utc(ts: datetime | None) -> str:
+    return "?" if ts is None else ts.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _match_instance_names(con: duckdb.DuckDBPyConnection, incident: Incident, result: IngestResult) -> None:
     """Requests name the engine instance their gateway instance name matches ([instances], see
     kvforensics/instances.py); how each name matched goes to ``instance_names``. Names no engine log
@@ -475,6 +499,10 @@ def _write_account_patterns(con: duckdb.DuckDBPyConnection, incident: Incident) 
         con.execute("INSERT INTO account_patterns VALUES ($p, 'reporter', 1)", {"p": p}).fetchall()
     for p in incident.scope.internal_accounts:
         con.execute("INSERT INTO account_patterns VALUES ($p, 'internal', 2)", {"p": p}).fetchall()
+    # [prefix_cache] shared_namespaces: cache salts every tenant shares (their blocks are nobody's data)
+    con.execute("DELETE FROM prefix_shared_namespaces").fetchall()
+    for p in incident.prefix_shared_namespaces:
+        con.execute("INSERT INTO prefix_shared_namespaces VALUES ($p)", {"p": p}).fetchall()
 
 
 def _enforce_strict(con: duckdb.DuckDBPyConnection, result: IngestResult) -> None:

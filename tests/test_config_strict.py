@@ -121,7 +121,7 @@ def test_a_top_level_key_outside_any_table_lists_the_tables(tmp_path):
         load_text(tmp_path, "colour = 3\n" + FULL)
     assert str(e.value) == ("incident.toml: unknown top-level key 'colour'; the top level holds mechanisms = [...] "
                             "and the tables [incident], [[sources]], [scope], [[events]], [models], [settings], "
-                            "[instances], [rules], [prefix_cache]")
+                            "[instances], [rules], [prefix_cache], [quarantine]")
 
 
 WRONG_TYPES = [

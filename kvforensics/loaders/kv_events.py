@@ -1,45 +1,56 @@
 """KV-cache events (``kind = "kv_events"``): the blocks an engine's prefix cache stored and removed.
 
 vLLM (``vllm/distributed/kv_events.py``) and SGLang (``python/sglang/srt/disaggregation/kv_events.py``)
-publish ``KVEventBatch`` messages over ZMQ (msgpack, encoded by msgspec); a subscriber keeps them as
-JSONL, one batch per line, in either of msgspec's encodings:
+publish ``KVEventBatch`` messages over ZMQ (topic, an 8-byte sequence number, msgpack encoded by
+msgspec); a subscriber keeps them as JSONL, one message per line:
 
-* array form: ``[ts, [event, ...]]`` or ``[ts, [event, ...], dp_rank]``, each event
-  ``[tag, field, ...]`` with its fields in declaration order (msgspec ``array_like`` structs);
-* object form: ``{"ts": ..., "events": [...], "data_parallel_rank": ...}`` (SGLang: ``attn_dp_rank``),
-  each event ``{"type": tag, "<field>": ...}`` (newer vLLM structs are not ``array_like``).
+* array form: ``[ts, [event, ...]]`` or ``[ts, [event, ...], dp_rank]`` (msgspec ``array_like``);
+* object form: ``{"ts": ..., "events": [...], "data_parallel_rank": ...}`` (SGLang: ``attn_dp_rank``);
+* either inside the subscriber's own wrapper, e.g. ``{"recv_ts": ..., "instance": "sglang-1", "seq": 3898,
+  "batch": [ts, [event, ...], dp_rank]}``: the source's ``columns`` say where each part is, dotted keys
+  descending into objects and, by a number, into arrays (``ts = "batch.0"``, ``events = "batch.1"``), and
+  ``seq`` names the publisher's sequence number (table ``kv_event_gaps``: lost messages and restarts).
 
+Each event is an array ``[tag, field, ...]`` with its fields in declaration order, or a map
+``{"type": tag, "<field>": ...}`` (newer vLLM; SGLang from sgl-project/sglang#37482, with ``cache_salt``
+and ``session_id`` as fields of the event; an absent field of a map is its default, null).
 ``BlockStored`` fields in order: block_hashes, parent_block_hash, token_ids, block_size, lora_id (every
-version); medium (later vLLM, SGLang); then vLLM's lora_name (vLLM PR 27577), extra_keys, group_idx,
-kv_cache_spec_kind, kv_cache_spec_sliding_window (extra_keys: vLLM PR 33304), of which trailing defaults may be omitted; SGLang
-0.5.18 and later put a ``{"cache_salt": ..., "session_id": ...}`` map where vLLM has lora_name.
-``BlockRemoved``: block_hashes, then medium and group_idx. ``AllBlocksCleared``: no field.
+version); medium (later vLLM, SGLang from #18205); then vLLM's lora_name (vLLM PR 27577), extra_keys,
+group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window (extra_keys: vLLM PR 33304), of which trailing
+defaults may be omitted; salted SGLang stores (#30827) put a ``{"cache_salt": ..., "session_id": ...}`` map
+where vLLM has lora_name, so one stream mixes 7- and 8-element arrays. ``BlockRemoved``: block_hashes, then
+medium and group_idx. ``AllBlocksCleared``: no field. The load notes say which shapes a file held.
 
 A block hash may be a JSON integer (kept as its decimal digits), a ``0x`` integer (the same), hex of
 the hash's bytes without a prefix, or base64 of them (msgspec's JSON encoding of bytes); bytes are
 kept as lower-case hex. Token ids are the prompt: each block's ids become a keyed fingerprint
 (:func:`block_fingerprint`, the incident's HMAC key) and are never stored, nor shown in the
-quarantine. A block's position in its chain and the cache salt of the chain (vLLM carries it in the
-first block's ``extra_keys``) follow the parent hashes across the files of an ingest (:class:`Chains`).
+quarantine; a store naming several hashes (SGLang's merged stores, #31479) is one row per hash with its
+share of the ids. A block's position in its chain, the cache salt of the chain (vLLM carries it in the
+first block's ``extra_keys``) and the chain fingerprint of the prefix up to it (``chain_fp``,
+:func:`kvforensics.loaders.chain.chain_fingerprint`, equal for equal token ids whatever the salt did to
+the hashes) follow the parent hashes across the files of an ingest (:class:`Chains`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from hmac import digest as hmac_digest
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
+from kvforensics.loaders.chain import chain_fingerprint
 from kvforensics.loaders.changes import parse_ts
 from kvforensics.loaders.records import QuarantineRows
 from kvforensics.loaders.staging import FileLoad
@@ -54,17 +65,27 @@ FIELDS = {
     "AllBlocksCleared": (),
 }
 REQUIRED = {"BlockStored": 5, "BlockRemoved": 1, "AllBlocksCleared": 0}
+# the fields an event map must name: the others have defaults, which msgspec's omit_defaults leaves out
+MAP_REQUIRED = {"BlockStored": ("block_hashes", "token_ids", "block_size"), "BlockRemoved": ("block_hashes",),
+                "AllBlocksCleared": ()}
 _LORA_NAME = FIELDS["BlockStored"].index("lora_name")
 _INT32 = 2 ** 31  # dp_rank and group_idx are INTEGER columns
+_INT64 = 2 ** 63  # msg_seq is a BIGINT column (the publisher's 8-byte sequence number)
 FLUSH_ROWS = 500_000  # block rows per insert
 NOTE = "token ids fingerprinted per block (keyed HMAC); none stored"
 _HEX = re.compile(r"[0-9a-fA-F]+")
-# the columns of a block row, in the order _add_rows builds them
-_COLUMNS = ("instance", "dp_rank", "ts", "batch", "seq", "kind", "block_hash", "parent_block_hash", "position",
-            "num_tokens", "block_fp", "lora", "medium", "salt", "kv_group", "line")
+# the columns of a block row, in the order _add_rows builds them, and of a message row
+_COLUMNS = ("instance", "dp_rank", "ts", "batch", "seq", "msg_seq", "kind", "block_hash", "parent_block_hash",
+            "position", "num_tokens", "block_fp", "chain_fp", "lora", "medium", "salt", "kv_group", "line")
+_MESSAGE_COLUMNS = ("instance", "dp_rank", "msg_seq", "ts", "events", "loaded", "message", "line")
 _TYPES = {"dp_rank": pa.int32(), "ts": pa.timestamp("us", tz="UTC"), "batch": pa.int64(), "seq": pa.int32(),
-          "position": pa.int64(), "num_tokens": pa.int64(), "block_fp": pa.int64(), "kv_group": pa.int32(),
-          "line": pa.int64()}
+          "msg_seq": pa.int64(), "position": pa.int64(), "num_tokens": pa.int64(), "block_fp": pa.int64(),
+          "chain_fp": pa.int64(), "kv_group": pa.int32(), "line": pa.int64(), "events": pa.int64(),
+          "loaded": pa.int64(), "message": pa.int64()}
+
+_STRUCTS = {table: pa.struct([(c, _TYPES.get(c, pa.string())) for c in columns])
+            for table, columns in (("kv_events", _COLUMNS), ("kv_event_messages", _MESSAGE_COLUMNS))}
+Steps = tuple[tuple[str, int | None], ...]  # a dotted key: each step a key, and the index it is if a number
 
 
 class Refused(ValueError):
@@ -74,9 +95,26 @@ class Refused(ValueError):
 def block_fingerprint(token_ids: list[int], key: bytes) -> int:
     """The keyed 63-bit fingerprint of one block's token ids: HMAC-SHA256 under the incident key of
     ``b"kv-block:"`` and the ids as decimal numbers joined by commas. Equal ids give equal
-    fingerprints within an investigation; without the key they cannot be tested against guesses."""
-    message = b"kv-block:" + ",".join(map(str, token_ids)).encode("ascii")
-    return int.from_bytes(hmac_digest(key, message, "sha256")[:8], "big") >> 1
+    fingerprints within an investigation; without the key they cannot be tested against guesses. (A
+    list of ints' ``repr`` is that text with spaces, and faster to make; the HMAC starts from a copy of
+    the key's state.)"""
+    text = repr(token_ids)[1:-1].replace(" ", "") if type(token_ids) is list else ",".join(map(str, token_ids))
+    return _ids_fingerprint(text, key)
+
+
+def _ids_fingerprint(ids: str, key: bytes) -> int:
+    """:func:`block_fingerprint` of the ids written as it writes them (``"101,102,103"``)."""
+    mac = _keyed_sha256(key)()
+    mac.update(b"kv-block:" + ids.encode("ascii"))
+    return int.from_bytes(mac.digest()[:8], "big") >> 1
+
+
+@lru_cache(maxsize=8)
+def _keyed_sha256(key: bytes) -> Callable[[], Any]:
+    """A fresh HMAC-SHA256 under *key*: a copy of one keyed once (cheaper than keying for each block), of
+    the C object inside ``hmac.HMAC`` where CPython has one (OpenSSL's), without its Python wrapper."""
+    keyed = hmac.new(key, digestmod="sha256")
+    return getattr(keyed, "_hmac", keyed).copy
 
 
 def canonical_hash(value: Any) -> str:
@@ -99,70 +137,114 @@ def canonical_hash(value: Any) -> str:
 
 @dataclass
 class Chains:
-    """Position and cache salt of each stored block, by (instance, hash), kept across the files of one
-    ingest so that a chain continued in a later batch or file knows its depth and salt."""
+    """What an event stream carries across the files of one ingest: the position, cache salt and chain
+    fingerprint of each stored block, by (instance, hash), so that a chain continued in a later batch or
+    file knows its depth, salt and content up to it; and how many messages were read, each message's
+    place in the read order (``kv_event_messages.message``, the order ``kv_event_gaps`` follows)."""
 
-    known: dict[tuple[str, str], tuple[int | None, str | None]] = field(default_factory=dict)
+    known: dict[tuple[str, str], tuple[int | None, str | None, int | None]] = field(default_factory=dict)
+    messages: int = 0
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """Where an object batch keeps each part, from the source's ``columns``."""
+
+    ts: Steps
+    events: Steps
+    dp_rank: Steps | None  # None: data_parallel_rank (vLLM) or attn_dp_rank (SGLang)
+    instance: Steps | None  # None: the source's instance template
+    seq: Steps
+    names: dict[str, str]  # canonical field -> the key as written, for the reasons
+    seq_mapped: bool
+
+    @classmethod
+    def of(cls, source: Source) -> _Keys:
+        names = {f: source.column(f) for f in ("ts", "events", "dp_rank", "instance", "seq")}
+        mapped = source.columns
+        return cls(ts=_steps(names["ts"]), events=_steps(names["events"]),
+                   dp_rank=_steps(names["dp_rank"]) if "dp_rank" in mapped else None,
+                   instance=_steps(names["instance"]) if "instance" in mapped else None,
+                   seq=_steps(names["seq"]), names=names, seq_mapped="seq" in mapped)
 
 
 @dataclass
 class _Rows:
-    """Block rows waiting for one insert, as tuples in ``_COLUMNS`` order."""
+    """Block rows and message rows waiting for one insert, as tuples in ``_COLUMNS`` and
+    ``_MESSAGE_COLUMNS`` order."""
 
     data: list[tuple] = field(default_factory=list)
+    messages: list[tuple] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.data)
 
     def flush(self, con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
-        if not self.data:
-            return
-        columns = zip(*self.data, strict=True)
-        table = pa.table({c: pa.array(v, type=_TYPES.get(c, pa.string())) for c, v in zip(_COLUMNS, columns,
-                                                                                           strict=True)})
-        con.register("kv_events_batch", table)
-        try:
-            con.execute("INSERT INTO kv_events SELECT instance, dp_rank, ts, batch, seq, kind, block_hash, "
-                        "parent_block_hash, position, num_tokens, block_fp, lora, medium, salt, kv_group, $s, $f, "
-                        "line FROM kv_events_batch", {"s": source.name, "f": str(path)}).fetchall()
-        finally:
-            con.unregister("kv_events_batch")
-        self.data = []
+        params = {"s": source.name, "f": str(path)}
+        for table, columns, rows in (("kv_events", _COLUMNS, self.data),
+                                     ("kv_event_messages", _MESSAGE_COLUMNS, self.messages)):
+            if not rows:
+                continue
+            arrow = pa.Table.from_struct_array(pa.array(rows, type=_STRUCTS[table]))  # tuples converted in C++
+            name = f"{table}_batch"
+            con.register(name, arrow)
+            try:
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * EXCLUDE (line), line AS source_line, "  # noqa: S608
+                            f"$s AS source, $f AS source_file FROM {name}", params).fetchall()
+            finally:
+                con.unregister(name)
+        self.data, self.messages = [], []
 
 
 def load_kv_events(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
                    chains: Chains | None = None) -> FileLoad:
-    """Load one KV-event file into ``kv_events``: a record is an event (a line that cannot be read as a
-    batch counts as one); every event loaded or quarantined with its reason, token ids never kept."""
+    """Load one KV-event file into ``kv_events`` and its messages into ``kv_event_messages``: a record
+    is an event (a line that cannot be read as a batch counts as one); every event loaded or quarantined
+    with its reason, token ids never kept."""
     load = FileLoad(file=path)
     chains = chains if chains is not None else Chains()
     quarantine = QuarantineRows(con, source, path)
     rows = _Rows()
+    keys = _Keys.of(source)
+    shapes: dict[tuple[str, int], int] = {}
+    sequenced = 0
     default_instance = source.instance_for(path)
     stream = LineStream(path)
     for line, rawb in stream:
         if not rawb.strip():
             continue
         try:
-            batch = _batch(rawb, source, default_instance)
+            instance, dp_rank, ts, msg_seq, events, problem = _batch(rawb, source, keys, default_instance)
         except Refused as e:  # the whole line: its text may hold token ids, so none of it is kept
             load.records_read += 1
             load.quarantined += 1
             quarantine.add(line, str(e), None)
             continue
-        instance, dp_rank, ts, events, problem = batch
-        for seq, event in enumerate(events):
+        chains.messages += 1
+        sequenced += msg_seq is not None
+        if events is None or (problem and not events):  # the line is one record
             load.records_read += 1
+            load.quarantined += 1
+            quarantine.add(line, str(problem), None)
+            rows.messages.append((instance, dp_rank, msg_seq, ts, None if events is None else 0, 0,
+                                  chains.messages, line))
+            continue
+        loaded = 0
+        for seq, event in enumerate(events):
             try:
                 if problem:
                     raise Refused(problem)
-                kind, values = _event(event)
-                _add_rows(rows.data, chains, key, kind, values, (instance, dp_rank, ts, line, seq), line)
+                tag, values, salt, salt_name = _event(event, shapes)
+                _add_rows(rows.data, chains, key, tag, values, salt, salt_name,
+                          (instance, dp_rank, ts, line, seq, msg_seq))
             except Refused as e:
-                load.quarantined += 1
                 quarantine.add(line, f"event {seq}: {e}", printable_raw(_shown(event)))
                 continue
-            load.loaded += 1
+            loaded += 1
+        load.records_read += len(events)
+        load.loaded += loaded
+        load.quarantined += len(events) - loaded
+        rows.messages.append((instance, dp_rank, msg_seq, ts, len(events), loaded, chains.messages, line))
         if len(rows) >= FLUSH_ROWS:
             rows.flush(con, source, path)
     if stream.partial is not None:
@@ -175,12 +257,25 @@ def load_kv_events(con: duckdb.DuckDBPyConnection, source: Source, path: Path, k
     quarantine.flush()
     if load.records_read == 0:
         load.notes.append("empty file")
+    if shapes:
+        load.notes.append("event shapes seen: " + ", ".join(_shape(tag, n, count) for (tag, n), count in sorted(
+            shapes.items(), key=lambda s: (list(FIELDS).index(s[0][0]), s[0][1] == 0, s[0][1]))))
+    if sequenced:
+        load.notes.append(f"publisher sequence numbers (key '{keys.names['seq']}') read for {sequenced:,} "
+                          "message(s): lost messages and restarts in kv_event_gaps")
     load.notes.append(NOTE)
     return load
 
 
-def _batch(rawb: bytes, source: Source, default_instance: str) -> tuple[str, int | None, Any, list, str | None]:
-    """(instance, dp_rank, ts, events, the problem every event of the batch shares or None)."""
+def _shape(tag: str, n: int, count: int) -> str:
+    return f"{tag} {'map' if n == 0 else f'array of {n}'} ({count:,})"
+
+
+def _batch(rawb: bytes, source: Source, keys: _Keys, default_instance: str
+           ) -> tuple[str, int | None, datetime | None, int | None, list | None, str | None]:
+    """(instance, dp_rank, ts, msg_seq, events, the problem every event of the batch shares or None) of a
+    message: dp_rank, ts and msg_seq None when absent or unreadable (the problem says which), events None
+    when they are not a list (the problem says so). Refused when the line is no batch of a known instance."""
     text = decode_line(rawb)
     if text is None:
         raise Refused("not UTF-8")
@@ -188,38 +283,53 @@ def _batch(rawb: bytes, source: Source, default_instance: str) -> tuple[str, int
         batch = json.loads(text)
     except ValueError:
         raise Refused("malformed JSON (text not kept: it may hold token ids)") from None
-    instance_key = source.columns.get("instance")
-    if isinstance(batch, list):
+    if type(batch) is list:
         if len(batch) not in (2, 3):
             raise Refused(f"a batch array has {len(batch)} items; expected [ts, events] or [ts, events, dp_rank]")
-        if instance_key:
-            raise Refused(f"the batch is an array, so it has no key '{instance_key}' naming the instance "
+        if keys.instance is not None:
+            raise Refused(f"the batch is an array, so it has no key '{keys.names['instance']}' naming the instance "
                           "(columns.instance)")
+        if keys.seq_mapped:
+            raise Refused(f"the batch is an array, so it has no key '{keys.names['seq']}' holding the publisher's "
+                          "sequence number (columns.seq)")
         ts_raw, events, rank = batch[0], batch[1], batch[2] if len(batch) == 3 else None
-        instance = default_instance
-    elif isinstance(batch, dict):
-        ts_raw, events = _get(batch, source.column("ts")), _get(batch, source.column("events"))
-        rank_key = source.columns.get("dp_rank")
-        rank = _get(batch, rank_key) if rank_key else batch.get("data_parallel_rank", batch.get("attn_dp_rank"))
-        if instance_key:
-            instance = _get(batch, instance_key)
+        instance, seq_raw = default_instance, None
+        where = ""
+    elif type(batch) is dict:
+        ts_raw, events = _get(batch, keys.ts), _get(batch, keys.events)
+        rank = _get(batch, keys.dp_rank) if keys.dp_rank is not None else \
+            batch.get("data_parallel_rank", batch.get("attn_dp_rank"))
+        if keys.instance is not None:
+            instance = _get(batch, keys.instance)
             if not isinstance(instance, str) or not instance:
-                raise Refused(f"no instance: key '{instance_key}' (columns.instance) is missing or not a string")
+                raise Refused(f"no instance: key '{keys.names['instance']}' (columns.instance) is missing or not a "
+                              "string")
         else:
             instance = default_instance
+        seq_raw = _get(batch, keys.seq)
+        where = f" (key '{keys.names['events']}'; columns.events says where a message keeps them, e.g. \"batch.1\")"
     else:
         raise Refused("a batch must be a JSON array [ts, events, ...] or object {\"ts\": ..., \"events\": [...]}")
-    if not isinstance(events, list):
-        raise Refused(f"the batch's events are {_type(events)}, not a list")
     problem = None
     ts = _batch_time(ts_raw, source)
     if ts is None:
         problem = f"the batch's timestamp {_shown(ts_raw)} is not epoch seconds or ISO 8601"
-    elif rank is not None and (type(rank) is not int or not 0 <= rank < _INT32):
-        problem = f"the batch's dp rank {_shown(rank)} is not a non-negative 32-bit integer"
-    if not events and problem:
-        raise Refused(problem)
-    return instance, rank, ts, events, problem
+    if rank is not None and (type(rank) is not int or not 0 <= rank < _INT32):
+        problem = problem or f"the batch's dp rank {_shown(rank)} is not a non-negative 32-bit integer"
+        rank = None
+    msg_seq = None
+    if seq_raw is None:
+        if keys.seq_mapped:
+            problem = problem or f"no sequence number: key '{keys.names['seq']}' (columns.seq) is missing"
+    elif type(seq_raw) is int and 0 <= seq_raw < _INT64:
+        msg_seq = seq_raw
+    elif type(seq_raw) is str and seq_raw.isascii() and seq_raw.isdigit() and int(seq_raw) < _INT64:
+        msg_seq = int(seq_raw)
+    else:
+        problem = problem or f"the publisher's sequence number {_shown(seq_raw)} is not a non-negative integer"
+    if type(events) is not list:
+        return instance, rank, ts, msg_seq, None, f"the batch's events are {_type(events)}, not a list{where}"
+    return instance, rank, ts, msg_seq, events, problem
 
 
 def _batch_time(value: Any, source: Source) -> datetime | None:
@@ -234,52 +344,77 @@ def _batch_time(value: Any, source: Source) -> datetime | None:
     return parse_ts(str(value) if number is None else repr(number), source)  # the offset applied there
 
 
-def _get(record: dict, key: str) -> Any:
-    """``record[key]``, a dotted key descending into nested objects."""
-    value: Any = record
-    for part in key.split("."):
-        if not isinstance(value, dict):
+def _steps(key: str) -> Steps:
+    return tuple((part, int(part) if part.isascii() and part.isdigit() else None) for part in key.split("."))
+
+
+def _get(record: Any, steps: Steps) -> Any:
+    """The value a dotted key names: each step a key of an object, or, where it is a number, an index
+    of an array (``batch.1``: the second item of ``batch``); None when a step finds nothing."""
+    value = record
+    for name, index in steps:
+        if type(value) is dict:
+            value = value.get(name)
+        elif type(value) is list and index is not None and index < len(value):
+            value = value[index]
+        else:
             return None
-        value = value.get(part)
     return value
 
 
-def _event(event: Any) -> tuple[str, list[Any]]:
-    """The event's tag and its fields in ``FIELDS`` order (absent trailing ones None), shape checked
-    (tag, arity); values are checked by :func:`_add_rows`."""
+def _event(event: Any, shapes: dict[tuple[str, int], int]) -> tuple[str, list[Any], Any, str]:
+    """The event's tag, its fields in ``FIELDS`` order (absent ones None), and its cache salt as published
+    with the name of the field it was in; shape checked (tag, arity) and counted in *shapes* by tag and
+    array length (0: a map). Values are checked by :func:`_add_rows`."""
     if type(event) is list:
         tag = event[0] if event else None
-        if not isinstance(tag, str):
+        if type(tag) is not str:
             raise Refused("an event array must start with its tag (BlockStored, BlockRemoved, AllBlocksCleared)")
         names = FIELDS.get(tag)
         if names is None:
             raise Refused(f"unknown event tag {_shown(tag)}")
+        shape = (tag, len(event))
+        shapes[shape] = shapes.get(shape, 0) + 1
         given = len(event) - 1
         if not REQUIRED[tag] <= given <= len(names):
             expected = f"{REQUIRED[tag]} to {len(names)}" if len(names) > REQUIRED[tag] else str(len(names))
             raise Refused(f"{tag} with {given} fields; expected {expected} (wrong arity)")
-        return tag, event[1:] + [None] * (len(names) - given)
-    if isinstance(event, dict):
+        values = event[1:]
+        if given < len(names):
+            values.extend([None] * (len(names) - given))
+        if given > _LORA_NAME and type(values[_LORA_NAME]) is dict and tag == "BlockStored":
+            metadata = values[_LORA_NAME]  # SGLang #30827: {"cache_salt": ..., "session_id": ...} in this slot
+            values[_LORA_NAME] = None
+            return tag, values, metadata.get("cache_salt"), "metadata.cache_salt"
+        return tag, values, None, ""
+    if type(event) is dict:
         tag = event.get("type")
         if tag not in FIELDS:
             raise Refused(f"unknown event tag {_shown(tag)}" if tag is not None
                           else "an event object needs its tag in \"type\"")
-        missing = [n for n in FIELDS[tag][:REQUIRED[tag]] if n not in event]
+        shape = (tag, 0)
+        shapes[shape] = shapes.get(shape, 0) + 1
+        missing = [n for n in MAP_REQUIRED[tag] if n not in event]
         if missing:
             raise Refused(f"{tag} lacks field(s) {', '.join(missing)}")
         values = [event.get(n) for n in FIELDS[tag]]
-        if tag == "BlockStored" and isinstance(event.get("metadata"), dict):  # SGLang's metadata as a key
-            values[_LORA_NAME] = event["metadata"]
-        return tag, values
+        if tag == "BlockStored":
+            metadata = event.get("metadata")
+            if type(metadata) is dict:  # SGLang's metadata map as a key
+                return tag, values, metadata.get("cache_salt"), "metadata.cache_salt"
+            return tag, values, event.get("cache_salt"), "cache_salt"  # sgl-project/sglang#37482: a field
+        return tag, values, None, ""
     raise Refused(f"an event must be an array or object, not {_type(event)}")
 
 
-def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[Any],
-              head: tuple[str, int | None, datetime, int, int], line: int) -> None:
-    """The event's rows; ``v`` its fields in ``FIELDS`` order, ``head`` (instance, dp_rank, ts, batch, seq)."""
+def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[Any], salt: Any, salt_name: str,
+              head: tuple[str, int | None, datetime, int, int, int | None]) -> None:
+    """The event's rows; ``v`` its fields in ``FIELDS`` order, *salt* its cache salt as published (in
+    field *salt_name*), ``head`` (instance, dp_rank, ts, batch, seq, msg_seq)."""
     kind = KINDS[tag]
+    line = head[3]
     if tag == "AllBlocksCleared":
-        rows.append((*head, kind, None, None, None, None, None, None, None, None, None, line))
+        rows.append((*head, kind, None, None, None, None, None, None, None, None, None, None, line))
         return
     hashes = v[0]
     if type(hashes) is not list or not hashes:
@@ -287,7 +422,7 @@ def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[A
     hashes = [str(h) if type(h) is int else canonical_hash(h) for h in hashes]
     if tag == "BlockRemoved":
         medium, group = _optional(v[1], str, "medium"), _group(v[2])
-        rows.extend((*head, kind, h, None, None, None, None, None, medium, None, group, line) for h in hashes)
+        rows.extend((*head, kind, h, None, None, None, None, None, None, medium, None, group, line) for h in hashes)
         return
     parent_raw, tokens, size, lora_id, medium, lora_name, extra, group, spec_kind, window = v[1:]
     parent = None if parent_raw is None else str(parent_raw) if type(parent_raw) is int else \
@@ -296,29 +431,37 @@ def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[A
         raise Refused(f"block_size {_shown(size)} is not an integer")
     if size <= 0:
         raise Refused(f"block_size {size} is not positive (negative size)" if size < 0 else "block_size is 0")
-    if type(tokens) is not list or not set(map(type, tokens)) <= {int}:
+    if type(tokens) is not list:
         raise Refused("token_ids must be a list of integers")
-    if tokens and min(tokens) < 0:
+    ids = repr(tokens)[1:-1].replace(" ", "")  # "101,102,103": digits and commas only if every id is an int >= 0
+    if tokens and not ids.replace(",", "").isdigit():
+        if not set(map(type, tokens)) <= {int}:
+            raise Refused("token_ids must be a list of integers")
         raise Refused("token_ids holds a negative token id")
     n = len(hashes)
     if tokens and not (n - 1) * size < len(tokens) <= n * size:
         raise Refused(f"token_ids holds {len(tokens)} ids for {n} block(s) of block_size {size}")
     if lora_id is not None and (_optional(lora_id, int, "lora_id") < 0):
         raise Refused(f"negative lora_id {lora_id}")
-    salt = None
-    if type(lora_name) is dict:  # SGLang 0.5.18+: {"cache_salt": ..., "session_id": ...} in this slot
-        salt = _optional(lora_name.get("cache_salt"), str, "metadata.cache_salt") or None
-        lora_name = None
-    medium, lora_name, group = _optional(medium, str, "medium"), _optional(lora_name, str, "lora_name"), _group(group)
-    if extra is not None and (type(extra) is not list or len(extra) != n
-                              or not all(e is None or type(e) is list for e in extra)):
-        raise Refused(f"extra_keys must be a list of {n} lists or nulls, one per block")
-    _optional(spec_kind, str, "kv_cache_spec_kind")
-    _optional(window, int, "kv_cache_spec_sliding_window")
+    if salt is not None and type(salt) is not str:
+        raise Refused(f"{salt_name} {_shown(salt)} is not a string")
+    salt = salt or None
+    if medium is not None and type(medium) is not str:
+        raise Refused(f"medium {_shown(medium)} is not a string")
+    if lora_name is not None or group is not None or extra is not None or spec_kind is not None \
+            or window is not None:  # vLLM's later fields (SGLang has none of them)
+        _optional(lora_name, str, "lora_name")
+        group = _group(group)
+        if extra is not None and (type(extra) is not list or len(extra) != n
+                                  or not all(e is None or type(e) is list for e in extra)):
+            raise Refused(f"extra_keys must be a list of {n} lists or nulls, one per block")
+        _optional(spec_kind, str, "kv_cache_spec_kind")
+        _optional(window, int, "kv_cache_spec_sliding_window")
     lora = lora_name if lora_name is not None else None if lora_id is None else str(lora_id)
     instance = head[0]
     known = chains.known
-    position, chain_salt = (0, None) if parent is None else known.get((instance, parent), (None, None))
+    position, chain_salt, chain = (0, None, None) if parent is None else known.get((instance, parent),
+                                                                                   (None, None, None))
     if parent is not None and position is not None:
         position += 1
     for i, h in enumerate(hashes):
@@ -326,9 +469,12 @@ def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[A
         if extra is not None and extra[i]:
             chain_salt = _vllm_salt(extra[i], lora_name) or chain_salt
         chain_salt = salt or chain_salt
-        known[(instance, h)] = (position, chain_salt)
-        rows.append((*head, kind, h, parent, position, len(block) or None,
-                     block_fingerprint(block, key) if block else None, lora, medium, chain_salt, group, line))
+        fp = None if not block else _ids_fingerprint(ids, key) if n == 1 else block_fingerprint(block, key)
+        # the content of the prefix up to this block, whatever hashes (salted or not) the engine gave it
+        chain = None if fp is None or (position != 0 and chain is None) else chain_fingerprint(chain, fp, key)
+        known[(instance, h)] = (position, chain_salt, chain)
+        rows.append((*head, kind, h, parent, position, len(block) or None, fp, chain, lora, medium, chain_salt,
+                     group, line))
         parent = h
         position = None if position is None else position + 1
 

@@ -2,9 +2,11 @@
 -- database after scope. The statements before the first check prepare what the checks share;
 -- each `-- reason: <code>` statement is one check and returns one row per problem found: `message`
 -- (one line: what was seen and what to do) and the numbers behind it (every other column).
--- Parameters: $max_quarantine_fraction; $needs, a list of {rule, fields}: a rule cannot judge a
+-- Parameters: $quarantine_limits, a list of {kind, max_fraction, fix}: the share of a source's records of that
+-- kind that may be quarantined; $needs, a list of {rule, fields}: a rule cannot judge a
 -- model's responses when every field of its group is NULL for all of them; $prefix_needs, what the
--- prefix_reuse mechanism's rules and probing need of the requests they judge (conclusive.PREFIX_NEEDS).
+-- prefix_reuse mechanism's rules and probing need of the requests they judge (conclusive.PREFIX_NEEDS);
+-- $kv_event_mechanism and $kv_event_rules, the mechanism whose responses lost KV events leave unexplained, its rules.
 
 -- timestamps in messages: UTC ISO-8601 to the second
 CREATE OR REPLACE TEMP MACRO gate_ts(t) AS coalesce(strftime(t, '%Y-%m-%dT%H:%M:%SZ'), 'still running');
@@ -72,9 +74,13 @@ WITH event_hours AS (
 SELECT model, hit, present, count(*) AS requests FROM judged GROUP BY model, hit, present;
 
 -- reason: quarantine_share
-WITH per_source AS (
-    SELECT source, sum(records_read) AS records_read, sum(quarantined) AS quarantined
-    FROM load_report WHERE kind = 'requests' GROUP BY source
+-- any kind of source: its limit is $quarantine_limits' (conclusive.QUARANTINE_FIXES: what to fix; [quarantine] <kind>,
+-- else [settings] max_quarantine_fraction)
+WITH limits AS (
+    SELECT l.kind, l.max_fraction, l.fix FROM (SELECT unnest($quarantine_limits) AS l)
+), per_source AS (
+    SELECT source, any_value(kind) AS kind, sum(records_read) AS records_read, sum(quarantined) AS quarantined
+    FROM load_report GROUP BY source
 ), reasons AS (
     -- a reason without the value it quotes, so one mapping problem counts once
     SELECT source, regexp_replace(reason, ': ''.*$', '') AS reason, count(*) AS records
@@ -82,15 +88,14 @@ WITH per_source AS (
 ), top AS (
     SELECT *, row_number() OVER (PARTITION BY source ORDER BY records DESC, reason) AS k FROM reasons
 )
-SELECT format('requests source ''{}'': {:,} of {:,} records quarantined ({:.1f}%, above max_quarantine_fraction {:.1f}%), '
-              || 'most often "{}" ({:,}): fix the source''s mapping (columns, value maps, null tokens) so these '
-              || 'records load, or raise [settings] max_quarantine_fraction if losing them is acceptable',
-              p.source, p.quarantined, p.records_read, 100.0 * p.quarantined / p.records_read,
-              100.0 * $max_quarantine_fraction, coalesce(t.reason, 'unknown'), coalesce(t.records, 0)) AS message,
-       p.source, p.records_read, p.quarantined, round(p.quarantined / p.records_read, 4) AS fraction,
-       $max_quarantine_fraction AS max_quarantine_fraction, t.reason AS top_reason, t.records AS top_reason_records
-FROM per_source p LEFT JOIN top t ON t.source = p.source AND t.k = 1
-WHERE p.records_read > 0 AND p.quarantined > $max_quarantine_fraction * p.records_read
+SELECT format('{} source ''{}'': {:,} of {:,} records quarantined ({:.1f}%, above its limit {:.1f}%), most often "{}" '
+              || '({:,}): {}, or raise [quarantine] {} (default: [settings] max_quarantine_fraction) if losing them '
+              || 'is acceptable', p.kind, p.source, p.quarantined, p.records_read, 100.0 * p.quarantined / p.records_read,
+              100.0 * l.max_fraction, coalesce(t.reason, 'unknown'), coalesce(t.records, 0), l.fix, p.kind) AS message,
+       p.source, p.kind, p.records_read, p.quarantined, round(p.quarantined / p.records_read, 4) AS fraction,
+       l.max_fraction AS max_quarantine_fraction, t.reason AS top_reason, t.records AS top_reason_records
+FROM per_source p JOIN limits l ON l.kind = p.kind LEFT JOIN top t ON t.source = p.source AND t.k = 1
+WHERE p.records_read > 0 AND p.quarantined > l.max_fraction * p.records_read
 ORDER BY p.source;
 
 -- reason: truncated_file
@@ -280,6 +285,48 @@ FROM log_gaps g
 WHERE g.instance IS NULL
   AND EXISTS (SELECT 1 FROM gate_windows w WHERE g."end" > w.valid_from AND (w.valid_to IS NULL OR g.start < w.valid_to))
 ORDER BY g.source, g.start;
+
+-- reason: kv_event_gap
+-- messages a KV-event publisher numbered but the archive lacks (kv_event_gaps: a sequence gap, or the first messages
+-- after a restart), in a span that holds responses the prefix_reuse mechanism judges on that instance (any instance
+-- when the request names none): flagged by one of its rules ($kv_event_rules, from the rule registry), or prefix-cache
+-- hits (cached_tokens > 0). Which blocks they reused and whose they were rests on the events that are missing
+WITH lost AS (
+    SELECT instance, dp_rank, seq_before, seq_after, missing, from_ts, to_ts,
+           coalesce(from_ts, TIMESTAMPTZ '-infinity') AS lo, coalesce(to_ts, TIMESTAMPTZ 'infinity') AS hi
+    FROM kv_event_gaps
+    WHERE missing > 0 AND EXISTS (SELECT 1 FROM mechanisms m WHERE m.id = $kv_event_mechanism AND m.selected)
+), flagged AS (
+    SELECT DISTINCT request_id FROM findings WHERE list_contains($kv_event_rules, rule_id)
+), judged AS (
+    SELECT r.request_id, r.ts, r.prefill_instance, r.request_id IN (SELECT request_id FROM flagged) AS flagged
+    FROM analysed_requests r
+    WHERE (r.status BETWEEN 200 AND 299 AND r.cached_tokens > 0) OR r.request_id IN (SELECT request_id FROM flagged)
+), inside AS (
+    SELECT DISTINCT l.instance, l.dp_rank, j.request_id, j.flagged
+    FROM lost l JOIN judged j ON j.ts >= l.lo AND j.ts <= l.hi
+                             AND (j.prefill_instance = l.instance OR j.prefill_instance IS NULL)
+), per_rank AS (
+    SELECT instance, dp_rank, count(*) AS gaps, sum(missing) AS missing, min(from_ts) AS first, max(to_ts) AS last,
+           arg_min(seq_before, lo) AS seq_before, arg_min(seq_after, lo) AS seq_after
+    FROM lost GROUP BY instance, dp_rank
+), responses AS (
+    SELECT instance, dp_rank, count(*) AS responses, count(*) FILTER (WHERE flagged) AS flagged
+    FROM inside GROUP BY instance, dp_rank
+)
+SELECT format('KV events of instance ''{}''{}: {:,} message(s) lost in {:,} break(s) of the publisher''s sequence '
+              || '(the first from seq {} to {}), from {} to {}, a span holding {:,} response(s) on that instance ({:,} '
+              || 'flagged by the {} rules, {:,} other prefix-cache hits): which blocks they reused and whose they '
+              || 'were rests on the lost events; recover the lost messages from the publisher''s replay buffer (its '
+              || 'replay_endpoint keeps the last batches while the engine runs) or the subscriber''s other copy, and '
+              || 'add them to the source', p.instance,
+              CASE WHEN p.dp_rank IS NULL THEN '' ELSE format(' (dp rank {})', p.dp_rank) END, p.missing, p.gaps,
+              p.seq_before, p.seq_after, gate_ts(p.first), gate_ts(p.last), r.responses, r.flagged,
+              $kv_event_mechanism, r.responses - r.flagged) AS message,
+       p.instance, p.dp_rank, p.gaps, p.missing, p.first, p.last, r.responses, r.flagged,
+       r.responses - r.flagged AS hits
+FROM per_rank p JOIN responses r ON r.instance = p.instance AND r.dp_rank IS NOT DISTINCT FROM p.dp_rank
+ORDER BY p.instance, p.dp_rank NULLS FIRST;
 
 -- reason: mechanism_inputs_missing
 SELECT format('mechanism ''{}'' is named in the incident file but the evidence lacks {}: its rules cannot judge every '

@@ -193,6 +193,43 @@ CREATE TABLE IF NOT EXISTS kv_events (
     source_file       VARCHAR NOT NULL,
     source_line       BIGINT NOT NULL
 );
+-- stored: the keyed fingerprint of the chain's token ids up to this block (kvforensics/loaders/chain.py), the
+-- same value as request_blocks.chain_fp for the same prefix: content matched across salted hashes
+ALTER TABLE kv_events ADD COLUMN IF NOT EXISTS chain_fp BIGINT;
+-- the publisher's sequence number of the message the event came in (columns.seq of an archive's wrapper),
+-- per (instance, dp_rank): 0 from each engine start; NULL when the archive keeps none
+ALTER TABLE kv_events ADD COLUMN IF NOT EXISTS msg_seq BIGINT;
+
+-- Every KV-event message read (a line that parsed as a batch of a known instance), whether its events
+-- loaded or not: what kv_event_gaps follows, so that a message whose events were quarantined is not lost.
+CREATE TABLE IF NOT EXISTS kv_event_messages (
+    instance          VARCHAR NOT NULL,
+    dp_rank           INTEGER,                -- the publisher's rank (NULL: none, or not readable)
+    msg_seq           BIGINT,                 -- the publisher's sequence number (NULL: none kept, or not readable)
+    ts                TIMESTAMPTZ,            -- the batch's time (NULL: not readable)
+    events            BIGINT,                 -- events in the batch (NULL: its events are not a list)
+    loaded            BIGINT NOT NULL,        -- of them loaded into kv_events (the rest quarantined)
+    message           BIGINT NOT NULL,        -- its place in the order the ingest read the messages (1, 2, ...)
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL
+);
+
+-- Breaks in a publisher's sequence numbers (sql/kv_event_gaps.sql), per (instance, dp_rank) in the order
+-- the messages were read: kind 'gap', a jump forward by more than one, `missing` messages lost between
+-- seq_before and seq_after; kind 'restart', a step back (the engine restarted: its sequence starts again
+-- at 0), `missing` = seq_after, the first messages of the new sequence the archive lacks.
+CREATE TABLE IF NOT EXISTS kv_event_gaps (
+    instance          VARCHAR NOT NULL,
+    dp_rank           INTEGER,
+    source_file       VARCHAR NOT NULL,       -- the file of the message after the break
+    seq_before        BIGINT NOT NULL,
+    seq_after         BIGINT NOT NULL,
+    missing           BIGINT NOT NULL,
+    from_ts           TIMESTAMPTZ,            -- the batch time of the message before the break
+    to_ts             TIMESTAMPTZ,            -- ... and after it
+    kind              VARCHAR NOT NULL        -- gap | restart
+);
 
 CREATE TABLE IF NOT EXISTS quarantine (
     source            VARCHAR NOT NULL,
@@ -288,4 +325,9 @@ CREATE TABLE IF NOT EXISTS prefix_windows (
     evidence_line     BIGINT,
     startup_file      VARCHAR,
     startup_line      BIGINT
+);
+
+-- [prefix_cache] shared_namespaces: cache salts (globs) the provider documents as shared by every tenant.
+CREATE TABLE IF NOT EXISTS prefix_shared_namespaces (
+    pattern           VARCHAR NOT NULL
 );
