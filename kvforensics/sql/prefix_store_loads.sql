@@ -63,11 +63,15 @@ ordered AS (
     WHERE kind = 'stored' AND medium = 'CPU_PINNED' AND on_device = 0 AND in_host = 0
       AND chain_fp IS NOT NULL AND salt IS NOT NULL
 ), writes AS (
-    -- the other stores, on instances whose start-up had a shared store: pages put in the store
+    -- pages the namespace computed (a device store of a page not in host memory) or backed up (a host
+    -- store of a page on the device), on instances whose start-up had a shared store: pages put in the
+    -- store. A device store of a page in host memory is a load (from host memory, or the second step of a
+    -- load from the store), no computation.
     SELECT h.instance, h.ts, h.salt, h.chain_fp, h.model
     FROM held h
     WHERE h.kind = 'stored' AND h.chain_fp IS NOT NULL AND (h.shared_store = 1 OR h.no_startup = 1)
-      AND NOT (h.medium = 'CPU_PINNED' AND h.on_device = 0 AND h.in_host = 0)
+      AND ((h.medium = 'CPU_PINNED' AND h.on_device = 1)
+           OR ((h.medium IS NULL OR h.medium <> 'CPU_PINNED') AND h.in_host = 0))
 ), first_writes AS (
     -- per content (and model), each namespace's first write, and where it was made
     SELECT chain_fp, model, salt, ts, instance
@@ -76,14 +80,12 @@ ordered AS (
           FROM writes w) f
     WHERE pick = 1
 ), owners AS (
-    -- per loaded page, the namespace that wrote it first before the load, and whether the loading
-    -- namespace had written it itself
+    -- per loaded page, the namespace that wrote it first before the load: the store keeps the first write
+    -- of a key (it checks that a key exists before it sets it), so that namespace's KV is what was read
     SELECT l.instance, l.ts, l.salt, l.position, l.num_tokens, l.chain_fp, f.salt AS owner_salt, f.ts AS written,
            f.instance AS owner_instance,
            row_number() OVER (PARTITION BY l.instance, l.ts, l.salt, l.chain_fp
-                              ORDER BY f.ts NULLS LAST, f.salt NULLS LAST) AS first,
-           max(CASE WHEN f.salt = l.salt THEN 1 ELSE 0 END)
-               OVER (PARTITION BY l.instance, l.ts, l.salt, l.chain_fp) AS own_copy
+                              ORDER BY f.ts NULLS LAST, f.salt NULLS LAST) AS first
     FROM loads l
     JOIN first_writes f ON f.chain_fp = l.chain_fp AND f.ts < l.ts
                        AND (f.model = l.model OR f.model IS NULL OR l.model IS NULL)
@@ -93,7 +95,7 @@ ordered AS (
     SELECT o.*
     FROM owners o
     LEFT JOIN salt_accounts a ON a.cache_salt = o.owner_salt
-    WHERE o.first = 1 AND o.own_copy = 0 AND o.owner_salt IS NOT NULL AND o.owner_salt <> o.salt
+    WHERE o.first = 1 AND o.owner_salt IS NOT NULL AND o.owner_salt <> o.salt
       AND NOT EXISTS (SELECT 1 FROM prefix_shared_namespaces n WHERE {{ glob_match(o.owner_salt, n.pattern) }})
       AND (a.account_id IS NULL OR a.account_id NOT IN (SELECT account_id FROM internal))
 ), load_groups AS (
@@ -104,7 +106,9 @@ ordered AS (
 ), load_requests AS (
     SELECT g.*, r.request_id, r.cached_tokens,
            row_number() OVER (PARTITION BY g.instance, g.ts, g.salt
-                              ORDER BY abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
+                              -- the last to arrive before the load, else (clocks apart) the first after it
+                              ORDER BY CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
+                                       abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
                                        r.request_id NULLS LAST) AS nearest
     FROM load_groups g
     JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt AND r.cached_tokens > 0

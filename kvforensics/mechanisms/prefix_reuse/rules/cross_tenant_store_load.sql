@@ -10,10 +10,10 @@
 --   * a loaded page and a written one are the same content when their chain fingerprints are equal
 --     (kv_events.chain_fp: the keyed hash of the token ids from the chain's first page; salted chains
 --     carry other hashes for the same tokens, so hashes never match across namespaces);
---   * the page's owner is the namespace that wrote it first. The load is foreign when that namespace
---     is not the requester's, the requester's namespace had not written the same content before (its
---     own copy), the owner is not a shared namespace ([prefix_cache] shared_namespaces) and its account
---     is not one of the provider's internal accounts;
+--   * the page's owner is the namespace that wrote it first (the store keeps a key's first write: it
+--     checks that a key exists before it sets it). The load is foreign when that namespace is not the
+--     requester's, is not a shared namespace ([prefix_cache] shared_namespaces) and its account is not
+--     one of the provider's internal accounts;
 --   * the response is the request of the loading namespace on that instance whose arrival is nearest
 --     the load, from $load_window_s before the load to $clock_skew_s after it, with cached_tokens
 --     covering the loaded pages (requests.cache_salt names the namespace).
