@@ -51,7 +51,10 @@ Ground truth (``truth.json``), defined precisely:
   ``cached_tokens`` include those pages). ``affected_undelivered``: the same for responses the client
   did not receive (status 499). ``recipients``: the accounts of ``affected_requests``;
   ``source_accounts``: the owners of their foreign pages; ``sources``: per affected request, each
-  foreign page's position, owner account and request, the instance that wrote it and when.
+  foreign page's position, owner account and request, the instance that wrote it and when, and
+  ``requester_stored_same_tokens_before``: the requester's salt had itself stored those tokens
+  earlier (on any instance, e.g. before the backend was added, or since evicted). Such a load still
+  reads another tenant's store object and counts as affected.
 * Not affected, by construction and listed for scoring false positives: hits in the requester's own
   namespace (device or host, including the same public text another tenant also has in the same
   instance's cache: ``same_namespace_public_hits``), L3 loads of the requester's own pages written on
@@ -341,6 +344,7 @@ class Req:
     served: bool = False
     output: array | None = None
     l3_owners: list[tuple[int, Req, float, str]] = field(default_factory=list)  # (page, owner, written, by)
+    l3_known: set[int] = field(default_factory=set)  # loaded pages whose tokens its salt had stored before
     secondary_from: set[str] = field(default_factory=set)
     public_same_namespace: bool = False
 
@@ -883,6 +887,8 @@ class Simulation:
             for name in INSTANCES
         }
         self.l3: dict[int, tuple[Req, float, str]] = {}  # token-chain key -> (owner request, written at, instance)
+        self.salt_ids: dict[str, int] = {}
+        self.stored_by_salt: set[int] = set()  # (token-chain key, salt) pairs any instance has stored
         self.heap: list[tuple[float, int, int, Any]] = []
         self.counter = 0
         self.canary_prompt = array("I", [BOS]) + token_run(seed, "canary", n=319)
@@ -1055,6 +1061,8 @@ class Simulation:
                 e.host.add(salted[p])
                 owner, wrote_at, wrote_on = self.l3[keys[p]]
                 r.l3_owners.append((p, owner, wrote_at, wrote_on))
+                if self.content_key(keys[p], salt) in self.stored_by_salt:
+                    r.l3_known.add(p)
                 if self.foreign(owner, r):
                     e.origin[salted[p]] = owner
             events += stored_events(f, l3_pages, "CPU_PINNED", salt)
@@ -1064,6 +1072,7 @@ class Simulation:
             for p in loads:
                 e.device[salted[p]] = None
             events += stored_events(f, loads, "GPU", salt)  # loaded back to the device (ref §2)
+            self.stored_by_salt.update(self.content_key(keys[p], salt) for p in l3_pages)
         e.touch(salted[: matched + len(l3_pages)])
         if events:
             e.archive.publish(t, events)
@@ -1106,6 +1115,10 @@ class Simulation:
         o = owner.account
         return o.salt != r.account.salt and o.role != "canary" and not o.internal and o.salt != SHARED_NAMESPACE
 
+    def content_key(self, key: int, salt: str | None) -> int:
+        sid = self.salt_ids.setdefault(salt or "", len(self.salt_ids))
+        return (key << 24) | sid
+
     def insert_device(self, f: Flight, pages: list[int], t: float) -> None:
         e = f.engine
         r = f.req
@@ -1118,6 +1131,7 @@ class Simulation:
             e.host_only.pop(f.salted[p], None)
         e.touch([f.salted[p] for p in pages])
         events += stored_events(f, new, "GPU", r.account.salt or None)
+        self.stored_by_salt.update(self.content_key(f.keys[p], r.account.salt) for p in new)
         e.archive.publish(t, events)
         if new:
             self.push(t + self.rng.uniform(0.004, 0.05), BACKUP, (f, new))
@@ -1301,7 +1315,8 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
             if sim.foreign(o, r):
                 foreign_pages.append({"position": p, "source_account": o.account.name, "source_request_id": o.rid,
                                       "source_salt": o.account.salt, "written_by": wrote_on,
-                                      "written_at": iso(wrote_at)})
+                                      "written_at": iso(wrote_at),
+                                      "requester_stored_same_tokens_before": p in r.l3_known})
             elif o.account.salt == r.account.salt:
                 own = True
             else:
@@ -1312,7 +1327,9 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
                    "prompt_tokens": r.prompt_tokens, "l3_loaded_pages": r.l3_pages,
                    "foreign_pages": foreign_pages,
                    "source_accounts": sorted({fp["source_account"] for fp in foreign_pages}),
-                   "kind": r.kind}
+                   "kind": r.kind,
+                   "requester_stored_same_tokens_before": all(fp["requester_stored_same_tokens_before"]
+                                                              for fp in foreign_pages)}
             sources[r.rid] = row
             if 200 <= r.status < 300:
                 affected.append(r.rid)

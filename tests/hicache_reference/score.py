@@ -115,12 +115,15 @@ def by_class(ids: set[str], truth: dict[str, Any]) -> dict[str, int]:
 def score_affected(found: set[str], truth: dict[str, Any], findings: list[dict[str, Any]] | None) -> dict[str, Any]:
     true = set(truth["affected_requests"])
     fn: dict[str, int] = {}
+    fn_known = 0
     for rid in true - found:
         kind = truth["sources"][rid]["kind"]
         fn[kind] = fn.get(kind, 0) + 1
+        fn_known += bool(truth["sources"][rid].get("requester_stored_same_tokens_before"))
     uncounted = {str(f["request_id"]) for f in findings or []} - found
     return {**pr(found, true), "false_positives_by_class": by_class(found - true, truth),
             "misses_by_kind": dict(sorted(fn.items())),
+            "misses_requester_stored_same_tokens_before": fn_known,
             "findings_not_counted_by_class": by_class(uncounted, truth) if findings is not None else None}
 
 
