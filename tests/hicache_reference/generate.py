@@ -117,6 +117,7 @@ SYSTEM, USER, ASSISTANT = 9125, 882, 78191
 
 DEFAULT_SEED = 15
 DEFAULT_REQUESTS = 60_000
+DEFAULT_STEP_S = 0.05  # events of concurrent requests share a scheduler step's batch
 
 
 def epoch(dt: datetime) -> float:
@@ -659,7 +660,8 @@ def startup_lines(s: Startup, pool: int) -> list[tuple[float, str]]:
 class KvArchive:
     """A ZMQ subscriber's archive: one JSON object per message, the batch positional (ref §1)."""
 
-    def __init__(self, path: Path, instance: str, gaps: list[tuple[float, int]], rng: random.Random) -> None:
+    def __init__(self, path: Path, instance: str, gaps: list[tuple[float, int]], rng: random.Random,
+                 step_s: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.raw = path.open("wb")
         self.gz = gzip.GzipFile(filename="", mode="wb", fileobj=self.raw, mtime=0, compresslevel=6)
@@ -672,14 +674,33 @@ class KvArchive:
         self.lost: list[dict[str, Any]] = []
         self._gap_left = 0
         self._gap_row: dict[str, Any] | None = None
+        self.step_s = step_s
+        self._pending: list[Any] = []
+        self._pending_from = 0.0
+        self._pending_ts = 0.0
 
     def restart(self, s: Startup) -> None:
+        self.flush()
         self.seq = 0  # _seq_gen = count() in the publisher's constructor (ref §1)
         self.endpoint = f"tcp://{s.ip}:5557"
 
     def publish(self, ts: float, events: list[Any]) -> None:
+        """Events of one scheduler step go out as one batch: those published within step_s of the first."""
         if not events:
             return
+        if self._pending and ts - self._pending_from >= self.step_s:
+            self.flush()
+        if not self._pending:
+            self._pending_from = ts
+        self._pending.extend(events)
+        self._pending_ts = ts
+
+    def flush(self) -> None:
+        if self._pending:
+            events, self._pending = self._pending, []
+            self._send(self._pending_ts, events)
+
+    def _send(self, ts: float, events: list[Any]) -> None:
         seq = self.seq
         self.seq += 1
         if self._gap_left == 0 and self.gaps and ts >= self.gaps[0][0]:
@@ -704,6 +725,7 @@ class KvArchive:
         self.text.write(json.dumps(record, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
+        self.flush()
         self.text.close()
         self.raw.close()
 
@@ -872,7 +894,8 @@ class Prober:
 
 
 class Simulation:
-    def __init__(self, seed: int, out: Path, dep: Deployment, planner: Planner, with_content: bool) -> None:
+    def __init__(self, seed: int, out: Path, dep: Deployment, planner: Planner, with_content: bool,
+                 step_s: float) -> None:
         self.seed = seed
         self.out = out
         self.dep = dep
@@ -882,7 +905,7 @@ class Simulation:
         arch_rng = random.Random(sub_seed(seed, "archive"))
         self.engines = {
             name: Engine(name, KvArchive(out / "kv-events" / f"{name}.jsonl.gz", name,
-                                         [(t, n) for i, t, n in dep.seq_gaps if i == name], arch_rng),
+                                         [(t, n) for i, t, n in dep.seq_gaps if i == name], arch_rng, step_s),
                          dep.pool_tokens)
             for name in INSTANCES
         }
@@ -1429,12 +1452,14 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
 
 
 def generate(out_dir: str | Path, seed: int = DEFAULT_SEED, requests: int = DEFAULT_REQUESTS,
-             with_content: bool = False, kv_pool_tokens: int | None = None) -> dict[str, Any]:
+             with_content: bool = False, kv_pool_tokens: int | None = None,
+             step_s: float = DEFAULT_STEP_S) -> dict[str, Any]:
     """Write the incident folder and return the truth (also written to truth.json).
 
     ``requests``: the gateway's requests, about (the prober's probes come on top); ``kv_pool_tokens``:
     each instance's device pool (default: scaled with ``requests``, 196,608 to 430,080 tokens); the
-    host pool is twice it.
+    host pool is twice it. ``step_s``: events published within this many seconds of a batch's first
+    go out in that batch, as one scheduler step's events do (0: a batch per request phase).
     """
     if requests < 500:
         raise ValueError("requests: at least 500")
@@ -1445,7 +1470,7 @@ def generate(out_dir: str | Path, seed: int = DEFAULT_SEED, requests: int = DEFA
     dep = plan_deployment(seed, pool_tokens_for(requests) if kv_pool_tokens is None else kv_pool_tokens)
     planner = Planner(seed, requests, dep)
     planner.plan()
-    sim = Simulation(seed, out, dep, planner, with_content)
+    sim = Simulation(seed, out, dep, planner, with_content, step_s)
     sim.run()
     rng = random.Random(sub_seed(seed, "gateway"))
     gw = sorted((r for r in sim.reqs if r.gateway), key=lambda r: (r.t, r.rid))
@@ -1460,6 +1485,7 @@ def generate(out_dir: str | Path, seed: int = DEFAULT_SEED, requests: int = DEFA
         write_gz_lines(out / "engines" / name / "sglang.log.gz", iter(lines))
     (out / "incident.toml").write_text(incident_toml(with_content))
     truth = build_truth(sim, dep, planner, seed, requests, with_content)
+    truth["generator"].update({"kv_pool_tokens": dep.pool_tokens, "step_s": step_s})
     (out / "truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True) + "\n")
     return truth
 
@@ -1471,9 +1497,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     ap.add_argument("--with-content", action="store_true")
     ap.add_argument("--kv-pool-tokens", type=int, default=None)
+    ap.add_argument("--step-s", type=float, default=DEFAULT_STEP_S)
     args = ap.parse_args(argv)
     truth = generate(args.out_dir, seed=args.seed, requests=args.requests, with_content=args.with_content,
-                     kv_pool_tokens=args.kv_pool_tokens)
+                     kv_pool_tokens=args.kv_pool_tokens, step_s=args.step_s)
     c = truth["counts"]
     print(f"{args.out_dir}: {c['gateway_requests']} requests, {c['affected']} affected, "
           f"{c['recipients']} recipients, {c['source_accounts']} source accounts")
