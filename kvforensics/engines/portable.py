@@ -315,7 +315,9 @@ def render(template: str, engine: str) -> str:
 
 
 def used_parameters(template: str) -> set[str]:
-    return {m for k, t in _segments(template) if k == "code" for m in _PARAM.findall(t)}
+    """The ``$name`` parameters the template's code uses, those of the fragments it includes too."""
+    text = expand_helpers(template, "duckdb") if "fragment" in template else template
+    return {m for k, t in _segments(text) if k == "code" for m in _PARAM.findall(t)}
 
 
 # --- scripts ---------------------------------------------------------------------------------------

@@ -290,7 +290,8 @@ ORDER BY g.source, g.start;
 -- messages a KV-event publisher numbered but the archive lacks (kv_event_gaps: a sequence gap, or the first messages
 -- after a restart), in a span that holds responses the prefix_reuse mechanism judges on that instance (any instance
 -- when the request names none): flagged by one of its rules ($kv_event_rules, from the rule registry), or prefix-cache
--- hits (cached_tokens > 0). Which blocks they reused and whose they were rests on the events that are missing
+-- hits (cached_tokens > 0) served while a path across tenants was open on the instance (prefix_windows, or no
+-- start-up says). Which blocks they reused and whose they were rests on the events that are missing
 WITH lost AS (
     SELECT instance, dp_rank, seq_before, seq_after, missing, from_ts, to_ts,
            coalesce(from_ts, TIMESTAMPTZ '-infinity') AS lo, coalesce(to_ts, TIMESTAMPTZ 'infinity') AS hi
@@ -298,10 +299,22 @@ WITH lost AS (
     WHERE missing > 0 AND EXISTS (SELECT 1 FROM mechanisms m WHERE m.id = $kv_event_mechanism AND m.selected)
 ), flagged AS (
     SELECT DISTINCT request_id FROM findings WHERE list_contains($kv_event_rules, rule_id)
+), open_paths AS (
+    -- a hit can only have crossed tenants where its instance's start-up had a path across them (prefix_windows):
+    -- where no start-up says, it could have been
+    SELECT r.request_id
+    FROM analysed_requests r
+    WHERE r.status BETWEEN 200 AND 299 AND r.cached_tokens > 0
+      AND (EXISTS (SELECT 1 FROM prefix_windows w
+                   WHERE w.instance = r.prefill_instance AND w.reach <> 'none'
+                     AND (w.valid_from IS NULL OR w.valid_from <= r.ts) AND (w.valid_to IS NULL OR r.ts < w.valid_to))
+           OR NOT EXISTS (SELECT 1 FROM prefix_windows w
+                          WHERE w.instance = r.prefill_instance
+                            AND (w.valid_from IS NULL OR w.valid_from <= r.ts) AND (w.valid_to IS NULL OR r.ts < w.valid_to)))
 ), judged AS (
     SELECT r.request_id, r.ts, r.prefill_instance, r.request_id IN (SELECT request_id FROM flagged) AS flagged
     FROM analysed_requests r
-    WHERE (r.status BETWEEN 200 AND 299 AND r.cached_tokens > 0) OR r.request_id IN (SELECT request_id FROM flagged)
+    WHERE r.request_id IN (SELECT request_id FROM open_paths) OR r.request_id IN (SELECT request_id FROM flagged)
 ), inside AS (
     SELECT DISTINCT l.instance, l.dp_rank, j.request_id, j.flagged
     FROM lost l JOIN judged j ON j.ts >= l.lo AND j.ts <= l.hi
@@ -479,4 +492,20 @@ SELECT format('prefix_reuse: {:,} start-up(s) with a store that drops the cache 
               count(*), gate_names(list(instance ORDER BY instance)), sum(pages)) AS message,
        count(*) AS startups, sum(pages) AS pages
 FROM silent
+HAVING count(*) > 0;
+
+-- reason: prefix_store_loads_unmatched
+-- the KV events show loads from a shared store of pages another namespace wrote (table prefix_store_loads), but
+-- no request of the loading namespace arrived on that instance near the load: a response received another
+-- tenant's pages and the run cannot say which (the gateway does not log cache_salt or the instance, its log
+-- misses that period, or the clocks are far apart)
+SELECT format('prefix_reuse: the KV events show {:,} load(s) of {:,} page(s) another namespace wrote to a shared store '
+              || '(instances {}, from {} to {}) that no request of the loading namespace explains: a response received '
+              || 'another tenant''s pages and the run cannot say which; map requests.cache_salt and the instance in the '
+              || 'gateway source, add the gateway log of that period, or check the clocks (clock_offset_s)',
+              count(DISTINCT (instance, ts, salt)), count(*), gate_names(list(DISTINCT instance ORDER BY instance)),
+              gate_ts(min(ts)), gate_ts(max(ts))) AS message,
+       count(DISTINCT (instance, ts, salt)) AS loads, count(*) AS pages
+FROM prefix_store_loads
+WHERE request_id IS NULL
 HAVING count(*) > 0;

@@ -15,9 +15,21 @@
 -- Reads findings (the flagged requests), requests, request_blocks, kv_events, account_classes.
 --   shared_store_pages: the recipient loaded pages from a shared store (rule cross_tenant_store_load) that
 --     another namespace had written there first: that namespace's request on the writing instance that
---     arrived last before the write (sql/prefix_store_loads.sql), else its account alone.
+--     arrived last before the write (table prefix_store_loads, above), else its account alone.
 -- Parameters: $store_window_s (the block_hash_collision rule's), $load_window_s and $clock_skew_s (the
 -- cross_tenant_store_load rule's).
+-- Loads from a shared store of pages another namespace wrote there (sql/prefix_store_loads.sql: the
+-- cross_tenant_store_load rule's method), one row per loaded foreign page with the response it served
+-- (request_id NULL: no request of the loading namespace arrived near the load, which the gate reports as
+-- prefix_store_loads_unmatched).
+CREATE OR REPLACE TABLE prefix_store_loads AS
+WITH internal AS (
+    SELECT account_id FROM account_classes WHERE account_class = 'internal'
+), {{ fragment('prefix_store_loads') }}
+SELECT f.instance, f.ts, f.salt, f.position, f.num_tokens, f.owner_salt, f.owner_instance, f.written, c.request_id
+FROM foreign_pages f
+LEFT JOIN load_requests c ON c.instance = f.instance AND c.ts = f.ts AND c.salt = f.salt AND c.nearest = 1;
+
 CREATE OR REPLACE TABLE prefix_sources AS
 WITH flagged AS (
     SELECT DISTINCT request_id FROM findings
@@ -83,13 +95,13 @@ WITH flagged AS (
     JOIN requests p ON p.request_id = pb.request_id
     WHERE c.matched_fp <> c.block_fp AND p.prefill_instance = c.prefill_instance
       AND p.ts <= {{ add_milliseconds(c.matched_ts, 1000 * $store_window_s) }} AND p.request_id <> c.request_id
-), {{ fragment('prefix_store_loads') }}, store_pages AS (
+), store_pages AS (
     -- pages a flagged response loaded from a shared store that another namespace wrote
-    SELECT c.request_id, f.position, f.owner_salt, f.owner_instance, f.written
-    FROM load_requests c
-    JOIN foreign_pages f ON f.instance = c.instance AND f.ts = c.ts AND f.salt = c.salt
-    WHERE c.nearest = 1
-      AND c.request_id IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
+    SELECT request_id, position, owner_salt, owner_instance, written
+    FROM prefix_store_loads
+    WHERE request_id IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
+), salt_accounts AS (
+    SELECT cache_salt, min(account_id) AS account_id FROM requests WHERE cache_salt IS NOT NULL GROUP BY cache_salt
 ), store_writers AS (
     -- each page's writer: the owner namespace's request on the writing instance that arrived last before
     -- the write (within $load_window_s), else the namespace's account alone
