@@ -23,7 +23,7 @@ from kvforensics.detect import load_rules
 from kvforensics.mechanisms import load_mechanisms
 
 REQUIRED_CODES = {"quarantine_share", "rule_field_missing", "window_without_requests", "model_without_capacity",
-                  "unknown_instances", "affected_outside_window", "truncated_file", "no_requests"}
+                  "unknown_instances", "affected_outside_window", "truncated_file", "no_requests", "kv_event_gap"}
 
 
 def run(incident: Path, out: Path, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, dict]:
@@ -95,6 +95,95 @@ def test_max_quarantine_fraction_is_validated(tmp_path, capsys):
     bad = INCIDENT + "\n[settings]\nmax_quarantine_fraction = \"1%\"\n"
     assert main(["run", str(mini(tmp_path, incident=bad)), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     assert "max_quarantine_fraction must be a number from 0 to 1" in capsys.readouterr().err
+
+
+KV_SOURCE = """
+[[sources]]
+name = "kv"
+kind = "kv_events"
+path = "kv/*.jsonl"
+columns = { ts = "batch.0", events = "batch.1", dp_rank = "batch.2", instance = "instance", seq = "seq" }
+"""
+
+
+def with_kv_events(incident: Path, messages: list[tuple[int, str]], extra: str = "") -> Path:
+    """The mini incident with a KV-event archive of prefill instance p0: one message per (seq, time of
+    2026-08-28), each storing one page, as a subscriber writes them (tests/fixtures/kv_events/README.md)."""
+    from datetime import datetime
+
+    (incident.parent / "kv").mkdir()
+    with (incident.parent / "kv" / "p0.jsonl").open("w") as fh:
+        for seq, hhmm in messages:
+            ts = datetime.fromisoformat(f"2026-08-28T{hhmm}:00+00:00").timestamp()
+            fh.write(json.dumps({"instance": "p0", "topic": "kv-events", "seq": seq, "batch": [
+                ts, [["BlockStored", [1000 + seq], None, [seq, 2, 3, 4], 4, None, "GPU"]], 0]}) + "\n")
+    incident.write_text(incident.read_text() + KV_SOURCE + extra)
+    return incident
+
+
+def test_quarantine_share_of_a_kv_events_source_and_its_limit_per_kind(tmp_path):
+    """Every kind of source counts, each with its own limit: a KV-event archive read without its mapping
+    loses every event, which made no reason before."""
+    messages = [(i, f"{9 + i // 60:02d}:{i % 60:02d}") for i in range(20)]
+    unmapped = KV_SOURCE.replace('columns = { ts = "batch.0", events = "batch.1", dp_rank = "batch.2", '
+                                 'instance = "instance", seq = "seq" }\n', "")
+    incident = with_kv_events(mini(tmp_path), messages)
+    incident.write_text(incident.read_text().replace(KV_SOURCE, unmapped))
+    code, scope = run(incident, tmp_path / "out")
+    assert code == 3 and "quarantine_share" in codes(scope)
+    (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "quarantine_share"]
+    assert {k: reason["evidence"][k] for k in ("source", "kind", "records_read", "quarantined", "fraction",
+                                              "max_quarantine_fraction")} == {
+        "source": "kv", "kind": "kv_events", "records_read": 20, "quarantined": 20, "fraction": 1,
+        "max_quarantine_fraction": 0.01}
+    assert reason["message"].startswith("kv_events source 'kv': 20 of 20 records quarantined (100.0%, above its limit "
+                                        "1.0%), most often \"the batch's events are null, not a list (key 'events'; ")
+    assert "or raise [quarantine] kv_events (default: [settings] max_quarantine_fraction)" in reason["message"]
+    # a limit of its own for the kind; the requests' limit is still the default one
+    allowed = incident.read_text() + "\n[quarantine]\nkv_events = 1.0\n"
+    (tmp_path / "allowed").mkdir()
+    shutil.copytree(incident.parent, tmp_path / "allowed", dirs_exist_ok=True)
+    (tmp_path / "allowed" / "incident.toml").write_text(allowed)
+    code, scope = run(tmp_path / "allowed" / "incident.toml", tmp_path / "out-allowed")
+    assert "quarantine_share" not in codes(scope)
+
+
+def test_quarantine_limits_per_kind_are_validated(tmp_path, capsys):
+    for table, message in (("[quarantine]\nkv_event = 0.1\n", "incident.toml: [quarantine]: unknown source kind "
+                                                                 "'kv_event'; did you mean 'kv_events'?"),
+                           ("[quarantine]\nrequests = 2\n", "incident.toml: [quarantine]: requests must be a number "
+                                                             "from 0 to 1")):
+        incident = mini(tmp_path / table[14:18], incident=INCIDENT + "\n" + table)
+        assert main(["run", str(incident), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_kv_event_gap_over_prefix_cache_hits(tmp_path):
+    """The p0 publisher's messages 11 to 18 are lost between 09:10 and 09:30, when p0 served two prefix-cache
+    hits: which blocks they reused and whose they were cannot be read from the events."""
+    rows = mini_requests()
+    for r in rows:
+        if r["rid"] in ("r75", "r76", "r200"):  # 09:15, 09:16; 11:20, outside the gap
+            r["cached_tokens"] = 64
+    messages = [(i, f"09:{i:02d}") for i in range(11)] + [(19, "09:30"), (20, "09:31")]
+    code, scope = run(with_kv_events(mini(tmp_path, rows), messages), tmp_path / "out")
+    assert code == 3 and "kv_event_gap" in codes(scope)
+    (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "kv_event_gap"]
+    assert reason["evidence"] == {"instance": "p0", "dp_rank": 0, "gaps": 1, "missing": 8,
+                                  "first": "2026-08-28T09:10:00Z", "last": "2026-08-28T09:30:00Z",
+                                  "responses": 2, "flagged": 0, "hits": 2}
+    assert reason["message"].startswith("KV events of instance 'p0' (dp rank 0): 8 message(s) lost in 1 break(s) of "
+                                        "the publisher's sequence (the first from seq 10 to 19), from "
+                                        "2026-08-28T09:10:00Z to 2026-08-28T09:30:00Z, a span holding 2 response(s)")
+    assert "replay buffer" in reason["message"] and "subscriber's other copy" in reason["message"]
+    # the same archive without the gap; a gap over no hit is only an ingest warning
+    whole = [(i, f"09:{i:02d}") for i in range(21)]
+    code, scope = run(with_kv_events(mini(tmp_path / "whole", rows), whole), tmp_path / "out-whole")
+    assert "kv_event_gap" not in codes(scope)
+    later = [(i, f"12:{i:02d}") for i in range(11)] + [(19, "12:30")]
+    code, scope = run(with_kv_events(mini(tmp_path / "later", rows), later), tmp_path / "out-later")
+    assert "kv_event_gap" not in codes(scope)
 
 
 def test_no_requests(tmp_path):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
+import hmac
 import json
 import shutil
 import struct
@@ -18,7 +20,10 @@ from hypothesis import strategies as st
 from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.errors import ConfigError
+from kvforensics.db import run_script
+from kvforensics.loaders.chain import chain_fingerprint
 from kvforensics.loaders.kv_events import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
+from kvforensics.loaders.prefix_blocks import prefix_blocks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 KEY = bytes.fromhex("a7" * 32)
@@ -289,7 +294,7 @@ def test_sample_ingest_is_unchanged_by_a_kv_events_source(tmp_path, sample_incid
     sample = sample_incident.parent
     folder = tmp_path / "sample"
     shutil.copytree(sample, folder, ignore=shutil.ignore_patterns("ground_truth.json"))
-    shutil.copytree(FIXTURES, folder / "kv")
+    shutil.copytree(FIXTURES, folder / "kv", ignore=shutil.ignore_patterns("sglang-archive.jsonl", "sglang-37482-*"))
     text = (folder / "incident.toml").read_text()
     plain = load_incident(folder / "incident.toml")
     (folder / "incident.toml").write_text(text.replace("[scope]", '[[sources]]\nname = "kv"\nkind = "kv_events"\n'
@@ -304,6 +309,151 @@ def test_sample_ingest_is_unchanged_by_a_kv_events_source(tmp_path, sample_incid
     assert b.execute("SELECT count(*), count(DISTINCT instance) FROM kv_events").fetchall() == [(17, 4)]
     assert b.execute("SELECT sum(loaded), sum(quarantined) FROM load_report WHERE kind = 'kv_events'"
                      ).fetchall() == [(15, 0)]
+
+
+# --- archives as subscribers write them (issue 26) ---------------------------------------------------------
+
+ARCHIVE_COLUMNS = 'columns = { ts = "batch.0", events = "batch.1", dp_rank = "batch.2", instance = "instance", seq = "seq" }'
+A1, A2, A3, U1 = "7340032118290011001", "-2305843009213693951", "4611686018427387905", "1311768467294899695"
+B1, B2, C1 = "-6917529027641081855", "3458764513820540929", "-1152921504606846975"
+
+
+def load_archive(tmp_path: Path, name: str = "sglang-archive.jsonl", extra: str = ARCHIVE_COLUMNS):
+    folder = tmp_path / "events"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXTURES / name, folder / name)
+    con = connect()
+    load = load_kv_events(con, kv_source(tmp_path, extra=extra), folder / name, KEY)
+    run_script(con, "kv_event_gaps")
+    return con, load
+
+
+def test_an_archive_line_as_a_subscriber_writes_it_loads(tmp_path):
+    """{"recv_ts", "instance", "endpoint", "topic", "seq", "batch": [ts, events, dp_rank]}: every event
+    loaded, read through dotted keys that index the batch array; before, each line was quarantined as
+    "the batch's events are null, not a list"."""
+    con, load = load_archive(tmp_path)
+    assert (load.records_read, load.loaded, load.quarantined) == (11, 11, 0)
+    got = rows(con, "SELECT instance, dp_rank, msg_seq, kind, block_hash, medium, salt, epoch(ts) AS t FROM kv_events "
+                    "WHERE source_line = 1 ORDER BY seq, position")
+    assert got == [
+        {"instance": "sglang-1", "dp_rank": 0, "msg_seq": 3898, "kind": "stored", "block_hash": A1, "medium": "GPU",
+         "salt": "tenant-a", "t": 1789380033.0},
+        {"instance": "sglang-1", "dp_rank": 0, "msg_seq": 3898, "kind": "stored", "block_hash": A2, "medium": "GPU",
+         "salt": "tenant-a", "t": 1789380033.0},
+        {"instance": "sglang-1", "dp_rank": 0, "msg_seq": 3898, "kind": "stored", "block_hash": A3, "medium": "GPU",
+         "salt": "tenant-a", "t": 1789380033.0}]
+    assert rows(con, "SELECT DISTINCT medium FROM kv_events WHERE medium IS NOT NULL ORDER BY 1") == [
+        {"medium": "CPU_PINNED"}, {"medium": "GPU"}]  # as published
+    assert ("event shapes seen: BlockStored array of 7 (4), BlockStored array of 8 (4), BlockRemoved array of 3 (2), "
+            "AllBlocksCleared array of 1 (1)") in load.notes
+    assert con.execute("SELECT count(*), count(msg_seq) FROM kv_event_messages").fetchall() == [(8, 8)]
+    # the same file without the mapping: one record per line, quarantined with the key to map
+    con, load = load_archive(tmp_path / "unmapped", extra="")
+    assert (load.records_read, load.quarantined) == (8, 8)
+    assert con.execute("SELECT DISTINCT reason FROM quarantine").fetchall() == [
+        ("the batch's events are null, not a list (key 'events'; columns.events says where a message keeps them, "
+         "e.g. \"batch.1\")",)]
+
+
+def test_sequence_gaps_and_restarts_land_in_kv_event_gaps(tmp_path):
+    """Per (instance, dp rank) in read order: 3900 -> 3904 lost 3 messages; 3904 -> 0 is a restart (the new
+    sequence starts at 0: nothing lost); rank 1's 17 -> 18 interleaved with rank 0 is no break."""
+    con, _ = load_archive(tmp_path)
+    got = rows(con, "SELECT instance, dp_rank, seq_before, seq_after, missing, epoch(from_ts) AS a, epoch(to_ts) AS b, "
+                    "kind, regexp_extract(source_file, '[^/]+$') AS file FROM kv_event_gaps ORDER BY to_ts")
+    assert got == [
+        {"instance": "sglang-1", "dp_rank": 0, "seq_before": 3900, "seq_after": 3904, "missing": 3,
+         "a": 1789380034.0, "b": 1789380094.0, "kind": "gap", "file": "sglang-archive.jsonl"},
+        {"instance": "sglang-1", "dp_rank": 0, "seq_before": 3904, "seq_after": 0, "missing": 0,
+         "a": 1789380094.0, "b": 1789380333.0, "kind": "restart", "file": "sglang-archive.jsonl"}]
+
+
+def test_a_quarantined_message_is_no_lost_one_and_a_late_restart_is(tmp_path):
+    batch = [["BlockRemoved", [1]]]
+    lines = [{"seq": 5, "b": [1.0, batch]}, {"seq": 6, "b": ["noon", batch]},  # events quarantined: received
+             {"seq": 7, "b": [3.0, batch]}, {"seq": 7, "b": [3.0, batch]},  # delivered twice: no break
+             {"seq": 2, "b": [9.0, batch]},  # restarted, its messages 0 and 1 not in the archive
+             {"seq": "x", "b": [10.0, batch]}]  # quarantined: no sequence number to follow
+    con, load = load_lines(tmp_path, lines, extra='columns = { ts = "b.0", events = "b.1", seq = "seq" }')
+    assert (load.loaded, load.quarantined) == (4, 2)
+    assert sorted(r[0] for r in con.execute("SELECT reason FROM quarantine").fetchall()) == [
+        "event 0: the batch's timestamp \"noon\" is not epoch seconds or ISO 8601",
+        "event 0: the publisher's sequence number \"x\" is not a non-negative integer"]
+    run_script(con, "kv_event_gaps")
+    assert con.execute("SELECT seq_before, seq_after, missing, kind FROM kv_event_gaps").fetchall() == [
+        (7, 2, 2, "restart")]
+    # a mapped sequence number missing from a message, or a mapping an array batch cannot have
+    con, load = load_lines(tmp_path / "m", [{"b": [1.0, batch]}, [2.0, batch]],
+                           extra='columns = { ts = "b.0", events = "b.1", seq = "seq" }')
+    assert sorted(r[0] for r in con.execute("SELECT reason FROM quarantine").fetchall()) == [
+        "event 0: no sequence number: key 'seq' (columns.seq) is missing",
+        "the batch is an array, so it has no key 'seq' holding the publisher's sequence number (columns.seq)"]
+
+
+def test_chain_fingerprints_match_equal_tokens_across_salts_and_prompt_blocks(tmp_path):
+    """tenant-a, tenant-b and an unsalted request stored the same tokens under three chains of hashes
+    (SGLang #30827 seeds salted chains from the salt): one chain_fp per prefix, the one request_blocks
+    gives the same token ids; a merged store (#31479) is one row per page with its share of the ids."""
+    con, _ = load_archive(tmp_path)
+    by_hash = {r["block_hash"]: r for r in rows(con, "SELECT * FROM kv_events WHERE kind = 'stored'")}
+    expected = prefix_blocks([101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112], 4, KEY)
+    assert len({A1, B1, U1}) == 3 and {by_hash[h]["chain_fp"] for h in (A1, B1, U1)} == {expected[0][3]}
+    assert by_hash[A2]["chain_fp"] == by_hash[B2]["chain_fp"] == expected[1][3]
+    assert by_hash[A3]["chain_fp"] == expected[2][3] == chain_fingerprint(expected[1][3], expected[2][2], KEY)
+    assert [(by_hash[h]["position"], by_hash[h]["num_tokens"], by_hash[h]["parent_block_hash"]) for h in (A2, A3)] == [
+        (1, 4, A1), (2, 4, A2)]
+    assert by_hash[A3]["block_fp"] == block_fingerprint([109, 110, 111, 112], KEY)
+    assert by_hash[C1]["chain_fp"] is None and by_hash[C1]["position"] is None  # its root is in no file read
+    assert by_hash[C1]["block_fp"] == block_fingerprint([201, 202, 203, 204], KEY)
+    # the fingerprint of ids as the loader writes them is the reference formula's
+    ids = [0, 7, 151_935, 2 ** 40]
+    reference = hmac.new(KEY, b"kv-block:" + ",".join(map(str, ids)).encode(), hashlib.sha256).digest()
+    assert block_fingerprint(ids, KEY) == int.from_bytes(reference[:8], "big") >> 1 == block_fingerprint(tuple(ids), KEY)
+
+
+def test_sglang_37482_map_events_with_the_salt_as_a_field(tmp_path):
+    """From sgl-project/sglang#37482 events are tagged maps, cache_salt and session_id fields of the event,
+    fields at their default (null) left out by msgspec's omit_defaults."""
+    con, load = load_lines(tmp_path, (FIXTURES / "sglang-37482-map.jsonl").read_text().splitlines())
+    assert (load.loaded, load.quarantined) == (5, 0)
+    assert "event shapes seen: BlockStored map (3), BlockRemoved map (1), AllBlocksCleared map (1)" in load.notes
+    got = rows(con, "SELECT kind, position, salt, medium, lora, chain_fp FROM kv_events ORDER BY source_line, seq")
+    chain = prefix_blocks([101, 102, 103, 104, 105, 106, 107, 108], 4, KEY)
+    assert got == [
+        {"kind": "stored", "position": 0, "salt": "tenant-c", "medium": "GPU", "lora": None, "chain_fp": chain[0][3]},
+        {"kind": "stored", "position": 1, "salt": "tenant-c", "medium": "CPU_PINNED", "lora": None,
+         "chain_fp": chain[1][3]},
+        {"kind": "stored", "position": 0, "salt": None, "medium": "GPU", "lora": None, "chain_fp": chain[0][3]},
+        {"kind": "removed", "position": None, "salt": None, "medium": "CPU_PINNED", "lora": None, "chain_fp": None},
+        {"kind": "cleared", "position": None, "salt": None, "medium": None, "lora": None, "chain_fp": None}]
+
+
+UPSTREAM = Path(__file__).parent / "fixtures" / "kv_events_upstream"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in UPSTREAM.glob("*.jsonl")))
+def test_every_upstream_stream_loads_whole(tmp_path, name):
+    """The engines' published shapes (tests/fixtures/kv_events_upstream/README.md, each cited): nothing
+    quarantined, the shapes said, the archives' sequence breaks found, equal ids one chain_fp per prefix."""
+    extra = ARCHIVE_COLUMNS if "archive" in name else ""
+    folder = tmp_path / "events"
+    folder.mkdir()
+    shutil.copy(UPSTREAM / name, folder / name)
+    con = connect()
+    load = load_kv_events(con, kv_source(tmp_path, extra=extra), folder / name, KEY)
+    run_script(con, "kv_event_gaps")
+    assert load.quarantined == 0 and load.loaded == load.records_read > 0
+    assert any(n.startswith("event shapes seen: ") for n in load.notes)
+    gaps = con.execute("SELECT kind, seq_before, seq_after, missing FROM kv_event_gaps").fetchall()
+    assert gaps == {"sglang-archive-seq-gap.jsonl": [("gap", 42, 46, 3)],
+                    "sglang-archive-restart.jsonl": [("restart", 2, 0, 0)]}.get(name, [])
+    # every block whose chain starts in the file has the fingerprint of its prefix
+    assert con.execute("SELECT count(*) FROM kv_events WHERE position IS NOT NULL AND block_fp IS NOT NULL "
+                       "AND chain_fp IS NULL").fetchall() == [(0,)]
+    if name == "sglang-hicache-salted-mixed.jsonl":  # equal ids under tenant-a, no salt and tenant-b
+        assert con.execute("SELECT position, count(DISTINCT block_hash), count(DISTINCT chain_fp) FROM kv_events "
+                           "GROUP BY position ORDER BY position").fetchall() == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2 ** 70) | st.just(2 ** 33) | st.floats() | st.text(max_size=8),
