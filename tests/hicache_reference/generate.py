@@ -47,9 +47,10 @@ Ground truth (``truth.json``), defined precisely:
   an internal account (``[scope] internal_accounts``) nor in a shared namespace
   (``shared_namespaces``, the public playground): ref §3, "Stores that drop the salt" (#26747) and
   "Same-tenant reuse ... is not cross-tenant; nor is a namespace the provider documents as shared".
-* ``affected_requests``: gateway requests answered 2xx with at least one foreign L3 load (their
-  ``cached_tokens`` include those pages). ``affected_undelivered``: the same for responses the client
-  did not receive (status 499). ``recipients``: the accounts of ``affected_requests``;
+* ``affected_requests``: gateway requests with at least one foreign L3 load (the engine's
+  ``cached_tokens`` include those pages), whatever the status: the engine computed the response on
+  them. ``affected_undelivered``: those of them the client did not receive whole (status 499, whose
+  gateway record has no ``cached_tokens``). ``recipients``: the accounts of ``affected_requests``;
   ``source_accounts``: the owners of their foreign pages; ``sources``: per affected request, each
   foreign page's position, owner account and request, the instance that wrote it and when, and
   ``requester_stored_same_tokens_before``: the requester's salt had itself stored those tokens
@@ -1354,11 +1355,10 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
                    "requester_stored_same_tokens_before": all(fp["requester_stored_same_tokens_before"]
                                                               for fp in foreign_pages)}
             sources[r.rid] = row
-            if 200 <= r.status < 300:
-                affected.append(r.rid)
-                recipients.add(r.account.name)
-                owners.update(row["source_accounts"])
-            else:
+            affected.append(r.rid)
+            recipients.add(r.account.name)
+            owners.update(row["source_accounts"])
+            if not 200 <= r.status < 300:
                 undelivered.append(r.rid)
         else:
             if own:
@@ -1401,7 +1401,7 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
         "generator": {"name": "tests/hicache_reference/generate.py", "seed": seed, "requests": n,
                       "with_content": with_content},
         "definitions": {
-            "affected_requests": "gateway requests answered 2xx whose cached_tokens include pages their lookup "
+            "affected_requests": "gateway requests (any status) whose cached_tokens include pages their lookup "
                                  "loaded from the shared L3 store (device+host miss in their salt, >= 256 tokens "
                                  "left, backend on the instance's start-up) whose first writer had another salt "
                                  "and was neither internal nor in a shared namespace (ref 2-3, #26747)",

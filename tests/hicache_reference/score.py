@@ -5,8 +5,7 @@ or the ``affected_responses`` table of ``evidence.duckdb``, ``notifications.csv`
 evidence database has them ``prefix_sources``, ``kv_event_gaps``) and returns a dict of scores:
 
 * ``affected``: precision and recall of the affected responses, the false positives sorted into the
-  truth's not-affected classes (same-tenant L3 loads, shared-namespace loads, secondary hits,
-  undelivered responses, other) and the misses by traffic kind;
+  truth's not-affected classes (same-tenant L3 loads, shared-namespace loads, secondary hits, other) and the misses by traffic kind;
 * ``recipients`` (role ``received_foreign_data``) and ``source_accounts`` (``data_exposed_confirmed``;
   ``data_exposed_possible`` is reported beside, not scored);
 * ``sources``: per true positive, precision and recall of the source accounts named in
@@ -98,7 +97,6 @@ def truth_class(rid: str, truth: dict[str, Any]) -> str:
         "same_tenant_l3_load": set(truth["same_tenant_l3_loads"]),
         "shared_namespace_l3_load": set(truth["shared_namespace_l3_loads"]),
         "secondary_own_namespace_copy": set(truth["secondary_requests"]),
-        "undelivered": set(truth["affected_undelivered"]),
         "prober_miss": set(truth["prober"]["probes"]) - true,
     }
     return next((k for k, ids in classes.items() if rid in ids), "other")
