@@ -47,13 +47,21 @@ WITH flagged AS (
                                        ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS end_token
           FROM request_blocks) b ON b.request_id = r.request_id
     WHERE b.end_token <= r.cached_tokens
-), {{ fragment('prefix_senders') }}, stores AS (
-    -- the earliest send on the recipient's own cache (instance and salt), else on any instance of the model
-    SELECT request_id, position, 'block_fingerprints' AS basis,
-           CASE WHEN any_local = 1 THEN local_id ELSE first_id END AS sender_id,
-           CASE WHEN any_local = 1 THEN local_account ELSE first_account END AS sender_account
-    FROM block_senders
-    WHERE benign = 0
+), {{ fragment('prefix_senders') }}, hits AS (
+    SELECT r.request_id, r.ts, r.prefill_instance
+    FROM flagged f JOIN requests r ON r.request_id = f.request_id
+), {{ fragment('prefix_paths') }}, stores AS (
+    -- through the paths open on the recipient's instance (as the rules judge): the earliest send on its own
+    -- cache (instance and salt) when that cache crossed tenants, else on any instance of the model when a
+    -- store whose keys drop the salt was in force. A response the KV events show loading pages from a shared
+    -- store is attributed by those loads (shared_store_pages below), which name the store's writer.
+    SELECT s.request_id, s.position, 'block_fingerprints' AS basis,
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_id ELSE s.first_id END AS sender_id,
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_account ELSE s.first_account END
+               AS sender_account
+    FROM block_senders s JOIN request_paths p ON p.request_id = s.request_id
+    WHERE s.benign = 0 AND (p.local_path = 1 OR p.store_path = 1)
+      AND s.request_id NOT IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
 ), collided AS (
     -- the block stored under the hash the recipient matched (the parent of its own first stored block)
     SELECT u.request_id, u.position, u.prefill_instance, u.block_fp, e.block_fp AS matched_fp, e.ts AS matched_ts,

@@ -1,0 +1,104 @@
+"""The prefix_reuse mechanism judged on an incident it was not tuned on: SGLang 0.5.18 HiCache with a
+salt-blind shared L3 store added and removed by rolling restarts, written from the engines' documented
+behaviour by tests/hicache_reference/generate.py (its README cites the upstream sources), scored by
+tests/hicache_reference/score.py against the generator's own truth.
+
+What was wrong before (main at 6fb57b1, issue 26): the subscriber's archive was quarantined line by line;
+unwrapped by hand, hits on public content in a tenant's own salted cache, responses from before the store
+existed and after it was removed, and "collisions" on SHA-256 chains were all flagged, evaluation
+harnesses were named as exploiters and no exposure window was reported."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvforensics.cli import main
+
+HERE = Path(__file__).parent / "hicache_reference"
+
+
+def _module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"hicache_reference_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+generate, score = _module("generate"), _module("score")
+
+
+def _run(incident: Path, out: Path) -> int:
+    return main(["run", str(incident), "--out", str(out), "--quiet", "--no-pdf"])
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    root = tmp_path_factory.mktemp("hicache")
+    truth = generate.generate(root / "incident", seed=15, requests=4000)
+    code = _run(root / "incident" / "incident.toml", root / "out")
+    return code, score.score(root / "out", root / "incident" / "truth.json"), truth
+
+
+def test_the_archive_as_the_subscriber_wrote_it_loads(judged, tmp_path_factory):
+    code, result, truth = judged
+    assert result["run"]["outputs"] and code == 0 and result["run"]["conclusive"], result["run"]
+    assert truth["counts"]["affected"] > 50  # a size at which the scores mean something
+
+
+@pytest.mark.parametrize("what", ["affected", "recipients", "source_accounts", "sources"])
+def test_responses_recipients_and_sources_are_right(judged, what):
+    got = judged[1][what]
+    assert got["precision"] >= 0.95 and got["recall"] >= 0.95, got
+
+
+def test_each_instance_has_its_window_within_a_minute(judged):
+    windows = judged[1]["windows"]
+    assert windows["reported"] and windows["windows_on_other_instances"] == 0
+    assert set(windows["per_instance"]) == set(judged[2]["exposure_windows"])
+    for instance, w in windows["per_instance"].items():
+        assert w["found"] and w["path"] == "salt_blind_store", instance
+        assert abs(w["start_error_s"]) <= 60 and abs(w["end_error_s"]) <= 60, (instance, w)
+
+
+def test_the_prober_is_found_and_no_look_alike_is_flagged(judged):
+    exploitation = judged[1]["exploitation"]
+    assert exploitation["prober_found"] and exploitation["prober_tier"] == "likely"
+    assert exploitation["lookalikes_flagged_count"] == 0 and exploitation["other_accounts_flagged"] == []
+
+
+def test_the_lost_messages_are_found(judged):
+    gaps = judged[1]["seq_gaps"]
+    assert gaps["available"] and gaps["precision"] == 1.0 and gaps["recall"] == 1.0
+
+
+def test_with_the_prompts_token_ids_the_answer_is_the_same(tmp_path):
+    """The content source cuts prompts into blocks: the content-based rules run too, and must not turn a
+    tenant's hits in its own salted cache into findings (nor any hit into a "collision")."""
+    generate.generate(tmp_path / "incident", seed=16, requests=3000, with_content=True)
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 0
+    result = score.score(tmp_path / "out", tmp_path / "incident" / "truth.json")
+    for what in ("affected", "recipients", "source_accounts"):
+        assert result[what]["precision"] >= 0.95 and result[what]["recall"] >= 0.95, (what, result[what])
+    rules = json.loads((tmp_path / "out" / "scope.json").read_text())
+    assert rules["exploitation"]["accounts_looking_deliberate"] == [result["exploitation"]["prober"]]
+
+
+def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp_path):
+    """The loads are in the events but no request of the loading namespace can be named: inconclusive."""
+    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
+        lines = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+        path.write_bytes(gzip.compress(b"".join(
+            json.dumps({k: v for k, v in r.items() if k != "cache_salt"}).encode() + b"\n" for r in lines)))
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
+    reasons = [r["code"] for r in json.loads((tmp_path / "out" / "scope.json").read_text())["inconclusive_reasons"]]
+    assert "prefix_store_loads_unmatched" in reasons
