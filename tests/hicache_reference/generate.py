@@ -77,6 +77,7 @@ Run ``python tests/hicache_reference/generate.py OUT --seed 15 --requests 60000`
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gzip
 import hashlib
 import heapq
@@ -87,11 +88,10 @@ import math
 import random
 import sys
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -116,16 +116,13 @@ GATEWAY_SALT_KEY = b"gw-cache-salt-2026"  # the gateway's key for per-tenant sal
 BOS, SH, EH, EOT, NL2 = 128000, 128006, 128007, 128009, 271
 SYSTEM, USER, ASSISTANT = 9125, 882, 78191
 
+PUBLIC_TEXT_KINDS = ("public_doc", "template", "playground_copy")  # prompts opening with text other tenants send
 DEFAULT_SEED = 15
 DEFAULT_REQUESTS = 60_000
 DEFAULT_STEP_S = 0.05  # events of concurrent requests share a scheduler step's batch
 
 
-def epoch(dt: datetime) -> float:
-    return dt.timestamp()
-
-
-T0_S = epoch(T0)
+T0_S = T0.timestamp()
 END_S = T0_S + DAYS * 86400
 
 
@@ -191,13 +188,14 @@ def chain_hashes(tokens: array, n_pages: int, seed_digest: bytes) -> list[int]:
 
 def gateway_salt(account: str) -> str:
     """The gateway's per-tenant cache_salt: a keyed hash of the tenant id (ref §3)."""
-    if fnmatch_internal(account):
+    if is_internal(account):
         return SHARED_NAMESPACE
     return "cs-" + hmac.new(GATEWAY_SALT_KEY, account.encode(), hashlib.sha256).hexdigest()[:24]
 
 
-def fnmatch_internal(account: str) -> bool:
-    return account.startswith("playground-")
+def is_internal(account: str) -> bool:
+    """The provider's own accounts, as ``[scope] internal_accounts`` names them."""
+    return fnmatch.fnmatchcase(account, INTERNAL_PATTERN)
 
 
 def user_block(text: array) -> array:
@@ -317,7 +315,7 @@ class Account:
 
     @property
     def internal(self) -> bool:
-        return fnmatch_internal(self.name)
+        return is_internal(self.name)
 
 
 @dataclass
@@ -1104,7 +1102,7 @@ class Simulation:
         r.cached_tokens = cached_pages * PAGE
         r.device_pages, r.host_pages, r.l3_pages = dev_hits, len(host_hits), l3_pages
         r.served = True
-        if dev_hits and r.account.salt and self.public_in_other_namespace(r):
+        if dev_hits and r.account.salt and r.kind in PUBLIC_TEXT_KINDS:
             r.public_same_namespace = True
         new_tokens = plen - r.cached_tokens
         prefill = 0.004 + new_tokens * 6e-5 + (new_tokens**2) * 2e-10 + len(host_hits) * 1e-4 + len(l3_pages) * 4e-4
@@ -1129,9 +1127,6 @@ class Simulation:
         if r.kind == "probe":
             self.prober.observe(r)
             self.push(r.t + r.latency_ms / 1000 + self.prober.rng.uniform(0.05, 0.6), PROBE, None)
-
-    def public_in_other_namespace(self, r: Req) -> bool:
-        return r.kind in ("public_doc", "template", "playground_copy")
 
     @staticmethod
     def foreign(owner: Req, r: Req) -> bool:
