@@ -111,8 +111,9 @@ ordered AS (
                                        abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
                                        r.request_id NULLS LAST) AS nearest
     FROM load_groups g
-    JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt AND r.cached_tokens > 0
+    -- (a response the client did not get, e.g. a disconnect, may carry no usage: cached_tokens NULL)
+    JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt
                    AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
                    AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
-                   AND (g.last_position IS NULL OR r.cached_tokens >= g.tokens)
+                   AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.tokens)
 )

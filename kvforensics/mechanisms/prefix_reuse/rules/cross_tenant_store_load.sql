@@ -16,7 +16,8 @@
 --     one of the provider's internal accounts;
 --   * the response is the request of the loading namespace on that instance whose arrival is nearest
 --     the load, from $load_window_s before the load to $clock_skew_s after it, with cached_tokens
---     covering the loaded pages (requests.cache_salt names the namespace).
+--     covering the loaded pages, or none logged (a client that disconnected gets no usage); requests.cache_salt
+--     names the namespace.
 -- Output: request_id, strength ('strong'), evidence (JSON). One row per request.
 WITH internal AS (
     SELECT DISTINCT a.account_id
