@@ -102,3 +102,17 @@ def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
     reasons = [r["code"] for r in json.loads((tmp_path / "out" / "scope.json").read_text())["inconclusive_reasons"]]
     assert "prefix_store_loads_unmatched" in reasons
+
+
+def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(tmp_path):
+    """Builds before sgl-project/sglang#22894 publish only the device store of a page loaded from the store
+    (reference section 2): the loads leave no signature, and "none affected" must not be the answer."""
+    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    for path in (tmp_path / "incident" / "kv-events").glob("*.jsonl.gz"):
+        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+        for r in records:
+            r["batch"][1] = [e for e in r["batch"][1] if not (e[0] == "BlockStored" and e[6] == "CPU_PINNED")]
+        path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
+    scope = json.loads((tmp_path / "out" / "scope.json").read_text())
+    assert "prefix_window_unseen" in [r["code"] for r in scope["inconclusive_reasons"]]

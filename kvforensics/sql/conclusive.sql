@@ -460,7 +460,7 @@ HAVING count(*) > 0;
 
 -- reason: prefix_window_unseen
 -- a start-up with a store whose keys drop the salt, served cache hits, and published pages whose content
--- another namespace had stored first, but no prefix_reuse finding falls in it: the reuse through the store
+-- another namespace had stored first, but no response counted as affected by prefix_reuse falls in it: the reuse through the store
 -- left no signature this run can read (a build that publishes no host store for a load, events lost), so
 -- "none affected" there is not shown
 WITH windows AS (
@@ -480,7 +480,7 @@ WITH windows AS (
     WHERE EXISTS (SELECT 1 FROM analysed_requests r
                   WHERE r.prefill_instance = c.instance AND r.cached_tokens > 0
                     AND (c.valid_from IS NULL OR r.ts >= c.valid_from))
-      AND NOT EXISTS (SELECT 1 FROM findings f JOIN requests r ON r.request_id = f.request_id
+      AND NOT EXISTS (SELECT 1 FROM affected_responses r JOIN findings f ON f.request_id = r.request_id
                       JOIN windows w ON w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from
                       WHERE f.mechanism = 'prefix_reuse' AND r.prefill_instance = c.instance
                         AND (w.valid_from IS NULL OR r.ts >= w.valid_from) AND (w.valid_to IS NULL OR r.ts < w.valid_to))
