@@ -49,3 +49,21 @@ def test_clean_exits_0_and_nothing_to_audit_exits_2(capsys: pytest.CaptureFixtur
     empty.write_text("")
     assert audit(capsys, empty)[0] == 2
     assert audit(capsys, "--now", empty)[0] == 2
+
+
+@pytest.mark.parametrize("path", sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log")),
+                         ids=lambda p: p.name)
+def test_a_check_1_fail_is_never_under_not_exposed(capsys: pytest.CaptureFixture[str], path: Path) -> None:
+    """Issue 27, observation 4: the audit's table and its headline tell one story. A start-up whose check 1
+    FAILs is exposed: the headline says EXPOSED, the exit status is 1, and with --now 1 while it is in force;
+    a start-up that is not exposed has no check-1 FAIL (a unified server's pool below its context is n/a)."""
+    code, out = audit(capsys, "--year", "2026", path)
+    report = audit_paths([path], year=2026)
+    fails = [v for v in report.verdicts if v.check == 1 and v.status == "fail"]
+    assert all(v.exposed for v in fails)
+    if fails:
+        assert "Not exposed." not in out and "EXPOSED:" in out and code == 1
+        now_code, _ = audit(capsys, "--now", "--year", "2026", path)
+        assert now_code == (1 if any(v.in_force for v in fails) else 0)
+    else:
+        assert code == 0 and "Not exposed." in out

@@ -146,9 +146,12 @@ class AuditReport:
         failing = self.by_status("fail")
         shared = len({(v.instance, v.startup_file, v.startup_line) for v in failing if v.check == 6})
         prefix = f" Prefix-cache isolation fails on {shared} start-up(s) (check 6)." if shared else ""
+        # the counts are of verdicts, one per check and start-up: said so, or "34 fail" reads as 34 failures
+        checks = len({v.check for v in self.verdicts})
         return (
-            f"{state}. {s['startups']} start-up(s) of {s['instances']} instance(s): {c['pass']} pass, "
-            f"{c['fail']} fail, {c['unknown']} unknown, {c['not_applicable']} not applicable.{prefix}"
+            f"{state}. {s['startups']} start-up(s) of {s['instances']} instance(s) x {checks} checks = "
+            f"{len(self.verdicts)} verdicts: {c['pass']} pass, {c['fail']} fail, {c['unknown']} unknown (the "
+            f"evidence cannot tell), {c['not_applicable']} not applicable.{prefix}"
         )
 
     def now(self) -> str:

@@ -1,4 +1,4 @@
-"""Check 1: is the KV pool at least the context length? (every role)
+"""Check 1: is the KV pool at least the context length, where a prompt beyond the pool would be served?
 
 SGLang's scheduler refuses a prompt of ``n`` tokens when ``n >= max_req_input_len =
 min(context_len - 1, max_total_num_tokens - 1) - 5``; the tokenizer's context check refuses ``n >=
@@ -14,9 +14,22 @@ served nothing (``not_applicable``); ``pool >= max_model_len`` passes. Scheduler
 whose limit contradicts the pool and context read turn a pass into ``unknown`` (the readings are in
 doubt).
 
-A ``fail`` is **exposed** on a prefill or decode role, or where the role is unknown (no
-``server_args`` line and nothing else to tell): the deploy gate fails closed. A unified server
-answers those prompts with an error, so its fail is listed but not exposed.
+On a unified server the engines' own admission keeps a prompt beyond the pool off pages it did not
+write, so the stale-pages exposure this check is about cannot happen there: SGLang's scheduler answers
+it with an error (``srt/managers/scheduler.py`` -> ``validate_input_length``, the reject path the
+public GLM-5.3 report found working on a single server); vLLM refuses to start with a KV cache that
+cannot hold ``max_model_len`` (V1 ``vllm/v1/core/kv_cache_utils.py`` ``check_enough_kv_cache_memory``,
+V0 ``vllm/worker/worker.py`` ``raise_if_cache_size_invalid``) and its schedulers never run a prompt on
+blocks they could not allocate (V1 ``vllm/v1/core/sched/scheduler.py``: ``allocate_slots`` returns
+None and the request waits; V0 ``vllm/core/scheduler.py``: "exceeds the capacity of block_manager",
+the prompt is ignored). A unified SGLang server with a pool below its context is ``not_applicable``
+(its sentence says the clients get errors and what to set); a unified vLLM start-up that logs a KV
+cache below ``max_model_len`` and did not refuse is ``unknown``: vLLM would have refused, so the pool
+or ``max_model_len`` read is in doubt.
+
+``fail`` is **exposed**, always: on a prefill or decode role, or where the role is unknown (no
+``server_args`` line and nothing else to tell; the deploy gate fails closed). A verdict never says
+"fail" for a start-up the audit then calls not exposed.
 """
 
 from __future__ import annotations
@@ -118,7 +131,21 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
                 *pool_at,
                 False,
             )
-        exposed = s.pd is not False
+        if s.pd is False:
+            return (
+                "unknown",
+                (
+                    f"KV cache {thousands(pool)} tokens < max_model_len {thousands(ctx)}{scope}, yet the engine did not "
+                    "refuse to start, which vLLM does when its KV cache cannot hold max_model_len "
+                    "(check_enough_kv_cache_memory): the pool or max_model_len read is in doubt (compare the "
+                    "'GPU KV cache size' line with /get_server_info); either way a unified vLLM server never runs a "
+                    "prompt on KV blocks it could not allocate (the scheduler leaves it waiting, or ignores it), so "
+                    f"nothing is served from stale KV; set --max-model-len <= {thousands(pool)} if the pool is right"
+                    f"{note}"
+                ),
+                *pool_at,
+                False,
+            )
         return (
             "fail",
             (
@@ -127,7 +154,7 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
                 f"{thousands(pool)}{note}"
             ),
             *pool_at,
-            exposed,
+            True,  # a prefill or decode role, or an unknown one (fail closed)
         )
     # SGLang
     limit = min(ctx - 1, pool - 1) - 5
@@ -193,13 +220,14 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
         return "fail", f"{head}{body}{seen}{note}", *pool_at, True
     truncate = s.flags.get("allow_auto_truncate", "").lower() in ON or "input_truncated" in s.events
     body = (
-        f"; with --allow-auto-truncate they are cut to {thousands(limit)} tokens and served"
+        f"; with --allow-auto-truncate they are cut to {thousands(limit)} tokens and served within the pool"
         if truncate
-        else "; a unified server answers them with an error, so nothing is served from stale KV"
+        else "; a unified server answers them with an error"
     )
     return (
-        "fail",
-        f"{head}{body}; {fix} so the context check refuses them up front{seen}{note}",
+        "not_applicable",
+        f"{head}{body}, so nothing is served from stale KV (that needs a disaggregated hand-off); {fix} so the "
+        f"context check refuses them up front{seen}{note}",
         *pool_at,
         False,
     )
