@@ -18,9 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
+from kvforensics.db import connect, run_script
 from kvforensics.errors import ConfigError
-from kvforensics.db import run_script
 from kvforensics.loaders.chain import chain_fingerprint
 from kvforensics.loaders.kv_events import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
 from kvforensics.loaders.prefix_blocks import prefix_blocks
@@ -410,6 +409,10 @@ def test_chain_fingerprints_match_equal_tokens_across_salts_and_prompt_blocks(tm
     ids = [0, 7, 151_935, 2 ** 40]
     reference = hmac.new(KEY, b"kv-block:" + ",".join(map(str, ids)).encode(), hashlib.sha256).digest()
     assert block_fingerprint(ids, KEY) == int.from_bytes(reference[:8], "big") >> 1 == block_fingerprint(tuple(ids), KEY)
+    reference = hmac.new(KEY, b"kv-chain:5:7", hashlib.sha256).digest()
+    assert chain_fingerprint(5, 7, KEY) == int.from_bytes(reference[:8], "big") >> 1
+    reference = hmac.new(KEY, b"kv-chain::7", hashlib.sha256).digest()
+    assert chain_fingerprint(None, 7, KEY) == int.from_bytes(reference[:8], "big") >> 1
 
 
 def test_sglang_37482_map_events_with_the_salt_as_a_field(tmp_path):

@@ -36,21 +36,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.loaders.chain import chain_fingerprint
+from kvforensics.loaders.chain import chain_fingerprint, keyed_sha256
 from kvforensics.loaders.changes import parse_ts
 from kvforensics.loaders.records import QuarantineRows
 from kvforensics.loaders.staging import FileLoad
@@ -96,25 +94,16 @@ def block_fingerprint(token_ids: list[int], key: bytes) -> int:
     """The keyed 63-bit fingerprint of one block's token ids: HMAC-SHA256 under the incident key of
     ``b"kv-block:"`` and the ids as decimal numbers joined by commas. Equal ids give equal
     fingerprints within an investigation; without the key they cannot be tested against guesses. (A
-    list of ints' ``repr`` is that text with spaces, and faster to make; the HMAC starts from a copy of
-    the key's state.)"""
+    list of ints' ``repr`` is that text with spaces, and faster to make.)"""
     text = repr(token_ids)[1:-1].replace(" ", "") if type(token_ids) is list else ",".join(map(str, token_ids))
     return _ids_fingerprint(text, key)
 
 
 def _ids_fingerprint(ids: str, key: bytes) -> int:
     """:func:`block_fingerprint` of the ids written as it writes them (``"101,102,103"``)."""
-    mac = _keyed_sha256(key)()
+    mac = keyed_sha256(key)()
     mac.update(b"kv-block:" + ids.encode("ascii"))
     return int.from_bytes(mac.digest()[:8], "big") >> 1
-
-
-@lru_cache(maxsize=8)
-def _keyed_sha256(key: bytes) -> Callable[[], Any]:
-    """A fresh HMAC-SHA256 under *key*: a copy of one keyed once (cheaper than keying for each block), of
-    the C object inside ``hmac.HMAC`` where CPython has one (OpenSSL's), without its Python wrapper."""
-    keyed = hmac.new(key, digestmod="sha256")
-    return getattr(keyed, "_hmac", keyed).copy
 
 
 def canonical_hash(value: Any) -> str:
@@ -181,15 +170,14 @@ class _Rows:
 
     def flush(self, con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
         params = {"s": source.name, "f": str(path)}
-        for table, columns, rows in (("kv_events", _COLUMNS, self.data),
-                                     ("kv_event_messages", _MESSAGE_COLUMNS, self.messages)):
+        for table, rows in (("kv_events", self.data), ("kv_event_messages", self.messages)):
             if not rows:
                 continue
             arrow = pa.Table.from_struct_array(pa.array(rows, type=_STRUCTS[table]))  # tuples converted in C++
             name = f"{table}_batch"
             con.register(name, arrow)
             try:
-                con.execute(f"INSERT INTO {table} BY NAME SELECT * EXCLUDE (line), line AS source_line, "  # noqa: S608
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * EXCLUDE (line), line AS source_line, "
                             f"$s AS source, $f AS source_file FROM {name}", params).fetchall()
             finally:
                 con.unregister(name)
@@ -408,7 +396,7 @@ def _event(event: Any, shapes: dict[tuple[str, int], int]) -> tuple[str, list[An
 
 
 def _add_rows(rows: list[tuple], chains: Chains, key: bytes, tag: str, v: list[Any], salt: Any, salt_name: str,
-              head: tuple[str, int | None, datetime, int, int, int | None]) -> None:
+              head: tuple[str, int | None, datetime | None, int, int, int | None]) -> None:
     """The event's rows; ``v`` its fields in ``FIELDS`` order, *salt* its cache salt as published (in
     field *salt_name*), ``head`` (instance, dp_rank, ts, batch, seq, msg_seq)."""
     kind = KINDS[tag]
