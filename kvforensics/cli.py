@@ -12,6 +12,7 @@ from typing import Callable
 
 from kvforensics import __version__
 from kvforensics.errors import KvForensicsError
+from kvforensics.escaping import visible_controls
 
 EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.conclusive)
 EXIT_PIPE_CLOSED = 141  # the reader of stdout went away (| head): as a tool ended by SIGPIPE, 128 + 13
@@ -67,7 +68,7 @@ def _verdict(summary: dict) -> int:
     print(f"INCONCLUSIVE: the evidence cannot support this answer ({len(reasons)} reason(s)); "
           "fix these and run again before relying on any figure below")
     for r in reasons:
-        print(f"  ! [{r['code']}] {r['message']}")
+        print(visible_controls(f"  ! [{r['code']}] {r['message']}"))
     return EXIT_INCONCLUSIVE
 
 
@@ -84,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts received foreign data; "
           f"source accounts: {s['source_accounts']['confirmed']} confirmed, {s['source_accounts']['possible']} possible")
     for w in s["windows"]:
-        print(f"  {w['model']}: {w['responses']} from {w['first']} to {w['last']}")
+        print(visible_controls(f"  {w['model']}: {w['responses']} from {w['first']} to {w['last']}"))
     print(f"report: {args.out / 'report.html'}")
     return code
 
@@ -141,7 +142,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     problems = verify(args.dir, allowed_signers=args.allowed_signers, identity=args.identity)
     for p in problems:
-        print(p)
+        print(visible_controls(p))
     if problems:
         print(f"{len(problems)} problem(s)")
         return 1

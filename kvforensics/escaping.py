@@ -14,17 +14,43 @@ from typing import Any
 
 from kvforensics.timestamps import iso
 
-# C0 control characters other than TAB, LF and CR, and DEL: NUL bytes make a text file binary to every tool.
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Characters no renderer may receive as they are: the C0 controls other than TAB, LF and CR, DEL and the C1
+# controls (NUL makes a text file binary to every tool; ESC starts terminal sequences), the surrogates (not text:
+# UTF-8 cannot encode a lone one) and the non-characters U+FDD0..U+FDEF and U+xxFFFE/U+xxFFFF. XML 1.0 (SVG, the
+# charts vl-convert draws) forbids the controls, surrogates and U+FFFE/U+FFFF outright, and vl-convert aborts the
+# process on them; HTML calls them parse errors; a PDF or a file name carries them invisibly.
+UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff"
+                    + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17))
+                    + "]")
 # A leading character with which a spreadsheet starts a formula (OWASP CSV injection,
 # https://owasp.org/www-community/attacks/CSV_Injection).
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 CSV_MODES = ("neutralised", "raw")
 
 
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
 def visible_controls(text: str) -> str:
-    """``text`` with each C0 control (except TAB, LF, CR) and DEL written as a visible ``\\xNN`` escape."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    """``text`` safe for every renderer (SVG and XML, HTML, Markdown, PDF, CSV, the console): each control
+    character (except TAB, LF, CR), surrogate and non-character written as a visible escape, ``\\xNN`` (``\\x00``,
+    ``\\x1b``, ``\\x85``), ``\\uNNNN`` (``\\ud800``, ``\\uffff``) or ``\\UNNNNNNNN``. The one helper every
+    output applies to untrusted text; :func:`visible_controls_in` applies it inside a chart's spec."""
+    return UNSAFE.sub(_escape, text)
+
+
+def visible_controls_in(value: Any) -> Any:
+    """Every string inside ``value`` (dicts, lists and tuples, keys included, as a chart's Vega-Lite spec holds its
+    data, titles and tooltips) passed through :func:`visible_controls`; other values unchanged."""
+    if isinstance(value, str):
+        return visible_controls(value) if UNSAFE.search(value) else value
+    if isinstance(value, dict):
+        return {visible_controls_in(k): visible_controls_in(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [visible_controls_in(v) for v in value]
+    return value
 
 
 def neutralise_formula(text: str) -> str:

@@ -9,6 +9,8 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from kvforensics.escaping import visible_controls
+
 console = Console(stderr=True)
 
 
@@ -39,4 +41,4 @@ def record_progress(label: str, enabled: bool = True) -> Iterator[tuple[Callable
 
 def stage(message: str, enabled: bool = True) -> None:
     if enabled:
-        console.print(f"[bold cyan]>[/] {message}")
+        console.print(f"[bold cyan]>[/] {visible_controls(message)}")  # no terminal sequence from the inputs

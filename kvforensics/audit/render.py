@@ -18,7 +18,7 @@ from rich.text import Text
 
 from kvforensics.audit.model import Verdict
 from kvforensics.audit.phrases import loc, short_ts
-from kvforensics.escaping import markdown_text
+from kvforensics.escaping import markdown_text, visible_controls
 
 STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "unknown": "unknown", "not_applicable": "n/a"}
 TABLE_HEAD = (
@@ -90,7 +90,9 @@ _COLOUR = {"pass": "#1a7f37", "fail": "#cf222e", "unknown": "#9a6700", "not_appl
 
 def html_fragment(verdicts: Sequence[Verdict], *, headline: str, now: str | None, notes: Sequence[str]) -> str:
     """The same as :func:`markdown` as one ``<div class="kvf-audit">`` (notebooks, the report)."""
-    e = html.escape
+    def e(text: str) -> str:
+        return html.escape(visible_controls(text))
+
     rows = []
     for v in verdicts:
         weight = "font-weight:bold;" if v.status == "fail" else ""
@@ -122,7 +124,7 @@ def rich_table(verdicts: Sequence[Verdict]) -> Table:
     for name in TABLE_HEAD:
         table.add_column(name, overflow="fold")
     for v in verdicts:
-        cells = [Text(x) for x in _row(v)]
+        cells = [Text(visible_controls(x)) for x in _row(v)]
         cells[5].stylize(_STYLE[v.status])
         table.add_row(*cells)
     return table

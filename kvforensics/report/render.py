@@ -17,6 +17,7 @@ from markupsafe import Markup
 
 from kvforensics import __version__
 from kvforensics.config import Incident
+from kvforensics.escaping import visible_controls_in
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames
@@ -33,7 +34,8 @@ def chart_svg(chart: Any, key: str) -> str:
     ids are page-wide, and the live charts Vega draws name theirs ``clip1``, ``clip2``... too."""
     import vl_convert as vlc
 
-    svg = vlc.vegalite_to_svg(chart.to_dict(validate=False))
+    # untrusted text (ids, model names) with characters XML forbids would abort the process inside vl-convert
+    svg = vlc.vegalite_to_svg(visible_controls_in(chart.to_dict(validate=False)))
     prefix = "svg-" + re.sub(r"[^A-Za-z0-9_-]+", "-", key) + "-"
     # Vega numbers its ids with a counter that lives as long as the process: renumbered in order of first
     # appearance, so the same inputs give the same bytes whatever was drawn before
@@ -67,7 +69,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
             views.append(("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts)))
         for key, static, live in views:
             chart_svgs[key] = chart_box(chart_svg(static, key))
-            live_specs[f"chart-{key}"] = live.to_dict(validate=False)
+            live_specs[f"chart-{key}"] = visible_controls_in(live.to_dict(validate=False))
     scripts = live_charts(live_specs) if live_specs else None
     from kvforensics.audit import audit_database
 
