@@ -11,7 +11,7 @@ from rich.console import Console
 
 from kvforensics.errors import ConfigError, KvForensicsError
 from kvforensics.simulate.exports import EXPORT_STYLES, ExportResult, export_incident
-from kvforensics.simulate.prefix import SCENARIOS as PREFIX_SCENARIOS
+from kvforensics.simulate.prefix import SCENARIO_NAMES as PREFIX_SCENARIOS
 from kvforensics.simulate.prefix import PrefixResult, simulate_prefix
 from kvforensics.simulate.run import SimulationResult, simulate
 from kvforensics.simulate.scenario import (

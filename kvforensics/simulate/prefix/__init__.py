@@ -1,4 +1,4 @@
-"""Prefix-cache incidents (mechanism ``prefix_reuse``): three seeded scenarios with ground truth.
+"""Prefix-cache incidents (mechanism ``prefix_reuse``): four seeded scenarios with ground truth.
 
 * ``prefix-l3-unsalted``: the gateway salts every tenant, but the LMCache store the instances share
   keys blocks by their tokens alone: a request misses in its own instance's (salted) cache and loads
@@ -8,6 +8,13 @@
 * ``prefix-probe``: no salt on a shared deployment behind a KV-aware router; one account reads two
   tenants' documents back by TTFT (many one-token requests, the known prefix plus candidate
   continuations); an evaluation harness and retrying clients are the look-alikes.
+* ``prefix-hicache-l3``: four SGLang 0.5.18 servers with HiCache; a rolling restart adds a Mooncake
+  storage backend whose keys drop the salt, a later one removes it; KV events as a subscriber archives
+  them. Streamed (any ``--requests`` in bounded memory): :mod:`kvforensics.simulate.prefix.hicache`.
+
+The first three share this module's vLLM model (:mod:`.serve`, :mod:`.workload`, :mod:`.files`) and
+are ``SCENARIOS``; ``prefix-hicache-l3`` is modelled on its own from SGLang's documented behaviour
+(``STREAMED_SCENARIOS``). ``SCENARIO_NAMES`` lists all four.
 
 Every scenario also has a provider-wide system prompt that the provider's own account stores first
 (hourly warm-ups): a benign shared prefix, never in the ground truth. :func:`simulate_prefix` writes
@@ -23,7 +30,7 @@ from hashlib import blake2b
 from pathlib import Path
 
 from kvforensics.errors import ConfigError
-from kvforensics.simulate.prefix import files
+from kvforensics.simulate.prefix import files, hicache
 from kvforensics.simulate.prefix import serve as serving
 from kvforensics.simulate.prefix.workload import PROVIDER_ACCOUNT, build_workload
 
@@ -58,6 +65,9 @@ SCENARIOS = {s.name: s for s in (
                    salted=False, probe=True),
 )}
 
+STREAMED_SCENARIOS = {hicache.NAME: hicache.TITLE}
+SCENARIO_NAMES = (*SCENARIOS, *STREAMED_SCENARIOS)
+
 
 @dataclass(frozen=True)
 class PrefixResult:
@@ -79,11 +89,13 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     """Write one prefix-cache incident (``SCENARIOS[name]``) into *out*; the same seed and size give
     the same bytes. *hash_bits* overrides the weak hash's width of ``prefix-collision`` (fewer bits,
     more collisions: a small run still has some)."""
-    scenario = SCENARIOS.get(name)
-    if scenario is None:
-        raise ConfigError(f"unknown prefix scenario '{name}'; choose one of {', '.join(SCENARIOS)}")
     seed = DEFAULT_SEED if seed is None else seed
     requests = DEFAULT_REQUESTS if requests is None else requests
+    if name in STREAMED_SCENARIOS:
+        return _simulate_streamed(name, out, seed, requests, hash_bits)
+    scenario = SCENARIOS.get(name)
+    if scenario is None:
+        raise ConfigError(f"unknown prefix scenario '{name}'; choose one of {', '.join(SCENARIO_NAMES)}")
     if not 1000 <= requests <= MAX_REQUESTS:
         raise ConfigError(f"--requests {requests} is out of range for a prefix-cache scenario (held in memory): "
                           f"use 1000 to {MAX_REQUESTS}")
@@ -107,3 +119,13 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     (out / "ground_truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return PrefixResult(out, scenario.name, len(served), len(truth["recipients"]), len(truth["recipient_accounts"]),
                         len(truth["source_accounts"]))
+
+
+def _simulate_streamed(name: str, out: Path, seed: int, requests: int, hash_bits: int | None) -> PrefixResult:
+    if hash_bits is not None:
+        raise ConfigError(f"hash_bits applies to prefix-collision only, not {name}")
+    if not hicache.MIN_REQUESTS <= requests <= hicache.MAX_REQUESTS:
+        raise ConfigError(f"--requests {requests} is out of range for {name}: use {hicache.MIN_REQUESTS} to "
+                          f"{hicache.MAX_REQUESTS}")
+    r = hicache.simulate_hicache_l3(out, seed, requests)
+    return PrefixResult(r.out_dir, name, r.requests, r.recipients, r.recipient_accounts, r.source_accounts)
