@@ -14,6 +14,7 @@ import duckdb
 import pandas as pd
 from rich.markup import escape
 
+from kvforensics.audit.exposure import write_exposure_windows
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
@@ -223,6 +224,7 @@ class Investigation:
             self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe,
                                         digests=self._digests)
         write_prefix_windows(self.con, self.incident)  # the prefix_reuse exposure windows of the start-ups
+        write_exposure_windows(self.con)  # the stale_pages ones: the start-ups audit check 1 fails
         for w in self.ingest_result.warnings:
             stage(f"[yellow]warning:[/] {escape(w)}", self.progress)  # "[instances]" is text, not markup
         return self.ingest_result

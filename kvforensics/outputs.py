@@ -28,7 +28,7 @@ HEADLINE_QUERIES: dict[str, str] = {
     "affected_accounts": "SELECT count(DISTINCT account_id) FROM affected_responses",
     "source_accounts.confirmed": "SELECT count(DISTINCT account_id) FROM notifications WHERE role = 'data_exposed_confirmed'",
     "source_accounts.possible": "SELECT count(DISTINCT account_id) FROM notifications WHERE role = 'data_exposed_possible'",
-    "exposure_windows": "SELECT count(*) FROM capacity WHERE kv_pool_tokens < context_length",
+    "exposure_windows": "SELECT count(*) FROM exposure_windows",
     "windows": "SELECT count(DISTINCT model) FROM affected_responses",
     "inconclusive_reasons": "SELECT count(*) FROM inconclusive_reasons",
 }

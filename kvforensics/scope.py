@@ -164,7 +164,7 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
                 for i, role, m, s, e, why, p, c, v in con.execute(
                     """SELECT instance, role, model, valid_from, valid_to, end_reason, kv_pool_tokens, context_length,
                               engine_version
-                       FROM capacity WHERE kv_pool_tokens < context_length
+                       FROM exposure_windows
                        ORDER BY valid_from NULLS LAST, instance""").fetchall()]
     for w in exposure:
         w["opened_by_change"] = _nearest_change(con, w["instance"], w["model"], w["start"])

@@ -273,6 +273,7 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
 
 def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
     """Table digests of a fresh ingest, detection and scope of the incident's inputs in a scratch database."""
+    from kvforensics.audit.exposure import write_exposure_windows
     from kvforensics.audit.isolation import write_prefix_windows
     from kvforensics.detect import detect
     from kvforensics.ingest import ingest
@@ -283,6 +284,7 @@ def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
     try:
         ingest(con, incident)
         write_prefix_windows(con, incident)
+        write_exposure_windows(con)
         detect(con, overrides=incident.rule_parameters, mechanisms=incident.mechanisms)
         scope(con, incident)
         return table_digests(con)

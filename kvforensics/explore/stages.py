@@ -89,14 +89,14 @@ def startups(con: duckdb.DuckDBPyConnection) -> View:
     """Every engine start-up: its KV pool and context length, whether it was exposed, how it ended."""
     frame = without_na(read_frame(con, """
         SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
-               kv_pool_tokens < context_length AS exposed, engine_version, source_file, source_line, end_reason,
+               EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = capacity.instance AND w.valid_from IS NOT DISTINCT FROM capacity.valid_from) AS exposed, engine_version, source_file, source_line, end_reason,
                end_file, end_line, successor, last_ts, last_line
         FROM capacity ORDER BY model, instance, valid_from"""))
     frame["ended"] = [how_it_ended(row) for row in frame.to_dict("records")]
     frame = frame.drop(columns=["end_reason", "end_file", "end_line", "successor", "last_ts", "last_line"])
     exposed = int(frame["exposed"].fillna(False).astype(bool).sum()) if not frame.empty else 0
     note = (f"{len(frame)} start-ups of {frame['instance'].nunique() if not frame.empty else 0} instances; "
-            f"{exposed} exposed (KV pool smaller than the context length).")
+            f"{exposed} exposed (audit check 1 fails: a KV pool smaller than the context length on a role that serves past it).")
     return View("Engine start-ups", frame, note)
 
 
@@ -217,14 +217,15 @@ def recipients(con: duckdb.DuckDBPyConnection) -> View:
 
 @reads
 def exposure_windows(con: duckdb.DuckDBPyConnection) -> View:
-    """Start-ups whose KV pool was smaller than the context length, with the affected responses they served."""
+    """Start-ups exposed to stale KV pages (audit check 1 fails: table ``exposure_windows``), with the affected
+    responses they served."""
     frame = without_na(read_frame(con, """
         SELECT c.instance, c.role, c.model, c.valid_from, c.valid_to, c.kv_pool_tokens, c.context_length,
                c.end_reason, c.end_file, c.end_line, c.successor, c.last_ts, c.last_line, c.source_file,
                (SELECT count(*) FROM affected_responses a
                  WHERE c.instance IN (a.prefill_instance, a.decode_instance, a.pool_instance)
                    AND a.ts >= c.valid_from AND (c.valid_to IS NULL OR a.ts < c.valid_to)) AS affected_responses
-        FROM capacity c WHERE c.kv_pool_tokens < c.context_length
+        FROM capacity c WHERE EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
         ORDER BY c.valid_from NULLS LAST, c.instance"""))
     frame["ended"] = [how_it_ended(row) for row in frame.to_dict("records")]
     frame = frame.drop(columns=["end_reason", "end_file", "end_line", "successor", "last_ts", "last_line",

@@ -70,6 +70,28 @@ def how_it_ended(startup: Mapping[str, Any]) -> str:
     return str(reason)  # a reason this report does not know: as recorded
 
 
+def engine_label(engine: Any, version: Any, source: Any = None) -> str:
+    """An engine and its version in a few words (``sglang >0.5.9,<0.5.20 (inferred)``): where an inferred version
+    came from is said once, in the report's notes on the start-ups, not on every row that names it."""
+    name = str(engine) if engine else "engine"
+    if not version:
+        return f"{name}, version unknown"
+    text = str(version).split(" (inferred", 1)[0].strip()
+    inferred = " (inferred)" if " (inferred" in str(version) or str(source or "").startswith("inferred") else ""
+    return f"{name} {text}{inferred}"
+
+
+def version_notes(capacity: pd.DataFrame) -> list[str]:
+    """Each distinct inferred engine version with the format features it was inferred from, once."""
+    notes: dict[str, list[str]] = {}
+    for rec in capacity.to_dict("records"):
+        version = str(rec.get("engine_version") or "")
+        if " (inferred" in version:
+            label = engine_label(rec.get("engine"), version)
+            notes.setdefault(f"{label}: {version.split(' (', 1)[1].rstrip(')')}", []).append(str(rec["instance"]))
+    return [f"{text} ({len(set(instances))} instance(s))" for text, instances in sorted(notes.items())]
+
+
 def _iso(value: Any) -> str | None:
     """A timestamp of a frame (pandas) as the outputs write it (None stays None)."""
     return None if value is None else iso(pd.Timestamp(value).to_pydatetime())
@@ -124,15 +146,17 @@ def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.Da
             "SELECT ts, model, instance, description, details FROM changes ORDER BY ts").fetchall():
         rows.append({"ts": ts, "kind": "config change", "title": desc,
                      "detail": " ".join(filter(None, [model, inst, det]))})
-    for inst, role, model, vf, pool, ctx, ver in con.execute(
-            "SELECT instance, role, model, valid_from, kv_pool_tokens, context_length, engine_version FROM capacity "
-            "WHERE valid_from IS NOT NULL ORDER BY valid_from, instance").fetchall():
-        exposed = pool is not None and ctx is not None and pool < ctx
+    for inst, role, model, vf, pool, ctx, engine, ver, how, exposed in con.execute(
+            """SELECT instance, role, model, valid_from, kv_pool_tokens, context_length, engine, engine_version,
+                      version_source,
+                      EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance
+                                                               AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
+               FROM capacity c WHERE valid_from IS NOT NULL ORDER BY valid_from, instance""").fetchall():
         rows.append({"ts": vf, "kind": "engine start-up",
                      "title": f"{inst} ({role}) started: KV pool {pool:,} tokens, context {ctx:,}"
                      if pool and ctx else f"{inst} ({role}) started",
-                     "detail": f"{model or ''}; engine {ver or 'version unknown'}"
-                               + ("; EXPOSED: pool smaller than context" if exposed else "")})
+                     "detail": f"{model or 'model unknown'}; {engine_label(engine, ver, how)}"
+                               + ("; EXPOSED: audit check 1 fails (pool smaller than context)" if exposed else "")})
     for model, first, last, n in con.execute(
             "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 2").fetchall():
         rows.append({"ts": first, "kind": "finding", "title": f"first affected response ({model})",
@@ -173,8 +197,8 @@ def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame
             f"SELECT count(*) FROM ({requests}) r WHERE confidence <> 'not flagged'", {"m": model}).fetchall()[0][0]
         pools = _df(con, """SELECT DISTINCT kv_pool_tokens,
                                    'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' || role || ')' AS label
-                            FROM capacity WHERE model = $m AND role IN ('prefill', 'unified')
-                              AND kv_pool_tokens < context_length ORDER BY 1""", {"m": model})
+                            FROM exposure_windows WHERE model = $m AND role <> 'decode'
+                              AND kv_pool_tokens IS NOT NULL ORDER BY 1""", {"m": model})
         lm = con.execute("SELECT a_ms, b_ms_per_token, c_ms_per_token2, max_tokens FROM latency_model "
                          "WHERE model = $m AND usable", {"m": model}).fetchall()
         curve = pd.DataFrame(columns=["prompt_tokens", "expected_ms"])
@@ -217,7 +241,7 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
     qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
     capacity = _df(con, """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
                                   page_size, engine, engine_version, version_source,
-                                  kv_pool_tokens < context_length AS exposed, source_file, source_line,
+                                  EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = capacity.instance AND w.valid_from IS NOT DISTINCT FROM capacity.valid_from) AS exposed, source_file, source_line,
                                   end_reason, end_file, end_line, successor, last_ts, last_line
                            FROM capacity ORDER BY model, instance, valid_from""")
     capacity = without_na(capacity)

@@ -86,7 +86,7 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
                instance, role, model, valid_from AS start,
                coalesce(valid_to, greatest(valid_from, (SELECT max(ts) FROM requests))) AS "end",
                kv_pool_tokens AS pool_tokens, context_length
-        FROM capacity WHERE kv_pool_tokens < context_length AND valid_from IS NOT NULL
+        FROM capacity c WHERE valid_from IS NOT NULL AND EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
         ORDER BY valid_from, instance""")
     windows = _with_text_times(windows, {"start": "from", "end": "to"})
     startups = _frame(con, """
@@ -97,9 +97,9 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
                    coalesce(format('{:,}', kv_pool_tokens), 'unknown') ||
                    CASE WHEN kv_pool_tokens < context_length THEN ' < context ' ELSE ', context ' END ||
                    coalesce(format('{:,}', context_length), 'unknown') ||
-                   CASE WHEN kv_pool_tokens < context_length THEN ': EXPOSED' ELSE '' END AS title,
+                   CASE WHEN EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from) THEN ': EXPOSED' ELSE '' END AS title,
                coalesce(model, 'model unknown') AS detail
-        FROM capacity WHERE valid_from IS NOT NULL""")
+        FROM capacity c WHERE valid_from IS NOT NULL""")
     changes = _frame(con, """SELECT ts, 'config change' AS kind, description AS title,
                                     concat_ws(' ', model, instance, details) AS detail
                              FROM changes""")

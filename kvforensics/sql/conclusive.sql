@@ -17,12 +17,12 @@ CREATE OR REPLACE TEMP MACRO gate_names(names) AS
     || CASE WHEN len(names) > 3 THEN format(' and {:,} more', len(names) - 3) ELSE '' END;
 
 -- exposure windows that can be placed (a model and a start time; a start-up lacking them is a
--- reason of its own); start-ups the engine refused never served
+-- reason of its own): the start-ups audit check 1 fails (table exposure_windows, kvforensics/audit/exposure.py;
+-- a start-up the engine refused never served, a unified server refuses a prompt beyond its pool)
 CREATE OR REPLACE TEMP TABLE gate_windows AS
 SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length
-FROM capacity
-WHERE kv_pool_tokens < context_length AND model IS NOT NULL AND valid_from IS NOT NULL
-  AND NOT coalesce(startup_refused, false);
+FROM exposure_windows
+WHERE model IS NOT NULL AND valid_from IS NOT NULL;
 
 -- per exposure window: the requests of its model in it, and how many successful ones (the ones the
 -- rules judge) carry each optional field (one join of the windows with the requests, shared)
@@ -509,3 +509,128 @@ SELECT format('prefix_reuse: the KV events show {:,} load(s) of {:,} page(s) ano
 FROM prefix_store_loads
 WHERE request_id IS NULL
 HAVING count(*) > 0;
+
+-- reason: admission_contradicted
+-- successful responses whose prompt is longer than the KV pool of the unified start-up that served them (the
+-- request names it as its prefill or decode instance; a request naming none, when every start-up of its model then
+-- in force is unified and the prompt is longer than the largest of their pools). A unified server's own admission
+-- refuses such a prompt (SGLang answers it with an error, validate_input_length; vLLM refuses to start with a KV
+-- cache that cannot hold max_model_len and never schedules a prompt it cannot allocate), so audit check 1 and the
+-- exposure windows say nothing was served from stale KV there, and prompt_exceeds_kv_pool judges only
+-- disaggregated roles: a 2xx for such a prompt contradicts that story, and "none affected" cannot be shown until
+-- it is explained (a pool or context misread, a gateway count or instance that is not the engine's, or a response
+-- that is not a completion of the prompt: vLLM V0 answers a prompt it ignores with no tokens)
+WITH unified AS (
+    SELECT c.instance, c.model, c.engine, c.engine_version, c.valid_from, c.valid_to, c.kv_pool_tokens,
+           c.context_length
+    FROM capacity c
+    WHERE c.role = 'unified' AND c.kv_pool_tokens IS NOT NULL AND c.valid_from IS NOT NULL
+      AND NOT coalesce(c.startup_refused, false)
+      AND NOT EXISTS (SELECT 1 FROM exposure_windows w
+                      WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
+), named AS (
+    SELECT r.request_id, r.ts, r.model, r.prompt_tokens, u.instance, u.engine, u.engine_version,
+           u.kv_pool_tokens, u.context_length
+    FROM analysed_requests r
+    JOIN unified u ON u.instance IN (r.prefill_instance, r.decode_instance)
+                  AND r.ts >= u.valid_from AND (u.valid_to IS NULL OR r.ts < u.valid_to)
+    WHERE r.status BETWEEN 200 AND 299 AND r.prompt_tokens > u.kv_pool_tokens
+), unnamed AS (
+    SELECT r.request_id, r.ts, r.model, r.prompt_tokens,
+           '(any server of the model)' AS instance, any_value(c.engine) AS engine,
+           any_value(c.engine_version) AS engine_version, max(c.kv_pool_tokens) AS kv_pool_tokens,
+           max(c.context_length) AS context_length
+    FROM analysed_requests r
+    JOIN capacity c ON c.model = r.model AND c.valid_from <= r.ts AND (c.valid_to IS NULL OR r.ts < c.valid_to)
+                   AND NOT coalesce(c.startup_refused, false)
+    WHERE r.status BETWEEN 200 AND 299 AND r.prefill_instance IS NULL AND r.decode_instance IS NULL
+    GROUP BY r.request_id, r.ts, r.model, r.prompt_tokens
+    HAVING bool_and(c.role = 'unified' AND c.kv_pool_tokens IS NOT NULL
+                    AND NOT EXISTS (SELECT 1 FROM exposure_windows w
+                                    WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from))
+       AND r.prompt_tokens > max(c.kv_pool_tokens)
+), served AS (
+    SELECT * FROM named UNION ALL SELECT * FROM unnamed
+), grouped AS (
+    SELECT s.model, s.instance, any_value(s.engine) AS engine, any_value(s.engine_version) AS engine_version,
+           max(s.kv_pool_tokens) AS pool_tokens, max(s.context_length) AS context_length, count(*) AS responses,
+           max(s.prompt_tokens) AS largest_prompt, min(s.ts) AS first, max(s.ts) AS last,
+           count(*) FILTER (WHERE EXISTS (SELECT 1 FROM findings f WHERE f.request_id = s.request_id)) AS flagged,
+           list(s.request_id ORDER BY s.ts, s.request_id)[1:10] AS examples
+    FROM served s GROUP BY s.model, s.instance
+)
+SELECT format('{} (unified, model ''{}'', {} {}, KV pool {:,}{}) answered {:,} request(s) with HTTP 2xx '
+              || 'although the prompt (largest {:,} tokens, {} to {}) is longer than the KV pool, which a unified server '
+              || 'never serves: {}; {}; the evidence contradicts itself (the pool or context read from the log, the '
+              || 'gateway''s prompt_tokens or instance, or the response itself: an ignored prompt answered with no '
+              || 'tokens), so whether these responses carried another customer''s data cannot be told; compare the '
+              || 'start-up''s pool with /get_server_info and these responses'' completion_tokens with the engine''s '
+              || 'request log',
+              CASE WHEN g.instance = '(any server of the model)'
+                   THEN 'the servers of the model in force, for requests naming no instance'
+                   ELSE 'engine instance ''' || g.instance || '''' END,
+              g.model, coalesce(g.engine, 'engine'), coalesce(regexp_replace(g.engine_version, ' \(.*$', ''), 'version unknown'),
+              g.pool_tokens,
+              CASE WHEN g.context_length IS NOT NULL THEN format(', context {:,}', g.context_length) ELSE '' END,
+              g.responses, g.largest_prompt, gate_ts(g.first), gate_ts(g.last),
+              CASE WHEN g.engine = 'vllm'
+                   THEN 'vLLM refuses to start with a KV cache that cannot hold max_model_len and never schedules a '
+                        || 'prompt it cannot allocate (vllm/v1/core/kv_cache_utils.py check_enough_kv_cache_memory, '
+                        || 'vllm/v1/core/sched/scheduler.py; V0: vllm/worker/worker.py raise_if_cache_size_invalid, '
+                        || 'vllm/core/scheduler.py)'
+                   ELSE 'SGLang''s scheduler refuses a prompt beyond the pool with an error (validate_input_length)' END,
+              CASE WHEN g.flagged > 0 THEN format('{:,} of them flagged by a rule', g.flagged)
+                   WHEN lm.usable THEN 'no rule flagged them (prompt_exceeds_kv_pool judges only disaggregated roles; '
+                                       || 'prefill_too_fast found them no faster than a real prefill)'
+                   ELSE 'no rule could judge them (prompt_exceeds_kv_pool judges only disaggregated roles; '
+                        || 'prefill_too_fast has no usable latency model for the model: '
+                        || coalesce(lm.reason, 'none fitted') || ')' END) AS message,
+       g.model, g.instance, g.pool_tokens, g.context_length, g.responses, g.largest_prompt, g.first, g.last,
+       g.flagged, g.examples
+FROM grouped g LEFT JOIN latency_model lm ON lm.model = g.model
+ORDER BY g.model, g.instance;
+
+-- reason: window_unjudged
+-- an exposure window (table exposure_windows: audit check 1 fails) holding successful requests of its model none of
+-- which any stale_pages rule can judge: prompt_exceeds_kv_pool needs them placed on the window (a prefill window:
+-- requests naming it, or naming no prefill instance; a decode window: requests naming it as their decode instance,
+-- and a window whose role no line shows: none), prefill_too_fast a usable latency model of the model (enough points)
+-- and a timing, the engine-event rules per-request lines of that instance naming the gateway's request ids. A
+-- window no rule can judge is not "none affected"
+WITH per_window AS (
+    SELECT w.instance, w.valid_from, any_value(w.role) AS role, any_value(w.model) AS model,
+           any_value(w.valid_to) AS valid_to, any_value(w.kv_pool_tokens) AS pool_tokens,
+           any_value(w.context_length) AS context_length, count(*) AS successful,
+           count(*) FILTER (WHERE (w.role = 'prefill' AND (r.prefill_instance = w.instance OR r.prefill_instance IS NULL))
+                               OR (w.role = 'decode' AND r.decode_instance = w.instance)) AS by_pool,
+           count(*) FILTER (WHERE coalesce(r.ttft_ms, r.latency_ms) IS NOT NULL) AS timed
+    FROM gate_windows w
+    JOIN analysed_requests r ON r.model = w.model AND r.ts >= w.valid_from AND (w.valid_to IS NULL OR r.ts < w.valid_to)
+    WHERE r.status BETWEEN 200 AND 299
+    GROUP BY w.instance, w.valid_from
+), judged AS (
+    SELECT p.*, coalesce(lm.usable, false) AND p.timed > 0 AS by_latency, lm.reason AS latency_reason,
+           EXISTS (SELECT 1 FROM engine_events e JOIN requests q ON q.request_id = e.request_id
+                   WHERE e.instance = p.instance) AS by_events
+    FROM per_window p LEFT JOIN latency_model lm ON lm.model = p.model
+)
+SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {:,}) from {} to {}: no rule can judge any '
+              || 'of its {:,} successful request(s), so "none affected" there is not shown: prompt_exceeds_kv_pool {}; '
+              || 'prefill_too_fast {}; the engine-event rules find no per-request line of that instance naming a '
+              || 'gateway request id; {}',
+              instance, role, model, pool_tokens, context_length, gate_ts(valid_from), gate_ts(valid_to), successful,
+              CASE WHEN role = 'decode' THEN 'needs requests naming it as their decode_instance, and none does'
+                   WHEN role = 'prefill' THEN 'needs requests naming it as their prefill_instance, or naming none, and none does'
+                   ELSE 'judges only start-ups whose log shows their role (prefill or decode)' END,
+              CASE WHEN timed = 0 THEN 'needs ttft_ms or latency_ms, which none carries'
+                   ELSE 'has no usable latency model for the model (' || coalesce(latency_reason, 'none fitted') || ')' END,
+              CASE WHEN role IN ('prefill', 'decode')
+                   THEN 'map prefill_instance and decode_instance in the gateway source, add requests with timings, or '
+                        || 'add the engine''s request log'
+                   ELSE 'add the start-up''s server_args line (its role), map the instances in the gateway source, or '
+                        || 'add requests with timings' END) AS message,
+       instance, role, model, valid_from AS start, valid_to AS "end", pool_tokens, context_length, successful,
+       by_pool, timed, latency_reason
+FROM judged
+WHERE by_pool = 0 AND NOT by_latency AND NOT by_events
+ORDER BY valid_from, instance;

@@ -331,3 +331,23 @@ CREATE TABLE IF NOT EXISTS prefix_windows (
 CREATE TABLE IF NOT EXISTS prefix_shared_namespaces (
     pattern           VARCHAR NOT NULL
 );
+
+-- The stale_pages mechanism's exposure windows (kvforensics/audit/exposure.py): the engine start-ups whose audit
+-- check 1 FAILs, exposed (a KV pool below the context on a role that hands a prompt beyond the pool to pages it
+-- did not write: prefill, decode, or a role the log does not show). Written from the audit's own verdicts at the
+-- end of ingest, so the audit, scope.json's exposure_windows, the gate and the report name the same start-ups.
+CREATE TABLE IF NOT EXISTS exposure_windows (
+    instance          VARCHAR NOT NULL,
+    role              VARCHAR NOT NULL,       -- prefill | decode | unknown (no line says)
+    model             VARCHAR,
+    engine            VARCHAR,
+    engine_version    VARCHAR,
+    valid_from        TIMESTAMPTZ,            -- NULL: the start-up has no timestamp
+    valid_to          TIMESTAMPTZ,            -- NULL: still in force
+    end_reason        VARCHAR,
+    kv_pool_tokens    BIGINT,
+    context_length    BIGINT,
+    sentence          VARCHAR NOT NULL,       -- the audit's check-1 verdict
+    source_file       VARCHAR,
+    source_line       BIGINT
+);

@@ -165,6 +165,21 @@ SELECT kv_group, t, marker, request_id,
                     ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_written
 FROM kept;
 
+-- Responses whose horizon the pools cannot give (no decode pool known for their group: no decode engine log, a
+-- decode instance no log names): the turnover horizon would be 0 and hide every source, so every other request
+-- their group served since the earliest start-up of the model then in force is a possible source instead, with
+-- that basis (pages older than it may still have been held by a decode node no log shows: the report says so).
+CREATE OR REPLACE TEMP TABLE unbounded_responses AS
+SELECT w.request_id, w.kv_group, w.alloc_ts, min(c.valid_from) AS since
+FROM kv_writes w
+JOIN group_pools p ON p.request_id = w.request_id
+LEFT JOIN capacity c ON c.model = w.model AND c.valid_from <= w.alloc_ts
+                    AND (c.valid_to IS NULL OR w.alloc_ts < c.valid_to)
+WHERE w.is_affected AND coalesce(p.pool_tokens, 0) <= 0
+GROUP BY w.request_id, w.kv_group, w.alloc_ts;
+
+-- basis: 'turnover_horizon' (freed within horizon_factor x the pool's tokens of writes before the response) or
+-- 'no_horizon_since_startup' (unbounded_responses above)
 CREATE OR REPLACE TABLE possible_sources AS
 WITH a AS (
     SELECT w.request_id, w.account_id, w.kv_group, w.alloc_ts, tl.cum_written - w.written_tokens AS cum_before,
@@ -172,7 +187,7 @@ WITH a AS (
     FROM kv_writes w
     JOIN kv_timeline tl ON tl.request_id = w.request_id AND tl.marker = 0
     JOIN group_pools p ON p.request_id = w.request_id
-    WHERE w.is_affected
+    WHERE w.is_affected AND p.pool_tokens > 0
 ), s AS (
     SELECT w.request_id, w.account_id, w.kv_group, w.free_ts, w.is_affected, tl.cum_written AS cum_at_free
     FROM kv_writes w
@@ -181,7 +196,7 @@ WITH a AS (
 SELECT a.request_id AS affected_request_id, a.account_id AS recipient_account_id,
        s.request_id AS source_request_id, s.account_id AS source_account_id, a.kv_group,
        a.cum_before - s.cum_at_free AS tokens_written_since,
-       a.pool_tokens
+       a.pool_tokens, 'turnover_horizon' AS basis
 FROM a JOIN kv_windows r ON r.request_id = a.request_id
 JOIN s
   ON s.kv_group = a.kv_group
@@ -189,7 +204,15 @@ JOIN s
  AND s.free_ts <= a.alloc_ts
  AND s.request_id <> a.request_id
  AND NOT s.is_affected
- AND a.cum_before - s.cum_at_free < $horizon_factor * coalesce(a.pool_tokens, 0);
+ AND a.cum_before - s.cum_at_free < $horizon_factor * coalesce(a.pool_tokens, 0)
+UNION ALL
+SELECT u.request_id AS affected_request_id, a.account_id AS recipient_account_id, s.request_id AS source_request_id,
+       s.account_id AS source_account_id, u.kv_group, CAST(NULL AS BIGINT) AS tokens_written_since,
+       CAST(NULL AS BIGINT) AS pool_tokens, 'no_horizon_since_startup' AS basis
+FROM unbounded_responses u
+JOIN kv_writes a ON a.request_id = u.request_id
+JOIN kv_writes s ON s.kv_group = u.kv_group AND s.free_ts <= u.alloc_ts AND (u.since IS NULL OR s.free_ts >= u.since)
+                AND s.request_id <> u.request_id AND NOT s.is_affected;
 
 -- Confirmed sources: shingles of an affected response's output found in an earlier request's prompt
 -- or output. Shingles shared by many accounts' own texts are boilerplate and do not count (affected
