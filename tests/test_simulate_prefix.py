@@ -5,8 +5,12 @@ audit failing check 6 on the line that shows each scenario's failure."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
+import struct
+import time
 from collections import defaultdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ import pytest
 import zstandard
 
 from kvforensics.audit import AuditReport, audit_paths
+from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.ingest import ingest
@@ -235,3 +240,208 @@ def test_the_audit_fails_check_6_on_the_line_of_each_failure(incidents: dict[str
     collision = audit("prefix-collision")
     assert collision["vllm-2"][:3] == ("fail", "vllm-2.log", 2) and "builtin" in collision["vllm-2"][3]
     assert {i for i, v in collision.items() if v[0] == "pass"} == {"vllm-0", "vllm-1", "vllm-3"}
+
+
+# --- prefix-hicache-l3: SGLang HiCache with a salt-blind L3 store (kvforensics/simulate/prefix/hicache) ---------
+
+HICACHE = "prefix-hicache-l3"
+HICACHE_SMALL = 3000
+PAGE = 64
+
+
+class HicacheIncident:
+    """One prefix-hicache-l3 folder read back: the gateway log, content, archived KV messages, truth."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.truth = json.loads((folder / "ground_truth.json").read_text())
+        self.requests = {r["id"]: r for r in read_lines(folder / "gateway" / "requests.jsonl.gz")}
+        self.content = {c["request_id"]: c for c in read_lines(folder / "content" / "content.jsonl.zst")}
+        self.messages = {p.name.split(".")[0]: read_lines(p) for p in sorted((folder / "kv-events").glob("*.zst"))}
+
+    def stores(self, instance: str) -> list[tuple[float, str, str | None, list, Any, list[int]]]:
+        """(ts, medium, salt, hashes, parent, token ids) of every BlockStored of an instance, in order."""
+        return [(m["batch"][0], e[6], e[7]["cache_salt"], e[1], e[2], e[3]) for m in self.messages[instance]
+                for e in m["batch"][1] if e[0] == "BlockStored"]
+
+
+@pytest.fixture(scope="module")
+def hicache(tmp_path_factory: pytest.TempPathFactory) -> HicacheIncident:
+    folder = tmp_path_factory.mktemp(HICACHE)
+    started = time.perf_counter()
+    simulate_prefix(HICACHE, folder, seed=3, requests=HICACHE_SMALL)
+    inc = HicacheIncident(folder)
+    inc.seconds = time.perf_counter() - started  # type: ignore[attr-defined]
+    return inc
+
+
+def _iso_epoch(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def test_hicache_same_seed_same_bytes_and_a_few_seconds(tmp_path: Path, hicache: HicacheIncident) -> None:
+    assert hicache.seconds < 15, hicache.seconds  # type: ignore[attr-defined]  # ~2 s on 2 cores
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, seed in ((a, 3), (b, 4)):
+        assert simulate_main(["--mechanism", "prefix_reuse", "--prefix-scenario", HICACHE, "--seed", str(seed),
+                              "--requests", str(HICACHE_SMALL), "--out", str(folder)]) == 0
+    files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(hicache.folder)) for p in hicache.folder.rglob("*") if p.is_file())
+    assert set(files) >= {"gateway/requests.jsonl.gz", "content/content.jsonl.zst", "deploy.toml", "incident.toml",
+                          "ground_truth.json", "engine/sglang-0/sglang.log", "kv-events/sglang-3.jsonl.zst"}
+    assert all((a / f).read_bytes() == (hicache.folder / f).read_bytes() for f in files)
+    assert (a / "content/content.jsonl.zst").read_bytes() != (b / "content/content.jsonl.zst").read_bytes()
+    assert len(hicache.requests) == HICACHE_SMALL == hicache.truth["requests"]
+
+
+def test_hicache_engine_logs_have_three_startups_the_middle_one_with_the_store(hicache: HicacheIncident) -> None:
+    for n in range(4):
+        log = (hicache.folder / "engine" / f"sglang-{n}" / "sglang.log").read_text()
+        args = [line for line in log.splitlines() if "server_args=ServerArgs(" in line]
+        assert [("hicache_storage_backend='mooncake'" in a, "hicache_storage_backend=None" in a) for a in args] == \
+            [(False, True), (True, False), (False, True)]
+        assert all("enable_hierarchical_cache=True" in a and "hicache_write_policy='write_through'" in a
+                   and "page_size=64" in a and "enable_cache_report=True" in a for a in args)
+        assert "sglang version" not in log and log.count("The server is fired up and ready to roll!") == 3
+        assert log.count("SIGTERM received") == 2
+    incident = (hicache.folder / "incident.toml").read_text()
+    assert 'engine_version = "0.5.18"' in incident and 'instance = "{parent}"' in incident
+    assert 'shared_namespaces = ["playground"]' in incident
+    assert 'seq = "seq"' in incident and 'ts = "batch.0"' in incident
+
+
+def test_hicache_seq_starts_at_0_at_each_startup(hicache: HicacheIncident) -> None:
+    for instance, messages in hicache.messages.items():
+        assert {m["instance"] for m in messages} == {instance}
+        seqs = [m["seq"] for m in messages]
+        restarts = [i for i, s in enumerate(seqs) if s == 0]
+        assert len(restarts) == 3 and restarts[0] == 0, instance
+        assert all(b == a + 1 for a, b in zip(seqs, seqs[1:], strict=False) if b != 0)
+        times = [m["batch"][0] for m in messages]
+        assert times == sorted(times) and all(m["batch"][2] == 0 for m in messages)
+
+
+def test_hicache_salted_chains_differ_across_salts_for_equal_tokens(hicache: HicacheIncident) -> None:
+    by_tokens: dict[tuple[int, ...], dict[str, int]] = defaultdict(dict)
+    for instance in hicache.messages:
+        for _, medium, salt, hashes, parent, ids in hicache.stores(instance):
+            assert len(ids) == PAGE * len(hashes) and medium in ("GPU", "CPU_PINNED")
+            if parent is None:  # a chain's first page: SHA256(SHA256(seed + salt) || ids as uint32 LE), 64 bits
+                seed = hashlib.sha256(b"sglang-cache-salt-v1\0" + salt.encode()).digest()
+                digest = hashlib.sha256(seed + struct.pack(f"<{PAGE}I", *ids[:PAGE])).digest()
+                assert hashes[0] == int.from_bytes(digest[:8], "big", signed=True)
+                by_tokens[tuple(ids[:PAGE])][salt] = hashes[0]
+    shared = [salts for salts in by_tokens.values() if len(salts) > 1]
+    assert len(shared) >= 5  # the system prompt, templates, public documents under many salts
+    assert all(len(set(salts.values())) == len(salts) for salts in shared)
+
+
+def test_hicache_every_recipient_loaded_foreign_pages_inside_its_store_window(hicache: HicacheIncident) -> None:
+    truth = hicache.truth
+    windows = {i: [(_iso_epoch(w["start"]), _iso_epoch(w["end"])) for w in ws]
+               for i, ws in truth["exposure_windows"].items()}
+    assert sorted(windows) == [f"sglang-{n}" for n in range(4)] and all(len(w) == 1 for w in windows.values())
+    assert len(truth["recipients"]) >= 20
+    internal, shared = set(truth["internal_accounts"]), set(truth["shared_namespaces"])
+    for rid, sources in truth["recipient_sources"].items():
+        request, load = hicache.requests[rid], truth["recipient_loads"][rid]
+        ts = _iso_epoch(request["created"])
+        assert load["instance"] == request["upstream"]
+        assert any(a <= ts < b for a, b in windows[request["upstream"]]), rid
+        ids = hicache.content[rid]["prompt_token_ids"]
+        assert {s["source_account"] for s in sources} == set(truth["recipients"][rid])
+        for s in sources:
+            source = hicache.requests[s["source_request_id"]]
+            assert source["account"] == s["source_account"] != request["account"]
+            assert s["source_salt"] not in shared | {request["cache_salt"]} and s["source_account"] not in internal
+            assert _iso_epoch(source["created"]) < ts
+            theirs = hicache.content[s["source_request_id"]]["prompt_token_ids"]
+            end = (s["position_to"] + 1) * PAGE  # the whole prefix up to the page: the store's keys chain
+            assert len(theirs) >= end or s["source_position_from"] == s["position_from"]
+            assert request["usage"]["prompt_tokens_details"]["cached_tokens"] >= end
+        # the load shows in the events: a host store under the requester's salt, then the device store
+        stores = [(medium, ids_) for t, medium, salt, _, _, ids_ in hicache.stores(request["upstream"])
+                  if salt == request["cache_salt"] and ts <= t < ts + 60]
+        first = sources[0]["position_from"] * PAGE
+        page = ids[first:first + PAGE]
+        media = [m for m, ids_ in stores if any(ids_[k:k + PAGE] == page for k in range(0, len(ids_), PAGE))]
+        assert media[:2] == ["CPU_PINNED", "GPU"], (rid, media)
+    assert not set(truth["recipient_accounts"]) & internal
+
+
+def test_hicache_lookalikes_and_the_prober(hicache: HicacheIncident) -> None:
+    truth, rows = hicache.truth, list(hicache.requests.values())
+    mine = lambda account: sorted((r for r in rows if r["account"] == account), key=lambda r: r["created"])  # noqa: E731
+    look = truth["benign_lookalikes"]
+    assert {k: len(v) for k, v in look.items()} == {"evaluation_harness": 2, "retrying_clients": 3,
+                                                    "keepalive_pings": 2, "autocomplete": 3}
+    for account in look["evaluation_harness"]:  # one template, many items, one token out
+        runs = mine(account)
+        assert len(runs) >= 100 and {r["max_tokens"] for r in runs} == {1}
+        prompts = [hicache.content[r["id"]]["prompt_token_ids"] for r in runs]
+        assert len({tuple(p[:5 * PAGE]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == len(prompts)
+    for account in look["keepalive_pings"]:
+        pings = mine(account)
+        assert len(pings) >= 30 and len({tuple(hicache.content[r["id"]]["prompt_token_ids"]) for r in pings}) == 1
+    growing = 0
+    for account in look["autocomplete"]:
+        for a, b in zip(mine(account), mine(account)[1:], strict=False):
+            pa, pb = (hicache.content[r["id"]]["prompt_token_ids"] for r in (a, b))
+            growing += pb[:len(pa)] == pa and 0 < len(pb) - len(pa) <= 24
+    assert growing >= 20
+    retried = 0
+    for account in look["retrying_clients"]:
+        reqs = mine(account)
+        for a, b in zip(reqs, reqs[1:], strict=False):
+            retried += a["status"] == 504 and hicache.content[a["id"]]["prompt_token_ids"] == \
+                hicache.content[b["id"]]["prompt_token_ids"]
+    assert retried >= 1
+    assert truth["playground_accounts"] and {hicache.requests[r]["cache_salt"] for r in hicache.requests
+                                              if hicache.requests[r]["account"] in truth["playground_accounts"]} \
+        == {"playground"}
+    # the prober: while every instance has the store, one page at a time of the victim's document
+    (prober,) = truth["probers"]
+    probes = mine(prober)
+    assert 20 <= len(probes) and {r["max_tokens"] for r in probes} == {1}
+    shared_from = max(_iso_epoch(w[0]["start"]) for w in truth["exposure_windows"].values())
+    shared_to = min(_iso_epoch(w[0]["end"]) for w in truth["exposure_windows"].values())
+    assert all(shared_from < _iso_epoch(r["created"]) < shared_to for r in probes)
+    (victim,) = truth["probe_victims"]
+    document = next(hicache.content[r["id"]]["prompt_token_ids"] for r in rows if r["account"] == victim)
+    known = 3
+    for r in probes:
+        ids, cached = hicache.content[r["id"]]["prompt_token_ids"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert ids[:known * PAGE] == document[:known * PAGE]
+        candidate, true_page = ids[known * PAGE:(known + 1) * PAGE], document[known * PAGE:(known + 1) * PAGE]
+        assert 0 <= sum(x != y for x, y in zip(candidate, true_page, strict=True)) <= 3
+        assert len(ids) - known * PAGE >= 256  # enough left for the store to be asked
+        if cached >= (known + 1) * PAGE:
+            assert candidate == true_page
+            known += 1  # the prefix grows by the page that came back
+    assert known >= 6 and victim in truth["source_accounts"] and prober in truth["recipient_accounts"]
+    # their own templates and prompts: never another namespace's pages (retrying and autocomplete clients are
+    # ordinary tenants otherwise, who may paste a public document another tenant's request put in the store)
+    assert not set(truth["recipient_accounts"]) & {*look["evaluation_harness"], *look["keepalive_pings"]}
+
+
+def test_hicache_ingest_loads_every_file_and_sees_the_restarts(tmp_path: Path) -> None:
+    folder = tmp_path / "incident"
+    simulate_prefix(HICACHE, folder, seed=5, requests=1000)
+    con = connect()
+    incident = load_incident(folder / "incident.toml")
+    ingest(con, incident)
+    write_prefix_windows(con, incident)
+    assert con.execute("SELECT count(*) FROM quarantine").fetchone() == (0,)
+    kinds = dict(con.execute("SELECT kind, sum(loaded) FROM load_report GROUP BY kind").fetchall())
+    assert set(kinds) == {"requests", "content", "kv_events", "engine_log"} and kinds["requests"] == 1000
+    assert con.execute("SELECT count(*) FILTER (WHERE cached_tokens IS NOT NULL AND cache_salt IS NOT NULL "
+                       "AND prefill_instance LIKE 'sglang-%'), count(*) FROM requests").fetchone() == (1000, 1000)
+    assert con.execute("SELECT DISTINCT kind FROM kv_event_gaps").fetchall() == [("restart",)]
+    assert con.execute("SELECT count(*) FROM kv_event_gaps").fetchone() == (8,)
+    windows = con.execute("SELECT instance, path, status FROM prefix_windows ORDER BY instance, valid_from").fetchall()
+    assert windows == [(f"sglang-{n}", path, status) for n in range(4)
+                       for path, status in (("isolated", "pass"), ("salt_blind_store", "fail"), ("isolated", "pass"))]
+    media = dict(con.execute("SELECT medium, count(*) FROM kv_events WHERE kind = 'stored' GROUP BY 1").fetchall())
+    assert set(media) == {"GPU", "CPU_PINNED"}
+    assert con.execute("SELECT count(*) FROM kv_events WHERE kind = 'stored' AND (chain_fp IS NULL OR salt IS NULL)"
+                       ).fetchone() == (0,)

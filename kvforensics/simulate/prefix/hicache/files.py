@@ -59,7 +59,7 @@ class ZstdLines:
     def __init__(self, path: Path, window_log: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._raw: BinaryIO = path.open("wb")
-        params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, enable_ldm=True)
+        params = zstandard.ZstdCompressionParameters.from_level(1, window_log=window_log, enable_ldm=True)
         self._z = zstandard.ZstdCompressor(compression_params=params).stream_writer(self._raw, closefd=False)
         self._buffer: list[bytes] = []
         self._size = 0

@@ -173,8 +173,7 @@ class Traffic:
                 return name
 
     def _tokens(self, n: int) -> tuple[int, ...]:
-        choice, ids = self.rng.choice, self.ids
-        return tuple(choice(ids) for _ in range(n))
+        return tuple(self.rng.choices(self.ids, k=n))
 
     def _tenant(self, account: str, weight: float, layout: str, prefix: tuple[int, ...],
                 documents: list[tuple[int, ...]], salt: str | None = None) -> Tenant:
@@ -396,7 +395,7 @@ class Prober:
         self.rng = rng
         self.start = window[0] + rng.random() * max(0.0, (window[1] - window[0]) / 3)
         self.known = PROBE_KNOWN_PAGES
-        self.tail = tuple(rng.choice(traffic.ids) for _ in range(PROBE_TAIL_TOKENS))
+        self.tail = tuple(rng.choices(traffic.ids, k=PROBE_TAIL_TOKENS))
         self.retries = 0
         self.depth = 0
         self._round: list[tuple[int, ...]] = []
