@@ -7,6 +7,7 @@ by line (never the whole file in memory) and records where a truncated compresse
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import zlib
@@ -22,7 +23,7 @@ import pyarrow.compute as pc
 import zstandard
 
 from kvforensics.errors import InputError
-from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.engine_types import EngineLine, LongLine
 
 SNIFF_LINES = 200
 """How many first lines format and envelope recognition look at."""
@@ -34,6 +35,11 @@ SNIFF_LINES = 200
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _CHUNK = 1 << 18
+MAX_LINE_BYTES = 64 << 20
+"""The longest line the readers hold whole (64 MiB). A longer one is read on without being held: it is yielded as a
+:class:`~kvforensics.loaders.engine_types.LongLine` (its size, the SHA-256 of the whole line and its first
+``LONG_LINE_KEPT`` bytes) with text None, which every reader quarantines; the memory a line takes stays bounded."""
+LONG_LINE_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class LineStream(Iterator[EngineLine]):
         self.compression: str = "none"
         self.truncated: TruncatedInput | None = None
         self.lines_yielded = 0
+        self.max_line = MAX_LINE_BYTES
+        # line number -> (size, SHA-256) of each line longer than max_line (see _bounded_chunks)
+        self.long_lines: dict[int, tuple[int, str]] = {}
         try:
             self._fh: IO[bytes] = open(self.path, "rb")  # noqa: SIM115 - closed by the generator
         except OSError as e:
@@ -98,6 +107,70 @@ class LineStream(Iterator[EngineLine]):
         else:
             while chunk := self._fh.read(_CHUNK):
                 yield chunk
+
+    def _bounded_chunks(self) -> Iterator[bytes]:
+        """The chunks of :meth:`_chunks`, except that a line longer than ``max_line`` passes only its first
+        ``max_line`` bytes: the rest is read, hashed and dropped, and its size and SHA-256 go to ``long_lines``
+        under its number (the readers then yield it as a :class:`LongLine`). The bytes of the current line
+        since its start are referred to (not copied) until it ends or is found too long, so a line costs at
+        most ``max_line`` bytes here and as much in the reader's own buffer."""
+        newlines = 0  # before the current line
+        run: list[bytes] = []  # the current line's bytes passed on so far
+        run_size = 0
+        digest = None  # the current line's hash once it is too long
+        for chunk in self._pieces():
+            if digest is not None:  # inside a long line: up to its end, hashed and dropped
+                end = chunk.find(b"\n")
+                digest.update(chunk if end < 0 else chunk[:end])
+                run_size += len(chunk) if end < 0 else end
+                if end < 0:
+                    continue
+                self.long_lines[newlines + 1] = (run_size, digest.hexdigest())
+                digest, run, run_size, chunk = None, [], 0, chunk[end:]
+            last = chunk.rfind(b"\n")
+            if last >= 0:
+                newlines += chunk.count(b"\n")
+                run, run_size = [chunk[last + 1:]], len(chunk) - last - 1
+            else:
+                run.append(chunk)
+                run_size += len(chunk)
+            if run_size <= self.max_line:
+                yield chunk
+                continue
+            # the current line is too long: pass on its first max_line bytes, hash all of them and read on
+            over = run_size - self.max_line
+            yield chunk[:len(chunk) - over]
+            digest = hashlib.sha256()
+            for piece in run:
+                digest.update(piece)
+            run = []
+        if digest is not None:  # a long last line without a newline
+            self.long_lines[newlines + 1] = (run_size, digest.hexdigest())
+
+    def _pieces(self) -> Iterator[bytes]:
+        """The chunks of :meth:`_chunks` cut to at most ``max_line`` bytes (a decompressed chunk can be far
+        larger), so that a line inside one is no longer than the limit."""
+        for chunk in self._chunks():
+            if len(chunk) <= self.max_line:
+                yield chunk
+            else:
+                for start in range(0, len(chunk), self.max_line):
+                    yield chunk[start:start + self.max_line]
+
+    def _long_line(self, number: int, raw: bytes) -> EngineLine:
+        """Line *number* as yielded when it was too long to hold: text None, a :class:`LongLine`."""
+        size, sha256 = self.long_lines[number]
+        return number, None, LongLine(bytes(raw[:LONG_LINE_KEPT]), size, sha256, self.max_line)
+
+    def _with_long_lines(self, batch: LineBatch) -> LineBatch:
+        """*batch* with its lines that were too long to hold (if any) as :meth:`_long_line` gives them."""
+        long = [n for n in self.long_lines if batch.first <= n < batch.first + len(batch.raws)]
+        if not long:
+            return batch
+        texts, raws = list(batch.texts), list(batch.raws)
+        for n in long:
+            _, texts[n - batch.first], raws[n - batch.first] = self._long_line(n, raws[n - batch.first])
+        return LineBatch(batch.first, texts, raws, pa.array(texts, type=pa.large_string()))
 
     def _gzip_chunks(self) -> Iterator[bytes]:
         # GzipFile.read() discards what it decompressed when the stream ends early; a raw
@@ -145,7 +218,7 @@ class LineStream(Iterator[EngineLine]):
         pending = bytearray()
         number = 0
         try:
-            for chunk in self._chunks():
+            for chunk in self._bounded_chunks():
                 start = 0
                 while (nl := chunk.find(b"\n", start)) >= 0:
                     if pending:
@@ -157,7 +230,7 @@ class LineStream(Iterator[EngineLine]):
                     start = nl + 1
                     number += 1
                     self.lines_yielded = number
-                    yield _decode(number, raw)
+                    yield self._long_line(number, raw) if number in self.long_lines else _decode(number, raw)
                 pending += chunk[start:]
         except (EOFError, OSError, zlib.error, zstandard.ZstdError) as e:
             reason = str(e) or type(e).__name__
@@ -168,7 +241,7 @@ class LineStream(Iterator[EngineLine]):
         if pending:  # a last line without a newline is an ordinary line in a complete file
             number += 1
             self.lines_yielded = number
-            yield _decode(number, bytes(pending))
+            yield self._long_line(number, pending) if number in self.long_lines else _decode(number, bytes(pending))
 
 
     def batches(self, max_lines: int, max_bytes: int | None = None) -> Iterator[LineBatch]:
@@ -188,7 +261,7 @@ class LineStream(Iterator[EngineLine]):
         count = number = 0
         error: Exception | None = None
         try:
-            for chunk in self._chunks():
+            for chunk in self._bounded_chunks():
                 piece_ends.append(_newlines(chunk) + len(data))
                 data += chunk
                 count += len(piece_ends[-1])
@@ -198,7 +271,7 @@ class LineStream(Iterator[EngineLine]):
                     # whole batches only: max_lines lines, or lines up to max_bytes with more bytes after them
                     while (take := _take(ends, done, start, max_lines, limit)) and (
                             take == max_lines or len(data) - start >= limit):
-                        yield _line_batch(number + 1, data, start, ends[done:done + take])
+                        yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done:done + take]))
                         number += take
                         self.lines_yielded = number
                         done += take
@@ -217,7 +290,7 @@ class LineStream(Iterator[EngineLine]):
             pending = b""
         done = start = 0
         while take := _take(ends, done, start, max_lines, limit):
-            yield _line_batch(number + 1, data, start, ends[done:done + take])
+            yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done:done + take]))
             number += take
             self.lines_yielded = number
             done += take

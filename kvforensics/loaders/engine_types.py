@@ -197,7 +197,27 @@ def batches_from_table(table: pa.Table) -> list[PrefillBatch]:
 
 
 EngineLine = tuple[int, str | None, bytes]
-"""(1-based line number, decoded text or None if the bytes are not UTF-8, raw bytes)."""
+"""(1-based line number, decoded text or None if the bytes are not UTF-8 or the line is a :class:`LongLine`,
+raw bytes)."""
+
+
+class LongLine(bytes):
+    """A line too long to read whole, as the line readers yield it in place of its bytes (with text None): what
+    the quarantine keeps of it, its size in bytes and the SHA-256 of the whole line, then its first bytes
+    (``[line of 35,651,584 bytes, SHA-256 9f86d0...] {"rid": ...``). ``reason`` is the quarantine's reason."""
+
+    reason: str
+
+    def __new__(cls, head: bytes, size: int, sha256: str, limit: int) -> LongLine:
+        line = super().__new__(cls, f"[line of {size:,} bytes, SHA-256 {sha256}] ".encode() + head)
+        line.reason = f"line too long to read whole (over {limit:,} bytes): its size and SHA-256 lead the raw text"
+        return line
+
+
+def unreadable_reason(raw: bytes, reason: str = "not UTF-8") -> str:
+    """Why a line the readers give without text (None) is quarantined: a :class:`LongLine`'s reason, else ``reason``
+    (bytes that are not UTF-8)."""
+    return raw.reason if isinstance(raw, LongLine) else reason
 
 LineParser = Callable[..., EngineLogParse]
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.engine_types import EngineLine, unreadable_reason
 from kvforensics.loaders.envelope_records import EnvelopeItem, Partials, quarantine, rfc3339_ns, split_message
 
 OUT_FILE = re.compile(r"^(?P<tag>[^\s\[{][^\s]*?): \[(?P<sec>\d{1,12})(?:\.(?P<frac>\d{1,9}))?, ")
@@ -121,7 +121,7 @@ def read_fluentbit(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
     for number, text, raw in lines:
         if text is None or not text.strip():
             if text is None:
-                yield quarantine(number, "not UTF-8 (Fluent Bit writes UTF-8 text)", raw)
+                yield quarantine(number, unreadable_reason(raw, "not UTF-8 (Fluent Bit writes UTF-8 text)"), raw)
             continue
         try:
             if text.lstrip().startswith("{"):

@@ -39,7 +39,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.engine_types import EngineLine, unreadable_reason
 from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, read_fluentbit
 from kvforensics.loaders.envelope_syslog import header as syslog_header
 from kvforensics.loaders.envelope_syslog import read_syslog
@@ -180,7 +180,7 @@ def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
     streams: dict[str, Mapping[str, str]] = {}
     for number, text, raw in lines:
         if text is None:
-            yield quarantine(number, "not UTF-8 (a CRI log file is UTF-8 text)", raw)
+            yield quarantine(number, unreadable_reason(raw, "not UTF-8 (a CRI log file is UTF-8 text)"), raw)
             continue
         if not text.strip():
             continue
@@ -368,7 +368,7 @@ def _read_json_lines(lines: Iterable[EngineLine], envelope: str) -> Iterator[Env
     reader = _JsonRecords(envelope)
     for number, text, raw in lines:
         if text is None:
-            yield quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            yield quarantine(number, unreadable_reason(raw, "not UTF-8 (a JSON export is UTF-8 text)"), raw)
             continue
         if not text.strip():
             continue
@@ -389,7 +389,7 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
     texts = []
     for number, text, raw in lines:
         if text is None:
-            yield quarantine(number, "not UTF-8 (a JSON export is UTF-8 text)", raw)
+            yield quarantine(number, unreadable_reason(raw, "not UTF-8 (a JSON export is UTF-8 text)"), raw)
             texts.append("")
         else:
             texts.append(text)

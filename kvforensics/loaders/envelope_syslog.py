@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from kvforensics.loaders.engine_types import EngineLine
+from kvforensics.loaders.engine_types import EngineLine, unreadable_reason
 from kvforensics.loaders.envelope_records import RFC3339, EnvelopeItem, EnvelopeRecord, match_ns, quarantine
 
 # a host name or address; the tag is always followed by a space (the templates' sp-if-no-1st-sp)
@@ -42,7 +42,7 @@ def read_syslog(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
     origins: dict[tuple[str, str, str], dict[str, str]] = {}
     for number, text, raw in lines:
         if text is None:
-            yield quarantine(number, "not UTF-8 (a syslog file is text)", raw)
+            yield quarantine(number, unreadable_reason(raw, "not UTF-8 (a syslog file is text)"), raw)
             continue
         if not text.strip():
             continue

@@ -86,6 +86,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders.engine_lines import open_lines
+from kvforensics.loaders.engine_types import unreadable_reason
 from kvforensics.loaders.otlp_encoding import (
     SpanProblem,
     attribute_map,
@@ -244,7 +245,7 @@ class TraceExportReader:
 
     def _line_records(self, n: int, text: str | None, raw: bytes) -> Iterator[SpanRecord]:
         if text is None:
-            yield SpanRecord(n, raw[:MALFORMED_RAW_CHARS].decode("utf-8", "backslashreplace"), "not UTF-8")
+            yield SpanRecord(n, raw[:MALFORMED_RAW_CHARS].decode("utf-8", "backslashreplace"), unreadable_reason(raw))
             return
         try:
             export = json.loads(text)

@@ -18,6 +18,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
+from kvforensics.loaders.engine_types import unreadable_reason
 from kvforensics.loaders.staging import FileLoad
 from kvforensics.loaders.textio import INCOMPLETE_RECORD, LineStream, decode_line, open_binary, printable_raw
 
@@ -60,7 +61,7 @@ def _jsonl_records(path: Path, load: FileLoad) -> Iterator[Record]:
             continue
         text = decode_line(rawb)
         if text is None:
-            yield n, printable_raw(rawb), None, "not UTF-8"
+            yield n, printable_raw(rawb), None, unreadable_reason(rawb)
             continue
         try:
             obj = json.loads(text)

@@ -27,6 +27,7 @@ from kvforensics.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIE
 from kvforensics.config import Source
 from kvforensics.errors import InputError
 from kvforensics.loaders import otlp, sglang_requests
+from kvforensics.loaders.engine_types import unreadable_reason
 from kvforensics.loaders.staging import (
     BATCH,
     BLANK,
@@ -53,6 +54,7 @@ from kvforensics.loaders.textio import (
     LineStream,
     Recovering,
     decode_line,
+    line_limit,
     open_binary,
     printable_raw,
 )
@@ -107,7 +109,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         if staged is not None:
             return staged
     stager = Stager(con)
-    stream = LineStream(path)
+    stream = LineStream(path, max_line=line_limit(con))
     lines: list[int] = []
     raws: list[str] = []
     problems: list[str | None] = []
@@ -120,7 +122,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         lines.append(n)
         if text is None:
             raws.append(printable_raw(raw))
-            problems.append("not UTF-8")
+            problems.append(unreadable_reason(raw))
         else:
             raws.append(text)
             problems.append(None)
@@ -228,6 +230,10 @@ def _late_needles(source: Source, keys: set[str], chosen: Mapping[str, str | Non
 
 
 NEEDLE_EVERY = 8  # _scan_file looks for late field names in every 8th chunk (1 MiB each) and in the last
+# The longest line DuckDB's line reader is given: its max_line_size default (2 MiB). It refuses a longer line in
+# the middle of a file, but drops a last line of some 30 MB without a word (DuckDB 1.x-2.0): a file with a longer
+# line goes to the Python reader.
+DUCKDB_MAX_LINE = 2 << 20
 
 
 def _scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | None, list[str]]:
@@ -236,11 +242,14 @@ def _scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | Non
     last one, where a field logged from some record on is sure to be). The line count is None when a
     byte in the file is a CR or the 0x01 that DuckDB's line reader uses as its delimiter (either would
     make DuckDB split or cut a physical line, shifting line numbers or dropping the text after the
-    0x01), or when the stream cannot be read to its end: such a file goes to the Python reader, which
-    keeps every byte and says why. A last line without a newline counts, as it does for the Python
+    0x01), when a line is longer than DuckDB's line reader holds (``DUCKDB_MAX_LINE``: it refuses such a
+    line, or drops it without a word when it is the last), or when the stream cannot be read to its
+    end: such a file goes to the Python reader, which keeps every byte (or quarantines a line too long
+    to read whole) and says why. A last line without a newline counts, as it does for the Python
     reader."""
     count: int | None = 0
     last = b"\n"
+    run = 0  # bytes since the last newline: the line being read (lines inside one chunk are shorter)
     found: set[str] = set()
     longest = max((len(n) for names in needles.values() for n in names), default=0)
     before = b""  # the end of the chunk before: a name cut between two chunks
@@ -259,6 +268,12 @@ def _scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | Non
                 if count is not None:
                     count += chunk.count(b"\n")
                     last = chunk[-1:]
+                    first = chunk.find(b"\n")
+                    if (run + (len(chunk) if first < 0 else first)) > DUCKDB_MAX_LINE:
+                        count = None
+                        if not needles:
+                            break
+                    run = run + len(chunk) if first < 0 else len(chunk) - chunk.rfind(b"\n") - 1
                 if len(found) < len(needles):
                     if i % NEEDLE_EVERY == 0:
                         look(before + chunk)

@@ -38,6 +38,7 @@ from kvforensics.loaders.engine_types import (
     add_reading_notes,
     raw_for_quarantine,
     truncate_detail,
+    unreadable_reason,
 )
 from kvforensics.loaders.sglang_batches import BATCH_NEEDLE, BatchRefusal, match_prefill_batch
 from kvforensics.loaders.sglang_events import OTHER_EVENT_NEEDLES, match_event
@@ -201,7 +202,7 @@ class SglangParser:
     def feed(self, number: int, text: str | None, raw: bytes) -> None:
         self.out.lines_read += 1
         if text is None:
-            self._quarantine(number, "not UTF-8", raw)
+            self._quarantine(number, unreadable_reason(raw), raw)
             return
         if "\x00" in text:
             stripped = text.replace("\x00", "")

@@ -62,8 +62,9 @@ from pathlib import Path
 
 from kvforensics.config import Source
 from kvforensics.loaders.engine_lines import split_outer_prefixes
+from kvforensics.loaders.engine_types import LongLine
 from kvforensics.loaders.sglang_repr import ReprDump, header_value, plain_summary, top_level_items, value_at
-from kvforensics.loaders.textio import LineStream
+from kvforensics.loaders.textio import LineStream, printable_raw
 
 FORMAT = "sglang_requests"
 ROUTING_KEY_HEADER = "x-smg-routing-key"
@@ -340,6 +341,10 @@ class RequestLogReader:
     def __iter__(self) -> Iterator[StagedRequest]:
         stream = LineStream(self.path)
         for n, raw in stream:
+            if isinstance(raw, LongLine):  # too long to read whole: quarantined with its size and hash
+                self._count("unreadable")
+                yield StagedRequest(line=n, raw=printable_raw(raw), problem=raw.reason, values={})
+                continue
             if not raw.strip():
                 self._count("blank")
                 continue

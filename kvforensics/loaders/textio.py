@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+import duckdb
+
+from kvforensics.db import size_bytes
+from kvforensics.loaders.engine_types import LongLine
+
 CHUNK = 1 << 20
 # The reason of the partial last record of a truncated stream (quarantined, never loaded).
 INCOMPLETE_RECORD = "incomplete last record: the input ends inside it (truncated file)"
@@ -105,6 +110,8 @@ class LineStream:
     lines: int = 0
     partial: tuple[int, bytes] | None = None
     cr_only: bool = False
+    # the longest line held whole (None: engine_lines.MAX_LINE_BYTES); a longer one is yielded as a LongLine
+    max_line: int | None = None
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         from kvforensics.loaders.engine_lines import open_lines
@@ -114,6 +121,8 @@ class LineStream:
             yield from self._cr_lines()
             return
         stream = open_lines(self.path)
+        if self.max_line is not None:
+            stream.max_line = self.max_line
         for n, _text, raw in stream:
             self.lines = n
             yield n, raw
@@ -157,8 +166,24 @@ def _cr_only(path: Path) -> bool:
     return b"\r" in head and b"\n" not in head
 
 
+def line_limit(con: duckdb.DuckDBPyConnection) -> int:
+    """The longest line a reader typing records on *con* holds whole: a 32nd of DuckDB's memory limit (typing a
+    JSON record of n bytes takes some 17 n in DuckDB: a 34 MB record loads under a 1 GB limit, 60 MB do not), and
+    at most ``engine_lines.MAX_LINE_BYTES``. A longer line is quarantined with its size and SHA-256."""
+    from kvforensics.loaders.engine_lines import MAX_LINE_BYTES
+
+    setting = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+    try:
+        return min(MAX_LINE_BYTES, max(1 << 20, size_bytes(str(setting).replace(" ", "")) // 32))
+    except ValueError:  # a setting this version writes otherwise
+        return MAX_LINE_BYTES
+
+
 def decode_line(raw: bytes) -> str | None:
-    """UTF-8 text of a line, or None when it is not valid UTF-8."""
+    """UTF-8 text of a line, or None when it is not valid UTF-8 or was too long to read whole (a
+    :class:`~kvforensics.loaders.engine_types.LongLine`, quarantined with ``unreadable_reason``)."""
+    if isinstance(raw, LongLine):
+        return None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -31,6 +31,7 @@ from kvforensics.loaders.engine_types import (
     add_reading_notes,
     raw_for_quarantine,
     truncate_detail,
+    unreadable_reason,
 )
 from kvforensics.loaders.shutdown import shutdown_reason
 from kvforensics.loaders.vllm_startup import ENGINE, VllmStartup, startup_record
@@ -239,7 +240,7 @@ class _VllmParser:
     def feed(self, number: int, text: str | None, raw: bytes) -> None:
         self.out.lines_read += 1
         if text is None:
-            self._quarantine(number, "not UTF-8", raw)
+            self._quarantine(number, unreadable_reason(raw), raw)
             return
         if "\x00" in text:
             stripped = text.replace("\x00", "")
