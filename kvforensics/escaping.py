@@ -80,6 +80,13 @@ def csv_cell(value: Any, *, raw: bool = False) -> Any:
 # they belong to a link only right after "]", and every "[" and "]" is escaped (so is "<", which opens autolinks).
 # "_" between two letters or digits (snake_case) cannot open or close emphasis and stays as it is.
 _MD_SPECIAL = re.compile(r"([\\`*\[\]!#|~{}]|(?<![^\W_])_|_(?![^\W_]))")
+# "<", ">" and "&" are written as themselves where no Markdown or HTML reading can take them for markup, so that a
+# version range reads ">0.5.9,<0.5.20" in the .md file: "<" becomes "&lt;" only where it could open a tag, a comment,
+# a declaration or an autolink (a letter, "/", "!" or "?" follows; Markdown.pl and Python-Markdown do not honour a
+# backslash before "<"), "&" becomes "&amp;" only where it starts something an entity could be, and ">" is escaped
+# where it would start a block quote.
+_MD_TAG_START = re.compile(r"<(?=[A-Za-z/!?])")
+_MD_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 # GFM turns bare URLs ("https://...", "www...") and e-mail addresses into links; an escape breaks the pattern.
 _MD_AUTOLINK = re.compile(r"(?i)(:(?=//)|(?<=www)\.|(?<=[\w.+-])@)")
 
@@ -88,7 +95,9 @@ def markdown_text(value: Any) -> str:
     """Untrusted text for a Markdown line or table cell: it renders as the literal text, never as a link, image,
     emphasis, code or HTML. Line breaks become spaces so a value stays in its table cell or heading."""
     text = visible_controls(str(value))
-    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = _MD_ENTITY.sub("&amp;", text)
+    text = _MD_TAG_START.sub("&lt;", text)
     text = _MD_SPECIAL.sub(r"\\\1", text)
+    text = re.sub(r"^(\s*)>", r"\1\\>", text)  # a block quote where a value starts a line
     text = _MD_AUTOLINK.sub(r"\\\1", text)
     return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")

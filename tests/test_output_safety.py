@@ -177,3 +177,14 @@ def test_verify_re_derives_the_cells_in_the_recorded_mode(runs, tmp_path):
     quoted = FORMULA_ACCOUNT.replace('"', '""')
     path.write_text(path.read_text().replace(quoted, "'" + quoted))
     assert any(p.startswith("affected_requests.csv") for p in verify(copy))
+
+
+def test_markdown_text_keeps_comparisons_and_ampersands_readable():
+    """Issue 27, observation 9: a version range in a report.md table read "&gt;0.5.9,&lt;0.5.20". "<", ">" and "&"
+    stay themselves where no Markdown reading takes them for markup, and still render as the literal text."""
+    assert markdown_text("sglang >0.5.9,<0.5.20 (inferred) & co") == "sglang >0.5.9,<0.5.20 (inferred) & co"
+    assert markdown_text("<script>x</script> &amp; <https://e.example>") == \
+        "&lt;script>x&lt;/script> &amp;amp; &lt;https\\://e.example>"
+    for text in (">0.5.9,<0.5.20", "a < b > c", "&lt;", "<!-- x -->", "x<y"):
+        assert unescape(re.search("<td>(.*)</td>", _html(f"| x |\n| --- |\n| {markdown_text(text)} |\n")).group(1)) \
+            == text

@@ -66,7 +66,7 @@ def test_a_retired_pods_successor_is_escaped(mini_run):
     html, md = rerender(*mini_run, f"end_reason = 'log_end', end_line = 7, successor = '{EVIL_SUCCESSOR}'")
     table, row = exposure_rows(html, md)
     assert "<td>retired: replaced by &lt;img src=x onerror=alert(1)&gt;|p1 (its log ends at line 7)</td>" in table
-    assert "| retired: replaced by &lt;img src=x onerror=alert(1)&gt;\\|p1 (its log ends at line 7) |" in row
+    assert "| retired: replaced by &lt;img src=x onerror=alert(1)>\\|p1 (its log ends at line 7) |" in row
     assert "<img" not in markup_outside_scripts(html) and "<img" not in md
 
 

@@ -34,7 +34,7 @@ VARIANTS = {
     "no_engine_logs": ((), INCIDENT.replace(ENGINE_SOURCE, "")),
 }
 # a value a data frame or SQL NULL turns into when printed as it is
-MISSING_MARKERS = ("nan", "NaN", "NaT", "None", "<NA>", "&lt;NA&gt;", "\\<NA\\>", "null", "inf")
+MISSING_MARKERS = ("nan", "NaN", "NaT", "None", "<NA>", "&lt;NA&gt;", "&lt;NA>", "\\<NA\\>", "null", "inf")
 
 
 @pytest.fixture(scope="module")
