@@ -76,6 +76,7 @@ from kvforensics.loaders.sglang import (
     SglangParser,
 )
 from kvforensics.loaders.sglang_batches import DECODE_FIELDS, PREFILL_FIELDS
+from kvforensics.loaders.startup_bounds import refuse_impossible_values
 
 __all__ = ["BATCH_LINES", "EvidenceSink", "parse_engine_file_columnar"]
 
@@ -294,6 +295,7 @@ def parse_engine_file_columnar(
     parse = parser.finish()
     result = EngineFileParse(envelope="none", instances={name: parse}, lines_read=parse.lines_read)
     add_truncation(result, stream)
+    refuse_impossible_values(result)
     return result
 
 

@@ -50,6 +50,7 @@ from kvforensics.loaders.engine_types import (
     raw_for_quarantine,
 )
 from kvforensics.loaders.envelopes import ENVELOPES, parse_enveloped, sniff_envelope
+from kvforensics.loaders.startup_bounds import refuse_impossible_values
 
 __all__ = [
     "EVENT_KINDS",
@@ -195,6 +196,7 @@ def parse_engine_file(
     finally:
         stream.close()
     add_truncation(result, stream)
+    refuse_impossible_values(result)
     return result
 
 

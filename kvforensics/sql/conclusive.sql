@@ -143,6 +143,10 @@ WITH missing AS (
                         CASE WHEN c.context_length IS NULL THEN 'context length' END], lambda x: x IS NOT NULL) AS what
     FROM capacity c
     WHERE NOT coalesce(c.startup_refused, false)
+      -- a KV pool or context length refused as impossible is reason startup_value_refused
+      AND NOT (c.model IS NOT NULL AND c.valid_from IS NOT NULL
+               AND (c.kv_pool_tokens IS NOT NULL OR contains(coalesce(c.flags->>'$.refused_fields', ''), 'kv_pool_tokens'))
+               AND (c.context_length IS NOT NULL OR contains(coalesce(c.flags->>'$.refused_fields', ''), 'context_length')))
       -- a start-up of an unknown model may serve any; one of a model nobody requested cannot matter
       AND (c.model IS NULL OR (c.model IN (SELECT model FROM gate_models)
            AND (c.valid_from IS NULL OR c.kv_pool_tokens IS NULL OR c.context_length IS NULL)))
@@ -634,3 +638,26 @@ SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {
 FROM judged
 WHERE by_pool = 0 AND NOT by_latency AND NOT by_events
 ORDER BY valid_from, instance;
+
+-- reason: startup_value_refused
+-- a start-up value no engine can have (a KV pool or context length of 0, a number beyond 2^40 tokens:
+-- kvforensics/loaders/startup_bounds.py) was refused, its line quarantined: the start-up's pool or context is
+-- unknown, so whether and when it was exposed cannot be told (a start-up of an unknown model may serve any; one of a
+-- model nobody requested cannot matter)
+WITH refused AS (
+    SELECT c.instance, c.source_file, c.source_line, json_extract_string(c.flags, '$.refused_values') AS refused
+    FROM capacity c
+    WHERE (contains(coalesce(c.flags->>'$.refused_fields', ''), 'kv_pool_tokens')
+           OR contains(coalesce(c.flags->>'$.refused_fields', ''), 'context_length'))
+      AND (c.model IS NULL OR c.model IN (SELECT model FROM gate_models))
+)
+SELECT format('engine instance ''{}'': {:,} start-up(s) with a value no engine can have, refused ({}; start-up at {} '
+              || 'line {}): its KV pool or context length is unknown, so whether and when it was exposed cannot be '
+              || 'told; check those lines of the engine log (corrupt, edited or cut?) against the engine''s own '
+              || 'record of the start-up, and add the log that holds its true values', instance, count(*),
+              left(string_agg(refused, '; ' ORDER BY source_line), 300), regexp_extract(min(source_file), '[^/]+$'),
+              min(source_line)) AS message,
+       instance, count(*) AS startups, list(refused ORDER BY source_line) AS refused
+FROM refused
+GROUP BY instance
+ORDER BY instance;
