@@ -424,7 +424,7 @@ def _match_instance_names(con: duckdb.DuckDBPyConnection, incident: Incident, re
             SELECT decode_instance AS name FROM requests WHERE decode_instance IS NOT NULL) n
         GROUP BY 1""").fetchall())
     engines = [r[0] for r in con.execute("SELECT DISTINCT instance FROM capacity").fetchall()]
-    matches = match_instance_names(counts, engines, incident.instances)
+    matches = match_instance_names(counts, engines, incident.instances, where=f"{incident.path}: [instances]")
     con.execute("DELETE FROM instance_names").fetchall()
     if matches:
         con.register("instance_names_batch", pa.table({

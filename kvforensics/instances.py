@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
+
+import regex
 
 from kvforensics.errors import ConfigError
 
@@ -70,8 +73,8 @@ def instances_from_config(raw: Any, where: str) -> InstanceMatching:
             raise ConfigError("match must be a string: a regular expression with a (?P<instance>...) group",
                               location=f"{where}.match")
         try:
-            compiled = re.compile(match)
-        except re.error as e:
+            compiled = regex.compile(match)
+        except (regex.error, ValueError) as e:
             raise ConfigError(f"match is not a valid regular expression: {e}", location=f"{where}.match") from None
         if "instance" not in compiled.groupindex:
             raise ConfigError("match needs a named group (?P<instance>...) saying which part names the instance",
@@ -126,12 +129,43 @@ def _same_pod(a: str, b: str) -> bool:
     return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
+MATCH_BUDGET_S = 2.0
+"""How long ``[instances] match`` may take over all the names of one investigation. The expression is the
+user's: one that backtracks without end (nested quantifiers ``(a+)+``, overlapping alternatives ``(a|aa)+``) would
+hang the run, so it runs in the ``regex`` module with a timeout, and running over is a configuration error."""
+
+
+class _BudgetedPattern:
+    """A user's regular expression searched within one time budget shared by every search."""
+
+    def __init__(self, pattern: str, where: str, budget_s: float) -> None:
+        self.pattern, self.where, self.budget_s = regex.compile(pattern), where, budget_s
+        self.deadline = time.monotonic() + budget_s
+
+    def search(self, text: str) -> Any:
+        left = self.deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return self.pattern.search(text, timeout=left)
+        except TimeoutError:
+            raise ConfigError(
+                f"match takes more than {self.budget_s:g} s to search the instance names (at {text[:80]!r}): it "
+                "backtracks without end, as nested quantifiers such as '(a+)+' or overlapping alternatives such as "
+                "'(a|aa)+' do; simplify it (e.g. '^(?:https?://)?(?P<instance>[^.:/]+)') or name the pairs in map",
+                location=f"{self.where}.match") from None
+
+
 def match_instance_names(gateway_names: Iterable[str], engine_instances: Iterable[str],
-                         matching: InstanceMatching) -> list[NameMatch]:
-    """Match every gateway instance name to an engine instance (see the module docstring)."""
+                         matching: InstanceMatching, *, where: str = "[instances]",
+                         budget_s: float | None = None) -> list[NameMatch]:
+    """Match every gateway instance name to an engine instance (see the module docstring). ``[instances] match``
+    searches all the names within ``budget_s`` seconds (default ``MATCH_BUDGET_S``), else a ConfigError located at
+    ``{where}.match``."""
     gateway = sorted(set(gateway_names))
     engines = sorted(set(engine_instances))
-    pattern = re.compile(matching.match) if matching.match else None
+    budget = MATCH_BUDGET_S if budget_s is None else budget_s
+    pattern = _BudgetedPattern(matching.match, where, budget) if matching.match else None
 
     def regex_key(name: str) -> str:
         m = pattern.search(name) if pattern is not None else None
