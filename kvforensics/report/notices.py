@@ -28,9 +28,38 @@ _LEGACY_MECHANISM = "stale_pages"
 
 
 def safe_filename(account_id: str) -> str:
-    """A file name for an account id: untrusted text never becomes a path."""
+    """A file name for an account id: untrusted text never becomes a path, and two ids never share one. The id
+    with every character but ASCII letters, digits, ``.``, ``_`` and ``-`` replaced (at most 60, for reading),
+    then the whole SHA-256 of the id: unique as long as SHA-256 has no collision (8 hex digits were not: two ids
+    sharing a name were found in 29,386 tries, and a chosen victim's name costs ~2^32 hashes; 64 cost 2^128 for
+    any two ids and 2^256 for a chosen one). Lower-case hex: unique on a case-insensitive file system too."""
     cleaned = _SAFE.sub("_", account_id).strip("._")[:60] or "account"
-    return f"{cleaned}-{hashlib.sha256(account_id.encode()).hexdigest()[:8]}.md"
+    return f"{cleaned}-{hashlib.sha256(account_id.encode('utf-8', 'surrogatepass')).hexdigest()}.md"
+
+
+def notice_type(account_class: str, suspected: bool) -> str:
+    """Which notice an account gets: a suspect's goes to trust and safety, else one by its class."""
+    if suspected:
+        return "trust_and_safety"
+    return account_class if account_class in ("internal", "reporter") else "customer"
+
+
+def notice_path(account_id: str, account_class: str, suspected: bool) -> str:
+    """The account's notice (Markdown; the HTML one beside it), relative to the output folder."""
+    return f"notices/{FOLDERS[notice_type(account_class, suspected)]}/{safe_filename(account_id)}"
+
+
+def suspected_accounts(con: duckdb.DuckDBPyConnection) -> dict[Any, list[tuple[str, str]]]:
+    """Per suspected account, (mechanism, why) for each mechanism whose pattern it has (table ``suspected_exploiters``,
+    empty in an evidence database scoped before it existed)."""
+    out: dict[Any, list[tuple[str, str]]] = {}
+    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'suspected_exploiters'"
+                       ).fetchall()[0][0]:
+        return out
+    for account, mechanism, why in con.execute(
+            "SELECT account_id, mechanism, why FROM suspected_exploiters ORDER BY 1, 2").fetchall():
+        out.setdefault(account, []).append((mechanism, why))
+    return out
 
 
 def notice_rows(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
