@@ -37,31 +37,6 @@ def safe_filename(account_id: str) -> str:
     return f"{cleaned}-{hashlib.sha256(account_id.encode('utf-8', 'surrogatepass')).hexdigest()}.md"
 
 
-def notice_type(account_class: str, suspected: bool) -> str:
-    """Which notice an account gets: a suspect's goes to trust and safety, else one by its class."""
-    if suspected:
-        return "trust_and_safety"
-    return account_class if account_class in ("internal", "reporter") else "customer"
-
-
-def notice_path(account_id: str, account_class: str, suspected: bool) -> str:
-    """The account's notice (Markdown; the HTML one beside it), relative to the output folder."""
-    return f"notices/{FOLDERS[notice_type(account_class, suspected)]}/{safe_filename(account_id)}"
-
-
-def suspected_accounts(con: duckdb.DuckDBPyConnection) -> dict[Any, list[tuple[str, str]]]:
-    """Per suspected account, (mechanism, why) for each mechanism whose pattern it has (table ``suspected_exploiters``,
-    empty in an evidence database scoped before it existed)."""
-    out: dict[Any, list[tuple[str, str]]] = {}
-    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'suspected_exploiters'"
-                       ).fetchall()[0][0]:
-        return out
-    for account, mechanism, why in con.execute(
-            "SELECT account_id, mechanism, why FROM suspected_exploiters ORDER BY 1, 2").fetchall():
-        out.setdefault(account, []).append((mechanism, why))
-    return out
-
-
 def notice_rows(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     return con.execute("SELECT account_id, account_class, role, responses, first_ts, last_ts, request_ids "
                        "FROM notifications ORDER BY account_class, account_id, role").df()
