@@ -140,14 +140,17 @@ def timeline_chart(source: duckdb.DuckDBPyConnection | TimelineFrames, incident:
     drawn = len(f.affected)
     title = f"{f.affected_total:,} affected responses" + (
         f" ({drawn:,} drawn, a sample by request id)" if drawn < f.affected_total else "")
+    if f.bounds_note():  # a long change log, many restarts: what is not drawn is said
+        title = [title, f"({f.bounds_note()})"]
     detail = alt.layer(spans, ticks, dots).resolve_scale(color="independent").properties(
         width=640, height=max(60, 24 * len(lanes)), title=title)
     if zoom is not None:
         detail = detail.add_params(zoom)
+    unit = f.bar_unit
     hourly = alt.Chart(f.hourly.rename(columns={"hour": "ts"})).mark_bar(clip=True).encode(
-        x=first_x, y=alt.Y("responses:Q", title="affected / hour"), color=alt.Color("model:N", title="model"),
-        tooltip=[alt.Tooltip("time:N", title="hour (UTC)"), "model:N", "responses:Q"],
-    ).properties(width=640, height=90, title="affected responses per hour" + (
+        x=first_x, y=alt.Y("responses:Q", title=f"affected / {unit}"), color=alt.Color("model:N", title="model"),
+        tooltip=[alt.Tooltip("time:N", title=f"{unit} (UTC)"), "model:N", "responses:Q"],
+    ).properties(width=640, height=90, title=f"affected responses per {unit}" + (
         ": drag across the bars to highlight a period above" if brush is not None else ""))
     if brush is not None:
         hourly = hourly.add_params(brush)

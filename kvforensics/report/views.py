@@ -20,6 +20,13 @@ from kvforensics.timestamps import iso
 
 MAX_POINTS = 4000     # dots drawn per view (one per affected response)
 MAX_ACCOUNTS = 50     # accounts in the per-account view's list, most affected responses first
+# Every other element of a view is bounded too (a chart embeds at most 5,000 rows per dataset, and a page of tens of
+# thousands of marks is not read): beyond its limit it is sampled evenly in time or aggregated, and its title says so.
+MAX_EVENTS = 2000     # event ticks on the timeline: the incident file's first, then start-ups and restarts, then changes
+MAX_WINDOWS = 1000    # exposure windows on the timeline
+MAX_BARS = 2000       # bars of affected responses per hour; per day (then week, month) when the hours are more
+_BAR_UNITS = ("hour", "day", "week", "month")
+_EVENT_PRIORITY = ("incident file", "start-up", "restart", "config change")
 
 _AFFECTED_COLUMNS = ("ts, request_id, account_id, account_class, model, confidence, prompt_tokens, "
                      "coalesce(prefill_instance, pool_instance) AS instance")
@@ -30,14 +37,29 @@ class TimelineFrames:
     """``windows``: lane, instance, role, model, start, end, pool_tokens, context_length (exposure windows).
     ``events``: ts, kind (start-up, restart, config change, incident file), title, detail.
     ``affected``: ts, request_id, account_id, account_class, model, confidence, prompt_tokens, instance.
-    ``hourly``: hour, model, responses. ``affected_total``: every affected response, drawn or not.
-    Every frame also has a ``time`` (or ``from``/``to``) column: its timestamps as ISO 8601 UTC text."""
+    ``hourly``: hour, model, responses (per ``bar_unit``: hour, or day, week, month when the hours are more than
+    ``MAX_BARS``). ``affected_total``: every affected response, drawn or not; ``events_total`` and
+    ``windows_total`` every event and exposure window, drawn or not (beyond ``MAX_EVENTS`` / ``MAX_WINDOWS``, an even
+    sample in time). Every frame also has a ``time`` (or ``from``/``to``) column: its timestamps as ISO 8601 UTC
+    text."""
 
     windows: pd.DataFrame
     events: pd.DataFrame
     affected: pd.DataFrame
     hourly: pd.DataFrame
     affected_total: int
+    events_total: int | None = None  # None: every event is drawn
+    windows_total: int | None = None
+    bar_unit: str = "hour"
+
+    def bounds_note(self) -> str:
+        """What the view leaves out, for its title: '' when it draws everything."""
+        notes = [f"{len(frame):,} of {total:,} {what} drawn, {how}"
+                 for frame, total, what, how in ((self.events, self.events_total, "events",
+                                                  "the incident file's first, then start-ups, then changes, evenly in time"),
+                                                 (self.windows, self.windows_total, "exposure windows", "evenly in time"))
+                 if total is not None and total > len(frame)]
+        return "; ".join(notes)
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,8 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
         FROM capacity c WHERE valid_from IS NOT NULL AND EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
         ORDER BY valid_from, instance""")
     windows = _with_text_times(windows, {"start": "from", "end": "to"})
+    windows_total = len(windows)
+    windows = _evenly(windows, MAX_WINDOWS)
     startups = _frame(con, """
         SELECT valid_from AS ts,
                CASE WHEN row_number() OVER (PARTITION BY instance ORDER BY valid_from) = 1 THEN 'start-up'
@@ -100,22 +124,56 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
                    CASE WHEN EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from) THEN ': EXPOSED' ELSE '' END AS title,
                coalesce(model, 'model unknown') AS detail
         FROM capacity c WHERE valid_from IS NOT NULL""")
-    changes = _frame(con, """SELECT ts, 'config change' AS kind, description AS title,
-                                    concat_ws(' ', model, instance, details) AS detail
-                             FROM changes""")
+    # a long change log: an even sample in time, taken in DuckDB (the rest are counted)
+    changes = _frame(con, """SELECT ts, kind, title, detail FROM (
+                                 SELECT ts, 'config change' AS kind, description AS title,
+                                        concat_ws(' ', model, instance, details) AS detail,
+                                        row_number() OVER (ORDER BY ts, description, details) - 1 AS n,
+                                        count(*) OVER () AS total
+                                 FROM changes)
+                             WHERE total <= $k OR n % ceil(total / $k) = 0""", {"k": MAX_EVENTS})
+    changes_total = con.execute("SELECT count(*) FROM changes").fetchall()[0][0]
     noted = pd.DataFrame([{"ts": e.ts, "kind": "incident file", "title": visible_controls(e.title),
                            "detail": visible_controls(e.description)} for e in (incident.events if incident else [])],
                          columns=["ts", "kind", "title", "detail"])
+    events_total = len(startups) + changes_total + len(noted)
     present = [f for f in (startups, changes, noted) if not f.empty]
     events = pd.concat(present, ignore_index=True) if present else noted
     # a total order: start-ups of the same second come from the database in no fixed order
     events = _with_text_times(events, {"ts": "time"}).sort_values(["ts", "kind", "title", "detail"], kind="stable").reset_index(drop=True)
-    hourly = _frame(con, "SELECT date_trunc('hour', ts) AS hour, model, count(*) AS responses FROM affected_responses "
-                         "GROUP BY 1, 2 ORDER BY 1, 2")
+    events = _events_within(events, MAX_EVENTS)
+    for unit in _BAR_UNITS:  # per hour, or coarser when the hours are too many to draw
+        hourly = _frame(con, f"SELECT date_trunc('{unit}', ts) AS hour, model, count(*) AS responses "
+                             "FROM affected_responses GROUP BY 1, 2 ORDER BY 1, 2")
+        if len(hourly) <= MAX_BARS:
+            break
     hourly = _with_text_times(hourly, {"hour": "time"})
     total = con.execute("SELECT count(*) FROM affected_responses").fetchall()[0][0]
     return TimelineFrames(windows=windows, events=events, affected=_affected(con, "true", {}, max_points),
-                          hourly=hourly, affected_total=int(total))
+                          hourly=hourly, affected_total=int(total), events_total=events_total,
+                          windows_total=windows_total, bar_unit=unit)
+
+
+def _evenly(frame: pd.DataFrame, limit: int) -> pd.DataFrame:
+    """At most *limit* rows of *frame*, evenly spaced in its order (the first and the last kept)."""
+    if len(frame) <= limit:
+        return frame
+    if limit <= 1:
+        return frame.iloc[:limit]
+    picks = sorted({round(i * (len(frame) - 1) / (limit - 1)) for i in range(limit)})
+    return frame.iloc[picks].reset_index(drop=True)
+
+
+def _events_within(events: pd.DataFrame, limit: int) -> pd.DataFrame:
+    """At most *limit* events: each kind in ``_EVENT_PRIORITY`` order takes what it needs of what is left, evenly
+    in time when it needs more; the result in time order."""
+    if len(events) <= limit:
+        return events
+    kept = []
+    for kind in _EVENT_PRIORITY:
+        taken = _evenly(events[events["kind"] == kind], limit - sum(len(k) for k in kept))
+        kept.append(taken)
+    return pd.concat(kept).sort_values(["ts", "kind", "title", "detail"], kind="stable").reset_index(drop=True)
 
 
 def account_frames(con: duckdb.DuckDBPyConnection, *, account: str | None = None, max_accounts: int = MAX_ACCOUNTS,
