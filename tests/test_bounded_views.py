@@ -67,3 +67,16 @@ def test_a_long_change_log_and_many_incident_events_do_not_stop_the_report(tmp_p
     out = tmp_path / "out"
     assert main(["run", str(path), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     assert "2,000 of 12,003 events drawn" in (out / "report.html").read_text()
+
+
+def test_many_pool_sizes_are_drawn_bounded_and_said():
+    import pandas as pd
+
+    from kvforensics.report.charts import MAX_POOL_RULES, money_chart
+
+    points = pd.DataFrame({"prompt_tokens": [10], "observed_ms": [5.0], "confidence": ["probable"],
+                           "request_id": ["r"], "account_id": ["a"], "measure": ["ttft"]})
+    pools = pd.DataFrame({"kv_pool_tokens": range(1000, 7000), "label": [f"pool {i}" for i in range(6000)]})
+    spec = money_chart(points, pools, pd.DataFrame(columns=["prompt_tokens", "expected_ms"]), title="m").to_dict()
+    assert max(len(rows) for rows in spec["datasets"].values()) == MAX_POOL_RULES
+    assert spec["title"] == f"m ({MAX_POOL_RULES} of 6,000 KV pool sizes drawn, evenly from the smallest)"

@@ -52,6 +52,7 @@ EVENT_LANES = {"incident file": "incident file (reports, fixes)", "config change
 EVENT_COLOURS = alt.Scale(domain=["incident file", "config change", "start-up", "restart"],
                           range=["#c0392b", "#2980b9", "#27ae60", "#d35400"])
 AFFECTED_LANE = "affected responses"
+MAX_POOL_RULES = 200  # KV pool sizes drawn as rules in the prompt-vs-TTFT chart
 
 
 def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, *, title: str,
@@ -76,6 +77,11 @@ def money_chart(points: pd.DataFrame, pools: pd.DataFrame, curve: pd.DataFrame, 
     if not curve.empty:
         layers.append(alt.Chart(curve).mark_line(color="#2c3e50", strokeDash=[6, 3]).encode(
             x="prompt_tokens:Q", y="expected_ms:Q", tooltip=["prompt_tokens:Q", "expected_ms:Q"]))
+    pools_total = len(pools)
+    if pools_total > MAX_POOL_RULES:  # one rule per distinct pool size: many restarts with many sizes, bounded
+        pools = pools.iloc[sorted({round(i * (pools_total - 1) / (MAX_POOL_RULES - 1))
+                                   for i in range(MAX_POOL_RULES)})]
+        title = f"{title} ({len(pools):,} of {pools_total:,} KV pool sizes drawn, evenly from the smallest)"
     if not pools.empty:
         layers.append(alt.Chart(pools).mark_rule(color="#8e44ad", strokeWidth=2).encode(
             x="kv_pool_tokens:Q", tooltip=["label:N", "kv_pool_tokens:Q"]))
