@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -32,8 +33,29 @@ from kvforensics.simulate.prefix.workload import Vocabulary
 INTERNAL_GLOB = "provider-*"
 
 
+_ID_TEXT = [str(i) for i in range(1 << 16)]  # token ids as text (the vocabulary's ids are below 2^16)
+_second: list[object] = [None, ""]
+
+
 def iso_ms(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    """``2026-10-12T00:00:01.234Z`` (the second's text kept from the last call: times come in order)."""
+    frac, whole = math.modf(ts)
+    us = round(frac * 1e6)  # as datetime.fromtimestamp rounds
+    second = int(whole) + us // 1_000_000
+    if _second[0] != second:
+        _second[0], _second[1] = second, datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{_second[1]}.{us % 1_000_000 // 1000:03d}Z"
+
+
+def event_json(event: list[Any]) -> str:
+    """One event as msgspec's untyped JSON writes it (``json.dumps`` of it, compact), built directly for
+    the store events that make up most of the archive."""
+    if event[0] != "BlockStored":
+        return json.dumps(event, separators=(",", ":"))
+    _, hashes, parent, ids, size, _, medium, meta = event
+    text = _ID_TEXT.__getitem__
+    return (f'["BlockStored",[{",".join(map(str, hashes))}],{"null" if parent is None else parent},'
+            f'[{",".join(map(text, ids))}],{size},null,"{medium}",{{"cache_salt":"{meta["cache_salt"]}"}}]')
 
 
 class GzipLines:
@@ -102,9 +124,9 @@ class EventArchive:
         if not events:
             return
         self._recv = max(self._recv, ts + 0.0008 + (self.messages % 7) * 0.0003)
-        batch = json.dumps(events, separators=(",", ":"))
+        batch = ",".join(map(event_json, events))
         self.writer.write(f'{{"recv_ts":"{iso_ms(self._recv)}",{self._head}{self.seq},'
-                          f'"batch":[{ts:.6f},{batch},0]}}')
+                          f'"batch":[{ts:.6f},[{batch}],0]}}')
         self.seq += 1
         self.messages += 1
 
@@ -120,7 +142,7 @@ class RequestFiles:
         for i, w in zip(vocab.ids, vocab.words, strict=True):
             words[i] = w
         self._word = words.__getitem__
-        self._id = [str(i) for i in range(top)].__getitem__
+        self._id = _ID_TEXT.__getitem__
 
     def __call__(self, s: Served) -> None:
         r = s.request
