@@ -50,7 +50,7 @@ _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "
 TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
                     "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
                     "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]",
-                    "quarantine": "[quarantine]"}
+                    "quarantine": "[quarantine]", "notice": "[notice]"}
 _PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing", "shared_namespaces",
                       # the deployment's isolation facts, the keys of the audit manifest's [prefix_cache]
                       "tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances"}
@@ -60,6 +60,13 @@ _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
 _MODELS_KEYS = {"aliases", "hardware"}
 _SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table"}
+#: [notice]: what the responder declares for the notices (kvforensics.report.notices): who sends them, where to ask,
+#: the reference to quote, the measures taken and the advice, in plain words.
+NOTICE_KEYS = {"provider": "a string", "contact": "a string", "reference": "a string",
+               "measures": "a list of strings", "advice": "a list of strings"}
+# a notice says who sends it, where to ask and the measures taken (GDPR Art. 34(2) with 33(3)(b, d)): without them
+# every notice is a draft
+NOTICE_REQUIRED = ("provider", "contact", "measures")
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,25 @@ class Event:
 
 
 @dataclass(frozen=True)
+class NoticeConfig:
+    """``[notice]``: declared by the responder, never derived: the notices print these as written."""
+
+    provider: str | None = None      # who the notices come from ("Example Inference Ltd")
+    contact: str | None = None       # where a recipient asks (an address, a page)
+    reference: str | None = None     # the reference a recipient quotes (default: the incident id)
+    measures: tuple[str, ...] = ()   # the measures taken, each a sentence in plain words
+    advice: tuple[str, ...] = ()     # further advice to every recipient, each a sentence
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The keys a notice cannot be sent without (``NOTICE_REQUIRED``) that are not set: its notices are drafts."""
+        def given(value: str | tuple[str, ...] | None) -> bool:
+            return any(v.strip() for v in value) if isinstance(value, tuple) else bool((value or "").strip())
+
+        return tuple(k for k in NOTICE_REQUIRED if not given(getattr(self, k)))
+
+
+@dataclass(frozen=True)
 class Incident:
     id: str
     title: str
@@ -161,6 +187,7 @@ class Incident:
     # [prefix_cache] shared_namespaces: cache salts (globs) the provider documents as shared by every
     # tenant (a public playground's namespace): their blocks are never another tenant's data
     prefix_shared_namespaces: tuple[str, ...] = ()
+    notice: NoticeConfig = field(default_factory=NoticeConfig)  # [notice]
 
     @property
     def base_dir(self) -> Path:
@@ -445,6 +472,7 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     max_quarantine_fraction=max_q,
                     quarantine_fractions=_parse_quarantine(_table(data, "quarantine", label), f"{label}: [quarantine]"),
                     mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
+                    notice=_parse_notice(_table(data, "notice", label), f"{label}: [notice]"),
                     **_parse_prefix_cache(data, label, path))
 
 
@@ -454,6 +482,15 @@ def _fraction(value: Any, key: str, where: str) -> float:
         raise ConfigError(f"{key} must be a number from 0 to 1 (the share of a source's records that may be "
                           f"quarantined before the run is inconclusive), got {value!r}", location=where)
     return float(value)
+
+
+def _parse_notice(table: Mapping[str, Any], where: str) -> NoticeConfig:
+    """``[notice]``: texts as the responder writes them (provider, contact, reference; measures and advice as lists)."""
+    check_keys(table, NOTICE_KEYS, where)
+    texts = {k: _optional(table, k, str, where, "a string") for k, what in NOTICE_KEYS.items() if what == "a string"}
+    lists = {k: _strings(table[k], k, where) if k in table else () for k, what in NOTICE_KEYS.items()
+             if what != "a string"}
+    return NoticeConfig(**texts, **lists)
 
 
 def _parse_quarantine(table: Mapping[str, Any], where: str) -> dict[str, float]:

@@ -24,7 +24,7 @@ import pyarrow as pa
 from kvforensics.db import memory_set_aside
 from kvforensics.loaders.textio import file_digest
 
-CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "quarantine.csv")
+CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "possible_responses.csv", "quarantine.csv")
 # written by the report stage only (`kvforensics report` or `run`); a folder `kvforensics scope` wrote has none
 REPORT_OUTPUTS = ("report.html", "report.md", "report.pdf", "notices")
 # the outputs the manifest hashes (folders: every file below); the database is hashed per table instead

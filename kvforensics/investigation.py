@@ -291,6 +291,9 @@ class Investigation:
             problem = render_pdf(out) if self.pdf else None  # --no-pdf: none asked for, nothing to say
         if problem:
             stage(f"[yellow]note:[/] {problem}", self.progress)
+        if self.incident.notice.missing:
+            stage(f"[yellow]note:[/] the notices are drafts: the incident file's \\[notice] gives no "
+                  f"{', '.join(self.incident.notice.missing)}", self.progress)
         return self.out_dir / "report.html"
 
     def seal(self) -> None:

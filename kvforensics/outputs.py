@@ -36,12 +36,21 @@ AFFECTED_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", 
                     "ttft_ms", "expected_ttft_ms", "confidence", "rules", "latency_ms", "completion_tokens",
                     "cached_tokens", "prefill_instance", "decode_instance", "pool_instance"]
 NOTIFICATION_COLUMNS = ["account_id", "account_class", "role", "responses", "first_ts", "last_ts", "request_ids"]
+# who gets which notice (kvforensics.report.notices): a suspected exploiter's goes to trust and safety
+NOTICE_COLUMNS = ["suspected_exploiter", "notice_type", "notice"]
+# the responses in the possible tier: one weak signal, listed for review, never counted as affected
+POSSIBLE_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", "prompt_tokens", "ttft_ms",
+                    "latency_ms", "prefill_instance", "decode_instance", "rules", "why_only_possible"]
 
 
 def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path, *,
               raw: bool = False) -> int:
     """The query's rows as CSV, each cell written by ``csv_cell`` (formula starts neutralised unless ``raw``)."""
-    rows = con.execute(query).fetchall()
+    return write_rows(con.execute(query).fetchall(), columns, path, raw=raw)
+
+
+def write_rows(rows: list[tuple[Any, ...]], columns: list[str], path: Path, *, raw: bool = False) -> int:
+    """Rows as CSV, each cell written by ``csv_cell``."""
     with path.open("w", newline="", encoding="utf-8") as fh:
         w = csv.writer(fh)
         w.writerow(columns)
@@ -50,17 +59,62 @@ def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], pa
     return len(rows)
 
 
+def notification_rows(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+    """``notifications`` with who gets which notice: whether the account is a suspected exploiter (its notice goes to
+    the provider's trust-and-safety team, not to it), the notice type and the notice's path in the folder."""
+    from kvforensics.report.notices import notice_path, notice_type, suspected_accounts
+
+    suspects = suspected_accounts(con)
+    rows = con.execute(f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications "
+                       "ORDER BY role DESC, account_class, account_id").fetchall()
+    return [(*r, "true" if r[0] in suspects else "false", notice_type(r[1], r[0] in suspects),
+             notice_path(r[0], r[1], r[0] in suspects)) for r in rows]
+
+
+def possible_rows(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
+    """The responses in the possible tier (``suspect_responses``: a single weak signal), each with why it is only
+    possible: the rule, what it saw, and what would have counted it."""
+    from kvforensics.detect import load_rules
+
+    titles = {r.id: r.title for r in load_rules()}
+    rows = con.execute("""
+        SELECT s.request_id, s.ts, s.account_id, s.account_class, s.model, s.prompt_tokens, r.ttft_ms, r.latency_ms,
+               r.prefill_instance, r.decode_instance, s.rules,
+               list(f.rule_id ORDER BY f.rule_id), list(f.strength ORDER BY f.rule_id),
+               list(CAST(f.evidence AS VARCHAR) ORDER BY f.rule_id)
+        FROM suspect_responses s JOIN requests r USING (request_id) JOIN findings f USING (request_id)
+        GROUP BY ALL ORDER BY s.ts, s.request_id""").fetchall()
+    out = []
+    for *head, rule_ids, strengths, evidence in rows:
+        signals = "; ".join(f"{strength} signal from {rule} ({titles.get(rule, rule)}: {_evidence_words(ev)})"
+                            for rule, strength, ev in zip(rule_ids, strengths, evidence, strict=True))
+        out.append((*head, f"only one {signals}; a response is counted as affected with a strong signal and a second "
+                           "rule, or one strong signal, or two weak ones"))
+    return out
+
+
+def _evidence_words(evidence: str | None) -> str:
+    """A finding's evidence (JSON) as ``key value`` pairs for a sentence."""
+    try:
+        values = json.loads(evidence or "{}")
+    except ValueError:
+        return str(evidence)
+    if not isinstance(values, dict):
+        return str(values)
+    return ", ".join(f"{k} {v}" for k, v in values.items() if v is not None and v != "")
+
+
 def write_scope_json(result: ScopeResult, out: Path) -> None:
     (out / "scope.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
 def write_tables(con: duckdb.DuckDBPyConnection, out: Path, *, raw_csv: bool = False) -> None:
-    """affected_requests.csv, notifications.csv, quarantine.csv; ``raw_csv`` keeps formula starts (machine use)."""
+    """affected_requests.csv, notifications.csv, possible_responses.csv, quarantine.csv; ``raw_csv`` keeps formula
+    starts (machine use)."""
     write_csv(con, f"SELECT {', '.join(AFFECTED_COLUMNS)} FROM affected_responses ORDER BY ts, request_id",
               AFFECTED_COLUMNS, out / "affected_requests.csv", raw=raw_csv)
-    write_csv(con, f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications "
-                   "ORDER BY role DESC, account_class, account_id", NOTIFICATION_COLUMNS, out / "notifications.csv",
-              raw=raw_csv)
+    write_rows(notification_rows(con), NOTIFICATION_COLUMNS + NOTICE_COLUMNS, out / "notifications.csv", raw=raw_csv)
+    write_rows(possible_rows(con), POSSIBLE_COLUMNS, out / "possible_responses.csv", raw=raw_csv)
     write_csv(con, "SELECT source, file, line, reason, raw FROM quarantine ORDER BY source, file, line",
               ["source", "file", "line", "reason", "raw"], out / "quarantine.csv", raw=raw_csv)
 

@@ -107,8 +107,20 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
         params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
+    suspects(con, params)
     gate(con, incident.max_quarantine_fraction, incident.rule_parameters, incident.max_quarantine_fractions())
     return ScopeResult(summary=summarise(con, incident, probing), parameters=params)
+
+
+def suspects(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> None:
+    """Table ``suspected_exploiters`` (``sql/suspects.sql``): customers whose traffic looks deliberate, with why, per
+    mechanism; the prefix-cache probing verdict joins it when that assessment ran."""
+    run_duckdb_script(con, "suspects", dict(params))
+    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probing_assessment'"
+                   ).fetchall()[0][0]:
+        con.execute("""INSERT INTO suspected_exploiters
+                       SELECT account_id, 'prefix_reuse', why FROM probing_assessment
+                       WHERE probing = 'likely' AND account_class = 'customer'""").fetchall()
 
 
 def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | None, at: str | None) -> str | None:
@@ -176,13 +188,11 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
         "SELECT confidence, count(*) FROM affected_responses GROUP BY 1").fetchall()}
     suspects = one(con, "SELECT count(*) FROM suspect_responses")[0]
     deliberate = [r[0] for r in con.execute(
-        "SELECT account_id FROM account_behaviour WHERE looks_deliberate AND account_class = 'customer' "
-        "ORDER BY 1").fetchall()]
+        "SELECT DISTINCT account_id FROM suspected_exploiters ORDER BY 1").fetchall()]
     probing = probing_summary(con)
     if probing is not None:
         probing["parameters"] = probing_parameters(incident.probing_parameters if probing_params is None
                                                    else probing_params)
-    deliberate = sorted({*deliberate, *(probing["likely_customers"] if probing else [])})
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
     mechanisms = con.execute("SELECT id, title, selected, missing_inputs FROM mechanisms ORDER BY id").fetchall()
     gaps = [{"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}

@@ -132,3 +132,31 @@ def decode_window(root: Path, **kw: object) -> Path:
     judge the decode window."""
     logs = {"p0": sglang_log("prefill", 262144, 131072), "d0": sglang_log("decode", 100000, 131072)}
     return write_incident(root, logs, traffic("m", n=19, prefill_instance="p0"), **kw)  # type: ignore[arg-type]
+
+
+NOTICE = """
+[notice]
+provider = "Example Inference Ltd"
+contact = "privacy@example.com"
+reference = "INC-2026-0913"
+measures = ["On 9 September we restarted the affected servers with enough memory for every request they accept."]
+advice = ["Write to privacy@example.com if you believe you were affected in another way."]
+"""
+
+
+def exploited_mini(root: Path, *, notice: bool = True) -> Path:
+    """conftest's mini incident (one exposed prefill instance, one leak) with a customer that probes the pool (twelve
+    prompts just above it within an hour: a suspected exploiter), the provider's load test and the reporter each
+    receiving an affected response, and, unless ``notice`` is false, a ``[notice]`` table."""
+    from conftest import INCIDENT, mini_requests, write_mini
+
+    rows = mini_requests()
+    extra = [("acct-prober", f"2026-08-28T11:{2 * k:02d}:00Z", 681_280 + 10 * k) for k in range(12)]
+    extra += [("loadtest-1", "2026-08-28T12:00:00Z", 690_000), ("bounty-1", "2026-08-28T12:10:00Z", 700_500)]
+    for k, (account, ts, tokens) in enumerate(extra):
+        rows.append({"rid": f"r-extra{k}", "received_at": ts, "account_id": account, "model": "@cf/zai-org/glm-5.3",
+                     "http_status": 200, "prompt_tokens": tokens, "completion_tokens": 40, "ttft_ms": 140.0,
+                     "latency_ms": 1900, "prefill_instance": "p0", "decode_instance": "d0"})
+    incident = INCIDENT.replace('internal_accounts = ["loadtest-*"]',
+                                'internal_accounts = ["loadtest-*"]\nreporter_accounts = ["bounty-*"]')
+    return write_mini(root, rows, incident + (NOTICE if notice else ""))

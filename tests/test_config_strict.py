@@ -121,7 +121,7 @@ def test_a_top_level_key_outside_any_table_lists_the_tables(tmp_path):
         load_text(tmp_path, "colour = 3\n" + FULL)
     assert str(e.value) == ("incident.toml: unknown top-level key 'colour'; the top level holds mechanisms = [...] "
                             "and the tables [incident], [[sources]], [scope], [[events]], [models], [settings], "
-                            "[instances], [rules], [prefix_cache], [quarantine]")
+                            "[instances], [rules], [prefix_cache], [quarantine], [notice]")
 
 
 WRONG_TYPES = [
@@ -260,3 +260,18 @@ def test_the_simulators_incident_files_load(columns, with_content):
     incident_from_dict(tomllib.loads(incident_toml(dep, with_content)), Path("incident.toml"))
     if not with_content:
         incident_from_dict(tomllib.loads(export_toml(dep)), Path("incident.toml"))
+
+
+def test_notice_keys_are_checked_and_typed(tmp_path):
+    """[notice] (issue 27): what the notices say the responder declares; its keys and their types are checked."""
+    incident = load_text(tmp_path, FULL + '\n[notice]\nprovider = "Example Inference Ltd"\ncontact = "privacy@example.com"\n'
+                                           'measures = ["Restarted the servers."]\n')
+    assert (incident.notice.provider, incident.notice.contact, incident.notice.measures, incident.notice.missing) == (
+        "Example Inference Ltd", "privacy@example.com", ("Restarted the servers.",), ())
+    with pytest.raises(ConfigError) as e:
+        load_text(tmp_path, FULL + '\n[notice]\nprovder = "x"\n')
+    assert str(e.value) == "incident.toml: [notice]: unknown key 'provder'; did you mean 'provider'?"
+    with pytest.raises(ConfigError) as e:
+        load_text(tmp_path, FULL + '\n[notice]\nmeasures = "restarted"\n')
+    assert "'measures' must be a list of strings" in str(e.value)
+    assert load_text(tmp_path, FULL).notice.missing == ("provider", "contact", "measures")

@@ -255,7 +255,7 @@ def test_a_run_of_the_sample_writes_what_the_outputs_table_lists(doc, sample_run
     assert written - set(documented) == set(), "files a run writes that the table does not list"
     expected = set(documented) - set(CONDITIONS) | ({"report.pdf"} if find_chromium() else set())
     assert expected - written == set()
-    assert {p.name for p in (sample_run / "notices").iterdir()} <= {"customers", "internal", "reporter"}
+    assert {p.name for p in (sample_run / "notices").iterdir()} <= {"customers", "internal", "reporter", "trust-and-safety"}
 
 
 def test_the_readme_python_example_runs_on_the_sample(sample_run):

@@ -141,7 +141,8 @@ def test_a_folder_written_by_the_stage_commands_up_to_scope_verifies_as_its_mani
     for command in ("ingest", "detect", "scope"):
         assert main([command, str(incident), "--out", str(out), "--quiet"]) in (0, 3)
     listed = json.loads((out / "manifest.json").read_text())["outputs"]
-    assert sorted(listed) == ["affected_requests.csv", "notifications.csv", "quarantine.csv", "scope.json"]
+    assert sorted(listed) == ["affected_requests.csv", "notifications.csv", "possible_responses.csv", "quarantine.csv",
+                              "scope.json"]
     assert not (out / "notices").exists() and not (out / "report.html").exists()
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0, capsys.readouterr().out

@@ -56,6 +56,69 @@ def _fmt_fixed(value: Any, digits: int = 1) -> str:
         return str(value)
 
 
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _utc(value: Any) -> datetime | None:
+    if _missing(value):
+        return None
+    stamp = pd.Timestamp(value)
+    return (stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")).to_pydatetime()
+
+
+def prose_time(value: Any, *, day_only: bool = False) -> str:
+    """A time for a sentence: ``8 Sep 2026 21:38 UTC`` (no milliseconds, no ISO ``T``); empty when missing."""
+    t = _utc(value)
+    if t is None:
+        return ""
+    day = f"{t.day} {_MONTHS[t.month - 1]} {t.year}"
+    return day if day_only else f"{day} {t:%H:%M} UTC"
+
+
+def prose_span(first: Any, last: Any) -> str:
+    """When something happened, for a sentence: ``on 8 Sep 2026 at 21:38 UTC``, ``on 8 Sep 2026 between 21:38 and
+    21:46 UTC``, ``between 27 Aug 2026 21:49 UTC and 2 Sep 2026 10:55 UTC`` (never "between X and X")."""
+    a, b = _utc(first), _utc(last)
+    if a is None or b is None:
+        return f"on {prose_time(a or b)}" if (a or b) else ""
+    if f"{a:%Y-%m-%d %H:%M}" == f"{b:%Y-%m-%d %H:%M}":
+        return f"on {prose_time(a, day_only=True)} at {a:%H:%M} UTC"
+    if a.date() == b.date():
+        return f"on {prose_time(a, day_only=True)} between {a:%H:%M} and {b:%H:%M} UTC"
+    return f"between {prose_time(a)} and {prose_time(b)}"
+
+
+_PLURALS = {"response": "responses", "request": "requests", "account": "accounts", "time": "times",
+            "model server": "model servers", "notice": "notices"}
+
+
+def plural(count: Any, word: str) -> str:
+    """``1 response``, ``3 responses``, ``1,204 requests`` (never "request(s)")."""
+    n = 0 if _missing(count) else int(count)
+    return f"{n:,} {word if n == 1 else _PLURALS.get(word, word + 's')}"
+
+
+def words(items: Any) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    items = [str(i) for i in items]
+    return " and ".join(items) if len(items) < 3 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def for_class(text: str, account_class: str) -> str:
+    """A mechanism's notice wording for an account of *account_class*: the provider's own accounts are told "another
+    account's", not "another customer's" (their traffic is not a customer's, and neither is every other account's)."""
+    if account_class == "customer":
+        return text
+    return (text.replace("another customer's", "another account's").replace("other customers'", "other accounts'")
+            .replace("another customer", "another account").replace("other customers", "other accounts"))
+
+
+def _ts_seconds(value: Any) -> str:
+    """An ISO 8601 UTC time to the second (``2026-09-08T21:38:10Z``): a table cell a person reads."""
+    t = _utc(value)
+    return "" if t is None else f"{t:%Y-%m-%dT%H:%M:%SZ}"
+
+
 def _printable(value: Any) -> Any:
     """Every text a template prints, with control characters (NUL...) made visible; markup built by the renderer
     (the SVG charts, the audit table) passes unchanged."""
@@ -70,4 +133,8 @@ def template_env(autoescape: bool) -> Environment:
     env.filters["num"] = _fmt_num
     env.filters["fixed"] = _fmt_fixed
     env.filters["md"] = markdown_text
+    env.filters["prose_time"] = prose_time
+    env.filters["ts_s"] = _ts_seconds
+    env.filters["for_class"] = for_class
+    env.globals.update(prose_span=prose_span, plural=plural, words=words)
     return env

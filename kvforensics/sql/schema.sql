@@ -351,3 +351,11 @@ CREATE TABLE IF NOT EXISTS exposure_windows (
     source_file       VARCHAR,
     source_line       BIGINT
 );
+
+-- The accounts suspected of deliberate exploitation (sql/suspects.sql, written by scope): per account and mechanism,
+-- why. Their notices go to the provider's trust-and-safety team (kvforensics/report/notices.py).
+CREATE TABLE IF NOT EXISTS suspected_exploiters (
+    account_id        VARCHAR NOT NULL,
+    mechanism         VARCHAR NOT NULL,       -- stale_pages | prefix_reuse
+    why               VARCHAR NOT NULL
+);
