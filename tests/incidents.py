@@ -147,7 +147,8 @@ advice = ["Write to privacy@example.com if you believe you were affected in anot
 def exploited_mini(root: Path, *, notice: bool = True) -> Path:
     """conftest's mini incident (one exposed prefill instance, one leak) with a customer that probes the pool (twelve
     prompts just above it within an hour: a suspected exploiter), the provider's load test and the reporter each
-    receiving an affected response, and, unless ``notice`` is false, a ``[notice]`` table."""
+    receiving an affected response, a response in the possible tier (a 400,000-token prompt answered in 60 ms), and,
+    unless ``notice`` is false, a ``[notice]`` table."""
     from conftest import INCIDENT, mini_requests, write_mini
 
     rows = mini_requests()
@@ -157,6 +158,10 @@ def exploited_mini(root: Path, *, notice: bool = True) -> Path:
         rows.append({"rid": f"r-extra{k}", "received_at": ts, "account_id": account, "model": "@cf/zai-org/glm-5.3",
                      "http_status": 200, "prompt_tokens": tokens, "completion_tokens": 40, "ttft_ms": 140.0,
                      "latency_ms": 1900, "prefill_instance": "p0", "decode_instance": "d0"})
+    # a prompt well inside the pool answered far faster than any prefill of it: one weak signal, the possible tier
+    rows.append({"rid": "r-fast", "received_at": "2026-08-28T12:20:00Z", "account_id": "acct-3",
+                 "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 400_000, "completion_tokens": 40,
+                 "ttft_ms": 60.0, "latency_ms": 1500, "prefill_instance": "p0", "decode_instance": "d0"})
     incident = INCIDENT.replace('internal_accounts = ["loadtest-*"]',
                                 'internal_accounts = ["loadtest-*"]\nreporter_accounts = ["bounty-*"]')
     return write_mini(root, rows, incident + (NOTICE if notice else ""))

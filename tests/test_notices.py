@@ -125,3 +125,17 @@ def test_without_a_declared_provider_and_contact_every_notice_is_a_draft_saying_
         assert first.startswith("> **DRAFT, not ready to send:**") and "provider, contact and measures" in first, path
     html = next((runs["draft"] / "notices").rglob("*.html")).read_text()
     assert "<blockquote>\n<p><strong>DRAFT, not ready to send:</strong>" in html
+
+
+def test_possible_tier_responses_are_listed_with_why_each_is_only_possible(runs):
+    """Observation 7: a response with a single weak signal was listed nowhere a reviewer could read (only as a chart
+    point); possible_responses.csv lists it with why it is not counted, and it is not an affected response."""
+    out = runs["declared"]
+    with (out / "possible_responses.csv").open(newline="") as fh:
+        possible = {r["request_id"]: r for r in csv.DictReader(fh)}
+    fast = possible["r-fast"]
+    assert (fast["account_id"], fast["rules"], fast["prompt_tokens"], fast["ttft_ms"]) == (
+        "acct-3", "prefill_too_fast", "400000", "60")
+    assert fast["why_only_possible"].startswith("only one weak signal from prefill_too_fast (")
+    assert "observed_ms 60.0" in fast["why_only_possible"] and "counted as affected with" in fast["why_only_possible"]
+    assert "r-fast" not in (out / "affected_requests.csv").read_text()
