@@ -138,16 +138,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvforensics.verify import verify
+    from kvforensics.verify import signature_unchecked, verify
 
     problems = verify(args.dir, allowed_signers=args.allowed_signers, identity=args.identity)
     for p in problems:
         print(visible_controls(p))
+    unchecked = signature_unchecked(args.dir, args.allowed_signers)
+    if unchecked:
+        print(f"note: {unchecked}")
     if problems:
         print(f"{len(problems)} problem(s)")
         return 1
     signed = "manifest signature holds; " if args.allowed_signers else ""
-    print(f"{signed}inputs and outputs unchanged; every table, figure, CSV row and notice re-derived and matching")
+    print(f"{signed}inputs and outputs unchanged; every table, figure, CSV row and notice re-derived and matching, "
+          "report.md and report.html re-rendered and matching")
     return 0
 
 

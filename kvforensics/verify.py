@@ -10,7 +10,9 @@
 * hashes every table of the evidence database (its rows in a canonical order, not the file's bytes, which change
   on open) against the manifest's ``tables``;
 * re-runs detection and scope on a scratch copy of the evidence database and compares every table they write,
-  every figure of scope.json, every row of the CSVs and every notice with what the folder holds;
+  every figure of scope.json, every row of the CSVs and every notice with what the folder holds, and re-renders
+  report.md and report.html from it (with the time they state they were generated) and compares them byte for
+  byte (report.pdf, printed by a browser, is checked by its hash only);
 * re-ingests the inputs into a scratch database, runs detection and scope there, and compares every table with the
   evidence database (an input changed together with its hash in the manifest is caught here).
 
@@ -21,14 +23,17 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
 import duckdb
 
+from kvforensics import __version__
 from kvforensics.config import Incident, load_incident
 from kvforensics.db import connect
 from kvforensics.digests import (
@@ -110,6 +115,15 @@ def check_signature(out_dir: Path, allowed_signers: Path, identity: str | None =
                 f"({_last_line(done.stderr or done.stdout)}): the manifest was changed after signing, "
                 "or signed by another key"]
     return []
+
+
+def signature_unchecked(out_dir: Path, allowed_signers: Path | None) -> str | None:
+    """What to say when a folder's manifest is signed but no allowed-signers file was given to check it (a hash
+    in an unsigned manifest proves nothing: anyone who edits an output can fix its hash)."""
+    if allowed_signers is None and (Path(out_dir) / SIGNATURE).exists():
+        return (f"{SIGNATURE} was not checked: the folder is signed, but who signed it is only checked with "
+                "--allowed-signers (and --identity)")
+    return None
 
 
 def _first_principal(allowed_signers: Path) -> str:
@@ -242,8 +256,8 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
                             stored: dict[str, dict[str, Any]], out_dir: Path) -> list[str]:
     """Detection, scope, CSVs and notices re-run on a scratch copy of the evidence database, compared."""
     from kvforensics.detect import detect
-    from kvforensics.outputs import write_tables
-    from kvforensics.report.render import write_notices
+    from kvforensics.outputs import write_manifest, write_tables
+    from kvforensics.report.render import render_pages, write_notices
     from kvforensics.scope import scope
 
     work = tmp / "rederived"
@@ -251,24 +265,69 @@ def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: d
     shutil.copyfile(db, work / EVIDENCE)
     if Path(f"{db}.wal").exists():
         shutil.copyfile(f"{db}.wal", work / f"{EVIDENCE}.wal")
+    recorded = manifest.get("outputs")
+    # without the report stage no notice was written: only those present are compared (and each is unlisted)
+    complete = report_written(recorded) if isinstance(recorded, dict) else True
+    pages = [name for name in REPORT_PAGES if (out_dir / name).is_file() or complete]
     con = connect(work / EVIDENCE, memory_limit=incident.memory_limit)
     try:
         detect(con, overrides=incident.rule_parameters, mechanisms=incident.mechanisms)
-        summary = scope(con, incident).summary
+        result = scope(con, incident)
+        summary = result.summary
         derived = table_digests(con)
-        write_tables(con, work, raw_csv=manifest.get("csv_cells") == "raw")
+        raw_csv = manifest.get("csv_cells") == "raw"
+        write_tables(con, work, raw_csv=raw_csv)
         write_notices(con, incident, work)
+        if pages:  # the report as the evidence gives it: its manifest (warnings, assumptions) derived too
+            write_manifest(con, incident, result, work, datetime.now(timezone.utc), raw_csv=raw_csv)
+            render_pages(con, incident, work, generated=_stated_time(out_dir, pages))
     finally:
         con.close()
     problems = _compare_tables(derived, stored, "detection and scope re-run on it give")
     problems += [f"scope.json {p}" for p in _json_diff(scope_json, json.loads(json.dumps(summary)))]
     for name in CSV_OUTPUTS:
         problems += _csv_diff(out_dir / name, work / name)
-    recorded = manifest.get("outputs")
-    # without the report stage no notice was written: only those present are compared (and each is unlisted)
-    complete = report_written(recorded) if isinstance(recorded, dict) else True
     problems += _notices_diff(out_dir / "notices", work / "notices", complete=complete)
-    return problems
+    tool = manifest.get("tool") if isinstance(manifest.get("tool"), dict) else {}
+    problems += [_page_diff(out_dir / name, work / name, tool.get("version")) for name in pages]
+    return [p for p in problems if p]
+
+
+# the report's pages, re-rendered from the evidence by verify (report.pdf is a browser's print of report.html)
+REPORT_PAGES = ("report.md", "report.html")
+_GENERATED = re.compile(r"Generated (\S+) by kvforensics")
+
+
+def _stated_time(out_dir: Path, pages: list[str]) -> str | None:
+    """The time the folder's report says it was generated (not a figure: the one value a re-rendering takes
+    from the report itself), from the first page that states one."""
+    for name in pages:
+        try:
+            found = _GENERATED.search((out_dir / name).read_text(encoding="utf-8", errors="replace")[:20000])
+        except OSError:
+            continue
+        if found:
+            return found[1]
+    return None
+
+
+def _page_diff(have_path: Path, want_path: Path, version: Any) -> str | None:
+    """Where a report page differs from the one re-rendered from the evidence (None when they are the same)."""
+    name = have_path.name
+    if not have_path.is_file():
+        return f"{name} is missing; the evidence gives it"
+    have, want = have_path.read_bytes(), want_path.read_bytes()
+    if have == want:
+        return None
+    have_lines, want_lines = have.decode("utf-8", "replace").splitlines(), want.decode("utf-8", "replace").splitlines()
+    line = next((i for i, (a, b) in enumerate(zip(have_lines, want_lines, strict=False), 1) if a != b),
+                min(len(have_lines), len(want_lines)) + 1)
+    a = have_lines[line - 1] if line <= len(have_lines) else "(end of file)"
+    b = want_lines[line - 1] if line <= len(want_lines) else "(end of file)"
+    older = (f" (the run was kvforensics {str(version)[:20]}, this is {__version__}: run it again to compare)"
+             if version != __version__ else "")
+    return (f"{name} differs from the report the evidence gives, first at line {line}: {_short(a[:300])}, "
+            f"re-rendered {_short(b[:300])}{older}")
 
 
 def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:

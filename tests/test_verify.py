@@ -353,3 +353,21 @@ def test_a_manifest_of_an_earlier_version_is_checked_with_the_digests_it_recorde
     assert any("findings" in p for p in verify(out))
     edit_json(out / "manifest.json", lambda m: m.update(table_digest="rows-v9"))
     assert any("table_digest" in p for p in verify(out))
+
+
+def test_an_edited_report_with_its_hash_fixed_in_an_unsigned_manifest_is_caught(out: Path, capsys) -> None:
+    """Issue 28, observation 8: the report was the one output checked only by hash; verify re-renders report.md and
+    report.html from the evidence and compares them, and says when a signature was there but not checked."""
+    for name, old, new in (("report.md", "affected", "unaffected"), ("report.html", "<h2", "<h2 hidden")):
+        path = out / name
+        text = path.read_text()
+        path.write_text(text.replace(old, new, 1))
+        edit_json(out / "manifest.json", lambda m, n=name, p=path: m["outputs"].__setitem__(n, file_digest(p)[0]))
+    (out / "manifest.json.sig").write_text("-----BEGIN SSH SIGNATURE-----\n")  # present, never checked here
+    assert main(["verify", str(out)]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert [p.split(",")[0] for p in printed if p.startswith("report.")] == [
+        "report.md differs from the report the evidence gives", "report.html differs from the report the evidence gives"]
+    assert "output changed since the run" not in "\n".join(printed)
+    assert ("note: manifest.json.sig was not checked: the folder is signed, but who signed it is only checked with "
+            "--allowed-signers (and --identity)") in printed

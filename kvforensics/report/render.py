@@ -48,7 +48,10 @@ _SVG_ID = re.compile(r'\bid="([^"]+)"')
 _SVG_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
 
 
-def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True) -> dict[str, Any]:
+def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True,
+                  generated: str | None = None) -> dict[str, Any]:
+    """What the report's templates show. ``generated``: the time the report says it was generated (default now;
+    ``kvforensics verify`` re-renders a report with the time it states)."""
     data: ReportData = build(con, incident, out_dir)
     # a model whose requests carry no timing has nothing to plot: the report says what is missing instead
     money = {model: frames for model, frames in money_frames(con).items() if not frames[0].empty}
@@ -86,7 +89,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     return {
         "incident": incident, "data": data, "s": s, "charts": {k: Markup(v) for k, v in chart_svgs.items()},
         "money_models": list(money), "first_affected": first, "last_affected": last,
-        "generated": iso(datetime.now(timezone.utc)), "version": __version__,
+        "generated": generated or iso(datetime.now(timezone.utc)), "version": __version__,
         "live_scripts": [Markup(scripts.library), Markup(scripts.loader)] if scripts else [],
         "csp_scripts": Markup(scripts.csp if scripts else "script-src 'none'"),
         "physical": physical, "hardware": incident.hardware,
@@ -102,13 +105,19 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
 
 def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> Path:
     """Write report.html, report.md and notices/; returns the HTML path."""
-    ctx = build_context(con, incident, out_dir)
+    render_pages(con, incident, out_dir)
+    write_notices(con, incident, out_dir)
+    return out_dir / "report.html"
+
+
+def render_pages(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *,
+                 generated: str | None = None) -> None:
+    """Write report.html and report.md (``generated``: see :func:`build_context`)."""
+    ctx = build_context(con, incident, out_dir, generated=generated)
     html = template_env(True).get_template("report.html.j2").render(**ctx)
     (out_dir / "report.html").write_text(html, encoding="utf-8")
     md = template_env(False).get_template("report.md.j2").render(**ctx)
     (out_dir / "report.md").write_text(md, encoding="utf-8")
-    write_notices(con, incident, out_dir)
-    return out_dir / "report.html"
 
 
 def report_files(*, pdf: bool = True) -> list[str]:
