@@ -103,3 +103,12 @@ def sample_run(tmp_path_factory, sample_incident) -> Path:
     out = tmp_path_factory.mktemp("sample-run")
     run(sample_incident, out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    """Small incidents of each shape (tests/incidents.py SHAPES), each run once per session when first asked for:
+    ``shapes[name]`` is (exit code, output folder)."""
+    from incidents import ShapeRuns
+
+    return ShapeRuns(tmp_path_factory.mktemp("shapes"))

@@ -165,3 +165,50 @@ def exploited_mini(root: Path, *, notice: bool = True) -> Path:
     incident = INCIDENT.replace('internal_accounts = ["loadtest-*"]',
                                 'internal_accounts = ["loadtest-*"]\nreporter_accounts = ["bounty-*"]')
     return write_mini(root, rows, incident + (NOTICE if notice else ""))
+
+
+def sglang_unified(root: Path, **kw: object) -> Path:
+    """An SGLang unified server whose KV pool (100,000) is below its context (131,072); ordinary traffic below the
+    pool: not exposed (the scheduler refuses a prompt beyond the pool with an error), nothing affected."""
+    return write_incident(root, {"u0": sglang_log(None, 100_000, 131_072)}, traffic("m", prefill_instance="u0"),
+                          **kw)  # type: ignore[arg-type]
+
+
+def prefix_probe(root: Path, **kw: object) -> Path:
+    """``kvforensics simulate --mechanism prefix_reuse --prefix-scenario prefix-probe`` at 1,000 requests: an unsalted
+    shared vLLM deployment on which one account reads other tenants' prompts back by timing."""
+    from kvforensics.simulate.prefix import simulate_prefix
+
+    simulate_prefix("prefix-probe", root, requests=1000)
+    incident = root / "incident.toml"
+    incident.write_text(incident.read_text() + str(kw.get("extra", "")))
+    return incident
+
+
+# the shapes of incident the report is read on (tests/test_report_shapes.py): builder and whether [notice] is given
+SHAPES = {
+    "sglang-pd": lambda root: exploited_mini(root),                  # PD, SGLang, exposure ended by a restart, suspects
+    "sglang-unified": lambda root: sglang_unified(root, extra=NOTICE),  # unified, SGLang, none affected
+    "vllm-unified": lambda root: vllm_unified(root, extra=NOTICE),   # unified, vLLM, inconclusive (observation 1)
+    "vllm-pd-running": lambda root: nixl_producer(root, extra=NOTICE),  # PD, vLLM, still running (observation 3)
+    "prefix-cache": lambda root: prefix_probe(root, extra=NOTICE),   # prefix_reuse, vLLM, a prober
+    "sglang-pd-draft": lambda root: exploited_mini(root, notice=False),  # as sglang-pd, no [notice]: drafts
+}
+
+
+class ShapeRuns:
+    """Each shape's incident run once, when a test first asks for it: ``runs[name]`` is (exit code, output folder)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._done: dict[str, tuple[int, Path]] = {}
+
+    def __getitem__(self, name: str) -> tuple[int, Path]:
+        if name not in self._done:
+            from kvforensics.cli import main
+
+            folder = self.root / name
+            incident = SHAPES[name](folder / "data")
+            out = folder / "out"
+            self._done[name] = (main(["run", str(incident), "--out", str(out), "--quiet", "--no-pdf"]), out)
+        return self._done[name]

@@ -9,10 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from incidents import exploited_mini
 from markdown_it import MarkdownIt
-
-from kvforensics.cli import main
 
 MD = MarkdownIt("commonmark", {"html": False}).enable("table")
 JARGON = ("KV", "pool's worth", "request(s)", "response(s)", "account(s)", "turnover", "horizon", "prefill",
@@ -20,16 +17,13 @@ JARGON = ("KV", "pool's worth", "request(s)", "response(s)", "account(s)", "turn
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(shapes) -> dict[str, Path]:
     """The mini incident with a suspected exploiter, a load test and the reporter among the recipients: declared
     ([notice]) and not (drafts)."""
     outs = {}
-    for name, notice in (("declared", True), ("draft", False)):
-        root = tmp_path_factory.mktemp(name)
-        out = root / "out"
-        assert main(["run", str(exploited_mini(root / "data", notice=notice)), "--out", str(out), "--quiet",
-                     "--no-pdf"]) == 0
-        outs[name] = out
+    for name, shape in (("declared", "sglang-pd"), ("draft", "sglang-pd-draft")):
+        code, outs[name] = shapes[shape]
+        assert code == 0
     return outs
 
 

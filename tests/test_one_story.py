@@ -8,7 +8,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from incidents import decode_window, nixl_producer, vllm_unified
+from incidents import decode_window
 
 from kvforensics.audit import audit_paths
 from kvforensics.cli import main
@@ -20,18 +20,15 @@ def run(incident: Path, out: Path) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def unified(tmp_path_factory) -> tuple[Path, int, dict]:
-    root = tmp_path_factory.mktemp("unified")
-    incident = vllm_unified(root / "data")
-    code, scope = run(incident, root / "out")
-    return root, code, scope
+def unified(shapes) -> tuple[Path, int, dict]:
+    code, out = shapes["vllm-unified"]
+    return out.parent, code, json.loads((out / "scope.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def producer(tmp_path_factory) -> tuple[Path, int, dict]:
-    root = tmp_path_factory.mktemp("producer")
-    code, scope = run(nixl_producer(root / "data"), root / "out")
-    return root, code, scope
+def producer(shapes) -> tuple[Path, int, dict]:
+    code, out = shapes["vllm-pd-running"]
+    return out.parent, code, json.loads((out / "scope.json").read_text())
 
 
 def test_observation_1_a_unified_server_answering_beyond_its_pool_is_one_inconclusive_story(unified, capsys):

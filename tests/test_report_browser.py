@@ -136,3 +136,42 @@ def test_untrusted_strings_stay_text_in_the_live_charts(tmp_path):
             mark.hover(force=True)
         assert page.query_selector_all("img, [data-evil]") == [] and events == []
         browser.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["vllm-unified", "sglang-pd"])
+def test_the_report_reads_back_in_a_browser_as_the_evidence_says(shapes, shape):
+    """Issue 27: report.html read back as a reader sees it. Every section of the navigation is there and reachable,
+    the headline figures and the exposure windows are scope.json's, the text about the deployment is the evidence's
+    (no disaggregated story for a unified server, no restart that did not happen), and nothing is fetched."""
+    from playwright.sync_api import sync_playwright
+
+    code, out = shapes[shape]
+    scope = json.loads((out / "scope.json").read_text())
+    requests: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[a for a in OFFLINE_FLAGS if a != "--headless"])
+        page = browser.new_page()
+        page.on("request", lambda r: requests.append(r.url))
+        url = (out / "report.html").resolve().as_uri()
+        page.goto(url, wait_until="load")
+        targets = page.eval_on_selector_all("nav a", "as => as.map(a => a.getAttribute('href'))")
+        assert len(targets) == 10
+        for target in targets:  # every section the navigation lists exists and has a visible heading
+            assert page.is_visible(f"{target} h2"), target
+        text = page.inner_text("body")
+        assert page.inner_text("#fig-affected-responses").replace(",", "") == str(scope["affected_responses"])
+        rows = page.eval_on_selector_all("#t-exposure tbody tr", "rs => rs.map(r => r.cells[0].innerText)")
+        assert rows == ([w["instance"] for w in scope["exposure_windows"]] or ["none"])
+        deployment = page.inner_text("#deployment")
+        if shape == "vllm-unified":
+            assert code == 3 and page.is_visible("#inconclusive") and "admission_contradicted" in text
+            assert "prefill" not in deployment and "No start-up's KV pool was below" in deployment
+            assert "Model server" not in page.inner_text("#measures")  # no derived restart: none happened
+            assert "vllm" in text and "0.5.22" not in page.inner_text("#measures")
+        else:
+            assert "p0 (prefill, sglang" in deployment
+            assert "Model server p0 was restarted on 9 Sep 2026 12:00 UTC" in page.inner_text("#measures")
+            assert "Notices are sent by Example Inference Ltd" in page.inner_text("#notification")
+        assert requests == [url]
+        browser.close()

@@ -47,9 +47,9 @@ def exposure_rows(html: str, md: str) -> tuple[str, str]:
 def test_a_restart_and_a_log_that_merely_stops_are_told_apart(mini_run):
     html, md = rerender(*mini_run)
     table, row = exposure_rows(html, md)
-    # p0's first start-up ended where its next start-up began (line 8 of p0.log)
-    assert "<td>restarted (line 8)</td>" in table
-    assert "| restarted (line 8) |" in row
+    # p0's first start-up ended where its next start-up began (line 8 of p0.log): the file is named (issue 27)
+    assert "<td>restarted (p0.log line 8)</td>" in table
+    assert "| restarted (p0.log line 8) |" in row
     # the start-ups without an end: still running, or their log stops (the start-up table, HTML)
     starts = html.split("<h3>Engine start-ups</h3>", 1)[1]
     assert "<td>still running / log stops at 2026-08-27T14:01:06Z</td>" in starts  # d0
@@ -59,20 +59,20 @@ def test_a_restart_and_a_log_that_merely_stops_are_told_apart(mini_run):
 def test_a_shutdown_names_its_line(mini_run):
     html, md = rerender(*mini_run, "end_reason = 'shutdown', end_line = 7")
     table, row = exposure_rows(html, md)
-    assert "<td>shut down (line 7)</td>" in table and "| shut down (line 7) |" in row
+    assert "<td>shut down (p0.log line 7)</td>" in table and "| shut down (p0.log line 7) |" in row
 
 
 def test_a_retired_pods_successor_is_escaped(mini_run):
     html, md = rerender(*mini_run, f"end_reason = 'log_end', end_line = 7, successor = '{EVIL_SUCCESSOR}'")
     table, row = exposure_rows(html, md)
-    assert "<td>retired: replaced by &lt;img src=x onerror=alert(1)&gt;|p1 (its log ends at line 7)</td>" in table
-    assert "| retired: replaced by &lt;img src=x onerror=alert(1)>\\|p1 (its log ends at line 7) |" in row
+    assert "<td>retired: replaced by &lt;img src=x onerror=alert(1)&gt;|p1 (its log ends at p0.log line 7)</td>" in table
+    assert "| retired: replaced by &lt;img src=x onerror=alert(1)>\\|p1 (its log ends at p0.log line 7) |" in row
     assert "<img" not in markup_outside_scripts(html) and "<img" not in md
 
 
 @pytest.mark.parametrize(("startup", "words"), [
     ({"end_reason": "shutdown", "end_file": "/x/p0.log", "end_line": 7.0, "source_file": "/x/p0.log"},
-     "shut down (line 7)"),
+     "shut down (p0.log line 7)"),
     ({"end_reason": "next_startup", "end_file": "/x/p0.2.log", "end_line": 1, "source_file": "/x/p0.log"},
      "restarted (p0.2.log line 1)"),
     ({"end_reason": "log_end", "end_line": None, "successor": None}, "retired: replaced by another instance"),

@@ -34,6 +34,9 @@ class ReportData:
     capacity: pd.DataFrame
     sources_per_response: pd.DataFrame
     exploitation_note: str = ""
+    # the behaviour rows with the probing pattern (deliberate or set apart): the rest is ordinary long-context use,
+    # counted in a sentence rather than listed row by row
+    behaviour_notable: pd.DataFrame = field(default_factory=pd.DataFrame)
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     # (instance, start as in scope.json) -> how that start-up ended, in words (see how_it_ended)
     endings: dict[tuple[str, str | None], str] = field(default_factory=dict)
@@ -87,9 +90,10 @@ def version_notes(capacity: pd.DataFrame) -> list[str]:
     for rec in capacity.to_dict("records"):
         version = str(rec.get("engine_version") or "")
         if " (inferred" in version:
-            label = engine_label(rec.get("engine"), version)
-            notes.setdefault(f"{label}: {version.split(' (', 1)[1].rstrip(')')}", []).append(str(rec["instance"]))
-    return [f"{text} ({len(set(instances))} instance(s))" for text, instances in sorted(notes.items())]
+            basis = version.split(" (inferred", 1)[1].lstrip(":").strip().rstrip(")")
+            notes.setdefault(f"{rec.get('engine') or 'engine'} {version.split(' (', 1)[0]} on "
+                             "{instances}, from " + basis, []).append(str(rec["instance"]))
+    return [text.format(instances=", ".join(sorted(set(instances)))) for text, instances in sorted(notes.items())]
 
 
 def _iso(value: Any) -> str | None:
@@ -98,11 +102,12 @@ def _iso(value: Any) -> str | None:
 
 
 def _evidence_line(end_file: str | None, end_line: Any, source_file: str | None) -> str:
-    """``line N`` (``<file> line N`` when the evidence is in another file than the start-up's)."""
+    """``<file> line N``: the file named always, so a reader finds the line without knowing which log the row came
+    from (the start-up's own file when the end has none recorded)."""
     if end_line is None:
         return ""
-    other = end_file.split("/")[-1] + " " if end_file and end_file != source_file else ""
-    return f"{other}line {int(end_line)}"
+    name = (end_file or source_file or "").split("/")[-1]
+    return f"{name} line {int(end_line)}" if name else f"line {int(end_line)}"
 
 
 # what a probing pattern (account_behaviour.looks_deliberate) is, by account class, and whether it is exploitation:
@@ -247,6 +252,8 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
     capacity = without_na(capacity)
     startups = capacity.to_dict("records")
     capacity["ended"] = [how_it_ended(row) for row in startups]
+    capacity["engine_label"] = [engine_label(row["engine"], row["engine_version"], row["version_source"])
+                                for row in startups]
     # keyed as scope.json's exposure_windows name a start-up: instance and start
     endings = {(row["instance"], _iso(row["valid_from"])): how_it_ended(row) for row in startups}
     per_response = _df(con, """
@@ -266,7 +273,8 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                       rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
                       quarantine_reasons=without_na(qreasons), capacity=capacity,
                       sources_per_response=without_na(per_response), endings=endings,
-                      exploitation_note=set_apart_note(behaviour))
+                      exploitation_note=set_apart_note(behaviour),
+                      behaviour_notable=without_na(behaviour[behaviour["looks_deliberate"].fillna(False).astype(bool)]))
 
 
 __all__ = ["ReportData", "build", "money_frames", "timeline_events", "iso"]

@@ -225,7 +225,7 @@ class IncidentFacts:
 def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
     """Plain sentences, from the evidence, on whether the exposed servers still run as they did: per exposure window
     (stale pages) and prefix-cache path across tenants, the start-up that ended it, or that none had."""
-    from kvforensics.report.templating import prose_time
+    from kvforensics.report.templating import plural, prose_time
 
     lines: list[str] = []
     rows = con.execute(
@@ -237,7 +237,7 @@ def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
            ORDER BY w.valid_to NULLS FIRST, w.instance""").fetchall()
     open_windows = [r for r in rows if r[2] is None]
     if open_windows:
-        lines.append(f"{len(open_windows)} of the {len(rows)} misconfigured model server(s) "
+        lines.append(f"{len(open_windows)} of the {plural(len(rows), 'misconfigured model server')} "
                      f"({', '.join(sorted({str(r[0]) for r in open_windows}))}) were still running as configured "
                      "during the incident when the records we examined end.")
     for instance, _model, to, reason, pool, ctx, still in rows:  # noqa: B007 - pool and ctx only tested
@@ -257,8 +257,8 @@ def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
                                        WHERE path NOT IN ('isolated', 'undetermined') AND valid_to IS NULL
                                          AND EXISTS (SELECT 1 FROM findings f WHERE f.mechanism = 'prefix_reuse')""").fetchone()
         if open_paths:
-            lines.append(f"On {open_paths} model server(s) the shared prompt cache was still configured as during the "
-                         "incident when the records we examined end.")
+            lines.append(f"On {plural(open_paths, 'model server')} the shared prompt cache was still configured as "
+                         "during the incident when the records we examined end.")
     return tuple(lines)
 
 

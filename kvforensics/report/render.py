@@ -20,13 +20,25 @@ from kvforensics.config import Incident
 from kvforensics.escaping import visible_controls_in
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.report import charts
-from kvforensics.report.data import ReportData, build, money_frames
+from kvforensics.report.data import ReportData, build, money_frames, version_notes
 from kvforensics.report.embed import chart_box, live_charts
 from kvforensics.report.missing import missing_inputs
 from kvforensics.report.notices import write_notices
+from kvforensics.report.story import incident_story
 from kvforensics.report.templating import template_env
 from kvforensics.report.views import account_frames, exposure_period, timeline_frames
 from kvforensics.timestamps import iso
+
+
+def scope_parameter_rows(parameters: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """The scope's parameters as (name, value) rows for a table: nested ones named ``group.name``."""
+    rows: list[tuple[str, str]] = []
+    for key, value in sorted((parameters or {}).items()):
+        if isinstance(value, dict):
+            rows += scope_parameter_rows(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", json.dumps(value) if not isinstance(value, str) else value))
+    return rows
 
 
 def chart_svg(chart: Any, key: str) -> str:
@@ -100,6 +112,11 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "mechanisms": [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
         "not_investigated": s.get("mechanisms_not_investigated", []),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
+        # the sentences about the deployment, the breach and the measures: derived or declared, never constants
+        "story": incident_story(con, incident, s, [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
+                                data.rules, audit),
+        "version_notes": version_notes(data.capacity),
+        "parameters": scope_parameter_rows(data.manifest.get("scope_parameters", {})),
     }
 
 

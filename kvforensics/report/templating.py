@@ -89,7 +89,9 @@ def prose_span(first: Any, last: Any) -> str:
 
 
 _PLURALS = {"response": "responses", "request": "requests", "account": "accounts", "time": "times",
-            "model server": "model servers", "notice": "notices"}
+            "model server": "model servers", "notice": "notices", "more account": "more accounts",
+            "affected response": "affected responses", "start-up": "start-ups",
+            "misconfigured model server": "misconfigured model servers"}
 
 
 def plural(count: Any, word: str) -> str:
