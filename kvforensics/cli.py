@@ -45,16 +45,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["duckdb", "spark"], default="duckdb",
                    help="where detect and scope run (ingest is always DuckDB; spark needs the 'spark' extra)")
     p.add_argument("--spark-master", help="Spark master URL for --engine spark (default local[2])")
+    p.add_argument("--allow-outside", action="store_true",
+                   help="read source files that resolve outside the incident folder ('..', symbolic links; "
+                        "[settings] allow_outside); the manifest lists them")
 
 
 def _investigation(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from kvforensics.config import load_incident
     from kvforensics.errors import ConfigError
     from kvforensics.investigation import Investigation
 
     if args.spark_master and args.engine != "spark":
         raise ConfigError("--spark-master needs --engine spark")
-
-    return Investigation.open(args.incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
+    incident = load_incident(args.incident)
+    if args.allow_outside:
+        incident = replace(incident, allow_outside=True)
+    return Investigation.open(incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
                               progress=not args.quiet, pdf=not args.no_pdf, engine=args.engine,
                               spark_master=args.spark_master, raw_csv=getattr(args, "raw_csv", False),
                               rebuild=not getattr(args, "no_rebuild", False), append=getattr(args, "append", False))

@@ -59,7 +59,7 @@ _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
 _MODELS_KEYS = {"aliases", "hardware"}
-_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table"}
+_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table", "allow_outside"}
 #: [notice]: what the responder declares for the notices (kvforensics.report.notices): who sends them, where to ask,
 #: the reference to quote, the measures taken and the advice, in plain words.
 NOTICE_KEYS = {"provider": "a string", "contact": "a string", "reference": "a string",
@@ -188,6 +188,8 @@ class Incident:
     # tenant (a public playground's namespace): their blocks are never another tenant's data
     prefix_shared_namespaces: tuple[str, ...] = ()
     notice: NoticeConfig = field(default_factory=NoticeConfig)  # [notice]
+    # [settings] allow_outside / --allow-outside: source files may resolve outside the incident folder
+    allow_outside: bool = False
 
     @property
     def base_dir(self) -> Path:
@@ -197,6 +199,23 @@ class Incident:
         """The share of a source's records that may be quarantined before the run is inconclusive, per
         source kind: ``[quarantine] <kind>``, else ``[settings] max_quarantine_fraction``."""
         return {kind: float(self.quarantine_fractions.get(kind, self.max_quarantine_fraction)) for kind in SOURCE_KINDS}
+
+    def _check_inside(self, source: Source, files: list[Path]) -> None:
+        """Refuse files of *source* that resolve outside the incident folder (a '..' in a relative path, a
+        symbolic link among the evidence leading to any file of the machine) unless ``allow_outside``; a file under
+        the folder an absolute source path names is the responder's own choice. ``outside_files`` lists them all
+        (the manifest's ``outside_incident_folder``)."""
+        if self.allow_outside:
+            return
+        named = _absolute_root(source)
+        refused = [f for f in outside_files(self.base_dir, files)
+                   if named is None or not f.resolve().is_relative_to(named)]
+        if refused:
+            raise ConfigError(f"source '{source.name}': {len(refused)} file(s) resolve outside the incident folder "
+                              f"{self.base_dir} (first {refused[0]} -> {refused[0].resolve()}), through '..' or a "
+                              "symbolic link; move them into the folder, or allow it with --allow-outside or "
+                              "[settings] allow_outside = true (the manifest lists each such file)",
+                              location=self.path.name)
 
     def sources_of(self, kind: str) -> list[Source]:
         return [s for s in self.sources if s.kind == kind]
@@ -210,6 +229,7 @@ class Incident:
         plan = []
         for source in self.sources:
             files = source.files()
+            self._check_inside(source, files)
             for file in files:
                 claimed = owners.setdefault(file.resolve(), [])
                 other = next((o for o in claimed if not _may_share_files(o, source)), None)
@@ -299,6 +319,25 @@ def _strings(value: Any, key: str, where: str) -> tuple[str, ...]:
         raise ConfigError(f"'{key}' must be a list of strings, e.g. {key} = [\"a\", \"b\"], got "
                           f"{_type_name(value)}", location=where)
     return tuple(value)
+
+
+def outside_files(base_dir: Path, files: Iterable[Path]) -> list[Path]:
+    """The *files* that resolve (through symbolic links and '..') outside the folder *base_dir*."""
+    base = base_dir.resolve()
+    return [f for f in files if not Path(f).resolve().is_relative_to(base)]
+
+
+def _absolute_root(source: Source) -> Path | None:
+    """The folder an absolute source path names before its first wildcard, resolved; None for a relative path."""
+    written = Path(source.path)
+    if not written.is_absolute():
+        return None
+    parts = []
+    for part in written.parts:
+        if globmod.has_magic(part):
+            break
+        parts.append(part)
+    return Path(*parts).resolve()
 
 
 def _optional(table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, what: str) -> Any:
@@ -466,6 +505,7 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     hardware=_parse_hardware(_table(models, "hardware", f"{label}: [models]"), label),
                     rule_parameters=_parse_rules(_table(data, "rules", label), label),
                     memory_limit=settings.get("memory_limit"),
+                    allow_outside=_flag(settings, "allow_outside", f"{label}: [settings]"),
                     year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
                     instances=instances_from_config(_checked_instances(data.get("instances"), label),
                                                     f"{label}: [instances]"),
@@ -474,6 +514,13 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
                     notice=_parse_notice(_table(data, "notice", label), f"{label}: [notice]"),
                     **_parse_prefix_cache(data, label, path))
+
+
+def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"'{key}' must be true or false, got {_type_name(value)}", location=where)
+    return value
 
 
 def _fraction(value: Any, key: str, where: str) -> float:

@@ -16,7 +16,7 @@ from typing import Any
 import duckdb
 
 from kvforensics import __version__
-from kvforensics.config import Incident
+from kvforensics.config import Incident, outside_files
 from kvforensics.detect import load_rules
 from kvforensics.digests import TABLE_DIGEST, output_digests, table_digests
 from kvforensics.escaping import csv_cell
@@ -145,6 +145,10 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         "conclusive": scope.summary["conclusive"],
         "inconclusive_reasons": scope.summary["inconclusive_reasons"],
         "inputs": inputs,
+        # inputs that resolve outside the incident folder (an absolute source path, '..', a symbolic link;
+        # [settings] allow_outside or --allow-outside lets the other ones be read)
+        "outside_incident_folder": [str(Path(p).resolve()) for p in outside_files(
+            base, [Path(r[0]) for r in con.execute("SELECT DISTINCT file FROM load_report ORDER BY 1").fetchall()])],
         "totals": {k: sum(i[k] for i in inputs) for k in ("records_read", "loaded", "quarantined", "duplicates")},
         "rules": [{"id": r.id, "version": r.version,
                    "parameters": {**r.parameters, **incident.rule_parameters.get(r.id, {})}} for r in load_rules()],

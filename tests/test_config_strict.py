@@ -98,8 +98,8 @@ UNKNOWN_KEYS = [
      "incident.toml: source 'engines': unknown key 'role'; valid keys: ambiguous, clock_offset_s, columns, envelope, "
      "format, instance, kind, model, name, null_tokens, path, preset, timezone, values, year"),
     (('memory_limit = "2GB"', 'colour = "red"'),
-     "incident.toml: [settings]: unknown key 'colour'; valid keys: max_quarantine_fraction, memory_limit, "
-     "spark_requests_table, year"),
+     "incident.toml: [settings]: unknown key 'colour'; valid keys: allow_outside, max_quarantine_fraction, "
+     "memory_limit, spark_requests_table, year"),
 ]
 
 

@@ -661,3 +661,34 @@ SELECT format('engine instance ''{}'': {:,} start-up(s) with a value no engine c
 FROM refused
 GROUP BY instance
 ORDER BY instance;
+
+-- reason: conflicting_duplicate
+-- a request id logged more than once with different values (request_conflicts: the copies quarantined as conflicting
+-- duplicates; the copy kept is the one loaded first, which a forged line in an earlier file wins) where either copy
+-- decides a finding: the kept copy is flagged by a rule or matched as a source or recipient of content, or either
+-- copy is a successful request of a model inside one of its exposure windows (the rules judge it by its values)
+WITH copies AS (
+    SELECT c.request_id, c.source_file, c.source_line, c.kept_at, 'quarantined' AS copy, c.ts, c.model, c.status
+    FROM request_conflicts c
+    UNION ALL
+    SELECT r.request_id, c.source_file, c.source_line, c.kept_at, 'kept', r.ts, r.model, r.status
+    FROM request_conflicts c JOIN requests r USING (request_id)
+), deciding AS (
+    SELECT DISTINCT request_id, source_file, source_line, kept_at
+    FROM copies p
+    WHERE EXISTS (SELECT 1 FROM gate_windows w WHERE w.model = p.model AND p.ts >= w.valid_from
+                    AND (w.valid_to IS NULL OR p.ts < w.valid_to) AND p.status BETWEEN 200 AND 299)
+       OR (p.copy = 'kept' AND (p.request_id IN (SELECT request_id FROM findings)
+                                OR p.request_id IN (SELECT source_request_id FROM content_matches)
+                                OR p.request_id IN (SELECT affected_request_id FROM content_matches)))
+)
+SELECT format('{:,} request id(s) logged more than once with different values where a copy decides a finding (first '
+              || '''{}'' at {} line {}, kept the record at {}): the record loaded first was kept, so a forged line in '
+              || 'an earlier file would win over the genuine one; find which system wrote each copy and keep only the '
+              || 'genuine one in the inputs', count(*), left(arg_min(request_id, (source_file, source_line)), 80),
+              regexp_extract(arg_min(source_file, (source_file, source_line)), '[^/]+$'),
+              arg_min(source_line, (source_file, source_line)),
+              regexp_extract(arg_min(kept_at, (source_file, source_line)), '[^/]+$')) AS message,
+       count(*) AS requests, list(request_id ORDER BY source_file, source_line)[1:20] AS request_ids
+FROM deciding
+HAVING count(*) > 0;

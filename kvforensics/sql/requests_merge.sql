@@ -68,6 +68,11 @@ INSERT INTO quarantine
 SELECT $source, file, line, 'duplicate request_id with conflicting values (kept the record at ' || kept_at || ')', NULL
 FROM repeated WHERE outcome = 'conflict';
 
+-- ... and their typed values, for the gate (reason conflicting_duplicate: does either copy decide a finding?)
+INSERT INTO request_conflicts
+SELECT request_id, ts, account_id, model, status, prompt_tokens, ttft_ms, latency_ms, $source, file, line, kept_at
+FROM repeated WHERE outcome = 'conflict';
+
 -- what happened to each file's records: read = loaded + duplicates + quarantined
 CREATE OR REPLACE TEMP TABLE merge_counts AS
 WITH typed AS (

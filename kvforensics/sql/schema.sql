@@ -239,6 +239,24 @@ CREATE TABLE IF NOT EXISTS quarantine (
     raw               VARCHAR                 -- truncated; never text from a content source
 );
 
+-- the typed values of each request record quarantined as a conflicting duplicate (a request id logged before with
+-- other values: sql/requests_merge.sql), beside the copy kept in `requests`: the gate's reason
+-- conflicting_duplicate asks whether either copy decides a finding
+CREATE TABLE IF NOT EXISTS request_conflicts (
+    request_id        VARCHAR NOT NULL,
+    ts                TIMESTAMPTZ NOT NULL,
+    account_id        VARCHAR NOT NULL,
+    model             VARCHAR NOT NULL,
+    status            INTEGER NOT NULL,
+    prompt_tokens     BIGINT NOT NULL,
+    ttft_ms           DOUBLE,
+    latency_ms        DOUBLE,
+    source            VARCHAR NOT NULL,
+    source_file       VARCHAR NOT NULL,
+    source_line       BIGINT NOT NULL,
+    kept_at           VARCHAR NOT NULL        -- file:line of the copy kept in `requests`
+);
+
 CREATE TABLE IF NOT EXISTS load_report (
     source            VARCHAR NOT NULL,
     kind              VARCHAR NOT NULL,
