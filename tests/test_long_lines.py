@@ -103,3 +103,13 @@ def test_a_long_line_costs_no_more_than_the_limit(tmp_path, monkeypatch):
     assert [(n, text) for n, text, _ in got] == [(1, "a"), (2, None), (3, "b")]
     assert isinstance(got[1][2], LongLine)
     assert got[1][2].startswith(f"[line of 24,000,000 bytes, SHA-256 {hashlib.sha256(line).hexdigest()}] www".encode())
+
+
+def test_a_long_line_of_a_cr_only_file_is_quarantined_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_lines, "MAX_LINE_BYTES", 1 << 20)
+    long = rec("long", note="v" * 2_000_000)
+    con, r, quarantined = load(tmp_path, "mac.jsonl", "\r".join([rec("r1"), long, rec("r3")]).encode() + b"\r")
+    assert (r.records_read, r.loaded, r.quarantined) == (3, 2, 1)
+    ((line, reason, raw),) = quarantined
+    assert line == 2 and reason.startswith("line too long to read whole")
+    assert raw.startswith(f"[line of {len(long):,} bytes, SHA-256 {hashlib.sha256(long.encode()).hexdigest()}]")

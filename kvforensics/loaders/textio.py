@@ -134,26 +134,45 @@ class LineStream:
                 self.partial = (t.after_line + 1, t.partial_tail)
 
     def _cr_lines(self) -> Iterator[tuple[int, bytes]]:
-        """Lines split at CR, streamed (a truncated gzip stream yields every byte it decompressed)."""
-        pending = b""
-        n = 0
+        """Lines split at CR, streamed (a truncated gzip stream yields every byte it decompressed); a line longer
+        than ``max_line`` is read on without being held and yielded as a LongLine, as the LF reader does."""
+        from kvforensics.loaders.engine_lines import LONG_LINE_KEPT, MAX_LINE_BYTES
+
+        limit = self.max_line or MAX_LINE_BYTES
+        pending = bytearray()
+        digest: Any = None  # the current line's hash once it is too long to hold
+        size = n = 0
+
+        def line() -> bytes:
+            return bytes(pending) if digest is None else LongLine(bytes(pending), size, digest.hexdigest(), limit)
+
         try:
             with open_binary(self.path) as fh:
                 while chunk := fh.read(CHUNK):
-                    *complete, pending = (pending + chunk).split(b"\r")
-                    for raw in complete:
-                        n += 1
-                        self.lines = n
-                        yield n, raw
+                    pieces = chunk.split(b"\r")
+                    for i, piece in enumerate(pieces):
+                        size += len(piece)
+                        if digest is not None:
+                            digest.update(piece)
+                        else:
+                            pending += piece
+                            if len(pending) > limit:
+                                digest = hashlib.sha256(pending)
+                                del pending[LONG_LINE_KEPT:]
+                        if i < len(pieces) - 1:  # a CR ends the line
+                            n += 1
+                            self.lines = n
+                            yield n, line()
+                            pending, digest, size = bytearray(), None, 0
         except (EOFError, OSError, zlib.error) as e:
             self.stopped = (f"input ends early after line {n} ({type(e).__name__}: {e}); "
                             f"later records, if any, are lost")
             if pending:
-                self.partial = (n + 1, pending)
+                self.partial = (n + 1, line())
             return
         if pending:
             self.lines = n + 1
-            yield n + 1, pending
+            yield n + 1, line()
 
 
 def _cr_only(path: Path) -> bool:
