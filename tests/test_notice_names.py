@@ -35,8 +35,12 @@ def test_every_account_gets_its_own_notice(tmp_path):
     out = tmp_path / "out"
     assert main(["run", str(write_mini(tmp_path / "mini", rows)), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     with (out / "notifications.csv").open(encoding="utf-8", newline="") as fh:
-        accounts = {row["account_id"] for row in csv.DictReader(fh)}
+        rows = list(csv.DictReader(fh))
+    accounts = {row["account_id"] for row in rows}
     assert set(TWINS) <= accounts
-    notices = {p.name for p in (out / "notices").rglob("*.md")}
+    notices = {p.relative_to(out).as_posix() for p in (out / "notices").rglob("*.md")}
     assert len(notices) == len(accounts)
-    assert {safe_filename(a) for a in accounts} == notices
+    # notifications.csv maps each account to its own notice
+    mapping = {row["account_id"]: row["notice"] for row in rows}
+    assert set(mapping.values()) == notices
+    assert all(mapping[a].endswith("/" + safe_filename(a)) for a in accounts)
