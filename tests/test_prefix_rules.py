@@ -16,7 +16,7 @@ from kvforensics.db import connect
 from kvforensics.detect import evaluate_case, load_case_tables, run_rule
 from kvforensics.engines.portable import run_duckdb_script
 from kvforensics.rulebook import load_rules
-from kvforensics.simulate.prefix import SCENARIOS, simulate_prefix
+from kvforensics.simulate.prefix import SCENARIO_NAMES, simulate_prefix
 from kvforensics.verify import verify
 
 RULES_DIR = Path(kvforensics.__file__).parent / "mechanisms" / "prefix_reuse" / "rules"
@@ -144,7 +144,7 @@ def _precision_recall(found: set[str], truth: set[str]) -> tuple[float, float]:
     return hit / len(found) if found else 1.0, hit / len(truth) if truth else 1.0
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+@pytest.fixture(scope="module", params=sorted(SCENARIO_NAMES))
 def investigated(request, tmp_path_factory):
     """One scenario generated, then ingested, detected and scoped by the stage commands into an output folder."""
     base = tmp_path_factory.mktemp(request.param)
@@ -245,7 +245,7 @@ def test_each_recipient_counts_the_accounts_whose_blocks_it_reused(investigated)
     for request_id, n in per_response.items():
         assert n <= len(truth["recipients"].get(request_id, [])), (request_id, n)
     assert {b for (b,) in con.execute("SELECT DISTINCT basis FROM content_matches").fetchall()} <= {
-        "block_fingerprints", "colliding_block"}
+        "block_fingerprints", "colliding_block", "shared_store_pages"}
 
 
 def test_verify_rederives_a_prefix_cache_incident(investigated):

@@ -9,7 +9,8 @@
 --   internal (account_id): the provider's own accounts.
 -- Defines block_senders: one row per reused block that an earlier request of the same model sent (same
 -- position and chain_fp: the same prefix up to the block), with
---   benign     1 when the requester's own account or an internal account had sent it before, else 0;
+--   benign     1 when the requester's own account, an internal account or a shared namespace ([prefix_cache]
+--              shared_namespaces) had sent it before, else 0;
 --   any_local  1 when a request on the requester's prefill_instance under its cache_salt (NULL equal to
 --              NULL) had sent it before: its own cache; else 0;
 --   first_id, first_account, first_salt   the earliest earlier send, on any instance of the model;
@@ -47,8 +48,12 @@ prefix_sends AS (
     SELECT model, position, chain_fp, account_id, min(ts) AS ts
     FROM first_sends GROUP BY model, position, chain_fp, account_id
 ), first_internal AS (
+    -- the first send by an internal account, or under a namespace the provider documents as shared by every
+    -- tenant ([prefix_cache] shared_namespaces: a public playground): its blocks are nobody's data
     SELECT f.model, f.position, f.chain_fp, min(f.ts) AS ts
-    FROM first_sends f JOIN (SELECT DISTINCT account_id FROM internal) i ON i.account_id = f.account_id
+    FROM first_sends f
+    WHERE f.account_id IN (SELECT account_id FROM internal)
+       OR EXISTS (SELECT 1 FROM prefix_shared_namespaces n WHERE {{ glob_match(f.cache_salt, n.pattern) }})
     GROUP BY f.model, f.position, f.chain_fp
 ), block_senders AS (
     SELECT u.request_id, u.position,

@@ -10,9 +10,11 @@
 -- events stored under a hash that, last before the request on its instance, held another fingerprint,
 -- and a reused block whose prefix no earlier request sent at all and whose content the events of its
 -- instance (covering the request's time) never stored before it (the request stored nothing itself).
--- The last basis is absence of evidence: it counts only where the request's start-up hashed blocks with an
--- algorithm that allows collisions (prefix_windows path weak_hash), weak where no start-up says (a SHA-256
--- chain gives no collision to find). The first two are one hash seen with two contents.
+-- Every basis counts only where the request's start-up hashed blocks with an algorithm that allows
+-- collisions (prefix_windows path weak_hash): a SHA-256 chain gives no collision to find, so a block
+-- fingerprint that seems to differ there is a matching artefact (two requests whose next block is the same
+-- after different blocks, a probe's candidates), never a finding. Where no start-up says, the last basis
+-- (absence of evidence) is weak; the first two are one hash seen with two contents.
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
 WITH hits AS (
     SELECT request_id, ts, prefill_instance, cache_salt, cached_tokens
@@ -108,6 +110,6 @@ SELECT h.request_id,
            AS evidence
 FROM ranked r
 JOIN hits h ON h.request_id = r.request_id
-JOIN request_paths p ON p.request_id = r.request_id
+JOIN request_paths p ON p.request_id = r.request_id AND p.collision_path = 1
 LEFT JOIN colliding_hashes c ON c.instance = h.prefill_instance
 WHERE r.pick = 1
