@@ -354,11 +354,25 @@ class Investigation:
         """A read-only query on the evidence database as a DataFrame."""
         return self.con.execute(sql_text, params).df() if params else self.con.execute(sql_text).df()
 
+    def _stages_present(self) -> list[str]:
+        try:
+            return [name for name in self.STAGES if self.has(name)]
+        except Exception:  # noqa: BLE001 - a closed folder: its repr still says what it is
+            return []
+
+    def __repr__(self) -> str:
+        """One line (the dataclass repr printed the whole incident, ~18,000 characters, in a notebook)."""
+        stages = ", ".join(self._stages_present()) or "none yet"
+        return (f"Investigation({self.incident.id!r}: {len(self.incident.sources)} sources, output in "
+                f"{str(self.out_dir)!r}, stages in the folder: {stages})")
+
     def _repr_html_(self) -> str:
         from html import escape
 
+        stages = ", ".join(self._stages_present()) or "none yet"
         return (f"<b>Investigation</b> {escape(self.incident.id)}: {escape(self.incident.title)}<br>"
-                f"{len(self.incident.sources)} sources, output in <code>{escape(str(self.out_dir))}</code>")
+                f"{len(self.incident.sources)} sources, output in <code>{escape(str(self.out_dir))}</code>; "
+                f"stages in the folder: {escape(stages)}")
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -22,13 +22,22 @@ def cells(nb_path: Path, kind: str) -> list[str]:
     return ["".join(c["source"]) for c in json.loads(nb_path.read_text())["cells"] if c["cell_type"] == kind]
 
 
-def execute(nb_path: Path, incident: Path, out_dir: Path, executed: Path) -> dict:
+def execute(nb_path: Path, incident: Path | None, out_dir: Path | None, executed: Path) -> dict:
+    """Run a notebook with papermill; without *incident* and *out_dir* its first cell's defaults apply (the
+    environment's KVFORENSICS_INCIDENT and KVFORENSICS_OUT, else the sample)."""
     import papermill
 
-    papermill.execute_notebook(str(nb_path), str(executed), kernel_name="python3",
-                               parameters={"incident": str(incident), "out_dir": str(out_dir)},
+    parameters = {"incident": str(incident), "out_dir": str(out_dir)} if incident is not None else {}
+    papermill.execute_notebook(str(nb_path), str(executed), kernel_name="python3", parameters=parameters,
                                cwd=str(nb_path.parent), progress_bar=False)
     return json.loads(executed.read_text())
+
+
+def cell_outputs(nb: dict, source: str) -> str:
+    """The outputs (plain and HTML) of the code cell whose last line is *source*."""
+    (cell,) = [c for c in nb["cells"] if c["cell_type"] == "code"
+               and "".join(c["source"]).strip().splitlines()[-1] == source]
+    return outputs_text({"cells": [cell]})
 
 
 def outputs_text(nb: dict) -> str:
@@ -154,11 +163,67 @@ def test_exported_charts_draw_offline_in_chromium(executed_on_sample, tmp_path):
     assert errors == [] and requests == [html.resolve().as_uri()]
 
 
+def test_section_references_name_their_sections():
+    """Issue 27, observation 10: "section 7" was cited where notify is section 8. Every "section N" of a notebook is
+    one of its "## N." headings, and one cited for notifying, exploitation or drilling is that section."""
+    topics = {"notify": "notify", "exploitation": "Exploitation", "account": "account"}
+    for nb_path in NOTEBOOKS:
+        text = "\n".join(cells(nb_path, "markdown") + cells(nb_path, "code"))
+        headings = dict(re.findall(r"^## (\d+)\. (.*)$", text, re.M))
+        for before, number in re.findall(r"(\w+)\W{1,3}\(?section (\d+)", text):
+            assert number in headings, f"{nb_path.name}: section {number} does not exist"
+            if before in topics:
+                assert topics[before] in headings[number], f"{nb_path.name}: {before} (section {number})"
+
+
+def test_the_first_cell_reads_the_incident_and_folder_from_the_environment():
+    """Observation 10: out_dir could only be set through papermill or by editing a cell."""
+    for nb_path in NOTEBOOKS:
+        (first,) = [c for c in json.loads(nb_path.read_text())["cells"]
+                    if "parameters" in c.get("metadata", {}).get("tags", [])]
+        namespace: dict = {}
+        import os
+
+        env = {"KVFORENSICS_INCIDENT": "/cases/x/incident.toml", "KVFORENSICS_OUT": "/cases/x/out"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            exec("".join(first["source"]), namespace)  # noqa: S102 - the notebook's own first cell
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        assert (namespace["incident"], namespace["out_dir"]) == ("/cases/x/incident.toml", "/cases/x/out")
+        namespace = {}
+        exec("".join(first["source"]), namespace)  # noqa: S102
+        assert (namespace["incident"], namespace["out_dir"]) == ("../data/sample/incident.toml", "../reports/sample")
+
+
+@pytest.mark.slow
+def test_notebook_outputs_are_short_and_clean(executed_on_sample, sample_run):
+    """Observation 10: the inv cell printed ~18,000 characters and the audit cell ~100,000, counts showed as
+    floats (23.0), cells as None or NaN, and the first source of a response was the recipient's own request."""
+    ingest = executed_on_sample["01-ingest"][1]
+    assert len(cell_outputs(ingest, "inv")) < 1000
+    assert len(cell_outputs(ingest, "audit")) < 25_000
+    assert not re.search(r"<td>\d+\.0</td>", cell_outputs(ingest, "explore.loaded(inv.con, "
+                                                                   "inv.incident.max_quarantine_fraction)"))
+    for name, (_, nb) in executed_on_sample.items():
+        html = outputs_text(nb)
+        assert not re.findall(r"<td>(None|NaN|nan|NaT|&lt;NA&gt;)</td>", html), name
+    scope_nb = executed_on_sample["03-scope"][1]
+    sources = cell_outputs(scope_nb, "explore.response_sources(inv.con, example.response)")
+    recipient = re.search(r"other than the recipient ([\w-]+);", sources).group(1)
+    assert f"<td>{recipient}</td>" not in sources
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_each_notebook_runs_alone_on_a_fresh_folder(nb_path, mini_incident, tmp_path):
+def test_each_notebook_runs_alone_on_a_fresh_folder(nb_path, mini_incident, tmp_path, monkeypatch):
+    """Each notebook on its own, the incident and folder given by the environment (no papermill parameter)."""
     out_dir = tmp_path / "fresh"
-    nb = execute(nb_path, mini_incident, out_dir, tmp_path / nb_path.name)
+    monkeypatch.setenv("KVFORENSICS_INCIDENT", str(mini_incident))
+    monkeypatch.setenv("KVFORENSICS_OUT", str(out_dir))
+    nb = execute(nb_path, None, None, tmp_path / nb_path.name)
     assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert (out_dir / "evidence.duckdb").is_file()
     assert (out_dir / "scope.json").is_file() == (STAGES[nb_path.stem] in ("scope", "report"))

@@ -128,3 +128,23 @@ def test_report_md_parses_as_markdown_with_every_heading_and_table(shapes, sampl
     nav = re.findall(r'<li><a href="#[\w-]+">([^<]+)</a></li>', (out / "report.html").read_text())
     assert nav == SECTIONS
     assert "&gt;" not in md and not re.search(r"&lt;(?![A-Za-z/!?])", md)
+
+
+@pytest.mark.parametrize("shape", ["sglang-pd", "vllm-pd-running"])
+def test_the_scatter_draws_every_exposed_pool_of_its_model(shapes, shape):
+    """Observation 8: the prompt-vs-time-to-first-token scatter had no line at the pool the prompts exceeded. Each
+    exposure window's pool of the model (whatever its role) is a line."""
+    from kvforensics.report.data import money_frames
+
+    out = shapes[shape][1]
+    con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
+    try:
+        frames = money_frames(con)
+        assert frames
+        for model, (_points, pools, _curve) in frames.items():
+            windows = {p for (p,) in con.execute("SELECT kv_pool_tokens FROM exposure_windows WHERE model = $m",
+                                                  {"m": model}).fetchall()}
+            assert windows and windows <= set(pools["kv_pool_tokens"]), model
+            assert all(label.startswith("KV pool ") for label in pools["label"])
+    finally:
+        con.close()

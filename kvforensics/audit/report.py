@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 END_SUMMARY = {"shutdown": "shut down", "next_startup": "restarted", "log_end": "replaced by a successor"}
+MAX_FAILING_SHOWN = 20  # failing verdicts a notebook shows under the counts
 
 
 @dataclass
@@ -175,8 +176,36 @@ class AuditReport:
     def to_markdown(self) -> str:
         return markdown(self.verdicts, **self._page())
 
-    def _repr_html_(self) -> str:
+    def to_html(self) -> str:
+        """Every verdict as one HTML fragment (the report's audit table)."""
         return html_fragment(self.verdicts, **self._page())
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the headline, the answer for now, the verdicts counted per check and status, and
+        only the verdicts that fail (every verdict: ``to_html()``, ``to_frame()``). The full table of a deployment
+        of a few dozen start-ups is over 100,000 characters."""
+        import html
+
+        failing = [v for v in self.verdicts if v.status == "fail"]
+        counts = "".join(
+            f"<tr><td>{check}. {html.escape(name)}</td>"
+            + "".join(f"<td>{sum(1 for v in self.verdicts if v.check == check and v.status == s)}</td>"
+                      for s in STATUSES) + "</tr>"
+            for check, name in CHECKS.items() if any(v.check == check for v in self.verdicts))
+        head = "".join(f"<th>{s.replace('_', ' ')}</th>" for s in STATUSES)
+        table = (f"<table><thead><tr><th>check</th>{head}</tr></thead><tbody>{counts}</tbody></table>"
+                 if self.verdicts else "")
+        shown = failing[:MAX_FAILING_SHOWN]
+        rest = (f"<p><i>{len(failing) - len(shown):,} more failing verdicts; <code>to_frame()</code> holds every "
+                f"verdict.</i></p>" if len(failing) > len(shown) else
+                "<p><i><code>to_frame()</code> holds every verdict, <code>to_html()</code> shows them all.</i></p>")
+        fails = html_fragment(shown, headline="Failing verdicts", now=None, notes=()) if shown else ""
+        page = self._page()
+        now = f"<p><b>{html.escape(page['now'])}</b></p>" if page["now"] else ""
+        return f"<p><b>{html.escape(page['headline'])}</b></p>{now}{table}{fails}{rest}"
+
+    def __repr__(self) -> str:
+        return f"AuditReport({self.headline()})"
 
     def render_terminal(self, console: Console | None = None) -> None:
         """Print the table on *console*; by default on standard output, as wide as its content when

@@ -230,12 +230,16 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
     if recipient is None:
         return View(title, frame, f"{request_id!r} is not an affected response: no sources are computed for it "
                                   f"(response_evidence shows how the rules saw it).")
-    others = frame[frame["source_account_id"] != recipient[0]]
-    confirmed = others[others["confirmed"]]
-    note = (f"{len(frame):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
+    # the recipient's own earlier requests are no source of another account's data: left out, and counted
+    own = int((frame["source_account_id"] == recipient[0]).sum())
+    others = frame[frame["source_account_id"] != recipient[0]].reset_index(drop=True)
+    confirmed = others[others["confirmed"].fillna(False).astype(bool)]
+    note = (f"{len(others):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
             f"other than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts "
-            f"confirmed (their text is in the output, or the response reused their prefix-cache blocks).")
-    return View(title, frame, note)
+            f"confirmed (their text is in the output, or the response reused their prefix-cache blocks)."
+            + (f" {own:,} of the recipient's own earlier requests are left out: its own data is no exposure."
+               if own else ""))
+    return View(title, others, note)
 
 
 @reads

@@ -63,12 +63,19 @@ def when(value: Any) -> str:
 
 
 def shown(frame: pd.DataFrame) -> pd.DataFrame:
-    """The frame as a notebook table shows it: text cells with their control characters made visible."""
+    """The frame as a notebook table shows it: text cells with their control characters made visible, a missing
+    value as an empty cell (never ``None``, ``NaN`` or ``NaT``), and a column of whole numbers that a NULL turned
+    into floats written as integers (``23``, not ``23.0``)."""
     out = frame.copy()
     for column in out.columns:
-        if out[column].dtype == object or pd.api.types.is_string_dtype(out[column].dtype):
-            out[column] = [visible_controls(v) if isinstance(v, str) else v for v in out[column]]
-    return out
+        values = out[column]
+        if pd.api.types.is_float_dtype(values.dtype):
+            present = values.dropna()
+            if len(present) and (present == present.round()).all() and present.abs().max() < 2**53:
+                out[column] = values.astype("Int64")
+        elif values.dtype == object or pd.api.types.is_string_dtype(values.dtype):
+            out[column] = [visible_controls(v) if isinstance(v, str) else v for v in values]
+    return out.astype(object).where(out.notna(), "")
 
 
 @dataclass

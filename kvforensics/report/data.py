@@ -200,10 +200,20 @@ def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame
         points = pd.concat([flagged, unflagged], ignore_index=True) if not flagged.empty else unflagged
         points.attrs["flagged_total"] = con.execute(
             f"SELECT count(*) FROM ({requests}) r WHERE confidence <> 'not flagged'", {"m": model}).fetchall()[0][0]
-        pools = _df(con, """SELECT DISTINCT kv_pool_tokens,
-                                   'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' || role || ')' AS label
-                            FROM exposure_windows WHERE model = $m AND role <> 'decode'
-                              AND kv_pool_tokens IS NOT NULL ORDER BY 1""", {"m": model})
+        # a line per KV pool a prompt on the chart may have exceeded: every exposure window's (any role), and a
+        # pool below the model's largest prompt on a server the audit does not call exposed (a unified one: the
+        # responses beyond it are the gate's admission_contradicted)
+        pools = _df(con, """SELECT kv_pool_tokens,
+                                   'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' ||
+                                   string_agg(DISTINCT role, ', ' ORDER BY role) || ')' AS label
+                            FROM (SELECT kv_pool_tokens, role FROM exposure_windows
+                                  WHERE model = $m AND kv_pool_tokens IS NOT NULL
+                                  UNION ALL
+                                  SELECT kv_pool_tokens, role FROM capacity
+                                  WHERE model = $m AND kv_pool_tokens IS NOT NULL
+                                    AND kv_pool_tokens < (SELECT max(prompt_tokens) FROM analysed_requests
+                                                          WHERE model = $m AND status BETWEEN 200 AND 299))
+                            GROUP BY kv_pool_tokens ORDER BY 1""", {"m": model})
         lm = con.execute("SELECT a_ms, b_ms_per_token, c_ms_per_token2, max_tokens FROM latency_model "
                          "WHERE model = $m AND usable", {"m": model}).fetchall()
         curve = pd.DataFrame(columns=["prompt_tokens", "expected_ms"])

@@ -105,7 +105,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         "live_scripts": [Markup(scripts.library), Markup(scripts.loader)] if scripts else [],
         "csp_scripts": Markup(scripts.csp if scripts else "script-src 'none'"),
         "physical": physical, "hardware": incident.hardware,
-        "audit_headline": audit.headline(), "audit_html": Markup(audit._repr_html_()),
+        "audit_headline": audit.headline(), "audit_html": Markup(audit.to_html()),
         "audit_md": audit.to_markdown(), "audited": audit.exit_code != 2,  # 2: no start-up to audit
         "missing": missing_inputs(con, incident),
         # the mechanisms investigated, with their report wording (kvforensics/mechanisms/<id>/mechanism.yml)
