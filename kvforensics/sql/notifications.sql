@@ -1,7 +1,7 @@
 -- Confirmed sources of every investigated mechanism, one row per affected response, source request and
 -- basis: 'output_shingles' (sql/scope.sql: the response's output repeats the source's text) and the
 -- prefix_reuse attribution (sql/prefix_sources.sql: the response reused prefix-cache blocks the source
--- stored, basis 'block_fingerprints' or 'colliding_block'; the shingle columns do not apply there).
+-- stored, basis 'block_fingerprints', 'colliding_block' or 'shared_store_pages'; the shingle columns do not apply there).
 CREATE OR REPLACE TABLE content_matches AS
 SELECT affected_request_id, recipient_account_id, source_request_id, source_account_id, matching_shingles,
        output_shingles, match_fraction, confirmed, within_horizon, 'output_shingles' AS basis
