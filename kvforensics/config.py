@@ -2,6 +2,10 @@
 
 `load_incident` parses and validates it into frozen dataclasses; every problem is a
 `ConfigError` naming the key and saying what to write instead.
+
+Size: the contract of every table and key is checked here, in one pass, so that one module tells what an incident
+file may say; the parts with rules of their own live beside it (instances.py, presets/, probing.py, hardware.py,
+source_paths.py). Splitting it per source kind, as the mechanisms are, is the direction (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvforensics.mechanisms import load_mechanisms
 from kvforensics.presets import with_preset
 from kvforensics.probing import probing_parameters
 from kvforensics.rulebook import load_rules
+from kvforensics.source_paths import check_inside
 
 SOURCE_KINDS = ("requests", "engine_log", "changes", "content", "kv_events")
 REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
@@ -200,23 +205,6 @@ class Incident:
         source kind: ``[quarantine] <kind>``, else ``[settings] max_quarantine_fraction``."""
         return {kind: float(self.quarantine_fractions.get(kind, self.max_quarantine_fraction)) for kind in SOURCE_KINDS}
 
-    def _check_inside(self, source: Source, files: list[Path]) -> None:
-        """Refuse files of *source* that resolve outside the incident folder (a '..' in a relative path, a
-        symbolic link among the evidence leading to any file of the machine) unless ``allow_outside``; a file under
-        the folder an absolute source path names is the responder's own choice. ``outside_files`` lists them all
-        (the manifest's ``outside_incident_folder``)."""
-        if self.allow_outside:
-            return
-        named = _absolute_root(source)
-        refused = [f for f in outside_files(self.base_dir, files)
-                   if named is None or not f.resolve().is_relative_to(named)]
-        if refused:
-            raise ConfigError(f"source '{source.name}': {len(refused)} file(s) resolve outside the incident folder "
-                              f"{self.base_dir} (first {refused[0]} -> {refused[0].resolve()}), through '..' or a "
-                              "symbolic link; move them into the folder, or allow it with --allow-outside or "
-                              "[settings] allow_outside = true (the manifest lists each such file)",
-                              location=self.path.name)
-
     def sources_of(self, kind: str) -> list[Source]:
         return [s for s in self.sources if s.kind == kind]
 
@@ -229,7 +217,8 @@ class Incident:
         plan = []
         for source in self.sources:
             files = source.files()
-            self._check_inside(source, files)
+            if not self.allow_outside:  # kvforensics/source_paths.py
+                check_inside(source.name, source.path, self.base_dir, files, self.path.name)
             for file in files:
                 claimed = owners.setdefault(file.resolve(), [])
                 other = next((o for o in claimed if not _may_share_files(o, source)), None)
@@ -319,25 +308,6 @@ def _strings(value: Any, key: str, where: str) -> tuple[str, ...]:
         raise ConfigError(f"'{key}' must be a list of strings, e.g. {key} = [\"a\", \"b\"], got "
                           f"{_type_name(value)}", location=where)
     return tuple(value)
-
-
-def outside_files(base_dir: Path, files: Iterable[Path]) -> list[Path]:
-    """The *files* that resolve (through symbolic links and '..') outside the folder *base_dir*."""
-    base = base_dir.resolve()
-    return [f for f in files if not Path(f).resolve().is_relative_to(base)]
-
-
-def _absolute_root(source: Source) -> Path | None:
-    """The folder an absolute source path names before its first wildcard, resolved; None for a relative path."""
-    written = Path(source.path)
-    if not written.is_absolute():
-        return None
-    parts = []
-    for part in written.parts:
-        if globmod.has_magic(part):
-            break
-        parts.append(part)
-    return Path(*parts).resolve()
 
 
 def _optional(table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, what: str) -> Any:

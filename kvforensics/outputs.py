@@ -16,12 +16,13 @@ from typing import Any
 import duckdb
 
 from kvforensics import __version__
-from kvforensics.config import Incident, outside_files
+from kvforensics.config import Incident
 from kvforensics.detect import load_rules
 from kvforensics.digests import TABLE_DIGEST, output_digests, table_digests
 from kvforensics.escaping import csv_cell
 from kvforensics.loaders.textio import file_digest
 from kvforensics.scope import ScopeResult, iso
+from kvforensics.source_paths import outside_files
 
 HEADLINE_QUERIES: dict[str, str] = {
     "affected_responses": "SELECT count(*) FROM affected_responses",
