@@ -165,8 +165,8 @@ def test_the_provider_s_load_tests_are_not_deliberate_exploitation():
     assert rows.loc["lt", "deliberate"] == "no" and rows.loc["lt", "pattern"].startswith("load test (internal)")
     assert rows.loc["bug", "deliberate"] == "no" and rows.loc["bug", "pattern"].startswith("reproduction")
     assert set_apart_note(behaviour) == (
-        "The same pattern came from 1 internal account(s) (lt): the provider's own load tests; and from 1 reporter "
-        "account(s) (bug): the reporter's reproduction. They are set apart: not deliberate exploitation.")
+        "The same pattern came from 1 internal account (lt): the provider's own load tests; and from 1 reporter "
+        "account (bug): the reporter's reproduction. They are set apart: not deliberate exploitation.")
     assert set_apart_note(behaviour[behaviour["account_class"] == "customer"]) == ""
 
 
@@ -186,7 +186,8 @@ def test_the_sample_s_exploitation_table_agrees_with_its_conclusion(sample_run):
         assert not deliberate and not [line for line in section.splitlines() if line.endswith("| yes |")]
     conclusion = unescape(html.split('id="exploitation-conclusion"', 1)[1].split("</p>", 1)[0])
     load_tests = sorted(cols[0] for cols in internal if cols[-2].startswith("load test"))
-    assert f"internal account(s) ({', '.join(load_tests)}): the provider's own load tests" in conclusion
+    assert f"internal account{'s' if len(load_tests) > 1 else ''} ({', '.join(load_tests)}): the provider's own load " \
+           "tests" in conclusion
 
 
 def test_the_progress_names_report_pdf_only_when_it_is_written(mini_incident, tmp_path, capsys):

@@ -148,3 +148,17 @@ def test_the_scatter_draws_every_exposed_pool_of_its_model(shapes, shape):
             assert all(label.startswith("KV pool ") for label in pools["label"])
     finally:
         con.close()
+
+
+CHECK_CONTRACT = Path(__file__).resolve().parents[2] / "shared" / "tools" / "check-contract"
+
+
+@pytest.mark.skipif(not CHECK_CONTRACT.is_file(), reason="../shared/tools/check-contract is not beside this checkout")
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_every_shape_s_output_folder_follows_the_contract(shapes, shape):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(CHECK_CONTRACT), str(shapes[shape][1])], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout

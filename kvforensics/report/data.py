@@ -37,6 +37,7 @@ class ReportData:
     # the behaviour rows with the probing pattern (deliberate or set apart): the rest is ordinary long-context use,
     # counted in a sentence rather than listed row by row
     behaviour_notable: pd.DataFrame = field(default_factory=pd.DataFrame)
+    behaviour_ordinary: pd.DataFrame = field(default_factory=pd.DataFrame)
     frames: dict[str, pd.DataFrame] = field(default_factory=dict)
     # (instance, start as in scope.json) -> how that start-up ended, in words (see how_it_ended)
     endings: dict[tuple[str, str | None], str] = field(default_factory=dict)
@@ -137,7 +138,7 @@ def set_apart_note(behaviour: pd.DataFrame) -> str:
         ids = sorted(behaviour.loc[(behaviour["account_class"] == cls) & behaviour["looks_deliberate"].fillna(False)
                                    .astype(bool), "account_id"].astype(str))
         if ids:
-            parts.append(f"{len(ids)} {cls} account(s) ({', '.join(ids)}): {words}")
+            parts.append(f"{len(ids)} {cls} {'account' if len(ids) == 1 else 'accounts'} ({', '.join(ids)}): {words}")
     return ("The same pattern came from " + "; and from ".join(parts)
             + ". They are set apart: not deliberate exploitation.") if parts else ""
 
@@ -278,13 +279,15 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                    UNION ALL SELECT affected_request_id, source_request_id, source_account_id, recipient_account_id
                    FROM prefix_possible_sources) p ON p.affected_request_id = a.request_id
         GROUP BY a.request_id ORDER BY a.request_id""")
+    notable = behaviour["looks_deliberate"].fillna(False).astype(bool)
     return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
                       accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),
                       rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
                       quarantine_reasons=without_na(qreasons), capacity=capacity,
                       sources_per_response=without_na(per_response), endings=endings,
                       exploitation_note=set_apart_note(behaviour),
-                      behaviour_notable=without_na(behaviour[behaviour["looks_deliberate"].fillna(False).astype(bool)]))
+                      behaviour_notable=without_na(behaviour[notable]),
+                      behaviour_ordinary=without_na(behaviour[~notable]))
 
 
 __all__ = ["ReportData", "build", "money_frames", "timeline_events", "iso"]

@@ -48,7 +48,7 @@ class Story:
     reference: str
 
 
-def _deployment(con: duckdb.DuckDBPyConnection, investigated: set[str]) -> tuple[str, ...]:
+def _deployment(con: duckdb.DuckDBPyConnection, investigated: set[str], audit: Any = None) -> tuple[str, ...]:
     """Per group of exposure windows with the same audit sentence: which instances, role, engine and version, when,
     and the audit's sentence (check 1, what the engine does with a prompt beyond the pool there; check 6, the path
     across tenants' prefix-cache namespaces); for an investigated mechanism with none, that there was none."""
@@ -56,10 +56,24 @@ def _deployment(con: duckdb.DuckDBPyConnection, investigated: set[str]) -> tuple
     if "stale_pages" in investigated and not lines:
         lines += ("No start-up's KV pool was below its context length on a role that serves a prompt past it (audit "
                   "check 1).",)
+    if "stale_pages" in investigated and audit is not None:
+        lines += _unexposed_notes(audit)
     if "prefix_reuse" in investigated:
         paths = _prefix_paths(con)
         lines += paths or ("No start-up had a path across tenants' prefix-cache namespaces (audit check 6).",)
     return lines
+
+
+def _unexposed_notes(audit: Any) -> tuple[str, ...]:
+    """Start-ups whose check 1 is neither a pass nor an exposure (a unified server whose pool is below its context,
+    a pool reading in doubt, a start-up the engine refused): what the audit says of each, grouped by sentence."""
+    groups: dict[tuple[str | None, str, str | None, str], list[str]] = {}
+    for v in audit.verdicts:
+        if v.check == 1 and v.status in ("unknown", "not_applicable") and not v.exposed:
+            groups.setdefault((v.model, v.role, v.engine, v.detail), []).append(v.instance)
+    return tuple(f"{model or 'model unknown'} on {words(dict.fromkeys(instances))} ({role}"
+                 f"{', ' + engine if engine else ''}): {detail} (audit check 1: not exposed)."
+                 for (model, role, engine, detail), instances in groups.items())
 
 
 def _prefix_paths(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
@@ -146,10 +160,10 @@ def _operator_checks(audit: Any) -> tuple[str, ...]:
     for check in sorted({v.check for v in audit.verdicts if v.status == "fail"}):
         failing = [v for v in audit.verdicts if v.check == check and v.status == "fail"]
         live = sum(1 for v in failing if v.in_force)
-        instances = words(sorted({v.instance for v in failing})[:5]) + (
-            f" and {len({v.instance for v in failing}) - 5:,} more" if len({v.instance for v in failing}) > 5 else "")
-        out.append(f"Check {check} ({failing[0].check_name}) fails on {plural(len(failing), 'start-up')} of "
-                   f"{instances}, {live:,} still in force: the audit table below says what to set.")
+        names = sorted({v.instance for v in failing})
+        instances = (", ".join(names[:5]) + f" and {len(names) - 5:,} more") if len(names) > 5 else words(names)
+        out.append(f"Check {check}, {failing[0].check_name}: fails on {plural(len(failing), 'start-up')} "
+                   f"({instances}), {live:,} still in force; the audit table below says what to set.")
     return tuple(out)
 
 
@@ -163,7 +177,10 @@ def _possible_bases(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
                                for t in tables if t in with_basis)
     if not union:
         return ()
-    rows = con.execute(f"""SELECT basis, count(DISTINCT affected_request_id), count(DISTINCT source_account_id)
+    # the accounts counted are those notified as possibly exposed (not the recipient, not a confirmed source)
+    rows = con.execute(f"""SELECT basis, count(DISTINCT affected_request_id),
+                                  count(DISTINCT source_account_id) FILTER (WHERE source_account_id IN (
+                                      SELECT account_id FROM notifications WHERE role = 'data_exposed_possible'))
                            FROM ({union}) GROUP BY basis ORDER BY basis""").fetchall()
     return tuple(f"{plural(n, 'affected response')}: {POSSIBLE_BASES.get(b, b)} ({plural(k, 'account')})"
                  for b, n, k in rows)
@@ -172,7 +189,7 @@ def _possible_bases(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
 def incident_story(con: duckdb.DuckDBPyConnection, incident: Incident, s: dict[str, Any], mechanisms: list[Any],
                    rules: list[dict[str, Any]], audit: Any) -> Story:
     facts = incident_facts(con, incident)
-    return Story(nature=_nature(con, s, mechanisms), deployment=_deployment(con, {m.id for m in mechanisms}), findings=_findings(con, rules),
+    return Story(nature=_nature(con, s, mechanisms), deployment=_deployment(con, {m.id for m in mechanisms}, audit), findings=_findings(con, rules),
                  consequences=_consequences(s), measures=facts.measures, ended=facts.ended,
                  operator_checks=_operator_checks(audit) if audit.verdicts else (),
                  possible_bases=_possible_bases(con), notice_missing=facts.missing, provider=facts.provider,
