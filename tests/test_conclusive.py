@@ -333,7 +333,8 @@ def test_stage_commands_exit_3_and_verify_checks_the_verdict(tmp_path, capsys):
     report = (out / "report.html").read_text()
     assert report.index('id="inconclusive"') < report.index("<header>")
     notice = next((out / "notices").rglob("*.md")).read_text()
-    assert notice.startswith("> **Provisional:**")
+    # a draft says so first (no [notice] in the mini incident), then that it is provisional
+    assert notice.startswith("> **DRAFT, not ready to send:**") and "\n> **Provisional:**" in notice
     code, _ = run(incident, out)
     assert code == 3 and main(["verify", str(out)]) == 0
     scope = json.loads((out / "scope.json").read_text())
