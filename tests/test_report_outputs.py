@@ -220,3 +220,17 @@ def test_the_timeline_and_account_views_read_the_evidence_database(variant_runs)
         assert charts.timeline_chart(con).to_dict()["vconcat"][0]["title"] == f"{affected} affected responses"
     finally:
         con.close()
+
+
+def test_an_inferred_version_is_said_once_with_its_basis_even_with_braces_in_it():
+    """Issue 27, observation 8: the inferred version's sentence was repeated on every timeline and start-up row; it
+    is said once per version and basis, and the basis is the parser's text, braces and all (an SGLang 0.5.20 log's
+    basis names a '{...}' feature)."""
+    from kvforensics.report.data import engine_label, version_notes
+
+    capacity = pd.DataFrame([
+        {"engine": "sglang", "engine_version": ">0.5.9,<0.5.20 (inferred: server_args={...})", "instance": i}
+        for i in ("p1", "p0", "p0")])
+    assert version_notes(capacity) == ["sglang >0.5.9,<0.5.20 on p0, p1, from server_args={...}"]
+    assert engine_label("sglang", ">0.5.9,<0.5.20 (inferred: server_args={...})") == "sglang >0.5.9,<0.5.20 (inferred)"
+    assert engine_label("vllm", None) == "vllm, version unknown"

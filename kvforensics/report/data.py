@@ -87,14 +87,16 @@ def engine_label(engine: Any, version: Any, source: Any = None) -> str:
 
 def version_notes(capacity: pd.DataFrame) -> list[str]:
     """Each distinct inferred engine version with the format features it was inferred from, once."""
-    notes: dict[str, list[str]] = {}
+    notes: dict[tuple[str, str], list[str]] = {}
     for rec in capacity.to_dict("records"):
         version = str(rec.get("engine_version") or "")
         if " (inferred" in version:
             basis = version.split(" (inferred", 1)[1].lstrip(":").strip().rstrip(")")
-            notes.setdefault(f"{rec.get('engine') or 'engine'} {version.split(' (', 1)[0]} on "
-                             "{instances}, from " + basis, []).append(str(rec["instance"]))
-    return [text.format(instances=", ".join(sorted(set(instances)))) for text, instances in sorted(notes.items())]
+            head = f"{rec.get('engine') or 'engine'} {version.split(' (', 1)[0]}"
+            notes.setdefault((head, basis), []).append(str(rec["instance"]))
+    # the inference basis is the parser's text (it may hold braces): joined, never formatted
+    return [f"{head} on {', '.join(sorted(set(instances)))}, from {basis}"
+            for (head, basis), instances in sorted(notes.items())]
 
 
 def _iso(value: Any) -> str | None:
