@@ -49,7 +49,8 @@ PYSPARK_VERSION = "4.3.0"
 DEFAULT_MASTER = "local[2]"
 #: Canonical tables the rules and scripts read, as ingest leaves them.
 CANONICAL_TABLES = ("requests", "capacity", "engine_events", "content_fingerprints", "content_stats",
-                    "account_patterns", "request_blocks", "kv_events", "prefix_windows", "prefix_shared_namespaces")
+                    "account_patterns", "request_blocks", "kv_events", "prefix_windows", "prefix_shared_namespaces",
+                    "exposure_windows")
 #: Tables detect writes that the scope scripts read.
 DETECT_TABLES = ("latency_model", "findings", "request_tiers")
 
