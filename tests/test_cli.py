@@ -171,3 +171,18 @@ def test_help_says_what_the_tool_is_its_commands_and_exit_codes_in_whole_sentenc
     exit_codes = parser.epilog[parser.epilog.index("Exit codes:"):]
     for code in (0, 1, 2, EXIT_INCONCLUSIVE, EXIT_PIPE_CLOSED):
         assert f" {code} " in exit_codes, code
+
+
+def test_absurd_timings_are_drawn_at_the_edge_of_the_scatter(tmp_path):
+    """A subnormal TTFT (a logging fault) once asked the log axis for 300 decades and stopped vl-convert: the scatter
+    draws such points at its edge and says what they were (found by test_pipeline_properties)."""
+    from conftest import mini_requests, write_mini
+
+    rows = mini_requests()
+    rows[3]["ttft_ms"], rows[4]["ttft_ms"] = 2.2250738585e-313, 1e300
+    out = tmp_path / "out"
+    assert main(["run", str(write_mini(tmp_path / "data", rows)), "--out", str(out), "--quiet", "--no-pdf"]) in (0, 3)
+    html = (out / "report.html").read_text()
+    assert "<svg" in html and "drawn at the edge" in html
+    # a TTFT beyond 1e12 ms (31 years) is quarantined, not added to a timestamp (which overflowed)
+    assert "ttft_ms is out of range (over 1e12 ms)" in (out / "quarantine.csv").read_text()

@@ -142,7 +142,21 @@ def _random_tables(seed: int) -> dict[str, list[dict]]:
                                "source_line": i})
     patterns = [{"pattern": "int-*", "account_class": "internal", "priority": 2},
                 {"pattern": "int-2", "account_class": "reporter", "priority": 1}]
-    return {"account_patterns": patterns, "requests": requests, "request_blocks": blocks, "kv_events": events}
+    # start-ups whose paths across tenants bound the rules: i1 isolated in its first minutes, then an instance
+    # whose own cache crosses tenants or a store dropping the salt; i0 judged on half the seeds only (a hit on
+    # an instance no start-up covers opens every path)
+    windows = []
+    cut = start + timedelta(minutes=rnd.randint(2, 9))
+    for instance, frm, to, reach in (("i1", None, cut, "none"),
+                                     ("i1", cut, None, rnd.choice(["local", "shared_store", "any", "collision"]))):
+        windows.append({"instance": instance, "valid_from": frm and frm.isoformat(), "valid_to": to and to.isoformat(),
+                        "path": "t", "reach": reach, "status": "fail", "sentence": "t"})
+    if seed % 2:
+        windows.append({"instance": "i0", "valid_from": None, "valid_to": None, "path": "t",
+                        "reach": rnd.choice(["local", "shared_store", "none"]), "status": "fail", "sentence": "t"})
+    namespaces = [{"pattern": "s3"}] if seed % 3 == 0 else []
+    return {"account_patterns": patterns, "requests": requests, "request_blocks": blocks, "kv_events": events,
+            "prefix_windows": windows, "prefix_shared_namespaces": namespaces}
 
 
 def test_random_tables_give_the_reference_rows():

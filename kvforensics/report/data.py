@@ -177,15 +177,25 @@ def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.Da
     return df
 
 
+MIN_DRAWN_MS, MAX_DRAWN_MS = 0.001, 1e10
+
+
 def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]]:
     """Per model with affected responses: request points, pool limits and the prefill curve."""
     out = {}
     models = [r[0] for r in con.execute(
         "SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall()]
     for model in models:
-        requests = """
-            SELECT q.request_id, q.account_id, q.prompt_tokens, coalesce(q.ttft_ms, q.latency_ms) AS observed_ms,
-                   CASE WHEN q.ttft_ms IS NOT NULL THEN 'ttft' ELSE 'e2e latency' END AS measure,
+        requests = f"""
+            SELECT q.request_id, q.account_id, q.prompt_tokens,
+                   -- drawn on a log axis between 1 us and about four months: a subnormal or absurd timing (a
+                   -- logging fault) would otherwise ask the axis for hundreds of decades and stop the renderer
+                   least(greatest(coalesce(q.ttft_ms, q.latency_ms), {MIN_DRAWN_MS}), {MAX_DRAWN_MS}) AS observed_ms,
+                   CASE WHEN q.ttft_ms IS NOT NULL THEN 'ttft' ELSE 'e2e latency' END
+                   || CASE WHEN coalesce(q.ttft_ms, q.latency_ms) < {MIN_DRAWN_MS}
+                                OR coalesce(q.ttft_ms, q.latency_ms) > {MAX_DRAWN_MS}
+                           THEN ' (' || CAST(coalesce(q.ttft_ms, q.latency_ms) AS VARCHAR) || ' ms, drawn at the edge)'
+                           ELSE '' END AS measure,
                    coalesce(t.confidence, 'not flagged') AS confidence
             FROM analysed_requests q LEFT JOIN request_tiers t USING (request_id)
             WHERE q.model = $m AND q.status BETWEEN 200 AND 299 AND coalesce(q.ttft_ms, q.latency_ms) > 0"""

@@ -144,6 +144,12 @@ FROM (SELECT
             THEN 'ttft_ms is not a non-negative number: ''' || left(CAST(ttft_ms_raw AS VARCHAR), 40) || ''''
         WHEN latency_ms_raw IS NOT NULL AND (latency_num IS NULL OR latency_num < 0 OR isnan(latency_num) OR isinf(latency_num))
             THEN 'latency_ms is not a non-negative number: ''' || left(CAST(latency_ms_raw AS VARCHAR), 40) || ''''
+        -- 1e12 ms is 31 years: beyond it a timing is a logging fault, and the time arithmetic that adds it to a
+        -- timestamp would overflow
+        WHEN ttft_num > 1e12
+            THEN 'ttft_ms is out of range (over 1e12 ms): ''' || left(CAST(ttft_ms_raw AS VARCHAR), 40) || ''''
+        WHEN latency_num > 1e12
+            THEN 'latency_ms is out of range (over 1e12 ms): ''' || left(CAST(latency_ms_raw AS VARCHAR), 40) || ''''
     END AS reason,
     coalesce(request_id_t, trim(request_id_raw)) AS request_id,
     ts_utc AS ts,

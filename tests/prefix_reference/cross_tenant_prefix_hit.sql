@@ -37,7 +37,9 @@ WITH internal AS (
            e.ts AS sender_ts,
            CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
                 THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
+           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL
+                  OR EXISTS (SELECT 1 FROM prefix_shared_namespaces n
+                             WHERE {{ glob_match(e.cache_salt, n.pattern) }}) THEN 1 ELSE 0 END AS benign_send
     FROM reused u
     JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
     JOIN requests e ON e.request_id = eb.request_id
@@ -46,12 +48,37 @@ WITH internal AS (
 ), per_block AS (
     SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local, count(*) AS sends
     FROM sent GROUP BY request_id, position
+), paths AS (
+    -- the paths across tenants open on each hit's instance when it was served, written directly: a start-up's
+    -- window (prefix_windows) covering the hit; none (no start-up to judge) opens every path
+    SELECT h.request_id,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to) AND w.reach IN ('local', 'any'))
+                THEN 1 ELSE 0 END AS local_path,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to)
+                                   AND w.reach IN ('shared_store', 'any'))
+                THEN 1 ELSE 0 END AS store_path
+    FROM hits h
 ), stores AS (
-    SELECT s.request_id, s.position, s.sender_id, s.sender_account, s.local_send, b.any_local,
+    -- the earliest send on the requester's own cache when that cache crossed tenants (and no shared store is
+    -- assumed), else the earliest on any instance when a store dropping the salt could have served it
+    SELECT s.request_id, s.position, s.sender_id, s.sender_account,
+           CASE WHEN b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN 1 ELSE 0 END AS any_local,
            row_number() OVER (PARTITION BY s.request_id, s.position
                               ORDER BY s.sender_ts NULLS LAST, s.sender_id NULLS LAST) AS earliest
     FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
-    WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0 OR $shared_store)
+    JOIN paths p ON p.request_id = s.request_id
+    WHERE b.benign = 0 AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
+      AND (s.local_send = 1 OR NOT (b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store))
 ), foreign_blocks AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, max(position) AS last_position,
            count(DISTINCT sender_account) AS source_accounts, min(any_local) AS all_local
@@ -85,7 +112,8 @@ WITH internal AS (
            {{ json_object('basis', 'cached_tokens_only', 'cached_tokens', f.cached_tokens,
                           'accounts_with_this_hit_length', l.accounts) }} AS evidence
     FROM first_time f JOIN lengths l ON l.model = f.model AND l.cached_tokens = f.cached_tokens
-    WHERE l.accounts < $shared_length_accounts
+    JOIN paths p ON p.request_id = f.request_id
+    WHERE l.accounts < $shared_length_accounts AND (p.local_path = 1 OR p.store_path = 1)
       AND NOT EXISTS (SELECT 1 FROM strong s WHERE s.request_id = f.request_id)
 )
 SELECT request_id, strength, evidence FROM strong

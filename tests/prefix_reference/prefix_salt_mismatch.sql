@@ -38,7 +38,9 @@ WITH internal AS (
            e.request_id AS sender_id,
            CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
                 THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
+           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL
+                  OR EXISTS (SELECT 1 FROM prefix_shared_namespaces n
+                             WHERE {{ glob_match(e.cache_salt, n.pattern) }}) THEN 1 ELSE 0 END AS benign_send
     FROM reused u
     JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
     JOIN requests e ON e.request_id = eb.request_id
@@ -53,11 +55,32 @@ WITH internal AS (
                                             s.sender_id NULLS LAST) AS pick
     FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
     WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0 OR $shared_store)
+), paths AS (
+    -- the paths across tenants open on each hit's instance when it was served, written directly: a start-up's
+    -- window (prefix_windows) covering the hit; none (no start-up to judge) opens every path
+    SELECT h.request_id,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to) AND w.reach IN ('local', 'any'))
+                THEN 1 ELSE 0 END AS local_path,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to)
+                                   AND w.reach IN ('shared_store', 'any'))
+                THEN 1 ELSE 0 END AS store_path
+    FROM hits h
 ), by_request_salt AS (
     SELECT u.request_id, count(*) AS blocks, min(u.position) AS first_position, 1 AS priority,
            'request_salt' AS basis
     FROM reused u JOIN stores s ON s.request_id = u.request_id AND s.position = u.position AND s.pick = 1
-    WHERE s.sender_salt IS DISTINCT FROM u.cache_salt
+    JOIN paths p ON p.request_id = u.request_id
+    WHERE s.sender_salt IS DISTINCT FROM u.cache_salt AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
     GROUP BY u.request_id
 ), event_stores AS (
     SELECT u.request_id, u.position,
@@ -70,9 +93,11 @@ WITH internal AS (
                                                   AND b.benign = 1)
     GROUP BY u.request_id, u.position
 ), by_event_salt AS (
-    SELECT request_id, count(*) AS blocks, min(position) AS first_position, 2 AS priority, 'kv_event_salt' AS basis
-    FROM event_stores WHERE same_salt = 0 AND other_salt = 1
-    GROUP BY request_id
+    SELECT e.request_id, count(*) AS blocks, min(e.position) AS first_position, 2 AS priority,
+           'kv_event_salt' AS basis
+    FROM event_stores e JOIN paths p ON p.request_id = e.request_id
+    WHERE same_salt = 0 AND other_salt = 1 AND (p.local_path = 1 OR p.store_path = 1)
+    GROUP BY e.request_id
 ), found AS (
     SELECT * FROM by_request_salt
     UNION ALL SELECT * FROM by_event_salt

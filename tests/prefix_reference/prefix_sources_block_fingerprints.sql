@@ -21,7 +21,9 @@ WITH flagged AS (
     SELECT u.request_id, u.position, e.request_id AS sender_id, e.account_id AS sender_account, e.ts AS sender_ts,
            CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
                 THEN 1 ELSE 0 END AS local_send,
-           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL THEN 1 ELSE 0 END AS benign_send
+           CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL
+                  OR EXISTS (SELECT 1 FROM prefix_shared_namespaces n
+                             WHERE {{ glob_match(e.cache_salt, n.pattern) }}) THEN 1 ELSE 0 END AS benign_send
     FROM reused u
     JOIN request_blocks eb ON eb.chain_fp = u.chain_fp AND eb.position = u.position
     JOIN requests e ON e.request_id = eb.request_id
@@ -30,12 +32,39 @@ WITH flagged AS (
 ), per_block AS (
     SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local
     FROM sent GROUP BY request_id, position
+), hit_requests AS (
+    SELECT DISTINCT request_id, ts, prefill_instance FROM reused
+), paths AS (
+    -- the paths across tenants open on the recipient's instance when it was served (prefix_windows); no
+    -- start-up to judge opens every path
+    SELECT h.request_id,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to) AND w.reach IN ('local', 'any'))
+                THEN 1 ELSE 0 END AS local_path,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
+                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to)
+                                   AND w.reach IN ('shared_store', 'any'))
+                THEN 1 ELSE 0 END AS store_path
+    FROM hit_requests h
 ), stores AS (
+    -- the earliest send on the recipient's own cache when that cache crossed tenants, else the earliest on
+    -- any instance of the model; a response attributed by its shared-store loads is not attributed here
     SELECT s.request_id, s.position, s.sender_id, s.sender_account, 'block_fingerprints' AS basis,
            row_number() OVER (PARTITION BY s.request_id, s.position
                               ORDER BY s.sender_ts NULLS LAST, s.sender_id NULLS LAST) AS earliest
     FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
-    WHERE b.benign = 0 AND (s.local_send = 1 OR b.any_local = 0)
+    JOIN paths p ON p.request_id = s.request_id
+    WHERE b.benign = 0 AND (p.local_path = 1 OR p.store_path = 1)
+      AND (s.local_send = 1 OR NOT (b.any_local = 1 AND p.local_path = 1))
+      AND s.request_id NOT IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
 ), chosen AS (
     SELECT request_id, position, sender_id, sender_account, basis FROM stores WHERE earliest = 1
 ), runs AS (
