@@ -33,6 +33,7 @@ SHARED_STORE = (False, True)
 
 def _reference_rows(con: duckdb.DuckDBPyConnection, name: str, params: dict) -> list[tuple]:
     text = (REFERENCE / f"{name}.sql").read_text(encoding="utf-8")
+    text = text.replace("{{ direct_paths }}", (REFERENCE / "paths.sql").read_text(encoding="utf-8"))
     used = used_parameters(text)
     return sorted(con.execute(render(text, "duckdb"), {k: v for k, v in params.items() if k in used} or None)
                   .fetchall(), key=repr)

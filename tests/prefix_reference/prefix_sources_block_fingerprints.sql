@@ -32,28 +32,11 @@ WITH flagged AS (
 ), per_block AS (
     SELECT request_id, position, max(benign_send) AS benign, max(local_send) AS any_local
     FROM sent GROUP BY request_id, position
-), hit_requests AS (
+), hits AS (
     SELECT DISTINCT request_id, ts, prefill_instance FROM reused
 ), paths AS (
-    -- the paths across tenants open on the recipient's instance when it was served (prefix_windows); no
-    -- start-up to judge opens every path
-    SELECT h.request_id,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
-                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
-                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
-                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
-                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
-                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to) AND w.reach IN ('local', 'any'))
-                THEN 1 ELSE 0 END AS local_path,
-           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
-                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
-                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to))
-                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = h.prefill_instance
-                                   AND (w.valid_from IS NULL OR w.valid_from <= h.ts)
-                                   AND (w.valid_to IS NULL OR h.ts < w.valid_to)
-                                   AND w.reach IN ('shared_store', 'any'))
-                THEN 1 ELSE 0 END AS store_path
-    FROM hit_requests h
+    -- tests/prefix_reference/paths.sql
+    {{ direct_paths }}
 ), stores AS (
     -- the earliest send on the recipient's own cache when that cache crossed tenants, else the earliest on
     -- any instance of the model; a response attributed by its shared-store loads is not attributed here
