@@ -4,17 +4,23 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-$(BIN)/kvforensics: pyproject.toml
+# The main job needs the runtime dependencies only; the tests add their own, Spark (the parity tests) and the
+# linters (the extras test, spark and dev).
+$(VENV)/.runtime-installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[test,spark]'
+	$(BIN)/pip install -q -e .
 	touch $@
 
-setup: $(BIN)/kvforensics
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.runtime-installed
+	$(BIN)/pip install -q -e '.[test,spark,dev]'
+	touch $@
+
+setup: $(VENV)/.runtime-installed
 
 sample: setup
 	$(BIN)/kvforensics run data/sample/incident.toml --out reports/sample
 
-test: setup
+test: $(VENV)/.test-installed
 	$(BIN)/python -m pytest -q -n 2
 
 # JupyterLab on the notebooks, at http://$(LAB_IP):$(LAB_PORT). In a container: `make lab LAB_IP=0.0.0.0` to reach
