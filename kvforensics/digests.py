@@ -1,11 +1,13 @@
 """The digests a manifest records and ``kvforensics verify`` takes again: every output file, every table.
 
 Output files are hashed byte for byte; the evidence database is hashed per table (its column names and
-its rows in a canonical order), because the file's bytes change whenever it is opened.
+its rows as a multiset: in a canonical order, or summed order-independently), because the file's bytes
+change whenever it is opened.
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import hashlib
 import itertools
@@ -35,10 +37,23 @@ _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums 
 # How `tables` digests are taken (recorded in the manifest as `table_digest`): "rows-v2" hashes each row
 # in DuckDB (a JSON array of its values: timestamps as epoch microseconds, floats to 12 significant
 # digits) and the table as the SHA-256 of its column names and its rows' hashes in sorted order, so the
-# database does the work on every core; "rows-v1" (manifests without `table_digest`) renders every row
-# in Python, in the table's sorted order.
+# database does the work on every core; "rows-v3" sums the same row hashes, expanded to LtHash lanes, in
+# one pass without a sort (``_table_digest_v3``); "rows-v1" (manifests without `table_digest`) renders
+# every row in Python, in the table's sorted order. `kvforensics run` writes rows-v2: rows-v3 takes about
+# 30 times as long on two cores (benchmarks/README.md, 2026-12-05); verify checks all three.
 TABLE_DIGEST = "rows-v2"
-TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST)
+TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST, "rows-v3")
+# what each method is and what it resists, as the manifest states it (`table_digest_construction`)
+TABLE_DIGEST_CONSTRUCTIONS = {
+    "rows-v1": "SHA-256 of the column names and of every row rendered as JSON, in sorted order: "
+               "128-bit collision resistance (SHA-256)",
+    "rows-v2": "SHA-256 of the column names and of the rows' SHA-256 hashes in sorted order: "
+               "128-bit collision resistance (SHA-256)",
+    "rows-v3": "LtHash16 (Lewi, Kim, Maykov, Weis 2019; Bellare-Micciancio): 1024 16-bit lanes of MGF1-SHA-256 "
+               "of each row's SHA-256, summed exactly in 64 bits, then SHA-256 with the column names; at least "
+               "200 bits against multiset collisions by its authors' estimate (random oracle model), 128 bits "
+               "overall (the rows' SHA-256)",
+}
 _HASH_BATCH = 1_000_000
 _HASH_BYTES = 32  # a row hash, as sorted and as written to the bucket files
 _BUCKET_BYTES = 32 * 2 ** 20  # a bucket's row hashes are sorted in memory when they are at most this
@@ -60,8 +75,11 @@ def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST, ro
     names = [r[0] for r in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
         "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
-    if method != TABLE_DIGEST:
+    if method == "rows-v1":
         return {name: _table_digest_v1(con, name) for name in names}
+    if method == "rows-v3":
+        with memory_set_aside(con, V3_MEMORY):
+            return {name: _table_digest_v3(con, name) for name in names}
     with memory_set_aside(con, DIGEST_MEMORY), _Buckets(
             _spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets:
         return {name: _table_digest_v2(con, name, buckets, rows_per_pass) for name in names}
@@ -79,18 +97,13 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
     the free disk of the spill folder hold) is read in several passes, each over one range of the row
     hashes' first four hex digits, so that the disk holds one pass's hashes (32 bytes a row, exactly);
     each pass hashes every row again: time for disk."""
-    columns = con.execute(
-        """SELECT column_name, data_type FROM information_schema.columns
-           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
-           ORDER BY ordinal_position""", {"t": name}).fetchall()
-    values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
-    hashed = f"SELECT unhex(sha256(json_array({values}))) AS h FROM {_quoted(name)}"
+    columns, hashed = _row_hashes(con, name)
     total = con.execute(f"SELECT count(*) FROM {_quoted(name)}").fetchall()[0][0]
     passes = max(1, min(_PREFIXES, -(-total // (rows_per_pass or _rows_per_pass(con)))))
     bounds = [_PREFIXES * i // passes for i in range(passes + 1)]
     h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
     rows = 0
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
         ranged = hashed if passes == 1 else (f"SELECT h FROM ({hashed}) AS r WHERE h >= unhex('{lo:04x}')"
                                              + (f" AND h < unhex('{hi:04x}')" if hi < _PREFIXES else ""))
         batches = (_rows_of(b.column(0)) for b in con.sql(ranged).to_arrow_reader(_HASH_BATCH))
@@ -98,6 +111,49 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
             for at in range(0, len(sorted_rows), _HEX_ROWS):
                 h.update(_hex_lines(sorted_rows[at:at + _HEX_ROWS]))
             rows += len(sorted_rows)
+    return {"rows": rows, "sha256": h.hexdigest()}
+
+
+def _row_hashes(con: duckdb.DuckDBPyConnection, name: str) -> tuple[list[tuple[str, str]], str]:
+    """A table's columns (name, type) and the query of its rows' hashes (``h``: the SHA-256 of the row as
+    a JSON array of its canonical values, 32 bytes), which rows-v2 sorts and rows-v3 sums."""
+    columns = con.execute(
+        """SELECT column_name, data_type FROM information_schema.columns
+           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
+           ORDER BY ordinal_position""", {"t": name}).fetchall()
+    values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
+    return columns, f"SELECT unhex(sha256(json_array({values}))) AS h FROM {_quoted(name)}"
+
+
+# rows-v3: LtHash16 with the parameters of Lewi, Kim, Maykov and Weis, "Securing update propagation with
+# homomorphic hashing" (2019, https://eprint.iacr.org/2019/227): 1024 lanes of 16 bits, each row's lanes
+# the output of an extendable-output hash. Here that is MGF1 with SHA-256 (RFC 8017, B.2.1) of the row's
+# SHA-256: 64 blocks SHA-256(h || 4-byte big-endian counter), computed by DuckDB on every core, read as
+# little-endian 16-bit lanes. The lanes are summed exactly in 64 bits rather than modulo 2^16, so every
+# collision here is one of LtHash16 too, and a row repeated 2^16 times does not wrap to none.
+_LTHASH_LANES = 1024
+_XOF_BLOCKS = _LTHASH_LANES * 2 // _HASH_BYTES  # SHA-256 blocks a row's lanes take
+_V3_BATCH = 8192  # rows a batch: 64 hex digests of 64 characters each, 32 MB
+V3_MEMORY = _V3_BATCH * _XOF_BLOCKS * 64 * 2  # an Arrow batch of hex digests and one column decoded
+_V3_DOMAIN = b"kvforensics rows-v3 LtHash16 1024 MGF1-SHA-256\n"
+
+
+def _table_digest_v3(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
+    """rows-v3 of one table, in one streaming pass: the sum of its rows' LtHash lanes, which depends on
+    the rows as a multiset (a duplicated row counts twice) and never on their order; the digest is the
+    SHA-256 of the column names and the 1024 sums."""
+    columns, hashed = _row_hashes(con, name)
+    blocks = ", ".join(f"sha256(h || '\\x00\\x00\\x00\\x{j:02x}'::BLOB) AS x{j}" for j in range(_XOF_BLOCKS))
+    lanes = np.zeros(_LTHASH_LANES, dtype=np.uint64)
+    per_block = _LTHASH_LANES // _XOF_BLOCKS
+    rows = 0
+    for batch in con.sql(f"SELECT {blocks} FROM ({hashed}) AS r").to_arrow_reader(_V3_BATCH):
+        for j, column in enumerate(batch.columns):  # block j of every row of the batch: lanes 16j to 16j+15
+            decoded = np.frombuffer(binascii.unhexlify(_fixed_width(column, 2 * _HASH_BYTES)), dtype="<u2")
+            lanes[j * per_block:(j + 1) * per_block] += decoded.reshape(-1, per_block).sum(axis=0, dtype=np.uint64)
+        rows += batch.num_rows
+    h = hashlib.sha256(_V3_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
+    h.update(lanes.astype("<u8").tobytes())
     return {"rows": rows, "sha256": h.hexdigest()}
 
 
@@ -154,7 +210,7 @@ class _Buckets:
                 part = ((chunk - lo) * parts // (hi - lo)).astype(np.uint8)  # parts <= 256: a radix sort
                 ends = np.cumsum(np.bincount(part, minlength=parts))
                 grouped = _taken(batch, np.argsort(part, kind="stable"))
-                for j, (start, end) in enumerate(zip((0, *ends[:-1]), ends)):
+                for j, (start, end) in enumerate(zip((0, *ends[:-1]), ends, strict=True)):
                     if end > start:
                         files[j].write(grouped[start:end].tobytes())
                         counts[j] += int(end - start)
@@ -217,16 +273,24 @@ def _rows_per_pass(con: duckdb.DuckDBPyConnection) -> int:
 
 def _rows_of(column: pa.Array) -> np.ndarray:
     """A binary column of 32-byte digests as an (n, 32) uint8 array."""
+    return _fixed_width(column, _HASH_BYTES)
+
+
+def _fixed_width(column: pa.Array, width: int) -> np.ndarray:
+    """A binary or string column whose values are all ``width`` bytes as an (n, width) uint8 array."""
     n = len(column)
     if n == 0:
-        return np.empty((0, _HASH_BYTES), dtype=np.uint8)
-    offsets_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+        return np.empty((0, width), dtype=np.uint8)
+    if column.null_count or not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+                                 or pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ValueError(f"a digest column of {column.type} with {column.null_count} nulls")
+    offsets_type = np.int64 if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type) \
+        else np.int32
     _, offsets, data = column.buffers()
     ends = np.frombuffer(offsets, dtype=offsets_type, count=column.offset + n + 1)[column.offset:]
-    if ends[-1] - ends[0] != _HASH_BYTES * n:
-        raise ValueError("a row hash is not 32 bytes")
-    return np.frombuffer(data, dtype=np.uint8, count=int(ends[-1] - ends[0]),
-                         offset=int(ends[0])).reshape(n, _HASH_BYTES)
+    if ends[-1] - ends[0] != width * n:
+        raise ValueError(f"a digest is not {width} bytes")
+    return np.frombuffer(data, dtype=np.uint8, count=int(ends[-1] - ends[0]), offset=int(ends[0])).reshape(n, width)
 
 
 def _hex_lines(rows: np.ndarray) -> bytes:

@@ -18,7 +18,7 @@ import duckdb
 from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.detect import load_rules
-from kvforensics.digests import TABLE_DIGEST, output_digests, table_digests
+from kvforensics.digests import TABLE_DIGEST, TABLE_DIGEST_CONSTRUCTIONS, output_digests, table_digests
 from kvforensics.escaping import csv_cell
 from kvforensics.loaders.textio import file_digest
 from kvforensics.scope import ScopeResult, iso
@@ -164,6 +164,7 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         "outputs": output_digests(out),
         "tables": table_digests(con),
         "table_digest": TABLE_DIGEST,  # how `tables` was taken (kvforensics/digests.py)
+        "table_digest_construction": TABLE_DIGEST_CONSTRUCTIONS[TABLE_DIGEST],  # and what it resists
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest

@@ -7,8 +7,9 @@
   lists must be there unchanged, a file it does not list must not (a folder ``kvforensics scope`` wrote holds no
   report or notices, and its manifest lists none);
 * re-hashes every input against the manifest's ``inputs``;
-* hashes every table of the evidence database (its rows in a canonical order, not the file's bytes, which change
-  on open) against the manifest's ``tables``;
+* hashes every table of the evidence database (its rows as a multiset, by the method the manifest's
+  ``table_digest`` names: rows-v2 sorted, rows-v3 summed as LtHash; not the file's bytes, which change on open)
+  against the manifest's ``tables``;
 * re-runs detection and scope on a scratch copy of the evidence database and compares every table they write,
   every figure of scope.json, every row of the CSVs and every notice with what the folder holds, and re-renders
   report.md and report.html from it (with the time they state they were generated) and compares them byte for

@@ -329,7 +329,7 @@ def test_a_table_sorted_in_passes_over_ranges_of_row_hashes_has_the_digest_of_on
 def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_bits() -> None:
     rows = [("a", "2026-08-28T10:00:00Z", 0.1 + 0.2, ["x"]), ("b", "2026-08-28T11:00:00+02:00", None, None),
             ("c", None, float("inf"), [])]
-    for method in ("rows-v1", "rows-v2"):
+    for method in ("rows-v1", "rows-v2", "rows-v3"):
         base = _digest_of(rows, method)
         assert base["rows"] == 3
         assert _digest_of(rows[::-1], method) == base
@@ -338,6 +338,9 @@ def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_
                         ("a", "2026-08-28T10:00:00Z", 0.3, ["y"]), ("A", "2026-08-28T10:00:00Z", 0.3, ["x"])):
             assert _digest_of([changed, *rows[1:]], method)["sha256"] != base["sha256"], (method, changed)
         assert _digest_of([*rows, rows[0]], method)["sha256"] != base["sha256"]  # a duplicated row counts
+        assert _digest_of(rows[1:], method)["sha256"] != base["sha256"]  # so does a deleted one
+        # a row deleted and another duplicated: as many rows, another multiset
+        assert _digest_of([*rows[:2], rows[0]], method)["sha256"] != base["sha256"]
 
 
 def test_a_manifest_of_an_earlier_version_is_checked_with_the_digests_it_recorded(out: Path) -> None:
@@ -371,3 +374,90 @@ def test_an_edited_report_with_its_hash_fixed_in_an_unsigned_manifest_is_caught(
     assert "output changed since the run" not in "\n".join(printed)
     assert ("note: manifest.json.sig was not checked: the folder is signed, but who signed it is only checked with "
             "--allowed-signers (and --identity)") in printed
+
+
+def _lthash_reference(con: duckdb.DuckDBPyConnection, table: str, columns: list[str], values: str) -> str:
+    """rows-v3 as its definition reads, row by row in Python: each row's SHA-256 expanded by MGF1-SHA-256
+    (RFC 8017) to 1024 little-endian 16-bit lanes, the lanes summed as integers."""
+    lanes = np.zeros(1024, dtype=np.uint64)
+    for (row_hash,) in con.execute(f"SELECT sha256(json_array({values})) FROM {table}").fetchall():
+        seed = bytes.fromhex(row_hash)
+        stream = b"".join(hashlib.sha256(seed + j.to_bytes(4, "big")).digest() for j in range(64))
+        lanes += np.frombuffer(stream, dtype="<u2").astype(np.uint64)
+    return hashlib.sha256(b"kvforensics rows-v3 LtHash16 1024 MGF1-SHA-256\n" + json.dumps(columns).encode()
+                          + b"\n" + lanes.astype("<u8").tobytes()).hexdigest()
+
+
+def test_a_rows_v3_digest_is_ltHash16_of_the_row_hashes_whatever_the_batches(monkeypatch) -> None:
+    import kvforensics.digests as digests
+
+    rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(60)]
+    rows += [rows[3]] * 5
+    con = connect(memory_limit="1GB")
+    con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
+    expected = _lthash_reference(con, "t", ["id", "ts", "ms", "tags"], """id, epoch_us(ts), CASE WHEN ms IS NULL
+        THEN NULL WHEN isfinite(ms) THEN printf('%.12g', ms) ELSE CAST(ms AS VARCHAR) END, tags""")
+    for batch in (1, 7, 8192):
+        monkeypatch.setattr(digests, "_V3_BATCH", batch)
+        assert table_digests(con, "rows-v3")["t"] == {"rows": 65, "sha256": expected}, batch
+    con.execute("CREATE TABLE empty (id VARCHAR)")
+    assert table_digests(con, "rows-v3")["empty"]["rows"] == 0
+
+
+def test_a_row_repeated_2_to_the_16_times_does_not_vanish_from_a_rows_v3_digest() -> None:
+    """LtHash16 sums its lanes modulo 2^16: 65,536 copies of one row would hash as 65,536 copies of any other
+    (each lane times 2^16 is 0). rows-v3 sums them exactly, so the two tables differ."""
+    con = connect()
+    for name, value in (("a", "x"), ("b", "y")):
+        con.execute(f"CREATE TABLE {name} AS SELECT '{value}' AS v FROM range(65536)")
+    digests = table_digests(con, "rows-v3")
+    assert digests["a"]["rows"] == digests["b"]["rows"] == 65536
+    assert digests["a"]["sha256"] != digests["b"]["sha256"]
+
+
+def _record_tables(out: Path, method: str) -> None:
+    """The manifest of a folder with its tables digested by *method*, as a run writing that method records them."""
+    from kvforensics.digests import TABLE_DIGEST_CONSTRUCTIONS
+
+    con = connect(out / "evidence.duckdb", read_only=True)
+    tables = table_digests(con, method)
+    con.close()
+    edit_json(out / "manifest.json", lambda m: m.update(
+        tables=tables, table_digest=method, table_digest_construction=TABLE_DIGEST_CONSTRUCTIONS[method]))
+
+
+@pytest.mark.parametrize("method", ["rows-v2", "rows-v3"])
+def test_a_manifest_of_either_digest_verifies_and_a_row_changed_deleted_or_duplicated_is_caught(out: Path,
+                                                                                              method: str) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["table_digest"] == "rows-v2" and "SHA-256" in manifest["table_digest_construction"]
+    _record_tables(out, method)
+    assert verify(out) == []
+    pristine = out.parent / "pristine.duckdb"
+    shutil.copyfile(out / "evidence.duckdb", pristine)
+    for tamper in ("UPDATE findings SET strength = strength || 'x' WHERE rowid = (SELECT min(rowid) FROM findings)",
+                   "DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)",
+                   "INSERT INTO findings SELECT * FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)"):
+        shutil.copyfile(pristine, out / "evidence.duckdb")
+        con = duckdb.connect(str(out / "evidence.duckdb"))
+        con.execute(tamper)
+        con.execute("CHECKPOINT")
+        con.close()
+        findings = [p for p in verify(out) if "table findings" in p]
+        assert any("the manifest records" in p for p in findings), (method, tamper, findings)
+
+
+def test_the_rows_of_a_table_written_again_in_another_order_still_verify_under_rows_v3(out: Path) -> None:
+    _record_tables(out, "rows-v3")
+    con = duckdb.connect(str(out / "evidence.duckdb"))
+    before = con.execute("SELECT * FROM findings").fetchall()
+    con.execute("CREATE TABLE shuffled AS SELECT * FROM findings ORDER BY rowid DESC")
+    con.execute("DELETE FROM findings")
+    con.execute("INSERT INTO findings SELECT * FROM shuffled")
+    con.execute("DROP TABLE shuffled")
+    con.execute("CHECKPOINT")
+    after = con.execute("SELECT * FROM findings").fetchall()
+    con.close()
+    assert sorted(after) == sorted(before) and after != before  # the same rows, stored in another order
+    assert verify(out) == []
