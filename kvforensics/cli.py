@@ -25,8 +25,9 @@ into DuckDB, detect the affected responses, scope who is affected and write the
 report. 'kvforensics run incident.toml --out DIR' does every step; ingest,
 detect, scope and report each do one on the same folder."""
 EPILOG = f"""\
-Also: audit checks deployments for exposure (no incident needed), verify
-re-derives an output folder, simulate writes a synthetic incident. See
+Also: audit checks deployments for exposure (no incident needed), watch
+follows the sources as they grow and alerts, verify re-derives an output
+folder, simulate writes a synthetic incident. See
 'kvforensics COMMAND -h' for each command's options.
 
 Exit codes: 0 done; 1 audit found an exposure, or verify a difference; 2 could
@@ -190,6 +191,37 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return report.exit_code_now if args.now else report.exit_code
 
 
+def cmd_watch(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvforensics.config import load_incident
+    from kvforensics.errors import ConfigError
+    from kvforensics.watch import Watch, WatchOptions
+
+    if args.interval <= 0 or args.silence <= 0:
+        raise ConfigError("--interval and --silence are seconds above 0")
+    incident = load_incident(args.incident)
+    if args.allow_outside:
+        incident = replace(incident, allow_outside=True)
+    options = WatchOptions(interval=args.interval, silence=args.silence, alert_command=args.alert_command,
+                           memory_limit=args.memory_limit, status=not args.quiet)
+    watch = Watch(incident, args.out, options)
+    if not args.quiet:
+        print(visible_controls(f"watching {len(incident.sources)} source(s) of {incident.path.name} every "
+                               f"{args.interval:g} s; alerts to {args.out / 'alerts.jsonl'} (Ctrl-C stops)"),
+              file=sys.stderr, flush=True)
+    done = watch.run(once=args.once)
+    if not args.quiet:
+        print(visible_controls(f"stopped: {done.requests} requests in {args.out / 'evidence.duckdb'}, {done.alerts} "
+                               "alert(s) in alerts.jsonl; `kvforensics scope` or `report` on the folder gives the "
+                               "answer"), file=sys.stderr)
+        if done.alerted_not_in_answer:
+            print(visible_controls(f"note: {len(done.alerted_not_in_answer)} response(s) alerted while watching are "
+                                   "not affected in the answer of all the evidence (e.g. "
+                                   f"{done.alerted_not_in_answer[0]})"), file=sys.stderr)
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvforensics.simulate.cli import run
 
@@ -259,6 +291,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ssh-keygen allowed signers file: check manifest.json.sig against it")
     v.add_argument("--identity", help="the signer's principal in --allowed-signers (default: its first one)")
     v.set_defaults(func=cmd_verify)
+    w = sub.add_parser("watch", help="follow the sources as they grow; alert on exposed start-ups, affected responses "
+                                     "and gaps in the evidence (alerts.jsonl, stdout)")
+    w.add_argument("incident", type=Path, help="the incident file (incident.toml)")
+    w.add_argument("--out", type=Path, required=True,
+                   help="output folder: evidence.duckdb and alerts.jsonl (a restart resumes where it stopped)")
+    w.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default 5)")
+    w.add_argument("--silence", type=float, default=600.0,
+                   help="a source that has not grown for this many seconds is an evidence gap (default 600)")
+    w.add_argument("--alert-command", metavar="CMD",
+                   help="run CMD (split as a shell splits it, not run by one) per batch of alerts, their JSON lines "
+                        "on its standard input")
+    w.add_argument("--once", action="store_true", help="one poll, then stop (and settle the folder)")
+    w.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB")
+    w.add_argument("--quiet", action="store_true", help="no status lines on stderr (alerts still go to stdout)")
+    w.add_argument("--allow-outside", action="store_true",
+                   help="read source files that resolve outside the incident folder ([settings] allow_outside)")
+    w.set_defaults(func=cmd_watch)
     try:
         from kvforensics.simulate.cli import add_arguments
     except ImportError:  # pragma: no cover - the simulator is part of the package

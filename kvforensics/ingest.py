@@ -82,13 +82,8 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             result.assumptions.append(
                 f"source '{source.name}': timestamps without an offset read as {source.timezone}"
                 + (f", clock offset {source.clock_offset_s:+g} s applied" if source.clock_offset_s else ""))
-    # Requests first: engine model names are matched against the gateway's model ids. Records loaded
-    # before get their gateway instance names back, so that re-delivered ones compare equal.
-    if one(con, "SELECT count(*) FROM instance_names WHERE engine_instance <> gateway_name")[0]:
-        run_script(con, "instance_restore")
-    # cached_tokens the engines filled in (sql/cached_tokens.sql) go back to the gateway's own value
-    con.execute("UPDATE requests SET cached_tokens = NULL, cached_tokens_source = NULL "
-                "WHERE cached_tokens_source IN ('engine_request', 'engine_batch')").fetchall()
+    # Requests first: engine model names are matched against the gateway's model ids.
+    restore_gateway_values(con)
     for source, files in plan:
         if source.kind == "requests":
             result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases,
@@ -145,6 +140,29 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             con.execute("INSERT INTO ingest_notes VALUES ($k, $n)", {"k": kind, "n": note}).fetchall()
     if strict:
         _enforce_strict(con, result)
+    return result
+
+
+def restore_gateway_values(con: duckdb.DuckDBPyConnection) -> None:
+    """Records loaded before get the gateway's own values back (its instance names, its cached_tokens where the
+    engines filled them in), so that re-delivered ones compare equal with them: before request files are merged."""
+    if one(con, "SELECT count(*) FROM instance_names WHERE engine_instance <> gateway_name")[0]:
+        run_script(con, "instance_restore")
+    # cached_tokens the engines filled in (sql/cached_tokens.sql) go back to the gateway's own value
+    con.execute("UPDATE requests SET cached_tokens = NULL, cached_tokens_source = NULL "
+                "WHERE cached_tokens_source IN ('engine_request', 'engine_batch')").fetchall()
+
+
+def place_startups(con: duckdb.DuckDBPyConnection, incident: Incident,
+                   startups: list[tuple[Source, Path, Any]]) -> IngestResult:
+    """``capacity`` rebuilt from *startups* ((source, file, StartupRecord)) and the gateway's instance names
+    matched to the engine instances: what the ingest derives from the engine logs, for a caller that reads them
+    itself, increment by increment (``kvforensics watch``). Its warnings and assumptions are in the result."""
+    result = IngestResult()
+    restore_gateway_values(con)
+    con.execute("DELETE FROM capacity").fetchall()
+    _build_capacity(con, incident, startups, result)
+    _match_instance_names(con, incident, result)
     return result
 
 
