@@ -28,6 +28,7 @@ from kvforensics.canonical import (
 )
 from kvforensics.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
 from kvforensics.errors import ConfigError, InputError
+from kvforensics.fingerprint import MAX_WINNOW_WINDOW, WINNOW_WINDOW
 from kvforensics.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
 from kvforensics.instances import InstanceMatching, instances_from_config
 from kvforensics.loaders.mapping import source_mapping
@@ -64,7 +65,8 @@ _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
 _MODELS_KEYS = {"aliases", "hardware"}
-_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table", "allow_outside"}
+_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table", "allow_outside",
+                  "winnow_window"}
 #: [notice]: what the responder declares for the notices (kvforensics.report.notices): who sends them, where to ask,
 #: the reference to quote, the measures taken and the advice, in plain words.
 NOTICE_KEYS = {"provider": "a string", "contact": "a string", "reference": "a string",
@@ -195,6 +197,9 @@ class Incident:
     notice: NoticeConfig = field(default_factory=NoticeConfig)  # [notice]
     # [settings] allow_outside / --allow-outside: source files may resolve outside the incident folder
     allow_outside: bool = False
+    # [settings] winnow_window: of every this many consecutive shingles of a content text one is fingerprinted
+    # (kvforensics/fingerprint.py); 1 fingerprints every shingle
+    winnow_window: int = WINNOW_WINDOW
 
     @property
     def base_dir(self) -> Path:
@@ -477,6 +482,7 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
                     memory_limit=settings.get("memory_limit"),
                     allow_outside=_flag(settings, "allow_outside", f"{label}: [settings]"),
                     year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
+                    winnow_window=_winnow_window(settings, f"{label}: [settings]"),
                     instances=instances_from_config(_checked_instances(data.get("instances"), label),
                                                     f"{label}: [instances]"),
                     max_quarantine_fraction=max_q,
@@ -490,6 +496,16 @@ def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
     value = table.get(key, False)
     if not isinstance(value, bool):
         raise ConfigError(f"'{key}' must be true or false, got {_type_name(value)}", location=where)
+    return value
+
+
+def _winnow_window(settings: Mapping[str, Any], where: str) -> int:
+    """``[settings] winnow_window``: a whole number of shingles from 1 to ``MAX_WINNOW_WINDOW``."""
+    value = settings.get("winnow_window", WINNOW_WINDOW)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WINNOW_WINDOW:
+        raise ConfigError(f"winnow_window must be a whole number from 1 to {MAX_WINNOW_WINDOW} (of every that many "
+                          f"consecutive 8-word shingles one is fingerprinted; 1: every shingle), got {value!r}",
+                          location=where)
     return value
 
 

@@ -1,16 +1,30 @@
 """Keyed fingerprints of text: what lets us match leaked content without keeping the content.
 
-Text is split into lower-cased word shingles (``SHINGLE_WORDS`` consecutive words); each shingle is
-reduced to a 63-bit integer with HMAC-SHA256 under a per-investigation key. Without the key the
-fingerprints cannot be brute-forced back to text by dictionary, and no raw text is ever stored.
-The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is generated once per investigation and kept
-in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key`` (never in the outputs).
+Text is split into lower-cased word shingles (``SHINGLE_WORDS`` consecutive words). Not every shingle
+is kept: winnowing (Schleimer, Wilkerson and Aiken, "Winnowing: local algorithms for document
+fingerprinting", SIGMOD 2003, the method behind MOSS) orders the shingles by a cheap keyed hash and
+keeps, of every window of ``w`` consecutive shingles, the one with the least (the rightmost of equal
+ones); a text of fewer than ``w`` shingles is one window. Each kept shingle is reduced to a 63-bit
+integer with HMAC-SHA256 under a per-investigation key. The guarantee: two texts that share a run of
+at least ``w + SHINGLE_WORDS - 1`` words share at least one fingerprint, since the first window of
+``w`` shingles inside that run is the same window in both and keeps the same shingle; a run of
+``m * w + SHINGLE_WORDS - 1`` words gives at least ``m`` (:func:`guaranteed_words`). A fingerprint is
+still one whole 8-word shingle, so ``m`` shared fingerprints are ``m`` shared shingles, as before.
+``w = 1`` keeps every shingle.
+
+The cheap hash is the first 64 bits of MD5 over a 16-byte key derived from the investigation's key
+(:func:`selection_key`) followed by the shingle: it only orders the shingles of a text and is never
+stored; what is stored is the HMAC, so a kept fingerprint can no more be tested against guesses
+without the key than before. Without the key the fingerprints cannot be brute-forced back to text by
+dictionary, and no raw text is ever stored. The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is
+generated once per investigation and kept in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key``
+(never in the outputs).
 
 :func:`fingerprints` is the reference. The content loader (kvforensics/loaders/content.py) computes
-the same values in bulk with DuckDB (sql/content_fingerprints.sql): HMAC-SHA256 composed from
-DuckDB's ``sha256`` and the key blocks of :func:`hmac_blocks`, over the words of an ASCII text
-tokenised in SQL (``[a-z0-9_]+`` of the lower-cased text, which is exactly ``\\w+`` on ASCII) or,
-for any other text, over the words :func:`shingle_words` gives.
+the same values in bulk with DuckDB (sql/content_fingerprints.sql): the selection hash with DuckDB's
+``md5`` and HMAC-SHA256 composed from its ``sha256`` and the key blocks of :func:`hmac_blocks`, over
+the words of an ASCII text tokenised in SQL (``[a-z0-9_]+`` of the lower-cased text, which is exactly
+``\\w+`` on ASCII) or, for any other text, over the words :func:`shingle_words` gives.
 """
 
 from __future__ import annotations
@@ -22,9 +36,16 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 SHINGLE_WORDS = 8
+#: The winnowing window: of every this many consecutive shingles, one is fingerprinted (``[settings]
+#: winnow_window`` of the incident file). 3 keeps about 2 / (3 + 1) = half of the shingles, and any run of
+#: 10 words two texts share gives them a fingerprint in common: the run of 10 words that 3 shingles in
+#: common (the scope's threshold when every shingle was kept) needed.
+WINNOW_WINDOW = 3
+MAX_WINNOW_WINDOW = 64
+_SELECTION_LABEL = b"kvforensics winnowing selection v1"
 _WORD = re.compile(r"\w+", re.UNICODE)
 _SHA256_BLOCK = 64
 
@@ -68,11 +89,49 @@ def hmac_blocks(key: bytes) -> tuple[bytes, bytes]:
     return bytes(b ^ 0x36 for b in block), bytes(b ^ 0x5C for b in block)
 
 
-def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS) -> set[int]:
-    """Distinct keyed 63-bit fingerprints of the text's word shingles."""
+def selection_key(key: bytes) -> bytes:
+    """The 16-byte key of the cheap hash that orders a text's shingles for winnowing: derived from the
+    investigation's key (HMAC-SHA256 of a fixed label, first 16 bytes), so the choice of shingles is keyed
+    too. As secret as the key: passed to DuckDB as a query parameter, never stored."""
+    return hmac.new(key, _SELECTION_LABEL, hashlib.sha256).digest()[:16]
+
+
+def selection_hash(shingle: str, select: bytes) -> int:
+    """The cheap keyed hash of a shingle: the first 64 bits of MD5(select || shingle), big-endian."""
+    return int.from_bytes(hashlib.md5(select + shingle.encode("utf-8")).digest()[:8], "big")
+
+
+def winnow(hashes: Sequence[int], window: int) -> list[int]:
+    """The positions winnowing keeps: of each run of *window* consecutive hashes the least, the rightmost
+    of equal ones (robust winnowing's tie rule); of fewer hashes than *window*, the least of them all.
+    Sorted and distinct."""
+    if not hashes:
+        return []
+    span = min(window, len(hashes))
+    kept = set()
+    for start in range(len(hashes) - span + 1):
+        least = min(hashes[start:start + span])
+        kept.add(max(i for i in range(start, start + span) if hashes[i] == least))
+    return sorted(kept)
+
+
+def guaranteed_words(window: int, shared: int = 1, width: int = SHINGLE_WORDS) -> int:
+    """The length of a run of words two texts share that guarantees them *shared* fingerprints in common
+    under winnowing with *window* (when the run's shingles are distinct): every window of *window*
+    shingles inside the run is the same in both texts and keeps the same shingle; a run of ``shared *
+    window + width - 1`` words holds ``(shared - 1) * window + 1`` such windows, and one kept shingle is
+    in at most *window* of them."""
+    return shared * window + width - 1
+
+
+def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS, window: int = WINNOW_WINDOW) -> set[int]:
+    """Distinct keyed 63-bit fingerprints of the text's word shingles that winnowing with *window* keeps
+    (``window = 1``: every shingle)."""
+    texts = shingles(text, width)
+    select = selection_key(key)
     out = set()
-    for s in shingles(text, width):
-        digest = hmac.new(key, s.encode("utf-8"), hashlib.sha256).digest()
+    for i in winnow([selection_hash(s, select) for s in texts], window):
+        digest = hmac.new(key, texts[i].encode("utf-8"), hashlib.sha256).digest()
         out.add(int.from_bytes(digest[:8], "big") >> 1)
     return out
 

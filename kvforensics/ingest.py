@@ -129,7 +129,7 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             _forget_file(con, source, path)
             result.files.append(_record(con, source, path, _digest(path, digests),
                                         load_content(con, source, path, key_for(incident.id), size,
-                                                     incident.prefix_word_blocks)))
+                                                     incident.prefix_word_blocks, incident.winnow_window)))
     _match_instance_names(con, incident, result)
     _fill_cached_tokens(con, result)
     _check_models(con, result)

@@ -17,6 +17,7 @@ from kvforensics.conclusive import gate, recorded
 from kvforensics.config import Incident
 from kvforensics.db import one
 from kvforensics.engines.portable import run_duckdb_script
+from kvforensics.fingerprint import SHINGLE_WORDS, guaranteed_words
 from kvforensics.probing import (
     PROBING_PARAMETERS,
     probing_assessment,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 SCOPE_PARAMETERS: dict[str, Any] = {
     "horizon_factor": 1.5,            # x pool: pages can outlive a pool's worth of writes while held
-    "min_matching_shingles": 3,       # 8-word shingles an output must share with a prompt to confirm it
+    "min_matching_shingles": 1,       # fingerprints (kept 8-word shingles) an output must share with a text to confirm it
     "max_accounts_per_shingle": 3,    # shingles seen in this many accounts' texts are boilerplate
     "long_fraction": 0.5,             # long-context request: prompt >= this x the engine limit
     "near_pool_fraction": 0.02,       # probing: oversize prompts within 2% above the limit
@@ -107,9 +108,37 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
         params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
+    # how the content was fingerprinted (at ingest, [settings] winnow_window) and what that guarantees
+    params = {**params, "content_fingerprints": fingerprint_parameters(incident.winnow_window,
+                                                                        params["min_matching_shingles"])}
     suspects(con, params)
     gate(con, incident.max_quarantine_fraction, incident.rule_parameters, incident.max_quarantine_fractions())
-    return ScopeResult(summary=summarise(con, incident, probing), parameters=params)
+    return ScopeResult(summary=summarise(con, incident, probing, params["min_matching_shingles"]), parameters=params)
+
+
+def fingerprint_parameters(window: int, min_matching: int) -> dict[str, int]:
+    """How the content was fingerprinted and what that guarantees (kvforensics/fingerprint.py): the shingle
+    width, the winnowing window, and the shortest passage an affected output must share with another
+    request's text to be sure to be matched (one fingerprint in common) and confirmed (*min_matching* in
+    common), when the passage's 8-word shingles are distinct and none of them is boilerplate."""
+    return {"shingle_words": SHINGLE_WORDS, "winnow_window": window, "matched_from_words": guaranteed_words(window),
+            "confirmed_from_words": guaranteed_words(window, min_matching)}
+
+
+def content_matching(window: int, min_matching: int, boilerplate_accounts: int) -> dict[str, Any]:
+    """scope.json's ``content_matching``: :func:`fingerprint_parameters` and the guarantee in words."""
+    params = fingerprint_parameters(window, min_matching)
+    kept = ("every 8-word shingle of a text is fingerprinted" if window == 1 else
+            f"of every {window} consecutive 8-word shingles of a text, the one of least keyed hash is fingerprinted "
+            f"(winnowing, window {window})")
+    shingles = "one whole 8-word shingle" if min_matching == 1 else f"{min_matching} whole 8-word shingles"
+    return {**params, "min_matching_shingles": min_matching, "guarantee": (
+        f"{kept[0].upper()}{kept[1:]}. Any passage of at least "
+        f"{params['matched_from_words']} words an affected response shares with another request's prompt or output "
+        f"gives them a fingerprint in common, and any passage of at least {params['confirmed_from_words']} words "
+        f"confirms that request's account as a source, unless its shingles repeat or appear in the texts of "
+        f"{boilerplate_accounts} or more accounts (boilerplate). A shorter passage may confirm too; a confirmation "
+        f"always rests on at least {shingles} in common.")}
 
 
 def suspects(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> None:
@@ -156,8 +185,9 @@ def prefix_windows_summary(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any
 
 
 def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
-              probing_params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """scope.json's content; *probing_params*: the probing thresholds scope used (default: the incident file's)."""
+              probing_params: Mapping[str, Any] | None = None, min_matching: int | None = None) -> dict[str, Any]:
+    """scope.json's content; *probing_params*: the probing thresholds scope used (default: the incident file's);
+    *min_matching*: the fingerprints in common that confirm a source (default: ``SCOPE_PARAMETERS``')."""
     reasons = recorded(con)
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(
@@ -218,6 +248,10 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
         # across tenants, with the affected responses served through it
         **({"prefix_windows": prefix} if prefix is not None else {}),
         "source_accounts": {"confirmed": confirmed, "possible": possible},
+        # what the content fingerprints guarantee about the confirmed sources (kvforensics/fingerprint.py)
+        **({"content_matching": content_matching(
+            incident.winnow_window, SCOPE_PARAMETERS["min_matching_shingles"] if min_matching is None else min_matching,
+            SCOPE_PARAMETERS["max_accounts_per_shingle"])} if incident.sources_of("content") else {}),
         "exploitation": {"accounts_looking_deliberate": deliberate,
                          "conclusion": "signs of deliberate exploitation" if deliberate
                          else "no sign of deliberate exploitation",

@@ -99,7 +99,7 @@ UNKNOWN_KEYS = [
      "format, instance, kind, model, name, null_tokens, path, preset, timezone, values, year"),
     (('memory_limit = "2GB"', 'colour = "red"'),
      "incident.toml: [settings]: unknown key 'colour'; valid keys: allow_outside, max_quarantine_fraction, "
-     "memory_limit, spark_requests_table, year"),
+     "memory_limit, spark_requests_table, winnow_window, year"),
 ]
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kvforensics.config import load_incident
 from kvforensics.db import connect
 from kvforensics.errors import InputError
-from kvforensics.fingerprint import fingerprints, hmac_blocks
+from kvforensics.fingerprint import WINNOW_WINDOW, fingerprints, hmac_blocks
 from kvforensics.loaders import content as content_loader
 from kvforensics.loaders import records
 from kvforensics.loaders.changes import load_changes
@@ -47,11 +47,11 @@ format = "jsonl"
     return source, tmp_path / name
 
 
-def load_texts(tmp_path: Path, rows: list[dict], key: bytes = KEY):
+def load_texts(tmp_path: Path, rows: list[dict], key: bytes = KEY, window: int = WINNOW_WINDOW):
     source, path = incident(tmp_path, "content", "content.jsonl")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     con = connect()
-    return con, load_content(con, source, path, key)
+    return con, load_content(con, source, path, key, window=window)
 
 
 def stored(con, rid: str, part: str) -> set[int]:
@@ -63,16 +63,19 @@ WORDS = st.sampled_from(["the", "Merger", "closes", "NOON", "é", "İstanbul", "
                          "½", "٣", "東京", "नमस्ते", "e\u0301", "Kelvin\u212a", "😀", "—", "“quoted”", "a-b", "\ud800"])
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(st.one_of(st.lists(WORDS, max_size=30).map(" ".join), st.text(max_size=80)), min_size=1,
-                      max_size=12))
-def test_bulk_fingerprints_equal_the_reference(tmp_path, texts):
-    con, load = load_texts(tmp_path, [{"request_id": f"r{i}", "prompt": t, "output": "ok"} for i, t in enumerate(texts)])
+                      max_size=12),
+       window=st.sampled_from([1, 2, WINNOW_WINDOW, 5, 11]))
+def test_bulk_fingerprints_equal_the_reference(tmp_path, texts, window):
+    """The shingles winnowing keeps (the few words repeat, so their selection hashes tie) and their HMACs."""
+    rows = [{"request_id": f"r{i}", "prompt": t, "output": "ok"} for i, t in enumerate(texts)]
+    con, load = load_texts(tmp_path, rows, window=window)
     assert load.loaded == len(texts) and load.quarantined == 0
     for i, text in enumerate(texts):
-        assert stored(con, f"r{i}", "prompt") == fingerprints(text, KEY)
+        assert stored(con, f"r{i}", "prompt") == fingerprints(text, KEY, window=window)
     counts = dict(con.execute("SELECT request_id, shingles FROM content_stats WHERE part = 'prompt'").fetchall())
-    assert counts == {f"r{i}": len(fingerprints(t, KEY)) for i, t in enumerate(texts) if t}
+    assert counts == {f"r{i}": len(fingerprints(t, KEY, window=window)) for i, t in enumerate(texts) if t}
 
 
 @pytest.mark.parametrize("key", [b"k", bytes(range(64)), bytes(range(100))])

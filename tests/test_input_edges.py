@@ -213,8 +213,8 @@ def test_chat_message_prompts_are_fingerprinted(tmp_path, monkeypatch):
 
     prompt = fps("c1", "prompt")
     assert prompt == fingerprints(rendered_text(messages) or "", bytes.fromhex(key))
-    assert fingerprints(secret, bytes.fromhex(key)) <= prompt
-    assert fingerprints(secret, bytes.fromhex(key)) <= fps("c2", "output")  # an output quoting it matches
+    # an output quoting the secret (15 words: longer than winnowing's guarantee) shares a fingerprint with it
+    assert prompt & fps("c2", "output")
     assert fps("c3", "prompt") == prompt
 
 

@@ -1,5 +1,6 @@
 """The content file (``kind = "content"``): prompts and outputs by request id, kept only as keyed
-fingerprints of their word shingles (kvforensics/fingerprint.py); the text itself is never stored.
+fingerprints of the word shingles winnowing keeps (kvforensics/fingerprint.py); the text itself is
+never stored.
 
 Records are read in Python (kvforensics/loaders/records.py: malformed lines, a truncated stream's
 partial last record and missing request ids quarantined, without their text), and the fingerprints
@@ -26,14 +27,21 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.db import MemoryGovernor, run_script
-from kvforensics.fingerprint import SHINGLE_WORDS, hmac_blocks, rendered_text, shingle_words
+from kvforensics.fingerprint import (
+    SHINGLE_WORDS,
+    WINNOW_WINDOW,
+    hmac_blocks,
+    rendered_text,
+    selection_key,
+    shingle_words,
+)
 from kvforensics.loaders.prefix_blocks import TOKEN_IDS_NOTE, WORDS_NOTE, BlockRows, prefix_blocks, token_ids
 from kvforensics.loaders.records import QuarantineRows, lone_surrogate, read_records
 from kvforensics.loaders.staging import FileLoad
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early
-NOTE = "text fingerprinted (keyed HMAC of word shingles); no text stored"
+NOTE = "text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
 ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
 
@@ -105,16 +113,18 @@ class _Fingerprinter:
 
 
 def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
-                 block_size: int | None = None, word_blocks: bool = False) -> FileLoad:
+                 block_size: int | None = None, word_blocks: bool = False,
+                 window: int = WINNOW_WINDOW) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
-    ``content_stats`` under *key*; refused records (without their text) into ``quarantine``. With a
-    *block_size*, each prompt's ``prompt_token_ids`` (or, with *word_blocks*, its words when it has none)
-    are cut into prefix-cache blocks in ``request_blocks`` (loaders/prefix_blocks.py)."""
+    ``content_stats`` under *key*, the shingles winnowing with *window* keeps (fingerprint.py); refused
+    records (without their text) into ``quarantine``. With a *block_size*, each prompt's
+    ``prompt_token_ids`` (or, with *word_blocks*, its words when it has none) are cut into prefix-cache
+    blocks in ``request_blocks`` (loaders/prefix_blocks.py)."""
     load = FileLoad(file=path)
     blocks = BlockRows()
     cut = {"ids": 0, "words": 0}
     inner, outer = hmac_blocks(key)
-    params = {"inner": inner, "outer": outer, "width": SHINGLE_WORDS}
+    params = {"inner": inner, "outer": outer, "select": selection_key(key), "width": SHINGLE_WORDS, "window": window}
     fingerprinter = _Fingerprinter(con, params)
     try:
         _read(con, source, path, load, key, block_size, word_blocks, fingerprinter, blocks, cut)
@@ -123,7 +133,7 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
         raise
     fingerprinter.close()
     blocks.flush(con)
-    load.notes.append(NOTE)
+    load.notes.append(NOTE.format(window=window))
     if cut["ids"]:
         load.notes.append(TOKEN_IDS_NOTE.format(size=block_size))
     if cut["words"]:
