@@ -75,8 +75,9 @@ def traffic(model: str, *, n: int = 60, accounts: int = 4, seed: int = 5, hour: 
 
 
 def write_incident(root: Path, logs: dict[str, str], rows: Iterable[dict], *, engine_format: str = "sglang",
-                   extra: str = "", title: str = "Hand-written incident") -> Path:
-    """An incident folder: ``engine/<instance>.log`` per log, ``gateway/requests.jsonl``, ``incident.toml``."""
+                   extra: str = "", title: str = "Hand-written incident", year: int = 2026) -> Path:
+    """An incident folder: ``engine/<instance>.log`` per log, ``gateway/requests.jsonl``, ``incident.toml``; ``year``
+    dates the vLLM lines (any format but ``sglang``, whose lines carry their year)."""
     (root / "engine").mkdir(parents=True, exist_ok=True)
     (root / "gateway").mkdir(parents=True, exist_ok=True)
     for instance, text in logs.items():
@@ -84,7 +85,7 @@ def write_incident(root: Path, logs: dict[str, str], rows: Iterable[dict], *, en
     with (root / "gateway" / "requests.jsonl").open("w") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    year = "year = 2026\n" if engine_format == "vllm" else ""
+    year_key = f"year = {year}\n" if engine_format != "sglang" else ""
     (root / "incident.toml").write_text(f"""[incident]
 id = "{root.name.lower().replace('_', '-')}"
 title = "{title}"
@@ -99,7 +100,7 @@ name = "engines"
 kind = "engine_log"
 path = "engine/*.log"
 format = "{engine_format}"
-{year}
+{year_key}
 [scope]
 internal_accounts = ["loadtest-*"]
 reporter_accounts = ["bounty-*"]
