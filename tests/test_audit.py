@@ -83,6 +83,7 @@ CHECK1 = [
     ("vllm-0.8.5-v0-refused-restart.log", 1, "unified", "pass", False, 15),
     ("vllm-0.8.5-v1-rollover.log", 0, "unified", "pass", False, 9),
     ("vllm-0.10.1-pd-producer-docker.log", 0, "prefill", "pass", False, 5),
+    ("vllm-0.11.0-hybrid-pd-prefill.log", 0, "prefill", "pass", False, 8),
     ("vllm-0.10.1-refused.log", 0, "unified", "not_applicable", False, 6),
     ("vllm-0.10.1-refused.log", 1, "unified", "pass", False, 11),
     ("vllm-0.33.0-banner-dp.log", 0, "unified", "pass", False, 12),
@@ -122,6 +123,20 @@ def test_pd_prefill_pool_below_context_is_exposed_with_the_exact_limit_and_the_v
         utc("2026-08-27 15:42:00"),
         utc("2026-09-09 14:05:00"),
     )
+
+
+def test_a_hybrid_vllm_model_that_fits_one_request_is_no_false_alarm() -> None:
+    # issue 29, observation 1: 'GPU KV cache size: 67,728 tokens' under max_model_len 180,000 on a PD
+    # prefill, with 'Maximum concurrency for 180,000 tokens per request: 1.06x'
+    v = verdict(audit_one("vllm-0.11.0-hybrid-pd-prefill.log"), 1)
+    assert (v.status, v.exposed, v.evidence_line) == ("pass", False, 8)  # the concurrency line
+    assert v.detail.split("; ") == [
+        "vLLM's 'Maximum concurrency for 180,000 tokens per request: 1.06x': one request of max_model_len fits "
+        "the KV cache (the V1 engine refuses to start otherwise, check_enough_kv_cache_memory), and vLLM admits "
+        "no prompt longer than max_model_len",
+        "its 'KV cache size' of 67,728 tokens is derived per KV cache group for hybrid / sliding-window models "
+        "(vllm-project/vllm#40691), not a limit on one request",
+    ]
 
 
 def test_pd_decode_pool_below_context_is_exposed_too() -> None:

@@ -238,3 +238,41 @@ INFO 03-03 10:00:31 [executor_base.py:112] # cuda blocks: 1000, # CPU blocks: 20
     assert (
         "start-up at line 1: block_size not logged; the CUDA default of 16 is used to turn blocks into tokens"
     ) in p.notes
+
+
+# Issue 29, observation 1. vllm-0.11.0-hybrid-pd-prefill.log is written from vLLM's source: the KV cache
+# lines of vllm/v1/core/kv_cache_utils.py (_report_kv_cache_config, v0.10 - v0.19: "GPU KV cache size: %s
+# tokens" and "Maximum concurrency for %s tokens per request: %.2fx"), the hybrid page-size lines of
+# vllm/model_executor/models/config.py, the numbers of the hybrid model observed in issue 29 (a token
+# figure below max_model_len with a concurrency above 1x, vllm-project/vllm#40691).
+def test_a_hybrid_models_derived_token_figure_gives_way_to_the_concurrency_line() -> None:
+    p = fixture("vllm-0.11.0-hybrid-pd-prefill.log")
+    [s] = p.startups
+    assert (s.role, s.context_length, s.kv_pool_tokens, s.pool_source_line) == ("prefill", 180000, 190800, 8)
+    assert (s.flags["kv_cache_size_logged"], s.flags["kv_pool_concurrency"]) == ("67728", "1.06")
+    assert s.flags["kv_pool_source"].startswith("Maximum concurrency x max_model_len")
+    assert "kv_pool_note" not in s.flags
+    assert any("KV cache size 67728 tokens (line 7) is below what 'Maximum concurrency for 180000 tokens "
+               "per request: 1.06x' (line 8) implies" in n for n in p.notes)
+
+
+def test_an_ordinary_models_token_figure_stays_the_pool() -> None:
+    # one KV cache group: the token figure is num_blocks x block_size, never below concurrency x max_model_len
+    p = parse("""
+(EngineCore_DP0 pid=1) INFO 10-03 16:22:10 [core.py:77] Initializing a V1 LLM engine (v0.11.0) with config: model='Qwen/Qwen3-14B', max_seq_len=32768, tensor_parallel_size=1
+(EngineCore_DP0 pid=1) INFO 10-03 16:22:17 [kv_cache_utils.py:864] GPU KV cache size: 42,656 tokens
+(EngineCore_DP0 pid=1) INFO 10-03 16:22:17 [kv_cache_utils.py:868] Maximum concurrency for 32,768 tokens per request: 1.30x
+""")
+    [s] = p.startups
+    assert (s.kv_pool_tokens, s.pool_source_line) == (42656, 2)
+    assert "kv_pool_concurrency" not in s.flags and "kv_pool_note" in s.flags
+
+
+def test_the_limiting_workers_concurrency_line_is_kept() -> None:
+    p = parse("""
+INFO 05-01 10:00:00 [core.py:58] Initializing a V1 LLM engine (v0.8.5) with config: model='m', max_seq_len=100000, tensor_parallel_size=2
+(VllmWorker rank=0 pid=1) INFO 05-01 10:01:00 [kv_cache_utils.py:634] Maximum concurrency for 100,000 tokens per request: 1.20x
+(VllmWorker rank=1 pid=2) INFO 05-01 10:01:00 [kv_cache_utils.py:634] Maximum concurrency for 100,000 tokens per request: 1.40x
+""")
+    [s] = p.startups
+    assert (s.kv_pool_tokens, s.pool_source_line) == (120000, 2)

@@ -406,7 +406,9 @@ class _VllmParser:
             found = True
         if m := _CONCURRENCY.search(msg):
             st = self._begin(line, None)
-            st.concurrency = (int(m["len"].replace(",", "")), float(m["x"]), line.number)
+            ratio = float(m["x"])
+            if st.concurrency is None or ratio < st.concurrency[1]:  # the limiting worker's line
+                st.concurrency = (int(m["len"].replace(",", "")), ratio, line.number)
             found = True
         if found:
             return

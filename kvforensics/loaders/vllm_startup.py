@@ -73,6 +73,28 @@ class VllmStartup:
 
 
 
+def _derived_token_figure(st: VllmStartup, logged: int, context_length: int | None) -> tuple[int, float, int] | None:
+    """The concurrency line (max_len, ratio, line) when the logged KV cache size is below what it implies.
+
+    vLLM V1 logs ``GPU KV cache size: N tokens`` and ``Maximum concurrency for L tokens per request:
+    X.XXx`` (``vllm/v1/core/kv_cache_utils.py``, ``_report_kv_cache_config``). The concurrency is
+    ``num_blocks / blocks one request of max_model_len needs`` over every KV cache group
+    (``get_max_concurrency_for_kv_cache_config``), while up to the fix of vllm-project/vllm#40691 the
+    token figure is ``num_blocks // len(kv_cache_groups) * min_block_size``: for a model with one KV
+    cache group the two agree (``N >= X * L``), for a hybrid (Mamba / linear-attention) or
+    sliding-window model with several groups the token figure falls short of ``X * L``. That shortfall,
+    beyond the 2-decimal rounding of X, is what marks the figure as derived: the concurrency line is
+    then what says whether one request of max_model_len fits (V1 refuses to start when it does not,
+    ``check_enough_kv_cache_memory``).
+    """
+    if st.concurrency is None:
+        return None
+    max_len, ratio, _line = st.concurrency
+    if context_length in (None, max_len) and logged + 1 < (ratio - 0.005) * max_len:
+        return st.concurrency
+    return None
+
+
 def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> StartupRecord:
     """What the start-up *st* says, as a record; assumptions go to *notes*."""
     flags: dict[str, str] = {}
@@ -219,7 +241,23 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
         evidence["kv_pool_tokens"] = line_no
         flags["kv_pool_source"] = "approximate: max_model_len x maximum concurrency (2 decimals)"
         note(f"no KV cache size line; pool approximated as {max_len} x {ratio} from line {line_no}")
-    if st.kv_tokens and context_length and st.concurrency:
+    if best is not None and st.refusal is None and (
+            derived := _derived_token_figure(st, best.tokens, context_length)):
+        max_len, ratio, line_no = derived
+        kv_pool_tokens, pool_line = int(max_len * ratio), line_no
+        evidence["kv_pool_tokens"] = line_no
+        flags["kv_cache_size_logged"] = str(best.tokens)
+        flags["kv_pool_concurrency"] = f"{ratio:.2f}"
+        flags["kv_pool_source"] = (
+            "Maximum concurrency x max_model_len (the 'KV cache size' figure is derived per KV cache group "
+            "for hybrid / sliding-window models, vllm-project/vllm#40691)"
+        )
+        note(
+            f"KV cache size {best.tokens} tokens (line {best.line}) is below what 'Maximum concurrency for "
+            f"{max_len} tokens per request: {ratio:.2f}x' (line {line_no}) implies: a hybrid / sliding-window "
+            f"model, whose token figure is derived; the pool is taken as {max_len} x {ratio:.2f}"
+        )
+    elif st.kv_tokens and context_length and st.concurrency:
         flags["kv_pool_note"] = (
             "V1 token counts are derived (hybrid / sliding-window models may hold fewer physical slots)"
         )

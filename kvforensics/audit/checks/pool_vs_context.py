@@ -10,7 +10,11 @@ pool``): from there down the pool no longer lowers the limit and the engine beha
 unlimited pool. (Any SGLang build leaves prompts within 6 tokens of the context length to the
 scheduler rather than the context check; only the engine fix, check 2, makes that refusal safe on
 the PD path.) vLLM refuses to start when the pool cannot hold ``max_model_len``: such a start-up
-served nothing (``not_applicable``); ``pool >= max_model_len`` passes. Scheduler aborts in the log
+served nothing (``not_applicable``); ``pool >= max_model_len`` passes. For a hybrid (Mamba /
+linear-attention) or sliding-window model vLLM's ``GPU KV cache size`` token figure is derived per KV
+cache group and can fall below max_model_len although one request fits (vllm-project/vllm#40691): the
+loader then takes the pool from ``Maximum concurrency for L tokens per request: X.XXx``
+(``vllm/v1/core/kv_cache_utils.py``), and a concurrency of 1.00x or more passes. Scheduler aborts in the log
 whose limit contradicts the pool and context read turn a pass into ``unknown`` (the readings are in
 doubt).
 
@@ -113,6 +117,22 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
                     *pool_at,
                     False,
                 )
+        concurrency = s.flags.get("kv_pool_concurrency")
+        if concurrency is not None and pool >= ctx:
+            logged = to_int(s.flags.get("kv_cache_size_logged"))
+            figure = f" its 'KV cache size' of {thousands(logged)} tokens" if logged is not None else " its token figure"
+            return (
+                "pass",
+                (
+                    f"vLLM's 'Maximum concurrency for {thousands(ctx)} tokens per request: {concurrency}x': one "
+                    "request of max_model_len fits the KV cache (the V1 engine refuses to start otherwise, "
+                    "check_enough_kv_cache_memory), and vLLM admits no prompt longer than max_model_len;"
+                    f"{figure} is derived per KV cache group for hybrid / sliding-window models "
+                    f"(vllm-project/vllm#40691), not a limit on one request{note}"
+                ),
+                *pool_at,
+                False,
+            )
         if pool >= ctx:
             derived = (
                 (
