@@ -4,6 +4,7 @@ salt, and whether an external KV store keeps it; every verdict with the line it 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,34 @@ def test_vllm_prefix_caching_defaults_by_engine(salted: Path) -> None:
     assert v.status == "unknown" and "does not say which engine ran" in v.detail
     v = judge(vllm("0.9.2", enable_prefix_caching="false"), salted)
     assert (v.status, v.evidence_line) == ("pass", 2)
+
+
+def test_the_engine_that_ran_gives_the_default_in_every_version(salted: Path) -> None:
+    # issue 29, observation 2: 'Initializing a V1 LLM engine (vX)' / 'a V0 LLM engine' (vllm/v1/engine/core.py,
+    # vllm/engine/llm_engine.py) says which engine ran, whatever the version's default engine
+    def ran(version: str, generation: str) -> StartupRecord:
+        rec = vllm(version)
+        return replace(rec, flags={**rec.flags, "engine_generation": generation},
+                       evidence={**rec.evidence, "engine_generation": 3})
+    v = judge(ran("0.9.2", "V1"), salted)
+    assert (v.status, v.evidence_line) == ("fail", 1)  # on, and 0.9.2 hashes with builtin by default
+    assert v.detail.startswith(
+        "prefix caching on (vLLM 0.9.2 ran the V1 engine, 'Initializing a V1 LLM engine': its default) (node.log:3)")
+    v = judge(ran("0.9.2", "V0"), salted)
+    assert (v.status, v.evidence_line) == ("pass", 3) and "ran the V0 engine" in v.detail
+    v = judge(ran("0.7.3", "V1"), salted)  # VLLM_USE_V1=1 before V1 became the default
+    assert v.detail.startswith("prefix caching on (vLLM 0.7.3 ran the V1 engine")
+
+
+def test_a_terminal_wrapped_engine_config_is_read_on() -> None:
+    # issue 29, observation 2: vLLM 0.10.1.1's engine config line (vllm/v1/engine/core.py: "Initializing a V1
+    # LLM engine (v%s) with config: %s", VllmConfig.__str__ of vllm/config/__init__.py) cut every 200
+    # characters by a terminal, enable_prefix_caching=True on the fifth piece (line 9)
+    name = "vllm-0.10.1-v1-wrapped-config.log"
+    report = audit_paths([FIXTURES / "engine_logs" / name], year=2026, manifest=PREFIX / "multi-gateway.toml")
+    v = check6(report, name.removesuffix(".log"))
+    assert v.status == "fail"  # on, salted by the gateway, and 0.10.1.1 hashes blocks with builtin
+    assert v.detail.startswith(f"prefix caching on (enable_prefix_caching=true) ({name}:9); block hash builtin")
 
 
 def test_existing_v0_fixture_has_prefix_caching_off() -> None:

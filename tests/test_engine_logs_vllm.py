@@ -276,3 +276,33 @@ INFO 05-01 10:00:00 [core.py:58] Initializing a V1 LLM engine (v0.8.5) with conf
 """)
     [s] = p.startups
     assert (s.kv_pool_tokens, s.pool_source_line) == (120000, 2)
+
+
+def test_a_terminal_wrapped_engine_config_is_joined_and_names_the_engine_that_ran() -> None:
+    # issue 29, observation 2 (the fixture's provenance: tests/test_audit_prefix_cache.py)
+    p = fixture("vllm-0.10.1-v1-wrapped-config.log")
+    [s] = p.startups
+    assert (s.flags["engine_generation"], s.evidence["engine_generation"]) == ("V1", 5)
+    assert (s.flags["enable_prefix_caching"], s.evidence["enable_prefix_caching"]) == ("true", 9)
+    assert (s.context_length, s.evidence["context_length"], s.kv_pool_tokens) == (32768, 6, 426800)
+    assert not p.quarantined and p.lines_read == 15
+
+
+def test_only_lines_that_read_as_the_dumps_rest_are_joined() -> None:
+    p = parse("""
+INFO 09-01 10:00:00 [api_server.py:1] vLLM API server version 0.9.2
+INFO 09-01 10:00:00 [api_server.py:2] args: Namespace(model='m', max_model_len=4096, kv_transfer_config='{"kv_connector":"Nix
+lConnector","kv_role":"kv_consumer"}', enable_prefix_caching=False)
+INFO 09-01 10:00:01 [core.py:58] Initializing a V0 LLM engine (v0.9.2) with config: model='m', max_seq_len=4096
+[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of connected peer ranks is : 0
+tokens=12 is not a config field
+INFO 09-01 10:00:02 [api_server.py:3] non-default args: {'model': 'm', 'served_model_name': ['x
+(EngineCore_0 pid=1) ValueError: To serve at least one request with the model's max seq len (4096), (1.00 GiB KV cache is needed, which is larger than the available KV cache memory (0.50 GiB).
+""")
+    [s] = p.startups
+    assert (s.role, s.flags["kv_connector"], s.flags["enable_prefix_caching"]) == ("decode", "NixlConnector", "false")
+    assert s.flags["engine_generation"] == "V0" and "tokens" not in s.flags
+    assert s.flags["startup_refused"] == "true"  # the ValueError line is not taken for a piece of the dump
+    assert "start-up at line 1: args dump at line 2 is wrapped over 2 lines; joined" in p.notes
+    assert ("start-up at line 1: non-default args dump at line 7 is cut off; fields after the cut were not read"
+            in p.notes)

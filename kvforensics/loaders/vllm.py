@@ -56,7 +56,13 @@ _BANNER_MODEL = re.compile(r"[\u2580-\u259f].*\bmodel\s+(?P<model>\S+)\s*$")
 _BANNER = re.compile(r"[\u2580-\u259f]")  # the block characters of the ASCII-art logo
 _ARGS = re.compile(r"(?<!non-default )\bargs: (?=Namespace\()")
 _NON_DEFAULT = re.compile(r"non-default args: (?=\{)")
-_ENGINE_INIT = re.compile(r"Initializing (?:an|a V0|a V1|a) LLM engine \(v(?P<v>[^)]+)\) with config: ")
+_ENGINE_INIT = re.compile(r"Initializing (?:an|a (?P<gen>V0|V1)|a) LLM engine \(v(?P<v>[^)]+)\) with config: ")
+# a line that starts a record of its own, so cannot continue a terminal-wrapped dump
+_NOT_A_CONTINUATION = re.compile(
+    rf"^(?:(?:{_LEVELS})[: ]|Traceback |\s*File \"|\[|\(|Loading |Capturing |Process |[A-Za-z]*(?:Error|Exception)\b)"
+)
+_KEY_VALUE = re.compile(r"\b[A-Za-z_]\w*=")
+_CONTINUATION_LINES = 50  # a wrapped dump spans at most this many lines after its first
 _BLOCKS = re.compile(r"# (?P<dev>[A-Za-z]+) blocks: (?P<n>\d+)(?:, # CPU blocks: (?P<cpu>\d+))?")
 _KV_SIZE = re.compile(r"(?P<dev>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<n>[\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>[\d.]+)x")
@@ -113,6 +119,31 @@ _EVENT_NEEDLES = (
     "Aborted request",
 )
 _ABORTED = re.compile(r"\bAborted request(?:\(s\))? (?P<ids>.+?)\.?\s*$")
+
+
+_DUMPS = {"args": "args dump", "non_default": "non-default args dump", "config": "engine config"}
+
+
+def _left_open(text: str) -> bool:
+    """Whether *text* ends inside a quote or an unclosed bracket (a line cut there goes on)."""
+    depth = 0
+    quote: str | None = None
+    escaped = False
+    for c in text:
+        if quote is not None:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}" and depth:
+            depth -= 1
+    return quote is not None or depth > 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +267,8 @@ class _VllmParser:
         self.last_ts: datetime | None = None
         self.inherited_ts = 0
         self._last_stamp: tuple[str, int | None, datetime | None] = ("", None, None)
+        # a dump that may go on over terminal-wrapped lines: (start-up, which dump, its text so far, its line)
+        self.continuation: tuple[VllmStartup, str, list[str], int] | None = None
 
     def feed(self, number: int, text: str | None, raw: bytes) -> None:
         self.out.lines_read += 1
@@ -250,6 +283,8 @@ class _VllmParser:
             self.nul_lines += 1
             text = stripped
         try:
+            if self.continuation is not None and self._continue_dump(number, text):
+                return
             line = self._envelope(number, text, raw)
             if line is not None and line.ts is not None:
                 self.last_ts = line.ts
@@ -365,23 +400,26 @@ class _VllmParser:
             st.args_line = line.number
             self._kv_transfer(st, msg, line.number)
             if not complete:
-                add_note(
-                    st.notes,
-                    f"args dump at line {line.number} is cut off; fields after the cut were not read",
-                )
+                self.continuation = (st, "args", [msg[m.end() :]], line.number)
             return
         if m := _NON_DEFAULT.search(msg):
             st = self._begin(line, "non_default")
-            st.non_default, _ = parse_repr_fields(msg[m.end() :])
+            st.non_default, complete = parse_repr_fields(msg[m.end() :])
             st.non_default_line = line.number
             self._kv_transfer(st, msg, line.number)
+            if not complete:
+                self.continuation = (st, "non_default", [msg[m.end() :]], line.number)
             return
         if m := _ENGINE_INIT.search(msg):
             st = self._begin(line, None)
             st.version = st.version or (m["v"], line.number)
+            if m["gen"] and st.generation is None:
+                st.generation = (m["gen"], line.number)
             if st.config_line is None:
                 st.config, _ = parse_repr_fields(msg[m.end() :])
                 st.config_line = line.number
+                # the config string has no closing bracket: any line that reads as its rest goes on it
+                self.continuation = (st, "config", [msg[m.end() :]], line.number)
             self._kv_transfer(st, msg, line.number)
             return
         refusal = _REFUSE_V0.search(msg)
@@ -419,6 +457,45 @@ class _VllmParser:
         if _OTHER_STARTUP.search(msg) or _BANNER.search(msg):
             self._begin(line, None)
 
+    def _continue_dump(self, number: int, text: str) -> bool:
+        """Join a terminal-wrapped line to the dump before it (args, non-default args, engine config); True if
+        *text* was one. A wrapped line has no envelope of its own and starts nothing else; of the engine
+        config, which has no closing bracket, it must also read as its ``key=value`` list going on (or close a
+        bracket or quote left open)."""
+        assert self.continuation is not None
+        st, which, parts, first = self.continuation
+        rest = split_outer_prefixes(text).rest
+        goes_on = (
+            rest.strip()
+            and not _ENV.match(rest)
+            and not _LOOSE_ENV.match(rest)
+            and not _NOT_A_CONTINUATION.match(rest)
+            and number - first <= _CONTINUATION_LINES
+            and (which != "config" or _KEY_VALUE.search(rest) or _left_open("".join(parts)))
+        )
+        if not goes_on:
+            self._end_continuation()
+            return False
+        before = {"args": st.args, "non_default": st.non_default, "config": st.config}[which]
+        parts.append(rest)
+        fields, complete = parse_repr_fields("".join(parts))
+        for key in fields.keys() - before.keys():
+            st.field_lines.setdefault(key, number)
+        setattr(st, which, fields)
+        self._kv_transfer_wrapped(st, parts, first, number)
+        if which != "config" and complete:
+            add_note(st.notes, f"{_DUMPS[which]} at line {first} is wrapped over {len(parts)} lines; joined")
+            self.continuation = None
+        return True
+
+    def _end_continuation(self) -> None:
+        """The dump being continued ends here; a bracketed one that never closed is noted as cut off."""
+        if self.continuation is not None:
+            st, which, parts, first = self.continuation
+            if which != "config":
+                add_note(st.notes, f"{_DUMPS[which]} at line {first} is cut off; fields after the cut were not read")
+            self.continuation = None
+
     def _lifetime(self, line: _Line) -> None:
         """The start-up's last line, and the first line saying the server stops."""
         st = self.current
@@ -434,6 +511,16 @@ class _VllmParser:
         if (m := _KV_ROLE.search(msg)) and st.kv_role is None:
             st.kv_role = (m["role"], number)
         if (m := _KV_CONNECTOR.search(msg)) and st.kv_connector is None:
+            st.kv_connector = m["c"]
+
+    @staticmethod
+    def _kv_transfer_wrapped(st: VllmStartup, parts: list[str], first: int, number: int) -> None:
+        """The KV-transfer role and connector of a dump read on over wrapped lines: a value the cut split
+        ("Nix" + "lConnector") is read again whole, at the line it starts on."""
+        joined = "".join(parts)
+        if (m := _KV_ROLE.search(joined)) and (st.kv_role is None or st.kv_role[1] == first):
+            st.kv_role = (m["role"], first if m.end() <= len(parts[0]) else number)
+        if (m := _KV_CONNECTOR.search(joined)) and (st.kv_connector is None or m["c"].startswith(st.kv_connector)):
             st.kv_connector = m["c"]
 
     def _finish_current(self) -> None:
@@ -484,6 +571,7 @@ class _VllmParser:
                 self._emit(line, "abort_other", rid, None, None)
 
     def finish(self) -> EngineLogParse:
+        self._end_continuation()
         self._finish_current()
         notes = self.out.notes
         for n in self.years.notes():

@@ -58,6 +58,8 @@ class VllmStartup:
     non_default_line: int | None = None
     config: dict[str, object] = field(default_factory=dict)  # engine config string
     config_line: int | None = None
+    field_lines: dict[str, int] = field(default_factory=dict)  # a setting read from a terminal-wrapped line: its line
+    generation: tuple[str, int] | None = None  # "V0" / "V1" of "Initializing a V1 LLM engine", its line
     serving_model: tuple[str, int] | None = None
     blocks: list[tuple[int, str, int, str]] = field(default_factory=list)  # line, process, blocks, device
     kv_tokens: list[tuple[int, str, int, str]] = field(default_factory=list)  # line, process, tokens, device
@@ -119,7 +121,7 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
             for key in keys:
                 value = values.get(key)
                 if value is not None and value != "None":
-                    return value, line_no
+                    return value, st.field_lines.get(key, line_no)
         return None, None
 
     for values, line_no in reversed(sources):
@@ -127,7 +129,7 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
             if key in _FLAG_KEYS or "kv_transfer" in key or "kv_connector" in key:
                 flags[key] = flag_value(value)
                 if key in _EVIDENCE_KEYS and line_no is not None:
-                    evidence[key] = line_no
+                    evidence[key] = st.field_lines.get(key, line_no)
     if st.ready_line is not None:
         evidence["ready"] = st.ready_line
 
@@ -136,6 +138,11 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
     if st.version is not None:
         version, evidence["engine_version"] = st.version
         version_source = "log"
+
+    # the engine generation: which default prefix caching had between V1 becoming the default (v0.8.0)
+    # and V0's removal (v0.11.0), audit check 6
+    if st.generation is not None:
+        flags["engine_generation"], evidence["engine_generation"] = st.generation
 
     # role
     role = "unified"

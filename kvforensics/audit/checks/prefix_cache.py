@@ -12,7 +12,11 @@ Each start-up is judged from its server args (log or ``/get_server_info`` dump) 
   https://docs.sglang.ai/advanced_features/server_arguments.html). vLLM: ``--enable-prefix-caching`` /
   ``--no-enable-prefix-caching``; the V1 engine (the default from v0.8.0, the only engine from
   v0.11.0) turns it on by default, V0 off (https://docs.vllm.ai/en/v0.8.0/getting_started/v1_user_guide.html,
-  v0.11.0 release notes). The engine config line gives the resolved value. When the flags do not say, a
+  v0.11.0 release notes). The engine config line gives the resolved value (read on over terminal-wrapped
+  lines). Otherwise the engine config line's name of the engine that ran (``Initializing a V1 LLM
+  engine``, ``vllm/v1/engine/core.py``; ``a V0 LLM engine``, ``vllm/engine/llm_engine.py``) gives the
+  default in every version (V1 ran from v0.7 with ``VLLM_USE_V1=1``, V0 until v0.10 with
+  ``VLLM_USE_V1=0``), else the version's default engine. When the flags do not say, a
   prefill batch line with ``#cached-token`` above 0 in the start-up's log (the parsers' flag
   ``prefix_cache_hit_line``, :mod:`kvforensics.loaders.sglang_batches`) shows the cache serving tokens: on.
 * **block-hash algorithm (vLLM).** ``--prefix-caching-hash-algo``. Before v0.7.2 the block hash was
@@ -125,8 +129,20 @@ def _caching_flags(s: Startup) -> tuple[bool | None, str, str | None, int | None
         value, file, line = flag
         on = value.lower() in ON
         return on, f"prefix caching {'on' if on else 'off'} (enable_prefix_caching={value})", file, line
-    file, line = s.where("engine_version")
     v = _version(s)
+    generation = s.flags.get("engine_generation")
+    if generation in ("V0", "V1"):  # the engine that ran decides the default, in every version range
+        file, line = s.where("engine_generation")
+        on = generation == "V1"
+        build = f"vLLM {v}" if v is not None else "vLLM"
+        return (
+            on,
+            f"prefix caching {'on' if on else 'off'} ({build} ran the {generation} engine, 'Initializing a "
+            f"{generation} LLM engine': its default)",
+            file,
+            line,
+        )
+    file, line = s.where("engine_version")
     if v is None:
         return None, "prefix caching not logged and the vLLM version unknown", file, line
     if v >= VLLM_V0_REMOVED:
