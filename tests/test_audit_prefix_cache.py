@@ -246,6 +246,36 @@ def test_a_terminal_wrapped_engine_config_is_read_on() -> None:
     assert v.detail.startswith(f"prefix caching on (enable_prefix_caching=true) ({name}:9); block hash builtin")
 
 
+LMCACHE_MP = FIXTURES / "engine_logs" / "vllm-0.33.0-lmcache-mp-no-prefix-caching.log"
+
+
+def test_an_lmcache_mp_connector_reuses_kv_with_the_prefix_cache_off_and_its_line_is_cited(salted: Path) -> None:
+    # issue 29, observation 6. The fixture is written from vLLM 0.33's lines (reference §2) and the connector
+    # factory's "Creating v1 connector with name: %s and engine_id: %s"
+    # (vllm/distributed/kv_transfer/kv_connector/factory.py), after a public CPU run of vLLM with
+    # --no-enable-prefix-caching and LMCacheMPConnector: the scheduler still asks the connector for the
+    # tokens it holds (vllm/v1/engine/core.py hashes blocks when "enable_prefix_caching or kv_connector is
+    # not None"), so the off switch does not keep tenants apart
+    v = check6(audit_paths([LMCACHE_MP], year=2026, manifest=salted), LMCACHE_MP.stem)
+    assert (v.status, v.evidence_line) == ("unknown", 2)
+    assert v.detail.startswith(
+        "prefix caching off (enable_prefix_caching=false), yet LMCacheMPConnector stores KV and loads it into "
+        f"later requests: vLLM consults a KV connector whatever enable_prefix_caching says ({LMCACHE_MP.name}:2)")
+    assert v.detail.endswith(f"; the engine built LMCacheMPConnector ({LMCACHE_MP.name}:6)")
+    v = check6(audit_paths([LMCACHE_MP], year=2026, manifest=PREFIX / "multi-none.toml"), LMCACHE_MP.stem)
+    assert v.status == "fail" and "multi-tenant with no cache_salt" in v.detail
+
+
+def test_a_connector_only_the_engines_build_line_names_is_judged(tmp_path: Path, salted: Path) -> None:
+    # an excerpt without the args: the factory line alone says which connector ran
+    lines = LMCACHE_MP.read_text().splitlines(keepends=True)
+    log = tmp_path / "node.log"
+    log.write_text("".join(line for line in lines if "non-default args" not in line))
+    v = check6(audit_paths([log], year=2026, manifest=salted), "node")
+    assert (v.status, v.evidence_line) == ("unknown", 5)  # the first "Creating v1 connector" line
+    assert "LMCacheMPConnector: the salt reaches LMCache's keys only with vllm-project/vllm#39837" in v.detail
+
+
 def test_existing_v0_fixture_has_prefix_caching_off() -> None:
     report = audit_paths([FIXTURES / "audit" / "vllm-0.6.3-v0.log"], manifest=PREFIX / "multi-none.toml")
     v = check6(report, "vllm-0.6.3-v0")

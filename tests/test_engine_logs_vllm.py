@@ -306,3 +306,12 @@ INFO 09-01 10:00:02 [api_server.py:3] non-default args: {'model': 'm', 'served_m
     assert "start-up at line 1: args dump at line 2 is wrapped over 2 lines; joined" in p.notes
     assert ("start-up at line 1: non-default args dump at line 7 is cut off; fields after the cut were not read"
             in p.notes)
+
+
+def test_the_connectors_the_engine_builds_are_kept_with_their_line() -> None:
+    # issue 29, observation 6 (the fixture's provenance: tests/test_audit_prefix_cache.py)
+    p = fixture("vllm-0.33.0-lmcache-mp-no-prefix-caching.log")
+    [s] = p.startups
+    assert (s.flags["kv_connectors_created"], s.evidence["kv_connector_created"]) == ("LMCacheMPConnector", 6)
+    assert (s.flags["kv_connector"], s.flags["enable_prefix_caching"], s.role) == (
+        "LMCacheMPConnector", "false", "unified")

@@ -100,7 +100,11 @@ _STARTUP_NEEDLES = (
     "Model loading took",
     "Memory profiling",
     "reserved for KV Cache",
+    "Creating v1 connector",
 )
+# vllm/distributed/kv_transfer/kv_connector/factory.py: each KV connector the engine builds (scheduler and
+# worker sides, every connector of a MultiConnector), whatever the args say
+_CONNECTOR_CREATED = re.compile(r"Creating v1 connector with name: (?P<c>[\w.]+)")
 _KV_ROLE = re.compile(r"kv_role['\"]?\s*[:=]\s*['\"]?(?P<role>kv_producer|kv_consumer|kv_both)")
 _KV_CONNECTOR = re.compile(r"kv_connector['\"]?\s*[:=]\s*['\"]?(?P<c>[\w.]+)")
 
@@ -421,6 +425,10 @@ class _VllmParser:
                 # the config string has no closing bracket: any line that reads as its rest goes on it
                 self.continuation = (st, "config", [msg[m.end() :]], line.number)
             self._kv_transfer(st, msg, line.number)
+            return
+        if m := _CONNECTOR_CREATED.search(msg):
+            st = self.current if self.current is not None else self._begin(line, None)
+            st.connectors_created.setdefault(m["c"], line.number)
             return
         refusal = _REFUSE_V0.search(msg)
         if refusal:

@@ -67,6 +67,7 @@ class VllmStartup:
     refusal: tuple[int, int | None, int, str] | None = None  # max_len, pool/estimate, line, kind
     kv_role: tuple[str, int] | None = None
     kv_connector: str | None = None
+    connectors_created: dict[str, int] = field(default_factory=dict)  # "Creating v1 connector" lines: name -> line
     available_kv_gib: str | None = None
     notes: list[str] = field(default_factory=list)
     last_line: int | None = None
@@ -154,6 +155,9 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
             note("kv_role kv_both: the instance both sends and receives KV; read as unified")
     if st.kv_connector:
         flags["kv_connector"] = st.kv_connector
+    if st.connectors_created:  # what the engine built, whether or not an args line is in the log
+        flags["kv_connectors_created"] = ", ".join(st.connectors_created)
+        evidence["kv_connector_created"] = min(st.connectors_created.values())
 
     # model
     model: str | None = None

@@ -32,6 +32,13 @@ Each start-up is judged from its server args (log or ``/get_server_info`` dump) 
   2411.18191); ``"client"`` fails (a tenant can send another tenant's salt); ``"gateway"`` needs an
   engine that honours it: vLLM from v0.9.0 (``cache_salt``, vllm-project/vllm#17045, CVE-2025-46570);
   SGLang's radix tree keys on ``extra_key`` / ``cache_salt`` (sgl-project/sglang#26747, #30827).
+* **KV connectors reuse KV with the prefix cache off.** vLLM V1 asks a KV connector for the tokens it
+  already holds whatever ``enable_prefix_caching`` says, and hashes the blocks for it
+  (``vllm/v1/engine/core.py``: ``enable_prefix_caching or kv_connector is not None``): a start-up with its
+  prefix cache off and a store connector (below) still reuses KV across requests, and is judged as one
+  with it on. The connector is read from the KV-transfer config and from the lines with which the
+  engine builds each connector (``Creating v1 connector with name: X and engine_id: Y``,
+  ``vllm/distributed/kv_transfer/kv_connector/factory.py``), which the verdict cites.
 * **external / L3 KV stores.** vLLM ``--kv-transfer-config`` with ``LMCacheConnectorV1`` (or
   ``--kv-offloading-backend lmcache``) keys LMCache entries by tokens only: the salt is dropped
   (LMCache/LMCache#2878; fixes #2880 / #3008 unmerged). ``LMCacheMPConnector`` carries the salt only
@@ -104,13 +111,32 @@ def _version(s: Startup) -> Version | None:
 
 
 def caching(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
-    """Is the prefix cache on? (on, how we know, file, line); on is None when the evidence does not say."""
+    """Is KV reused across requests? (on, how we know, file, line); on is None when the evidence does not say."""
     on, how, file, line = _caching_flags(s)
     hit = s.flags.get("prefix_cache_hit_line", "")
     if on is None and hit.isdigit():
         return (True, "prefix cache on: a prefill batch line reports #cached-token > 0 (the server args do not say)",
                 s.file, int(hit))
+    if on is False and _v1_engine(s) and (found := _store(s)) is not None:
+        # vLLM asks a KV connector for the tokens it already holds whatever enable_prefix_caching says, and
+        # hashes the blocks for it (vllm/v1/engine/core.py: "enable_prefix_caching or kv_connector is not None")
+        store_name = found[1].split(":")[0]
+        return (
+            True,
+            f"{how}, yet {store_name} stores KV and loads it into later requests: vLLM consults a KV connector "
+            "whatever enable_prefix_caching says",
+            found[2],
+            found[3],
+        )
     return on, how, file, line
+
+
+def _v1_engine(s: Startup) -> bool:
+    """A vLLM start-up that ran (or may have run) the V1 engine."""
+    if s.engine != "vllm" or s.flags.get("engine_generation") == "V0":
+        return False
+    v = _version(s)
+    return s.flags.get("engine_generation") == "V1" or v is None or v >= VLLM_V1_DEFAULT
 
 
 def _caching_flags(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
@@ -271,13 +297,26 @@ def store(s: Startup, said: Said | None) -> Finding | None:
     return found
 
 
+def _built(s: Startup, name: str) -> str:
+    """Where the engine's log says it built connector *name* ("Creating v1 connector with name: ..."), if it does."""
+    created = [c.strip() for c in s.flags.get("kv_connectors_created", "").split(",")]
+    if name not in created:
+        return ""
+    file, line = s.where("kv_connector_created")
+    return f"; the engine built {name} ({loc(file, line)})"
+
+
 def _store(s: Startup) -> Finding | None:
     if s.engine == "vllm":
         offload = _flag(s, "kv_offloading_backend")
         transfer = _flag(s, "kv_transfer_config")
         connector = s.flags.get("kv_connector") or ""
-        text = f"{transfer[0] if transfer else ''} {connector}".lower()
+        created = s.flags.get("kv_connectors_created") or ""
+        configured = f"{transfer[0] if transfer else ''} {connector}".lower()
+        text = f"{configured} {created}".lower()
         file, line = (transfer[1], transfer[2]) if transfer else s.where("engine_version")
+        if created and not any(c.strip().lower() in configured for c in created.split(",")):
+            file, line = s.where("kv_connector_created")  # only the line that built it names the connector
         if offload is not None and offload[0].lower() == "lmcache":
             file, line = offload[1], offload[2]
             text += " lmcacheconnectorv1"
@@ -285,7 +324,8 @@ def _store(s: Startup) -> Finding | None:
             return (
                 "unknown",
                 "LMCacheMPConnector: the salt reaches LMCache's keys only with vllm-project/vllm#39837 and "
-                "LMCache/LMCache#3029; check both builds (or set kv_store_keys_salt in the manifest)",
+                "LMCache/LMCache#3029; check both builds (or set kv_store_keys_salt in the manifest)"
+                + _built(s, "LMCacheMPConnector"),
                 file,
                 line,
             )
@@ -293,17 +333,19 @@ def _store(s: Startup) -> Finding | None:
             return (
                 "fail",
                 "LMCache store (LMCacheConnectorV1): its keys are the tokens only, cache_salt is dropped "
-                "(LMCache/LMCache#2878), so a prefix stored under one tenant's salt is served to another",
+                "(LMCache/LMCache#2878), so a prefix stored under one tenant's salt is served to another"
+                + _built(s, "LMCacheConnectorV1"),
                 file,
                 line,
             )
         if offload is not None and _is_set(offload[0]) or "offloadingconnector" in text:
             at = (offload[1], offload[2]) if offload is not None and _is_set(offload[0]) else (file, line)
             return "pass", "vLLM's own KV offloading: stored by vLLM's salted block hashes", *at
-        if connector and not any(p in connector.lower() for p in PD_CONNECTORS):
+        named = connector or created.split(",")[0].strip()
+        if named and not any(p in named.lower() for p in PD_CONNECTORS):
             return (
                 "unknown",
-                f"KV connector {connector}: check whether its store keys include cache_salt",
+                f"KV connector {named}: check whether its store keys include cache_salt" + _built(s, named),
                 file,
                 line,
             )
