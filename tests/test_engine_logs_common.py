@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 import tempfile
 from unittest import mock
 from datetime import UTC, datetime
@@ -212,6 +213,31 @@ def test_parse_engine_log_on_an_empty_file_returns_an_empty_parse(tmp_path: Path
 def test_sniff_format_tells_sglang_from_vllm(name: str, expected: str) -> None:
     text = (FIXTURES / name).read_text()
     assert sniff_format(text.splitlines()) == expected
+
+
+_VLLM_ENVELOPE = re.compile(r"^(?:INFO|WARNING|ERROR):? +(?:\d\d-\d\d [\d:]+ \[[^\]]*\] )?")
+_SGLANG_ENVELOPE = re.compile(r"^\[[^\]]*\] ")
+
+
+def _bare(name: str, envelope: re.Pattern[str], keep: str) -> list[str]:
+    """The messages of fixture *name* whose line holds *keep*, with the engine's envelope stripped."""
+    return [envelope.sub("", split_outer_prefixes(line).rest)
+            for line in (FIXTURES / name).read_text().splitlines() if re.search(keep, line)]
+
+
+def test_sniff_format_recognises_bare_lines_by_their_messages(tmp_path: Path) -> None:
+    # issue 29, observation 5: prefixes stripped by a collector; no version, args or summary line among them
+    vllm_lines = _bare("vllm-0.11.0-hybrid-pd-prefill.log", _VLLM_ENVELOPE, "KV cache|concurrency|startup complete")
+    assert vllm_lines[0] == "Available KV cache memory: 9.87 GiB"
+    assert sniff_format(vllm_lines) == "vllm"
+    sglang_lines = _bare("sglang-0.5.23-ray-post-capture.log", _SGLANG_ENVELOPE, "Load weight|KV Cache|fired up")
+    assert sglang_lines and not any(line.startswith("[") for line in sglang_lines)
+    # a model path naming the other engine does not outvote the lines themselves
+    assert sniff_format([*sglang_lines, "model_path=/models/vllm-export/llama"]) == "sglang"
+    path = tmp_path / "bare.log"
+    path.write_text("\n".join(vllm_lines) + "\n")
+    [s] = parse_engine_log(path, fmt="auto", instance="x", tz=UTC_ZONE, year=2026).startups
+    assert (s.engine, s.kv_pool_tokens, s.context_length) == ("vllm", 190800, 180000)
 
 
 def test_sniff_format_returns_none_for_unknown_text() -> None:

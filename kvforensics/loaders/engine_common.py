@@ -51,6 +51,7 @@ from kvforensics.loaders.engine_types import (
 )
 from kvforensics.loaders.envelopes import ENVELOPES, parse_enveloped, sniff_envelope
 from kvforensics.loaders.startup_bounds import refuse_impossible_values
+from kvforensics.loaders.vllm_lines import LINE_SIGNATURE as VLLM_LINE_SIGNATURE
 
 __all__ = [
     "EVENT_KINDS",
@@ -93,7 +94,11 @@ _VLLM_SNIFF = re.compile(
 
 
 def sniff_format(first_lines: Iterable[str | None]) -> str | None:
-    """Tell an SGLang log from a vLLM log by its first lines; None when neither is recognised."""
+    """Tell an SGLang log from a vLLM log by its first lines; None when neither is recognised.
+
+    Each line votes by its envelope, and by its message when that is one only one engine prints
+    (``sglang.LINE_SIGNATURE``, ``vllm_lines.LINE_SIGNATURE``): so bare lines, their prefixes stripped by
+    whatever collected them, are recognised too."""
     score = {"sglang": 0, "vllm": 0}
     for text in itertools.islice(first_lines, SNIFF_LINES):
         if not text:
@@ -103,6 +108,11 @@ def sniff_format(first_lines: Iterable[str | None]) -> str | None:
             score["sglang"] += 2 if rest.startswith("[") else 1
         if _VLLM_SNIFF.search(rest):
             score["vllm"] += 2 if rest[:1].isupper() and not rest.startswith("[") else 1
+        sglang_line, vllm_line = sglang.LINE_SIGNATURE.search(rest), VLLM_LINE_SIGNATURE.search(rest)
+        if sglang_line and not vllm_line:
+            score["sglang"] += 2
+        elif vllm_line and not sglang_line:
+            score["vllm"] += 2
     best = max(score, key=lambda k: score[k])
     if score[best] == 0 or score["sglang"] == score["vllm"]:
         return None

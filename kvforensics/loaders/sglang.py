@@ -46,8 +46,8 @@ from kvforensics.loaders.sglang_startup import ENGINE, SglangStartup, startup_re
 from kvforensics.loaders.sglang_versions import VERSION_LINES
 from kvforensics.loaders.shutdown import SHUTDOWN_NEEDLES, shutdown_reason
 
-__all__ = ["BATCH_LINE_EXCLUDES", "ENGINE", "ROLE_HINTS", "ROLE_HINT_NEEDLES", "SELF_CONTAINED_EXCLUDES", "RequestRun",
-           "SglangParser", "parse_lines", "rank_tags"]
+__all__ = ["BATCH_LINE_EXCLUDES", "ENGINE", "LINE_SIGNATURE", "ROLE_HINTS", "ROLE_HINT_NEEDLES", "SELF_CONTAINED_EXCLUDES",
+           "RequestRun", "SglangParser", "parse_lines", "rank_tags"]
 
 # ---------------------------------------------------------------------------------------------
 # Envelopes
@@ -114,6 +114,15 @@ _STARTUP_NEEDLES = (
     "KV pool holds",
 )
 _RESTART_MARKER = re.compile(r"Load weight begin|Init torch distributed begin")
+# Messages only SGLang prints, whatever envelope (or none) they come in: a bare line with one of them is an
+# SGLang line (engine_common.sniff_format). They are the start-up, batch and request lines above and in
+# sglang_batches / sglang_events (reference §1.2-1.4); vLLM prints none of them (vllm_lines.LINE_SIGNATURE).
+LINE_SIGNATURE = re.compile(
+    r"server_args=(?:ServerArgs\(|\{)|max_total_num_tokens=\d|Load weight (?:begin|end)\. "
+    r"|KV Cache (?:is allocated|VA upper bound)\.|Memory pool end\. |The server is fired up and ready to roll"
+    r"|Init torch distributed begin\.|Use sliding window memory pool|Capture (?:cuda graph|\w+ CUDA graph) begin"
+    r"|^(?:Prefill|Decode) batch(?: ?\[\d+\])?[.,(] |ReqTimeStats\(rid=|Req Time Stats\(rid="
+)
 
 
 ROLE_HINT_NEEDLES = (

@@ -34,178 +34,42 @@ from kvforensics.loaders.engine_types import (
     unreadable_reason,
 )
 from kvforensics.loaders.shutdown import shutdown_reason
+from kvforensics.loaders.vllm_lines import (
+    ABORTED,
+    ARGS,
+    AVAILABLE_KV,
+    BANNER,
+    BANNER_MODEL,
+    BANNER_VERSION,
+    BLOCKS,
+    CONCURRENCY,
+    CONNECTOR_CREATED,
+    CONTINUATION_LINES,
+    DUMPS,
+    ENGINE_INIT,
+    ENV,
+    EVENT_NEEDLES,
+    EVENT_RULES,
+    FRONTEND_REQUESTED,
+    KEY_VALUE,
+    KV_CONNECTOR,
+    KV_ROLE,
+    KV_SIZE,
+    LOOSE_ENV,
+    NON_DEFAULT,
+    NOT_A_CONTINUATION,
+    OTHER_STARTUP,
+    READY,
+    REFUSE_V0,
+    REFUSE_V1,
+    STARTUP_NEEDLES,
+    VERSION_API,
+    VERSION_SERVER,
+    left_open,
+)
 from kvforensics.loaders.vllm_startup import ENGINE, VllmStartup, startup_record
 
 __all__ = ["ENGINE", "parse_lines"]
-
-_LEVELS = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL"
-_ENV = re.compile(
-    rf"^(?P<level>{_LEVELS})\s+(?P<month>\d{{2}})-(?P<day>\d{{2}}) (?P<time>\d{{2}}:\d{{2}}:\d{{2}})"
-    r"(?:[.,](?P<frac>\d{1,6}))?\s+(?:\[(?P<loc>[^\]]*)\]|(?P<loc2>[^\s\]]+:\d+)\])\s?"
-)
-# a level word followed by something stamp-like that is not a valid envelope
-_LOOSE_ENV = re.compile(
-    rf"^(?:{_LEVELS}) +(?P<stamp>\w{{1,2}}[-/]\w{{1,2}} +\w{{1,2}}:\w{{1,2}}(?::\w{{1,2}})?)"
-)
-
-# start-up lines
-_VERSION_API = re.compile(r"vLLM API server version (?P<v>\S+)")
-_VERSION_SERVER = re.compile(r"vLLM server version (?P<v>[^\s,]+),? serving model (?P<model>\S+)")
-_BANNER_VERSION = re.compile(r"[\u2580-\u259f].*\bversion\s+(?P<v>\d\S*)\s*$")
-_BANNER_MODEL = re.compile(r"[\u2580-\u259f].*\bmodel\s+(?P<model>\S+)\s*$")
-_BANNER = re.compile(r"[\u2580-\u259f]")  # the block characters of the ASCII-art logo
-_ARGS = re.compile(r"(?<!non-default )\bargs: (?=Namespace\()")
-_NON_DEFAULT = re.compile(r"non-default args: (?=\{)")
-_ENGINE_INIT = re.compile(r"Initializing (?:an|a (?P<gen>V0|V1)|a) LLM engine \(v(?P<v>[^)]+)\) with config: ")
-# a line that starts a record of its own, so cannot continue a terminal-wrapped dump
-_NOT_A_CONTINUATION = re.compile(
-    rf"^(?:(?:{_LEVELS})[: ]|Traceback |\s*File \"|\[|\(|Loading |Capturing |Process |[A-Za-z]*(?:Error|Exception)\b)"
-)
-_KEY_VALUE = re.compile(r"\b[A-Za-z_]\w*=")
-_CONTINUATION_LINES = 50  # a wrapped dump spans at most this many lines after its first
-_BLOCKS = re.compile(r"# (?P<dev>[A-Za-z]+) blocks: (?P<n>\d+)(?:, # CPU blocks: (?P<cpu>\d+))?")
-_KV_SIZE = re.compile(r"(?P<dev>[A-Z][A-Za-z]*(?: \+ host)?) KV cache size: (?P<n>[\d,]+) tokens")
-_CONCURRENCY = re.compile(r"Maximum concurrency for (?P<len>[\d,]+) tokens per request: (?P<x>[\d.]+)x")
-_REFUSE_V0 = re.compile(
-    r"The model's max seq len \((?P<len>\d+)\) is larger than the maximum number of tokens that can be "
-    r"stored in KV cache \((?P<pool>\d+)\)"
-)
-_REFUSE_V1 = re.compile(
-    r"To serve at least one request with the models?'s max seq len \((?P<len>\d+)\)"
-    r"(?:.*?estimated maximum model length is (?P<est>\d+))?"
-)
-_AVAILABLE_KV = re.compile(r"Available KV cache memory: (?P<gib>[\d.]+) GiB")
-_OTHER_STARTUP = re.compile(
-    r"Starting to load model|Loading model weights took|Model loading took|Memory profiling|"
-    r"Available KV cache memory|the rest of the memory reserved for KV Cache"
-)
-_READY = re.compile(
-    r"Application startup complete|Starting vLLM (?:API )?server (?:\d+ )?on|Uvicorn running on"
-)
-# literals one of which is in every start-up line above (the banner is caught by its non-ASCII blocks)
-_STARTUP_NEEDLES = (
-    "Application startup complete",
-    "Starting vLLM",
-    "Uvicorn running",
-    "server version",
-    "args: ",
-    "LLM engine (v",
-    "max seq len",
-    " blocks: ",
-    "KV cache size",
-    "Maximum concurrency",
-    "Available KV cache memory",
-    "Starting to load model",
-    "Loading model weights",
-    "Model loading took",
-    "Memory profiling",
-    "reserved for KV Cache",
-    "Creating v1 connector",
-)
-# vllm/distributed/kv_transfer/kv_connector/factory.py: each KV connector the engine builds (scheduler and
-# worker sides, every connector of a MultiConnector), whatever the args say
-_CONNECTOR_CREATED = re.compile(r"Creating v1 connector with name: (?P<c>[\w.]+)")
-_KV_ROLE = re.compile(r"kv_role['\"]?\s*[:=]\s*['\"]?(?P<role>kv_producer|kv_consumer|kv_both)")
-_KV_CONNECTOR = re.compile(r"kv_connector['\"]?\s*[:=]\s*['\"]?(?P<c>[\w.]+)")
-
-
-# events
-_FRONTEND_REQUESTED = re.compile(
-    r"This model's maximum context length is (?P<m>\d+) tokens\. However, you requested (?P<t>\d+) tokens "
-    r"(?:\((?P<n>\d+) in the messages, (?P<c>\d+) in the completion\)|in the messages)"
-)
-_EVENT_NEEDLES = (
-    "Input prompt (",
-    "Failing the request",
-    "prompt (length",
-    "maximum context length",
-    "pulling kv_caches",
-    "Aborted request",
-)
-_ABORTED = re.compile(r"\bAborted request(?:\(s\))? (?P<ids>.+?)\.?\s*$")
-
-
-_DUMPS = {"args": "args dump", "non_default": "non-default args dump", "config": "engine config"}
-
-
-def _left_open(text: str) -> bool:
-    """Whether *text* ends inside a quote or an unclosed bracket (a line cut there goes on)."""
-    depth = 0
-    quote: str | None = None
-    escaped = False
-    for c in text:
-        if quote is not None:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}" and depth:
-            depth -= 1
-    return quote is not None or depth > 0
-
-
-@dataclass(frozen=True)
-class _EventRule:
-    kind: str
-    pattern: re.Pattern[str]
-    prompt: str | None = None
-    limit: str | None = None
-    rid: str | None = None
-
-
-_EVENT_RULES: tuple[_EventRule, ...] = (
-    _EventRule(
-        "abort_input_too_long",
-        re.compile(r"Input prompt \((?P<n>\d+) tokens\) is too long and exceeds limit of (?P<m>\d+)"),
-        "n",
-        "m",
-    ),
-    _EventRule(
-        "abort_input_too_long",
-        re.compile(r"Input prompt \((?P<n>\d+) tokens\) \+ lookahead slots \(\d+\) is too long"),
-        "n",
-    ),
-    _EventRule(
-        "abort_other",
-        re.compile(r"Failing the request (?P<rid>\S+) because there's not enough kv cache blocks"),
-        rid="rid",
-    ),
-    _EventRule(
-        "abort_input_too_long",
-        re.compile(
-            r"The (?:\w+ )?prompt \(length (?P<n>\d+)\) (?:plus the number of requested output tokens "
-            r"\(at least 1\) )?is longer than the maximum model length of (?P<m>\d+)"
-        ),
-        "n",
-        "m",
-    ),
-    _EventRule(
-        "abort_other",
-        re.compile(
-            r"'max_tokens' or 'max_completion_tokens' is too large: \d+\. This model's maximum context "
-            r"length is (?P<m>\d+) tokens and your request has (?P<n>\d+) input tokens"
-        ),
-        "n",
-        "m",
-    ),
-    _EventRule(
-        "abort_input_too_long",
-        re.compile(
-            r"This model's maximum context length is (?P<m>\d+) tokens\. However, your "
-            r"(?:request has |prompt contains (?:at least )?)(?P<n>\d+) input tokens"
-        ),
-        "n",
-        "m",
-    ),
-    _EventRule("transfer_failure", re.compile(r"pulling kv_caches for (?P<rid>\S+) failed"), rid="rid"),
-)
-
 
 @dataclass
 class _Line:
@@ -294,9 +158,9 @@ class _VllmParser:
                 self.last_ts = line.ts
             if line is not None:
                 msg = line.msg
-                if contains_any(msg, _STARTUP_NEEDLES) or not msg.isascii():
+                if contains_any(msg, STARTUP_NEEDLES) or not msg.isascii():
                     self._startup_line(line)
-                if contains_any(msg, _EVENT_NEEDLES):
+                if contains_any(msg, EVENT_NEEDLES):
                     self._event(line)
                 self._lifetime(line)
         except Exception as e:  # noqa: BLE001 - never crash on one bad line: record it and go on
@@ -315,9 +179,9 @@ class _VllmParser:
                 self.years.adopt(docker_ts.astimezone(self.tz).year, "from the Docker --timestamps prefix")
             except OverflowError:
                 pass
-        m = _ENV.match(rest)
+        m = ENV.match(rest)
         if m is None:
-            loose = _LOOSE_ENV.match(rest)
+            loose = LOOSE_ENV.match(rest)
             if loose:
                 self._quarantine(number, f"bad timestamp '{loose['stamp']}'", raw)
                 return None
@@ -381,24 +245,24 @@ class _VllmParser:
 
     def _startup_line(self, line: _Line) -> None:
         msg = line.msg
-        if _READY.search(msg):
+        if READY.search(msg):
             if self.current is not None and self.current.ready_line is None:
                 self.current.ready_line = line.number
             return
-        if (m := _VERSION_API.search(msg)) or (m := _BANNER_VERSION.search(msg)):
+        if (m := VERSION_API.search(msg)) or (m := BANNER_VERSION.search(msg)):
             st = self._begin(line, "version")
             st.version = st.version or (m["v"], line.number)
             return
-        if m := _VERSION_SERVER.search(msg):
+        if m := VERSION_SERVER.search(msg):
             st = self._begin(line, "version")
             st.version = st.version or (m["v"], line.number)
             st.serving_model = st.serving_model or (m["model"], line.number)
             return
-        if m := _BANNER_MODEL.search(msg):
+        if m := BANNER_MODEL.search(msg):
             st = self._begin(line, None)
             st.serving_model = st.serving_model or (m["model"], line.number)
             return
-        if m := _ARGS.search(msg):
+        if m := ARGS.search(msg):
             st = self._begin(line, "args")
             st.args, complete = parse_repr_fields(msg[m.end() :])
             st.args_line = line.number
@@ -406,7 +270,7 @@ class _VllmParser:
             if not complete:
                 self.continuation = (st, "args", [msg[m.end() :]], line.number)
             return
-        if m := _NON_DEFAULT.search(msg):
+        if m := NON_DEFAULT.search(msg):
             st = self._begin(line, "non_default")
             st.non_default, complete = parse_repr_fields(msg[m.end() :])
             st.non_default_line = line.number
@@ -414,7 +278,7 @@ class _VllmParser:
             if not complete:
                 self.continuation = (st, "non_default", [msg[m.end() :]], line.number)
             return
-        if m := _ENGINE_INIT.search(msg):
+        if m := ENGINE_INIT.search(msg):
             st = self._begin(line, None)
             st.version = st.version or (m["v"], line.number)
             if m["gen"] and st.generation is None:
@@ -426,31 +290,31 @@ class _VllmParser:
                 self.continuation = (st, "config", [msg[m.end() :]], line.number)
             self._kv_transfer(st, msg, line.number)
             return
-        if m := _CONNECTOR_CREATED.search(msg):
+        if m := CONNECTOR_CREATED.search(msg):
             st = self.current if self.current is not None else self._begin(line, None)
             st.connectors_created.setdefault(m["c"], line.number)
             return
-        refusal = _REFUSE_V0.search(msg)
+        refusal = REFUSE_V0.search(msg)
         if refusal:
             st = self._begin(line, None)
             st.refusal = st.refusal or (int(refusal["len"]), int(refusal["pool"]), line.number, "v0")
             return
-        refusal = _REFUSE_V1.search(msg)
+        refusal = REFUSE_V1.search(msg)
         if refusal:
             st = self._begin(line, None)
             est = int(refusal["est"]) if refusal["est"] else None
             st.refusal = st.refusal or (int(refusal["len"]), est, line.number, "v1")
             return
         found = False
-        if m := _BLOCKS.search(msg):
+        if m := BLOCKS.search(msg):
             st = self._begin(line, None)
             st.blocks.append((line.number, line.process, int(m["n"]), m["dev"]))
             found = True
-        if m := _KV_SIZE.search(msg):
+        if m := KV_SIZE.search(msg):
             st = self._begin(line, None)
             st.kv_tokens.append((line.number, line.process, int(m["n"].replace(",", "")), m["dev"]))
             found = True
-        if m := _CONCURRENCY.search(msg):
+        if m := CONCURRENCY.search(msg):
             st = self._begin(line, None)
             ratio = float(m["x"])
             if st.concurrency is None or ratio < st.concurrency[1]:  # the limiting worker's line
@@ -458,11 +322,11 @@ class _VllmParser:
             found = True
         if found:
             return
-        if m := _AVAILABLE_KV.search(msg):
+        if m := AVAILABLE_KV.search(msg):
             st = self._begin(line, None)
             st.available_kv_gib = m["gib"]
             return
-        if _OTHER_STARTUP.search(msg) or _BANNER.search(msg):
+        if OTHER_STARTUP.search(msg) or BANNER.search(msg):
             self._begin(line, None)
 
     def _continue_dump(self, number: int, text: str) -> bool:
@@ -475,11 +339,11 @@ class _VllmParser:
         rest = split_outer_prefixes(text).rest
         goes_on = (
             rest.strip()
-            and not _ENV.match(rest)
-            and not _LOOSE_ENV.match(rest)
-            and not _NOT_A_CONTINUATION.match(rest)
-            and number - first <= _CONTINUATION_LINES
-            and (which != "config" or _KEY_VALUE.search(rest) or _left_open("".join(parts)))
+            and not ENV.match(rest)
+            and not LOOSE_ENV.match(rest)
+            and not NOT_A_CONTINUATION.match(rest)
+            and number - first <= CONTINUATION_LINES
+            and (which != "config" or KEY_VALUE.search(rest) or left_open("".join(parts)))
         )
         if not goes_on:
             self._end_continuation()
@@ -492,7 +356,7 @@ class _VllmParser:
         setattr(st, which, fields)
         self._kv_transfer_wrapped(st, parts, first, number)
         if which != "config" and complete:
-            add_note(st.notes, f"{_DUMPS[which]} at line {first} is wrapped over {len(parts)} lines; joined")
+            add_note(st.notes, f"{DUMPS[which]} at line {first} is wrapped over {len(parts)} lines; joined")
             self.continuation = None
         return True
 
@@ -501,7 +365,7 @@ class _VllmParser:
         if self.continuation is not None:
             st, which, parts, first = self.continuation
             if which != "config":
-                add_note(st.notes, f"{_DUMPS[which]} at line {first} is cut off; fields after the cut were not read")
+                add_note(st.notes, f"{DUMPS[which]} at line {first} is cut off; fields after the cut were not read")
             self.continuation = None
 
     def _lifetime(self, line: _Line) -> None:
@@ -516,9 +380,9 @@ class _VllmParser:
 
     @staticmethod
     def _kv_transfer(st: VllmStartup, msg: str, number: int) -> None:
-        if (m := _KV_ROLE.search(msg)) and st.kv_role is None:
+        if (m := KV_ROLE.search(msg)) and st.kv_role is None:
             st.kv_role = (m["role"], number)
-        if (m := _KV_CONNECTOR.search(msg)) and st.kv_connector is None:
+        if (m := KV_CONNECTOR.search(msg)) and st.kv_connector is None:
             st.kv_connector = m["c"]
 
     @staticmethod
@@ -526,9 +390,9 @@ class _VllmParser:
         """The KV-transfer role and connector of a dump read on over wrapped lines: a value the cut split
         ("Nix" + "lConnector") is read again whole, at the line it starts on."""
         joined = "".join(parts)
-        if (m := _KV_ROLE.search(joined)) and (st.kv_role is None or st.kv_role[1] == first):
+        if (m := KV_ROLE.search(joined)) and (st.kv_role is None or st.kv_role[1] == first):
             st.kv_role = (m["role"], first if m.end() <= len(parts[0]) else number)
-        if (m := _KV_CONNECTOR.search(joined)) and (st.kv_connector is None or m["c"].startswith(st.kv_connector)):
+        if (m := KV_CONNECTOR.search(joined)) and (st.kv_connector is None or m["c"].startswith(st.kv_connector)):
             st.kv_connector = m["c"]
 
     def _finish_current(self) -> None:
@@ -550,7 +414,7 @@ class _VllmParser:
 
     def _event(self, line: _Line) -> None:
         msg = line.msg
-        for rule in _EVENT_RULES:
+        for rule in EVENT_RULES:
             m = rule.pattern.search(msg)
             if m:
                 self._emit(
@@ -561,7 +425,7 @@ class _VllmParser:
                     int(m[rule.limit]) if rule.limit else None,
                 )
                 return
-        m = _FRONTEND_REQUESTED.search(msg)
+        m = FRONTEND_REQUESTED.search(msg)
         if m:
             limit = int(m["m"])
             if m["n"] is not None:  # messages + completion: too long only if the messages alone are
@@ -572,7 +436,7 @@ class _VllmParser:
             else:
                 self._emit(line, "abort_input_too_long", None, int(m["t"]), limit)
             return
-        m = _ABORTED.search(msg)
+        m = ABORTED.search(msg)
         if m:
             ids = re.findall(r"[^\s,\[\]'\"()]+", m["ids"])
             for rid in ids or [None]:
