@@ -14,8 +14,9 @@ The engine logs' per-request lines and the content are read as the same notebook
 each engine log as a Series of lines with ``str.extract`` of one regular expression (the one of
 ``sql/floor_engine_lines.sql``: ReqTimeStats and abort lines, their request id and numbers), and
 each content file with ``pd.read_json(lines=True)``, ``str.findall`` of the words and, per record,
-the keyed fingerprints ``kvforensics/fingerprint.py`` computes (HMAC-SHA256 of every 8-word
-shingle under the investigation's key, first 63 bits), kept as one int64 column per file.
+the keyed fingerprints ``kvforensics/fingerprint.py`` computes (of every ``winnow_window`` consecutive
+8-word shingles the one of least keyed MD5, the rightmost of equal ones; its HMAC-SHA256 under the
+investigation's key, first 63 bits), kept as one int64 column per file.
 
 On a 200k-request data set it must give the same affected set, recipients and possible-source
 pairs as kvforensics (``run.py`` checks that whenever both run).
@@ -43,7 +44,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
-from kvforensics.fingerprint import SHINGLE_WORDS, key_for
+from kvforensics.fingerprint import SHINGLE_WORDS, key_for, selection_key
 from kvforensics.ingest import resolve_model
 from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
 from kvforensics.loaders.engine_common import parse_engine_log
@@ -163,20 +164,31 @@ def open_text(path: Path):
     return path.open(encoding="utf-8", errors="replace")
 
 
-def shingle_fingerprints(words: list[str], key: bytes) -> set[int]:
-    """fingerprint.py's keyed fingerprints of one text's lower-cased words."""
+def shingle_fingerprints(words: list[str], key: bytes, select: bytes, window: int) -> tuple[set[int], int]:
+    """fingerprint.py's keyed fingerprints of one text's lower-cased words (winnowing with *window* under
+    the selection key *select*), and its number of shingles."""
     if len(words) < SHINGLE_WORDS:
         shingles = [" ".join(words)] if words else []
     else:
         shingles = [" ".join(words[i:i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
-    return {int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in shingles}
+    if window > 1 and shingles:
+        order = [int.from_bytes(hashlib.md5(select + s.encode("utf-8")).digest()[:8], "big") for s in shingles]
+        span = min(window, len(order))
+        kept = {min(range(i, i + span), key=lambda j: (order[j], -j)) for i in range(len(order) - span + 1)}
+        chosen = [shingles[j] for j in kept]
+    else:
+        chosen = shingles
+    return ({int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in chosen},
+            len(shingles))
 
 
-def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int]:
-    """Per content file: (record, part, fingerprint) rows, the record as its row number in the file."""
+def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int, int]:
+    """Per content file: (record, part, fingerprint) rows, the record as its row number in the file; the
+    records read and the shingles seen."""
     key = key_for(incident.id)
+    select = selection_key(key)
     out = []
-    records = 0
+    records = shingles = 0
     for source in incident.sources_of("content"):
         for path in source.files():
             for df in pd.read_json(path, lines=True, dtype=False, chunksize=BATCH_RECORDS):
@@ -185,28 +197,30 @@ def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int]:
                     if source.column(part) not in df.columns:
                         continue
                     words = df[source.column(part)].dropna().astype(str).str.lower().str.findall(r"\w+")
-                    fps = [shingle_fingerprints(w, key) for w in words]
+                    kept = [shingle_fingerprints(w, key, select, incident.winnow_window) for w in words]
+                    fps = [f for f, _ in kept]
+                    shingles += sum(n for _, n in kept)
                     counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))
                     out.append(pd.DataFrame({
                         "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
                         "part": np.int8(code),
                         "fp": np.fromiter(itertools.chain.from_iterable(fps), dtype=np.int64,
                                           count=int(counts.sum()))}))
-    return out, records
+    return out, records, shingles
 
 
 def read_sources(incident: Incident, lap: Callable[[str], None]) -> dict[str, Any]:
     """Engine lines and content, timed as the phases ``engine_lines`` and ``content``."""
     events, lines_read = read_engine_lines(incident)
     lap("engine_lines")
-    fps, records = content_fingerprints(incident)
+    fps, records, shingles = content_fingerprints(incident)
     lap("content")
     aborted = sorted(set(events.loc[events["kind"] == "abort_input_too_long", "request_id"]))
     return {"engine_lines_read": lines_read, "content_records": records,
             "engine_req_time_stats": int((events["kind"] == "req_time_stats").sum()),
             "engine_aborted_requests": len(aborted),
             "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
-            "content_fingerprints": int(sum(len(f) for f in fps))}
+            "content_fingerprints": int(sum(len(f) for f in fps)), "content_shingles": shingles}
 
 
 def lap_timer(phases: dict[str, float]) -> Callable[[str], None]:

@@ -162,6 +162,16 @@ class Runner:
             steps.append(self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", kind), label=label))
             if not self.args.keep_evidence:
                 shutil.rmtree(out, ignore_errors=True)
+            # the content ingest again with other winnowing windows (1: every shingle, as before issue 30)
+            for window in self.args.winnow_windows if kind == "content" else []:
+                other = f"{label}-w{window}"
+                out = self.fresh(ds, other)
+                steps.append(self.step("ingest", ds, out=out, memory_limit=limit, label=other,
+                                       extra=("--kinds", kind, "--winnow-window", str(window))))
+                if floor in floors:
+                    floor_of[other] = floor
+                if not self.args.keep_evidence:
+                    shutil.rmtree(out, ignore_errors=True)
         if self.args.pandas_baseline:
             steps.append(self.step("pandas-sources", ds, out=self.fresh(ds, "pandas-sources")))
         return {"memory_limit": limit, "floors": floors, "floor_of": floor_of, "steps": steps}
@@ -363,6 +373,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "results in <date>-<N>-<NAME>.json")
     p.add_argument("--sources", default=",".join(SOURCE_STEPS),
                    help="with the sources stage: which sources, comma list (engine_log, content)")
+    p.add_argument("--winnow-windows", default="",
+                   help="with the sources stage: the content ingest again with each of these winnowing windows "
+                        "(comma list; 1 fingerprints every shingle), steps ingest-content-w<N>")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
     p.add_argument("--pandas-baseline", action="store_true", help="also run the pandas implementation")
     p.add_argument("--seed", type=int, default=7)
@@ -402,6 +415,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown source(s) {sorted(bad)}; use {', '.join(SOURCE_STEPS)}")
     args.steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    try:
+        args.winnow_windows = [int(w) for w in args.winnow_windows.split(",") if w.strip()]
+    except ValueError:
+        p.error("--winnow-windows: whole numbers, comma separated (e.g. 1,4)")
     if args.steps and [s for s in PIPELINE if s in args.steps] != args.steps:
         p.error(f"--steps: steps of {', '.join(PIPELINE)}, in that order")
     args.profile = {s.strip() for s in args.profile.split(",") if s.strip()}

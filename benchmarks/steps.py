@@ -346,6 +346,8 @@ def investigation(args: argparse.Namespace, *, kinds: tuple[str, ...] = ()):
     incident = load_incident(args.incident)
     if kinds:
         incident = dataclasses.replace(incident, sources=tuple(s for s in incident.sources if s.kind in kinds))
+    if args.winnow_window:  # the content fingerprinted with another window than the incident file's
+        incident = dataclasses.replace(incident, winnow_window=args.winnow_window)
     inv = Investigation.open(incident, args.out, memory_limit=args.memory_limit, progress=False, pdf=False)
     if args.threads:
         inv.con.execute(f"SET threads = {int(args.threads)}")
@@ -373,6 +375,10 @@ def step_ingest(args: argparse.Namespace, result: dict[str, Any]) -> None:
                       quarantined=sum(f.quarantined for f in requests_files),
                       other_records=sum(f.records_read for f in r.files if f.kind != "requests"),
                       warnings=r.warnings)
+        if any(f.kind == "content" for f in r.files):
+            result.update(winnow_window=inv.incident.winnow_window, content_fingerprints=inv.con.execute(
+                "SELECT count(*) FROM content_fingerprints").fetchone()[0], content_texts=inv.con.execute(
+                "SELECT count(*) FROM content_stats").fetchone()[0])
         with timed(result, "checkpoint_seconds", None):
             inv.con.execute("CHECKPOINT").fetchall()
     finally:
@@ -559,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--temp-dir", type=Path, default=None)
     p.add_argument("--kinds", default="", help="ingest: only the sources of these kinds (comma list, e.g. requests)")
+    p.add_argument("--winnow-window", type=int, default=None,
+                   help="the content's winnowing window instead of the incident file's (1: every shingle)")
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--trace-sql", type=Path, default=None, help="time every DuckDB execute; JSON written here")
     p.add_argument("--memory-trace", type=Path, default=None,

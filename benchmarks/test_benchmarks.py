@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvforensics.fingerprint import WINNOW_WINDOW
+
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
@@ -93,25 +95,31 @@ def test_each_source_is_measured_against_its_own_floor() -> None:
 
 def test_floors_and_pandas_do_the_same_work_on_engine_lines_and_content(tmp_path: Path) -> None:
     """On a streamed data set (every source written chunk by chunk), the floors extract as many
-    per-request engine lines and hash as many shingles as the pandas baseline fingerprints."""
+    per-request engine lines and hash as many shingles as the pandas baseline reads, and the pandas
+    baseline keeps as many fingerprints as the content ingest (winnowing) and, with a window of 1, all."""
     from kvforensics.simulate import Scenario, simulate
 
     data = tmp_path / "data"
     simulate(Scenario(seed=5, requests=4_000, affected=12, page_simulation_max_requests=2_000), data)
     reports = {}
-    for step in ("floor-engine", "floor-content", "pandas-sources"):
-        report = tmp_path / f"{step}.json"
+    for step, *extra in (("floor-engine",), ("floor-content",), ("pandas-sources",), ("ingest", "--kinds", "content"),
+                         ("ingest", "--kinds", "content", "--winnow-window", "1")):
+        label = "-".join([step, *extra[3:]])
+        report = tmp_path / f"{label}.json"
         m = run_measured([sys.executable, str(BENCH / "steps.py"), step, "--incident", str(data / "incident.toml"),
-                          "--report", str(report), "--out", str(tmp_path / "out")], log_path=tmp_path / "log")
+                          "--report", str(report), "--out", str(tmp_path / label), *extra], log_path=tmp_path / "log")
         assert m.ok, m.stderr_tail
-        reports[step] = json.loads(report.read_text())
+        reports[label] = json.loads(report.read_text())
     engine, content, pandas = reports["floor-engine"], reports["floor-content"], reports["pandas-sources"]
+    winnowed, every = reports["ingest"], reports["ingest-1"]
     truth = json.loads((data / "ground_truth.json").read_text())
     assert engine["abort_lines"] == pandas["engine_aborted_requests"] == len(truth["affected"]) == 12
     assert engine["stats_lines"] == pandas["engine_req_time_stats"] > 500
     assert engine["lines"] == pandas["engine_lines_read"]
     assert content["rows"] == pandas["content_records"] == engine["stats_lines"]  # one record per served request
-    assert content["shingles"] == pandas["content_fingerprints"]  # distinct per text: no 8-word repeats
+    assert content["shingles"] == pandas["content_shingles"] == every["content_fingerprints"]  # no 8-word repeats
+    assert winnowed["content_fingerprints"] == pandas["content_fingerprints"] < 0.6 * pandas["content_shingles"]
+    assert winnowed["winnow_window"] == WINNOW_WINDOW > 1 and every["winnow_window"] == 1
     assert content["seconds"] > 0 and content["noncrypto_seconds"] > 0
 
 
