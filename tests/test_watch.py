@@ -21,7 +21,7 @@ from conftest import DECODE_LOG, INCIDENT, PREFILL_LOG, mini_requests, write_min
 
 from kvforensics.config import load_incident
 from kvforensics.investigation import Investigation
-from kvforensics.watch import Watch, WatchOptions
+from kvforensics.watch import Watch, WatchOptions, intake
 
 ROOT = Path(__file__).resolve().parent.parent
 # every table the requests leave, as the batch ingest leaves them
@@ -123,7 +123,8 @@ def test_gzip_members_appended_are_read_whole_and_a_line_across_members_once(tmp
     assert [r[5:9] for r in got["load_report"]] == [(len(rows), len(rows), 0, 0)]
 
 
-def test_a_restart_resumes_at_the_recorded_offsets_and_repeats_no_alert(tmp_path: Path) -> None:
+def test_a_restart_resumes_at_the_recorded_offsets_and_repeats_no_alert(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(intake, "SPLIT_BYTES", 5000)  # each increment typed in pieces side by side
     toml = incident(tmp_path)
     rows = mini_requests()
     live = toml.parent / "gateway" / "day1.jsonl"
@@ -151,7 +152,8 @@ def test_a_restart_resumes_at_the_recorded_offsets_and_repeats_no_alert(tmp_path
     assert len(ids) == len(set(ids)) and ids.count("affected_response:r-leak") == 1
 
 
-def test_a_malformed_line_is_quarantined_at_its_line_and_the_rest_loaded(tmp_path: Path) -> None:
+def test_a_malformed_line_is_quarantined_at_its_line_and_the_rest_loaded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(intake, "SPLIT_BYTES", 5000)  # each increment typed in pieces side by side
     toml, rows, live, w = started(tmp_path, 100)
     with live.open("ab") as fh:
         fh.write(jsonl(rows[100:110]) + b'{"rid": "r-bad", "received_at": \n' + jsonl(rows[110:]))
@@ -226,6 +228,20 @@ def test_evidence_gaps_silence_quarantine_share_and_a_kv_event_sequence_gap(tmp_
     w.stop()
     ids = [a["alert_id"] for a in alerts(out)]
     assert len(ids) == len(set(ids))
+
+
+def test_an_increment_splits_at_line_ends_into_pieces_that_resume_where_they_end(tmp_path: Path) -> None:
+    from kvforensics.watch.follow import FileState, Increment, split
+
+    data = b"".join(b"line %d\n" % i for i in range(1000))
+    inc = Increment(FileState("s", str(tmp_path / "f.jsonl"), 1, 2, lines=10), data, 11, 1000, 500 + len(data), 0)
+    parts = split(inc, 3, 100)
+    assert b"".join(p.data for p in parts) == data and all(p.data.endswith(b"\n") for p in parts)
+    assert [p.first_line for p in parts] == [11, 11 + parts[0].lines, 11 + parts[0].lines + parts[1].lines]
+    assert sum(p.lines for p in parts) == 1000 and parts[-1].offset == inc.offset
+    assert parts[0].offset == 500 + len(parts[0].data)
+    gz = Increment(FileState("s", str(tmp_path / "f.jsonl.gz"), 1, 2), data, 1, 1000, 99, 7)
+    assert split(gz, 3, 100) == [gz]  # a place inside a gzip member is no byte of the file
 
 
 def test_every_per_request_rule_flags_on_part_of_the_requests_what_it_flags_of_them_on_all(

@@ -15,10 +15,11 @@ ingest (they are small), so the evidence is a batch run's to the byte.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import duckdb
 import pyarrow as pa
@@ -33,7 +34,8 @@ from kvforensics.loaders.textio import printable_raw
 from kvforensics.watch.follow import Follower, Increment
 from kvforensics.watch.intake import Counts, Pieces
 
-COLUMNAR_LINES = 20_000  # a piece of this many lines or more is read column-wise
+COLUMNAR_LINES = 2_000  # a piece of this many lines or more is read column-wise
+PARSERS = 2  # increments parsed at once
 PRELUDE_LINES = 20_000  # at most this many lines of a start-up are kept to parse the next increment after
 # how far a start-up's log goes: taken from the latest parse; every other field as first read
 _LIFE = ("last_line", "last_ts", "shutdown_line", "shutdown_ts", "shutdown_reason")
@@ -77,12 +79,25 @@ class EngineLogs:
             f.path = Path(new)
             self.files[new] = f
 
-    def read(self, source: Source, increments: list[Increment], counts: Counts, out: EngineRead) -> None:
+    def read(self, jobs: list[tuple[Source, Increment]], counts: dict[str, Counts], out: EngineRead,
+             meanwhile: Callable[[], None] = lambda: None) -> None:
+        """Parse the increments (side by side, in threads, while *meanwhile* runs: the parse is mostly Arrow and
+        DuckDB work), then store them in order. Several increments of one file (a last line read as watch
+        stops) are parsed one after the other, each after the prelude the one before it leaves."""
         pieces = Pieces(self.root / "engine")
         try:
-            for inc in increments:
-                self._read_one(source, inc, pieces, counts, out)
-                Follower.commit(inc)
+            files = [str(inc.path) for _, inc in jobs]
+            if len(set(files)) < len(files):
+                meanwhile()
+                for source, inc in jobs:
+                    self._store(self._parse(source, inc, pieces), counts[source.name], out)
+                return
+            with ThreadPoolExecutor(max_workers=min(PARSERS, max(1, len(jobs))),
+                                    thread_name_prefix="kvf-watch-engine") as pool:
+                futures = [pool.submit(self._parse, source, inc, pieces) for source, inc in jobs]
+                meanwhile()
+                for (source, _), future in zip(jobs, futures, strict=True):
+                    self._store(future.result(), counts[source.name], out)
         finally:
             pieces.remove()
 
@@ -91,13 +106,13 @@ class EngineLogs:
         if f is None or f.source.name != source.name:
             year = source.year or self.incident.year
             if year is None and source.format in ("vllm", "auto"):  # vLLM stamps carry no year
-                first = one(self.con, "SELECT min(ts) FROM requests")[0]
+                first = one(self.con.cursor(), "SELECT min(ts) FROM requests")[0]
                 year = first.year if first is not None else datetime.now(timezone.utc).year
             f = EngineFile(source, path, year)
             self.files[str(path)] = f
         return f
 
-    def _read_one(self, source: Source, inc: Increment, pieces: Pieces, counts: Counts, out: EngineRead) -> None:
+    def _parse(self, source: Source, inc: Increment, pieces: Pieces) -> _Parsed:
         f = self._file(source, inc.path)
         prelude = f.prelude
         piece = pieces.write(inc, b"".join(raw + b"\n" for _, raw in prelude))
@@ -105,6 +120,10 @@ class EngineLogs:
         parse = parse_engine_file_columnar if inc.lines >= COLUMNAR_LINES else parse_engine_file
         parsed = parse(piece, fmt=source.format, instance=lambda labels: source.instance_for(f.path, labels),
                        tz=source.tz, year=f.year, clock_offset_s=source.clock_offset_s, envelope=source.envelope)
+        return _Parsed(f, inc, prelude, parsed)
+
+    def _store(self, job: _Parsed, counts: Counts, out: EngineRead) -> None:
+        f, inc, prelude, parsed = job.file, job.increment, job.prelude, job.parsed
         lead = len(prelude)
 
         def line_of(n: int | None) -> int | None:
@@ -114,13 +133,13 @@ class EngineLogs:
             return prelude[n - 1][0] if n <= lead else inc.first_line + n - lead - 1
 
         events, batches = (_own_rows(t, lead, inc.first_line) for t in (parsed.event_table(), parsed.batch_table()))
-        EvidenceSink(source.name, str(f.path)).store(self.con, EngineFileParse(
+        EvidenceSink(f.source.name, str(f.path)).store(self.con, EngineFileParse(
             envelope=parsed.envelope, instances={"": EngineLogParse(event_tables=[events], batch_tables=[batches])}))
         out.request_ids.update(r for r in events.column("request_id").to_pylist() if r is not None)
         quarantined = [q for q in parsed.all_quarantined() if q.line > lead]
         if quarantined:
             self.con.executemany("INSERT INTO quarantine VALUES (?, ?, ?, ?, ?)",
-                                 [(source.name, str(f.path), line_of(q.line), q.reason, printable_raw(q.raw))
+                                 [(f.source.name, str(f.path), line_of(q.line), q.reason, printable_raw(q.raw))
                                   for q in quarantined])
         counts.read += inc.lines
         counts.quarantined += len(quarantined)
@@ -137,6 +156,15 @@ class EngineLogs:
             else:
                 out.lives_changed = True
         f.prelude = _prelude(f, prelude, inc)
+        Follower.commit(inc)
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    file: EngineFile
+    increment: Increment
+    prelude: list[tuple[int, bytes]]
+    parsed: EngineFileParse
 
 
 def _own_rows(table: pa.Table, lead: int, first_line: int) -> pa.Table:

@@ -136,6 +136,7 @@ class Follower:
         """The files *paths* names now, and what they gained. With ``final`` (watch stops), a last line without
         its newline is read too, as a batch run reads it, as a provisional increment (the line may grow)."""
         found = Poll()
+        looked = self.clock()
         seen: set[tuple[int, int]] = set()
         for path in paths:
             try:
@@ -163,7 +164,7 @@ class Follower:
                 found.problems.append(f"{state.path}: followed before watch restarted, no longer found "
                                       f"(read up to line {state.lines:,})")
         if found.grew:
-            self.grew_at = self.clock()
+            self.grew_at = looked
         return found
 
     def _restore(self, key: tuple[int, int], path: Path) -> FileState | None:
@@ -314,20 +315,35 @@ class Follower:
 
     # --- after an increment is stored --------------------------------------------------------------
     @staticmethod
-    def commit(increment: Increment) -> None:
-        """Reading the file stands after *increment* (called once its records are stored)."""
-        s = increment.state
+    def commit(increment: Increment, state: FileState | None = None) -> None:
+        """Reading the file stands after *increment* (called once its records are stored); on *state* (a copy
+        being written with them) when given."""
+        s = state or increment.state
         if not increment.provisional:
-            s.offset, s.skip, s.lines = increment.offset, increment.skip, s.lines + increment.lines
+            s.offset, s.skip, s.lines = increment.offset, increment.skip, increment.first_line - 1 + increment.lines
+
+
+def split(increment: Increment, parts: int, at_least: int) -> list[Increment]:
+    """*increment* as up to *parts* increments of consecutive whole lines, each of *at_least* bytes or more, for
+    the loaders to read side by side: a plain file's (a compressed file's place inside a member is not a byte
+    of the file), never a provisional one."""
+    data = increment.data
+    if (parts < 2 or increment.provisional or increment.whole_file or compression(increment.state.path) != "none"
+            or len(data) < 2 * at_least):
+        return [increment]
+    out, start, line = [], 0, increment.first_line
+    begin = increment.offset - len(data)  # the byte of the file the increment starts at
+    for k in range(1, parts + 1):
+        end = len(data) if k == parts else data.find(b"\n", max(start, len(data) * k // parts - 1)) + 1
+        if end <= start:
+            continue
+        chunk = data[start:end]
+        lines = chunk.count(b"\n") + (0 if chunk.endswith(b"\n") else 1)
+        out.append(replace(increment, data=chunk, first_line=line, lines=lines, offset=begin + end, skip=0))
+        start, line = end, line + lines
+    return out
 
 
 def _head(path: Path, n: int) -> str:
     with open(path, "rb") as fh:
         return hashlib.sha256(fh.read(n)).hexdigest()
-
-
-def advanced(state: FileState, increment: Increment) -> FileState:
-    """A copy of *state* as it stands after *increment*, for the record written with its records."""
-    if increment.provisional:
-        return replace(state)
-    return replace(state, offset=increment.offset, skip=increment.skip, lines=state.lines + increment.lines)

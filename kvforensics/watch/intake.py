@@ -32,9 +32,11 @@ from kvforensics.loaders.prefix_blocks import block_size
 from kvforensics.loaders.requests import load_requests_files
 from kvforensics.loaders.staging import FileLoad
 from kvforensics.watch import state as watch_state
-from kvforensics.watch.follow import FileState, Follower, Increment, advanced, compression
+from kvforensics.watch.follow import FileState, Follower, Increment, compression, split
 
 PIECES = ".kvforensics-watch"  # under the output folder: the pieces being loaded (removed once loaded)
+TYPING_PIECES = 2  # an increment of a plain request file is typed in this many pieces side by side ...
+SPLIT_BYTES = 4 << 20  # ... each of at least this many bytes
 
 
 @dataclass
@@ -118,13 +120,15 @@ def load_requests(con: duckdb.DuckDBPyConnection, source: Source, increments: li
     pieces = Pieces(root / "requests")
     paths: list[Path] = []
     whole: dict[str, Increment] = {}
-    for inc in increments:
+    for inc in (part for whole_inc in increments for part in split(whole_inc, TYPING_PIECES, SPLIT_BYTES)):
         if inc.whole_file:
             paths.append(inc.path)
             whole[str(inc.path)] = inc
         else:
             paths.append(pieces.write(inc, _lead(source, inc)))
-    stored: list[tuple[Increment, FileLoad]] = []
+    # what each file's record becomes, piece by piece, written with the pieces' records
+    pending: dict[tuple[int, int], FileState] = {}
+    stored: list[FileLoad] = []
 
     def merged(load: FileLoad) -> None:  # inside the transaction of the batch
         piece = str(load.file)
@@ -134,19 +138,21 @@ def load_requests(con: duckdb.DuckDBPyConnection, source: Source, increments: li
         if piece in pieces.of:
             _move_rows(con, source.name, pieces, piece, _REQUEST_ROWS)
             _fix_kept_at(con, source.name, pieces)
-        after = _counted(advanced(inc.state, inc), inc, load)
+        after = pending.setdefault(inc.state.key, replace(inc.state))
+        Follower.commit(inc, after)
+        _counted(after, inc, load)
         watch_state.save(con, [after])
-        stored.append((inc, load))
+        stored.append(load)
 
     try:
         load_requests_files(con, source, paths, on_merged=merged, model_aliases=aliases)
     finally:
         pieces.remove()
-    for inc, load in stored:
-        Follower.commit(inc)
-        _counted(inc.state, inc, load)
-        counts.read += load.records_read
-        counts.quarantined += load.quarantined
+    for inc in increments:
+        if (after := pending.get(inc.state.key)) is not None:
+            inc.state.__dict__.update(after.__dict__)
+    counts.read += sum(load.records_read for load in stored)
+    counts.quarantined += sum(load.quarantined for load in stored)
 
 
 def _lead(source: Source, inc: Increment) -> bytes:

@@ -91,10 +91,11 @@ class Timeline:
             shutil.copy2(source_dir / rel, dest / rel)
 
 
-def timeline(incident_toml: Path, *, join_requests: str | None = None) -> Timeline:
+def timeline(incident_toml: Path, *, join_requests: str | None = None, plain: bool = False) -> Timeline:
     """The timeline of the incident *incident_toml* names. With *join_requests* (a path relative to the folder,
     e.g. ``gateway/requests.jsonl``), the records of its requests source go to that one file, in the order its
-    files are read, and the incident file copied names it."""
+    files are read, and the incident file copied names it. With *plain*, a ``.gz`` file is written as plain
+    text without its suffix (the paths of the incident file copied without it too)."""
     incident = load_incident(incident_toml)
     text = incident_toml.read_text(encoding="utf-8")
     base = incident.base_dir
@@ -108,8 +109,15 @@ def timeline(incident_toml: Path, *, join_requests: str | None = None) -> Timeli
             if old not in text:
                 raise ValueError(f"{incident_toml} does not spell the path of source '{source.name}' as {old}")
             text = text.replace(old, f'path = "{join_requests}"', 1)
+        if plain and source.path.endswith(".gz") and not (join_requests and source.kind == "requests"):
+            old = f'path = "{source.path}"'
+            if old not in text:
+                raise ValueError(f"{incident_toml} does not spell the path of source '{source.name}' as {old}")
+            text = text.replace(old, f'path = "{source.path[:-3]}"', 1)
         for path in files:
             rel = path.relative_to(base).as_posix()
+            if plain and rel.endswith(".gz") and source.format != "parquet":
+                rel = rel[:-3]
             order += 1
             if source.format == "parquet":
                 copied.append(rel)

@@ -147,6 +147,7 @@ class Watch:
     # --- one poll -------------------------------------------------------------------------------------
     def poll(self, *, final: bool = False) -> list[dict[str, Any]]:
         """Read what every source gained, load it, judge it; the alerts raised."""
+        looked = time.time()  # when the files were looked at: how long a source has been silent is counted to it
         polls: dict[str, tuple[Source, Poll]] = {}
         for source, files in self.incident.source_files():
             found = self.followers[source.name].poll(files, final=final)
@@ -156,14 +157,26 @@ class Watch:
         self._renamed(polls)
         engine = EngineRead()
         kv_loaded = False
+
+        def requests() -> None:
+            for source, found in polls.values():
+                if source.kind == "requests" and found.increments:
+                    load_requests(self.con, source, found.increments, self.root, self.incident.model_aliases,
+                                  self.counts[source.name])
+
+        # the engine logs are parsed while the requests load; then stored (the year of a vLLM log is the
+        # first request's when nothing sets it: the first poll loads the requests first)
+        jobs = [(source, inc) for source, found in polls.values() if source.kind == "engine_log"
+                for inc in found.increments]
+        if self.first_poll:
+            requests()
+            self.engines.read(jobs, self.counts, engine)
+        else:
+            self.engines.read(jobs, self.counts, engine, meanwhile=requests)
         for source, found in polls.values():
             increments = found.increments
             counts = self.counts[source.name]
-            if source.kind == "requests" and increments:
-                load_requests(self.con, source, increments, self.root, self.incident.model_aliases, counts)
-            elif source.kind == "engine_log" and increments:
-                self.engines.read(source, increments, counts, engine)
-            elif source.kind == "kv_events" and increments:
+            if source.kind == "kv_events" and increments:
                 self.sides.kv_events(source, increments, counts)
                 kv_loaded = True
             elif source.kind == "content" and increments:
@@ -176,7 +189,7 @@ class Watch:
         self.first_poll = False
         affected = self.detection.judge(engine.request_ids, self._alerted_requests(), everything=everything)
         raised += [_affected_alert(r) for r in affected.itertuples(index=False)]
-        raised += self._gaps(kv_loaded)
+        raised += self._gaps(kv_loaded, looked)
         self._save_states()
         return self.alerts.raise_new(raised)
 
@@ -245,10 +258,10 @@ class Watch:
         prefix = "affected_response:"
         return {a[len(prefix):] for a in self.alerts.raised if a.startswith(prefix)}
 
-    def _gaps(self, kv_loaded: bool) -> list[dict[str, Any]]:
-        """Evidence gaps: silent sources, KV-event sequence gaps, quarantine shares over their limit."""
+    def _gaps(self, kv_loaded: bool, now: float) -> list[dict[str, Any]]:
+        """Evidence gaps: silent sources (at *now*, when the files were looked at), KV-event sequence gaps,
+        quarantine shares over their limit."""
         out = []
-        now = time.time()
         for source in self.incident.sources:
             since = self.followers[source.name].grew_at
             if now - since > self.options.silence:
