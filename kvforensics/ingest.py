@@ -25,7 +25,13 @@ from kvforensics.config import Incident, Source
 from kvforensics.db import memory_set_aside, one, run_script
 from kvforensics.errors import InputError, StrictModeError
 from kvforensics.fingerprint import key_for
-from kvforensics.instances import PlacedStartup, lifetimes, match_instance_names
+from kvforensics.instances import (
+    PlacedStartup,
+    lifetimes,
+    match_instance_names,
+    role_carried_over,
+    roles_carried_over,
+)
 from kvforensics.loaders.changes import load_changes
 from kvforensics.loaders.content import load_content
 from kvforensics.loaders.kv_events import Chains, load_kv_events
@@ -365,19 +371,27 @@ def _build_capacity(con: duckdb.DuckDBPyConnection, incident: Incident, startups
                             shutdown_line=s.shutdown_line)
               for (_source, path, s), model in zip(items, models, strict=True)]
     ends = lifetimes(placed, incident.instances.handover_s)
+    carried = roles_carried_over(placed)
     rows = []
-    for (source, path, s), model, end in zip(items, models, ends, strict=True):
+    for (source, path, s), model, end, prev in zip(items, models, ends, carried, strict=True):
+        role, flags = s.role, dict(s.flags)
+        if prev is not None:  # a restart that logged no server_args keeps its role, as the audit says
+            _, prev_path, prev_rec = items[prev]
+            role = prev_rec.role
+            flags["role_source"] = role_carried_over(prev_path.name, prev_rec.line)
+            if s.model is None and models[prev] is not None:
+                model, flags["model_source"] = models[prev], flags["role_source"]
         if end.end_reason == "log_end":
             result.assumptions.append(
                 f"engine instance '{s.instance}': its log ends at {path.name}:{end.end_line} and "
                 f"'{end.successor}' took over ({model}, {s.role}): retired from {end.valid_to:%Y-%m-%d %H:%M:%S}Z")
         rows.append({
-            "instance": s.instance, "role": s.role, "model": model, "engine_model": s.model,
+            "instance": s.instance, "role": role, "model": model, "engine_model": s.model,
             "valid_from": s.ts, "valid_to": end.valid_to, "kv_pool_tokens": s.kv_pool_tokens,
             "context_length": s.context_length, "page_size": s.page_size, "engine": s.engine,
             "engine_version": s.engine_version, "version_source": s.version_source,
-            "tp_size": s.tp_size, "dp_size": s.dp_size, "flags": json.dumps(dict(s.flags), sort_keys=True),
-            "startup_refused": str(dict(s.flags).get("startup_refused", "")).lower() == "true",
+            "tp_size": s.tp_size, "dp_size": s.dp_size, "flags": json.dumps(flags, sort_keys=True),
+            "startup_refused": str(flags.get("startup_refused", "")).lower() == "true",
             "source": source.name, "source_file": str(path), "source_line": s.line,
             "pool_source_line": s.pool_source_line, "end_reason": end.end_reason, "end_ts": end.end_ts,
             "end_file": end.end_file, "end_line": end.end_line, "successor": end.successor,

@@ -283,6 +283,34 @@ def lifetimes(startups: Sequence[PlacedStartup], handover_s: float = DEFAULT_HAN
     return [lt for lt in out if lt is not None]
 
 
+UNKNOWN_ROLE = "unknown"  # a start-up no line of whose log says its role (loaders/sglang_startup.py)
+
+
+def roles_carried_over(startups: Sequence[PlacedStartup]) -> list[int | None]:
+    """For each start-up whose role no line of its own shows (``unknown``), the index of the same
+    instance's latest earlier start-up whose role one does: a restart that logs no ``server_args`` runs
+    with the arguments it was started with before, so it keeps that role. None for the others and where
+    no earlier start-up says. The ingest (``capacity``) and the audit both take the role so."""
+    out: list[int | None] = [None] * len(startups)
+    by_instance: dict[str, list[int]] = {}
+    for i, s in enumerate(startups):
+        by_instance.setdefault(s.instance, []).append(i)
+    for idx in by_instance.values():
+        idx.sort(key=lambda i: _sort_key(startups[i]))
+        known: int | None = None
+        for i in idx:
+            if startups[i].role != UNKNOWN_ROLE:
+                known = i
+            else:
+                out[i] = known
+    return out
+
+
+def role_carried_over(file_name: str, line: int) -> str:
+    """How a start-up's role was taken over from the earlier start-up at *file_name*:*line* (its ``role_source``)."""
+    return f"assumed from the previous start-up ({file_name}:{line}): this one logged no server_args"
+
+
 def _log_end(s: PlacedStartup, startups: Sequence[PlacedStartup], last_seen: Mapping[str, datetime],
              handover: timedelta) -> Lifetime:
     last = s.last_ts or s.ts

@@ -134,24 +134,30 @@ def test_the_incident_handover_window_decides_who_took_over(tmp_path: Path) -> N
 # --- the evidence database ---------------------------------------------------------------------
 
 
-def test_audit_database_agrees_with_audit_paths_on_how_start_ups_ended(tmp_path: Path) -> None:
-    rollout(tmp_path / "data" / "engine", sigterm=True)
-    (tmp_path / "data" / "engine" / "glm-prefill-c.log").write_text(  # replaced by b without shutdown lines
-        pod_log(T0 + timedelta(hours=1), SMALL, until=T0 + timedelta(hours=5)))
+def ingest_and_audit(tmp_path: Path, request_at: datetime, capacity_sql: str) -> tuple[Path, AuditReport, list]:
+    """Ingest ``tmp_path/data`` (its engine logs, one gateway request at *request_at*): the incident file, the
+    audit of the evidence database and what *capacity_sql* selects from it."""
     (tmp_path / "data" / "gateway").mkdir()
     (tmp_path / "data" / "gateway" / "day.jsonl").write_text(json.dumps({
-        "rid": "r1", "received_at": (T0 + timedelta(hours=2)).isoformat(), "account_id": "a",
+        "rid": "r1", "received_at": request_at.isoformat(), "account_id": "a",
         "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 1000, "completion_tokens": 10}) + "\n")
     incident = tmp_path / "data" / "incident.toml"
     incident.write_text(INCIDENT)
     inv = Investigation.open(incident, tmp_path / "out")
     try:
         inv.ingest()
-        from_db = audit_database(inv.con)
-        capacity = inv.con.execute(
-            "SELECT instance, valid_to, end_reason, end_line, successor FROM capacity ORDER BY instance").fetchall()
+        return incident, audit_database(inv.con), inv.con.execute(capacity_sql).fetchall()
     finally:
         inv.close()
+
+
+def test_audit_database_agrees_with_audit_paths_on_how_start_ups_ended(tmp_path: Path) -> None:
+    rollout(tmp_path / "data" / "engine", sigterm=True)
+    (tmp_path / "data" / "engine" / "glm-prefill-c.log").write_text(  # replaced by b without shutdown lines
+        pod_log(T0 + timedelta(hours=1), SMALL, until=T0 + timedelta(hours=5)))
+    incident, from_db, capacity = ingest_and_audit(
+        tmp_path, T0 + timedelta(hours=2),
+        "SELECT instance, valid_to, end_reason, end_line, successor FROM capacity ORDER BY instance")
     from_logs = audit_incident(load_incident(incident))
 
     def ends(r: AuditReport) -> list[tuple[object, ...]]:
@@ -216,3 +222,42 @@ def test_cli_audit_envelope(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         main(["audit", "--envelope", "fluentd", str(a)])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fluentd'" in capsys.readouterr().err
+
+
+def test_the_audit_and_the_capacity_table_read_one_role_from_sglang_logs_without_server_args(tmp_path: Path) -> None:
+    """Issue 29, observation 5: an SGLang log without a server_args line. SGLang's scheduler adds its PD queue
+    counts to every batch line of a prefill or decode server (log_prefill_stats / log_decode_stats, "if
+    self.disaggregation_mode == DisaggregationMode.PREFILL"): a batch line without them shows a unified server;
+    with no batch line either, no line says, and both the audit and the capacity table say unknown; a restart
+    that logs no server_args keeps the role of the start-up before it in both."""
+    engine = tmp_path / "data" / "engine"
+    engine.mkdir(parents=True)
+    end = T0 + timedelta(hours=2)
+
+    def bare(text: str) -> str:
+        return "".join(line for line in text.splitlines(keepends=True) if "server_args=" not in line)
+
+    (engine / "plain-0.log").write_text(bare(pod_log(T0, LARGE, until=end)))  # batch lines, no PD counts
+    (engine / "quiet-0.log").write_text(bare(pod_log(T0, LARGE, until=T0)))  # start-up lines only
+    restart = pod_log(T0 + timedelta(hours=3), SMALL, until=T0 + timedelta(hours=3))
+    (engine / "restart-0.log").write_text(pod_log(T0, LARGE, until=T0) + bare(restart))
+    incident, from_db, capacity = ingest_and_audit(
+        tmp_path, T0 + timedelta(hours=1),
+        "SELECT instance, role, json_extract_string(flags, '$.role_source') FROM capacity ORDER BY instance, valid_from")
+    from_logs = audit_incident(load_incident(incident))
+
+    def roles(r: AuditReport) -> list[tuple[str, str]]:
+        return sorted((v.instance, v.role) for v in r.verdicts if v.check == 1)
+
+    assert roles(from_logs) == roles(from_db) == sorted((i, role) for i, role, _ in capacity) == [
+        ("plain-0", "unified"), ("quiet-0", "unknown"), ("restart-0", "prefill"), ("restart-0", "prefill")]
+    assert [source for _i, _role, source in capacity] == [
+        "inferred from a batch line without the PD queue counts", "default (no server_args line)", None,
+        "assumed from the previous start-up (restart-0.log:1): this one logged no server_args"]
+    plain = pool_check(from_logs, "plain-0")
+    assert (plain.status, plain.exposed) == ("pass", False)
+    restarted = pool_check_nth(from_db, "restart-0", 1)
+    assert (restarted.status, restarted.exposed) == ("fail", True)  # its SMALL pool, on the prefill role it kept
+    assert restarted.detail.endswith(
+        "[role and model assumed from the previous start-up (restart-0.log:1): this one logged no server_args]")
+    assert pool_check_nth(from_logs, "restart-0", 1).detail == restarted.detail

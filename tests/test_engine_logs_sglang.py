@@ -283,7 +283,7 @@ def test_restarts_give_one_startup_each_with_its_own_pool() -> None:
         ),
     ]
     third = p.startups[2]
-    assert (third.role, third.tp_size) == ("unified", None)
+    assert (third.role, third.tp_size) == ("unknown", None)  # no line of its own says (issue 29, observation 5)
     assert third.flags["role_source"] == "default (no server_args line)"
     assert third.flags["tp_size_source"] == "unknown (only TP0 lines and no server_args line)"
 

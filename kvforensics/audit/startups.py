@@ -25,8 +25,14 @@ from typing import Any
 
 from kvforensics.audit.inputs import ServerInfo
 from kvforensics.audit.model import AUDIT_EVENT_KINDS, PD_ROLES
-from kvforensics.audit.phrases import iso, loc, thousands
-from kvforensics.instances import PlacedStartup, lifetimes
+from kvforensics.audit.phrases import iso, thousands
+from kvforensics.instances import (
+    UNKNOWN_ROLE,
+    PlacedStartup,
+    lifetimes,
+    role_carried_over,
+    roles_carried_over,
+)
 from kvforensics.loaders.engine_types import EngineEvent, StartupRecord
 
 
@@ -117,7 +123,7 @@ def from_record(r: StartupRecord, file: str | None, aliases: Mapping[str, str]) 
         last_line=r.last_line,
         shutdown_ts=r.shutdown_ts,
         shutdown_line=r.shutdown_line,
-        role_certain=not role_source.startswith("default"),
+        role_certain=r.role != UNKNOWN_ROLE and not role_source.startswith("default"),
     )
 
 
@@ -180,23 +186,24 @@ def end_lifetimes(startups: list[Startup], handover_s: float) -> None:
 
 
 def link(startups: list[Startup]) -> None:
-    """Order start-ups per instance and carry a role over a bare restart."""
+    """Order start-ups per instance and carry a role over a bare restart, by the rule the ingest's
+    ``capacity`` table follows (:func:`kvforensics.instances.roles_carried_over`)."""
     startups.sort(key=_sort_key)
-    for i, s in enumerate(startups):
-        if not s.role_certain:
-            prev = next(
-                (p for p in reversed(startups[:i]) if p.instance == s.instance and p.role_certain), None
-            )
-            if prev is not None:
-                s.role, s.role_certain = prev.role, True
-                what = "role"
-                if s.model is None and prev.model is not None:
-                    s.model, s.engine_model = prev.model, prev.engine_model
-                    what = "role and model"
-                s.role_note = (
-                    f"{what} assumed from the previous start-up ({loc(prev.file, prev.line)}): this "
-                    "one logged no server_args"
-                )
+    placed = [
+        PlacedStartup(instance=s.instance, role=s.role if s.role_certain else UNKNOWN_ROLE, model=s.model, ts=s.ts,
+                      file=s.file or "", line=s.line or 0)
+        for s in startups
+    ]
+    for s, k in zip(startups, roles_carried_over(placed), strict=True):
+        if k is None:
+            continue
+        prev = startups[k]
+        s.role, s.role_certain = prev.role, True
+        what = "role"
+        if s.model is None and prev.model is not None:
+            s.model, s.engine_model = prev.model, prev.engine_model
+            what = "role and model"
+        s.role_note = f"{what} {role_carried_over(Path(prev.file or '').name, prev.line or 0)}"
 
 
 def assign_events(startups: list[Startup], events: Iterable[tuple[str | None, EngineEvent]]) -> int:
@@ -308,6 +315,7 @@ def from_capacity_row(row: Sequence[Any]) -> Startup:
     except (json.JSONDecodeError, AttributeError):
         flags = {}
     line = int(source_line) if source_line is not None else None
+    role_source = flags.get("role_source", "")
     evidence = {"server_args": line} if line is not None and "role_source" not in flags else {}
     is_refused = bool(refused) or flags.get("startup_refused", "").lower() == "true"
     if is_refused and pool_line is not None:  # vLLM: the pool of a refused start comes from the refusal
@@ -335,7 +343,9 @@ def from_capacity_row(row: Sequence[Any]) -> Startup:
         end_file=end_file,
         end_line=end_line,
         successor=successor,
-        role_certain=not flags.get("role_source", "").startswith("default"),
+        role_certain=role != UNKNOWN_ROLE and not role_source.startswith("default"),
+        role_note=(f"{'role and model' if flags.get('model_source', '').startswith('assumed') else 'role'} "
+                   f"{role_source}" if role_source.startswith("assumed") else None),
     )
 
 

@@ -318,12 +318,12 @@ WITH lines AS (
 SELECT *, min(n) OVER (PARTITION BY island) AS island_first FROM numbered
 """
 # One row per run (an island without its first line): its ends, its first ReqTimeStats line, its first
-# role hint and its first prefix-cache hit.
+# role hint, its first prefix-cache hit and its first batch line without a role hint (a unified server's).
 _RUNS_SQL = """
 SELECT island, min(n) AS first, max(n) AS last, arg_min(utc_us, n) AS first_us, arg_max(utc_us, n) AS last_us,
        arg_max(stamp, n) AS last_stamp, min(n) FILTER (kind = 'stats') AS first_stats,
        arg_min(hint, n) FILTER (hint IS NOT NULL) AS hint, min(n) FILTER (hint IS NOT NULL) AS hint_line,
-       min(n) FILTER (cached_token > 0) AS first_cached
+       min(n) FILTER (cached_token > 0) AS first_cached, min(n) FILTER (kind = 'batch' AND hint IS NULL) AS first_plain
 FROM kvf_islands WHERE n > island_first GROUP BY island ORDER BY first
 """
 # the first line of a prefix in each island (the island's own first line included: the parser saw
@@ -415,14 +415,14 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
             if batches.num_rows:
                 parser.out.batch_tables.append(_with_utc(batches, BATCH_COLUMNS))
     i = 0
-    for island, first, last, first_us, last_us, last_stamp, first_stats, hint, hint_line, first_cached in runs:
+    for island, first, last, first_us, last_us, last_stamp, first_stats, hint, hint_line, first_cached, first_plain in runs:
         while i < first - first_number:
             parser.feed(first_number + i, texts[i], raws[i])
             i += 1
         parser.feed_request_run(RequestRun(
             first, last, _utc(first_us), _utc(last_us), last_stamp, tuple(ranks.get(island, ())),
             first_stats_line=first_stats, role_hint=(hint[0], hint_line, hint[1]) if hint else None,
-            first_cached_batch_line=first_cached))
+            first_cached_batch_line=first_cached, first_plain_batch_line=first_plain))
         i = last - first_number + 1
     while i < len(texts):
         parser.feed(first_number + i, texts[i], raws[i])

@@ -52,7 +52,7 @@ class StartupRecord:
     engine: str  # "sglang" | "vllm"
     engine_version: str | None  # "0.5.21" (logged) or ">0.5.9,<0.5.20 (inferred: ...)"
     version_source: str | None  # "log" | "inferred from format" | None
-    role: str  # "prefill" | "decode" | "unified"
+    role: str  # "prefill" | "decode" | "unified" | "unknown" (no line of its log says)
     model: str | None  # served_model_name, else model_path
     kv_pool_tokens: int | None  # effective pool: min over ranks, last value per rank wins
     pool_source_line: int | None

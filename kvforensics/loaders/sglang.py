@@ -114,6 +114,7 @@ _STARTUP_NEEDLES = (
     "KV pool holds",
 )
 _RESTART_MARKER = re.compile(r"Load weight begin|Init torch distributed begin")
+_BATCH_HEADS = (BATCH_NEEDLE, "Decode batch")  # the scheduler's per-batch lines (sglang_batches)
 # Messages only SGLang prints, whatever envelope (or none) they come in: a bare line with one of them is an
 # SGLang line (engine_common.sniff_format). They are the start-up, batch and request lines above and in
 # sglang_batches / sglang_events (reference §1.2-1.4); vLLM prints none of them (vllm_lines.LINE_SIGNATURE).
@@ -171,6 +172,7 @@ class RequestRun:
     first_stats_line: int | None = None  # its first ReqTimeStats line
     role_hint: tuple[str, int, str] | None = None  # its first role hint: (role, line, the text)
     first_cached_batch_line: int | None = None  # its first prefill batch with #cached-token > 0
+    first_plain_batch_line: int | None = None  # its first prefill batch without a role hint (PD queue counts)
 
 
 # Texts that make a line matter to the parser beyond one request event or prefill batch: a line with
@@ -311,6 +313,8 @@ class SglangParser:
                     if hint:
                         st.role_hint = (role, line.number, hint.group(0))
                         break
+            elif st.plain_batch_line is None and msg.startswith(_BATCH_HEADS) and not contains_any(msg, ROLE_HINT_NEEDLES):
+                st.plain_batch_line = line.number  # a batch line without the PD queue counts: a unified server
         if "lang" in msg or "LANG" in msg:
             self._version_line(line)
         if msg.startswith(BATCH_NEEDLE):
@@ -513,6 +517,8 @@ class SglangParser:
                 st.clue("req_time_stats_new", run.first_stats_line)
             if st.role_hint is None and st.server_args is None and run.role_hint is not None:
                 st.role_hint = run.role_hint
+            if st.plain_batch_line is None:
+                st.plain_batch_line = run.first_plain_batch_line
             if st.cached_batch_line is None:
                 st.cached_batch_line = run.first_cached_batch_line
             st.last_line, st.last_ts = run.last_line, run.last_ts

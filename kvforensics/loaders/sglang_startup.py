@@ -17,6 +17,7 @@ from kvforensics.loaders.engine_types import StartupRecord, add_note, log_end_fi
 from kvforensics.loaders.sglang_versions import infer_version, satisfies
 
 ENGINE = "sglang"
+UNKNOWN_ROLE = "unknown"  # a start-up whose log shows neither server_args nor any line only one role prints
 
 _SUMMARY = re.compile(r"\bmax_total_num_tokens=(?P<tokens>\d+)")
 _KEY_VALUES = re.compile(r"\b(\w+)=([^,\s]+)")
@@ -93,6 +94,7 @@ class SglangStartup:
     dp_seen: dict[int, int] = field(default_factory=dict)
     pp_seen: dict[int, int] = field(default_factory=dict)
     role_hint: tuple[str, int, str] | None = None
+    plain_batch_line: int | None = None  # the first batch line without the PD queue counts
     cached_batch_line: int | None = None  # the first prefill batch line with #cached-token > 0
     abort_limits: list[tuple[int, int]] = field(default_factory=list)  # (limit, line)
     notes: list[str] = field(default_factory=list)
@@ -191,10 +193,21 @@ def startup_record(st: SglangStartup, *, instance: str, notes: list[str]) -> Sta
         evidence["role"] = hint_line
         flags["role_source"] = f"inferred from '{why}'"
         note(f"role {role} inferred from '{why}' at line {hint_line} (no server_args line)")
+    elif st.server_args_line is None and st.plain_batch_line is not None:
+        # the scheduler adds its PD queue counts to every batch line of a prefill or decode server
+        # (log_prefill_stats / log_decode_stats: "if self.disaggregation_mode == DisaggregationMode.PREFILL"
+        # ... DECODE, srt/managers/scheduler.py to 0.4.x, scheduler_metrics_mixin.py and
+        # scheduler_components/metrics_reporter.py in 0.5.x): a batch line without them is a unified server's
+        role = "unified"
+        evidence["role"] = st.plain_batch_line
+        flags["role_source"] = "inferred from a batch line without the PD queue counts"
+        note(f"role unified inferred from the batch line at line {st.plain_batch_line}, which has none of the "
+             "PD queue counts a prefill or decode server logs (no server_args line)")
+    elif st.server_args_line is None:
+        role = UNKNOWN_ROLE  # no line says: the audit and the capacity table both say so
+        flags["role_source"] = "default (no server_args line)"
     else:
         role = "unified"
-        if st.server_args_line is None:
-            flags["role_source"] = "default (no server_args line)"
 
     # model
     model = None

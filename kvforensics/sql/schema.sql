@@ -28,7 +28,7 @@ ALTER TABLE requests ADD COLUMN IF NOT EXISTS cached_tokens_source VARCHAR;
 
 CREATE TABLE IF NOT EXISTS capacity (
     instance          VARCHAR NOT NULL,
-    role              VARCHAR NOT NULL,       -- prefill | decode | unified
+    role              VARCHAR NOT NULL,       -- prefill | decode | unified | unknown (no line of its log says)
     model             VARCHAR,                -- gateway model id (after aliases)
     engine_model      VARCHAR,                -- as the engine named it
     valid_from        TIMESTAMPTZ,
