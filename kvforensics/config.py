@@ -43,7 +43,7 @@ REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
 ENGINE_FORMATS = ("sglang", "vllm", "auto")
 KV_EVENT_FORMATS = ("jsonl",)  # one batch per line, array or object form (loaders/kv_events.py)
 ENGINE_ENVELOPES = ("auto", "none", "kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit",
-                    "syslog")
+                    "syslog", "compose", "docker_logs")
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",

@@ -1,7 +1,7 @@
 """Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald,
-Fluent Bit, syslog.
+Fluent Bit, syslog, docker compose, docker logs --timestamps.
 
-The fixtures in ``tests/fixtures/envelopes`` hold SGLang fixture lines in each collector's documented
+The fixtures in ``tests/fixtures/envelopes`` hold SGLang and vLLM fixture lines in each collector's documented
 format (README.md there cites the documentation; make_fixtures.py writes them).
 """
 
@@ -41,8 +41,9 @@ def parse(name: str, tz: ZoneInfo = UTC_ZONE, instance: object = None, envelope:
     return parse_engine_file(path, fmt="auto", instance=instance or path.stem, tz=tz, envelope=envelope)  # type: ignore[arg-type]
 
 
-def plain(name: str) -> EngineFileParse:
-    return parse(name, envelope="none", folder=ENGINE_FIXTURES)
+def plain(name: str, year: int | None = None) -> EngineFileParse:
+    path = ENGINE_FIXTURES / name
+    return parse_engine_file(path, fmt="auto", instance=path.stem, tz=UTC_ZONE, envelope="none", year=year)
 
 
 def capacity(s: StartupRecord) -> tuple[object, ...]:
@@ -54,7 +55,8 @@ def utc(*args: int) -> datetime:
 
 
 def file_lines(name: str) -> list[str]:
-    return (FIXTURES / name).read_text(encoding="utf-8").splitlines()
+    """The file's physical lines: split at newlines only (compose's status lines hold a CR)."""
+    return (FIXTURES / name).read_bytes().decode("utf-8").removesuffix("\n").split("\n")
 
 
 def every_line_once(p: EngineFileParse, name: str) -> None:
@@ -81,6 +83,9 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
     ("fluentbit-json-lines-qwen3.jsonl", "fluentbit"),
     ("syslog-gpu-node-7.log", "syslog"),
     ("syslog-traditional-decode.log", "syslog"),
+    ("compose-vllm-2-services.log", "compose"),
+    ("compose-up-timestamps-2-replicas.log", "compose"),
+    ("docker-logs-timestamps-gemma.log", "docker_logs"),
 ])
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
     head = list(open_lines(FIXTURES / name))[:200]
@@ -388,6 +393,129 @@ def test_kubectl_prefix_is_the_time_and_a_line_without_it_keeps_its_own_stamp(tm
     assert (nopfx.line, nopfx.ts) == (21, utc(2026, 8, 28, 14, 3, 12))
 
 
+# --- docker compose, docker logs --timestamps ------------------------------------------------------
+
+COMPOSE = "compose-vllm-2-services.log"
+COMPOSE_UP = "compose-up-timestamps-2-replicas.log"
+
+
+def vllm_capacity(s: StartupRecord) -> tuple[object, ...]:
+    return (*capacity(s), s.dp_size, s.engine_version, s.flags.get("enable_prefix_caching"))
+
+
+def test_compose_logs_name_each_service_and_keep_its_start_up_times() -> None:
+    """``docker compose logs`` without -t: the bar's prefix is taken off, so every engine line is read
+    (before, no stamp was: capacity.valid_from NULL), each service is an instance of its own, and the
+    engine config a terminal wrapped over prefix-less lines is read on as the container's."""
+    p = parse_engine_file(FIXTURES / COMPOSE, fmt="auto", instance="compose", tz=UTC_ZONE, year=2026)
+    every_line_once(p, COMPOSE)
+    assert p.envelope == "compose"
+    assert sorted(p.instances) == ["llama", "qwen3"]
+    assert p.all_quarantined() == []
+    by = {s.instance: s for s in p.startups}
+    for instance, name in (("qwen3", "vllm-0.11.0-hybrid-pd-prefill.log"), ("llama", "vllm-0.10.1-v1-wrapped-config.log")):
+        [want] = plain(name, year=2026).startups
+        assert vllm_capacity(by[instance]) == vllm_capacity(want), instance
+        assert by[instance].flags == want.flags, instance
+        assert by[instance].ts == want.ts, instance  # no envelope clock: the engine's own stamp
+    assert by["qwen3"].ts == utc(2026, 5, 19, 8, 0, 1)
+    assert by["llama"].ts == utc(2026, 5, 19, 9, 0, 0)
+    assert by["llama"].flags["enable_prefix_caching"] == "true"  # on a line the terminal wrapped
+    assert file_lines(COMPOSE)[by["llama"].line - 1].startswith("llama-1  | ")
+
+
+def test_compose_up_timestamps_tell_replicas_apart_and_the_bar_time_is_the_clock() -> None:
+    p = parse(COMPOSE_UP)
+    every_line_once(p, COMPOSE_UP)
+    assert sorted(p.instances) == ["gemma-1", "gemma-2"]  # two replicas of one service: by container
+    by = {s.instance: s for s in p.startups}
+    [want] = plain("vllm-0.33.0-banner-dp.log", year=2026).startups
+    for name in by:
+        assert vllm_capacity(by[name]) == vllm_capacity(want)
+        assert by[name].flags.get("engine_stamp_utc") is None  # the engines' UTC stamps agree with it
+    # the time after the bar (+02:00, Berlin) in UTC, the year with it (no year given)
+    assert by["gemma-1"].ts == utc(2026, 4, 15, 7, 22, 41, 2123)
+    assert by["gemma-2"].ts == utc(2026, 4, 15, 7, 27, 41, 2123)
+    # the data-parallel engine cores' prefixes are read after the bar: the smallest pool of the two
+    assert by["gemma-1"].kv_pool_tokens == 283115
+    assert any("EngineCore_DP1: GPU KV cache size" in n for n in p.all_notes())
+    events = [(e.kind, e.request_id) for e in plain("vllm-0.33.0-banner-dp.log", year=2026).events]
+    for name in by:
+        assert [(e.kind, e.request_id) for e in p.instances[name].events] == events
+    assert [(q.line, q.reason) for q in p.all_quarantined()] == [
+        (1, "docker compose's own status line, not a container's output"),
+        (33, "docker compose's own status line, not a container's output"),
+    ]
+    assert "gemma-1 exited with code 137" in p.all_quarantined()[1].raw
+    assert p.warnings == []
+
+
+def test_a_compose_line_without_the_prefix_before_any_line_is_quarantined(tmp_path: Path) -> None:
+    lines = file_lines(COMPOSE)
+    path = tmp_path / "c.log"
+    path.write_text("\n".join(["pasted without its prefix", *lines]) + "\n")
+    p = parse(path.name, folder=tmp_path)
+    assert p.envelope == "compose"
+    [q] = p.all_quarantined()
+    assert (q.line, q.reason) == (1, "not a docker compose log line (<container> | <line>) and no line before it "
+                                      "to continue")
+
+
+def test_docker_logs_timestamps_are_the_clock() -> None:
+    name = "docker-logs-timestamps-gemma.log"
+    p = parse(name)
+    assert p.envelope == "docker_logs"
+    [s] = p.startups
+    [want] = plain("vllm-0.33.0-banner-dp.log", year=2026).startups
+    assert vllm_capacity(s) == vllm_capacity(want)
+    assert s.ts == utc(2026, 4, 15, 7, 22, 41, 2123)  # the prefix, its year included
+    assert p.all_quarantined() == []
+
+
+def test_kubectl_and_docker_logs_are_told_apart_by_the_fraction_docker_always_prints_whole() -> None:
+    from kvforensics.loaders.envelope_formats import _timestamps_writer
+    from kvforensics.loaders.envelope_formats import _KUBECTL as STAMP
+
+    def writer(*stamps: str) -> str:
+        return _timestamps_writer([STAMP.match(f"{s} x") for s in stamps])  # type: ignore[misc]
+
+    assert writer("2026-04-15T07:22:41.001123450Z", "2026-04-15T07:22:42.000000000Z") == "docker_logs"
+    assert writer("2026-04-15T07:22:41.00112345Z", "2026-04-15T07:22:42Z") == "kubectl"
+    assert writer("2026-04-15T07:22:41.001123451Z") == "kubectl"  # either: read the same way
+
+
+def test_ingest_of_compose_output_gives_each_service_its_start_up_window(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / COMPOSE).write_bytes((FIXTURES / COMPOSE).read_bytes())
+    rows = [{"request_id": "r1", "ts": "2026-05-19T10:00:00Z", "account_id": "a", "model": "llama-3.1-8b",
+             "status": 200, "prompt_tokens": 10}]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "incident.toml"
+    path.write_text("""
+[incident]
+id = "compose"
+
+[[sources]]
+name = "gateway"
+kind = "requests"
+path = "requests.jsonl"
+
+[[sources]]
+name = "compose"
+kind = "engine_log"
+path = "engine/*.log"
+format = "vllm"
+year = 2026
+""")
+    con = connect()
+    ingest(con, load_incident(path))
+    assert con.execute("SELECT instance, role, kv_pool_tokens, context_length, valid_from FROM capacity "
+                       "ORDER BY instance").fetchall() == [
+        ("llama", "unified", 426800, 32768, utc(2026, 5, 19, 9, 0, 0)),
+        ("qwen3", "prefill", 190800, 180000, utc(2026, 5, 19, 8, 0, 1)),
+    ]
+
+
 # --- CloudWatch ---------------------------------------------------------------------------------
 
 
@@ -554,7 +682,8 @@ FIXTURE_LINES = {
     name: file_lines(name) for name in (
         "kubectl-glm53-decode-0.log", "cri-glm53-prefill-0.log", "docker-qwen3-prefill-0-json.log", LOKI,
         "loki-query-range.json", "cloudwatch-filter-log-events.json", "cloudwatch-glm53-decode-0.jsonl", JOURNALD,
-        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl", SYSLOG, "syslog-traditional-decode.log",
+        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl", SYSLOG, "syslog-traditional-decode.log", COMPOSE, COMPOSE_UP,
+        "docker-logs-timestamps-gemma.log",
     )
 }
 

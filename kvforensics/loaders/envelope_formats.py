@@ -3,25 +3,29 @@
 Production rarely hands over an engine's stdout as it was written. It arrives wrapped by whatever
 collected it, one envelope per line (or per record), each with a UTC clock of its own:
 
-========== ====================================================================================
-kubectl    ``kubectl logs --timestamps``: ``<RFC3339Nano> <line>``
-cri        containerd/CRI-O files under ``/var/log/pods``: ``<RFC3339Nano> stdout|stderr F|P <line>``
-           (``P``: a partial line, continued by the next records of the same stream up to an ``F``)
-docker     Docker's json-file driver: ``{"log": "<line>\\n", "stream": "stdout", "time": "<RFC3339Nano>"}``
-           (a line over 16 KiB is split over several records; only the last ends with ``\\n``)
-loki       Grafana Loki exports: ``logcli query --output=jsonl`` lines
-           ``{"labels": {...}, "line": "...", "timestamp": "<RFC3339Nano or ns>"}``, or the HTTP API's
-           ``query_range`` response (``data.result[].stream`` labels, ``values: [["<ns>", "<line>"]]``)
-cloudwatch CloudWatch Logs: ``aws logs filter-log-events`` / ``get-log-events`` output
-           (``events: [{"timestamp": <ms>, "message": ..., "logStreamName": ...}]``), or such events
-           one per line
-journald   ``journalctl -o json`` (or ``json-pretty``): ``__REALTIME_TIMESTAMP`` (µs), ``MESSAGE``
-           (a string, or an array of byte values when it is not UTF-8), ``_HOSTNAME`` ...
-fluentbit  Fluent Bit's ``file`` output (``<tag>: [<seconds>, {record}]``) or JSON lines: see
-           :mod:`kvforensics.loaders.envelope_fluentbit`
-syslog     rsyslog / syslog-ng files: ``<time> <host> <program>[<pid>]: <line>``: see
-           :mod:`kvforensics.loaders.envelope_syslog`
-========== ====================================================================================
+=========== ====================================================================================
+kubectl     ``kubectl logs --timestamps``: ``<RFC3339Nano> <line>``
+docker_logs ``docker logs --timestamps``: the same shape, the time always with 9 fraction digits
+            (Go's ``RFC3339NanoFixed``; kubectl drops trailing zeros)
+cri         containerd/CRI-O files under ``/var/log/pods``: ``<RFC3339Nano> stdout|stderr F|P <line>``
+            (``P``: a partial line, continued by the next records of the same stream up to an ``F``)
+docker      Docker's json-file driver: ``{"log": "<line>\\n", "stream": "stdout", "time": "<RFC3339Nano>"}``
+            (a line over 16 KiB is split over several records; only the last ends with ``\\n``)
+loki        Grafana Loki exports: ``logcli query --output=jsonl`` lines
+            ``{"labels": {...}, "line": "...", "timestamp": "<RFC3339Nano or ns>"}``, or the HTTP API's
+            ``query_range`` response (``data.result[].stream`` labels, ``values: [["<ns>", "<line>"]]``)
+cloudwatch  CloudWatch Logs: ``aws logs filter-log-events`` / ``get-log-events`` output
+            (``events: [{"timestamp": <ms>, "message": ..., "logStreamName": ...}]``), or such events
+            one per line
+journald    ``journalctl -o json`` (or ``json-pretty``): ``__REALTIME_TIMESTAMP`` (µs), ``MESSAGE``
+            (a string, or an array of byte values when it is not UTF-8), ``_HOSTNAME`` ...
+fluentbit   Fluent Bit's ``file`` output (``<tag>: [<seconds>, {record}]``) or JSON lines: see
+            :mod:`kvforensics.loaders.envelope_fluentbit`
+syslog      rsyslog / syslog-ng files: ``<time> <host> <program>[<pid>]: <line>``: see
+            :mod:`kvforensics.loaders.envelope_syslog`
+compose     ``docker compose logs [-t]``: ``<container> | [<RFC3339Nano> ]<line>``: see
+            :mod:`kvforensics.loaders.envelope_compose`
+=========== ====================================================================================
 
 This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
 lines, and :func:`read_envelope` turns the file's lines into :class:`EnvelopeRecord` items (one
@@ -40,6 +44,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvforensics.loaders.engine_types import EngineLine, unreadable_reason
+from kvforensics.loaders.envelope_compose import PREFIX as COMPOSE_PREFIX
+from kvforensics.loaders.envelope_compose import read_compose
 from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, read_fluentbit
 from kvforensics.loaders.envelope_syslog import header as syslog_header
 from kvforensics.loaders.envelope_syslog import read_syslog
@@ -55,7 +61,8 @@ from kvforensics.loaders.envelope_records import (
     split_message,
 )
 
-ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit", "syslog")
+ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit", "syslog", "compose",
+             "docker_logs")
 """Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
 
 ENVELOPE_CLOCKS = {
@@ -67,6 +74,8 @@ ENVELOPE_CLOCKS = {
     "journald": "journald __REALTIME_TIMESTAMP",
     "fluentbit": "Fluent Bit event time",
     "syslog": "syslog header time",
+    "compose": "docker compose --timestamps time",
+    "docker_logs": "docker logs --timestamps prefix",
 }
 
 _NO_LABELS: Mapping[str, str] = {}
@@ -145,12 +154,24 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
         return "cri"
     if sum(1 for t in texts if syslog_header(t)) * 2 > len(texts):  # before kubectl: both start with a time
         return "syslog"
-    kubectl = sum(1 for t in texts if _KUBECTL.match(t))
-    if kubectl * 2 > len(texts):
-        return "kubectl"
+    stamps = [m for t in texts if (m := _KUBECTL.match(t))]
+    if len(stamps) * 2 > len(texts):
+        return _timestamps_writer(stamps)
+    if sum(1 for t in texts if COMPOSE_PREFIX.match(t)) * 2 > len(texts):
+        return "compose"
     if sum(1 for t in texts if OUT_FILE.match(t)) * 2 > len(texts):
         return "fluentbit"
     return "none"
+
+
+def _timestamps_writer(stamps: Sequence[re.Match[str]]) -> str:
+    """Who put the times before the lines: Docker writes 9 fraction digits always (Go's
+    ``RFC3339NanoFixed``), so a fraction with a trailing zero is Docker's; kubectl drops trailing
+    zeros (``RFC3339Nano``). A file that shows neither is read the same way either way."""
+    fractions = [m["frac"] or "" for m in stamps]
+    if all(len(f) == 9 for f in fractions) and any(f.endswith("0") for f in fractions):
+        return "docker_logs"
+    return "kubectl"
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +179,8 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_kubectl(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
+def _read_kubectl(lines: Iterable[EngineLine], what: str = "kubectl") -> Iterator[EnvelopeItem]:
+    """``<RFC3339Nano> <line>`` (kubectl logs --timestamps, docker logs --timestamps)."""
     for number, text, raw in lines:
         if text is None:
             yield EnvelopeRecord(number, None, _NO_LABELS, None, raw)
@@ -170,7 +192,7 @@ def _read_kubectl(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
         try:
             ns = match_ns(m)
         except (ValueError, OverflowError):
-            yield quarantine(number, f"bad kubectl --timestamps prefix '{m.group(0).strip()}'", raw)
+            yield quarantine(number, f"bad {what} --timestamps prefix '{m.group(0).strip()}'", raw)
             continue
         yield EnvelopeRecord(number, ns, _NO_LABELS, text[m.end():], b"")
 
@@ -465,6 +487,8 @@ READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
     "journald": lambda lines: _read_json(lines, "journald"),
     "fluentbit": read_fluentbit,
     "syslog": read_syslog,
+    "compose": read_compose,
+    "docker_logs": lambda lines: _read_kubectl(lines, "docker logs"),
 }
 
 

@@ -1,7 +1,7 @@
 """Engine logs in their collection envelopes: the record around each engine line, and its clock.
 
 Production rarely hands over an engine's stdout as it was written. It arrives wrapped by whatever
-collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald, Fluent Bit, syslog; the formats are described in
+collected it (kubectl, CRI, Docker, Loki, CloudWatch, journald, Fluent Bit, syslog, docker compose; the formats are described in
 :mod:`kvforensics.loaders.envelope_formats`), one envelope per line or record, each with a UTC
 clock of its own.
 
@@ -54,6 +54,8 @@ NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "docker": ("tag", "container_name", "name"),
     "fluentbit": ("pod_name", "container_name", "host", "hostname", "tag", "filename", "file", "path"),
     "syslog": ("host", "program"),
+    # a service's replicas (qwen3-1, qwen3-2) are engines of their own: the container tells them apart
+    "compose": ("service", "container"),
 }
 
 
