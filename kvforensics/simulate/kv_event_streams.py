@@ -56,6 +56,11 @@ def lines(stream: Stream) -> Iterator[str]:
     """The archive's lines, one message each."""
     rng = random.Random(stream.seed)
     block = 64 if stream.shape == "sglang-archive" else 16
+    signed = stream.shape == "sglang-archive"  # SGLang's hashes are int64, vLLM's the low 64 bits unsigned
+
+    def new_hash() -> int:
+        return rng.getrandbits(64) - (1 << 63 if signed else 0)
+
     cache: OrderedDict[int, None] = OrderedDict()
     prefixes = [[[rng.randrange(1000, 150_000) for _ in range(block)] for _ in range(rng.randint(2, 12))]
                 for _ in range(stream.tenants)]
@@ -73,14 +78,14 @@ def lines(stream: Stream) -> Iterator[str]:
             prefix = prefixes[tenant]
             hashes = prefix_hashes[tenant]
             if len(hashes) < len(prefix) or any(h not in cache for h in hashes):
-                hashes[:] = [rng.getrandbits(63) for _ in prefix]
+                hashes[:] = [new_hash() for _ in prefix]
                 pending = [(h, hashes[i - 1] if i else None, prefix[i], tenant, salt) for i, h in enumerate(hashes)]
             parent = hashes[-1]
             for _ in range(rng.randint(1, 6)):
-                h = rng.getrandbits(63)
+                h = new_hash()
                 pending.append((h, parent, [rng.randrange(1000, 150_000) for _ in range(block)], tenant, salt))
                 parent = h
-            events.extend(_stores(stream.shape, pending, block, rng))
+            events.extend(_stores(stream.shape, pending, block))
             for h, *_ in pending:
                 cache[h] = None
             decoding.append((parent, rng.randint(1, block), salt))
@@ -88,9 +93,9 @@ def lines(stream: Stream) -> Iterator[str]:
         else:  # a decode step fills a block of a running request
             i = rng.randrange(len(decoding))
             parent, _, salt = decoding[i]
-            h = rng.getrandbits(63)
+            h = new_hash()
             events.extend(_stores(stream.shape, [(h, parent, [rng.randrange(1000, 150_000) for _ in range(block)],
-                                                   0, salt)], block, rng))
+                                                   0, salt)], block))
             cache[h] = None
             decoding[i] = (h, block, salt)
             if rng.random() < 0.1:
@@ -108,8 +113,7 @@ def lines(stream: Stream) -> Iterator[str]:
                 return
 
 
-def _stores(shape: str, blocks: list[tuple[int, int | None, list[int], int, str | None]], block: int,
-            rng: random.Random) -> list[object]:
+def _stores(shape: str, blocks: list[tuple[int, int | None, list[int], int, str | None]], block: int) -> list[object]:
     """The stores of consecutive blocks: one event for them all (vLLM's prefill, SGLang's merged pages), SGLang's
     then again on the host."""
     if not blocks:
@@ -127,10 +131,9 @@ def _stores(shape: str, blocks: list[tuple[int, int | None, list[int], int, str 
         if first:
             event["extra_keys"] = [[salt] if i == 0 else None for i in range(len(blocks))]
         return [event]
-    signed = [h - (1 << 63) if rng.random() < 0.5 else h for h in hashes]
     stores = []
     for medium in ("GPU", "CPU_PINNED"):
-        event: list[object] = ["BlockStored", signed, parent, tokens, block, None, medium]
+        event: list[object] = ["BlockStored", hashes, parent, tokens, block, None, medium]
         if salt is not None:
             event.append({"cache_salt": salt})
         stores.append(event)
@@ -188,7 +191,7 @@ def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> s
     elif how == 8 and isinstance(message, dict) and "seq" in message:
         message["seq"] = seq + rng.randint(2, 5)  # messages lost
     elif how == 9 and isinstance(event, list) and isinstance(event[1], list):
-        event[1] = [base64.b64encode(int(h).to_bytes(8, "big", signed=True)).decode() for h in event[1]]
+        event[1] = [base64.b64encode((int(h) & (2 ** 64 - 1)).to_bytes(8, "big")).decode() for h in event[1]]
     elif how == 10 and isinstance(event, list) and isinstance(event[1], list):
         event[1] = [f"{int(h) & (2 ** 64 - 1):016x}" for h in event[1]]
     elif how == 11 and isinstance(event, list) and isinstance(event[1], list):
