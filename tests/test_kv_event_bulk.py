@@ -15,8 +15,8 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_kv_events import kv_source
 
-from kvforensics.config import load_incident
 from kvforensics.db import connect, run_script
 from kvforensics.loaders.kv_event_bulk import read_bulk
 from kvforensics.loaders.kv_event_chains import Chains
@@ -32,24 +32,7 @@ TABLES = ("kv_events", "kv_event_messages", "kv_event_gaps", "quarantine")
 
 def source(tmp_path: Path, columns: dict[str, str] | None = None, extra: str = ""):
     mapped = "columns = { " + ", ".join(f'{k} = "{v}"' for k, v in columns.items()) + " }" if columns else ""
-    (tmp_path / "incident.toml").write_text(f"""[incident]
-id = "kv-bulk-test"
-title = "kv events in bulk"
-
-[[sources]]
-name = "kv"
-kind = "kv_events"
-path = "events/*"
-{mapped}
-{extra}
-
-[[sources]]
-name = "gateway"
-kind = "requests"
-path = "gateway.jsonl"
-format = "jsonl"
-""")
-    return load_incident(tmp_path / "incident.toml").sources[0]
+    return kv_source(tmp_path, extra=f"{mapped}\n{extra}")
 
 
 def rows(con) -> dict[str, list[tuple]]:
