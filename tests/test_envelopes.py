@@ -473,8 +473,8 @@ def test_docker_logs_timestamps_are_the_clock() -> None:
 
 
 def test_kubectl_and_docker_logs_are_told_apart_by_the_fraction_docker_always_prints_whole() -> None:
-    from kvforensics.loaders.envelope_formats import _timestamps_writer
     from kvforensics.loaders.envelope_formats import _KUBECTL as STAMP
+    from kvforensics.loaders.envelope_formats import _timestamps_writer
 
     def writer(*stamps: str) -> str:
         return _timestamps_writer([STAMP.match(f"{s} x") for s in stamps])  # type: ignore[misc]

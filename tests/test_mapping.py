@@ -23,10 +23,10 @@ from test_presets import utc
 from kvforensics.cli import main
 from kvforensics.config import load_incident
 from kvforensics.db import connect
-from kvforensics.errors import ConfigError
+from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders import request_readers
 from kvforensics.loaders.mapping import is_expression
-from kvforensics.loaders.requests import load_requests_file
+from kvforensics.loaders.requests import load_requests_file, load_requests_files
 
 FIELDS = "request_id, ts, account_id, model, status, prompt_tokens, cached_tokens, ttft_ms, latency_ms"
 
@@ -353,3 +353,87 @@ def test_the_sample_exported_with_status_text_and_empty_ttfts_mapped_with_values
         got = {r["request_id"] for r in csv.DictReader(fh)}
     assert got == {a["request_id"] for a in truth["affected"]}
     assert json.loads((out / "scope.json").read_text())["affected_responses"] == 155
+
+
+# --- a key the mapping names that no record of a JSONL file has: exit 2, as a CSV column the header lacks --
+
+CHAT_LOG = "\n".join(json.dumps(r) for r in [
+    {"id": f"c{i}", "created": 1756318800 + i, "model": "glm-5.3", "usage": {"prompt_tokens": 10 + i},
+     "timing": {"queued_ms": 3}, "messages": [{"role": "user", "content": "[redacted]"}]} for i in range(3)
+]) + "\n"
+CHAT_COLUMNS = 'request_id = "id", ts = "created", prompt_tokens = "usage.prompt_tokens", status = "(200)"'
+
+
+def test_a_mapped_key_no_record_has_is_an_error_though_its_name_is_a_value_in_the_file(tmp_path):
+    """"user" is in every record, as the role of a message: no record has a key user, so mapping the
+    account to it is a mapping mistake (exit 2), not a file whose every record is quarantined (exit 3)."""
+    with pytest.raises(InputError) as e:
+        load(tmp_path, "g.jsonl", CHAT_LOG, f'columns = {{ {CHAT_COLUMNS}, account_id = "user" }}')
+    assert str(e.value) == (f"source 'gw': {tmp_path / 'g.jsonl'}: required field 'account_id' is missing (mapped to key "
+                            "'user'): no record has it; the records have keys ['created', 'id', 'messages', 'model', "
+                            "'timing', 'usage']. Map it in the incident file: columns = { account_id = \"<key>\" }")
+
+
+def test_an_optional_field_mapped_to_a_key_no_record_has_is_an_error(tmp_path, capsys):
+    source = f'columns = {{ {CHAT_COLUMNS}, account_id = "model", ttft_ms = "first_token_ms" }}'
+    with pytest.raises(InputError, match=r"columns maps 'ttft_ms' to key 'first_token_ms', which no record has; the "
+                                         r"records have keys \['created', 'id', 'messages'"):
+        load(tmp_path, "g.jsonl", CHAT_LOG, source)
+    path = write_incident(tmp_path, f'path = "g.jsonl"\n{source}')
+    assert main(["ingest", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "columns maps 'ttft_ms' to key 'first_token_ms'" in capsys.readouterr().err
+
+
+def test_an_expression_reading_a_path_no_record_has_is_an_error_though_its_object_is_there(tmp_path):
+    source = (f'columns = {{ {CHAT_COLUMNS}, account_id = "model", '
+              'ttft_ms = \'"timing.first_token_ms" - "timing.queued_ms"\' }')
+    assert config_error(tmp_path, source, data=CHAT_LOG) == (
+        ERR + "columns.ttft_ms: column 'timing.first_token_ms' is not in g.jsonl (it has: created, id, messages, "
+              "model, timing, usage)")
+
+
+def test_an_alternative_no_record_has_is_no_error_but_every_one_missing_is(tmp_path):
+    source = f'columns = {{ {CHAT_COLUMNS}, account_id = \'coalesce(tenant, "meta.tenant", model)\' }}'
+    _, rows, refused = load(tmp_path, "g.jsonl", CHAT_LOG, source)
+    assert (len(rows), refused) == (3, [])
+    assert config_error(tmp_path, f'columns = {{ {CHAT_COLUMNS}, account_id = \'coalesce(tenant, "meta.tenant")\' }}') \
+        == ERR + "columns.account_id: columns 'tenant', 'meta.tenant' are not in g.jsonl (it has: created, id, " \
+                 "messages, model, timing, usage)"
+
+
+def test_a_key_first_logged_after_the_sampled_records_is_no_error(tmp_path):
+    lines = CHAT_LOG.splitlines() * 700  # 2,100 records; the last one names its tenant
+    lines.append(json.dumps({**json.loads(lines[0]), "id": "late", "tenant": "acct-9"}))
+    _, rows, refused = load(tmp_path, "g.jsonl", "\n".join(lines) + "\n", f'columns = {{ {CHAT_COLUMNS}, account_id = "tenant" }}')
+    assert [r[:3] for r in rows if r[0] == "late"] == [("late", utc("2025-08-27 18:20:00"), "acct-9")]
+    assert {reason for _, reason in refused} == {"missing required field 'account_id' (column tenant)"}
+
+
+# --- [models] aliases follow the reader that read the file ----------------------------------------------------
+
+
+def test_model_aliases_apply_to_an_engines_request_log_given_as_jsonl(tmp_path):
+    """SGLang's --log-requests JSON under a jsonl source is recognised and read as SGLang's log: its
+    model names are the engine's, so [models] aliases rename them as for format = "sglang_requests"."""
+    fixture = Path(__file__).parent / "fixtures" / "sglang_requests" / "sglang-0.5.23-json.log"
+    (tmp_path / "engine-requests.jsonl").write_bytes(fixture.read_bytes())
+    (tmp_path / "incident.toml").write_text("""[incident]
+id = "t"
+
+[models]
+aliases = { "gemma-3-27b" = "@cf/google/gemma-3-27b-it" }
+
+[[sources]]
+name = "gw"
+kind = "requests"
+path = "engine-requests.jsonl"
+timezone = "Europe/Berlin"
+model = "gemma-3-27b"
+""")
+    incident = load_incident(tmp_path / "incident.toml")
+    (src,) = incident.sources
+    assert src.format == "jsonl"
+    con = connect()
+    (result,) = load_requests_files(con, src, src.files(), model_aliases=incident.model_aliases)
+    assert "recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"" in result.notes
+    assert con.execute("SELECT DISTINCT model FROM requests").fetchall() == [("@cf/google/gemma-3-27b-it",)]

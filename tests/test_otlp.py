@@ -136,10 +136,12 @@ def test_a_jsonl_sources_own_columns_map_the_spans_of_an_export(tmp_path):
 
 
 def test_another_presets_columns_on_an_export_say_to_use_the_otlp_preset(tmp_path):
-    _, r, rows, quarantine = load(incident_source(tmp_path, EXPORT, how='preset = "openai"'), EXPORT)
-    assert READ_AS_OTLP in r.notes
-    assert "the columns of preset 'openai' apply over the otlp mapping: for these files use preset = \"otlp\"" in r.notes
-    assert rows == [] and "missing required field 'request_id' (column id)" in {q[1] for q in quarantine}
+    """The columns of another export's preset name keys no span has: a mapping mistake (exit 2) that
+    says what to write, not a file whose every record is quarantined."""
+    with pytest.raises(ConfigError) as e:
+        load(incident_source(tmp_path, EXPORT, how='preset = "openai"'), EXPORT)
+    assert str(e.value) == (f"incident.toml: source 'traces': {EXPORT.name} is an OpenTelemetry OTLP/JSON trace "
+                            "export, which preset 'openai' does not map: use preset = \"otlp\" for these files")
 
 
 def test_a_users_columns_override_the_preset_field_by_field(tmp_path):

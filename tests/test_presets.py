@@ -4,6 +4,7 @@ exactly these canonical fields for every record."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tomllib
 from datetime import datetime, timezone
@@ -33,7 +34,8 @@ def incident(tmp_path: Path, source: str) -> Path:
 
 
 def load_rows(tmp_path: Path, fixture: str, source: str, fixtures: Path = FIXTURES) -> tuple[list[tuple], list[tuple]]:
-    shutil.copy(fixtures / fixture, tmp_path / fixture)
+    if fixtures != tmp_path:
+        shutil.copy(fixtures / fixture, tmp_path / fixture)
     inc = load_incident(incident(tmp_path, source))
     con = connect()
     (src,) = inc.sources
@@ -60,8 +62,11 @@ LITELLM_ROWS = [
     # no team, no user: the hashed key
     ("chatcmpl-beefcafe", utc("2026-08-27 17:21:10"), "ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12cd34ef56ab12",
      "glm-5.3", 200, 128, 0, None, None, 40.0, None, None),
-    # a failed request as LiteLLM logs it
-    ("e5f7a3c1-failed", utc("2026-08-27 17:22:30.25"), "team-acme", "glm-5.3", 500, 0, 0, None, None, 60.0,
+    # a failed request as LiteLLM logs it: the provider's 400 from metadata.error_information.error_code
+    ("e5f7a3c1-failed", utc("2026-08-27 17:22:30.25"), "team-acme", "glm-5.3", 400, 0, 0, None, None, 60.0,
+     None, None),
+    # a failure without a status code (error_code ""): 500
+    ("9b2d4f60-failed", utc("2026-08-27 17:23:05"), "team-globex", "glm-5.3", 500, 0, 0, None, None, 15.0,
      None, None),
 ]
 
@@ -79,7 +84,7 @@ def test_litellm_api_base_as_the_prefill_instance_when_the_proxy_names_one(tmp_p
     assert [r[10] for r in rows] == ["https://api.anthropic.com", "http://glm53-prefill-0.pd.svc.cluster.local:30000/v1",
                                      "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1",
                                      "http://glm53-prefill-0.pd.svc.cluster.local:30000/v1",
-                                     "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1", None]
+                                     "http://glm53-prefill-1.pd.svc.cluster.local:30000/v1", None, None]
     assert KEY not in {r[2] for r in rows}
 
 
@@ -93,8 +98,10 @@ values = { status = { success = 201 } }""")
     assert first[1:5] == (utc("2026-08-27 17:15:09.861"), KEY, "glm-5.3", 201)
     assert first[5:] == LITELLM_ROWS[1][5:]  # every field the user did not map is the preset's
     # the user's status map replaced the preset's whole map for that field: "failure" is no longer known
-    assert refused == [(6, "status is not an HTTP status code: 'failure'")]
-    assert len(rows) == 5
+    # (a failure with an HTTP status in its error information still gives that status)
+    assert refused == [(8, "status is not an HTTP status code: 'failure'")]
+    assert by_id["e5f7a3c1-failed"][4] == 400
+    assert len(rows) == 6
 
 
 OPENAI_ROWS = [
@@ -111,6 +118,65 @@ def test_openai_response_logs(tmp_path):
     rows, refused = load_rows(tmp_path, "openai_responses.jsonl", 'path = "openai_responses.jsonl"\npreset = "openai"')
     assert refused == []
     assert rows == OPENAI_ROWS
+
+
+# OpenAI Responses API objects (tests/fixtures/presets/openai_responses_api.jsonl)
+RESPONSES_ROWS = [
+    ("resp_68af4c1e8a7c8193b2f0d6c1e5a94b3f0c7e2d1a9b8c7d6e", utc("2025-08-27 18:20:00"), "acct-7",
+     "gpt-4.1-2025-04-14", 200, 36, 87, 0, None, None, None, None),
+    # a follow-up turn: most of its input read from OpenAI's prompt cache
+    ("resp_68af4c2b19e48193a6d2c7f0b1e3a5d7092c4e6f8a1b3c5d", utc("2025-08-27 18:20:13"), "acct-9",
+     "gpt-4.1-2025-04-14", 200, 2006, 300, 1920, None, None, None, None),
+    # incomplete (max_output_tokens): what it generated was delivered
+    ("resp_68af4c3f5d1081939e7a4b2c6d8f0e1a3b5c7d9e0f2a4b6c", utc("2025-08-27 18:20:35"), "acct-7",
+     "o4-mini-2025-04-16", 200, 120, 16, 0, None, None, None, None),
+]
+RESPONSES_REFUSED = [(4, 'missing required field \'prompt_tokens\' (columns.prompt_tokens = coalesce("usage.prompt_tokens", '
+                         '"usage.input_tokens") gave NULL)')]
+
+
+def test_openai_preset_reads_responses_api_objects(tmp_path):
+    """``"object": "response"``: created_at, usage.input_tokens / output_tokens /
+    input_tokens_details.cached_tokens, and the object's own status; a failed response without usage
+    has no prompt tokens and is quarantined with the reason."""
+    rows, refused = load_rows(tmp_path, "openai_responses_api.jsonl",
+                              'path = "openai_responses_api.jsonl"\npreset = "openai"')
+    assert rows == RESPONSES_ROWS
+    assert refused == RESPONSES_REFUSED
+
+
+def test_openai_preset_reads_chat_completions_and_responses_in_one_file(tmp_path):
+    text = (FIXTURES / "openai_responses.jsonl").read_text() + (FIXTURES / "openai_responses_api.jsonl").read_text()
+    (tmp_path / "mixed.jsonl").write_text(text)
+    rows, refused = load_rows(tmp_path, "mixed.jsonl", 'path = "mixed.jsonl"\npreset = "openai"', fixtures=tmp_path)
+    assert rows == sorted(OPENAI_ROWS + RESPONSES_ROWS, key=lambda r: (r[1], r[0]))
+    assert refused == [(RESPONSES_REFUSED[0][0] + 3, RESPONSES_REFUSED[0][1])]
+
+
+@pytest.mark.parametrize(("status", "error", "expected"), [
+    ("completed", None, (200, [])), ("incomplete", None, (200, [])), ("failed", {"code": "server_error"}, (500, [])),
+    ("cancelled", None, (499, [])), ("in_progress", None, (None, ["status is not an HTTP status code: 'in_progress'"])),
+])
+def test_a_responses_objects_status(tmp_path, status, error, expected):
+    record = {"id": "resp_1", "object": "response", "created_at": 1756318800, "status": status, "error": error,
+              "model": "gpt-4.1", "user": "acct-1", "usage": {"input_tokens": 10, "output_tokens": 2,
+                                                              "input_tokens_details": {"cached_tokens": 0}}}
+    (tmp_path / "r.jsonl").write_text(json.dumps(record) + "\n")
+    rows, refused = load_rows(tmp_path, "r.jsonl", 'path = "r.jsonl"\npreset = "openai"', fixtures=tmp_path)
+    assert ([r[4] for r in rows][0] if rows else None, [reason for _, reason in refused]) == expected
+
+
+def test_a_presets_optional_field_the_export_lacks_is_left_empty_and_said(tmp_path):
+    """vLLM's chat completions carry no prompt_tokens_details unless asked to: the preset's cached_tokens
+    reads nothing, which is no mapping mistake (a field the incident file maps itself would be)."""
+    record = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1756318800, "model": "glm-5.3",
+              "user": "acct-1", "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}
+    (tmp_path / "v.jsonl").write_text(json.dumps(record) + "\n")
+    (src,) = load_incident(incident(tmp_path, 'path = "v.jsonl"\npreset = "openai"')).sources
+    (result,) = load_requests_files(connect(), src, src.files())
+    assert (result.loaded, result.quarantined) == (1, 0)
+    assert ("cached_tokens left empty: preset 'openai' reads it from 'usage.prompt_tokens_details.cached_tokens', "
+            "'usage.input_tokens_details.cached_tokens', which v.jsonl does not have") in result.notes
 
 
 def test_openai_batch_output(tmp_path):

@@ -47,8 +47,6 @@ from kvforensics.loaders.engine_types import EngineLine, unreadable_reason
 from kvforensics.loaders.envelope_compose import PREFIX as COMPOSE_PREFIX
 from kvforensics.loaders.envelope_compose import read_compose
 from kvforensics.loaders.envelope_fluentbit import OUT_FILE, is_record, read_fluentbit
-from kvforensics.loaders.envelope_syslog import header as syslog_header
-from kvforensics.loaders.envelope_syslog import read_syslog
 from kvforensics.loaders.envelope_records import (
     RFC3339,
     EnvelopeItem,
@@ -60,6 +58,8 @@ from kvforensics.loaders.envelope_records import (
     rfc3339_ns,
     split_message,
 )
+from kvforensics.loaders.envelope_syslog import header as syslog_header
+from kvforensics.loaders.envelope_syslog import read_syslog
 
 ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit", "syslog", "compose",
              "docker_logs")

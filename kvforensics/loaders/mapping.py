@@ -94,6 +94,12 @@ class Expression:
     uses: tuple[tuple[int, str], ...]
     tree: str  # the parse tree (JSON), rendered again for each source by `sql`
 
+    def can_give_value(self, present: Callable[[str], bool]) -> bool:
+        """Whether the expression can give a value when only the refs *present* accepts are in the
+        file: a column it needs (in arithmetic, a function) gives NULL throughout, an alternative
+        (one argument of ``coalesce``, one branch of ``CASE``) need not."""
+        return _gives_value(json.loads(self.tree), present)
+
     def sql(self, value: Callable[[int, str], str], literal: Callable[[str, str], str]) -> str:
         """The expression as SQL: ``value(i, kind)`` gives ref ``i`` read as ``kind``, and
         ``literal(text, kind)`` a text literal read as ``kind`` (the loader binds it as a parameter)."""
@@ -276,6 +282,35 @@ class _Renderer:
             items = ", ".join(self.render(c, side) for c in children[1:])
             return f"({self.render(children[0], side)} {'NOT ' if op == 'COMPARE_NOT_IN' else ''}IN ({items}))"
         raise ExpressionError(f"operator {op} is not supported")
+
+
+# functions that skip NULL arguments (a value if any argument has one); the others give NULL with any
+_ANY_ARGUMENT = frozenset({"concat", "least", "greatest"})
+
+
+def _gives_value(node: dict[str, Any], present: Callable[[str], bool]) -> bool:
+    """See :meth:`Expression.can_give_value`. Conditions (comparisons, AND / OR, IS NULL) count as
+    giving a value: they only choose between branches."""
+    cls = node.get("class")
+    if cls == "COLUMN_REF":
+        return present(".".join(node["column_names"]))
+    if cls == "CONSTANT":
+        return node["literal"].get("kind") != "NULL_LITERAL"
+    if cls == "CAST":
+        return _gives_value(node["child"], present)
+    if cls == "CASE":
+        return any(_gives_value(b, present) for b in [*(c["then_expr"] for c in node["case_checks"]),
+                                                         node["else_expr"]])
+    if cls == "OPERATOR" and node.get("type") == "OPERATOR_COALESCE":
+        return any(_gives_value(c, present) for c in node.get("children", []))
+    if cls == "FUNCTION":
+        args = [a["expression"] for a in node.get("arguments", [])]
+        name = node["function_name"].lower()
+        if name == "nullif":
+            return _gives_value(args[0], present) if args else True
+        test = any if name in _ANY_ARGUMENT else all
+        return test(_gives_value(a, present) for a in args)
+    return True
 
 
 def _numeric(node: dict[str, Any]) -> bool:

@@ -23,11 +23,17 @@ import duckdb
 import pyarrow as pa
 import zstandard
 
-from kvforensics.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
+from kvforensics.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.config import Source
-from kvforensics.errors import InputError
+from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders import otlp, sglang_requests
 from kvforensics.loaders.engine_types import unreadable_reason
+from kvforensics.loaders.request_keys import (
+    SAMPLE_RECORDS,
+    late_needles,
+    require_mapped_keys,
+    sample_json_keys,
+)
 from kvforensics.loaders.staging import (
     BATCH,
     BLANK,
@@ -36,16 +42,13 @@ from kvforensics.loaders.staging import (
     FileLoad,
     Staged,
     Stager,
-    candidate_names,
     choose_columns,
-    expression_refs,
     in_milliseconds,
     json_fields_relation,
     mapping_notes,
     python_staged,
     require_header,
     split_cells,
-    unknown_column,
     wrong_type_reason,
 )
 from kvforensics.loaders.textio import (
@@ -74,29 +77,29 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
                  tick: Callable[[int], None], fast: bool = True) -> Staged:
     if sglang_requests.recognises(path):
         load.notes.append("recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"")
+        load.format = sglang_requests.FORMAT
         return _stage_sglang_requests(con, source, path, load, tick, fast)
     if otlp.recognises(path):
+        if source.preset not in (None, "otlp"):  # its columns name another export's keys: no span has them
+            raise ConfigError(f"{path.name} is an OpenTelemetry OTLP/JSON trace export, which preset "
+                              f"'{source.preset}' does not map: use preset = \"otlp\" for these files",
+                              location=f"{source.incident_file}: source '{source.name}'" if source.incident_file
+                              else f"source '{source.name}'")
+        load.format = otlp.FORMAT
         load.notes.append("recognised as an OpenTelemetry OTLP/JSON trace export; read as format = \"otlp_json\" "
                           "(the otlp mapping, with the source's own columns over it)")
-        if source.preset not in (None, "otlp"):
-            load.notes.append(f"the columns of preset '{source.preset}' apply over the otlp mapping: "
-                              "for these files use preset = \"otlp\"")
         return otlp.stage(con, source, path, load, tick, fast)
-    keys, whole = _sample_json_keys(path)
+    keys, whole = sample_json_keys(path)
     chosen = choose_columns(source, keys)
-    needles = {} if whole else _late_needles(source, keys, chosen)
+    needles = {} if whole else late_needles(source, keys, chosen)
     lines, late = _scan_file(path, needles) if needles or (fast and FAST_STAGING) else (None, [])
     if late:  # a name of a field the sample lacks is in the file: read every record's keys, in case it is a key
-        keys, _ = _sample_json_keys(path, None)
+        keys, whole = sample_json_keys(path, None)
         chosen = choose_columns(source, keys)
         if mapped := [f for f in late if chosen.get(f) is not None]:
             load.notes.append(f"{', '.join(f'{f} <- {chosen[f]}' for f in mapped)}: first logged after the first "
                               f"{SAMPLE_RECORDS:,} records (the keys of every record were read to map it)")
-    top_level = {k.split(".")[0] for k in keys}
-    for ref in expression_refs(source):
-        if keys and ref not in keys and ref.split(".")[0] not in top_level:
-            raise unknown_column(source, path, ref, top_level)
-    _require_json_keys(source, path, keys, chosen)
+    load.notes.extend(require_mapped_keys(source, path, keys, whole))
     finish_reason = None
     if chosen["status"] is None and "status" not in source.expressions:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
@@ -149,84 +152,6 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE python_lines").fetchall()
     return python_staged()
-
-
-def _require_json_keys(source: Source, path: Path, keys: set[str], chosen: Mapping[str, str | None]) -> None:
-    """A required field the incident file maps to a key that no record has is a mapping mistake, as a
-    CSV column the header lacks is (staging.require_header): an InputError naming the key and the keys
-    the records have, not a file whose every record is quarantined. A JSON record may leave out a key,
-    so the key must be absent from the sampled records and its name must appear nowhere in the file."""
-    if not keys:
-        return  # no record parsed: the loader quarantines each line with its reason
-    for canonical in REQUIRED_REQUEST_FIELDS:
-        col = chosen.get(canonical)
-        if canonical not in source.columns or canonical in source.expressions or col is None or col in keys:
-            continue
-        if _json_key_in_file(path, col):
-            continue
-        top = sorted({k.split(".")[0] for k in keys})
-        raise InputError(f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
-                         f"records have keys {top[:30]}{' ...' if len(top) > 30 else ''}. Map it in the incident "
-                         f"file: columns = {{ {canonical} = \"<key>\" }}", location=f"source '{source.name}': {path}")
-
-
-def _json_key_in_file(path: Path, key: str) -> bool:
-    """Whether the key's (last) name occurs as a JSON string anywhere in the file (read in chunks;
-    an unreadable stream counts as a yes, so the loader reports it in its own words)."""
-    needle = json.dumps(key.split(".")[-1]).encode()
-    tail = b""
-    try:
-        with open_binary(path) as fh:
-            while chunk := fh.read(CHUNK):
-                if needle in tail + chunk:  # the chunk with the last bytes before it: a name cut between chunks
-                    return True
-                tail = chunk[-len(needle):]
-    except Exception:  # noqa: BLE001 - truncated or corrupt: the line reader says so per record
-        return True
-    return False
-
-
-def _json_keys(obj: object, prefix: str = "", depth: int = 0) -> Iterator[str]:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            key = f"{prefix}{k}"
-            yield key
-            if depth < 3:
-                yield from _json_keys(v, key + ".", depth + 1)
-
-
-SAMPLE_RECORDS = 2000  # records whose keys choose a JSONL file's columns
-
-
-def _sample_json_keys(path: Path, limit: int | None = SAMPLE_RECORDS) -> tuple[set[str], bool]:
-    """The keys (and dotted paths) of the file's first *limit* lines' records (None: every line), and
-    whether that was the whole file."""
-    keys: set[str] = set()
-    stream = LineStream(path)
-    for n, raw in stream:
-        if limit is not None and n > limit:
-            return keys, False
-        try:
-            keys.update(_json_keys(json.loads(raw)))
-        except (ValueError, UnicodeDecodeError):
-            continue
-    return keys, True
-
-
-def _late_needles(source: Source, keys: set[str], chosen: Mapping[str, str | None]) -> dict[str, set[bytes]]:
-    """Per optional field the sample left unmapped, its names (the canonical one and known aliases; the
-    last part of a path) as JSON strings: found in the rest of the file, the field was logged later (a
-    gateway upgraded mid-file). A name some sampled key already ends in proves nothing and is left out."""
-    sampled = {k.rsplit(".", 1)[-1] for k in keys}
-    needles = {}
-    for canonical in CANONICAL_REQUEST_FIELDS:
-        if canonical in REQUIRED_REQUEST_FIELDS or chosen.get(canonical) is not None or canonical in source.columns \
-                or canonical in source.expressions:
-            continue
-        names = {n.rsplit(".", 1)[-1] for n in candidate_names(source, canonical)} - sampled
-        if names:
-            needles[canonical] = {json.dumps(n).encode() for n in names}
-    return needles
 
 
 NEEDLE_EVERY = 8  # _scan_file looks for late field names in every 8th chunk (1 MiB each) and in the last
@@ -417,7 +342,7 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
             return python_staged()
         header = [h.strip() for h in header]
         chosen = choose_columns(source, set(header))
-        require_header(source, path, header, chosen)
+        load.notes.extend(require_header(source, path, header, chosen))
         columns, cells = split_cells(source, path, chosen, header)
         stager = Stager(con, columns)
         index = {c: header.index(col) for c, col in columns.items() if col is not None and col in header}
@@ -473,7 +398,7 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
         raise InputError(f"not a readable Parquet file ({e})", location=f"source '{source.name}': {path}") from None
     header = pf.schema_arrow.names
     chosen = choose_columns(source, set(header))
-    require_header(source, path, header, chosen)
+    load.notes.extend(require_header(source, path, header, chosen))
     columns, cells = split_cells(source, path, chosen, header)
     wanted = {c: col for c, col in columns.items() if col is not None and col in header}
     if fast and FAST_STAGING:

@@ -82,6 +82,7 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
             load = FileLoad(file=path)
             staged = STAGERS[source.format](con, source, path, load, tick, False)
     load.reader = staged.reader
+    load.format = load.format or source.format
     load.records_read = one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n", n)[0]
     if not staged.ticked:
         tick(load.records_read)

@@ -83,7 +83,7 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
         nonlocal rows
         file_no, path, future = in_flight.popleft()
         load, fast = future.result()
-        if model_aliases and source.format in (sglang_requests.FORMAT, otlp.FORMAT):
+        if model_aliases and load.format in (sglang_requests.FORMAT, otlp.FORMAT):  # as read, not as declared
             _apply_model_aliases(con, file_no, model_aliases, load)
         con.execute("INSERT INTO kvf_batch.load_files VALUES ($n, $f)", {"n": file_no, "f": str(path)}).fetchall()
         batch.append((file_no, load, path, fast))

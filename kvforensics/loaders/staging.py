@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import duckdb
 import pyarrow as pa
@@ -20,6 +20,7 @@ from kvforensics.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIE
 from kvforensics.config import Source
 from kvforensics.errors import ConfigError, InputError
 from kvforensics.loaders.mapping import json_path
+from kvforensics.presets import load_preset
 
 BATCH = 100_000
 # Names other systems use for the canonical fields, tried (in order) when the incident file does not
@@ -67,6 +68,9 @@ class FileLoad:
     duplicates: int = 0
     notes: list[str] = field(default_factory=list)
     reader: str = ""  # duckdb-json / duckdb-lines / duckdb-parquet (DuckDB's readers) or python
+    # the format the file was read as: the source's, or the one its reader recognised (a jsonl source's
+    # file that is SGLang's request log or an OTLP export)
+    format: str = ""
 
 
 @dataclass
@@ -174,12 +178,50 @@ def choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
     return chosen
 
 
-def unknown_column(source: Source, path: Path, ref: str, have: Iterable[str]) -> ConfigError:
+def unknown_column(source: Source, path: Path, refs: str | Sequence[str], have: Iterable[str],
+                   canonical: str | None = None) -> ConfigError:
+    """The configuration error for columns an expression reads that the file does not have."""
+    refs = [refs] if isinstance(refs, str) else list(refs)
     names = sorted(have)
     shown = ", ".join(names[:30]) + (f" ... ({len(names)} in all)" if len(names) > 30 else "")
     where = f"{source.incident_file}: source '{source.name}'" if source.incident_file else f"source '{source.name}'"
-    return ConfigError(f"columns.{_ref_field(source, ref)}: column {ref!r} is not in {path.name} "
+    what = f"column {refs[0]!r} is" if len(refs) == 1 else f"columns {', '.join(map(repr, refs))} are"
+    return ConfigError(f"columns.{canonical or _ref_field(source, refs[0])}: {what} not in {path.name} "
                        f"(it has: {shown or 'no columns'})", location=where)
+
+
+def preset_optional(source: Source, canonical: str) -> bool:
+    """Whether an optional field is mapped as the source's preset maps it: an export of that kind may
+    lack what the preset reads for it (vLLM's chat completions without ``prompt_tokens_details``), so
+    a file without it leaves the field empty and says so, where the incident file's own mapping of a
+    column the file lacks is a mistake to fix."""
+    if source.preset is None or canonical in REQUIRED_REQUEST_FIELDS:
+        return False
+    return load_preset(source.preset).get("columns", {}).get(canonical) == source.columns.get(canonical)
+
+
+def preset_gap(source: Source, canonical: str, names: Sequence[str], path: Path) -> str:
+    """The note for a field :func:`preset_optional` leaves empty."""
+    return (f"{canonical} left empty: preset '{source.preset}' reads it from {', '.join(map(repr, names))}, "
+            f"which {path.name} does not have")
+
+
+def check_expression_columns(source: Source, path: Path, present: Callable[[str], bool],
+                             have: Iterable[str]) -> list[str]:
+    """Each expression against the columns (or JSON keys) a file has: one that can give no value
+    without those it lacks (a column it computes with, or every alternative of a ``coalesce``) is a
+    ConfigError naming them; an alternative the file lacks is no error (a preset may read two shapes
+    of record). Returns the notes of :func:`preset_gap`."""
+    notes = []
+    for canonical, expression in source.expressions.items():
+        missing = [ref for ref in expression.refs if not present(ref)]
+        if not missing or (len(missing) < len(expression.refs) and expression.can_give_value(present)):
+            continue
+        if preset_optional(source, canonical):
+            notes.append(preset_gap(source, canonical, missing, path))
+            continue
+        raise unknown_column(source, path, missing, have, canonical)
+    return notes
 
 
 def _cell_column(name: str, header: Iterable[str]) -> tuple[str, str | None] | None:
@@ -199,14 +241,12 @@ def _cell_column(name: str, header: Iterable[str]) -> tuple[str, str | None] | N
 def split_cells(source: Source, path: Path, chosen: Mapping[str, str | None], header: list[str]
                 ) -> tuple[dict[str, str | None], dict[str, str]]:
     """The columns a CSV/Parquet stager reads (a path's column) and the JSON paths into their cells,
-    per staged key; a column an expression reads that the file lacks is a ConfigError."""
+    per staged key (a column the file lacks is read as NULL: :func:`require_header` has checked it)."""
     columns: dict[str, str | None] = {}
     cells: dict[str, str] = {}
     for key, name in chosen.items():
         found = None if name is None else _cell_column(name, header)
         if found is None:
-            if name is not None and key not in CANONICAL_REQUEST_FIELDS:
-                raise unknown_column(source, path, name, header)
             columns[key] = name
             continue
         columns[key], cell = found
@@ -225,8 +265,12 @@ def mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
     return notes
 
 
-def require_header(source: Source, path: Path, header: Iterable[str], chosen: dict[str, str | None]) -> None:
+def require_header(source: Source, path: Path, header: Iterable[str], chosen: dict[str, str | None]) -> list[str]:
+    """A CSV/Parquet header against the mapping: a required field without a column, a column the
+    incident file maps that the header lacks, an expression reading such columns: an error saying
+    which. Returns the notes of a preset's optional fields the file lacks."""
     have = set(header)
+    notes = []
     for canonical in REQUIRED_REQUEST_FIELDS:
         col = chosen.get(canonical)
         if canonical in source.expressions:
@@ -239,8 +283,12 @@ def require_header(source: Source, path: Path, header: Iterable[str], chosen: di
                 location=f"source '{source.name}': {path}")
     for canonical, col in source.columns.items():
         if canonical not in source.expressions and _cell_column(col, have) is None:
+            if preset_optional(source, canonical):
+                notes.append(preset_gap(source, canonical, [col], path))
+                continue
             raise InputError(f"columns maps '{canonical}' to '{col}', which the file does not have; "
                              f"it has {sorted(have)}", location=f"source '{source.name}': {path}")
+    return notes + check_expression_columns(source, path, lambda name: _cell_column(name, have) is not None, have)
 
 
 def in_milliseconds(source: Source, canonical: str, column: str | None, expr: str) -> str:
