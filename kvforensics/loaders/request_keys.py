@@ -2,11 +2,11 @@
 
 A JSONL file's columns are chosen from the keys of its first records (``SAMPLE_RECORDS``): the
 incident file's mapping, else the canonical name, else a known alias
-(:func:`kvforensics.loaders.staging.choose_columns`). A key the mapping names that no record of the
+(:func:`kvforensics.loaders.staging.choose_columns`). A required field's key that no record of the
 file has is a mapping mistake, as a column a CSV header lacks is: exit 2 naming the key and the keys
 the records have, not a file whose every record is quarantined (exit 3). A JSON record may leave a
-key out, so a key the first records lack is looked for in every record before that is said; only a
-preset's optional field (a shape of record the export may not have) is then left empty, with a note.
+key out, so a key the first records lack is looked for in every record before that is said, and an
+optional field's key no record has leaves the field empty, with a note.
 """
 
 from __future__ import annotations
@@ -33,14 +33,19 @@ _SAMPLED_DEPTH = 3  # the sampled keys are paths of up to 4 names (a.b.c.d)
 
 def require_mapped_keys(source: Source, path: Path, keys: set[str], whole: bool) -> list[str]:
     """Every key the mapping names (a column, a path, a key an expression reads) against the keys the
-    records have (*keys*: sampled, of every record when *whole*): one no record has is an error
-    naming it (InputError for a mapped field, ConfigError for an expression, as for a CSV header),
-    unless a preset reads it for an optional field. Returns the notes of such fields."""
+    records have (*keys*: sampled, of every record when *whole*): a required field's key no record
+    has, or the keys an expression cannot do without, is an error naming them (InputError; a
+    ConfigError for an expression, as for a CSV header), unless a preset reads them for an optional
+    field. An optional field's own key no record has leaves the field empty with a note: JSON records
+    leave absent values out, and one file of many may have none (a day without a streamed request has
+    no TTFT). Returns the notes."""
     if not keys:
         return []  # no record parsed: the loader quarantines each line with its reason
     plain = {canonical: col for canonical, col in source.columns.items() if canonical not in source.expressions}
     absent = {name for name in {*plain.values(), *expression_refs(source)} if name not in keys}
-    unsure = {name for name in absent if not whole or name.count(".") > _SAMPLED_DEPTH}
+    # what an error would be said of is looked for in every record (an optional field's key only notes)
+    decisive = {plain[c] for c in REQUIRED_REQUEST_FIELDS if c in plain} | set(expression_refs(source))
+    unsure = {name for name in absent & decisive if not whole or name.count(".") > _SAMPLED_DEPTH}
     maybe = {name for name in unsure if _json_key_in_file(path, name)}
     if maybe:
         absent -= _names_in_records(path, maybe)
@@ -54,13 +59,13 @@ def require_mapped_keys(source: Source, path: Path, keys: set[str], whole: bool)
         if preset_optional(source, canonical):
             notes.append(preset_gap(source, canonical, [col], path))
             continue
-        if canonical in REQUIRED_REQUEST_FIELDS:
-            raise InputError(f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
-                             f"records have keys {shown}. Map it in the incident file: columns = {{ {canonical} = "
-                             "\"<key>\" }", location=where)
-        raise InputError(f"columns maps '{canonical}' to key '{col}', which no record has; the records have keys "
-                         f"{shown}. Map it in the incident file: columns = {{ {canonical} = \"<key>\" }}",
-                         location=where)
+        if canonical not in REQUIRED_REQUEST_FIELDS:  # said, not refused: see the docstring
+            if whole:
+                notes.append(f"{canonical} left empty: no record of {path.name} has key '{col}' (columns.{canonical})")
+            continue
+        raise InputError(f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
+                         f"records have keys {shown}. Map it in the incident file: columns = {{ {canonical} = "
+                         "\"<key>\" }", location=where)
     return notes + check_expression_columns(source, path, lambda name: name not in absent, top)
 
 
