@@ -4,8 +4,8 @@ the source) read as a responder holding them would: each runs through ``kvforens
 format left to ``auto``. The figures expected below were read off each file by hand; the comment on each row
 says on which line of the file each one stands (line numbers are the fixture file's).
 
-A case that fails for a reason another change is fixing is marked ``xfail(strict=True)`` naming it, so that
-it turns into a failure the moment the fix lands and the mark has to go.
+A case that fails for a known reason being fixed may be marked ``xfail(strict=True)`` naming it (``known``), so
+that it turns into a failure the moment the fix lands and the mark has to go.
 """
 
 from __future__ import annotations
@@ -24,16 +24,6 @@ from incidents import traffic, write_incident
 from kvforensics.cli import main
 
 REAL = Path(__file__).parent / "fixtures" / "real"
-
-HYBRID_CONCURRENCY = (
-    "known (issue 29, observation 1): the vLLM concurrency line is not read, so a hybrid model's derived "
-    "token figure below max_model_len leaves check 1 in doubt although the server started"
-)
-SGLANG_ROLE = (
-    "known (issue 29, observation 5): an SGLang start-up without a server_args line is role 'unknown' in the "
-    "audit but 'unified' in capacity"
-)
-
 
 @dataclass(frozen=True)
 class Expected:
@@ -73,16 +63,16 @@ CORPUS = {
         2025, 406_768, 131_072, "decode", "meta-llama/Llama-3.1-8B-Instruct", "2025-06-02 17:49:48", "0.9.0.1",
         check1=("pass", 25), check6=("unknown", 8)),
     # l.3 version 0.9.2.dev356+g02cabff20 and start (00:03:53), l.4 kv_producer, tensor_parallel_size 2 and
-    # 'enable_prefix_caching': False, l.6 max model len 131,072, l.11 engine config (enable_prefix_caching=False),
+    # 'enable_prefix_caching': False (check 6 cites it: off, yet LMCacheConnectorV1 is consulted, so unknown), l.6 max model len 131,072, l.11 engine config (enable_prefix_caching=False),
     # l.27 / l.29 GPU KV cache size 939,456 (once per worker, the same)
     "vllm-0.9.2-lmcache-nixl-tp2-prefill": Expected(
         2025, 939_456, 131_072, "prefill", "meta-llama/Llama-3.1-8B-Instruct", "2025-07-09 00:03:53",
-        "0.9.2.dev356+g02cabff20", check1=("pass", 27), check6=("pass", 11)),
-    # l.3 version 0.9.2.dev325+g2965c99c8 and start (18:17:48), l.4 kv_consumer, prefix caching off,
+        "0.9.2.dev356+g02cabff20", check1=("pass", 27), check6=("unknown", 4)),
+    # l.3 version 0.9.2.dev325+g2965c99c8 and start (18:17:48), l.4 kv_consumer, prefix caching off (check 6: as the prefill's),
     # l.6 max model len 131,072, l.10 engine config, l.23 / l.25 GPU KV cache size 939,456
     "vllm-0.9.2-lmcache-nixl-tp2-decode": Expected(
         2025, 939_456, 131_072, "decode", "meta-llama/Llama-3.1-8B-Instruct", "2025-07-14 18:17:48",
-        "0.9.2.dev325+g2965c99c8", check1=("pass", 23), check6=("pass", 10)),
+        "0.9.2.dev325+g2965c99c8", check1=("pass", 23), check6=("unknown", 4)),
     # l.2 version 0.11.0 and start (14:16:17), l.3 served_model_name Qwen3-30B-A3B-Instruct-2507,
     # max_model_len 131,072, no kv_transfer_config, l.7 max model len again; no KV cache line: the pool is not
     # in the log. Check 6 stays unknown: prefix caching is 0.11's default, tenancy is not stated
@@ -95,23 +85,23 @@ CORPUS = {
     # the pool is either figure, depending on which the reader keeps. No args in the excerpt: unified, no model
     "vllm-0.11-kimi-linear-hybrid-tp2": Expected(
         2025, (75_840, 297_600), 120_000, "unified", None, "2025-11-06 10:51:48", None,
-        check1=("pass", None), check6=("unknown", 3), known={"audit": HYBRID_CONCURRENCY}),
+        check1=("pass", None), check6=("unknown", 3)),
     # l.1 the first line (09:32:19), l.5 max_total_num_tokens=105600 ... context_len=40960 (l.3 KV Cache is
-    # allocated #tokens 105600); no server_args line: no model, no disaggregation mode (so no PD role either),
+    # allocated #tokens 105600); no server_args line: no model, no disaggregation mode, no batch line: no line says its role,
     # no version (l.3 has no dtype: before 0.5.15). l.7 / l.8 HiCache with the Mooncake store
     "sglang-hicache-mooncake-store": Expected(
-        2026, 105_600, 40_960, "unified", None, "2026-03-25 09:32:19", None, check1=("pass", 5),
-        check6=("unknown", 1), inferred_below="<0.5.15", known={"role": SGLANG_ROLE}),
+        2026, 105_600, 40_960, "unknown", None, "2026-03-25 09:32:19", None, check1=("pass", 5),
+        check6=("unknown", 1), inferred_below="<0.5.15"),
     # l.1 the first line (17:10:27), l.13 max_total_num_tokens=580364 ... context_len=8192 (l.6 / l.8 the same
     # pool per TP rank), TP0 / TP1 prefixes; no server_args line
     "sglang-hybrid-gdn-tp2": Expected(
-        2026, 580_364, 8_192, "unified", None, "2026-02-27 17:10:27", None, check1=("pass", 13),
-        check6=("unknown", 1), inferred_below="<0.5.15", known={"role": SGLANG_ROLE}),
+        2026, 580_364, 8_192, "unknown", None, "2026-02-27 17:10:27", None, check1=("pass", 13),
+        check6=("unknown", 1), inferred_below="<0.5.15"),
     # l.1 a progress bar glued to DP1's Load weight end (13:39:14), l.9 / l.11 / l.13 KV Cache is allocated
     # #tokens 1029388 per DP replica (DP0..DP3); the excerpt stops before max_total_num_tokens: no context
     "sglang-dp-attention-ep4": Expected(
-        2026, 1_029_388, None, "unified", None, "2026-05-07 13:39:14", None, check1=("unknown", None),
-        check6=("unknown", 1), inferred_below="<0.5.15", known={"role": SGLANG_ROLE}),
+        2026, 1_029_388, None, "unknown", None, "2026-05-07 13:39:14", None, check1=("unknown", None),
+        check6=("unknown", 1), inferred_below="<0.5.15"),
 }
 
 
@@ -230,7 +220,6 @@ def test_the_audit_and_the_capacity_table_give_the_start_up_one_role(runs: Corpu
     assert {v["role"] for v in run.audit["verdicts"]} == {run.capacity[0]["role"]} == {CORPUS[name].role}
 
 
-@pytest.mark.xfail(reason=HYBRID_CONCURRENCY, strict=True)
 def test_a_hybrid_models_concurrency_line_is_what_the_check_cites(runs: CorpusRuns) -> None:
     """The Kimi Linear start-up: however the pool is stored, check 1 must not read it as too small to hold
     max_model_len, and its sentence names the 120,000-token requests the log says fit 2.48 times."""
