@@ -266,3 +266,25 @@ def test_load_kv_events_reads_in_bulk_from_a_size_and_says_which_reader(tmp_path
         "read by the Python reference: 50 lines, fewer than the 2,000 from which the bulk reader is faster")
     assert load_kv_events(connect(), src, path, KEY, bulk_from=50).reader == "duckdb-bulk"
     assert math.isclose(small.records_read, small.loaded)
+
+
+def test_a_file_read_in_chunks_gives_the_same_rows(tmp_path, monkeypatch):
+    """Chains, message numbers, sequence breaks, shapes and counts run on from one chunk of lines to the next."""
+    import kvforensics.loaders.kv_event_bulk as bulk
+
+    monkeypatch.setattr(bulk, "CHUNK_LINES", 70)
+    monkeypatch.setattr(bulk, "SLICE_LINES", 16)
+    path = write(tmp_path, "engine-0.jsonl", list(lines(Stream("sglang-archive", 400, seed=8, capacity=200,
+                                                                damage=0.05))))
+    assert_agree(tmp_path, [path], ARCHIVE)
+    # a chain that runs from the first chunk into a later one: a block whose parent only the first chunk stored
+    got = rows_of(path, ARCHIVE)  # columns 3 batch (the line), 5 kind, 6 block_hash, 7 parent, 8 position
+    first = {r[6] for r in got if r[5] == "stored" and r[3] <= 70}
+    later = {r[6] for r in got if r[5] == "stored" and r[3] > 70}
+    assert any(r[5] == "stored" and r[3] > 70 and r[7] in first - later and r[8] is not None for r in got)
+
+
+def rows_of(path: Path, columns: dict[str, str]) -> list[tuple]:
+    con = connect()
+    read_bulk(con, source(path.parent.parent, columns), path, KEY, Chains(), 0)
+    return con.execute("SELECT * FROM kv_events").fetchall()

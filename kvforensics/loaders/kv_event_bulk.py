@@ -22,6 +22,7 @@ reader read the file, and how many lines of it the reference read.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ from kvforensics.loaders.request_readers import _scan_file
 from kvforensics.loaders.staging import FileLoad
 
 BULK_MIN_LINES = 2_000  # smaller files are read by the reference
+# lines are read a chunk at a time (the chains, the message numbers and the notes run on from chunk to chunk), in
+# slices DuckDB's threads read side by side
+CHUNK_LINES, CHUNK_BYTES, SLICE_LINES = 500_000, 128 << 20, 16_384
 READER = "duckdb-bulk"
 # what DuckDB's JSON reader accepts and Python's does not, or Python refuses for its size (ints over 4300 digits)
 LENIENT = r",\s*[\]}]|[\[:,]\s*[-+]?(?i:nan|inf)|[0-9]{400}"
@@ -67,21 +71,51 @@ def read_bulk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: b
                "stream that does not read to its end)"
     if lines < min_lines:
         return f"{lines:,} lines, fewer than the {min_lines:,} from which the bulk reader is faster"
-    try:
-        numbered = con.execute(f"""CREATE OR REPLACE TEMP TABLE kv_bulk_lines AS
-            SELECT ordinality AS line, raw FROM read_csv($file, columns = {{'raw': 'VARCHAR'}}, header = false,
-                delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false,
-                compression = '{_compression(path)}') WITH ORDINALITY""", {"file": str(path)}).fetchall()[0][0]
+    lines_sql = ("SELECT ordinality AS line, raw FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
+                 "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false, "
+                 f"compression = '{_compression(path)}') WITH ORDINALITY")
+    try:  # the whole stream read once before any row is kept: a line DuckDB refuses sends the file to the reference
+        numbered = con.execute(f"SELECT count(*) FROM ({lines_sql})", {"file": str(path)}).fetchall()[0][0]
     except duckdb.Error as e:
         return f"DuckDB's line reader refused it ({str(e).splitlines()[0][:120]})"
     if numbered != lines:
-        con.execute("DROP TABLE kv_bulk_lines").fetchall()
         return f"DuckDB's line reader numbered {numbered:,} lines where the file has {lines:,}"
+    load = FileLoad(file=path, reader=READER)
+    reader = LineReader(source, path, key)
+    quarantine = QuarantineRows(con, source, path)
+    fallback = 0
+    stream = con.cursor()
     try:
-        return _load(con, source, path, key, chains, batch)
+        for chunk in _chunks(stream.sql(lines_sql, params={"file": str(path)}).to_arrow_reader(SLICE_LINES)):
+            con.register("kv_bulk_lines", chunk)
+            try:
+                fallback += _load_chunk(con, source, path, key, chains, batch, load, reader, quarantine)
+            finally:
+                con.unregister("kv_bulk_lines")
+                for table in ("kv_bulk_events", "kv_bulk_blocks"):
+                    con.execute(f"DROP TABLE IF EXISTS {table}").fetchall()
     finally:
-        for table in ("kv_bulk_lines", "kv_bulk_events", "kv_bulk_blocks", "kv_bulk_stored"):
-            con.execute(f"DROP TABLE IF EXISTS {table}").fetchall()
+        stream.close()
+    finish(load, quarantine, None, reader)
+    load.notes.insert(0, "read in bulk by DuckDB" + (f"; {fallback:,} line(s) outside its shapes read by the "
+                                                     "Python reference" if fallback else ""))
+    return load
+
+
+def _chunks(batches: pa.RecordBatchReader) -> Iterator[pa.Table]:
+    """The file's lines a chunk at a time (``CHUNK_LINES`` lines or ``CHUNK_BYTES`` of text), each chunk in slices
+    of ``SLICE_LINES`` that DuckDB's threads read side by side."""
+    held: list[pa.RecordBatch] = []
+    size = count = 0
+    for b in batches:
+        held.append(b)
+        count += b.num_rows
+        size += b.column(1).nbytes
+        if count >= CHUNK_LINES or size >= CHUNK_BYTES:
+            yield pa.Table.from_batches(held)
+            held, size, count = [], 0, 0
+    if held:
+        yield pa.Table.from_batches(held)
 
 
 def _compression(path: Path) -> str:
@@ -90,11 +124,9 @@ def _compression(path: Path) -> str:
     return "gzip" if magic[:2] == b"\x1f\x8b" else "zstd" if magic == b"\x28\xb5\x2f\xfd" else "none"
 
 
-def _load(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes, chains: Chains,
-          batch: dict[str, Any]) -> FileLoad:
-    load = FileLoad(file=path, reader=READER)
-    reader = LineReader(source, path, key)
-    quarantine = QuarantineRows(con, source, path)
+def _load_chunk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes, chains: Chains,
+                batch: dict[str, Any], load: FileLoad, reader: LineReader, quarantine: QuarantineRows) -> int:
+    """One chunk of lines (``kv_bulk_lines``) loaded: how many of them the reference read."""
     text = sql("kv_events_bulk").replace("{event_checks}", sql("kv_events_bulk_event"))
     for name, value in {**batch["sql"], "canonical_h": CANONICAL.format(h="h"), "map_type": MAP_TYPE,
                         "canonical_parent": CANONICAL.format(h="parent_text"),
@@ -104,17 +136,17 @@ def _load(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes
         **batch["params"], **Fingerprints(key).params, "lenient": LENIENT, "map": json.dumps(STORED_MAP),
         "instance": reader.default_instance, "offset_us": round(source.clock_offset_s * 1_000_000),
         "ts_min": _TS_MIN, "ts_max": _TS_MAX}, text=text)
-    for tag, shape, events in con.execute("SELECT tag, shape, count(*) FROM kv_bulk_events WHERE seq >= 0 "
-                                          "GROUP BY ALL").fetchall():
-        reader.shapes[(tag, shape)] = events
-    read, reader.sequenced = con.execute("SELECT coalesce(sum(events), 0), count(msg_seq) FROM kv_bulk_events "
-                                         "WHERE seq = -1").fetchall()[0]
-    load.records_read = load.loaded = read
+    for tag, shape, events in con.execute("SELECT tag, shape, count(*) FROM kv_bulk_events GROUP BY ALL").fetchall():
+        reader.shapes[(tag, shape)] = reader.shapes.get((tag, shape), 0) + events
+    read, sequenced = con.execute("SELECT count(*), count(msg_seq) FILTER (seq = 0) FROM kv_bulk_events").fetchall()[0]
+    load.records_read += read
+    load.loaded += read
+    reader.sequenced += sequenced
     # the lines the bulk reader left: read by the reference, their blocks added to the bulk ones
     rows = Rows()
     fallback = 0
     for line, raw in con.execute("SELECT line, raw FROM kv_bulk_lines WHERE raw IS NOT NULL AND line NOT IN "
-                                 "(SELECT line FROM kv_bulk_events WHERE seq = -1) ORDER BY line").fetchall():
+                                 "(SELECT line FROM kv_bulk_events WHERE seq = 0) ORDER BY line").fetchall():
         got = reader.read(line, raw.encode("utf-8"))
         if got is None:
             continue
@@ -126,21 +158,13 @@ def _load(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes
             rows.messages.append((*got.message, line))
             _add_blocks(rows.data, got.message, got.events, line)
     _insert_fallback(con, rows)
-
-    con.execute("""CREATE OR REPLACE TEMP TABLE kv_bulk_stored AS
-        SELECT row_number() OVER (ORDER BY line, seq, i) - 1 AS ord, line, seq, i, instance, block_hash, parent,
-               i = 0 AS first, block_fp, own_salt
-        FROM kv_bulk_blocks WHERE kind = 'stored'""").fetchall()
-    con.register("kv_bulk_followed", follow(con, chains, "kv_bulk_stored", key))
+    con.register("kv_bulk_followed", follow(con, chains, "kv_bulk_blocks", key))
     try:
         run_script(con, "kv_events_bulk_rows", {"s": source.name, "f": str(path), "before": chains.messages})
     finally:
         con.unregister("kv_bulk_followed")
-    chains.messages += con.execute("SELECT count(*) FROM kv_bulk_events WHERE seq = -1").fetchall()[0][0]
-    finish(load, quarantine, None, reader)
-    load.notes.insert(0, "read in bulk by DuckDB" + (f"; {fallback:,} line(s) outside its shapes read by the "
-                                                     "Python reference" if fallback else ""))
-    return load
+    chains.messages += con.execute("SELECT count(*) FROM kv_bulk_events WHERE seq = 0").fetchall()[0][0]
+    return fallback
 
 
 def _add_blocks(rows: list[tuple], message: tuple, events: list[tuple[int, str, list[Any]]], line: int) -> None:
@@ -180,8 +204,8 @@ def _insert_fallback(con: duckdb.DuckDBPyConnection, rows: Rows) -> None:
             if table == "kv_bulk_blocks":
                 con.execute("INSERT INTO kv_bulk_blocks BY NAME SELECT * FROM kv_bulk_fallback").fetchall()
             else:
-                con.execute("INSERT INTO kv_bulk_events BY NAME SELECT *, -1 AS seq, true AS plain "
-                            "FROM kv_bulk_fallback").fetchall()
+                con.execute("INSERT INTO kv_bulk_events BY NAME SELECT *, 0 AS seq, true AS plain, "
+                            "'fallback' AS kind FROM kv_bulk_fallback").fetchall()
         finally:
             con.unregister("kv_bulk_fallback")
 

@@ -26,6 +26,7 @@ from typing import Any
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 # rounds of fewer chain fingerprints than this are computed in Python (a DuckDB query costs ~1 ms to start)
 DUCKDB_ROUND = 2_000
@@ -100,41 +101,48 @@ class Fingerprints:
 
 def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: bytes) -> pa.Table:
     """The position, cache salt and chain fingerprint of every stored block of the temporary table *blocks*
-    (``ord`` 0, 1, ... in read order, ``instance``, ``block_hash``, ``parent``, ``first`` (the event's first
-    block), ``block_fp``, ``own_salt``), as a table ``ord, position, salt, chain_fp``; their states added
-    to *chains*."""
-    n = con.execute(f"SELECT count(*) FROM {blocks}").fetchall()[0][0]
-    if n == 0:
-        return pa.table({"ord": pa.array([], pa.int64()), "position": pa.array([], pa.int64()),
-                         "salt": pa.array([], pa.string()), "chain_fp": pa.array([], pa.int64())})
+    (``kind``, ``line``, ``seq``, ``i``: the block's place in its event, ``instance``, ``block_hash``, ``parent``,
+    ``block_fp``, ``own_salt``), as a table ``row`` (the block's rowid), ``position``, ``salt``, ``chain_fp``;
+    their states added to *chains*."""
     table = chains.table_on(con)
-    inputs = con.sql(f"SELECT first, parent IS NULL AS root, block_fp, own_salt FROM {blocks} ORDER BY ord"
-                     ).to_arrow_table()
-    first = inputs.column("first").to_numpy(zero_copy_only=False)
-    fp_valid = inputs.column("block_fp").is_valid().to_numpy(zero_copy_only=False)
-    fp = inputs.column("block_fp").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-    salts = inputs.column("own_salt").combine_chunks().dictionary_encode()
+    rows = con.sql(f"SELECT rowid AS row, line, seq, i, instance, block_hash, parent, block_fp, own_salt FROM {blocks} "
+                   "WHERE kind = 'stored'").to_arrow_table()
+    n = rows.num_rows
+    if n == 0:
+        return pa.table({"row": pa.array([], pa.int64()), "position": pa.array([], pa.int64()),
+                         "salt": pa.array([], pa.string()), "chain_fp": pa.array([], pa.int64())})
+    rows = rows.take(np.lexsort([rows.column(c).to_numpy() for c in ("i", "seq", "line")]))  # read order
+    first = rows.column("i").to_numpy() == 0
+    fp_valid = rows.column("block_fp").is_valid().to_numpy(zero_copy_only=False)
+    fp = rows.column("block_fp").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    salts = rows.column("own_salt").combine_chunks().dictionary_encode()
     salt_values: list[str] = salts.dictionary.to_pylist()
     codes = {s: i for i, s in enumerate(salt_values)}
     own = salts.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
-    # each first block with a parent: the latest earlier store of that hash on its instance in this file, else
-    # its last state in the files before (the bulk reader's table, else the reference's dictionary)
-    con.execute(f"""CREATE OR REPLACE TEMP TABLE kv_linked AS
-        SELECT f.ord, f.instance, f.parent, s.ord AS pred
-        FROM (SELECT ord, instance, parent FROM {blocks} WHERE first AND parent IS NOT NULL) f
-        ASOF LEFT JOIN (SELECT ord, instance, block_hash FROM {blocks}) s
-          ON f.instance = s.instance AND f.parent = s.block_hash AND f.ord > s.ord""").fetchall()
-    found = con.execute("SELECT ord, pred FROM kv_linked WHERE pred IS NOT NULL").fetchnumpy()
-    outside = con.execute(f"""
-        SELECT f.ord, f.instance, f.parent, s.ord IS NOT NULL AS seen, s.position, s.salt, s.chain_fp
-        FROM kv_linked f LEFT JOIN {table} s ON s.instance = f.instance AND s.block_hash = f.parent
-        WHERE f.pred IS NULL
-        QUALIFY row_number() OVER (PARTITION BY f.ord ORDER BY s.ord DESC NULLS LAST) = 1""").fetchall()
-    con.execute("DROP TABLE kv_linked").fetchall()
-    pred = np.arange(-1, n - 1, dtype=np.int64)  # the block before in its event
+    # each block's (instance, hash) as a number, and its first block's parent's; a first block's parent is the
+    # latest earlier store of that number in this file, else its last state in the files before (the bulk
+    # reader's table, else the reference's dictionary)
+    instances = rows.column("instance").combine_chunks().dictionary_encode()
+    hashes = rows.column("block_hash").combine_chunks().dictionary_encode()
+    width = len(hashes.dictionary) + 1
+    place = instances.indices.to_numpy().astype(np.int64) * width
+    stored = place + hashes.indices.to_numpy().astype(np.int64)
+    parent_index = pc.index_in(rows.column("parent"), value_set=hashes.dictionary)
+    has_parent = rows.column("parent").is_valid().to_numpy(zero_copy_only=False)
+    parent = place + parent_index.fill_null(width - 1).to_numpy(zero_copy_only=False).astype(np.int64)
+    ords = np.arange(n, dtype=np.int64)
+    if int(place.max()) + width >= (2 ** 62) // (n + 1):
+        raise ValueError("too many blocks in one file to follow their chains at once")
+    sorted_keys = np.sort(stored * (n + 1) + ords)  # (instance, hash) then read order
+    asked = np.nonzero(first & has_parent)[0]
+    at = np.searchsorted(sorted_keys, parent[asked] * (n + 1) + asked) - 1
+    before = sorted_keys[np.maximum(at, 0)]
+    hit = (at >= 0) & (before // (n + 1) == parent[asked])
+    pred = ords - 1  # the block before in its event
     pred[first] = -1
-    pred[found["ord"].astype(np.int64)] = found["pred"].astype(np.int64)
+    pred[asked[hit]] = before[hit] % (n + 1)
+    outside = asked[~hit]
 
     position = np.zeros(n, dtype=np.int64)
     pos_valid = np.zeros(n, dtype=bool)
@@ -144,13 +152,11 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
     hasher = Fingerprints(key)
     # the roots: blocks without a parent (position 0, the chain of their own fingerprint), and first blocks whose
     # parent is in an earlier file or nowhere
-    root = (pred == -1) & inputs.column("root").to_numpy(zero_copy_only=False)
+    root = first & ~has_parent
     position[root], pos_valid[root], salt[root] = 0, True, own[root]
     starts = np.nonzero(root & fp_valid)[0].tolist()
     parents: list[int | None] = [None] * len(starts)
-    for ord_, instance, parent, seen, p_position, p_salt, p_chain in outside:
-        if not seen:
-            p_position, p_salt, p_chain = chains.known.get((instance, parent), (None, None, None))
+    for ord_, p_position, p_salt, p_chain in _states(con, chains, table, rows, outside):
         if p_position is not None:
             position[ord_], pos_valid[ord_] = p_position + 1, True
         if own[ord_] >= 0:
@@ -191,20 +197,41 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
 
     salt_array = pa.DictionaryArray.from_arrays(pa.array(salt, mask=salt < 0, type=pa.int32()),
                                                 pa.array(salt_values, pa.string())).cast(pa.string())
-    result = pa.table({"ord": pa.array(np.arange(n, dtype=np.int64)),
-                       "position": pa.array(position, mask=~pos_valid), "salt": salt_array,
+    result = pa.table({"row": rows.column("row"), "position": pa.array(position, mask=~pos_valid), "salt": salt_array,
                        "chain_fp": pa.array(chain, mask=~chain_valid)})
-    con.register("kv_followed", result)
-    try:  # each hash's last state in this file, for the files after it
-        con.execute(f"""INSERT INTO {table}
-            SELECT b.instance, b.block_hash, $offset + b.ord, f.position, f.salt, f.chain_fp
-            FROM {blocks} b JOIN kv_followed f USING (ord)
-            QUALIFY row_number() OVER (PARTITION BY b.instance, b.block_hash ORDER BY b.ord DESC) = 1""",
-                    {"offset": chains.stored}).fetchall()
+    # each (instance, hash)'s last state in this file, for the files after it
+    last = n - 1 - np.unique(stored[::-1], return_index=True)[1]
+    states = pa.table({"instance": rows.column("instance").take(last), "block_hash": rows.column("block_hash").take(last),
+                       "ord": pa.array(last + chains.stored), "position": result.column("position").take(last),
+                       "salt": result.column("salt").take(last), "chain_fp": result.column("chain_fp").take(last)})
+    con.register("kv_states", states)
+    try:
+        con.execute(f"INSERT INTO {table} SELECT * FROM kv_states").fetchall()
     finally:
-        con.unregister("kv_followed")
+        con.unregister("kv_states")
     chains.stored += n
     return result
+
+
+def _states(con: duckdb.DuckDBPyConnection, chains: Chains, table: str, rows: pa.Table, asked: np.ndarray
+            ) -> list[tuple[int, int | None, str | None, int | None]]:
+    """(block, its parent's position, cache salt and chain fingerprint) of each first block *asked* (by its place in
+    *rows*), whose parent no earlier block of this file stored: its last state in the files before (the bulk reader's
+    table, else the reference's dictionary), or unknown."""
+    if not len(asked):
+        return []
+    wanted = pa.table({"ord": pa.array(asked), "instance": rows.column("instance").take(asked),
+                       "parent": rows.column("parent").take(asked)})
+    con.register("kv_wanted", wanted)
+    try:
+        found = con.execute(f"""
+            SELECT w.ord, w.instance, w.parent, s.ord IS NOT NULL AS seen, s.position, s.salt, s.chain_fp
+            FROM kv_wanted w LEFT JOIN {table} s ON s.instance = w.instance AND s.block_hash = w.parent
+            QUALIFY row_number() OVER (PARTITION BY w.ord ORDER BY s.ord DESC NULLS LAST) = 1""").fetchall()
+    finally:
+        con.unregister("kv_wanted")
+    return [(ord_, position, salt, chain) if seen else (ord_, *chains.known.get((instance, parent), (None, None, None)))
+            for ord_, instance, parent, seen, position, salt, chain in found]
 
 
 def _chain_fps(con: duckdb.DuckDBPyConnection, hasher: Fingerprints, parents: Any, fps: np.ndarray) -> np.ndarray:
@@ -231,7 +258,9 @@ def _chain_fps(con: duckdb.DuckDBPyConnection, hasher: Fingerprints, parents: An
             WITH distinct_pairs AS (SELECT DISTINCT p, f FROM kv_chain_pairs),
                  hashed AS (SELECT p, f, {Fingerprints.expression(message)} AS c FROM distinct_pairs)
             SELECT k.i, h.c FROM kv_chain_pairs k JOIN hashed h ON k.f = h.f AND k.p IS NOT DISTINCT FROM h.p
-            ORDER BY k.i""", hasher.params).fetchnumpy()
+            """, hasher.params).fetchnumpy()
     finally:
         con.unregister("kv_chain_pairs")
-    return got["c"].astype(np.int64)
+    out = np.empty(len(fps), dtype=np.int64)
+    out[got["i"]] = got["c"]
+    return out

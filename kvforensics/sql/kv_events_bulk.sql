@@ -1,5 +1,5 @@
 -- The lines of a KV-event file (temp table kv_bulk_lines: line, raw) read in bulk (kvforensics/loaders/kv_event_bulk.py)
--- into kv_bulk_events (a row per message, seq -1, and per event) and kv_bulk_blocks (a row per block). Only what
+-- into kv_bulk_events (a row per event, each with its message's parts) and kv_bulk_blocks (a row per block). Only what
 -- the Python reference (kvforensics/loaders/kv_event_reference.py) would load whole is kept: a line with anything
 -- to judge is left out, for the reference to read. The placeholders in braces are SQL the loader writes from the
 -- source's columns (every key in it a parameter), and the event checks are the fragment sql/kv_events_bulk_event.sql.
@@ -11,8 +11,9 @@
 -- Each message whose batch the bulk reader reads (its text free of escapes, of what DuckDB's JSON reader accepts
 -- and Python's does not, and of keys written twice), and each of its events given as an array. The timestamp as
 -- the reference reads it: epoch seconds (milli-, micro-, nanoseconds by magnitude) split into whole seconds and
--- microseconds rounded half to even, as CPython's datetime.fromtimestamp does. A message with an event that is
--- not an array has its events read as texts by the next statement.
+-- microseconds rounded half to even, as CPython's datetime.fromtimestamp does. A message is its first event's
+-- row (seq 0; a message without events is left to the reference); one with an event that is not an array has its
+-- events read as texts by the next statement.
 CREATE OR REPLACE TEMP TABLE kv_bulk_events AS
 WITH candidates AS (
     SELECT line, raw, left(ltrim(raw, ' \t'), 1) AS opening FROM kv_bulk_lines
@@ -60,28 +61,21 @@ WITH candidates AS (
     FROM typed
     WHERE (dp_rank IS NOT NULL OR no_rank) AND instance IS NOT NULL
       AND (msg_seq IS NOT NULL OR (no_seq AND NOT {seq_mapped})) AND events_fields IS NOT NULL
-), messages AS MATERIALIZED (
-    SELECT line, as_array, instance, dp_rank, msg_seq, to_timestamp(0) + to_microseconds(ts_us) AS ts,
-           len(events_fields) AS events, events_fields
-    FROM timed WHERE ts_us BETWEEN $ts_min * 1000000 AND $ts_max * 1000000 + 999999
 ), events_in AS (
-    SELECT line, as_array, instance, dp_rank, msg_seq, ts, events,
-           unnest(events_fields) AS f, generate_subscripts(events_fields, 1) - 1 AS seq, NULL::{map_type} AS m
-    FROM messages
+    SELECT line, as_array, instance, dp_rank, msg_seq, to_timestamp(0) + to_microseconds(ts_us) AS ts,
+           len(events_fields) AS events, unnest(events_fields) AS f,
+           generate_subscripts(events_fields, 1) - 1 AS seq, NULL::{map_type} AS m
+    FROM timed WHERE ts_us BETWEEN $ts_min * 1000000 AND $ts_max * 1000000 + 999999
 ), {event_checks}
-SELECT *, events AS loaded, f_missing AS texts FROM events_read
-UNION ALL BY NAME
-SELECT line, -1 AS seq, as_array, instance, dp_rank, msg_seq, ts, events, true AS plain, events AS loaded,
-       false AS texts
-FROM messages;
+SELECT *, events AS loaded, f_missing AS texts FROM events_read;
 
 -- The events of the messages with one that is not an array, read as texts: each an array or a map (a map with a
 -- key written twice is left to the reference: Python keeps the last, DuckDB the first).
 CREATE OR REPLACE TEMP TABLE kv_bulk_texts AS
 SELECT line, as_array, instance, dp_rank, msg_seq, ts, events FROM kv_bulk_events
-WHERE seq = -1 AND line IN (SELECT line FROM kv_bulk_events WHERE texts);
+WHERE seq = 0 AND line IN (SELECT line FROM kv_bulk_events WHERE texts);
 
-DELETE FROM kv_bulk_events WHERE seq >= 0 AND line IN (SELECT line FROM kv_bulk_texts);
+DELETE FROM kv_bulk_events WHERE line IN (SELECT line FROM kv_bulk_texts);
 
 INSERT INTO kv_bulk_events BY NAME
 WITH texts AS (
@@ -108,7 +102,7 @@ CREATE OR REPLACE TEMP TABLE kv_bulk_blocks AS
 WITH split_ids AS (
     SELECT *, CASE WHEN kind = 'stored' AND len(hashes) > 1 AND id_count > 0 THEN string_split(ids, ',') END
                   AS tokens
-    FROM kv_bulk_events WHERE seq >= 0
+    FROM kv_bulk_events
 ), events AS MATERIALIZED (
     SELECT line, seq, kind, hashes, parent, size, lora, medium, kv_group, instance, dp_rank, ts, msg_seq,
            CASE WHEN kind <> 'stored' OR id_count = 0 THEN NULL WHEN len(hashes) = 1 THEN [ids]
