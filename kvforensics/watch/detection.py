@@ -94,18 +94,23 @@ class LiveDetection:
 
     # --- the rows judged ---------------------------------------------------------------------------------
     def _shadow(self, watermark: int, engine_request_ids: set[str]) -> None:
-        """The cursor's temporary ``requests``: the rows after *watermark*, and those *engine_request_ids* name."""
+        """The cursor's temporary ``requests``: a view of the rows after *watermark* (the table's last row groups,
+        read in place), and a copy of the older ones *engine_request_ids* name."""
         main = f'"{self.catalog}".main.requests'
-        query = f"SELECT * FROM {main} WHERE rowid > $w"
+        older = "SELECT * FROM {main} LIMIT 0"
         if engine_request_ids and watermark >= 0:
             self.cursor.register("watch_engine_ids", pa.table({"request_id": sorted(engine_request_ids)}))
-            query += (f" UNION ALL SELECT * FROM {main} WHERE rowid <= $w "
-                      "AND request_id IN (SELECT request_id FROM watch_engine_ids)")
+            older = (f"SELECT * FROM {main} WHERE rowid <= $w "
+                     "AND request_id IN (SELECT request_id FROM watch_engine_ids)")
         try:
-            self.cursor.execute(f"CREATE OR REPLACE TEMP TABLE requests AS {query}", {"w": watermark}).fetchall()
+            self.cursor.execute(f"CREATE OR REPLACE TEMP TABLE watch_older AS {older.format(main=main)}",
+                                {"w": watermark} if "$w" in older else None).fetchall()
         finally:
             if engine_request_ids and watermark >= 0:
                 self.cursor.unregister("watch_engine_ids")
+        # a view takes no parameters: the watermark is an integer, written in
+        self.cursor.execute(f"CREATE OR REPLACE TEMP VIEW requests AS SELECT * FROM {main} "
+                            f"WHERE rowid > {int(watermark)} UNION ALL SELECT * FROM watch_older").fetchall()
 
     def _run(self, rule: Rule, whole: bool) -> set[str]:
         """Run *rule* on the new rows (or, *whole*, on every request) and keep its findings; the ids it flagged

@@ -85,6 +85,8 @@ class EngineLogs:
         DuckDB work), then store them in order. Several increments of one file (a last line read as watch
         stops) are parsed one after the other, each after the prelude the one before it leaves."""
         pieces = Pieces(self.root / "engine")
+        for source, inc in jobs:
+            self._file(source, inc.path)  # here, not in a thread: a vLLM log's year may be read from the evidence
         try:
             files = [str(inc.path) for _, inc in jobs]
             if len(set(files)) < len(files):
@@ -106,7 +108,7 @@ class EngineLogs:
         if f is None or f.source.name != source.name:
             year = source.year or self.incident.year
             if year is None and source.format in ("vllm", "auto"):  # vLLM stamps carry no year
-                first = one(self.con.cursor(), "SELECT min(ts) FROM requests")[0]
+                first = one(self.con, "SELECT min(ts) FROM requests")[0]
                 year = first.year if first is not None else datetime.now(timezone.utc).year
             f = EngineFile(source, path, year)
             self.files[str(path)] = f

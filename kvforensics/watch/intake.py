@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
@@ -55,12 +56,15 @@ class Pieces:
     of: dict[str, Increment] = field(default_factory=dict)  # piece path -> increment
     led: set[str] = field(default_factory=set)  # pieces written after the followed file's first line
     n: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def write(self, inc: Increment, lead: bytes = b"") -> Path:
-        self.n += 1
+        with self.lock:  # engine log pieces are written from the threads that parse them
+            self.n += 1
+            n = self.n
         real = inc.path
         name = real.name[: -len(real.suffix)] if compression(real.name) != "none" else real.name
-        folder = self.root / f"{self.n:06d}" / (real.parent.name or "_")
+        folder = self.root / f"{n:06d}" / (real.parent.name or "_")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / name
         with path.open("wb") as fh:
