@@ -188,6 +188,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "lines": sum(len(v) for p in parts for v in p.lines.values())},
         "watch": {"exit_code": code, "follow_cpu_s": round(follow_cpu_s, 1),
                   "follow_cpu_share": round(follow_cpu_s / (appended_s + caught_up_s), 2),
+                  # what following costs, whatever else ran: CPU seconds per 50,000 gateway records (and the
+                  # lines beside them), i.e. the share of a core that 50,000 records/s take
+                  "cpu_s_per_50k_records": round(follow_cpu_s / gateway * 50_000, 3),
                   "peak_rss_mb": round(max((r for _, _, r in samples), default=0.0), 1),
                   "caught_up_s_after_last_append": round(caught_up_s, 2), "stop_s": round(stop_s, 1),
                   "requests_loaded": loaded, "quarantined": quarantined},
@@ -208,6 +211,7 @@ def table(result: dict[str, Any]) -> str:
             ("lines appended (all sources)", f"{a['lines']:,}"),
             ("watch CPU while following", f"{w['follow_cpu_s']} s ({w['follow_cpu_share']} of a core), "
                                           f"peak RSS {w['peak_rss_mb']} MB"),
+            ("watch CPU per 50,000 records", f"{w['cpu_s_per_50k_records']} s"),
             ("caught up after the last append", f"{w['caught_up_s_after_last_append']} s"),
             ("affected responses alerted", f"{result['alerts']['affected_responses']} of "
                                            f"{result['alerts']['expected']}, "

@@ -12,8 +12,9 @@ of the requests what it flags of that part on the whole.
 Findings are kept per request and rule (table ``watch_findings``, dropped when watch stops, when ``detect``'s
 own ``findings`` take over) and combined into tiers as ``detect`` combines them. The latency model is fitted
 as ``detect`` fits it (without the requests the other rules flagged) when there is none yet and again whenever
-the requests have grown by a quarter since the last fit; after a fit, the rules that read it judge every
-request again.
+the requests have grown by half since the last fit; after a fit, the rules that read it judge again the requests
+another rule flagged (a weak finding alone leaves a request possible, never affected; every request when such a
+rule can find strong evidence).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ from kvforensics.detect import select_mechanisms
 from kvforensics.errors import ConfigError
 from kvforensics.rulebook import Rule, load_rules, rule_parameters
 
-REFIT_GROWTH = 1.25  # the latency model is fitted again when the requests have grown by this factor
+REFIT_GROWTH = 1.5  # the latency model is fitted again when the requests have grown by this factor
 _READS_REQUESTS = re.compile(r"\b(?:FROM|JOIN)\s+requests\b", re.IGNORECASE)
 _FINDINGS = "watch_findings"
+
+
+def _can_be_strong(rule: Rule) -> bool:
+    """Whether *rule* may flag a request with strong evidence (its SQL writes the word): one finding of it can
+    then make a request affected on its own."""
+    return "'strong'" in rule.sql
 
 
 def per_request(rule: Rule) -> bool:
@@ -82,12 +89,21 @@ class LiveDetection:
         judged_whole: set[str] = set()
         for rule in [r for r in rules if not r.needs_latency_model]:
             judged_whole |= self._run(rule, whole=rule.id in new_rules or not per_request(rule))
+        latency_rules = [r for r in rules if r.needs_latency_model]
         if self._refit_due(total):
             self._fit()
             self.fitted_at = total
-            new_rules |= {r.id for r in rules if r.needs_latency_model}
-        for rule in [r for r in rules if r.needs_latency_model]:
-            judged_whole |= self._run(rule, whole=rule.id in new_rules or not per_request(rule))
+            new_rules |= {r.id for r in latency_rules}
+        if new_rules & {r.id for r in latency_rules}:
+            # a new latency model: its rules judge again the requests another rule flagged (the only ones a weak
+            # finding of theirs can make affected); every request, if one of them can find strong evidence
+            flagged = {r for (r,) in self.con.execute(
+                f"SELECT DISTINCT request_id FROM {_FINDINGS} WHERE rule_id NOT IN "
+                f"(SELECT unnest($ids))", {"ids": [r.id for r in latency_rules]}).fetchall()}
+            self._shadow(-1 if everything else self.watermark, engine_request_ids | flagged)
+        for rule in latency_rules:
+            whole = not per_request(rule) or (rule.id in new_rules and _can_be_strong(rule))
+            judged_whole |= self._run(rule, whole=whole)
         self.judged |= {r.id for r in rules}
         self.watermark = top
         return self._affected(judged_whole, alerted)
