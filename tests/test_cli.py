@@ -167,7 +167,7 @@ def test_help_says_what_the_tool_is_its_commands_and_exit_codes_in_whole_sentenc
         assert flat in printed  # shown whole, not cut at its first line
     (commands,) = [a.choices for a in parser._subparsers._group_actions]  # the subcommands argparse knows
     for name in commands:
-        assert f" {name} " in f" {parser.description} {parser.epilog} ".replace(",", " "), name
+        assert f" {name} " in " " + " ".join(f"{parser.description} {parser.epilog}".replace(",", " ").split()) + " ", name
     exit_codes = parser.epilog[parser.epilog.index("Exit codes:"):]
     for code in (0, 1, 2, EXIT_INCONCLUSIVE, EXIT_PIPE_CLOSED):
         assert f" {code} " in exit_codes, code

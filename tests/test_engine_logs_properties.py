@@ -68,7 +68,7 @@ def _check_accounting(parse: EngineLogParse, lines: list[EngineLine]) -> None:
     assert not [q for q in parse.quarantined if q.reason.startswith("internal parser error")]
     for s in parse.startups:
         assert s.ts is None or s.ts.utcoffset() is not None
-        assert s.role in ("prefill", "decode", "unified")
+        assert s.role in ("prefill", "decode", "unified", "unknown")  # unknown: no line says the role (issue 29)
         assert set(s.evidence.values()) <= numbers
     for e in parse.events:
         assert len(e.detail) <= 300
