@@ -1,6 +1,6 @@
 """The evidence tables' digests at scale: rows-v2 (sorted row hashes) and rows-v3 (LtHash, one pass).
 
-``kvforensics verify`` and the manifest hash every table (kvforensics/digests.py): rows-v2 as the SHA-256 of
+``kvforensics verify`` and the manifest hash every table (kvforensics/evidence/digests.py): rows-v2 as the SHA-256 of
 its sorted row hashes, kvforensics's bucket sort; rows-v3 as the LtHash16 sum of the same row hashes
 expanded by MGF1-SHA-256, in one streaming pass. The baseline is rows-v2's row hashes sorted by DuckDB
 (``ORDER BY``, one pass), which spills when the hashes outgrow ``memory_limit``. Each method runs in its
@@ -50,8 +50,8 @@ def build(db: Path, rows: int) -> None:
 
 
 def child(method: str, db: Path, memory_limit: str, spill: Path, report: Path) -> None:
-    from kvforensics.db import connect
-    from kvforensics.digests import table_digests
+    from kvforensics.core.db import connect
+    from kvforensics.evidence.digests import table_digests
 
     con = connect(db, read_only=True, memory_limit=memory_limit)  # spills to <db>.spill
     peak = {"bytes": 0}
@@ -76,7 +76,7 @@ def child(method: str, db: Path, memory_limit: str, spill: Path, report: Path) -
 
 def _database_sort(con: Any) -> dict[str, Any]:
     """rows-v2 of ``content_fingerprints`` with its row hashes sorted by DuckDB in one pass."""
-    from kvforensics.digests import _hex_lines, _row_hashes, _rows_of
+    from kvforensics.evidence.digests import _hex_lines, _row_hashes, _rows_of
 
     columns, hashed = _row_hashes(con, "content_fingerprints")
     h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")

@@ -4,9 +4,9 @@
                                             [--threads 1,2] [--readers reference,bulk] [--memory-limit 2GB]
                                             [--workdir /tmp/kvf-bench]
 
-Each shape's archive is one instance's file written by ``kvforensics.simulate.kv_event_streams`` (seed 7, reused
+Each shape's archive is one instance's file written by ``kvforensics.simulate.sources.kv_event_streams`` (seed 7, reused
 from ``<workdir>/data/kv-events/``). Every (reader, threads) is a process of its own (``--step``): the file loaded
-by ``kvforensics.loaders.kv_events`` into an in-memory evidence database with DuckDB's ``threads`` and
+by ``kvforensics.sources.kv_events.load`` into an in-memory evidence database with DuckDB's ``threads`` and
 ``memory_limit`` set, the reference by ``kv_event_reference.read_reference``. Reported: wall seconds (the load
 only), the process's CPU seconds, its peak RSS, the CPU other processes used meanwhile (a figure above 10% of
 the wall marks the step ``*``: noise), events and block rows, and events per second. The two readers' tables
@@ -35,7 +35,7 @@ TABLES = ("kv_events", "kv_event_messages", "kv_event_gaps", "quarantine")
 
 def dataset(workdir: Path, shape: str, messages: int, seed: int) -> Path:
     """The incident file of one shape's archive, written when it is not there yet."""
-    from kvforensics.simulate.kv_event_streams import COLUMNS, Stream, lines
+    from kvforensics.simulate.sources.kv_event_streams import COLUMNS, Stream, lines
 
     root = workdir / "data" / "kv-events" / f"{shape}-n{messages}-seed{seed}"
     incident = root / "incident.toml"
@@ -70,10 +70,10 @@ path = "gateway.jsonl"
 def step(args: argparse.Namespace) -> int:
     """One reader over one archive, in this process: the load timed, the tables digested."""
     from kvforensics.config import load_incident
-    from kvforensics.db import connect, run_script
-    from kvforensics.loaders.kv_event_chains import Chains
-    from kvforensics.loaders.kv_event_reference import read_reference
-    from kvforensics.loaders.kv_events import load_kv_events
+    from kvforensics.core.db import connect, run_script
+    from kvforensics.sources.kv_events.chains import Chains
+    from kvforensics.sources.kv_events.reference import read_reference
+    from kvforensics.sources.kv_events.load import load_kv_events
 
     source = next(s for s in load_incident(args.incident).sources if s.kind == "kv_events")
     con = connect(memory_limit=args.memory_limit, threads=args.threads)

@@ -14,7 +14,7 @@ The engine logs' per-request lines and the content are read as the same notebook
 each engine log as a Series of lines with ``str.extract`` of one regular expression (the one of
 ``sql/floor_engine_lines.sql``: ReqTimeStats and abort lines, their request id and numbers), and
 each content file with ``pd.read_json(lines=True)``, ``str.findall`` of the words and, per record,
-the keyed fingerprints ``kvforensics/fingerprint.py`` computes (of every ``winnow_window`` consecutive
+the keyed fingerprints ``kvforensics/core/fingerprint.py`` computes (of every ``winnow_window`` consecutive
 8-word shingles the one of least keyed MD5, the rightmost of equal ones; its HMAC-SHA256 under the
 investigation's key, first 63 bits), kept as one int64 column per file.
 
@@ -44,10 +44,10 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
-from kvforensics.fingerprint import SHINGLE_WORDS, key_for, selection_key
-from kvforensics.ingest import resolve_model
-from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
-from kvforensics.loaders.engine_common import parse_engine_log
+from kvforensics.core.fingerprint import SHINGLE_WORDS, key_for, selection_key
+from kvforensics.stages.ingest import resolve_model
+from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
+from kvforensics.sources.engine_logs.parse import parse_engine_log
 
 FIELDS = ["request_id", "ts", "account_id", "model", "status", "prompt_tokens", "completion_tokens",
           "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance"]
@@ -165,7 +165,7 @@ def open_text(path: Path):
 
 
 def shingle_fingerprints(words: list[str], key: bytes, select: bytes, window: int) -> tuple[set[int], int]:
-    """fingerprint.py's keyed fingerprints of one text's lower-cased words (winnowing with *window* under
+    """core/fingerprint.py's keyed fingerprints of one text's lower-cased words (winnowing with *window* under
     the selection key *select*), and its number of shingles."""
     if len(words) < SHINGLE_WORDS:
         shingles = [" ".join(words)] if words else []

@@ -51,17 +51,17 @@ def timed(result: dict[str, Any], key: str, profile: Path | None) -> Iterator[No
 
 
 def _wrap_connect(wrap: Callable[[Any], Any]) -> None:
-    """Every connection the stages open (``kvforensics.db.connect``, also as investigation imports it)
+    """Every connection the stages open (``kvforensics.core.db.connect``, also as investigation imports it)
     passes through *wrap*; wrappers installed one after the other chain."""
-    import kvforensics.db
+    import kvforensics.core.db
     import kvforensics.investigation
 
-    real = kvforensics.db.connect
+    real = kvforensics.core.db.connect
 
     def connect(*args: Any, **kwargs: Any) -> Any:
         return wrap(real(*args, **kwargs))
 
-    kvforensics.db.connect = connect
+    kvforensics.core.db.connect = connect
     kvforensics.investigation.connect = connect
 
 
@@ -269,7 +269,7 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
     intervals (built from the engine logs by our parser, outside the timed part)."""
     import pandas_baseline
 
-    from kvforensics.db import connect
+    from kvforensics.core.db import connect
 
     incident, source = gateway_source(args.incident)
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
@@ -462,7 +462,7 @@ def _write_answers(inv, path: Path) -> None:
 
 
 def step_outputs(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    from kvforensics.scope import SCOPE_PARAMETERS, ScopeResult, summarise
+    from kvforensics.stages.scope import SCOPE_PARAMETERS, ScopeResult, summarise
 
     inv = investigation(args)
     try:
@@ -490,9 +490,9 @@ def step_proto_sources(args: argparse.Namespace, result: dict[str, Any]) -> None
     """PROTOTYPE, not kvforensics: on a database the scope step has run on, rebuild kv_writes and
     group_pools with the package's scope.sql, then time the package's kv_timeline + possible_sources
     and sql/proto_possible_sources.sql, and compare their pairs."""
-    from kvforensics.db import sql, statements
+    from kvforensics.core.db import sql, statements
     from kvforensics.engines.portable import render
-    from kvforensics.scope import SCOPE_PARAMETERS
+    from kvforensics.stages.scope import SCOPE_PARAMETERS
 
     inv = investigation(args)
     con = inv.con

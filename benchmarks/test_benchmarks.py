@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvforensics.fingerprint import WINNOW_WINDOW
+from kvforensics.core.fingerprint import WINNOW_WINDOW
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))

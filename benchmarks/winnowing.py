@@ -48,7 +48,7 @@ def incident_copy(src: Path, dst: Path, window: int) -> Path:
 def answers(incident_toml: Path, out: Path, counts: list[int]) -> dict[int, dict[str, Any]]:
     """Ingest and detect once, then scope once per count of fingerprints in common."""
     from kvforensics.investigation import Investigation
-    from kvforensics.scope import scope
+    from kvforensics.stages.scope import scope
 
     inv = Investigation.open(incident_toml, out, progress=False, pdf=False)
     try:

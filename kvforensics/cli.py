@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 from kvforensics import __version__
-from kvforensics.errors import KvForensicsError
-from kvforensics.escaping import visible_controls
+from kvforensics.core.errors import KvForensicsError
+from kvforensics.core.escaping import visible_controls
 
-EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.conclusive)
+EXIT_INCONCLUSIVE = 3  # completed, but the evidence cannot support the answer (kvforensics.stages.conclusive)
 EXIT_PIPE_CLOSED = 141  # the reader of stdout went away (| head): as a tool ended by SIGPIPE, 128 + 13
 
 # --help, wrapped by hand (RawDescriptionHelpFormatter keeps the lines as written)
@@ -55,7 +55,7 @@ def _investigation(args: argparse.Namespace):
     from dataclasses import replace
 
     from kvforensics.config import load_incident
-    from kvforensics.errors import ConfigError
+    from kvforensics.core.errors import ConfigError
     from kvforensics.investigation import Investigation
 
     if args.spark_master and args.engine != "spark":
@@ -83,7 +83,7 @@ def _verdict(summary: dict) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     if args.sign_key:
-        from kvforensics.verify import check_sign_key
+        from kvforensics.evidence.verify import check_sign_key
 
         check_sign_key(args.sign_key)  # before the run, not after it
     inv = _investigation(args)
@@ -147,7 +147,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvforensics.verify import signature_unchecked, verify
+    from kvforensics.evidence.verify import signature_unchecked, verify
 
     problems = verify(args.dir, allowed_signers=args.allowed_signers, identity=args.identity)
     for p in problems:
@@ -195,7 +195,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kvforensics.config import load_incident
-    from kvforensics.errors import ConfigError
+    from kvforensics.core.errors import ConfigError
     from kvforensics.watch import Watch, WatchOptions
 
     if args.interval <= 0 or args.silence <= 0:

@@ -17,14 +17,14 @@ from rich.markup import escape
 from kvforensics.audit.exposure import write_exposure_windows
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, load_incident
-from kvforensics.db import connect
-from kvforensics.digests import CSV_OUTPUTS
-from kvforensics.errors import ConfigError, InputError
-from kvforensics.evidence_set import changes, current_inputs, record, recorded_inputs, scope_key
-from kvforensics.ingest import IngestResult, ingest
-from kvforensics.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
-from kvforensics.progress import record_progress, stage
-from kvforensics.scope import ScopeResult, scope
+from kvforensics.core.db import connect
+from kvforensics.evidence.digests import CSV_OUTPUTS
+from kvforensics.core.errors import ConfigError, InputError
+from kvforensics.evidence.evidence_set import changes, current_inputs, record, recorded_inputs, scope_key
+from kvforensics.stages.ingest import IngestResult, ingest
+from kvforensics.evidence.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
+from kvforensics.core.progress import record_progress, stage
+from kvforensics.stages.scope import ScopeResult, scope
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Investigation:
     engine: str = "duckdb"               # where detect and scope run: duckdb | spark
     spark_master: str | None = None      # Spark master URL (default local[2])
     spark_requests_table: str | None = None  # else [settings] spark_requests_table
-    sign_key: Path | None = None         # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.verify)
+    sign_key: Path | None = None         # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.evidence.verify)
     rebuild: bool = True                 # inputs changed since the folder was built: build afresh
     append: bool = False                 # ... or load only the added files (refused if any other change)
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
@@ -230,7 +230,7 @@ class Investigation:
         return self.ingest_result
 
     def detect(self) -> pd.DataFrame:
-        from kvforensics.detect import detect
+        from kvforensics.stages.detect import detect
 
         stage(f"detect: rules and latency model{' (rules on Spark)' if self.spark else ''}", self.progress)
         return detect(self.con, overrides=self.incident.rule_parameters, spark=self.spark,
@@ -263,7 +263,7 @@ class Investigation:
         return ScopeResult(summary=summary, parameters=manifest.get("scope_parameters") or {})
 
     def write_outputs(self) -> dict[str, Any]:
-        from kvforensics import outputs
+        from kvforensics.evidence import outputs
 
         if self.scope_result is None:
             self.scope()
@@ -299,7 +299,7 @@ class Investigation:
     def seal(self) -> None:
         """The manifest's output hashes taken again after the report, so they cover every output; signed with
         ``sign_key``."""
-        from kvforensics.verify import seal_manifest
+        from kvforensics.evidence.verify import seal_manifest
 
         seal_manifest(self.write_dir, sign_key=self.sign_key)
 

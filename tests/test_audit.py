@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from kvforensics import db
+from kvforensics.core import db
 from kvforensics.audit import (
     CHECKS,
     AuditReport,
@@ -26,8 +26,8 @@ from kvforensics.audit import (
     read_server_info,
 )
 from kvforensics.cli import main
-from kvforensics.errors import InputError
-from kvforensics.loaders.engine_common import EngineEvent, StartupRecord
+from kvforensics.core.errors import InputError
+from kvforensics.sources.engine_logs.parse import EngineEvent, StartupRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ENGINE = FIXTURES / "engine_logs"
@@ -851,7 +851,7 @@ def test_audit_database_from_capacity_rows() -> None:
 def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
     from zoneinfo import ZoneInfo
 
-    from kvforensics.loaders.engine_common import parse_engine_log
+    from kvforensics.sources.engine_logs.parse import parse_engine_log
 
     con = db.connect()
     startups = []

@@ -1,4 +1,4 @@
-"""The audit ends start-ups by the ingest's lifetime rule (kvforensics/instances.py): a pod that shut down
+"""The audit ends start-ups by the ingest's lifetime rule (kvforensics/stages/instances.py): a pod that shut down
 or was replaced in a rollout is not exposed now; a log that merely stops, with no successor, stays in
 force. "Exposed now" counts only start-ups still in force; every output says how each start-up ended."""
 
@@ -14,11 +14,11 @@ from conftest import INCIDENT
 from rich.console import Console
 from test_lifetimes import LARGE, SMALL, sglang_pod
 
-from kvforensics import db
+from kvforensics.core import db
 from kvforensics.audit import CHECKS, AuditReport, Verdict, audit_database, audit_incident, audit_paths
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.errors import InputError
+from kvforensics.core.errors import InputError
 from kvforensics.investigation import Investigation
 
 SIGTERM = "SIGTERM received. signum=None frame=None. Draining requests and shutting down..."

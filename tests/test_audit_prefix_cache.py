@@ -22,9 +22,9 @@ from kvforensics.audit import (
 )
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.errors import InputError
+from kvforensics.core.errors import InputError
 from kvforensics.investigation import Investigation
-from kvforensics.loaders.engine_types import StartupRecord
+from kvforensics.sources.engine_logs.contract import StartupRecord
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PREFIX = FIXTURES / "audit_prefix"

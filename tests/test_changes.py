@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.ingest import ingest
-from kvforensics.loaders.changes import parse_ts
+from kvforensics.core.db import connect
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.changes.load import parse_ts
 
 INSTANT = datetime(2026, 8, 28, 10, 0, 0, tzinfo=timezone.utc)
 EPOCH_S = 1_787_911_200  # INSTANT

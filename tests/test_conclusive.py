@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import INCIDENT, PREFILL_LOG, mini_requests, write_mini
 
-from kvforensics import conclusive
+from kvforensics.stages import conclusive
 from kvforensics.cli import main
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
-from kvforensics.detect import load_rules
+from kvforensics.stages.detect import load_rules
 from kvforensics.mechanisms import load_mechanisms
 
 REQUIRED_CODES = {"quarantine_share", "rule_field_missing", "window_without_requests", "model_without_capacity",
@@ -306,7 +306,7 @@ def test_each_check_runs_on_its_own(tmp_path):
     for r in rows[:5]:
         r["prefill_instance"] = "zz-unlogged-9"
     run(mini(tmp_path, rows), tmp_path / "out")
-    from kvforensics.db import connect
+    from kvforensics.core.db import connect
 
     con = connect(tmp_path / "out" / "evidence.duckdb")
     try:
@@ -486,7 +486,7 @@ def test_a_total_mapped_to_prompt_tokens_contradicts_the_engines_counts(sample_i
 def test_prompt_tokens_disagree_leaves_out_what_the_incident_explains(sample_run):
     """On the sample, the 155 engine counts that differ (the rejected prompts' 1-token stubs) are aborted and
     flagged by other rules: the gateway's counts agree with the engines' on every other request."""
-    from kvforensics.db import connect
+    from kvforensics.core.db import connect
 
     con = connect(sample_run / "evidence.duckdb", read_only=True)
     try:

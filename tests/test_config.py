@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvforensics.config import load_incident
-from kvforensics.errors import ConfigError
+from kvforensics.core.errors import ConfigError
 
 GOOD = """
 [incident]

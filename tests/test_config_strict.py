@@ -13,12 +13,12 @@ from conftest import INCIDENT, SAMPLE, write_mini
 
 from kvforensics.cli import main
 from kvforensics.config import incident_from_dict, load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.ingest import ingest
-from kvforensics.simulate.deployment import build_deployment
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.ingest import ingest
+from kvforensics.simulate.fleet.deployment import build_deployment
 from kvforensics.simulate.exports import export_toml
-from kvforensics.simulate.incident_files import incident_toml
+from kvforensics.simulate.sources.incident_files import incident_toml
 from kvforensics.simulate.scenario import COLUMN_STYLES, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import InputError
-from kvforensics.fingerprint import WINNOW_WINDOW, fingerprints, hmac_blocks
-from kvforensics.loaders import content as content_loader
-from kvforensics.loaders import records
-from kvforensics.loaders.changes import load_changes
-from kvforensics.loaders.content import load_content
+from kvforensics.core.db import connect
+from kvforensics.core.errors import InputError
+from kvforensics.core.fingerprint import WINNOW_WINDOW, fingerprints, hmac_blocks
+from kvforensics.sources.content import load as content_loader
+from kvforensics.sources.common import records
+from kvforensics.sources.changes.load import load_changes
+from kvforensics.sources.content.load import load_content
 
 KEY = bytes.fromhex("5e" * 32)
 

@@ -24,11 +24,11 @@ import yaml
 
 from kvforensics.cli import build_parser
 from kvforensics.config import Source, load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.loaders.requests import load_requests_file
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.sources.requests.load import load_requests_file
 from kvforensics.report.pdf import find_chromium
-from kvforensics.verify import EVIDENCE, HASHED_OUTPUTS, MANIFEST, SIGNATURE
+from kvforensics.evidence.verify import EVIDENCE, HASHED_OUTPUTS, MANIFEST, SIGNATURE
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_DOCS = ("README.md", "docs/incident-config.md")
@@ -298,7 +298,7 @@ def test_readme_rule_example_uses_the_keys_of_a_real_rule():
 @pytest.mark.parametrize(("doc", "heading"), [("README.md", "Inputs understood"),
                                               ("docs/incident-config.md", "Mapping real exports")])
 def test_preset_table_is_the_preset_set(doc, heading):
-    shipped = {p.stem for p in (ROOT / "kvforensics" / "presets").glob("*.toml")}
+    shipped = {p.stem for p in (ROOT / "kvforensics" / "sources" / "requests" / "presets").glob("*.toml")}
     assert names_in(table_column(section(doc, heading), "preset")) == shipped
 
 
@@ -360,15 +360,15 @@ def floor_of(module: str, table: dict[str, int]) -> int | None:
 
 
 def test_floor_lookup_prefers_the_module_row():
-    table = {"engines/": 1, "engines/spark.py": 3, "loaders/": 2}
-    assert [floor_of(m, table) for m in ("engines/__init__.py", "engines/spark.py", "loaders/x.py", "cli.py")] == [
+    table = {"engines/": 1, "engines/spark.py": 3, "sources/": 2}
+    assert [floor_of(m, table) for m in ("engines/__init__.py", "engines/spark.py", "sources/x.py", "cli.py")] == [
         1, 3, 2, None]
 
 
 def test_every_import_goes_to_the_same_floor_or_below():
     table = floors()
     graph = package_imports()
-    assert len(graph) > 50 and "loaders/requests.py" in graph["ingest.py"]
+    assert len(graph) > 50 and "sources/requests/load.py" in graph["stages/ingest.py"]
     unplaced = sorted(m for m in graph if floor_of(m, table) is None)
     assert unplaced == [], "modules docs/architecture.md's floors table does not place"
     upward = sorted(f"{m} (floor {floor_of(m, table)}) imports {d} (floor {floor_of(d, table)})"

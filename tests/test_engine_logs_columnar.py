@@ -20,11 +20,11 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvforensics.loaders.engine_clock import LocalClock
-from kvforensics.db import run_script
-from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
-from kvforensics.loaders.engine_common import EngineFileParse, parse_engine_file
-from kvforensics.loaders.engine_types import BATCH_COLUMNS, EVENT_COLUMNS
+from kvforensics.sources.engine_logs.clock import LocalClock
+from kvforensics.core.db import run_script
+from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
+from kvforensics.sources.engine_logs.parse import EngineFileParse, parse_engine_file
+from kvforensics.sources.engine_logs.contract import BATCH_COLUMNS, EVENT_COLUMNS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REAL_LOGS = sorted(p for d in ("engine_logs", "audit", "envelopes", "sglang_requests") for p in (FIXTURES / d).iterdir()
@@ -112,7 +112,7 @@ def test_request_lines_are_read_column_wise_and_give_the_parsers_answer(tmp_path
     assert columnar.startups[0].tp_size == 2 and columnar.startups[0].last_line == len(lines)
 
 
-# The prefill batch forms of SGLang's scheduler (see kvforensics/loaders/sglang_batches.py): 0.5.x
+# The prefill batch forms of SGLang's scheduler (see kvforensics/sources/engine_logs/sglang/batches.py): 0.5.x
 # scheduler_components/metrics_reporter.py (PD prefill and hybrid variants), 0.4.x scheduler.py (a period,
 # cache hit rate, mixed chunked prefill).
 def _batch_line(i: int, stamp: str = "2026-08-27 10:00:0{s}", ranks: str = " TP0", body: str | None = None,

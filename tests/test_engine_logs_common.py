@@ -15,9 +15,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforensics.errors import InputError
-from kvforensics.loaders import engine_lines
-from kvforensics.loaders.engine_common import (
+from kvforensics.core.errors import InputError
+from kvforensics.sources.engine_logs import lines as engine_lines
+from kvforensics.sources.engine_logs.parse import (
     LocalClock,
     PoolReport,
     PoolReports,

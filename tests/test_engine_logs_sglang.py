@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from kvforensics.loaders import sglang
-from kvforensics.loaders.engine_common import EngineLogParse, QuarantinedLine, parse_engine_log
+from kvforensics.sources.engine_logs.sglang import parser as sglang
+from kvforensics.sources.engine_logs.parse import EngineLogParse, QuarantinedLine, parse_engine_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
 UTC_ZONE = ZoneInfo("UTC")
@@ -561,7 +561,7 @@ def test_python_literals_are_read_safely_by_threads_side_by_side() -> None:
     import sys
     import threading
 
-    from kvforensics.loaders.sglang_repr import literal
+    from kvforensics.sources.engine_logs.sglang.python_repr import literal
 
     class Finalized:
         def __del__(self) -> None:

@@ -17,17 +17,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import ENGINE_ENVELOPES, Source, load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError, InputError
-from kvforensics.ingest import ingest
-from kvforensics.loaders.engine_common import (
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError, InputError
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.engine_logs.parse import (
     EngineFileParse,
     StartupRecord,
     open_lines,
     parse_engine_file,
     parse_engine_log,
 )
-from kvforensics.loaders.envelopes import ENVELOPES, sniff_envelope
+from kvforensics.sources.engine_logs.envelopes.parse import ENVELOPES, sniff_envelope
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envelopes"
 ENGINE_FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
@@ -268,7 +268,7 @@ def test_fluent_bit_json_lines_name_the_instance_from_the_pod_label() -> None:
     ('cpu.local: [1787778600, {"message":"x"}]', 1787778600000000000),
 ])
 def test_fluent_bit_out_file_times_of_every_version(line: str, ns: int) -> None:
-    from kvforensics.loaders.envelope_fluentbit import out_file_line
+    from kvforensics.sources.engine_logs.envelopes.fluentbit import out_file_line
 
     assert out_file_line(line)[1] == ns
 
@@ -282,7 +282,7 @@ def test_fluent_bit_out_file_times_of_every_version(line: str, ns: int) -> None:
     ("2026-08-26T23:10:00.001+02:00", 1787778600001000000),
 ])
 def test_fluent_bit_dates_in_every_json_date_format(date: object, ns: int) -> None:
-    from kvforensics.loaders.envelope_fluentbit import date_ns
+    from kvforensics.sources.engine_logs.envelopes.fluentbit import date_ns
 
     assert date_ns(date) == ns
 
@@ -473,8 +473,8 @@ def test_docker_logs_timestamps_are_the_clock() -> None:
 
 
 def test_kubectl_and_docker_logs_are_told_apart_by_the_fraction_docker_always_prints_whole() -> None:
-    from kvforensics.loaders.envelope_formats import _KUBECTL as STAMP
-    from kvforensics.loaders.envelope_formats import _timestamps_writer
+    from kvforensics.sources.engine_logs.envelopes.formats import _KUBECTL as STAMP
+    from kvforensics.sources.engine_logs.envelopes.formats import _timestamps_writer
 
     def writer(*stamps: str) -> str:
         return _timestamps_writer([STAMP.match(f"{s} x") for s in stamps])  # type: ignore[misc]

@@ -11,8 +11,8 @@ import pytest
 from conftest import mini_requests, write_mini
 
 from kvforensics import explore
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
 from kvforensics.investigation import Investigation
 
 RULES = sorted(p.stem for p in (Path(explore.__file__).parent.parent / "mechanisms").glob("*/rules/*.yml"))
@@ -234,7 +234,7 @@ def test_offline_charts_need_no_network():
 
 
 def test_a_view_before_its_stage_says_which_stage_to_build(tmp_path):
-    from kvforensics.errors import InputError
+    from kvforensics.core.errors import InputError
 
     inv = Investigation.open_or_build(write_mini(tmp_path / "mini"), tmp_path / "out", through="ingest",
                                       progress=False)

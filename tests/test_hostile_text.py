@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.cli import main
-from kvforensics.escaping import UNSAFE, markdown_text, visible_controls, visible_controls_in
+from kvforensics.core.escaping import UNSAFE, markdown_text, visible_controls, visible_controls_in
 
 OUTPUTS = ("scope.json", "affected_requests.csv", "notifications.csv", "quarantine.csv", "manifest.json",
            "report.html", "report.md")

@@ -12,9 +12,9 @@ import pytest
 from conftest import write_mini
 
 from kvforensics.config import Source
-from kvforensics.db import connect
-from kvforensics.errors import InputError
-from kvforensics.loaders.requests import load_requests_file
+from kvforensics.core.db import connect
+from kvforensics.core.errors import InputError
+from kvforensics.sources.requests.load import load_requests_file
 
 COLUMNS = {"request_id": "rid", "ts": "received_at", "status": "http_status"}
 
@@ -90,10 +90,10 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
     load, then file order, then line); exact copies count as duplicates, others are conflicts whose
     raw text names what differed; every file's counts add up. The merge finds repeated ids by a hash
     of the id: with a hash that collides for most ids, nothing changes."""
-    import kvforensics.db as db
-    import kvforensics.loaders.request_typing as request_typing
-    import kvforensics.loaders.requests as requests_loader
-    from kvforensics.loaders.requests import load_requests_files
+    import kvforensics.core.db as db
+    import kvforensics.sources.requests.typed as request_typing
+    import kvforensics.sources.requests.load as requests_loader
+    from kvforensics.sources.requests.load import load_requests_files
 
     monkeypatch.setattr(requests_loader, "MERGE_ROWS", merge_rows)
     if collide:
@@ -315,7 +315,7 @@ def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
     """DuckDB's NDJSON reader (values as text, values as JSON), DuckDB's line reader and the Python
     reader load and refuse the same records with the same reasons, values and notes. Each is forced
     first; a reader that cannot keep a file hands it on, and which one loaded it is checked."""
-    import kvforensics.loaders.request_readers as request_readers
+    import kvforensics.sources.requests.readers as request_readers
 
     (tmp_path / "gw.jsonl").write_text("\n".join(lines) + "\n")
     results = {}
@@ -404,7 +404,7 @@ def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path
 def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
     import pandas as pd
 
-    import kvforensics.loaders.request_readers as request_readers
+    import kvforensics.sources.requests.readers as request_readers
 
     df = pd.DataFrame({"rid": ["p1", "p2", "p3", "p1"],
                        "received_at": pd.to_datetime(["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z",
@@ -439,7 +439,7 @@ def test_parquet_number_columns_of_every_type_read_as_their_text_would(tmp_path,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    import kvforensics.loaders.request_readers as request_readers
+    import kvforensics.sources.requests.readers as request_readers
 
     n = 7
     table = pa.table({
@@ -518,7 +518,7 @@ def _setting(con) -> str:
 
 
 def test_sizes_are_read_as_duckdb_reads_them() -> None:
-    from kvforensics.db import size_bytes
+    from kvforensics.core.db import size_bytes
 
     assert size_bytes("2GB") == 2 * 10 ** 9 and size_bytes("512MiB") == 2 ** 29 and size_bytes("1.5 GB") == 15 * 10 ** 8
     con = duckdb.connect()
@@ -531,7 +531,7 @@ def test_sizes_are_read_as_duckdb_reads_them() -> None:
 
 _RSS_AFTER_A_DROP = """
 import sys, time
-from kvforensics.db import connect
+from kvforensics.core.db import connect
 
 def rss_mb():
     return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
@@ -561,7 +561,7 @@ def test_memory_duckdb_frees_leaves_the_process(tmp_path) -> None:
 
 
 def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its_limit(tmp_path) -> None:
-    from kvforensics.db import MemoryGovernor, size_bytes
+    from kvforensics.core.db import MemoryGovernor, size_bytes
 
     def shown(nbytes: int) -> str:  # a limit as DuckDB shows it
         scratch = duckdb.connect()
@@ -581,7 +581,7 @@ def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its
         del more
     assert _setting(con) == configured  # restored
     del held
-    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.db.connect did not set
+    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.core.db.connect did not set
     before = _setting(unlimited)
     with MemoryGovernor(unlimited, every_s=0) as governor:
         governor.tick()
@@ -591,8 +591,8 @@ def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its
 def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, monkeypatch) -> None:
     """Without --memory-limit or [settings] memory_limit, DuckDB's own default (80% of the machine) would let
     a run grow to 20 GB of RSS: the limit is the smaller of 4 GB and half the memory, and the governor holds it."""
-    from kvforensics import db
-    from kvforensics.db import MemoryGovernor, size_bytes
+    from kvforensics.core import db
+    from kvforensics.core.db import MemoryGovernor, size_bytes
 
     default = db.default_memory_limit()
     assert size_bytes(default) <= size_bytes("4GB")
@@ -623,10 +623,10 @@ def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, m
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
     """DuckDB's memory_limit counts its own buffers only: while engine logs are parsed, what their
     batches hold outside it is taken off its limit, and the limit is the incident's again after."""
-    import kvforensics.ingest as ingest_module
+    import kvforensics.stages.ingest as ingest_module
     from kvforensics.config import load_incident
-    from kvforensics.db import memory_set_aside, size_bytes
-    from kvforensics.loaders.engine_columnar import HELD_PER_FILE
+    from kvforensics.core.db import memory_set_aside, size_bytes
+    from kvforensics.sources.engine_logs.columnar import HELD_PER_FILE
 
     incident = load_incident(write_mini(tmp_path / "mini"))
     con = connect(tmp_path / "evidence.duckdb", memory_limit="3GB")
@@ -648,7 +648,7 @@ def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs
     with memory_set_aside(con, 10 ** 12):
         expected.execute(f"SET memory_limit = '{size_bytes('3GB') // 2}B'")
         assert _setting(con) == _setting(expected)
-    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.db.connect did not set
+    unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.core.db.connect did not set
     before = _setting(unlimited)
     with memory_set_aside(unlimited, 10 ** 9):
         assert _setting(unlimited) == before

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
-from kvforensics.db import connect
-from kvforensics.loaders.requests import FileLoad, load_requests_file
+from kvforensics.core.db import connect
+from kvforensics.sources.requests.load import FileLoad, load_requests_file
 
 FAST = settings(max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 60)), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                        HealthCheck.data_too_large])
@@ -273,7 +273,7 @@ def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, da
 def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
     """Load the payload with each JSONL reader forced first; all must give the same counts, notes,
     quarantine and rows. Returns which reader loaded the file in each case."""
-    import kvforensics.loaders.request_readers as request_readers
+    import kvforensics.sources.requests.readers as request_readers
 
     results = {}
     readers = {}

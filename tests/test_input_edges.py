@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvforensics.config import Source, load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.fingerprint import fingerprints, rendered_text
-from kvforensics.ingest import ingest
-from kvforensics.loaders.requests import dst_days, load_requests_file
-from kvforensics.loaders.textio import INCOMPLETE_RECORD
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.core.fingerprint import fingerprints, rendered_text
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.requests.load import dst_days, load_requests_file
+from kvforensics.sources.common.textio import INCOMPLETE_RECORD
 
 
 def rec(rid: str, **kw) -> str:

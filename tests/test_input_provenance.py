@@ -14,7 +14,7 @@ from conftest import INCIDENT, mini_requests, write_mini
 
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.errors import ConfigError
+from kvforensics.core.errors import ConfigError
 
 
 def _case(tmp_path: Path, incident: str = INCIDENT) -> tuple[Path, Path]:

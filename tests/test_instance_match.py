@@ -1,4 +1,4 @@
-"""Gateway instance names matched to engine instances ([instances], kvforensics/instances.py).
+"""Gateway instance names matched to engine instances ([instances], kvforensics/stages/instances.py).
 
 Gateways name pods by address (``glm53-prefill-0.pd.svc.cluster.local:30000``); engine logs are named
 by file (``glm53-prefill-0``). Without matching nothing joins and the pool rule flags nothing.
@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.ingest import ingest
-from kvforensics.instances import InstanceMatching, NameMatch, instances_from_config, match_instance_names
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.ingest import ingest
+from kvforensics.stages.instances import InstanceMatching, NameMatch, instances_from_config, match_instance_names
 from kvforensics.investigation import run
 
 ENGINES = ["glm53-prefill-0", "glm53-prefill-1", "glm53-decode-0"]

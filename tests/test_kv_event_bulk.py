@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kv_events import kv_source
 
-from kvforensics.db import connect, run_script
-from kvforensics.loaders.kv_event_bulk import read_bulk
-from kvforensics.loaders.kv_event_chains import Chains
-from kvforensics.loaders.kv_event_reference import FIELDS, read_reference
-from kvforensics.loaders.kv_events import load_kv_events
-from kvforensics.simulate.kv_event_streams import COLUMNS, SHAPES, Stream, lines
+from kvforensics.core.db import connect, run_script
+from kvforensics.sources.kv_events.bulk import read_bulk
+from kvforensics.sources.kv_events.chains import Chains
+from kvforensics.sources.kv_events.reference import FIELDS, read_reference
+from kvforensics.sources.kv_events.load import load_kv_events
+from kvforensics.simulate.sources.kv_event_streams import COLUMNS, SHAPES, Stream, lines
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KEY = bytes.fromhex("a7" * 32)
@@ -270,7 +270,7 @@ def test_load_kv_events_reads_in_bulk_from_a_size_and_says_which_reader(tmp_path
 
 def test_a_file_read_in_chunks_gives_the_same_rows(tmp_path, monkeypatch):
     """Chains, message numbers, sequence breaks, shapes and counts run on from one chunk of lines to the next."""
-    import kvforensics.loaders.kv_event_bulk as bulk
+    import kvforensics.sources.kv_events.bulk as bulk
 
     monkeypatch.setattr(bulk, "CHUNK_LINES", 70)
     monkeypatch.setattr(bulk, "SLICE_LINES", 16)

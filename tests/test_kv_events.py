@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect, run_script
-from kvforensics.errors import ConfigError
-from kvforensics.loaders.chain import chain_fingerprint
-from kvforensics.loaders.kv_events import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
-from kvforensics.loaders.prefix_blocks import prefix_blocks
+from kvforensics.core.db import connect, run_script
+from kvforensics.core.errors import ConfigError
+from kvforensics.sources.common.chain import chain_fingerprint
+from kvforensics.sources.kv_events.load import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
+from kvforensics.sources.content.prefix_blocks import prefix_blocks
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 KEY = bytes.fromhex("a7" * 32)
@@ -288,7 +288,7 @@ def test_config_refuses_other_formats_and_envelope_labels(tmp_path):
 def test_sample_ingest_is_unchanged_by_a_kv_events_source(tmp_path, sample_incident):
     """Ingest-only: the sample with a KV-event source added loads the same requests, start-ups and
     events, and the KV events beside them (load report, no quarantine)."""
-    from kvforensics.ingest import ingest
+    from kvforensics.stages.ingest import ingest
 
     sample = sample_incident.parent
     folder = tmp_path / "sample"

@@ -6,6 +6,8 @@
   ``Size:`` that says why it stays whole.
 * ``docs/architecture.md`` names every package and module of ``kvforensics`` (``simulate/`` as one
   package), and every module it names exists.
+* No folder of ``kvforensics`` (``simulate/`` included) holds more than 15 modules directly: a group of
+  modules that share a prefix is a folder that was never made.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ PACKAGE = Path(kvforensics.__file__).parent
 ROOT = PACKAGE.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_LINES = 600
+MAX_MODULES_PER_FOLDER = 15
 
 
 def module_name(path: Path) -> str:
@@ -138,7 +141,7 @@ def test_the_import_graph_sees_every_kind_of_import() -> None:
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert len(graph) > 50 and "kvforensics.loaders.requests" in graph["kvforensics.ingest"]
+    assert len(graph) > 50 and "kvforensics.sources.requests.load" in graph["kvforensics.stages.ingest"]
     cycles = [one_cycle(graph, group) for group in strongly_connected(graph)]
     assert not cycles, "import cycles (move what both sides need down into a module of its own):\n" + "\n".join(cycles)
 
@@ -174,7 +177,7 @@ BULLET = re.compile(r"^(\s*)[*-] ")
 def named_paths(markdown: str) -> Iterator[tuple[str, list[str]]]:
     """Each file or folder a Markdown text names in backticks (``x.py``, ``dir/``), with the folders
     it may be relative to: those that open the bullets it stands in, innermost first (a nested bullet
-    of ``kvforensics/loaders/`` names ``requests.py``). Fenced code is skipped."""
+    of ``kvforensics/sources/`` names ``requests.py``). Fenced code is skipped."""
     open_bullets: list[tuple[int, str | None]] = []  # (indent, the folder the bullet opens with)
     fenced = False
     for line in markdown.splitlines():
@@ -203,13 +206,13 @@ def resolve(token: str, bases: list[str]) -> list[Path]:
 
 
 def test_named_paths_follow_the_bullets() -> None:
-    text = ("* `kvforensics/loaders/` one module per format.\n  * `requests.py` gateway logs; see `textio.py`.\n"
-            "  * `sglang.py`, `vllm.py` engine logs\n* `kvforensics/config.py` the incident file\n"
+    text = ("* `kvforensics/sources/` one module per format.\n  * `requests.py` gateway logs; see `textio.py`.\n"
+            "  * `sglang.py`, `vllm.py` engine logs\n* `kvforensics/config/__init__.py` the incident file\n"
             "```\nnot/`named.py`\n```\nThe `tests/test_x.py` file.\n")
     assert list(named_paths(text)) == [
-        ("kvforensics/loaders/", []), ("requests.py", ["kvforensics/loaders/"]),
-        ("textio.py", ["kvforensics/loaders/"]), ("sglang.py", ["kvforensics/loaders/"]),
-        ("vllm.py", ["kvforensics/loaders/"]), ("kvforensics/config.py", []), ("tests/test_x.py", [])]
+        ("kvforensics/sources/", []), ("requests.py", ["kvforensics/sources/"]),
+        ("textio.py", ["kvforensics/sources/"]), ("sglang.py", ["kvforensics/sources/"]),
+        ("vllm.py", ["kvforensics/sources/"]), ("kvforensics/config/__init__.py", []), ("tests/test_x.py", [])]
 
 
 def test_architecture_doc_names_every_module_and_only_modules_that_exist() -> None:
@@ -230,3 +233,32 @@ def test_architecture_doc_names_every_module_and_only_modules_that_exist() -> No
     unnamed = sorted(str(p.relative_to(ROOT)) for p in expected - named)
     assert not missing, f"docs/architecture.md names what does not exist: {missing}"
     assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
+
+
+def crowded_folders(package: Path, limit: int = MAX_MODULES_PER_FOLDER) -> list[str]:
+    """The folders under *package* (itself included) holding more than *limit* ``*.py`` files directly
+    (``__init__.py`` counts), each as ``path: count``."""
+    found = []
+    for folder in sorted({package, *(p for p in package.rglob("*") if p.is_dir() and p.name != "__pycache__")}):
+        count = len(list(folder.glob("*.py")))
+        if count > limit:
+            found.append(f"{folder.relative_to(package.parent)}: {count}")
+    return found
+
+
+def test_crowded_folders_counts_modules_directly_inside(tmp_path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub" / "deeper").mkdir(parents=True)
+    for i in range(3):
+        (package / f"m{i}.py").write_text("")
+        (package / "sub" / f"s{i}.py").write_text("")
+    (package / "sub" / "data.toml").write_text("")
+    (package / "sub" / "deeper" / "d.py").write_text("")
+    assert crowded_folders(package, limit=2) == ["pkg: 3", "pkg/sub: 3"]
+    assert crowded_folders(package, limit=3) == []
+
+
+def test_no_folder_holds_more_than_15_modules() -> None:
+    crowded = crowded_folders(PACKAGE)
+    assert not crowded, (f"folders with more than {MAX_MODULES_PER_FOLDER} modules (group them into sub-folders by "
+                         "what they read or do, and name each in docs/architecture.md):\n" + "\n".join(crowded))

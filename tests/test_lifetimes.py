@@ -1,8 +1,8 @@
 """Instance lifetimes: a start-up ends at the next start-up, its own shutdown lines, or the end of its
-log when a successor took over (kvforensics/instances.py). Pods replaced in rolling restarts must
+log when a successor took over (kvforensics/stages/instances.py). Pods replaced in rolling restarts must
 not stay in force for ever.
 
-The shutdown lines below are the engines' own texts (sources cited in kvforensics/loaders/shutdown.py).
+The shutdown lines below are the engines' own texts (sources cited in kvforensics/sources/engine_logs/shutdown.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from conftest import INCIDENT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforensics.instances import Lifetime, PlacedStartup, lifetimes
+from kvforensics.stages.instances import Lifetime, PlacedStartup, lifetimes
 from kvforensics.investigation import run
-from kvforensics.loaders import sglang, vllm
-from kvforensics.loaders.shutdown import shutdown_reason
+from kvforensics.sources.engine_logs.sglang import parser as sglang
+from kvforensics.sources.engine_logs.vllm import parser as vllm
+from kvforensics.sources.engine_logs.shutdown import shutdown_reason
 
 CTX = 1_048_576
 SMALL, LARGE = 681_280, 2_042_880

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from kvforensics.config import Source
-from kvforensics.db import connect
-from kvforensics.loaders import engine_lines
-from kvforensics.loaders.engine_common import parse_engine_file
-from kvforensics.loaders.engine_types import LongLine
-from kvforensics.loaders.request_readers import _scan_file
-from kvforensics.loaders.requests import load_requests_file
+from kvforensics.core.db import connect
+from kvforensics.sources.engine_logs import lines as engine_lines
+from kvforensics.sources.engine_logs.parse import parse_engine_file
+from kvforensics.sources.engine_logs.contract import LongLine
+from kvforensics.sources.requests.readers import _scan_file
+from kvforensics.sources.requests.load import load_requests_file
 
 
 def rec(rid: str, **kw) -> str:
@@ -72,7 +72,7 @@ def test_a_line_too_long_to_hold_is_quarantined_with_its_size_and_hash(tmp_path,
 def test_a_long_engine_log_line_is_quarantined_on_both_readers(tmp_path, monkeypatch):
     from zoneinfo import ZoneInfo
 
-    from kvforensics.loaders.engine_columnar import parse_engine_file_columnar
+    from kvforensics.sources.engine_logs.columnar import parse_engine_file_columnar
 
     monkeypatch.setattr(engine_lines, "MAX_LINE_BYTES", 1 << 20)
     lines = ["[2026-08-27 14:00:00] server_args=ServerArgs(model_path='m', context_length=4096, tp_size=1)",

@@ -22,11 +22,11 @@ from test_presets import utc
 
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError, InputError
-from kvforensics.loaders import request_readers
-from kvforensics.loaders.mapping import is_expression
-from kvforensics.loaders.requests import load_requests_file, load_requests_files
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError, InputError
+from kvforensics.sources.requests import readers as request_readers
+from kvforensics.sources.requests.mapping import is_expression
+from kvforensics.sources.requests.load import load_requests_file, load_requests_files
 
 FIELDS = "request_id, ts, account_id, model, status, prompt_tokens, cached_tokens, ttft_ms, latency_ms"
 

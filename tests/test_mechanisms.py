@@ -12,15 +12,15 @@ import pytest
 import yaml
 from markupsafe import escape
 
-from kvforensics import conclusive
+from kvforensics.stages import conclusive
 from kvforensics.audit.model import CHECKS
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.detect import detect, load_case_tables
-from kvforensics.errors import ConfigError
+from kvforensics.core.db import connect
+from kvforensics.stages.detect import detect, load_case_tables
+from kvforensics.core.errors import ConfigError
 from kvforensics.investigation import run
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms, present_inputs, read_mechanism, select
-from kvforensics.rulebook import load_rules
+from kvforensics.stages.rulebook import load_rules
 
 STALE = MECHANISMS_DIR / "stale_pages"
 STALE_RULES = {"prompt_exceeds_kv_pool", "prefill_too_fast", "engine_abort_but_success",
@@ -72,7 +72,7 @@ def test_moving_rules_kept_their_versions():
     rule_version still names the same text, and changes with a fragment's."""
     import hashlib
 
-    from kvforensics.db import sql
+    from kvforensics.core.db import sql
 
     with_fragments = 0
     for rule in load_rules():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvforensics.output_folder import LOCK_NAME
+from kvforensics.evidence.output_folder import LOCK_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

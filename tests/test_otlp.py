@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import Source, load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.loaders.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
-from kvforensics.loaders.requests import load_requests_file, load_requests_files
-from kvforensics.presets import load_preset
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.sources.requests.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
+from kvforensics.sources.requests.load import load_requests_file, load_requests_files
+from kvforensics.sources.requests.presets import load_preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
 EXPORT = FIXTURES / "collector-file-exporter.jsonl"

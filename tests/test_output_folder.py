@@ -15,9 +15,9 @@ from conftest import INCIDENT, mini_requests, write_mini
 
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.errors import ConfigError
+from kvforensics.core.errors import ConfigError
 from kvforensics.investigation import Investigation
-from kvforensics.output_folder import LOCK_NAME, STAGING_NAME, check_out_dir
+from kvforensics.evidence.output_folder import LOCK_NAME, STAGING_NAME, check_out_dir
 
 GENERATED = re.compile(rb"Generated \S+Z")
 

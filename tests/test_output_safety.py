@@ -15,7 +15,7 @@ from conftest import INCIDENT, mini_requests, write_mini
 from markdown_it import MarkdownIt
 
 from kvforensics.cli import main
-from kvforensics.escaping import csv_cell, markdown_text, visible_controls
+from kvforensics.core.escaping import csv_cell, markdown_text, visible_controls
 
 FORMULA_ACCOUNT = '=HYPERLINK("http://evil.example","x")'
 PHISHING_ACCOUNT = "[Verify your account](https://evil.example/login)"
@@ -168,7 +168,7 @@ def test_markdown_text_keeps_ordinary_identifiers_readable():
 def test_verify_re_derives_the_cells_in_the_recorded_mode(runs, tmp_path):
     import shutil
 
-    from kvforensics.verify import verify
+    from kvforensics.evidence.verify import verify
 
     for out in runs.values():
         assert verify(out) == [], out.name

@@ -12,13 +12,13 @@ from zoneinfo import ZoneInfo
 import pytest
 from conftest import INCIDENT  # a gateway source and an SGLang engine_log source
 
-from kvforensics import conclusive
+from kvforensics.stages import conclusive
 from kvforensics.audit import audit_database, audit_paths
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.ingest import ingest
-from kvforensics.loaders import sglang
-from kvforensics.loaders.engine_types import EngineLogParse, PrefillBatch
+from kvforensics.core.db import connect
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.engine_logs.sglang import parser as sglang
+from kvforensics.sources.engine_logs.contract import EngineLogParse, PrefillBatch
 from kvforensics.mechanisms import present_inputs
 
 UTC = ZoneInfo("UTC")
@@ -248,7 +248,7 @@ def test_the_evidence_database_keeps_the_cache_hit_for_the_audit(tmp_path: Path)
 
 
 def test_batches_keep_their_fields_through_a_table() -> None:
-    from kvforensics.loaders.engine_types import batches_from_table, batches_table
+    from kvforensics.sources.engine_logs.contract import batches_from_table, batches_table
 
     batches = parse(FORMS).prefill_batches
     assert batches_from_table(batches_table(batches)) == batches
@@ -258,7 +258,7 @@ def test_batches_keep_their_fields_through_a_table() -> None:
 def test_in_a_collection_envelope_batches_and_the_hit_flag_name_the_files_lines(tmp_path: Path) -> None:
     """Docker's json-file records (https://docs.docker.com/engine/logging/drivers/json-file/), written out of
     clock order: the parse reads them in the envelope's order and names the file's own lines."""
-    from kvforensics.loaders.engine_common import parse_engine_file
+    from kvforensics.sources.engine_logs.parse import parse_engine_file
 
     records = [("08:00:05", BARE_STARTUP.splitlines()[0]), ("09:00:01", HIT.rstrip("\n")),
                ("08:00:06", BARE_STARTUP.splitlines()[1]), ("08:00:30", BARE_STARTUP.splitlines()[2])]

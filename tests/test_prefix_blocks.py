@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.ingest import ingest
-from kvforensics.loaders.kv_events import block_fingerprint
-from kvforensics.loaders.prefix_blocks import chain_fingerprint, prefix_blocks, token_ids, word_fingerprint
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.kv_events.load import block_fingerprint
+from kvforensics.sources.content.prefix_blocks import chain_fingerprint, prefix_blocks, token_ids, word_fingerprint
 
 KEY = bytes.fromhex("5c" * 32)
 

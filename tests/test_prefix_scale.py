@@ -16,10 +16,10 @@ import pytest
 
 import kvforensics
 from kvforensics.cli import main
-from kvforensics.db import connect
-from kvforensics.detect import load_case_tables, run_rule
+from kvforensics.core.db import connect
+from kvforensics.stages.detect import load_case_tables, run_rule
 from kvforensics.engines.portable import EngineError, render, run_duckdb_script, script_statements, used_parameters
-from kvforensics.rulebook import load_rules
+from kvforensics.stages.rulebook import load_rules
 from kvforensics.simulate.prefix import SCENARIOS, simulate_prefix
 
 from test_sql_portability import test_portable_sql

@@ -16,8 +16,8 @@ import pytest
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.cli import main
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "audit_prefix" / "sglang-0.5.15-hicache-mooncake.log"
 STARTS = ("2026-09-01 08:00:00", "2026-09-03 10:00:00", "2026-09-06 12:00:00")
@@ -71,7 +71,7 @@ instance = "{{parent}}"
 
 def _windows(tmp_path: Path, isolation: str) -> list[tuple]:
     incident = load_incident(_write(tmp_path, isolation))
-    from kvforensics.ingest import ingest
+    from kvforensics.stages.ingest import ingest
 
     con = connect()
     try:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.loaders.requests import load_requests_files
-from kvforensics.presets import PRESET_KEYS, available, load_preset
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.sources.requests.load import load_requests_files
+from kvforensics.sources.requests.presets import PRESET_KEYS, available, load_preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "presets"
 FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens", "completion_tokens",
@@ -220,7 +220,7 @@ def test_every_preset_file_is_well_formed(name):
     preset = load_preset(name)
     assert set(preset) <= set(PRESET_KEYS)
     assert preset["description"] and preset["schema"].startswith("https://")
-    raw = tomllib.loads((Path(__file__).parents[1] / "kvforensics" / "presets" / f"{name}.toml").read_text())
+    raw = tomllib.loads((Path(__file__).parents[1] / "kvforensics" / "sources" / "requests" / "presets" / f"{name}.toml").read_text())
     assert raw == preset
 
 

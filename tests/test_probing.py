@@ -1,4 +1,4 @@
-"""The prefix-cache probing assessment (kvforensics/probing.py, sql/prefix_probing.sql): a prober's traffic is
+"""The prefix-cache probing assessment (kvforensics/stages/probing.py, sql/prefix_probing.sql): a prober's traffic is
 ``likely`` with or without prefix blocks, partial evidence gives ``possible``, and the benign look-alikes
 (evaluation harnesses, retries, a chat client, the provider's load test, a provider-wide system prompt) stay
 ``no``. Each test builds a small ``requests`` table (and ``request_blocks`` / ``prefix_sources`` where the
@@ -15,16 +15,16 @@ import duckdb
 import pandas as pd
 import pytest
 
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.probing import (
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.probing import (
     PROBING_PARAMETERS,
     probing_assessment,
     probing_parameters,
     probing_selected,
     probing_summary,
 )
-from kvforensics.rulebook import load_rules
+from kvforensics.stages.rulebook import load_rules
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)
 BLOCK = 16
@@ -326,7 +326,7 @@ def test_bad_parameters_are_refused(overrides, message):
 
 
 def test_defaults_are_every_parameter_the_script_uses():
-    from kvforensics.db import sql
+    from kvforensics.core.db import sql
     from kvforensics.engines.portable import used_parameters
 
     assert used_parameters(sql("prefix_probing")) == set(PROBING_PARAMETERS)

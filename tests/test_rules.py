@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from kvforensics.db import connect
-from kvforensics.detect import evaluate_case, load_rules
+from kvforensics.core.db import connect
+from kvforensics.stages.detect import evaluate_case, load_rules
 
 RULES = load_rules()
 CASES = [pytest.param(rule, case, id=f"{rule.id}: {case['name']}") for rule in RULES for case in rule.tests]

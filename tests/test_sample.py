@@ -118,7 +118,7 @@ def test_figures_agree_across_outputs(sample_run, scope):
     assert f"**{scope['affected_responses']}** affected responses" in md
     for w in scope["windows"]:
         assert w["first"] in html and w["last"] in md
-    from kvforensics.verify import verify
+    from kvforensics.evidence.verify import verify
 
     assert verify(sample_run) == []
 
@@ -199,7 +199,7 @@ def test_possible_sources_match_a_brute_force_turnover_horizon(sample_run):
     timeline (no minute windows, no cut): the scope SQL, which sorts only the minutes an affected
     response's horizon can reach, must give exactly the same pairs and token counts."""
     con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
-    from kvforensics.scope import SCOPE_PARAMETERS
+    from kvforensics.stages.scope import SCOPE_PARAMETERS
 
     factor = SCOPE_PARAMETERS["horizon_factor"]  # the sample incident file does not override it
     req = con.execute("SELECT request_id, account_id, model, ts, ttft_ms, latency_ms, prompt_tokens, "

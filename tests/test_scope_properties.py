@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.scope import scope
+from kvforensics.core.db import connect
+from kvforensics.stages.scope import scope
 
 pytestmark = pytest.mark.slow
 BASE = datetime(2026, 8, 27, tzinfo=timezone.utc)

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import Source, load_incident
-from kvforensics.db import connect
-from kvforensics.ingest import ingest
-from kvforensics.loaders.requests import load_requests_file
-from kvforensics.loaders.sglang_repr import ReprDump, top_level_items, top_level_items_by_token
-from kvforensics.loaders.sglang_requests import NO_ACCOUNT, read_line, recognises
+from kvforensics.core.db import connect
+from kvforensics.stages.ingest import ingest
+from kvforensics.sources.requests.load import load_requests_file
+from kvforensics.sources.engine_logs.sglang.python_repr import ReprDump, top_level_items, top_level_items_by_token
+from kvforensics.sources.requests.sglang import NO_ACCOUNT, read_line, recognises
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 
@@ -24,7 +24,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 @pytest.fixture(autouse=True)
 def _keep_typed(monkeypatch):
     """The tests read the typed records of the last load (loaded or not) from typed_all."""
-    import kvforensics.loaders.requests as requests_loader
+    import kvforensics.sources.requests.load as requests_loader
 
     monkeypatch.setattr(requests_loader, "KEEP_BATCH_TABLES", True)
 ORPHAN = ("Receive line without a Finish line in this file (the client disconnected, the request was still "

@@ -20,8 +20,8 @@ import zstandard
 from kvforensics.audit import AuditReport, audit_paths
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.ingest import ingest
+from kvforensics.core.db import connect
+from kvforensics.stages.ingest import ingest
 from kvforensics.simulate.cli import main as simulate_main
 from kvforensics.simulate.prefix import BLOCK_SIZE, SCENARIOS, simulate_prefix
 from kvforensics.simulate.prefix.serve import chain_hash

@@ -34,7 +34,7 @@ def spark():
 
 def _investigate(incident: Path, out: Path, engine: str):
     from kvforensics.investigation import Investigation
-    from kvforensics.scope import scope
+    from kvforensics.stages.scope import scope
 
     inv = Investigation.open(incident, out, progress=False, pdf=False, engine=engine)
     try:
@@ -113,7 +113,7 @@ def test_requests_from_a_spark_table(spark, tmp_path):
     """``[settings] spark_requests_table``: the rules read requests from Spark, and evidence.duckdb gets them."""
     from conftest import write_mini
 
-    from kvforensics.detect import detect
+    from kvforensics.stages.detect import detect
     from kvforensics.engines.portable import EngineError
     from kvforensics.engines.spark import SparkEngine
     from kvforensics.investigation import Investigation

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from kvforensics.db import sql
-from kvforensics.detect import load_rules
+from kvforensics.core.db import sql
+from kvforensics.stages.detect import load_rules
 from kvforensics.engines import portable
 from kvforensics.engines.portable import (
     ENGINES,
@@ -23,7 +23,7 @@ from kvforensics.engines.portable import (
     render,
     script_statements,
 )
-from kvforensics.scope import SCOPE_SCRIPTS
+from kvforensics.stages.scope import SCOPE_SCRIPTS
 
 #: Functions both engines implement with the same meaning and result type for our inputs.
 PORTABLE_FUNCTIONS = {"count", "sum", "min", "max", "avg", "coalesce", "least", "greatest", "abs", "row_number",

@@ -14,8 +14,8 @@ import pytest
 from conftest import PREFILL_LOG, write_mini
 
 from kvforensics.cli import main
-from kvforensics.loaders.engine_common import parse_engine_file
-from kvforensics.loaders.startup_bounds import MAX_TOKENS
+from kvforensics.sources.engine_logs.parse import parse_engine_file
+from kvforensics.sources.engine_logs.startup_bounds import MAX_TOKENS
 
 POOL_LINE = "max_total_num_tokens=681280, chunked_prefill_size=8192"
 CONTEXT = "context_len=1048576, available_gpu_mem"
@@ -47,7 +47,7 @@ def test_a_kv_pool_of_zero_tokens_is_refused_not_trusted(tmp_path):
 
 def test_a_context_length_beyond_64_bits_is_refused_with_its_line(tmp_path):
     code, scope, quarantined = _run(tmp_path, PREFILL_LOG.replace(CONTEXT, CONTEXT.replace("1048576", "1" + "0" * 30), 1))
-    assert code == 3  # not 2 with "unexpected OverflowError in ingest.py"
+    assert code == 3  # not 2 with "unexpected OverflowError in stages/ingest.py"
     assert "startup_value_refused" in {r["code"] for r in scope["inconclusive_reasons"]}
     assert quarantined == [("p0.log", 5, "impossible start-up value: context length 100000000000... (31 digits) is "
                                          "outside 1..1,099,511,627,776; the start-up's context length is unknown")]

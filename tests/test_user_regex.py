@@ -9,10 +9,10 @@ import time
 import pytest
 from conftest import INCIDENT, mini_requests, write_mini
 
-from kvforensics import instances
+from kvforensics.stages import instances
 from kvforensics.cli import main
-from kvforensics.errors import ConfigError
-from kvforensics.instances import InstanceMatching, match_instance_names
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.instances import InstanceMatching, match_instance_names
 
 HOSTILE_NAME = "a" * 40 + "!"
 

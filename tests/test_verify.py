@@ -16,12 +16,12 @@ import pytest
 from conftest import write_mini
 
 from kvforensics.cli import main
-from kvforensics.db import connect
-from kvforensics.digests import _Buckets
-from kvforensics.errors import ConfigError
+from kvforensics.core.db import connect
+from kvforensics.evidence.digests import _Buckets
+from kvforensics.core.errors import ConfigError
 from kvforensics.investigation import run
-from kvforensics.loaders.textio import file_digest
-from kvforensics.verify import check_signature, table_digests, verify
+from kvforensics.sources.common.textio import file_digest
+from kvforensics.evidence.verify import check_signature, table_digests, verify
 
 SSH_KEYGEN = shutil.which("ssh-keygen")
 needs_ssh_keygen = pytest.mark.skipif(SSH_KEYGEN is None, reason="ssh-keygen (OpenSSH) is not installed")
@@ -389,7 +389,7 @@ def _lthash_reference(con: duckdb.DuckDBPyConnection, table: str, columns: list[
 
 
 def test_a_rows_v3_digest_is_ltHash16_of_the_row_hashes_whatever_the_batches(monkeypatch) -> None:
-    import kvforensics.digests as digests
+    import kvforensics.evidence.digests as digests
 
     rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(60)]
     rows += [rows[3]] * 5
@@ -418,7 +418,7 @@ def test_a_row_repeated_2_to_the_16_times_does_not_vanish_from_a_rows_v3_digest(
 
 def _record_tables(out: Path, method: str) -> None:
     """The manifest of a folder with its tables digested by *method*, as a run writing that method records them."""
-    from kvforensics.digests import TABLE_DIGEST_CONSTRUCTIONS
+    from kvforensics.evidence.digests import TABLE_DIGEST_CONSTRUCTIONS
 
     con = connect(out / "evidence.duckdb", read_only=True)
     tables = table_digests(con, method)

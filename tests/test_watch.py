@@ -247,8 +247,8 @@ def test_an_increment_splits_at_line_ends_into_pieces_that_resume_where_they_end
 def test_every_per_request_rule_flags_on_part_of_the_requests_what_it_flags_of_them_on_all(
         mini_incident: Path, tmp_path: Path) -> None:
     """The premise of running a rule on the new rows alone (kvforensics/watch/detection.py)."""
-    from kvforensics.detect import run_rule
-    from kvforensics.rulebook import load_rules, rule_parameters
+    from kvforensics.stages.detect import run_rule
+    from kvforensics.stages.rulebook import load_rules, rule_parameters
     from kvforensics.watch.detection import per_request
 
     inv = Investigation.open(mini_incident, tmp_path / "out", progress=False, pdf=False)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 def test_a_file_source_stream_flags_what_detect_flags(mini_incident: Path, tmp_path: Path) -> None:
     from kvforensics.engines.spark import SparkEngine
     from kvforensics.investigation import Investigation
-    from kvforensics.rulebook import load_rules
+    from kvforensics.stages.rulebook import load_rules
     from kvforensics.watch import streaming
     from kvforensics.watch.detection import per_request
 

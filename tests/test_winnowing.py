@@ -1,4 +1,4 @@
-"""Winnowing (kvforensics/fingerprint.py): the shingles kept, the guarantee the scope states, the setting.
+"""Winnowing (kvforensics/core/fingerprint.py): the shingles kept, the guarantee the scope states, the setting.
 
 The guarantee: two texts that share a run of ``m * w + SHINGLE_WORDS - 1`` words of distinct shingles share at
 least ``m`` fingerprints under winnowing with window ``w``, whatever surrounds the run and whatever the key;
@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvforensics.config import load_incident
-from kvforensics.db import connect
-from kvforensics.errors import ConfigError
-from kvforensics.fingerprint import (
+from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError
+from kvforensics.core.fingerprint import (
     SHINGLE_WORDS,
     WINNOW_WINDOW,
     fingerprints,
@@ -28,7 +28,7 @@ from kvforensics.fingerprint import (
     shingles,
     winnow,
 )
-from kvforensics.ingest import ingest
+from kvforensics.stages.ingest import ingest
 
 FEW_WORDS = [f"w{i}" for i in range(6)]  # surroundings that repeat, so their shingles tie and recur
 

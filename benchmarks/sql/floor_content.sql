@@ -1,5 +1,5 @@
 -- The floor of the content ingest (issue 16): DuckDB reads the same content files and hashes the
--- same shingles kvforensics fingerprints (fingerprint.py: lower-cased \w+ words, every run of 8
+-- same shingles kvforensics fingerprints (core/fingerprint.py: lower-cased \w+ words, every run of 8
 -- consecutive words, a text of fewer words as one shingle), each with a keyed cryptographic hash:
 -- SHA-256 of the key followed by the shingle, its first 64 bits (one SHA-256 per shingle, where
 -- an HMAC takes two). The hashes are aggregated, so none can be skipped; nothing is stored.

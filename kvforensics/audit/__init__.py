@@ -29,7 +29,7 @@ with its window and how it ended. :attr:`AuditReport.exit_code` is 1 when anythi
 audited period (now or before), 0 when clean (unknowns alone do not fail; they are listed) and 2
 when nothing could be audited; :attr:`AuditReport.exit_code_now` is 1 only while an exposed start-up
 is in force (``kvforensics audit --now``, a deploy gate). Unreadable inputs raise
-:class:`~kvforensics.errors.InputError`.
+:class:`~kvforensics.core.errors.InputError`.
 """
 
 from kvforensics.audit.api import audit_database, audit_incident, audit_parses, audit_paths, audit_startups

@@ -4,7 +4,7 @@ an :class:`~kvforensics.audit.report.AuditReport` out.
 Each gathers the start-ups (:mod:`kvforensics.audit.startups`), ends them, links bare restarts to
 their predecessors, places the engine events and the ``/get_server_info`` dumps, and runs the six
 checks (:mod:`kvforensics.audit.checks`) on every start-up. Unreadable inputs raise
-:class:`~kvforensics.errors.InputError` (the CLI exits 2).
+:class:`~kvforensics.core.errors.InputError` (the CLI exits 2).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from kvforensics.audit.startups import (
     link,
 )
 from kvforensics.config import Incident, Source
-from kvforensics.errors import InputError
-from kvforensics.instances import DEFAULT_HANDOVER_S
-from kvforensics.loaders.engine_common import parse_engine_log
-from kvforensics.loaders.engine_types import EngineEvent, EngineLogParse, StartupRecord
+from kvforensics.core.errors import InputError
+from kvforensics.stages.instances import DEFAULT_HANDOVER_S
+from kvforensics.sources.engine_logs.parse import parse_engine_log
+from kvforensics.sources.engine_logs.contract import EngineEvent, EngineLogParse, StartupRecord
 
 if TYPE_CHECKING:
     import duckdb
@@ -184,7 +184,7 @@ def audit_parses(
     model_aliases: Mapping[str, str] | None = None,
     handover_s: float = DEFAULT_HANDOVER_S,
 ) -> AuditReport:
-    """Audit engine logs already parsed by :func:`~kvforensics.loaders.engine_common.parse_engine_log`."""
+    """Audit engine logs already parsed by :func:`~kvforensics.sources.engine_logs.parse.parse_engine_log`."""
     aliases = dict(model_aliases or {})
     norm: list[Startup] = []
     events: list[tuple[str | None, EngineEvent]] = []
@@ -248,7 +248,7 @@ def audit_paths(
     which says in a note when it is not ``{stem}``), ``envelope`` the collection envelope
     (``auto``: recognised; a file of several instances gives several), ``handover_s`` how long a
     successor may start before a replaced pod's log ends (``[instances] handover_s``). Raises
-    :class:`~kvforensics.errors.InputError` for an unreadable input.
+    :class:`~kvforensics.core.errors.InputError` for an unreadable input.
     """
     if not paths:
         raise InputError("no engine logs given: name at least one SGLang or vLLM log file")
@@ -386,7 +386,7 @@ def audit_database(
     """
     import duckdb
 
-    from kvforensics.db import sql
+    from kvforensics.core.db import sql
 
     try:
         rows = con.execute(sql("audit_capacity")).fetchall()

@@ -24,7 +24,7 @@ _COLUMNS = ("instance", "role", "model", "engine", "engine_version", "valid_from
 
 def write_exposure_windows(con: duckdb.DuckDBPyConnection) -> int:
     """Rebuild ``exposure_windows`` from the ``capacity`` start-ups; the number of exposed start-ups."""
-    from kvforensics.db import sql
+    from kvforensics.core.db import sql
 
     rows = []
     for s in (from_capacity_row(r) for r in con.execute(sql("audit_capacity")).fetchall()):

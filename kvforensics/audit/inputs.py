@@ -20,9 +20,9 @@
 
   ``true`` / ``"before_first_token"`` mean ``"always"``; ``false`` means ``"never"``. The
   ``[prefix_cache]`` table (tenancy and who sets the cache salt, for check 6) is described in
-  :mod:`kvforensics.audit.tenancy`.
+  :mod:`kvforensics.config.tenancy`.
 
-Unreadable or malformed inputs raise :class:`~kvforensics.errors.InputError` naming the file.
+Unreadable or malformed inputs raise :class:`~kvforensics.core.errors.InputError` naming the file.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvforensics.audit.tenancy import PrefixCachePolicy, read_prefix_cache
+from kvforensics.config.tenancy import PrefixCachePolicy, read_prefix_cache
 from kvforensics.config import Source
-from kvforensics.errors import InputError
-from kvforensics.loaders.engine_fields import flag_value
+from kvforensics.core.errors import InputError
+from kvforensics.sources.engine_logs.fields import flag_value
 
 _LB_VALUES = ("never", "after_first_token", "always")
 

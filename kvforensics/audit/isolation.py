@@ -38,7 +38,7 @@ def incident_manifest(incident: Incident) -> DeploymentManifest | None:
 
 def write_prefix_windows(con: duckdb.DuckDBPyConnection, incident: Incident) -> int:
     """Rebuild ``prefix_windows`` from the ``capacity`` start-ups; the number of start-ups with a path."""
-    from kvforensics.db import sql
+    from kvforensics.core.db import sql
 
     manifest = incident_manifest(incident)
     startups = [from_capacity_row(r) for r in con.execute(sql("audit_capacity")).fetchall()]

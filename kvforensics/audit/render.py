@@ -18,7 +18,7 @@ from rich.text import Text
 
 from kvforensics.audit.model import Verdict
 from kvforensics.audit.phrases import loc, short_ts
-from kvforensics.escaping import markdown_text, visible_controls
+from kvforensics.core.escaping import markdown_text, visible_controls
 
 STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "unknown": "unknown", "not_applicable": "n/a"}
 TABLE_HEAD = (

@@ -1,7 +1,7 @@
 """Start-ups as the checks see them: one configuration interval of one engine instance.
 
 Every start-up of every engine instance is one interval, from its first line until it ended by the
-ingest's rule (:func:`kvforensics.instances.lifetimes`, so the audit and the evidence database's
+ingest's rule (:func:`kvforensics.stages.instances.lifetimes`, so the audit and the evidence database's
 ``capacity`` table agree): its own shutdown lines (``shutdown``), the next start-up of the same
 instance (``next_startup``), or the end of its log when a successor of the same model and role took
 over on another instance (``log_end``: a pod replaced in a rollout). A log that merely stops, with
@@ -26,14 +26,14 @@ from typing import Any
 from kvforensics.audit.inputs import ServerInfo
 from kvforensics.audit.model import AUDIT_EVENT_KINDS, PD_ROLES
 from kvforensics.audit.phrases import iso, thousands
-from kvforensics.instances import (
+from kvforensics.stages.instances import (
     UNKNOWN_ROLE,
     PlacedStartup,
     lifetimes,
     role_carried_over,
     roles_carried_over,
 )
-from kvforensics.loaders.engine_types import EngineEvent, StartupRecord
+from kvforensics.sources.engine_logs.contract import EngineEvent, StartupRecord
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Startup:
     evidence: dict[str, int]
     refused: bool = False
     pool_file: str | None = None  # where the pool comes from when not this start-up's log
-    to: datetime | None = None  # valid_to: when it ended (kvforensics/instances.py)
+    to: datetime | None = None  # valid_to: when it ended (kvforensics/stages/instances.py)
     end_reason: str | None = None
     end_file: str | None = None
     end_line: int | None = None
@@ -187,7 +187,7 @@ def end_lifetimes(startups: list[Startup], handover_s: float) -> None:
 
 def link(startups: list[Startup]) -> None:
     """Order start-ups per instance and carry a role over a bare restart, by the rule the ingest's
-    ``capacity`` table follows (:func:`kvforensics.instances.roles_carried_over`)."""
+    ``capacity`` table follows (:func:`kvforensics.stages.instances.roles_carried_over`)."""
     startups.sort(key=_sort_key)
     placed = [
         PlacedStartup(instance=s.instance, role=s.role if s.role_certain else UNKNOWN_ROLE, model=s.model, ts=s.ts,

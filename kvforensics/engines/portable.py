@@ -32,8 +32,8 @@ from typing import Callable
 
 import duckdb
 
-from kvforensics.db import MemoryGovernor, sql, statements
-from kvforensics.errors import KvForensicsError
+from kvforensics.core.db import MemoryGovernor, sql, statements
+from kvforensics.core.errors import KvForensicsError
 
 ENGINES = ("duckdb", "spark")
 
@@ -365,7 +365,7 @@ def create_duckdb_view(con: duckdb.DuckDBPyConnection, stmt: TableStatement) -> 
 
 def run_duckdb_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None) -> None:
     """Run a portable ``sql/<name>.sql`` on DuckDB, giving each statement the parameters it uses, under a
-    :class:`kvforensics.db.MemoryGovernor`."""
+    :class:`kvforensics.core.db.MemoryGovernor`."""
     params = params or {}
     with MemoryGovernor(con) as governor:
         for stmt in script_statements(name):

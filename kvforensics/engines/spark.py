@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from kvforensics.config import Incident
-    from kvforensics.rulebook import Rule
+    from kvforensics.stages.rulebook import Rule
 
 #: The Spark release the parity tests run against (the ``spark`` extra pins it).
 PYSPARK_VERSION = "4.3.0"

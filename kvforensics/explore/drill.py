@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import duckdb
 import pandas as pd
 
-from kvforensics.detect import load_rules
+from kvforensics.stages.detect import load_rules
 from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.charts import CONFIDENCE_COLOURS, alt
 from kvforensics.report.data import how_it_ended, without_na

@@ -8,7 +8,7 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
-from kvforensics.detect import load_rules
+from kvforensics.stages.detect import load_rules
 from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.data import how_it_ended, without_na
 

@@ -12,9 +12,9 @@ from typing import Any, Callable, TypeVar
 import duckdb
 import pandas as pd
 
-from kvforensics.errors import InputError
-from kvforensics.escaping import visible_controls
-from kvforensics.scope import iso
+from kvforensics.core.errors import InputError
+from kvforensics.core.escaping import visible_controls
+from kvforensics.stages.scope import iso
 
 MAX_ROWS = 50  # rows a view shows in a notebook; the frame holds them all
 # the stage that writes each table a view reads beyond the ingest's (sql/schema.sql creates those)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from kvforensics.errors import KvForensicsError
+from kvforensics.core.errors import KvForensicsError
 
 ArrayLike = npt.ArrayLike
 FloatArray = npt.NDArray[np.float64]

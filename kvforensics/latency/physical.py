@@ -2,7 +2,7 @@
 vendor's peak throughput, which needs no traffic at all.
 
 :func:`physical_lower_bound_ms` for a :class:`HardwareSpec`; the GPUs' peaks (``A100_SXM`` ...)
-cite their datasheets. ``kvforensics/hardware.py`` builds a spec from the incident file.
+cite their datasheets. ``kvforensics/config/hardware.py`` builds a spec from the incident file.
 """
 
 from __future__ import annotations

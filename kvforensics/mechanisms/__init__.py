@@ -5,7 +5,7 @@ pool; ``prefix_reuse``: prefix-cache blocks matched across tenants). Its folder 
 knows about it: ``mechanism.yml`` (title, the report's summary and explanation, the inputs it needs and
 the ones that strengthen it, how its sources are attributed, the audit checks that bear on it, what
 deliberate use looks like, what the per-account notices say) and its detection rules (``rules/<rule>.sql`` + ``rules/<rule>.yml``, read
-by :mod:`kvforensics.rulebook`). Adding a mechanism is adding a folder.
+by :mod:`kvforensics.stages.rulebook`). Adding a mechanism is adding a folder.
 
 An input is a source kind (``requests``, ``engine_log``, ``content``, ``changes``, ``kv_events``) or a
 field of one (``requests.cache_salt``, ``kv_events.salt``). :func:`present_inputs` says which of them the
@@ -24,8 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import duckdb
 import yaml
 
-from kvforensics.db import one
-from kvforensics.errors import ConfigError
+from kvforensics.core.db import one
+from kvforensics.core.errors import ConfigError
 
 MECHANISMS_DIR = Path(__file__).parent
 #: The source kinds an input may name, with the evidence tables that hold them (a kind is present when

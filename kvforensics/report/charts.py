@@ -14,7 +14,7 @@ import duckdb
 import pandas as pd
 
 from kvforensics.config import Incident
-from kvforensics.escaping import visible_controls
+from kvforensics.core.escaping import visible_controls
 from kvforensics.report.views import (
     MAX_ACCOUNTS,
     MAX_POINTS,

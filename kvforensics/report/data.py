@@ -11,8 +11,8 @@ import duckdb
 import pandas as pd
 
 from kvforensics.config import Incident
-from kvforensics.detect import AFFECTED_TIERS, load_rules
-from kvforensics.scope import iso, summarise
+from kvforensics.stages.detect import AFFECTED_TIERS, load_rules
+from kvforensics.stages.scope import iso, summarise
 
 MAX_POINTS = 4000  # requests drawn per model in the prompt-vs-TTFT chart (Altair embeds at most 5,000 rows)
 MIN_CONTEXT_POINTS = 1000  # of them, at least this many unflagged requests, the background the findings stand out from

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import duckdb
 
-from kvforensics.conclusive import RULE_FIELDS
+from kvforensics.stages.conclusive import RULE_FIELDS
 from kvforensics.config import Incident
-from kvforensics.detect import Rule, load_rules
+from kvforensics.stages.detect import Rule, load_rules
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from markupsafe import Markup
 
 from kvforensics import __version__
 from kvforensics.config import Incident
-from kvforensics.escaping import visible_controls_in
+from kvforensics.core.escaping import visible_controls_in
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames, version_notes
@@ -27,7 +27,7 @@ from kvforensics.report.notices import write_notices
 from kvforensics.report.story import incident_story
 from kvforensics.report.templating import template_env
 from kvforensics.report.views import account_frames, exposure_period, timeline_frames
-from kvforensics.timestamps import iso
+from kvforensics.core.timestamps import iso
 
 
 def scope_parameter_rows(parameters: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -89,7 +89,7 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     from kvforensics.audit import audit_database
 
     audit = audit_database(con)
-    from kvforensics.hardware import physical_bounds, spec_from_config
+    from kvforensics.config.hardware import physical_bounds, spec_from_config
 
     specs = {m: spec_from_config(m, raw) for m, raw in incident.hardware.items()}
     physical = physical_bounds(specs, con.execute(

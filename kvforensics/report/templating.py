@@ -10,8 +10,8 @@ import pandas as pd
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
 
-from kvforensics.escaping import markdown_text, visible_controls
-from kvforensics.timestamps import iso
+from kvforensics.core.escaping import markdown_text, visible_controls
+from kvforensics.core.timestamps import iso
 
 TEMPLATES = Path(__file__).parent / "templates"
 

@@ -15,8 +15,8 @@ import duckdb
 import pandas as pd
 
 from kvforensics.config import Incident
-from kvforensics.escaping import visible_controls
-from kvforensics.timestamps import iso
+from kvforensics.core.escaping import visible_controls
+from kvforensics.core.timestamps import iso
 
 MAX_POINTS = 4000     # dots drawn per view (one per affected response)
 MAX_ACCOUNTS = 50     # accounts in the per-account view's list, most affected responses first

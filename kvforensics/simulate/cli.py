@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvforensics.errors import ConfigError, KvForensicsError
+from kvforensics.core.errors import ConfigError, KvForensicsError
 from kvforensics.simulate.exports import EXPORT_STYLES, ExportResult, export_incident
 from kvforensics.simulate.prefix import SCENARIO_NAMES as PREFIX_SCENARIOS
 from kvforensics.simulate.prefix import PrefixResult, simulate_prefix

@@ -37,7 +37,7 @@ Formats, as documented upstream:
 * Postgres CSV and ``timestamp``/``jsonb`` output: https://www.postgresql.org/docs/current/sql-copy.html
   (File Formats, CSV), https://www.postgresql.org/docs/current/datatype-datetime.html,
   https://www.postgresql.org/docs/current/datatype-json.html.
-* Kubernetes pods, Loki and kubectl exports: see :mod:`kvforensics.simulate.pods`.
+* Kubernetes pods, Loki and kubectl exports: see :mod:`kvforensics.simulate.fleet.pods`.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ from zoneinfo import ZoneInfo
 import numpy as np
 import pandas as pd
 
-import kvforensics.simulate.incident_files as files
-from kvforensics.errors import ConfigError
-from kvforensics.simulate.deployment import MODEL_KEYS, Deployment
-from kvforensics.simulate.engine_log import build_engine_logs, request_lines
-from kvforensics.simulate.pods import (
+import kvforensics.simulate.sources.incident_files as files
+from kvforensics.core.errors import ConfigError
+from kvforensics.simulate.fleet.deployment import MODEL_KEYS, Deployment
+from kvforensics.simulate.sources.engine_log import build_engine_logs, request_lines
+from kvforensics.simulate.fleet.pods import (
     NAMESPACE,
     Pod,
     build_pods,
@@ -68,7 +68,7 @@ from kvforensics.simulate.pods import (
     write_kubectl_logs,
     write_loki_export,
 )
-from kvforensics.simulate.pods import SIGTERM_LINE as SIGTERM_LINE  # where tests and readers look for it
+from kvforensics.simulate.fleet.pods import SIGTERM_LINE as SIGTERM_LINE  # where tests and readers look for it
 from kvforensics.simulate.run import affected_records, apply_pages, planned_incident, served_chunks, trap_ids
 from kvforensics.simulate.scenario import Scenario
 from kvforensics.simulate.traffic import STREAM_IDS

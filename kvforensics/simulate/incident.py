@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 import kvforensics.simulate.calibration as cal
-from kvforensics.simulate.deployment import STARTUP_SECONDS, Deployment
+from kvforensics.simulate.fleet.deployment import STARTUP_SECONDS, Deployment
 from kvforensics.simulate.scenario import Scenario
 from kvforensics.simulate.traffic import (
     STREAM_INCIDENT,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from kvforensics.errors import ConfigError
+from kvforensics.core.errors import ConfigError
 
 TIMESTAMP_STYLES = ("iso_z", "iso_offset", "naive_local", "epoch_ms")
 COLUMN_STYLES = ("sample", "canonical", "otel", "custom")

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 import kvforensics.simulate.calibration as cal
-from kvforensics.simulate.deployment import MODEL_KEYS, Deployment, ModelKey
+from kvforensics.simulate.fleet.deployment import MODEL_KEYS, Deployment, ModelKey
 from kvforensics.simulate.scenario import Scenario
 
 HOUR_MS = 3_600_000

@@ -641,7 +641,7 @@ ORDER BY valid_from, instance;
 
 -- reason: startup_value_refused
 -- a start-up value no engine can have (a KV pool or context length of 0, a number beyond 2^40 tokens:
--- kvforensics/loaders/startup_bounds.py) was refused, its line quarantined: the start-up's pool or context is
+-- kvforensics/sources/engine_logs/startup_bounds.py) was refused, its line quarantined: the start-up's pool or context is
 -- unknown, so whether and when it was exposed cannot be told (a start-up of an unknown model may serve any; one of a
 -- model nobody requested cannot matter)
 WITH refused AS (

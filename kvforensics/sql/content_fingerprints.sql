@@ -1,5 +1,5 @@
 -- Keyed fingerprints of one batch of content texts, in bulk: the values fingerprint.fingerprints()
--- gives, one row per distinct fingerprint of each text. kvforensics/loaders/content.py registers
+-- gives, one row per distinct fingerprint of each text. kvforensics/sources/content/load.py registers
 -- content_batch (request_id, part, and either text: an ASCII text, or words: the lower-cased words
 -- of any other text joined by single spaces), in many small Arrow batches that DuckDB's threads
 -- take in parallel.

@@ -1,5 +1,5 @@
 -- Requests name the engine instance their gateway name was matched to (table instance_names, filled by
--- kvforensics/instances.py), so that the rules' joins on capacity.instance work unchanged.
+-- kvforensics/stages/instances.py), so that the rules' joins on capacity.instance work unchanged.
 -- sql/instance_restore.sql undoes it before the next ingest: by name where an engine instance was
 -- renamed from one gateway name only (and is no gateway name itself), else from the gateway's own
 -- values of each such request, kept in instance_renames.

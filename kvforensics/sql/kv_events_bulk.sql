@@ -1,6 +1,6 @@
--- The lines of a KV-event file (temp table kv_bulk_lines: line, raw) read in bulk (kvforensics/loaders/kv_event_bulk.py)
+-- The lines of a KV-event file (temp table kv_bulk_lines: line, raw) read in bulk (kvforensics/sources/kv_events/bulk.py)
 -- into kv_bulk_events (a row per event, each with its message's parts) and kv_bulk_blocks (a row per block). Only what
--- the Python reference (kvforensics/loaders/kv_event_reference.py) would load whole is kept: a line with anything
+-- the Python reference (kvforensics/sources/kv_events/reference.py) would load whole is kept: a line with anything
 -- to judge is left out, for the reference to read. The placeholders in braces are SQL the loader writes from the
 -- source's columns (every key in it a parameter), and the event checks are the fragment sql/kv_events_bulk_event.sql.
 -- Parameters: $lenient, $paths (the JSON paths of an object batch's ts, seq, instance and rank), $k<i> (keys no

@@ -1,6 +1,6 @@
--- A fragment, not a script (kvforensics/loaders/kv_event_bulk.py): the CTEs that read each event of
+-- A fragment, not a script (kvforensics/sources/kv_events/bulk.py): the CTEs that read each event of
 -- `events_in` (line, seq, as_array, instance, dp_rank, msg_seq, ts, events, f: an array event's
--- fields as JSON text, m: a map event's) the way the reference does (kvforensics/loaders/kv_event_reference.py:
+-- fields as JSON text, m: a map event's) the way the reference does (kvforensics/sources/kv_events/reference.py:
 -- _event and _blocks), ending in `events_read`. `plain` says the event loads (a line with an event that does
 -- not is left to the reference, so nothing here says why: only that every check the reference makes passes).
 -- A row with seq -1 is its line's (the message).

@@ -1,4 +1,4 @@
--- The rows of a KV-event file read in bulk (kvforensics/loaders/kv_event_bulk.py, sql/kv_events_bulk.sql): its
+-- The rows of a KV-event file read in bulk (kvforensics/sources/kv_events/bulk.py, sql/kv_events_bulk.sql): its
 -- blocks (kv_bulk_blocks), each stored one with the position, cache salt and chain fingerprint its chain gave it
 -- (temp table kv_bulk_followed, by the block's rowid), and its messages in line order, numbered on from the
 -- files read before ($before). Parameters: $s (the source), $f (the file), $before.

@@ -8,10 +8,10 @@
 --     Systems", arXiv 2409.20002, https://arxiv.org/abs/2409.20002 (token-by-token search of shared prefixes)
 --   X. Zheng et al., "InputSnatch: Stealing Input in LLM Services via Timing Side-Channel Attacks",
 --     arXiv 2411.18191, https://arxiv.org/abs/2411.18191 (candidate inputs built over a cached prefix)
--- Inputs (temporary views made by kvforensics/probing.py): probe_requests (the analysed requests),
+-- Inputs (temporary views made by kvforensics/stages/probing.py): probe_requests (the analysed requests),
 -- probe_accounts (account classes), probe_blocks (request_blocks, or none), probe_hits (requests of the
 -- prefix_reuse rules' findings and attributions, with the source account where known).
--- Parameters (kvforensics/probing.py, PROBING_PARAMETERS): $probe_max_output_tokens, $probe_min_requests,
+-- Parameters (kvforensics/stages/probing.py, PROBING_PARAMETERS): $probe_max_output_tokens, $probe_min_requests,
 -- $probe_min_short_share, $probe_min_cached_fraction, $probe_min_cached_share, $probe_max_length_step,
 -- $probe_min_small_step_share, $probe_min_continuations, $probe_max_gap_seconds, $probe_min_read_back_share,
 -- $probe_min_foreign_hits, $probe_min_rises, $probe_min_rising_share.

@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS capacity (
     source_file       VARCHAR NOT NULL,
     source_line       BIGINT,
     pool_source_line  BIGINT,
-    -- how the start-up ended (kvforensics/instances.py): next_startup | shutdown | log_end (retired: a
+    -- how the start-up ended (kvforensics/stages/instances.py): next_startup | shutdown | log_end (retired: a
     -- successor took over) | NULL (its log merely stops: still running when collected, valid_to NULL)
     end_reason        VARCHAR,
     end_ts            TIMESTAMPTZ,            -- the evidence of the end: shutdown line, next start-up, last line
@@ -66,7 +66,7 @@ ALTER TABLE capacity ADD COLUMN IF NOT EXISTS successor VARCHAR;
 ALTER TABLE capacity ADD COLUMN IF NOT EXISTS last_ts TIMESTAMPTZ;
 ALTER TABLE capacity ADD COLUMN IF NOT EXISTS last_line BIGINT;
 
--- Instance names the gateway used, and the engine instance each was matched to (kvforensics/instances.py).
+-- Instance names the gateway used, and the engine instance each was matched to (kvforensics/stages/instances.py).
 -- requests.prefill_instance / decode_instance hold the engine instance where one matched.
 CREATE TABLE IF NOT EXISTS instance_names (
     gateway_name      VARCHAR NOT NULL,
@@ -101,7 +101,7 @@ CREATE TABLE IF NOT EXISTS engine_events (
 ALTER TABLE engine_events ADD COLUMN IF NOT EXISTS cached_tokens BIGINT;
 
 -- The engines' prefill batch lines (SGLang "Prefill batch, #new-seq: N, #new-token: N, #cached-token: N, ...",
--- kvforensics/loaders/sglang_batches.py): one row per prefill step of one replica.
+-- kvforensics/sources/engine_logs/sglang/batches.py): one row per prefill step of one replica.
 CREATE TABLE IF NOT EXISTS prefill_batches (
     instance          VARCHAR NOT NULL,
     ts                TIMESTAMPTZ,
@@ -147,7 +147,7 @@ CREATE TABLE IF NOT EXISTS content_fingerprints (
     fp                BIGINT NOT NULL         -- keyed HMAC of a word shingle, never the text
 );
 
--- Prompts cut into prefix-cache blocks (kind "content", kvforensics/loaders/prefix_blocks.py): one row per full
+-- Prompts cut into prefix-cache blocks (kind "content", kvforensics/sources/content/prefix_blocks.py): one row per full
 -- block of the engine's block size; fingerprints only, never token ids or words.
 CREATE TABLE IF NOT EXISTS request_blocks (
     request_id        VARCHAR NOT NULL,
@@ -171,7 +171,7 @@ CREATE TABLE IF NOT EXISTS content_stats (
     shingles          BIGINT NOT NULL
 );
 
--- KV-cache events the engines published (kind "kv_events", kvforensics/loaders/kv_events.py): one row per
+-- KV-cache events the engines published (kind "kv_events", kvforensics/sources/kv_events/load.py): one row per
 -- block a BlockStored or BlockRemoved event names, one per AllBlocksCleared. Token ids are never stored.
 CREATE TABLE IF NOT EXISTS kv_events (
     instance          VARCHAR NOT NULL,       -- the engine instance (source template or a field of the batch)
@@ -193,7 +193,7 @@ CREATE TABLE IF NOT EXISTS kv_events (
     source_file       VARCHAR NOT NULL,
     source_line       BIGINT NOT NULL
 );
--- stored: the keyed fingerprint of the chain's token ids up to this block (kvforensics/loaders/chain.py), the
+-- stored: the keyed fingerprint of the chain's token ids up to this block (kvforensics/sources/common/chain.py), the
 -- same value as request_blocks.chain_fp for the same prefix: content matched across salted hashes
 ALTER TABLE kv_events ADD COLUMN IF NOT EXISTS chain_fp BIGINT;
 -- the publisher's sequence number of the message the event came in (columns.seq of an archive's wrapper),
@@ -314,7 +314,7 @@ CREATE TABLE IF NOT EXISTS ingest_notes (
     note              VARCHAR NOT NULL
 );
 
--- Why the evidence cannot support this run's answer (kvforensics/conclusive.py): empty = conclusive.
+-- Why the evidence cannot support this run's answer (kvforensics/stages/conclusive.py): empty = conclusive.
 CREATE TABLE IF NOT EXISTS inconclusive_reasons (
     n                 INTEGER NOT NULL,       -- order of report
     code              VARCHAR NOT NULL,       -- stable: the check in sql/conclusive.sql

@@ -1,7 +1,7 @@
 -- The accounts suspected of deliberate exploitation, one row per account and mechanism: customers whose traffic has
 -- the stale-pages probing pattern (account_behaviour.looks_deliberate) or the prefix-cache probing one
 -- (probing_assessment: likely; a table of its own only when prefix_reuse is investigated, so that part is added by
--- kvforensics/scope.py). Internal and reporter accounts are never suspects. Their notices go to the provider's
+-- kvforensics/stages/scope.py). Internal and reporter accounts are never suspects. Their notices go to the provider's
 -- trust-and-safety team, not to them (kvforensics/report/notices.py); notifications.csv marks them.
 CREATE OR REPLACE TABLE suspected_exploiters AS
 SELECT account_id, 'stale_pages' AS mechanism,

@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
-from kvforensics.errors import ConfigError
-from kvforensics.escaping import visible_controls
-from kvforensics.timestamps import iso
+from kvforensics.core.errors import ConfigError
+from kvforensics.core.escaping import visible_controls
+from kvforensics.core.timestamps import iso
 
 ALERTS_FILE = "alerts.jsonl"
 KINDS = ("affected_response", "exposed_startup", "evidence_gap")

@@ -28,10 +28,10 @@ import pyarrow as pa
 
 from kvforensics import latency
 from kvforensics.config import Incident
-from kvforensics.db import one
-from kvforensics.detect import select_mechanisms
-from kvforensics.errors import ConfigError
-from kvforensics.rulebook import Rule, load_rules, rule_parameters
+from kvforensics.core.db import one
+from kvforensics.stages.detect import select_mechanisms
+from kvforensics.core.errors import ConfigError
+from kvforensics.stages.rulebook import Rule, load_rules, rule_parameters
 
 REFIT_GROWTH = 1.5  # the latency model is fitted again when the requests have grown by this factor
 _READS_REQUESTS = re.compile(r"\b(?:FROM|JOIN)\s+requests\b", re.IGNORECASE)
@@ -197,7 +197,7 @@ class LiveDetection:
         return in_period(found, self.incident)
 
 
-# detect's tiers (kvforensics/detect.py): confirmed, probable, possible from the rules' strengths
+# detect's tiers (kvforensics/stages/detect.py): confirmed, probable, possible from the rules' strengths
 TIER = ("CASE WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 AND count(*) >= 2 THEN 'confirmed' "
         "WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 OR count(*) >= 2 THEN 'probable' ELSE 'possible' END")
 

@@ -26,11 +26,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvforensics.config import Incident, Source
-from kvforensics.db import one
-from kvforensics.loaders.engine_columnar import EvidenceSink, parse_engine_file_columnar
-from kvforensics.loaders.engine_common import parse_engine_file
-from kvforensics.loaders.engine_types import EngineFileParse, EngineLogParse, StartupRecord
-from kvforensics.loaders.textio import printable_raw
+from kvforensics.core.db import one
+from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
+from kvforensics.sources.engine_logs.parse import parse_engine_file
+from kvforensics.sources.engine_logs.contract import EngineFileParse, EngineLogParse, StartupRecord
+from kvforensics.sources.common.textio import printable_raw
 from kvforensics.watch.follow import Follower, Increment
 from kvforensics.watch.intake import Counts, Pieces
 

@@ -23,15 +23,15 @@ from typing import Mapping
 
 import duckdb
 
-from kvforensics.canonical import REQUIRED_REQUEST_FIELDS
+from kvforensics.core.canonical import REQUIRED_REQUEST_FIELDS
 from kvforensics.config import Incident, Source
-from kvforensics.fingerprint import key_for
-from kvforensics.loaders.changes import load_changes
-from kvforensics.loaders.content import load_content
-from kvforensics.loaders.kv_events import Chains, load_kv_events
-from kvforensics.loaders.prefix_blocks import block_size
-from kvforensics.loaders.requests import load_requests_files
-from kvforensics.loaders.staging import FileLoad
+from kvforensics.core.fingerprint import key_for
+from kvforensics.sources.changes.load import load_changes
+from kvforensics.sources.content.load import load_content
+from kvforensics.sources.kv_events.load import Chains, load_kv_events
+from kvforensics.sources.content.prefix_blocks import block_size
+from kvforensics.sources.requests.load import load_requests_files
+from kvforensics.sources.requests.staging import FileLoad
 from kvforensics.watch import state as watch_state
 from kvforensics.watch.follow import FileState, Follower, Increment, compression, split
 

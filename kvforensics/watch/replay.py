@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvforensics.config import Incident, Source, load_incident
-from kvforensics.loaders.textio import open_binary
+from kvforensics.sources.common.textio import open_binary
 
 _SGLANG_STAMP = re.compile(rb"^\[(\d{4})-(\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})")
 _VLLM_STAMP = re.compile(rb"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) (\d{2})-(\d{2}) (\d{2}):(\d{2}):(\d{2})")

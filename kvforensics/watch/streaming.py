@@ -21,7 +21,7 @@ import duckdb
 import pandas as pd
 
 from kvforensics.engines.portable import render
-from kvforensics.rulebook import Rule, load_rules, rule_parameters
+from kvforensics.stages.rulebook import Rule, load_rules, rule_parameters
 from kvforensics.watch.detection import per_request
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ multi-tenant deployment that is a cross-tenant channel unless every tenant's req
 salt (vLLM ``cache_salt``, SGLang ``cache_salt`` / ``extra_key``) set by someone the tenant cannot
 override, the block keys do not collide, and every store the blocks reach keys them with the salt.
 Each start-up is judged from its server args (log or ``/get_server_info`` dump) and the manifest's
-``[prefix_cache]`` table (:mod:`kvforensics.audit.tenancy`):
+``[prefix_cache]`` table (:mod:`kvforensics.config.tenancy`):
 
 * **prefix caching on/off.** SGLang's radix cache is on unless ``--disable-radix-cache``
   (``disable_radix_cache``; SGLang server arguments,
@@ -18,7 +18,7 @@ Each start-up is judged from its server args (log or ``/get_server_info`` dump) 
   default in every version (V1 ran from v0.7 with ``VLLM_USE_V1=1``, V0 until v0.10 with
   ``VLLM_USE_V1=0``), else the version's default engine. When the flags do not say, a
   prefill batch line with ``#cached-token`` above 0 in the start-up's log (the parsers' flag
-  ``prefix_cache_hit_line``, :mod:`kvforensics.loaders.sglang_batches`) shows the cache serving tokens: on.
+  ``prefix_cache_hit_line``, :mod:`kvforensics.sources.engine_logs.sglang.batches`) shows the cache serving tokens: on.
 * **block-hash algorithm (vLLM).** ``--prefix-caching-hash-algo``. Before v0.7.2 the block hash was
   Python ``hash()`` seeded with ``hash(None)``, a constant from Python 3.12: collisions could be
   crafted (GHSA-rm76-4mrf-v9r8, CVE-2025-25183, fixed by vllm-project/vllm#12621). ``sha256`` exists
@@ -67,7 +67,7 @@ from kvforensics.audit.checks.engine_version import exact_version, inferred_spec
 from kvforensics.audit.inputs import DeploymentManifest
 from kvforensics.audit.phrases import loc
 from kvforensics.audit.startups import Startup
-from kvforensics.audit.tenancy import Said
+from kvforensics.config.tenancy import Said
 
 VLLM_V1_DEFAULT = Version("0.8.0")
 VLLM_V0_REMOVED = Version("0.11.0")

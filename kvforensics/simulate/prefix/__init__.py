@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from hashlib import blake2b
 from pathlib import Path
 
-from kvforensics.errors import ConfigError
+from kvforensics.core.errors import ConfigError
 from kvforensics.simulate.prefix import files, hicache
 from kvforensics.simulate.prefix import serve as serving
 from kvforensics.simulate.prefix.workload import PROVIDER_ACCOUNT, build_workload

@@ -1,0 +1,1 @@
+"""Foundations every floor stands on: errors, times, escaping, fingerprints, the evidence database."""

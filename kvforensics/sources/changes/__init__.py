@@ -1,0 +1,1 @@
+"""Deployments, restarts and config changes (``kind = "changes"``)."""

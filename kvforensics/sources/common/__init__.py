@@ -1,0 +1,1 @@
+"""What every kind of source reads with: text streams, CSV and JSONL records, chain fingerprints."""

@@ -1,0 +1,125 @@
+"""Records of a CSV or JSONL file read in Python (the change log and the content file), and the
+quarantine rows they give, written in batches.
+
+Every record is yielded, good or not: a line that is not UTF-8, not JSON or not a JSON object, a CSV
+row with the wrong number of fields and the partial last record of a truncated gzip/zstd stream come
+with the reason they cannot be loaded, for the caller to quarantine.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import duckdb
+import pyarrow as pa
+
+from kvforensics.config import Source
+from kvforensics.sources.engine_logs.contract import unreadable_reason
+from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.textio import INCOMPLETE_RECORD, LineStream, decode_line, open_binary, printable_raw
+
+# (line, raw text, the record or None, the reason it cannot be loaded or None)
+Record = tuple[int, str, dict[str, Any] | None, str | None]
+
+
+def read_records(source: Source, path: Path, load: FileLoad) -> Iterator[Record]:
+    """Each record of a CSV (header row first) or JSONL file, with the line it starts on."""
+    if source.format == "csv":
+        yield from _csv_records(path, load)
+    else:
+        yield from _jsonl_records(path, load)
+
+
+def _csv_records(path: Path, load: FileLoad) -> Iterator[Record]:
+    with open_binary(path) as fh:
+        reader = csv.reader(io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline=""))
+        header = next(reader, None)
+        if header is None:
+            load.notes.append("empty file")
+            return
+        header = [h.strip() for h in header]
+        last = 1
+        for row in reader:
+            start, last = last + 1, reader.line_num
+            if not row:
+                continue
+            raw = ",".join(row)
+            if len(row) != len(header):
+                yield start, raw, None, f"expected {len(header)} fields, found {len(row)}"
+            else:
+                yield start, raw, dict(zip(header, row, strict=True)), None
+
+
+def _jsonl_records(path: Path, load: FileLoad) -> Iterator[Record]:
+    stream = LineStream(path)
+    for n, rawb in stream:
+        if not rawb.strip():
+            continue
+        text = decode_line(rawb)
+        if text is None:
+            yield n, printable_raw(rawb), None, unreadable_reason(rawb)
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            yield n, text, None, "malformed JSON"
+            continue
+        if not isinstance(obj, dict):
+            yield n, text, None, "not a JSON object"
+            continue
+        yield n, text, obj, None
+    if stream.partial is not None:
+        yield stream.partial[0], printable_raw(stream.partial[1]), None, INCOMPLETE_RECORD
+    if stream.stopped:
+        load.notes.append(stream.stopped)
+
+
+def lone_surrogate(value: str) -> bool:
+    """Whether a string holds a lone surrogate (JSON allows the escape ``"\\ud800"``), which no
+    UTF-8 column can store: such a record is quarantined rather than loaded."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class QuarantineRows:
+    """The refused records of one file, written to ``quarantine`` in batches (one insert per
+    ``BATCH`` records and one at :meth:`flush`, not one per record). ``raw`` is None for sources
+    whose text must not be kept."""
+
+    BATCH = 100_000
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
+        self._con = con
+        self._params = {"s": source.name, "f": str(path)}
+        self._lines: list[int] = []
+        self._reasons: list[str] = []
+        self._raws: list[str | None] = []
+
+    def add(self, line: int, reason: str, raw: str | None) -> None:
+        self._lines.append(line)
+        self._reasons.append(reason)
+        self._raws.append(raw)
+        if len(self._lines) >= self.BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        self._con.register("quarantine_batch", pa.table({
+            "line": pa.array(self._lines, type=pa.int64()), "reason": pa.array(self._reasons, type=pa.string()),
+            "raw": pa.array(self._raws, type=pa.string())}))
+        try:
+            self._con.execute("INSERT INTO quarantine SELECT $s, $f, line, reason, raw FROM quarantine_batch",
+                              self._params).fetchall()
+        finally:
+            self._con.unregister("quarantine_batch")
+        self._lines.clear()
+        self._reasons.clear()
+        self._raws.clear()

@@ -1,0 +1,1 @@
+"""Prompts and outputs (``kind = "content"``), kept only as keyed fingerprints and prefix blocks."""

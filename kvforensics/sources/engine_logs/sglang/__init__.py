@@ -1,0 +1,1 @@
+"""SGLang's engine logs: start-ups, per-request lines, prefill batches, versions."""

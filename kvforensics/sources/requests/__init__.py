@@ -1,0 +1,1 @@
+"""Gateway request logs (``kind = "requests"``): readers per format, mapping, typing, presets."""

@@ -1,0 +1,1 @@
+"""The stages of an investigation: ingest, detect, scope and the conclusiveness gate."""
