@@ -239,7 +239,7 @@ def step_floor_load(args: argparse.Namespace, result: dict[str, Any]) -> None:
     (sql/floor_load.sql), checkpoint included: what landing the rows costs without any checking."""
     import duckdb
 
-    from kvforensics.config import CANONICAL_REQUEST_FIELDS
+    from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 
     _, source = gateway_source(args.incident)
     files = [str(p) for p in source.files()]

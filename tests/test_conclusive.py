@@ -18,7 +18,7 @@ from conftest import INCIDENT, PREFILL_LOG, mini_requests, write_mini
 
 from kvforensics.stages import conclusive
 from kvforensics.cli import main
-from kvforensics.config import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.stages.detect import load_rules
 from kvforensics.mechanisms import load_mechanisms
 

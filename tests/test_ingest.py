@@ -623,25 +623,26 @@ def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, m
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
     """DuckDB's memory_limit counts its own buffers only: while engine logs are parsed, what their
     batches hold outside it is taken off its limit, and the limit is the incident's again after."""
-    import kvforensics.stages.ingest as ingest_module
+    import kvforensics.sources.engine_logs.entry as engine_entry
     from kvforensics.config import load_incident
     from kvforensics.core.db import memory_set_aside, size_bytes
     from kvforensics.sources.engine_logs.columnar import HELD_PER_FILE
+    from kvforensics.stages.ingest import ingest
 
     incident = load_incident(write_mini(tmp_path / "mini"))
     con = connect(tmp_path / "evidence.duckdb", memory_limit="3GB")
     expected = duckdb.connect()
     expected.execute(f"SET memory_limit = '{size_bytes('3GB') - 2 * HELD_PER_FILE}B'")  # two logs, two cores
     seen = []
-    parse = ingest_module._parse_engine_log
+    parse = engine_entry.parse_engine_log
 
     def spying(cursor, *args):
         seen.append(_setting(cursor))
         return parse(cursor, *args)
 
-    monkeypatch.setattr(ingest_module, "_parse_engine_log", spying)
-    monkeypatch.setattr(ingest_module.os, "cpu_count", lambda: 2)
-    ingest_module.ingest(con, incident)
+    monkeypatch.setattr(engine_entry, "parse_engine_log", spying)
+    monkeypatch.setattr(engine_entry.os, "cpu_count", lambda: 2)
+    ingest(con, incident)
     assert seen == [_setting(expected)] * 2
     assert _setting(con) == _setting(connect(tmp_path / "other.duckdb", memory_limit="3GB"))
     # never below half the limit; without a limit of the incident's, nothing changes

@@ -20,7 +20,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvforensics.config import CANONICAL_REQUEST_FIELDS, Source
+from kvforensics.config import Source
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.core.db import connect
 from kvforensics.sources.requests.load import FileLoad, load_requests_file
 

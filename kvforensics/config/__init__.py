@@ -5,7 +5,8 @@
 
 Size: the contract of every table and key is checked here, in one pass, so that one module tells what an incident
 file may say; the parts with rules of their own live beside it (stages/instances.py, sources/requests/presets/, stages/probing.py, config/hardware.py,
-core/source_paths.py). Splitting it per source kind, as the mechanisms are, is the direction (docs/architecture.md).
+core/source_paths.py), and what a source of each kind may say is its kind's declaration (sources/<kind>/kind.yml,
+read by kvforensics.sources).
 """
 
 from __future__ import annotations
@@ -20,17 +21,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from kvforensics.core.canonical import (
-    CANONICAL_CHANGE_FIELDS,
-    CANONICAL_CONTENT_FIELDS,
-    CANONICAL_KV_EVENT_FIELDS,
-    CANONICAL_REQUEST_FIELDS,
-)
 from kvforensics.core.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
 from kvforensics.core.errors import ConfigError, InputError
 from kvforensics.core.fingerprint import MAX_WINNOW_WINDOW, WINNOW_WINDOW
 from kvforensics.config.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
 from kvforensics.stages.instances import InstanceMatching, instances_from_config
+from kvforensics.sources import SourceKind, envelope_names, kinds_by_name, load_kinds
 from kvforensics.sources.requests.mapping import source_mapping
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.sources.requests.presets import with_preset
@@ -38,16 +34,13 @@ from kvforensics.stages.probing import probing_parameters
 from kvforensics.stages.rulebook import load_rules
 from kvforensics.core.source_paths import check_inside
 
-SOURCE_KINDS = ("requests", "engine_log", "changes", "content", "kv_events")
-REQUEST_FORMATS = ("jsonl", "csv", "parquet", "sglang_requests", "otlp_json")
-ENGINE_FORMATS = ("sglang", "vllm", "auto")
-KV_EVENT_FORMATS = ("jsonl",)  # one batch per line, array or object form (sources/kv_events/load.py)
-ENGINE_ENVELOPES = ("auto", "none", "kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit",
-                    "syslog", "compose", "docker_logs")
+SOURCE_KINDS = tuple(k.name for k in load_kinds())  # each kind's own folder: kvforensics/sources/<kind>/kind.yml
+ENGINE_ENVELOPES = ("auto", "none", *envelope_names())
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
+# the keys every source may have, and those only a source of one kind may (its kind.yml's keys)
 _SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", "preset", "values", "null_tokens", "envelope", "ambiguous"}
+                "model", "year", *(key for k in load_kinds() for key, _ in k.keys)}
 _SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "preset", "envelope",
                      "ambiguous")
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
@@ -238,9 +231,10 @@ class Incident:
 
 
 def _may_share_files(a: Source, b: Source) -> bool:
-    """An engine log and a requests source reading the same log's ``--log-requests`` lines."""
-    roles = {(a.kind, a.format), (b.kind, b.format)}
-    return ("requests", "sglang_requests") in roles and any(kind == "engine_log" for kind, _ in roles)
+    """Whether one kind declares that a source of it in its format reads the other's files too (an engine log
+    and a requests source reading the same log's ``--log-requests`` lines)."""
+    kinds = kinds_by_name()
+    return kinds[a.kind].may_share_files(a.format, b.kind) or kinds[b.kind].may_share_files(b.format, a.kind)
 
 
 def parse_utc(value: Any, where: str) -> datetime:
@@ -337,24 +331,20 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     kind = _require(raw, "kind", where)
     if kind not in SOURCE_KINDS:
         raise ConfigError(f"kind {kind!r} is not one of {list(SOURCE_KINDS)}", location=where)
+    declared = kinds_by_name()[kind]
     path = _require(raw, "path", where)
-    default_format = {"requests": None, "engine_log": "sglang", "changes": "csv", "content": "jsonl",
-                      "kv_events": "jsonl"}[kind]
-    fmt = raw.get("format", default_format)
+    fmt = raw.get("format", declared.default_format)
     if fmt is None:
         fmt = _guess_request_format(path)
         if fmt is None:
             raise ConfigError("cannot tell the format from the path; set format = \"jsonl\", \"csv\" or "
                               "\"parquet\"", location=where)
-    allowed = {"engine_log": ENGINE_FORMATS, "kv_events": KV_EVENT_FORMATS}.get(kind, REQUEST_FORMATS)
-    if fmt not in allowed:
-        raise ConfigError(f"format {fmt!r} is not one of {list(allowed)} for kind {kind!r}", location=where)
+    if fmt not in declared.formats:
+        raise ConfigError(f"format {fmt!r} is not one of {list(declared.formats)} for kind {kind!r}", location=where)
     columns = raw.get("columns", {})
     if not isinstance(columns, Mapping) or not all(isinstance(v, str) for v in columns.values()):
         raise ConfigError("columns must be a table of canonical = \"source column\"", location=where)
-    canonical = {"requests": CANONICAL_REQUEST_FIELDS, "changes": CANONICAL_CHANGE_FIELDS,
-                 "content": CANONICAL_CONTENT_FIELDS, "engine_log": (),
-                 "kv_events": CANONICAL_KV_EVENT_FIELDS}[kind]
+    canonical = declared.canonical
     bad = sorted(set(columns) - set(canonical))
     if len(bad) == 1 and nearest(bad[0], canonical):
         raise ConfigError(f"columns maps unknown canonical field '{bad[0]}'; did you mean "
@@ -364,10 +354,9 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
                           f"{list(canonical)}", location=where)
     tz = _check_timezone(raw.get("timezone", "UTC"), where)
     values, null_tokens, expressions = {}, (), {}
-    if kind == "requests":
+    _refuse_keys_of_other_kinds(raw, declared, where)
+    if declared.maps_columns:
         values, null_tokens, expressions = source_mapping(raw, columns, fmt, where)
-    elif set(raw) & {"preset", "values", "null_tokens"}:
-        raise ConfigError("preset, values and null_tokens apply to kind \"requests\" only", location=where)
     offset = _optional(raw, "clock_offset_s", (int, float), where, "a number of seconds") or 0.0
     year = _optional(raw, "year", int, where, "an integer such as 2026")
     instance = raw.get("instance", "{stem}")
@@ -376,22 +365,16 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     except (KeyError, IndexError, ValueError, AttributeError):
         raise ConfigError(f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}} and "
                           f"{{label:NAME}} (a label of an engine log's envelope)", location=where) from None
-    if kind == "kv_events" and "{label:" in instance:
-        raise ConfigError(f"instance template {instance!r} names an envelope label, which KV-event files do not "
-                          "have; use {stem}, {name}, {parent}, or columns = { instance = \"<key>\" } to read it "
-                          "from each batch", location=where)
+    if declared.no_labels and "{label:" in instance:
+        raise ConfigError(f"instance template {instance!r} names an envelope label, {declared.no_labels}",
+                          location=where)
     envelope = raw.get("envelope", "auto")
-    if kind != "engine_log" and "envelope" in raw:
-        raise ConfigError("envelope applies to kind \"engine_log\" only", location=where)
     if envelope not in ENGINE_ENVELOPES:
         raise ConfigError(f"envelope {envelope!r} is not one of {list(ENGINE_ENVELOPES)}", location=where)
     if envelope == "none" and "{label:" in instance:
         raise ConfigError(f"instance template {instance!r} names an envelope label but envelope = \"none\"; "
                           "set the envelope (or \"auto\") or use {stem}, {name}, {parent}", location=where)
     ambiguous = raw.get("ambiguous", "reject")
-    if kind != "requests" and "ambiguous" in raw:
-        raise ConfigError("ambiguous applies to kind \"requests\" only (engine logs note DST-ambiguous "
-                          "times and read them with the offset before the change)", location=where)
     if ambiguous not in AMBIGUOUS_TIMES:
         raise ConfigError(f"ambiguous {ambiguous!r} is not one of {list(AMBIGUOUS_TIMES)}", location=where)
     return Source(name=name, kind=kind, path=path, format=fmt, timezone=tz, base_dir=base_dir,
@@ -399,6 +382,16 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
                   model=raw.get("model"), year=year, values=values, null_tokens=null_tokens,
                   expressions=expressions, preset=raw.get("preset"), incident_file=file_label,
                   envelope=envelope)
+
+
+def _refuse_keys_of_other_kinds(raw: Mapping[str, Any], declared: SourceKind, where: str) -> None:
+    """A key only another kind accepts, refused with what that kind's declaration says."""
+    for other in load_kinds():
+        if other.name == declared.name:
+            continue
+        for keys, message in other.refused_elsewhere:
+            if set(raw) & set(keys):
+                raise ConfigError(message, location=where)
 
 
 class _InstanceLabels:
@@ -461,9 +454,9 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"source names must be unique; repeated: {dupes}", location=label)
-    if not any(s.kind == "requests" for s in sources):
-        raise ConfigError("no source of kind 'requests': the investigation needs the gateway request log",
-                          location=label)
+    for needed in (k for k in load_kinds() if k.required):
+        if not any(s.kind == needed.name for s in sources):
+            raise ConfigError(f"no source of kind '{needed.name}': {needed.required}", location=label)
     settings = _table(data, "settings", label)
     check_keys(settings, _SETTINGS_KEYS, f"{label}: [settings]")
     max_q = _fraction(settings.get("max_quarantine_fraction", 0.01), "max_quarantine_fraction",

@@ -7,9 +7,10 @@ the ones that strengthen it, how its sources are attributed, the audit checks th
 deliberate use looks like, what the per-account notices say) and its detection rules (``rules/<rule>.sql`` + ``rules/<rule>.yml``, read
 by :mod:`kvforensics.stages.rulebook`). Adding a mechanism is adding a folder.
 
-An input is a source kind (``requests``, ``engine_log``, ``content``, ``changes``, ``kv_events``) or a
-field of one (``requests.cache_salt``, ``kv_events.salt``). :func:`present_inputs` says which of them the
-evidence database holds; :func:`select` picks the mechanisms an investigation runs: the ones the
+An input is one a source kind offers (``inputs`` of ``kvforensics/sources/<kind>/kind.yml``: ``requests``,
+``engine_log``, ``content``, ``changes``, ``kv_events``) or a field of one whose kind offers its fields
+(``requests.cache_salt``, ``kv_events.salt``); a mechanism naming any other is refused when it is loaded.
+:func:`present_inputs` says which of them the evidence database holds; :func:`select` picks the mechanisms an investigation runs: the ones the
 incident file names, else every mechanism whose inputs are present.
 """
 
@@ -22,22 +23,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import duckdb
-import yaml
 
 from kvforensics.core.db import one
+from kvforensics.core.declarations import read_declaration
 from kvforensics.core.errors import ConfigError
+from kvforensics.sources import always_present, field_input_tables, input_tables
 
 MECHANISMS_DIR = Path(__file__).parent
-#: The source kinds an input may name, with the evidence tables that hold them (a kind is present when
-#: one of its tables has a row; a field ``<kind>.<column>`` when that column of its table has a value).
-INPUT_TABLES: dict[str, tuple[str, ...]] = {
-    "requests": ("requests",),
-    "engine_log": ("capacity", "engine_events"),
-    "content": ("content_fingerprints",),
-    "changes": ("changes",),
-    "kv_events": ("kv_events",),
-}
-_FIELD_KINDS = ("requests", "kv_events")  # kinds whose fields are columns of their table
 _INPUT = re.compile(r"^([a-z_]+)(?:\.([a-z_][a-z0-9_]*))?$")
 _KEYS = {"id", "title", "summary", "explanation", "inputs", "attribution", "audit_checks", "exploitation", "notice"}
 _TEXT_KEYS = ("id", "title", "summary", "explanation", "attribution", "exploitation")
@@ -118,11 +110,12 @@ def _inputs(meta: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     value = meta.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"inputs.{key} must be a list of inputs such as [requests, kv_events]", location=where)
+    offered, fields = input_tables(), field_input_tables()
     for name in value:
         m = _INPUT.match(name)
-        if not m or m.group(1) not in INPUT_TABLES or (m.group(2) and m.group(1) not in _FIELD_KINDS):
-            raise ConfigError(f"inputs.{key}: unknown input {name!r}; an input is a source kind "
-                              f"({', '.join(INPUT_TABLES)}) or a field of {' or '.join(_FIELD_KINDS)} "
+        if not m or m.group(1) not in offered or (m.group(2) and m.group(1) not in fields):
+            raise ConfigError(f"inputs.{key}: unknown input {name!r}; an input is one a source kind offers "
+                              f"({', '.join(offered)}) or a field of {' or '.join(fields)} "
                               f"(e.g. requests.cached_tokens)", location=where)
     return tuple(value)
 
@@ -154,17 +147,7 @@ def read_mechanism(folder: Path) -> Mechanism:
     """The mechanism of *folder*, its ``mechanism.yml`` checked whole (a ConfigError names the file)."""
     path = folder / "mechanism.yml"
     where = str(path)
-    try:
-        meta = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"cannot read the mechanism: {' '.join(str(e).split())[:200]}", location=where) from None
-    if not isinstance(meta, Mapping):
-        raise ConfigError("a mechanism.yml is a mapping of " + ", ".join(sorted(_KEYS)), location=where)
-    unknown = sorted(set(meta) - _KEYS)
-    missing = sorted(_KEYS - set(meta))
-    if unknown or missing:
-        raise ConfigError("; ".join(filter(None, [unknown and f"unknown key(s) {unknown}",
-                                                  missing and f"missing key(s) {missing}"])), location=where)
+    meta = read_declaration(path, "mechanism", _KEYS)
     text = {k: _text(meta, k, where) for k in _TEXT_KEYS}
     if text["id"] != folder.name:
         raise ConfigError(f"id {text['id']!r} must be the folder's name {folder.name!r}", location=where)
@@ -192,18 +175,20 @@ def load_mechanisms(directory: Path = MECHANISMS_DIR) -> tuple[Mechanism, ...]:
 
 def present_inputs(con: duckdb.DuckDBPyConnection, names: Iterable[str]) -> set[str]:
     """Which of the inputs *names* (validated by :func:`read_mechanism`) the evidence database holds.
-    ``requests`` is always present: an incident cannot be loaded without a requests source."""
+    The inputs of a kind every incident needs (``requests``) are always present: an incident cannot be loaded
+    without a source of it."""
     present = set()
+    offered, fields, always = input_tables(), field_input_tables(), always_present()
     for name in set(names):
         kind, _, column = name.partition(".")
-        if kind == "requests" and not column:
+        if kind in always and not column:
             present.add(name)
             continue
-        for table in INPUT_TABLES[kind]:
+        for table in (fields[kind],) if column else offered[kind]:
             has_column = not column or one(
                 con, "SELECT count(*) FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
                 {"t": table, "c": column})[0]
-            # identifiers: a table of INPUT_TABLES and a column that exists in it
+            # identifiers: a table a source kind declares and a column that exists in it
             where = f'WHERE "{column}" IS NOT NULL' if column else ""
             if has_column and one(con, f'SELECT count(*) FROM (SELECT 1 FROM "{table}" {where} LIMIT 1)')[0]:
                 present.add(name)

@@ -26,18 +26,13 @@ import duckdb
 from kvforensics.core.db import MemoryGovernor, parameters_used, sql, statements
 from kvforensics.stages.rulebook import load_rules, rule_parameters
 from kvforensics.core.timestamps import iso
+from kvforensics.sources import load_kinds
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
 # quarantine_share: what to fix when a source of each kind quarantined more than its limit allows (the limits:
-# [settings] max_quarantine_fraction, or [quarantine] <kind>; kvforensics.config.Incident.max_quarantine_fractions)
-QUARANTINE_FIXES: dict[str, str] = {
-    "requests": "fix the source's mapping (columns, value maps, null tokens) so these records load",
-    "engine_log": "check the source's format, envelope, timezone and year so these lines load",
-    "changes": "fix the source's columns so these records load",
-    "content": "fix the source's columns so these records load",
-    "kv_events": "fix the source's columns (ts, events, dp_rank, instance, seq: where the archive keeps each part of "
-                 "a message) so these events load",
-}
+# [settings] max_quarantine_fraction, or [quarantine] <kind>; kvforensics.config.Incident.max_quarantine_fractions),
+# as each kind's declaration says it (quarantine_fix of kvforensics/sources/<kind>/kind.yml)
+QUARANTINE_FIXES: dict[str, str] = {k.name: k.quarantine_fix for k in load_kinds()}
 # kv_event_gap: the mechanism whose responses lost KV events leave unexplained (its rules' findings are the
 # flagged responses; its rules are read from the rule registry)
 KV_EVENT_MECHANISM = "prefix_reuse"

@@ -11,9 +11,7 @@ content are small and re-read whole.
 from __future__ import annotations
 
 import json
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -22,9 +20,10 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Incident, Source
-from kvforensics.core.db import memory_set_aside, one, run_script
+from kvforensics.core.db import one, run_script
 from kvforensics.core.errors import InputError, StrictModeError
-from kvforensics.core.fingerprint import key_for
+from kvforensics.sources import kinds_by_name, load_kinds
+from kvforensics.sources.common.load_report import IngestResult, IngestRun, Tick
 from kvforensics.stages.instances import (
     PlacedStartup,
     lifetimes,
@@ -32,44 +31,6 @@ from kvforensics.stages.instances import (
     role_carried_over,
     roles_carried_over,
 )
-from kvforensics.sources.changes.load import load_changes
-from kvforensics.sources.content.load import load_content
-from kvforensics.sources.kv_events.load import Chains, load_kv_events
-from kvforensics.sources.content.prefix_blocks import block_size
-from kvforensics.sources.requests.load import FileLoad, load_requests_files
-from kvforensics.sources.common.textio import file_digest, printable_raw
-
-
-@dataclass(frozen=True)
-class InputFile:
-    source: str
-    kind: str
-    file: str
-    sha256: str
-    bytes: int
-    records_read: int
-    loaded: int
-    quarantined: int
-    duplicates: int
-    notes: tuple[str, ...]
-
-
-@dataclass
-class IngestResult:
-    files: list[InputFile] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    assumptions: list[str] = field(default_factory=list)
-
-    @property
-    def records_read(self) -> int:
-        return sum(f.records_read for f in self.files)
-
-    @property
-    def quarantined(self) -> int:
-        return sum(f.quarantined for f in self.files)
-
-
-Tick = Callable[[int], None]
 
 
 def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool = False,
@@ -88,54 +49,33 @@ def ingest(con: duckdb.DuckDBPyConnection, incident: Incident, *, strict: bool =
             result.assumptions.append(
                 f"source '{source.name}': timestamps without an offset read as {source.timezone}"
                 + (f", clock offset {source.clock_offset_s:+g} s applied" if source.clock_offset_s else ""))
+    run = IngestRun(con, incident, tick, on_file, digests or {}, result)
+    kinds = load_kinds()
+    planned = {k.name: [(s, f) for s, f in plan if s.kind == k.name] for k in kinds}
     # Requests first: engine model names are matched against the gateway's model ids.
     restore_gateway_values(con)
-    for source, files in plan:
-        if source.kind == "requests":
-            result.files.extend(_ingest_requests_files(con, source, files, tick, on_file, incident.model_aliases,
-                                                       digests or {}))
-    con.execute("DELETE FROM capacity").fetchall()
-    con.execute("DELETE FROM engine_events").fetchall()
-    con.execute("DELETE FROM prefill_batches").fetchall()
-    con.execute("DELETE FROM changes").fetchall()
-    con.execute("DELETE FROM content_fingerprints").fetchall()
-    con.execute("DELETE FROM content_stats").fetchall()
-    con.execute("DELETE FROM request_blocks").fetchall()
-    con.execute("DELETE FROM kv_events").fetchall()
-    con.execute("DELETE FROM kv_event_messages").fetchall()
-    chains = Chains()  # KV-event chains continue across files
-    startups: list[tuple[Source, Path, Any]] = []
-    engine_logs = [(source, path) for source, files in plan if source.kind == "engine_log" for path in files]
-    reader = _EngineLogReader(con, incident, engine_logs, digests)
-    with memory_set_aside(con, reader.memory_held), reader:
+    for kind in (k for k in kinds if k.ingest == "first"):
+        for source, files in planned[kind.name]:
+            result.files.extend(kind.entry_module().load(run, source, files))
+    for kind in kinds:  # the kinds read whole again: their tables emptied first
+        for table in kind.tables if kind.ingest != "first" else ():
+            con.execute(f'DELETE FROM "{table}"').fetchall()  # a table name of a kind.yml, checked against schema.sql
+    by_file = [k for k in kinds if k.ingest == "files"]
+    with ExitStack() as stack:
+        for kind in by_file:
+            reading = getattr(kind.entry_module(), "reading", None)
+            if reading is not None:
+                stack.enter_context(reading(run, [(s, f) for s, files in planned[kind.name] for f in files]))
         # content last: its prompts are cut into blocks of the size the KV events and start-ups show
-        for source, files in [p for p in plan if p[0].kind not in ("requests", "content")]:
-            for path in files:
-                on_file(f"{source.name}: {path.name}")
-                if source.kind == "engine_log":
-                    record, parsed = reader.next_file(source, path)
-                    startups.extend((source, path, s) for s in parsed.startups)
-                    result.assumptions.extend(f"{source.name}: {path.name}: {n}" for n in parsed.all_notes())
-                    result.warnings.extend(f"{source.name}: {path.name}: {w}" for w in parsed.warnings)
-                    result.files.append(record)
-                    continue
-                _forget_file(con, source, path)
-                if source.kind == "changes":
-                    record = _record(con, source, path, _digest(path, digests), load_changes(con, source, path))
-                elif source.kind == "kv_events":
-                    record = _record(con, source, path, _digest(path, digests),
-                                     load_kv_events(con, source, path, key_for(incident.id), chains))
-                result.files.append(record)
+        for source, files in plan:
+            kind = kinds_by_name()[source.kind]
+            if kind in by_file:
+                result.files.extend(kind.entry_module().load(run, source, files))
     _find_kv_event_gaps(con, result)
-    _build_capacity(con, incident, startups, result)
-    size = block_size(con, incident.prefix_block_size)
-    for source, files in [p for p in plan if p[0].kind == "content"]:
-        for path in files:
-            on_file(f"{source.name}: {path.name}")
-            _forget_file(con, source, path)
-            result.files.append(_record(con, source, path, _digest(path, digests),
-                                        load_content(con, source, path, key_for(incident.id), size,
-                                                     incident.prefix_word_blocks, incident.winnow_window)))
+    _build_capacity(con, incident, run.startups, result)
+    for kind in (k for k in kinds if k.ingest == "last"):
+        for source, files in planned[kind.name]:
+            result.files.extend(kind.entry_module().load(run, source, files))
     _match_instance_names(con, incident, result)
     _fill_cached_tokens(con, result)
     _check_models(con, result)
@@ -170,162 +110,6 @@ def place_startups(con: duckdb.DuckDBPyConnection, incident: Incident,
     _build_capacity(con, incident, startups, result)
     _match_instance_names(con, incident, result)
     return result
-
-
-def _digest(path: Path, known: Mapping[str, tuple[str, int]] | None) -> tuple[str, int]:
-    return (known or {}).get(str(path.resolve())) or file_digest(path)
-
-
-def _forget_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
-    params = {"s": source.name, "f": str(path)}
-    con.execute("DELETE FROM load_report WHERE source = $s AND file = $f", params).fetchall()
-    con.execute("DELETE FROM quarantine WHERE source = $s AND file = $f", params).fetchall()
-
-
-def _record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
-            load: FileLoad) -> InputFile:
-    rec = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0], bytes=digest[1],
-                    records_read=load.records_read, loaded=load.loaded, quarantined=load.quarantined,
-                    duplicates=load.duplicates, notes=tuple(load.notes))
-    con.execute("INSERT INTO load_report VALUES ($source, $kind, $file, $sha, $bytes, $read, $loaded, $q, $d, $notes)",
-                {"source": rec.source, "kind": rec.kind, "file": rec.file, "sha": rec.sha256, "bytes": rec.bytes,
-                 "read": rec.records_read, "loaded": rec.loaded, "q": rec.quarantined, "d": rec.duplicates,
-                 "notes": "; ".join(rec.notes) or None}).fetchall()
-    return rec
-
-
-def _ingest_requests_files(con: duckdb.DuckDBPyConnection, source: Source, files: list[Path], tick: Tick,
-                           on_file: Callable[[str], None], aliases: Mapping[str, str],
-                           known: Mapping[str, tuple[str, int]]) -> list[InputFile]:
-    """Load the source's files that are new (by SHA-256; a file loaded before is reported, not read
-    again), each file's load report written in the same transaction as its records."""
-    records: dict[Path, InputFile] = {}
-    digests: dict[Path, tuple[str, int]] = {}
-    todo: list[Path] = []
-    for path in files:
-        digest = known.get(str(path.resolve())) or file_digest(path)
-        seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
-                           "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": digest[0]}).fetchall()
-        if seen:
-            r = seen[0]
-            records[path] = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0],
-                                      bytes=digest[1], records_read=r[0], loaded=r[1], quarantined=r[2],
-                                      duplicates=r[3],
-                                      notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])))
-        elif digest[1] == 0:
-            records[path] = _record(con, source, path, digest, FileLoad(file=path, notes=["empty file"]))
-        else:
-            digests[path] = digest
-            todo.append(path)
-
-    def merged(load: FileLoad) -> None:
-        if load.records_read == 0 and not load.notes:
-            load.notes.append("empty file")
-        records[load.file] = _record(con, source, load.file, digests[load.file], load)
-
-    load_requests_files(con, source, todo, tick=tick, on_file=lambda p: on_file(f"{source.name}: {p.name}"),
-                        on_merged=merged, model_aliases=aliases)
-    return [records[path] for path in files]
-
-
-class _EngineLogReader:
-    """Engine log files read side by side: up to one per core (at most four) is parsed at a time, in a
-    thread of its own on its own DuckDB cursor, inserting the lines it reads column-wise as it goes
-    (sources/engine_logs/columnar.py); :meth:`next_file` then stores the rest of each file in the incident
-    file's order (events the parser read, quarantined lines, its load report). A file that fails
-    raises when its turn comes; leaving the ``with`` block waits for every parse under way."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, incident: Incident, files: list[tuple[Source, Path]],
-                 digests: Mapping[str, tuple[str, int]] | None) -> None:
-        self.con, self.incident, self.digests = con, incident, digests or {}
-        self.todo = list(files)
-        self.workers = max(1, min(4, os.cpu_count() or 1, len(files)))
-        self.pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvf-engine-log")
-        self.running: dict[tuple[str, Path], tuple[Future, duckdb.DuckDBPyConnection, int | None, bool]] = {}
-
-    @property
-    def memory_held(self) -> int:
-        """Bytes the parses under way hold outside DuckDB's buffers, at most (set aside from its limit)."""
-        from kvforensics.sources.engine_logs.columnar import HELD_PER_FILE
-
-        return self.workers * HELD_PER_FILE if self.todo else 0
-
-    def __enter__(self) -> _EngineLogReader:
-        self._fill()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        for _, cursor, _, _ in self.running.values():
-            cursor.close()
-
-    def _fill(self) -> None:
-        while self.todo and len(self.running) < self.workers:
-            source, path = self.todo.pop(0)
-            year = source.year or self.incident.year
-            derived = year is None and source.format in ("vllm", "auto")
-            if derived:
-                year = _year_for_yearless_stamps(self.con, path)
-            _forget_file(self.con, source, path)
-            cursor = self.con.cursor()
-            digest = self.digests.get(str(path.resolve()))
-            future = self.pool.submit(_parse_engine_log, cursor, source, path, year, digest)
-            self.running[(source.name, path)] = (future, cursor, year, derived)
-
-    def next_file(self, source: Source, path: Path):
-        """The load report and parse of *path* (the next file of the plan), stored."""
-        future, cursor, year, derived = self.running.pop((source.name, path))
-        try:
-            digest, parsed = future.result()
-        finally:
-            cursor.close()
-            self._fill()
-        if derived and any("carry no year" in n for n in parsed.all_notes()):
-            parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
-                                f"modification time); set [settings] year or the source's year to override")
-        return _store_engine_log(self.con, source, path, digest, parsed), parsed
-
-
-def _parse_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, year: int | None,
-                      digest: tuple[str, int] | None):
-    """One engine log file, which may hold several instances (an export of interleaved pods): its
-    SHA-256, and its parse, the lines read column-wise already inserted into ``con``'s tables."""
-    from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
-
-    digest = digest or file_digest(path)
-    parsed = parse_engine_file_columnar(
-        path, fmt=source.format, instance=lambda labels: source.instance_for(path, labels), tz=source.tz,
-        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope, con=con,
-        sink=EvidenceSink(source.name, str(path)))
-    return digest, parsed
-
-
-def _store_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
-                      parsed) -> InputFile:
-    """The rest of a parsed engine log: the parser's events and prefill batches, quarantined lines, and
-    one load report for the file's physical lines."""
-    from kvforensics.sources.engine_logs.columnar import EvidenceSink
-
-    EvidenceSink(source.name, str(path)).store(con, parsed)  # the column-wise rows are in already
-    quarantined = parsed.all_quarantined()
-    for q in quarantined:
-        con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
-                    {"s": source.name, "f": str(path), "l": q.line, "r": q.reason,
-                     "raw": printable_raw(q.raw)}).fetchall()
-    notes = parsed.all_notes()
-    if not parsed.startups:
-        notes.append("no engine start-up found: this file gives no KV pool size")
-    load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(quarantined),
-                    quarantined=len(quarantined), notes=notes)
-    return _record(con, source, path, digest, load)
-
-
-def _year_for_yearless_stamps(con: duckdb.DuckDBPyConnection, path: Path) -> int:
-    """vLLM stamps carry no year: the first request's year, else the file's modification year."""
-    first = one(con, "SELECT min(ts) FROM requests")[0]
-    if first is not None:
-        return int(first.year)
-    return datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc).year
 
 
 def resolve_model(engine_model: str | None, source: Source, aliases: dict[str, str],

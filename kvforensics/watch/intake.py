@@ -31,7 +31,7 @@ from kvforensics.sources.content.load import load_content
 from kvforensics.sources.kv_events.load import Chains, load_kv_events
 from kvforensics.sources.content.prefix_blocks import block_size
 from kvforensics.sources.requests.load import load_requests_files
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.watch import state as watch_state
 from kvforensics.watch.follow import FileState, Follower, Increment, compression, split
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.textio import printable_raw
 
 TEXT_FIELDS = ("model", "instance", "description", "details")

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.sources.engine_logs.contract import unreadable_reason
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.textio import INCOMPLETE_RECORD, LineStream, decode_line, open_binary, printable_raw
 
 # (line, raw text, the record or None, the reason it cannot be loaded or None)

@@ -37,7 +37,7 @@ from kvforensics.core.fingerprint import (
 )
 from kvforensics.sources.content.prefix_blocks import TOKEN_IDS_NOTE, WORDS_NOTE, BlockRows, prefix_blocks, token_ids
 from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early

@@ -35,7 +35,7 @@ from kvforensics.sources.kv_events.chains import Chains, Fingerprints, follow
 from kvforensics.sources.kv_events.reference import FIELDS, TYPES, LineReader, Rows, count, finish
 from kvforensics.sources.common.records import QuarantineRows
 from kvforensics.sources.requests.readers import _scan_file
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 
 BULK_MIN_LINES = 2_000  # smaller files are read by the reference
 # lines are read a chunk at a time (the chains, the message numbers and the notes run on from chunk to chunk), in

@@ -46,7 +46,7 @@ from kvforensics.config import Source
 from kvforensics.sources.kv_events.bulk import BULK_MIN_LINES, read_bulk
 from kvforensics.sources.kv_events.chains import Chains
 from kvforensics.sources.kv_events.reference import FIELDS, block_fingerprint, canonical_hash, read_reference
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 
 __all__ = ["FIELDS", "Chains", "block_fingerprint", "canonical_hash", "load_kv_events"]
 

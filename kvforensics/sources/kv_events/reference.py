@@ -27,7 +27,7 @@ from kvforensics.sources.common.chain import chain_fingerprint, keyed_sha256
 from kvforensics.sources.changes.load import parse_ts
 from kvforensics.sources.kv_events.chains import Chains
 from kvforensics.sources.common.records import QuarantineRows
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.textio import INCOMPLETE_RECORD, LineStream, decode_line, printable_raw
 
 KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}

@@ -32,7 +32,7 @@ from kvforensics.sources.requests.typed import (
     parameters_for,
     type_file_on_cursor,
 )
-from kvforensics.sources.requests.staging import FileLoad
+from kvforensics.sources.common.load_report import FileLoad
 
 __all__ = ["FileLoad", "dst_days", "load_requests_file", "load_requests_files"]
 

@@ -101,8 +101,8 @@ from kvforensics.sources.requests.otlp_encoding import (
     repeated,
     unix_nanos,
 )
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.requests.staging import (
-    FileLoad,
     Staged,
     choose_columns,
     expression_refs,

@@ -34,12 +34,12 @@ from kvforensics.sources.requests.keys import (
     require_mapped_keys,
     sample_json_keys,
 )
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.requests.staging import (
     BATCH,
     BLANK,
     FIELD_COLUMNS,
     FINISH_REASON_KEYS,
-    FileLoad,
     Staged,
     Stager,
     choose_columns,

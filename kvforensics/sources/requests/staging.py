@@ -58,22 +58,6 @@ FIELD_COLUMNS = [f"{f}_raw" for f in CANONICAL_REQUEST_FIELDS]
 
 
 @dataclass
-class FileLoad:
-    """What happened to one input file."""
-
-    file: Path
-    records_read: int = 0
-    loaded: int = 0
-    quarantined: int = 0
-    duplicates: int = 0
-    notes: list[str] = field(default_factory=list)
-    reader: str = ""  # duckdb-json / duckdb-lines / duckdb-parquet (DuckDB's readers) or python
-    # the format the file was read as: the source's, or the one its reader recognised (a jsonl source's
-    # file that is SGLang's request log or an OTLP export)
-    format: str = ""
-
-
-@dataclass
 class Staged:
     """One file's staged records, as SQL the typing step reads from.
 

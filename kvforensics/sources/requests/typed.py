@@ -24,7 +24,8 @@ from kvforensics.config import Source
 from kvforensics.core.db import one, parameters_used, run_script, sql
 from kvforensics.sources.requests.mapping import NUMBER, TIMESTAMP, bind_literal, read_as
 from kvforensics.sources.requests.readers import STAGERS
-from kvforensics.sources.requests.staging import FileLoad, Staged, expression_refs
+from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.requests.staging import Staged, expression_refs
 
 TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     file_no INTEGER, line BIGINT, reason VARCHAR, raw VARCHAR, request_id VARCHAR, ts TIMESTAMPTZ,
