@@ -72,8 +72,8 @@ def step(args: argparse.Namespace) -> int:
     from kvforensics.config import load_incident
     from kvforensics.core.db import connect, run_script
     from kvforensics.sources.kv_events.chains import Chains
-    from kvforensics.sources.kv_events.reference import read_reference
     from kvforensics.sources.kv_events.load import load_kv_events
+    from kvforensics.sources.kv_events.reference import read_reference
 
     source = next(s for s in load_incident(args.incident).sources if s.kind == "kv_events")
     con = connect(memory_limit=args.memory_limit, threads=args.threads)

@@ -45,9 +45,9 @@ from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
 from kvforensics.core.fingerprint import SHINGLE_WORDS, key_for, selection_key
-from kvforensics.stages.ingest import resolve_model
 from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
 from kvforensics.sources.engine_logs.parse import parse_engine_log
+from kvforensics.stages.ingest import resolve_model
 
 FIELDS = ["request_id", "ts", "account_id", "model", "status", "prompt_tokens", "completion_tokens",
           "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance"]

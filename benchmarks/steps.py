@@ -17,8 +17,8 @@ under cProfile and dumps the stats there.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import cProfile
+import ctypes
 import dataclasses
 import json
 import re

@@ -18,12 +18,12 @@ from kvforensics.audit.exposure import write_exposure_windows
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, load_incident
 from kvforensics.core.db import connect
-from kvforensics.evidence.digests import CSV_OUTPUTS
 from kvforensics.core.errors import ConfigError, InputError
-from kvforensics.evidence.evidence_set import changes, current_inputs, record, recorded_inputs, scope_key
-from kvforensics.stages.ingest import IngestResult, ingest
-from kvforensics.evidence.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
 from kvforensics.core.progress import record_progress, stage
+from kvforensics.evidence.digests import CSV_OUTPUTS
+from kvforensics.evidence.evidence_set import changes, current_inputs, record, recorded_inputs, scope_key
+from kvforensics.evidence.output_folder import FolderLock, check_out_dir, clear_evidence, new_staging, publish
+from kvforensics.stages.ingest import IngestResult, ingest
 from kvforensics.stages.scope import ScopeResult, scope
 
 

@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from kvforensics.core import db
 from kvforensics.audit import (
     CHECKS,
     AuditReport,
@@ -26,6 +25,7 @@ from kvforensics.audit import (
     read_server_info,
 )
 from kvforensics.cli import main
+from kvforensics.core import db
 from kvforensics.core.errors import InputError
 from kvforensics.sources.engine_logs.parse import EngineEvent, StartupRecord
 

@@ -14,10 +14,10 @@ from conftest import INCIDENT
 from rich.console import Console
 from test_lifetimes import LARGE, SMALL, sglang_pod
 
-from kvforensics.core import db
 from kvforensics.audit import CHECKS, AuditReport, Verdict, audit_database, audit_incident, audit_paths
 from kvforensics.cli import main
 from kvforensics.config import load_incident
+from kvforensics.core import db
 from kvforensics.core.errors import InputError
 from kvforensics.investigation import Investigation
 

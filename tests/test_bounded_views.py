@@ -4,7 +4,7 @@ restarts are normal in large deployments. Beyond its limit a view samples evenly
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import duckdb
 from conftest import INCIDENT, write_mini

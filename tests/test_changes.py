@@ -10,8 +10,8 @@ import pytest
 
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
+from kvforensics.sources.common.records import parse_ts
 from kvforensics.stages.ingest import ingest
-from kvforensics.sources.changes.load import parse_ts
 
 INSTANT = datetime(2026, 8, 28, 10, 0, 0, tzinfo=timezone.utc)
 EPOCH_S = 1_787_911_200  # INSTANT

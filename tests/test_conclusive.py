@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import INCIDENT, PREFILL_LOG, mini_requests, write_mini
 
-from kvforensics.stages import conclusive
 from kvforensics.cli import main
 from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
-from kvforensics.stages.detect import load_rules
 from kvforensics.mechanisms import load_mechanisms
+from kvforensics.stages import conclusive
+from kvforensics.stages.detect import load_rules
 
 REQUIRED_CODES = {"quarantine_share", "rule_field_missing", "window_without_requests", "model_without_capacity",
                   "unknown_instances", "affected_outside_window", "truncated_file", "no_requests", "kv_event_gap"}

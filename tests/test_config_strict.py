@@ -15,11 +15,11 @@ from kvforensics.cli import main
 from kvforensics.config import incident_from_dict, load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
-from kvforensics.stages.ingest import ingest
-from kvforensics.simulate.fleet.deployment import build_deployment
 from kvforensics.simulate.exports import export_toml
-from kvforensics.simulate.sources.incident_files import incident_toml
+from kvforensics.simulate.fleet.deployment import build_deployment
 from kvforensics.simulate.scenario import COLUMN_STYLES, Scenario
+from kvforensics.simulate.sources.incident_files import incident_toml
+from kvforensics.stages.ingest import ingest
 
 ROOT = Path(__file__).resolve().parent.parent
 

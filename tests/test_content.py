@@ -16,9 +16,9 @@ from kvforensics.config import load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import InputError
 from kvforensics.core.fingerprint import WINNOW_WINDOW, fingerprints, hmac_blocks
-from kvforensics.sources.content import load as content_loader
-from kvforensics.sources.common import records
 from kvforensics.sources.changes.load import load_changes
+from kvforensics.sources.common import records
+from kvforensics.sources.content import load as content_loader
 from kvforensics.sources.content.load import load_content
 
 KEY = bytes.fromhex("5e" * 32)
@@ -85,7 +85,7 @@ def test_keys_of_any_length_give_the_hmac(tmp_path, key):
     assert stored(con, "a", "prompt") == fingerprints(text, key)
     assert stored(con, "a", "output") == fingerprints("Short answer, sir.", key)
     inner, outer = hmac_blocks(key)
-    assert len(inner) == len(outer) == 64 and bytes(a ^ b for a, b in zip(inner, outer)) == bytes([0x36 ^ 0x5C]) * 64
+    assert len(inner) == len(outer) == 64 and bytes(a ^ b for a, b in zip(inner, outer, strict=True)) == bytes([0x36 ^ 0x5C]) * 64
 
 
 def test_batches_do_not_change_the_result(tmp_path, monkeypatch):

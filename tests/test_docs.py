@@ -26,9 +26,9 @@ from kvforensics.cli import build_parser
 from kvforensics.config import Source, load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
-from kvforensics.sources.requests.load import load_requests_file
-from kvforensics.report.pdf import find_chromium
 from kvforensics.evidence.verify import EVIDENCE, HASHED_OUTPUTS, MANIFEST, SIGNATURE
+from kvforensics.report.pdf import find_chromium
+from kvforensics.sources.requests.load import load_requests_file
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_DOCS = ("README.md", "docs/incident-config.md")
@@ -397,3 +397,23 @@ def test_each_documented_epoch_unit_is_read(unit, tmp_path):
     (ts,) = con.execute("SELECT ts FROM requests").fetchone()
     precision = {"seconds": 1_000_000, "milliseconds": 1_000}.get(unit, 1)
     assert ts.astimezone(UTC) == INSTANT.replace(microsecond=INSTANT.microsecond // precision * precision)
+
+
+def test_the_import_contracts_are_the_floors_table():
+    """pyproject.toml's layers contract (``lint-imports``) lists the floors of the table, top floor first: each
+    package or module of a layer stands on that layer's floor."""
+    table = floors()
+    contracts = tomllib.loads(read("pyproject.toml"))["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    layer_floors = []
+    for layer in layers:
+        found = set()
+        for module in re.split(r"\s*[:|]\s*", layer):
+            rel = module.removeprefix("kvforensics.").replace(".", "/")
+            is_package = (PACKAGE / rel).is_dir()
+            assert is_package or (PACKAGE / f"{rel}.py").is_file(), f"{module}: no such module"
+            found.add(floor_of(f"{rel}/" if is_package else f"{rel}.py", table))
+        assert len(found) == 1, f"one layer, one floor: {layer} stands on floors {sorted(found)}"
+        layer_floors.append(found.pop())
+    assert layer_floors == sorted(layer_floors, reverse=True), layer_floors
+    assert set(layer_floors) == set(table.values()), "every floor is a layer"

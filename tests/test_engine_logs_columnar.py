@@ -20,11 +20,11 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvforensics.sources.engine_logs.clock import LocalClock
 from kvforensics.core.db import run_script
+from kvforensics.sources.engine_logs.clock import LocalClock
 from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
-from kvforensics.sources.engine_logs.parse import EngineFileParse, parse_engine_file
 from kvforensics.sources.engine_logs.contract import BATCH_COLUMNS, EVENT_COLUMNS
+from kvforensics.sources.engine_logs.parse import EngineFileParse, parse_engine_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REAL_LOGS = sorted(p for d in ("engine_logs", "audit", "envelopes", "sglang_requests") for p in (FIXTURES / d).iterdir()

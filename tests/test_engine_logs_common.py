@@ -5,9 +5,9 @@ from __future__ import annotations
 import gzip
 import re
 import tempfile
-from unittest import mock
 from datetime import UTC, datetime
 from pathlib import Path
+from unittest import mock
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -132,7 +132,7 @@ def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_ne
             got += [(batch.first + i, batch.texts[i], batch.raws[i]) for i in range(len(batch.raws))]
             sizes.append([len(in_file[batch.first + i - 1]) + 1 for i in range(len(batch.raws))])  # bytes in the file
     # every batch but the last is full: max_lines lines, or the next line would pass max_bytes
-    for lengths, following in zip(sizes, sizes[1:]):
+    for lengths, following in zip(sizes, sizes[1:], strict=False):
         if max_bytes is not None and len(lengths) > 1:
             assert sum(lengths) <= max_bytes
         assert len(lengths) == max_lines or (max_bytes is not None and sum(lengths) + following[0] > max_bytes)

@@ -11,9 +11,9 @@ from zoneinfo import ZoneInfo
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from kvforensics.sources.engine_logs.parse import EngineLine, EngineLogParse, open_lines, parse_engine_log
 from kvforensics.sources.engine_logs.sglang import parser as sglang
 from kvforensics.sources.engine_logs.vllm import parser as vllm
-from kvforensics.sources.engine_logs.parse import EngineLine, EngineLogParse, open_lines, parse_engine_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
 REAL_LINES = sorted({line for f in FIXTURES.glob("*.log") for line in f.read_text().splitlines()})

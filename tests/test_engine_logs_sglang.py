@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from kvforensics.sources.engine_logs.sglang import parser as sglang
 from kvforensics.sources.engine_logs.parse import EngineLogParse, QuarantinedLine, parse_engine_log
+from kvforensics.sources.engine_logs.sglang import parser as sglang
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
 UTC_ZONE = ZoneInfo("UTC")

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from kvforensics.sources.engine_logs.vllm import parser as vllm
 from kvforensics.sources.engine_logs.parse import EngineLogParse, parse_engine_log
+from kvforensics.sources.engine_logs.vllm import parser as vllm
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"
 UTC_ZONE = ZoneInfo("UTC")

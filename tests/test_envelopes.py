@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvforensics.config import ENGINE_ENVELOPES, Source, load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError, InputError
-from kvforensics.stages.ingest import ingest
+from kvforensics.sources.engine_logs.envelopes.parse import ENVELOPES, sniff_envelope
 from kvforensics.sources.engine_logs.parse import (
     EngineFileParse,
     StartupRecord,
@@ -27,7 +27,7 @@ from kvforensics.sources.engine_logs.parse import (
     parse_engine_file,
     parse_engine_log,
 )
-from kvforensics.sources.engine_logs.envelopes.parse import ENVELOPES, sniff_envelope
+from kvforensics.stages.ingest import ingest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "envelopes"
 ENGINE_FIXTURES = Path(__file__).parent / "fixtures" / "engine_logs"

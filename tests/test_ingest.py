@@ -8,7 +8,6 @@ from pathlib import Path
 
 import duckdb
 import pytest
-
 from conftest import write_mini
 
 from kvforensics.config import Source
@@ -91,8 +90,8 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
     raw text names what differed; every file's counts add up. The merge finds repeated ids by a hash
     of the id: with a hash that collides for most ids, nothing changes."""
     import kvforensics.core.db as db
-    import kvforensics.sources.requests.typed as request_typing
     import kvforensics.sources.requests.load as requests_loader
+    import kvforensics.sources.requests.typed as request_typing
     from kvforensics.sources.requests.load import load_requests_files
 
     monkeypatch.setattr(requests_loader, "MERGE_ROWS", merge_rows)

@@ -15,9 +15,9 @@ from kvforensics.config import Source, load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
 from kvforensics.core.fingerprint import fingerprints, rendered_text
-from kvforensics.stages.ingest import ingest
-from kvforensics.sources.requests.load import dst_days, load_requests_file
 from kvforensics.sources.common.textio import INCOMPLETE_RECORD
+from kvforensics.sources.requests.load import dst_days, load_requests_file
+from kvforensics.stages.ingest import ingest
 
 
 def rec(rid: str, **kw) -> str:

@@ -22,9 +22,14 @@ from hypothesis import strategies as st
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
-from kvforensics.stages.ingest import ingest
-from kvforensics.stages.instances import InstanceMatching, NameMatch, instances_from_config, match_instance_names
 from kvforensics.investigation import run
+from kvforensics.stages.ingest import ingest
+from kvforensics.stages.instances import (
+    InstanceMatching,
+    NameMatch,
+    instances_from_config,
+    match_instance_names,
+)
 
 ENGINES = ["glm53-prefill-0", "glm53-prefill-1", "glm53-decode-0"]
 

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from test_kv_events import kv_source
 
 from kvforensics.core.db import connect, run_script
+from kvforensics.simulate.sources.kv_event_streams import COLUMNS, SHAPES, Stream, lines
 from kvforensics.sources.kv_events.bulk import read_bulk
 from kvforensics.sources.kv_events.chains import Chains
-from kvforensics.sources.kv_events.reference import FIELDS, read_reference
 from kvforensics.sources.kv_events.load import load_kv_events
-from kvforensics.simulate.sources.kv_event_streams import COLUMNS, SHAPES, Stream, lines
+from kvforensics.sources.kv_events.reference import FIELDS, read_reference
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KEY = bytes.fromhex("a7" * 32)

@@ -21,8 +21,14 @@ from kvforensics.config import load_incident
 from kvforensics.core.db import connect, run_script
 from kvforensics.core.errors import ConfigError
 from kvforensics.sources.common.chain import chain_fingerprint
-from kvforensics.sources.kv_events.load import FIELDS, Chains, block_fingerprint, canonical_hash, load_kv_events
 from kvforensics.sources.content.prefix_blocks import prefix_blocks
+from kvforensics.sources.kv_events.load import (
+    FIELDS,
+    Chains,
+    block_fingerprint,
+    canonical_hash,
+    load_kv_events,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
 KEY = bytes.fromhex("a7" * 32)

@@ -19,11 +19,11 @@ from conftest import INCIDENT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvforensics.stages.instances import Lifetime, PlacedStartup, lifetimes
 from kvforensics.investigation import run
 from kvforensics.sources.engine_logs.sglang import parser as sglang
-from kvforensics.sources.engine_logs.vllm import parser as vllm
 from kvforensics.sources.engine_logs.shutdown import shutdown_reason
+from kvforensics.sources.engine_logs.vllm import parser as vllm
+from kvforensics.stages.instances import Lifetime, PlacedStartup, lifetimes
 
 CTX = 1_048_576
 SMALL, LARGE = 681_280, 2_042_880

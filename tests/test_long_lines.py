@@ -14,10 +14,10 @@ import pytest
 
 from kvforensics.config import Source
 from kvforensics.core.db import connect
+from kvforensics.sources.common.textio import scan_file
 from kvforensics.sources.engine_logs import lines as engine_lines
-from kvforensics.sources.engine_logs.parse import parse_engine_file
 from kvforensics.sources.engine_logs.contract import LongLine
-from kvforensics.sources.requests.readers import _scan_file
+from kvforensics.sources.engine_logs.parse import parse_engine_file
 from kvforensics.sources.requests.load import load_requests_file
 
 
@@ -47,9 +47,9 @@ def test_a_34_mb_last_record_is_loaded_not_called_blank(tmp_path, end):
 def test_duckdbs_line_reader_is_not_given_a_line_it_cannot_hold(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_bytes(b"{}\n" + b"x" * (3 << 20))
-    assert _scan_file(path, {}) == (None, [])
+    assert scan_file(path, {}) == (None, [])
     path.write_bytes(b"{}\n" + b"x" * (1 << 20) + b"\n{}")
-    assert _scan_file(path, {}) == (3, [])
+    assert scan_file(path, {}) == (3, [])
 
 
 def test_a_line_too_long_to_hold_is_quarantined_with_its_size_and_hash(tmp_path, monkeypatch):

@@ -25,8 +25,8 @@ from kvforensics.config import load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError, InputError
 from kvforensics.sources.requests import readers as request_readers
-from kvforensics.sources.requests.mapping import is_expression
 from kvforensics.sources.requests.load import load_requests_file, load_requests_files
+from kvforensics.sources.requests.mapping import is_expression
 
 FIELDS = "request_id, ts, account_id, model, status, prompt_tokens, cached_tokens, ttft_ms, latency_ms"
 

@@ -12,14 +12,14 @@ import pytest
 import yaml
 from markupsafe import escape
 
-from kvforensics.stages import conclusive
 from kvforensics.audit.model import CHECKS
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
-from kvforensics.stages.detect import detect, load_case_tables
 from kvforensics.core.errors import ConfigError
 from kvforensics.investigation import run
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms, present_inputs, read_mechanism, select
+from kvforensics.stages import conclusive
+from kvforensics.stages.detect import detect, load_case_tables
 from kvforensics.stages.rulebook import load_rules
 
 STALE = MECHANISMS_DIR / "stale_pages"

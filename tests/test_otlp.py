@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kvforensics.config import Source, load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
-from kvforensics.sources.requests.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
 from kvforensics.sources.requests.load import load_requests_file, load_requests_files
+from kvforensics.sources.requests.otlp import MISSING_REASONS, TraceExportReader, preset_columns, recognises
 from kvforensics.sources.requests.presets import load_preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "otlp"

@@ -16,8 +16,8 @@ from conftest import INCIDENT, mini_requests, write_mini
 from kvforensics.cli import main
 from kvforensics.config import load_incident
 from kvforensics.core.errors import ConfigError
-from kvforensics.investigation import Investigation
 from kvforensics.evidence.output_folder import LOCK_NAME, STAGING_NAME, check_out_dir
+from kvforensics.investigation import Investigation
 
 GENERATED = re.compile(rb"Generated \S+Z")
 

@@ -12,14 +12,14 @@ from zoneinfo import ZoneInfo
 import pytest
 from conftest import INCIDENT  # a gateway source and an SGLang engine_log source
 
-from kvforensics.stages import conclusive
 from kvforensics.audit import audit_database, audit_paths
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
-from kvforensics.stages.ingest import ingest
-from kvforensics.sources.engine_logs.sglang import parser as sglang
-from kvforensics.sources.engine_logs.contract import EngineLogParse, PrefillBatch
 from kvforensics.mechanisms import present_inputs
+from kvforensics.sources.engine_logs.contract import EngineLogParse, PrefillBatch
+from kvforensics.sources.engine_logs.sglang import parser as sglang
+from kvforensics.stages import conclusive
+from kvforensics.stages.ingest import ingest
 
 UTC = ZoneInfo("UTC")
 

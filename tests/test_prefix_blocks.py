@@ -11,9 +11,14 @@ import pytest
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import ConfigError
-from kvforensics.stages.ingest import ingest
+from kvforensics.sources.content.prefix_blocks import (
+    chain_fingerprint,
+    prefix_blocks,
+    token_ids,
+    word_fingerprint,
+)
 from kvforensics.sources.kv_events.load import block_fingerprint
-from kvforensics.sources.content.prefix_blocks import chain_fingerprint, prefix_blocks, token_ids, word_fingerprint
+from kvforensics.stages.ingest import ingest
 
 KEY = bytes.fromhex("5c" * 32)
 

@@ -13,11 +13,11 @@ import pytest
 import kvforensics
 from kvforensics.cli import main
 from kvforensics.core.db import connect
-from kvforensics.stages.detect import evaluate_case, load_case_tables, run_rule
 from kvforensics.engines.portable import run_duckdb_script
-from kvforensics.stages.rulebook import load_rules
-from kvforensics.simulate.prefix import SCENARIO_NAMES, simulate_prefix
 from kvforensics.evidence.verify import verify
+from kvforensics.simulate.prefix import SCENARIO_NAMES, simulate_prefix
+from kvforensics.stages.detect import evaluate_case, load_case_tables, run_rule
+from kvforensics.stages.rulebook import load_rules
 
 RULES_DIR = Path(kvforensics.__file__).parent / "mechanisms" / "prefix_reuse" / "rules"
 RULES = load_rules(RULES_DIR)

@@ -13,16 +13,21 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from test_sql_portability import test_portable_sql
 
 import kvforensics
 from kvforensics.cli import main
 from kvforensics.core.db import connect
-from kvforensics.stages.detect import load_case_tables, run_rule
-from kvforensics.engines.portable import EngineError, render, run_duckdb_script, script_statements, used_parameters
-from kvforensics.stages.rulebook import load_rules
+from kvforensics.engines.portable import (
+    EngineError,
+    render,
+    run_duckdb_script,
+    script_statements,
+    used_parameters,
+)
 from kvforensics.simulate.prefix import SCENARIOS, simulate_prefix
-
-from test_sql_portability import test_portable_sql
+from kvforensics.stages.detect import load_case_tables, run_rule
+from kvforensics.stages.rulebook import load_rules
 
 RULES_DIR = Path(kvforensics.__file__).parent / "mechanisms" / "prefix_reuse" / "rules"
 RULES = {r.id: r for r in load_rules(RULES_DIR)}

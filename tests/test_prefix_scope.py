@@ -14,13 +14,13 @@ import pytest
 import yaml
 from conftest import INCIDENT, mini_requests, write_mini
 
-from kvforensics.stages import conclusive
 from kvforensics.cli import main
 from kvforensics.config import load_incident
 from kvforensics.core.errors import ConfigError
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms, read_mechanism
-from kvforensics.stages.probing import PROBING_PARAMETERS, probing_assessment
 from kvforensics.simulate.prefix import simulate_prefix
+from kvforensics.stages import conclusive
+from kvforensics.stages.probing import PROBING_PARAMETERS, probing_assessment
 
 SHARED = " ".join(f"w{i}" for i in range(12))  # three blocks of four words
 

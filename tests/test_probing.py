@@ -380,8 +380,8 @@ def test_a_growing_prefix_on_other_tenants_content_is_probing_and_autocomplete_i
     own context the same way, with short answers too, but never on another tenant's content."""
     traffic = Traffic()
     ids, ts, prefix = [], T0, 2048
-    for step in range(6):                       # six blocks recovered, four candidates each
-        for c in range(4):
+    for _step in range(6):                       # six blocks recovered, four candidates each
+        for _c in range(4):
             ids.append(traffic.send("acct-grow", ts, prefix + BLOCK, 1, prefix))
             ts += timedelta(seconds=0.4)
         prefix += BLOCK

@@ -221,8 +221,8 @@ def test_possible_sources_match_a_brute_force_turnover_horizon(sample_run):
                         pd.DataFrame({"t": g["free"], "marker": 1, "w": 0, "rid": g["request_id"]})])
         ev = ev.sort_values(["t", "marker", "rid"], kind="stable").reset_index(drop=True)
         ev["cum"] = ev["w"].cumsum()
-        cum_alloc = dict(zip(ev.loc[ev.marker == 0, "rid"], ev.loc[ev.marker == 0, "cum"]))
-        cum_free = dict(zip(ev.loc[ev.marker == 1, "rid"], ev.loc[ev.marker == 1, "cum"]))
+        cum_alloc = dict(zip(ev.loc[ev.marker == 0, "rid"], ev.loc[ev.marker == 0, "cum"], strict=True))
+        cum_free = dict(zip(ev.loc[ev.marker == 1, "rid"], ev.loc[ev.marker == 1, "cum"], strict=True))
         for a in g[g["is_affected"]].itertuples():
             valid = cap[(cap.valid_from <= a.alloc) & (cap.valid_to.isna() | (a.alloc < cap.valid_to))]
             if pd.notna(a.decode_instance):

@@ -13,10 +13,14 @@ from hypothesis import strategies as st
 
 from kvforensics.config import Source, load_incident
 from kvforensics.core.db import connect
-from kvforensics.stages.ingest import ingest
+from kvforensics.sources.engine_logs.sglang.python_repr import (
+    ReprDump,
+    top_level_items,
+    top_level_items_by_token,
+)
 from kvforensics.sources.requests.load import load_requests_file
-from kvforensics.sources.engine_logs.sglang.python_repr import ReprDump, top_level_items, top_level_items_by_token
 from kvforensics.sources.requests.sglang import NO_ACCOUNT, read_line, recognises
+from kvforensics.stages.ingest import ingest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 

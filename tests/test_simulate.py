@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 
 from kvforensics.simulate import Scenario, simulate
 from kvforensics.simulate.cli import add_arguments, run
+from kvforensics.simulate.fleet.kv_pages import FREE, PageAllocator
+from kvforensics.simulate.run import planned_incident, served_chunks
 from kvforensics.simulate.sources.content import has_run
 from kvforensics.simulate.sources.engine_log import EngineLog, request_lines
 from kvforensics.simulate.sources.engine_stream import request_line_columns
 from kvforensics.simulate.sources.gateway import column_names
-from kvforensics.simulate.fleet.kv_pages import FREE, PageAllocator
-from kvforensics.simulate.run import planned_incident, served_chunks
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "data" / "sample"

@@ -21,11 +21,11 @@ from kvforensics.audit import AuditReport, audit_paths
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
-from kvforensics.stages.ingest import ingest
 from kvforensics.simulate.cli import main as simulate_main
 from kvforensics.simulate.prefix import BLOCK_SIZE, SCENARIOS, simulate_prefix
 from kvforensics.simulate.prefix.serve import chain_hash
 from kvforensics.simulate.prefix.workload import PROBE_CANDIDATES, PROVIDER_ACCOUNT, SYSTEM_PROMPT_TOKENS
+from kvforensics.stages.ingest import ingest
 
 SMALL = 4000  # requests per test scenario: seconds to generate, every failure still present
 HASH_BITS = 15  # the collision scenario's weak hash at this size (the default, 20 bits, needs 20k requests)

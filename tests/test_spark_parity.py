@@ -113,10 +113,10 @@ def test_requests_from_a_spark_table(spark, tmp_path):
     """``[settings] spark_requests_table``: the rules read requests from Spark, and evidence.duckdb gets them."""
     from conftest import write_mini
 
-    from kvforensics.stages.detect import detect
     from kvforensics.engines.portable import EngineError
     from kvforensics.engines.spark import SparkEngine
     from kvforensics.investigation import Investigation
+    from kvforensics.stages.detect import detect
 
     incident = write_mini(tmp_path / "mini")
     inv = Investigation.open(incident, tmp_path / "duck", progress=False, pdf=False)

@@ -13,7 +13,6 @@ import re
 import pytest
 
 from kvforensics.core.db import sql
-from kvforensics.stages.detect import load_rules
 from kvforensics.engines import portable
 from kvforensics.engines.portable import (
     ENGINES,
@@ -23,6 +22,7 @@ from kvforensics.engines.portable import (
     render,
     script_statements,
 )
+from kvforensics.stages.detect import load_rules
 from kvforensics.stages.scope import SCOPE_SCRIPTS
 
 #: Functions both engines implement with the same meaning and result type for our inputs.

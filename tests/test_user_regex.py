@@ -9,9 +9,9 @@ import time
 import pytest
 from conftest import INCIDENT, mini_requests, write_mini
 
-from kvforensics.stages import instances
 from kvforensics.cli import main
 from kvforensics.core.errors import ConfigError
+from kvforensics.stages import instances
 from kvforensics.stages.instances import InstanceMatching, match_instance_names
 
 HOSTILE_NAME = "a" * 40 + "!"

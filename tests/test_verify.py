@@ -17,11 +17,11 @@ from conftest import write_mini
 
 from kvforensics.cli import main
 from kvforensics.core.db import connect
-from kvforensics.evidence.digests import _Buckets
 from kvforensics.core.errors import ConfigError
+from kvforensics.evidence.digests import _Buckets
+from kvforensics.evidence.verify import check_signature, table_digests, verify
 from kvforensics.investigation import run
 from kvforensics.sources.common.textio import file_digest
-from kvforensics.evidence.verify import check_signature, table_digests, verify
 
 SSH_KEYGEN = shutil.which("ssh-keygen")
 needs_ssh_keygen = pytest.mark.skipif(SSH_KEYGEN is None, reason="ssh-keygen (OpenSSH) is not installed")

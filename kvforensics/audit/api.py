@@ -37,9 +37,9 @@ from kvforensics.audit.startups import (
 )
 from kvforensics.config import Incident, Source
 from kvforensics.core.errors import InputError
-from kvforensics.stages.instances import DEFAULT_HANDOVER_S
-from kvforensics.sources.engine_logs.parse import parse_engine_log
 from kvforensics.sources.engine_logs.contract import EngineEvent, EngineLogParse, StartupRecord
+from kvforensics.sources.engine_logs.parse import parse_engine_log
+from kvforensics.stages.instances import DEFAULT_HANDOVER_S
 
 if TYPE_CHECKING:
     import duckdb

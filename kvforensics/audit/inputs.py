@@ -36,8 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvforensics.config.tenancy import PrefixCachePolicy, read_prefix_cache
 from kvforensics.config import Source
+from kvforensics.config.tenancy import PrefixCachePolicy, read_prefix_cache
 from kvforensics.core.errors import InputError
 from kvforensics.sources.engine_logs.fields import flag_value
 

@@ -26,6 +26,7 @@ from typing import Any
 from kvforensics.audit.inputs import ServerInfo
 from kvforensics.audit.model import AUDIT_EVENT_KINDS, PD_ROLES
 from kvforensics.audit.phrases import iso, thousands
+from kvforensics.sources.engine_logs.contract import EngineEvent, StartupRecord
 from kvforensics.stages.instances import (
     UNKNOWN_ROLE,
     PlacedStartup,
@@ -33,7 +34,6 @@ from kvforensics.stages.instances import (
     role_carried_over,
     roles_carried_over,
 )
-from kvforensics.sources.engine_logs.contract import EngineEvent, StartupRecord
 
 
 @dataclass

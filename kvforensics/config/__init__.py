@@ -21,18 +21,20 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from kvforensics.core.canonical import REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS  # imported from here too
+from kvforensics.config.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
+from kvforensics.core.canonical import (
+    REQUIRED_REQUEST_FIELDS as REQUIRED_REQUEST_FIELDS,  # imported from here too
+)
 from kvforensics.core.errors import ConfigError, InputError
 from kvforensics.core.fingerprint import MAX_WINNOW_WINDOW, WINNOW_WINDOW
-from kvforensics.config.hardware import PRECISIONS, SPEC_TABLE_KEYS, spec_from_config
-from kvforensics.stages.instances import InstanceMatching, instances_from_config
+from kvforensics.core.source_paths import check_inside
+from kvforensics.mechanisms import load_mechanisms
 from kvforensics.sources import SourceKind, envelope_names, kinds_by_name, load_kinds
 from kvforensics.sources.requests.mapping import source_mapping
-from kvforensics.mechanisms import load_mechanisms
 from kvforensics.sources.requests.presets import with_preset
+from kvforensics.stages.instances import InstanceMatching, instances_from_config
 from kvforensics.stages.probing import probing_parameters
 from kvforensics.stages.rulebook import load_rules
-from kvforensics.core.source_paths import check_inside
 
 SOURCE_KINDS = tuple(k.name for k in load_kinds())  # each kind's own folder: kvforensics/sources/<kind>/kind.yml
 ENGINE_ENVELOPES = ("auto", "none", *envelope_names())

@@ -17,12 +17,17 @@ import duckdb
 
 from kvforensics import __version__
 from kvforensics.config import Incident
-from kvforensics.stages.detect import load_rules
-from kvforensics.evidence.digests import TABLE_DIGEST, TABLE_DIGEST_CONSTRUCTIONS, output_digests, table_digests
 from kvforensics.core.escaping import csv_cell
-from kvforensics.sources.common.textio import file_digest
-from kvforensics.stages.scope import ScopeResult, iso
 from kvforensics.core.source_paths import outside_files
+from kvforensics.evidence.digests import (
+    TABLE_DIGEST,
+    TABLE_DIGEST_CONSTRUCTIONS,
+    output_digests,
+    table_digests,
+)
+from kvforensics.sources.common.textio import file_digest
+from kvforensics.stages.detect import load_rules
+from kvforensics.stages.scope import ScopeResult, iso
 
 HEADLINE_QUERIES: dict[str, str] = {
     "affected_responses": "SELECT count(*) FROM affected_responses",

@@ -38,6 +38,7 @@ import duckdb
 from kvforensics import __version__
 from kvforensics.config import Incident, load_incident
 from kvforensics.core.db import connect
+from kvforensics.core.errors import ConfigError, InputError, KvForensicsError
 from kvforensics.evidence.digests import (
     CSV_OUTPUTS,
     HASHED_OUTPUTS,
@@ -48,7 +49,6 @@ from kvforensics.evidence.digests import (
     report_written,
     table_digests,
 )
-from kvforensics.core.errors import ConfigError, InputError, KvForensicsError
 from kvforensics.sources.common.textio import file_digest
 
 SIGNATURE_NAMESPACE = "kvforensics"
@@ -260,9 +260,9 @@ def _check_headlines(con: duckdb.DuckDBPyConnection, scope: dict) -> list[str]:
 def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: dict, scope_json: dict,
                             stored: dict[str, dict[str, Any]], out_dir: Path) -> list[str]:
     """Detection, scope, CSVs and notices re-run on a scratch copy of the evidence database, compared."""
-    from kvforensics.stages.detect import detect
     from kvforensics.evidence.outputs import write_manifest, write_tables
     from kvforensics.report.render import render_pages, write_notices
+    from kvforensics.stages.detect import detect
     from kvforensics.stages.scope import scope
 
     work = tmp / "rederived"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import duckdb
 import pandas as pd
 
-from kvforensics.stages.detect import load_rules
 from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.charts import CONFIDENCE_COLOURS, alt
 from kvforensics.report.data import how_it_ended, without_na
+from kvforensics.stages.detect import load_rules
 
 MAX_CHART_POINTS = 4000  # an account's unflagged requests drawn (every flagged one is)
 AFFECTED = ("confirmed", "probable")  # the tiers counted as affected responses

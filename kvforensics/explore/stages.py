@@ -8,9 +8,9 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
-from kvforensics.stages.detect import load_rules
 from kvforensics.explore.view import View, read_frame, reads, when
 from kvforensics.report.data import how_it_ended, without_na
+from kvforensics.stages.detect import load_rules
 
 NOTIFICATION_ROLES = ("received_foreign_data", "data_exposed_confirmed", "data_exposed_possible")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import duckdb
 
-from kvforensics.stages.conclusive import RULE_FIELDS
 from kvforensics.config import Incident
+from kvforensics.stages.conclusive import RULE_FIELDS
 from kvforensics.stages.detect import Rule, load_rules
 
 

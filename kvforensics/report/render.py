@@ -18,6 +18,7 @@ from markupsafe import Markup
 from kvforensics import __version__
 from kvforensics.config import Incident
 from kvforensics.core.escaping import visible_controls_in
+from kvforensics.core.timestamps import iso
 from kvforensics.mechanisms import load_mechanisms
 from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames, version_notes
@@ -27,7 +28,6 @@ from kvforensics.report.notices import write_notices
 from kvforensics.report.story import incident_story
 from kvforensics.report.templating import template_env
 from kvforensics.report.views import account_frames, exposure_period, timeline_frames
-from kvforensics.core.timestamps import iso
 
 
 def scope_parameter_rows(parameters: Any, prefix: str = "") -> list[tuple[str, str]]:

@@ -58,7 +58,6 @@ import pandas as pd
 import kvforensics.simulate.sources.incident_files as files
 from kvforensics.core.errors import ConfigError
 from kvforensics.simulate.fleet.deployment import MODEL_KEYS, Deployment
-from kvforensics.simulate.sources.engine_log import build_engine_logs, request_lines
 from kvforensics.simulate.fleet.pods import (
     NAMESPACE,
     Pod,
@@ -68,9 +67,12 @@ from kvforensics.simulate.fleet.pods import (
     write_kubectl_logs,
     write_loki_export,
 )
-from kvforensics.simulate.fleet.pods import SIGTERM_LINE as SIGTERM_LINE  # where tests and readers look for it
+from kvforensics.simulate.fleet.pods import (
+    SIGTERM_LINE as SIGTERM_LINE,  # where tests and readers look for it
+)
 from kvforensics.simulate.run import affected_records, apply_pages, planned_incident, served_chunks, trap_ids
 from kvforensics.simulate.scenario import Scenario
+from kvforensics.simulate.sources.engine_log import build_engine_logs, request_lines
 from kvforensics.simulate.traffic import STREAM_IDS
 
 EXPORT_STYLES = ("litellm-loki",)

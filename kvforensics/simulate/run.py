@@ -26,16 +26,16 @@ from rich.progress import Progress
 
 import kvforensics.simulate.sources.incident_files as files
 from kvforensics.core.errors import ConfigError
+from kvforensics.simulate.fleet.deployment import MODEL_KEYS, Deployment, build_deployment
+from kvforensics.simulate.fleet.kv_pages import PageSimulation, simulate_pages
+from kvforensics.simulate.fleet.serving import serve, timelines
+from kvforensics.simulate.incident import AffectedPlan, incident_rows
+from kvforensics.simulate.scenario import Scenario
 from kvforensics.simulate.sources.content import ContentWriter, Text
 from kvforensics.simulate.sources.content_stream import ContentStream
-from kvforensics.simulate.fleet.deployment import MODEL_KEYS, Deployment, build_deployment
 from kvforensics.simulate.sources.engine_log import build_engine_logs, request_lines, write_engine_logs
 from kvforensics.simulate.sources.engine_stream import EngineLogStream, request_line_columns
 from kvforensics.simulate.sources.gateway import GatewayWriter, with_duplicates
-from kvforensics.simulate.incident import AffectedPlan, incident_rows
-from kvforensics.simulate.fleet.kv_pages import PageSimulation, simulate_pages
-from kvforensics.simulate.scenario import Scenario
-from kvforensics.simulate.fleet.serving import serve, timelines
 from kvforensics.simulate.traffic import (
     HOUR_MS,
     INTERNAL_BACKGROUND_ACCOUNTS,

@@ -24,9 +24,9 @@ from typing import Any, Mapping
 import duckdb
 
 from kvforensics.core.db import MemoryGovernor, parameters_used, sql, statements
-from kvforensics.stages.rulebook import load_rules, rule_parameters
 from kvforensics.core.timestamps import iso
 from kvforensics.sources import load_kinds
+from kvforensics.stages.rulebook import load_rules, rule_parameters
 
 DEFAULT_MAX_QUARANTINE_FRACTION = 0.01
 # quarantine_share: what to fix when a source of each kind quarantined more than its limit allows (the limits:

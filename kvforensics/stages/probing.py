@@ -23,8 +23,8 @@ import duckdb
 import pandas as pd
 
 from kvforensics.core.db import one
-from kvforensics.engines.portable import run_duckdb_script
 from kvforensics.core.errors import ConfigError
+from kvforensics.engines.portable import run_duckdb_script
 from kvforensics.stages.rulebook import load_rules
 
 MECHANISM = "prefix_reuse"

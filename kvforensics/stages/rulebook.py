@@ -21,9 +21,10 @@ from typing import Any, Mapping
 import yaml
 
 from kvforensics.core.db import sql
-from kvforensics.engines.portable import EngineError, render
 from kvforensics.core.errors import ConfigError
+from kvforensics.engines.portable import EngineError, render
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms
+
 _PARAM = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 
 

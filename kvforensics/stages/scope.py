@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import duckdb
 
-from kvforensics.stages.conclusive import gate, recorded
 from kvforensics.config import Incident
 from kvforensics.core.db import one
-from kvforensics.engines.portable import run_duckdb_script
 from kvforensics.core.fingerprint import SHINGLE_WORDS, guaranteed_words
+from kvforensics.core.timestamps import iso
+from kvforensics.engines.portable import run_duckdb_script
+from kvforensics.stages.conclusive import gate, recorded
 from kvforensics.stages.probing import (
     PROBING_PARAMETERS,
     probing_assessment,
@@ -25,7 +26,6 @@ from kvforensics.stages.probing import (
     probing_selected,
     probing_summary,
 )
-from kvforensics.core.timestamps import iso
 
 if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine

@@ -29,8 +29,8 @@ import pyarrow as pa
 from kvforensics import latency
 from kvforensics.config import Incident
 from kvforensics.core.db import one
-from kvforensics.stages.detect import select_mechanisms
 from kvforensics.core.errors import ConfigError
+from kvforensics.stages.detect import select_mechanisms
 from kvforensics.stages.rulebook import Rule, load_rules, rule_parameters
 
 REFIT_GROWTH = 1.5  # the latency model is fitted again when the requests have grown by this factor

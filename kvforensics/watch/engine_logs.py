@@ -27,10 +27,10 @@ import pyarrow.compute as pc
 
 from kvforensics.config import Incident, Source
 from kvforensics.core.db import one
-from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
-from kvforensics.sources.engine_logs.parse import parse_engine_file
-from kvforensics.sources.engine_logs.contract import EngineFileParse, EngineLogParse, StartupRecord
 from kvforensics.sources.common.textio import printable_raw
+from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
+from kvforensics.sources.engine_logs.contract import EngineFileParse, EngineLogParse, StartupRecord
+from kvforensics.sources.engine_logs.parse import parse_engine_file
 from kvforensics.watch.follow import Follower, Increment
 from kvforensics.watch.intake import Counts, Pieces
 

@@ -23,15 +23,15 @@ from typing import Mapping
 
 import duckdb
 
-from kvforensics.core.canonical import REQUIRED_REQUEST_FIELDS
 from kvforensics.config import Incident, Source
+from kvforensics.core.canonical import REQUIRED_REQUEST_FIELDS
 from kvforensics.core.fingerprint import key_for
 from kvforensics.sources.changes.load import load_changes
-from kvforensics.sources.content.load import load_content
-from kvforensics.sources.kv_events.load import Chains, load_kv_events
-from kvforensics.sources.content.prefix_blocks import block_size
-from kvforensics.sources.requests.load import load_requests_files
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.content.load import load_content
+from kvforensics.sources.content.prefix_blocks import block_size
+from kvforensics.sources.kv_events.load import Chains, load_kv_events
+from kvforensics.sources.requests.load import load_requests_files
 from kvforensics.watch import state as watch_state
 from kvforensics.watch.follow import FileState, Follower, Increment, compression, split
 

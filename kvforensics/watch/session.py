@@ -36,13 +36,13 @@ from kvforensics.audit.exposure import write_exposure_windows
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, Source
 from kvforensics.core.db import one, run_script
-from kvforensics.stages.detect import detect
 from kvforensics.core.errors import InputError
 from kvforensics.core.escaping import visible_controls
-from kvforensics.evidence.evidence_set import current_inputs, record
-from kvforensics.stages.ingest import ingest, place_startups, restore_gateway_values
-from kvforensics.investigation import Investigation
 from kvforensics.core.timestamps import iso
+from kvforensics.evidence.evidence_set import current_inputs, record
+from kvforensics.investigation import Investigation
+from kvforensics.stages.detect import detect
+from kvforensics.stages.ingest import ingest, place_startups, restore_gateway_values
 from kvforensics.watch import state as watch_state
 from kvforensics.watch.alerts import AlertLog, alert
 from kvforensics.watch.detection import LiveDetection, affected_after_detect

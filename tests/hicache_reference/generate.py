@@ -947,7 +947,7 @@ class Simulation:
 
     # -- schedule
     def run(self) -> None:
-        for inst, rows in self.dep.startups.items():
+        for _inst, rows in self.dep.startups.items():
             for s in rows:
                 self.push(s.start, STARTUP, s)
         self.push(self.dep.flush[1], FLUSH, self.dep.flush[0])

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforensics.simulate.fleet.deployment import Deployment, ExposureWindow, Startup
-from kvforensics.simulate.sources.gateway import CANONICAL_FIELDS, column_names
 from kvforensics.simulate.scenario import Scenario
+from kvforensics.simulate.sources.gateway import CANONICAL_FIELDS, column_names
 
 
 def iso(ts: datetime | None) -> str | None:

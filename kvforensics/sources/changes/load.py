@@ -7,15 +7,15 @@ details are optional. Anything else is quarantined with its reason.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, parse_ts, read_records
 from kvforensics.sources.common.textio import printable_raw
 
 TEXT_FIELDS = ("model", "instance", "description", "details")
@@ -71,33 +71,3 @@ def _text(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def parse_ts(value: str | None, source: Source) -> datetime | None:
-    """A change's timestamp in UTC: epoch seconds/ms/us/ns by magnitude, or ISO 8601 (read in the
-    source's timezone when it has no offset); the source's clock offset (real seconds) applied to
-    either, as the requests loader does. None if unreadable."""
-    if value is None or not value.strip():
-        return None
-    v = value.strip()
-    try:
-        num = float(v)
-    except ValueError:
-        num = None
-    offset = timedelta(seconds=source.clock_offset_s)
-    if num is not None:
-        scale = 1e9 if abs(num) >= 1e17 else 1e6 if abs(num) >= 1e14 else 1e3 if abs(num) >= 1e11 else 1.0
-        try:
-            return datetime.fromtimestamp(num / scale, tz=timezone.utc) + offset
-        except (OverflowError, OSError, ValueError):  # inf, nan, beyond year 9999
-            return None
-    try:
-        dt = datetime.fromisoformat(v.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=source.tz)
-    try:  # in UTC first: an offset added to a zone's local time would move across a daylight-saving change
-        return dt.astimezone(timezone.utc) + offset
-    except OverflowError:  # an offset carrying a time beyond year 1 or 9999
-        return None

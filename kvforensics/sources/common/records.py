@@ -1,5 +1,5 @@
-"""Records of a CSV or JSONL file read in Python (the change log and the content file), and the
-quarantine rows they give, written in batches.
+"""Records of a CSV or JSONL file read in Python (the change log and the content file), the
+quarantine rows they give, written in batches, and a record's timestamp as every kind reads one.
 
 Every record is yielded, good or not: a line that is not UTF-8, not JSON or not a JSON object, a CSV
 row with the wrong number of fields and the partial last record of a truncated gzip/zstd stream come
@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,9 +19,15 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.sources.engine_logs.contract import unreadable_reason
 from kvforensics.sources.common.load_report import FileLoad
-from kvforensics.sources.common.textio import INCOMPLETE_RECORD, LineStream, decode_line, open_binary, printable_raw
+from kvforensics.sources.common.textio import (
+    INCOMPLETE_RECORD,
+    LineStream,
+    decode_line,
+    open_binary,
+    printable_raw,
+)
+from kvforensics.sources.engine_logs.contract import unreadable_reason
 
 # (line, raw text, the record or None, the reason it cannot be loaded or None)
 Record = tuple[int, str, dict[str, Any] | None, str | None]
@@ -123,3 +130,33 @@ class QuarantineRows:
         self._lines.clear()
         self._reasons.clear()
         self._raws.clear()
+
+
+def parse_ts(value: str | None, source: Source) -> datetime | None:
+    """A change's timestamp in UTC: epoch seconds/ms/us/ns by magnitude, or ISO 8601 (read in the
+    source's timezone when it has no offset); the source's clock offset (real seconds) applied to
+    either, as the requests loader does. None if unreadable."""
+    if value is None or not value.strip():
+        return None
+    v = value.strip()
+    try:
+        num = float(v)
+    except ValueError:
+        num = None
+    offset = timedelta(seconds=source.clock_offset_s)
+    if num is not None:
+        scale = 1e9 if abs(num) >= 1e17 else 1e6 if abs(num) >= 1e14 else 1e3 if abs(num) >= 1e11 else 1.0
+        try:
+            return datetime.fromtimestamp(num / scale, tz=timezone.utc) + offset
+        except (OverflowError, OSError, ValueError):  # inf, nan, beyond year 9999
+            return None
+    try:
+        dt = datetime.fromisoformat(v.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=source.tz)
+    try:  # in UTC first: an offset added to a zone's local time would move across a daylight-saving change
+        return dt.astimezone(timezone.utc) + offset
+    except OverflowError:  # an offset carrying a time beyond year 1 or 9999
+        return None

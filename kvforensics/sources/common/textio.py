@@ -12,7 +12,7 @@ import io
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Mapping
 
 import duckdb
 
@@ -213,3 +213,62 @@ def printable_raw(raw: bytes | str, limit: int = 500) -> str:
     """A record as it can be shown in the quarantine: truncated, undecodable bytes escaped."""
     text = raw.decode("utf-8", errors="backslashreplace") if isinstance(raw, bytes) else raw
     return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more chars]"
+
+
+NEEDLE_EVERY = 8  # scan_file looks for late field names in every 8th chunk (1 MiB each) and in the last
+# The longest line DuckDB's line reader is given: its max_line_size default (2 MiB). It refuses a longer line in
+# the middle of a file, but drops a last line of some 30 MB without a word (DuckDB 1.x-2.0): a file with a longer
+# line goes to the Python reader.
+DUCKDB_MAX_LINE = 2 << 20
+
+
+def scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | None, list[str]]:
+    """One pass over the decompressed file at memchr speed: its physical lines, and the fields of
+    *needles* one of whose names occurs in it (looked for in every ``NEEDLE_EVERY``-th chunk and in the
+    last one, where a field logged from some record on is sure to be). The line count is None when a
+    byte in the file is a CR or the 0x01 that DuckDB's line reader uses as its delimiter (either would
+    make DuckDB split or cut a physical line, shifting line numbers or dropping the text after the
+    0x01), when a line is longer than DuckDB's line reader holds (``DUCKDB_MAX_LINE``: it refuses such a
+    line, or drops it without a word when it is the last), or when the stream cannot be read to its
+    end: such a file goes to the Python reader, which keeps every byte (or quarantines a line too long
+    to read whole) and says why. A last line without a newline counts, as it does for the Python
+    reader."""
+    count: int | None = 0
+    last = b"\n"
+    run = 0  # bytes since the last newline: the line being read (lines inside one chunk are shorter)
+    found: set[str] = set()
+    longest = max((len(n) for names in needles.values() for n in names), default=0)
+    before = b""  # the end of the chunk before: a name cut between two chunks
+    unseen: tuple[bytes, bytes] | None = None  # the last chunk read, while not looked at
+
+    def look(text: bytes) -> None:
+        found.update(f for f, names in needles.items() if f not in found and any(n in text for n in names))
+
+    try:
+        with open_binary(path, fast_gzip=True) as fh:
+            for i, chunk in enumerate(iter(lambda: fh.read(CHUNK), b"")):
+                if count is not None and (b"\r" in chunk or b"\x01" in chunk):
+                    count = None
+                    if not needles:
+                        break
+                if count is not None:
+                    count += chunk.count(b"\n")
+                    last = chunk[-1:]
+                    first = chunk.find(b"\n")
+                    if (run + (len(chunk) if first < 0 else first)) > DUCKDB_MAX_LINE:
+                        count = None
+                        if not needles:
+                            break
+                    run = run + len(chunk) if first < 0 else len(chunk) - chunk.rfind(b"\n") - 1
+                if len(found) < len(needles):
+                    if i % NEEDLE_EVERY == 0:
+                        look(before + chunk)
+                        unseen = None
+                    else:
+                        unseen = (before, chunk)
+                    before = chunk[-longest:]
+        if unseen is not None and len(found) < len(needles):
+            look(unseen[0] + unseen[1])  # the last chunk
+    except Exception:  # noqa: BLE001 - truncated or corrupt: the Python reader says why, record by record
+        count = None
+    return (None if count is None else count + (last != b"\n")), sorted(found)

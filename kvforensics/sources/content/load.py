@@ -35,9 +35,15 @@ from kvforensics.core.fingerprint import (
     selection_key,
     shingle_words,
 )
-from kvforensics.sources.content.prefix_blocks import TOKEN_IDS_NOTE, WORDS_NOTE, BlockRows, prefix_blocks, token_ids
-from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
+from kvforensics.sources.content.prefix_blocks import (
+    TOKEN_IDS_NOTE,
+    WORDS_NOTE,
+    BlockRows,
+    prefix_blocks,
+    token_ids,
+)
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early

@@ -5,7 +5,7 @@ A prefix cache keys the KV of a prompt's leading tokens in blocks of the engine'
 ``p`` holds tokens ``p * size .. (p + 1) * size - 1``, and only full blocks are cached. Each block of
 a content record becomes a row ``request_id, position, num_tokens, block_fp, chain_fp``:
 
-* ``block_fp``: the keyed fingerprint of the block's tokens, :func:`kv_events.block_fingerprint`
+* ``block_fp``: the keyed fingerprint of the block's tokens, :func:`kvforensics.sources.common.chain.block_fingerprint`
   when the record carries the engine's ``prompt_token_ids`` (so it joins with ``kv_events.block_fp``),
   else the same HMAC over the block's words (:func:`fingerprint.shingle_words`): a documented
   approximation in which a word stands for a token, blocks of words line up between two prompts only
@@ -29,8 +29,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.core.db import one
-from kvforensics.sources.common.chain import chain_fingerprint
-from kvforensics.sources.kv_events.load import block_fingerprint
+from kvforensics.sources.common.chain import block_fingerprint, chain_fingerprint
 
 DEFAULT_BLOCK_SIZE = 16
 MAX_BLOCKS = 100_000  # per prompt: a cache keyed on longer prefixes than this is not one we model
@@ -99,7 +98,7 @@ class BlockRows:
 
     def add(self, request_id: str, blocks: Iterable[tuple[int, int, int, int]]) -> None:
         for position, num_tokens, fp, chain in blocks:
-            for name, value in zip(_SCHEMA.names, (request_id, position, num_tokens, fp, chain)):
+            for name, value in zip(_SCHEMA.names, (request_id, position, num_tokens, fp, chain), strict=True):
                 self.columns[name].append(value)
 
     def __len__(self) -> int:

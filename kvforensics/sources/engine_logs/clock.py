@@ -8,7 +8,6 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 
-
 class LocalClock:
     """Turn naive local engine timestamps into tz-aware UTC datetimes.
 

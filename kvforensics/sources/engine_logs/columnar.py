@@ -58,8 +58,6 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvforensics.sources.engine_logs.parse import add_truncation, engine_format, parse_engine_file
-from kvforensics.sources.engine_logs.lines import SNIFF_LINES, LineBatch, open_lines
 from kvforensics.sources.engine_logs.contract import (
     BATCH_COLUMNS,
     DETAIL_LIMIT,
@@ -68,6 +66,9 @@ from kvforensics.sources.engine_logs.contract import (
     InstanceNamer,
 )
 from kvforensics.sources.engine_logs.envelopes.parse import sniff_envelope
+from kvforensics.sources.engine_logs.lines import SNIFF_LINES, LineBatch, open_lines
+from kvforensics.sources.engine_logs.parse import add_truncation, engine_format, parse_engine_file
+from kvforensics.sources.engine_logs.sglang.batches import DECODE_FIELDS, PREFILL_FIELDS
 from kvforensics.sources.engine_logs.sglang.parser import (
     BATCH_LINE_EXCLUDES,
     ROLE_HINTS,
@@ -75,7 +76,6 @@ from kvforensics.sources.engine_logs.sglang.parser import (
     RequestRun,
     SglangParser,
 )
-from kvforensics.sources.engine_logs.sglang.batches import DECODE_FIELDS, PREFILL_FIELDS
 from kvforensics.sources.engine_logs.startup_bounds import refuse_impossible_values
 
 __all__ = ["BATCH_LINES", "EvidenceSink", "parse_engine_file_columnar"]

@@ -24,19 +24,7 @@ from typing import Literal
 from zoneinfo import ZoneInfo
 
 from kvforensics.core.errors import InputError
-from kvforensics.sources.engine_logs.sglang import parser as sglang
-from kvforensics.sources.engine_logs.vllm import parser as vllm
 from kvforensics.sources.engine_logs.clock import DockerSkewCheck, LocalClock
-from kvforensics.sources.engine_logs.fields import PoolReport, PoolReports, as_int, flag_value, parse_repr_fields
-from kvforensics.sources.engine_logs.lines import (
-    SNIFF_LINES,
-    LineStream,
-    OuterPrefix,
-    TruncatedInput,
-    contains_any,
-    open_lines,
-    split_outer_prefixes,
-)
 from kvforensics.sources.engine_logs.contract import (
     EVENT_KINDS,
     EngineEvent,
@@ -51,7 +39,25 @@ from kvforensics.sources.engine_logs.contract import (
     raw_for_quarantine,
 )
 from kvforensics.sources.engine_logs.envelopes.parse import ENVELOPES, parse_enveloped, sniff_envelope
+from kvforensics.sources.engine_logs.fields import (
+    PoolReport,
+    PoolReports,
+    as_int,
+    flag_value,
+    parse_repr_fields,
+)
+from kvforensics.sources.engine_logs.lines import (
+    SNIFF_LINES,
+    LineStream,
+    OuterPrefix,
+    TruncatedInput,
+    contains_any,
+    open_lines,
+    split_outer_prefixes,
+)
+from kvforensics.sources.engine_logs.sglang import parser as sglang
 from kvforensics.sources.engine_logs.startup_bounds import refuse_impossible_values
+from kvforensics.sources.engine_logs.vllm import parser as vllm
 from kvforensics.sources.engine_logs.vllm.lines import LINE_SIGNATURE as VLLM_LINE_SIGNATURE
 
 __all__ = [

@@ -31,11 +31,11 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.core.db import run_script, sql
+from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import QuarantineRows
+from kvforensics.sources.common.textio import scan_file
 from kvforensics.sources.kv_events.chains import Chains, Fingerprints, follow
 from kvforensics.sources.kv_events.reference import FIELDS, TYPES, LineReader, Rows, count, finish
-from kvforensics.sources.common.records import QuarantineRows
-from kvforensics.sources.requests.readers import _scan_file
-from kvforensics.sources.common.load_report import FileLoad
 
 BULK_MIN_LINES = 2_000  # smaller files are read by the reference
 # lines are read a chunk at a time (the chains, the message numbers and the notes run on from chunk to chunk), in
@@ -65,7 +65,7 @@ def read_bulk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: b
     batch = _batch_reads(source)
     if isinstance(batch, str):
         return batch
-    lines, _ = _scan_file(path, {})
+    lines, _ = scan_file(path, {})
     if lines is None:
         return "DuckDB cannot number its lines as the reference does (a CR or 0x01 byte, a line over 2 MiB, or a " \
                "stream that does not read to its end)"

@@ -43,10 +43,10 @@ from pathlib import Path
 import duckdb
 
 from kvforensics.config import Source
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.kv_events.bulk import BULK_MIN_LINES, read_bulk
 from kvforensics.sources.kv_events.chains import Chains
 from kvforensics.sources.kv_events.reference import FIELDS, block_fingerprint, canonical_hash, read_reference
-from kvforensics.sources.common.load_report import FileLoad
 
 __all__ = ["FIELDS", "Chains", "block_fingerprint", "canonical_hash", "load_kv_events"]
 

@@ -5,6 +5,9 @@ read order (:class:`~kvforensics.sources.kv_events.chains.Chains`) and says of e
 why. It is the definition the bulk reader (:mod:`kvforensics.sources.kv_events.bulk`) is tested
 against, and the reader of every line that one leaves out: :class:`LineReader` reads one line into
 its message, the blocks of each event and the reasons of what it refuses, without following chains.
+
+Size: the reference is the definition of every shape of every event the bulk reader is tested against; it
+reads best whole, in the order a line is read.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.sources.common.chain import chain_fingerprint, keyed_sha256
-from kvforensics.sources.changes.load import parse_ts
-from kvforensics.sources.kv_events.chains import Chains
-from kvforensics.sources.common.records import QuarantineRows
+from kvforensics.sources.common.chain import block_fingerprint, chain_fingerprint, ids_fingerprint
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import QuarantineRows, parse_ts
 from kvforensics.sources.common.textio import INCOMPLETE_RECORD, LineStream, decode_line, printable_raw
+from kvforensics.sources.kv_events.chains import Chains
 
 KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
 # each event's fields in wire order (after the tag), and how many every version carries
@@ -68,22 +70,6 @@ RemovedBlock = tuple[str, str | None, int | None]  # hash, medium, kv_group
 
 class Refused(ValueError):
     """Why an event (or a whole batch) cannot be loaded."""
-
-
-def block_fingerprint(token_ids: list[int], key: bytes) -> int:
-    """The keyed 63-bit fingerprint of one block's token ids: HMAC-SHA256 under the incident key of
-    ``b"kv-block:"`` and the ids as decimal numbers joined by commas. Equal ids give equal
-    fingerprints within an investigation; without the key they cannot be tested against guesses. (A
-    list of ints' ``repr`` is that text with spaces, and faster to make.)"""
-    text = repr(token_ids)[1:-1].replace(" ", "") if type(token_ids) is list else ",".join(map(str, token_ids))
-    return _ids_fingerprint(text, key)
-
-
-def _ids_fingerprint(ids: str, key: bytes) -> int:
-    """:func:`block_fingerprint` of the ids written as it writes them (``"101,102,103"``)."""
-    mac = keyed_sha256(key)()
-    mac.update(b"kv-block:" + ids.encode("ascii"))
-    return int.from_bytes(mac.digest()[:8], "big") >> 1
 
 
 def canonical_hash(value: Any) -> str:
@@ -494,7 +480,7 @@ def _blocks(tag: str, v: list[Any], salt: Any, salt_name: str, key: bytes) -> li
     for i, h in enumerate(hashes):
         block = tokens if n == 1 else tokens[i * size:(i + 1) * size]
         own = salt or (_vllm_salt(extra[i], lora_name) if extra is not None and extra[i] else None) or None
-        fp = None if not block else _ids_fingerprint(ids, key) if n == 1 else block_fingerprint(block, key)
+        fp = None if not block else ids_fingerprint(ids, key) if n == 1 else block_fingerprint(block, key)
         blocks.append((h, parent, len(block) or None, fp, own, lora, medium, group))
         parent = h
     return blocks

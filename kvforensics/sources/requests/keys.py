@@ -15,9 +15,10 @@ import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.config import Source
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.core.errors import InputError
+from kvforensics.sources.common.textio import CHUNK, LineStream, open_binary
 from kvforensics.sources.requests.staging import (
     candidate_names,
     check_expression_columns,
@@ -25,7 +26,6 @@ from kvforensics.sources.requests.staging import (
     preset_gap,
     preset_optional,
 )
-from kvforensics.sources.common.textio import CHUNK, LineStream, open_binary
 
 SAMPLE_RECORDS = 2000  # records whose keys choose a JSONL file's columns
 _SAMPLED_DEPTH = 3  # the sampled keys are paths of up to 4 names (a.b.c.d)

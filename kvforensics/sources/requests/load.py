@@ -23,7 +23,9 @@ import duckdb
 
 from kvforensics.config import Source
 from kvforensics.core.db import one, run_script
-from kvforensics.sources.requests import otlp, sglang as sglang_requests
+from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.requests import otlp
+from kvforensics.sources.requests import sglang as sglang_requests
 from kvforensics.sources.requests.readers import STAGERS
 from kvforensics.sources.requests.typed import (
     dst_days,
@@ -32,7 +34,6 @@ from kvforensics.sources.requests.typed import (
     parameters_for,
     type_file_on_cursor,
 )
-from kvforensics.sources.common.load_report import FileLoad
 
 __all__ = ["FileLoad", "dst_days", "load_requests_file", "load_requests_files"]
 

@@ -69,6 +69,9 @@ object opens. A line that is not JSON, an export that is not an object with ``re
 span that breaks the structure (not an object, no valid ``spanId``/``traceId``, attributes that are
 not key/value pairs) are records of their own, quarantined with the reason and location. (A
 conflicting duplicate's ``raw`` is read again from the file: the span on its line with its request id.)
+
+Size: one trace format's reader; which spans are model calls and where each canonical field is read
+from (above) are one contract, kept in one module with the reader that keeps it.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvforensics.config import Source
 from kvforensics.core.errors import InputError
-from kvforensics.sources.engine_logs.lines import open_lines
+from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.engine_logs.contract import unreadable_reason
+from kvforensics.sources.engine_logs.lines import open_lines
 from kvforensics.sources.requests.otlp_encoding import (
     SpanProblem,
     attribute_map,
@@ -101,7 +105,7 @@ from kvforensics.sources.requests.otlp_encoding import (
     repeated,
     unix_nanos,
 )
-from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.requests.presets import load_preset
 from kvforensics.sources.requests.staging import (
     Staged,
     choose_columns,
@@ -110,7 +114,6 @@ from kvforensics.sources.requests.staging import (
     python_staged,
     unknown_column,
 )
-from kvforensics.sources.requests.presets import load_preset
 
 if TYPE_CHECKING:
     import duckdb

@@ -23,18 +23,29 @@ import duckdb
 import pyarrow as pa
 import zstandard
 
-from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.config import Source
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.core.errors import ConfigError, InputError
-from kvforensics.sources.requests import otlp, sglang as sglang_requests
+from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.textio import (
+    CHUNK,
+    INCOMPLETE_RECORD,
+    LineStream,
+    Recovering,
+    decode_line,
+    line_limit,
+    printable_raw,
+    scan_file,
+)
 from kvforensics.sources.engine_logs.contract import unreadable_reason
+from kvforensics.sources.requests import otlp
+from kvforensics.sources.requests import sglang as sglang_requests
 from kvforensics.sources.requests.keys import (
     SAMPLE_RECORDS,
     late_needles,
     require_mapped_keys,
     sample_json_keys,
 )
-from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.requests.staging import (
     BATCH,
     BLANK,
@@ -50,16 +61,6 @@ from kvforensics.sources.requests.staging import (
     require_header,
     split_cells,
     wrong_type_reason,
-)
-from kvforensics.sources.common.textio import (
-    CHUNK,
-    INCOMPLETE_RECORD,
-    LineStream,
-    Recovering,
-    decode_line,
-    line_limit,
-    open_binary,
-    printable_raw,
 )
 
 # Stage JSONL and Parquet with DuckDB's own readers when the file allows it (the Python readers
@@ -92,7 +93,7 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     keys, whole = sample_json_keys(path)
     chosen = choose_columns(source, keys)
     needles = {} if whole else late_needles(source, keys, chosen)
-    lines, late = _scan_file(path, needles) if needles or (fast and FAST_STAGING) else (None, [])
+    lines, late = scan_file(path, needles) if needles or (fast and FAST_STAGING) else (None, [])
     if late:  # a name of a field the sample lacks is in the file: read every record's keys, in case it is a key
         keys, whole = sample_json_keys(path, None)
         chosen = choose_columns(source, keys)
@@ -154,65 +155,6 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
     return python_staged()
 
 
-NEEDLE_EVERY = 8  # _scan_file looks for late field names in every 8th chunk (1 MiB each) and in the last
-# The longest line DuckDB's line reader is given: its max_line_size default (2 MiB). It refuses a longer line in
-# the middle of a file, but drops a last line of some 30 MB without a word (DuckDB 1.x-2.0): a file with a longer
-# line goes to the Python reader.
-DUCKDB_MAX_LINE = 2 << 20
-
-
-def _scan_file(path: Path, needles: Mapping[str, set[bytes]]) -> tuple[int | None, list[str]]:
-    """One pass over the decompressed file at memchr speed: its physical lines, and the fields of
-    *needles* one of whose names occurs in it (looked for in every ``NEEDLE_EVERY``-th chunk and in the
-    last one, where a field logged from some record on is sure to be). The line count is None when a
-    byte in the file is a CR or the 0x01 that DuckDB's line reader uses as its delimiter (either would
-    make DuckDB split or cut a physical line, shifting line numbers or dropping the text after the
-    0x01), when a line is longer than DuckDB's line reader holds (``DUCKDB_MAX_LINE``: it refuses such a
-    line, or drops it without a word when it is the last), or when the stream cannot be read to its
-    end: such a file goes to the Python reader, which keeps every byte (or quarantines a line too long
-    to read whole) and says why. A last line without a newline counts, as it does for the Python
-    reader."""
-    count: int | None = 0
-    last = b"\n"
-    run = 0  # bytes since the last newline: the line being read (lines inside one chunk are shorter)
-    found: set[str] = set()
-    longest = max((len(n) for names in needles.values() for n in names), default=0)
-    before = b""  # the end of the chunk before: a name cut between two chunks
-    unseen: tuple[bytes, bytes] | None = None  # the last chunk read, while not looked at
-
-    def look(text: bytes) -> None:
-        found.update(f for f, names in needles.items() if f not in found and any(n in text for n in names))
-
-    try:
-        with open_binary(path, fast_gzip=True) as fh:
-            for i, chunk in enumerate(iter(lambda: fh.read(CHUNK), b"")):
-                if count is not None and (b"\r" in chunk or b"\x01" in chunk):
-                    count = None
-                    if not needles:
-                        break
-                if count is not None:
-                    count += chunk.count(b"\n")
-                    last = chunk[-1:]
-                    first = chunk.find(b"\n")
-                    if (run + (len(chunk) if first < 0 else first)) > DUCKDB_MAX_LINE:
-                        count = None
-                        if not needles:
-                            break
-                    run = run + len(chunk) if first < 0 else len(chunk) - chunk.rfind(b"\n") - 1
-                if len(found) < len(needles):
-                    if i % NEEDLE_EVERY == 0:
-                        look(before + chunk)
-                        unseen = None
-                    else:
-                        unseen = (before, chunk)
-                    before = chunk[-longest:]
-        if unseen is not None and len(found) < len(needles):
-            look(unseen[0] + unseen[1])  # the last chunk
-    except Exception:  # noqa: BLE001 - truncated or corrupt: the Python reader says why, record by record
-        count = None
-    return (None if count is None else count + (last != b"\n")), sorted(found)
-
-
 def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str | None],
                            finish_reason: str | None, lines: int | None) -> Staged | None:
     """Stage a JSONL file with DuckDB's own readers. None when DuckDB cannot read the file as clean
@@ -226,7 +168,7 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
     second choice: every physical line a row of ``read_csv`` (a delimiter valid JSON cannot contain
     unescaped, no quoting), each record parsed for all fields with the JSON functions. Bytes that
     are not UTF-8 make either reader fail; the loader then hands the file to the Python reader.
-    *lines*: the file's physical lines, None when DuckDB cannot number them (see ``_scan_file``)."""
+    *lines*: the file's physical lines, None when DuckDB cannot number them (see ``scan_file``)."""
     if lines is None:
         return None
     reader = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "

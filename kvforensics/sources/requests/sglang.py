@@ -46,6 +46,9 @@ came in this file (quarantined: the client disconnected, the request was still r
 log ends, or it finished in a later rotated file), and one per request-log line that cannot be
 read. Prompt and output text never leave this module: a record's ``raw`` is a JSON summary of the
 identifiers and ``meta_info`` numbers, and an unreadable line's ``raw`` has long strings elided.
+
+Size: one log format's reader; the lines it accepts and where each canonical field is read from (above) are
+one contract, kept in one module with the reader that keeps it.
 """
 
 from __future__ import annotations
@@ -61,10 +64,16 @@ from http import HTTPStatus
 from pathlib import Path
 
 from kvforensics.config import Source
-from kvforensics.sources.engine_logs.lines import split_outer_prefixes
-from kvforensics.sources.engine_logs.contract import LongLine
-from kvforensics.sources.engine_logs.sglang.python_repr import ReprDump, header_value, plain_summary, top_level_items, value_at
 from kvforensics.sources.common.textio import LineStream, printable_raw
+from kvforensics.sources.engine_logs.contract import LongLine
+from kvforensics.sources.engine_logs.lines import split_outer_prefixes
+from kvforensics.sources.engine_logs.sglang.python_repr import (
+    ReprDump,
+    header_value,
+    plain_summary,
+    top_level_items,
+    value_at,
+)
 
 FORMAT = "sglang_requests"
 ROUTING_KEY_HEADER = "x-smg-routing-key"

@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import duckdb
 import pyarrow as pa
 
-from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.config import Source
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS, REQUIRED_REQUEST_FIELDS
 from kvforensics.core.errors import ConfigError, InputError
 from kvforensics.sources.requests.mapping import json_path
 from kvforensics.sources.requests.presets import load_preset

@@ -18,13 +18,13 @@ from zoneinfo import ZoneInfo
 
 import duckdb
 
-from kvforensics.sources.requests import presets
-from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.config import Source
+from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.core.db import one, parameters_used, run_script, sql
+from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.requests import presets
 from kvforensics.sources.requests.mapping import NUMBER, TIMESTAMP, bind_literal, read_as
 from kvforensics.sources.requests.readers import STAGERS
-from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.requests.staging import Staged, expression_refs
 
 TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (

@@ -32,7 +32,13 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 
 from kvforensics.sources.engine_logs.contract import EngineLine, unreadable_reason
-from kvforensics.sources.engine_logs.envelopes.records import RFC3339, EnvelopeItem, EnvelopeRecord, match_ns, quarantine
+from kvforensics.sources.engine_logs.envelopes.records import (
+    RFC3339,
+    EnvelopeItem,
+    EnvelopeRecord,
+    match_ns,
+    quarantine,
+)
 
 _COLOUR = r"(?:\x1b\[[0-9;]*m)*"
 PREFIX = re.compile(r"^" + _COLOUR + r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,254}) +\|(?: |$)" + _COLOUR)

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforensics.sources.engine_logs.contract import EngineLine, unreadable_reason
-from kvforensics.sources.engine_logs.envelopes.records import EnvelopeItem, Partials, quarantine, rfc3339_ns, split_message
+from kvforensics.sources.engine_logs.envelopes.records import (
+    EnvelopeItem,
+    Partials,
+    quarantine,
+    rfc3339_ns,
+    split_message,
+)
 
 OUT_FILE = re.compile(r"^(?P<tag>[^\s\[{][^\s]*?): \[(?P<sec>\d{1,12})(?:\.(?P<frac>\d{1,9}))?, ")
 """The start of an ``out_file`` line: the tag, then the event time in seconds."""

@@ -25,10 +25,21 @@ from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from kvforensics.sources.engine_logs.lines import SNIFF_LINES
-from kvforensics.sources.engine_logs.contract import EngineFileParse, EngineLine, EngineLogParse, InstanceNamer, LineParser
-from kvforensics.sources.engine_logs.envelopes.formats import ENVELOPE_CLOCKS, ENVELOPES, read_envelope, sniff_envelope
+from kvforensics.sources.engine_logs.contract import (
+    EngineFileParse,
+    EngineLine,
+    EngineLogParse,
+    InstanceNamer,
+    LineParser,
+)
+from kvforensics.sources.engine_logs.envelopes.formats import (
+    ENVELOPE_CLOCKS,
+    ENVELOPES,
+    read_envelope,
+    sniff_envelope,
+)
 from kvforensics.sources.engine_logs.envelopes.records import EnvelopeRecord, utc_from_ns
+from kvforensics.sources.engine_logs.lines import SNIFF_LINES
 
 __all__ = [
     "ENVELOPES",

@@ -21,7 +21,13 @@ import re
 from collections.abc import Iterable, Iterator
 
 from kvforensics.sources.engine_logs.contract import EngineLine, unreadable_reason
-from kvforensics.sources.engine_logs.envelopes.records import RFC3339, EnvelopeItem, EnvelopeRecord, match_ns, quarantine
+from kvforensics.sources.engine_logs.envelopes.records import (
+    RFC3339,
+    EnvelopeItem,
+    EnvelopeRecord,
+    match_ns,
+    quarantine,
+)
 
 # a host name or address; the tag is always followed by a space (the templates' sp-if-no-1st-sp)
 _TAG = r" (?P<host>[A-Za-z0-9][A-Za-z0-9._:%-]{0,254}) (?P<program>[^\s\[\]:]{1,128})(?:\[(?P<pid>[^\s\]]{1,32})\])?: "

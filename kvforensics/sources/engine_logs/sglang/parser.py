@@ -26,8 +26,6 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from kvforensics.sources.engine_logs.clock import DockerSkewCheck, LocalClock
-from kvforensics.sources.engine_logs.fields import parse_repr_fields
-from kvforensics.sources.engine_logs.lines import contains_any, split_outer_prefixes
 from kvforensics.sources.engine_logs.contract import (
     EngineEvent,
     EngineLine,
@@ -40,6 +38,8 @@ from kvforensics.sources.engine_logs.contract import (
     truncate_detail,
     unreadable_reason,
 )
+from kvforensics.sources.engine_logs.fields import parse_repr_fields
+from kvforensics.sources.engine_logs.lines import contains_any, split_outer_prefixes
 from kvforensics.sources.engine_logs.sglang.batches import BATCH_NEEDLE, BatchRefusal, match_prefill_batch
 from kvforensics.sources.engine_logs.sglang.events import OTHER_EVENT_NEEDLES, match_event
 from kvforensics.sources.engine_logs.sglang.startup import ENGINE, SglangStartup, startup_record

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from kvforensics.sources.engine_logs.fields import PoolReport, PoolReports, as_int, flag_value
 from kvforensics.sources.engine_logs.contract import StartupRecord, add_note, log_end_fields
+from kvforensics.sources.engine_logs.fields import PoolReport, PoolReports, as_int, flag_value
 from kvforensics.sources.engine_logs.sglang.versions import infer_version, satisfies
 
 ENGINE = "sglang"

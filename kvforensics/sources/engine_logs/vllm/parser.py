@@ -20,8 +20,6 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from kvforensics.sources.engine_logs.clock import DockerSkewCheck, LocalClock
-from kvforensics.sources.engine_logs.fields import parse_repr_fields
-from kvforensics.sources.engine_logs.lines import contains_any, split_outer_prefixes
 from kvforensics.sources.engine_logs.contract import (
     EngineEvent,
     EngineLine,
@@ -33,6 +31,8 @@ from kvforensics.sources.engine_logs.contract import (
     truncate_detail,
     unreadable_reason,
 )
+from kvforensics.sources.engine_logs.fields import parse_repr_fields
+from kvforensics.sources.engine_logs.lines import contains_any, split_outer_prefixes
 from kvforensics.sources.engine_logs.shutdown import shutdown_reason
 from kvforensics.sources.engine_logs.vllm.lines import (
     ABORTED,

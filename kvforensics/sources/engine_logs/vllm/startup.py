@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from kvforensics.sources.engine_logs.fields import PoolReport, PoolReports, as_int, flag_value
 from kvforensics.sources.engine_logs.contract import StartupRecord, add_note, log_end_fields
+from kvforensics.sources.engine_logs.fields import PoolReport, PoolReports, as_int, flag_value
 
 ENGINE = "vllm"
 DEFAULT_BLOCK_SIZE = 16
