@@ -68,8 +68,16 @@ def dataset_dir(workdir: Path, requests: int, fmt: str, seed: int, scenario: str
     return workdir / "data" / f"{scenario or fmt}-n{requests}-seed{seed}"
 
 
-def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_path: Path,
-                   timeout_s: float | None = None, scenario: str | None = None) -> Dataset:
+def ensure_dataset(
+    workdir: Path,
+    requests: int,
+    fmt: str,
+    seed: int,
+    *,
+    log_path: Path,
+    timeout_s: float | None = None,
+    scenario: str | None = None,
+) -> Dataset:
     """The cached data set, generating it with ``kvforensics simulate`` when absent. With *scenario*, the
     prefix-cache incident of that name (its gateway log is JSONL: *fmt* must be ``jsonl``)."""
     if scenario and fmt != "jsonl":
@@ -86,12 +94,28 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
     partial.parent.mkdir(parents=True, exist_ok=True)
     sim_hash = simulator_sha256()
     kind = ["--mechanism", "prefix_reuse", "--prefix-scenario", scenario] if scenario else ["--format", fmt]
-    m = run_measured([sys.executable, "-m", "kvforensics", "simulate", "--seed", str(seed),
-                      "--requests", str(requests), *kind, "--out", str(partial)],
-                     log_path=log_path, timeout_s=timeout_s)
+    m = run_measured(
+        [
+            sys.executable,
+            "-m",
+            "kvforensics",
+            "simulate",
+            "--seed",
+            str(seed),
+            "--requests",
+            str(requests),
+            *kind,
+            "--out",
+            str(partial),
+        ],
+        log_path=log_path,
+        timeout_s=timeout_s,
+    )
     if not m.ok:
-        raise RuntimeError(f"simulate --requests {requests} {' '.join(kind)} failed (exit {m.returncode}); "
-                           f"see {log_path}:\n{m.stderr_tail}")
+        raise RuntimeError(
+            f"simulate --requests {requests} {' '.join(kind)} failed (exit {m.returncode}); "
+            f"see {log_path}:\n{m.stderr_tail}"
+        )
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
@@ -102,19 +126,34 @@ def ensure_dataset(workdir: Path, requests: int, fmt: str, seed: int, *, log_pat
         return sum(p.stat().st_size for p in (final / folder).glob("*") if p.is_file())
 
     info = {
-        "requests": requests, "format": fmt, "seed": seed,
-        "generate_wall_s": round(m.wall_s, 2), "generate_peak_rss_mb": round(m.peak_rss_mb, 1),
-        "gateway_files": len(gateway), "gateway_bytes": sum(p.stat().st_size for p in gateway),
-        "engine_bytes": size("engine"), "content_bytes": size("content"), "simulator_sha256": sim_hash,
+        "requests": requests,
+        "format": fmt,
+        "seed": seed,
+        "generate_wall_s": round(m.wall_s, 2),
+        "generate_peak_rss_mb": round(m.peak_rss_mb, 1),
+        "gateway_files": len(gateway),
+        "gateway_bytes": sum(p.stat().st_size for p in gateway),
+        "engine_bytes": size("engine"),
+        "content_bytes": size("content"),
+        "simulator_sha256": sim_hash,
     }
     if scenario:  # simulate/prefix's ground truth: the responses computed on another tenant's blocks
-        info.update(scenario=scenario, gateway_lines=truth["requests"], unique_requests=truth["requests"],
-                    affected_responses=len(truth["recipients"]), recipient_accounts=len(truth["recipient_accounts"]),
-                    source_accounts=len(truth["source_accounts"]), kv_events_bytes=size("kv-events"))
+        info.update(
+            scenario=scenario,
+            gateway_lines=truth["requests"],
+            unique_requests=truth["requests"],
+            affected_responses=len(truth["recipients"]),
+            recipient_accounts=len(truth["recipient_accounts"]),
+            source_accounts=len(truth["source_accounts"]),
+            kv_events_bytes=size("kv-events"),
+        )
     else:
-        info.update(gateway_lines=truth["counts"]["gateway_lines"], unique_requests=truth["counts"]["requests"],
-                    affected_responses=truth["counts"]["affected_responses"],
-                    page_simulation=truth["page_simulation"])
+        info.update(
+            gateway_lines=truth["counts"]["gateway_lines"],
+            unique_requests=truth["counts"]["requests"],
+            affected_responses=truth["counts"]["affected_responses"],
+            page_simulation=truth["page_simulation"],
+        )
     # incident.toml paths are relative to the file, so the rename keeps the data set usable.
     (final / MARKER).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return Dataset(final, requests, fmt, seed, info, scenario)

@@ -69,9 +69,18 @@ def child(method: str, db: Path, memory_limit: str, spill: Path, report: Path) -
     seconds = time.perf_counter() - start
     stop.set()
     digest = hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()  # every table's at once
-    report.write_text(json.dumps({"seconds": round(seconds, 3), "spill_peak_gb": round(peak["bytes"] / 1e9, 2),
-                                  "rows": sum(t["rows"] for t in tables.values()), "tables": len(tables),
-                                  "sha256": digest}), encoding="utf-8")
+    report.write_text(
+        json.dumps(
+            {
+                "seconds": round(seconds, 3),
+                "spill_peak_gb": round(peak["bytes"] / 1e9, 2),
+                "rows": sum(t["rows"] for t in tables.values()),
+                "tables": len(tables),
+                "sha256": digest,
+            }
+        ),
+        encoding="utf-8",
+    )
 
 
 def _database_sort(con: Any) -> dict[str, Any]:
@@ -94,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="with --evidence: names the results file (default: the rows)")
     p.add_argument("--memory-limit", default="2GB")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
-    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)} (default: every one "
-                                                   "that applies; the database sort only without --evidence)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list of {', '.join(METHODS)} (default: every one "
+        "that applies; the database sort only without --evidence)",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--db", type=Path, help=argparse.SUPPRESS)
@@ -123,27 +136,69 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     for method in methods:
         report = folder / f"{method}.json"
-        m = run_measured(python_argv("digest.py", "--child", method, "--db", str(db), "--memory-limit",
-                                     args.memory_limit, "--workdir", str(args.workdir), "--report", str(report)),
-                         log_path=folder / "digest.log", report_path=report)
-        runs[method] = {"ok": m.ok, "exit_code": m.returncode, "peak_rss_mb": round(m.peak_rss_mb, 1),
-                        "cpu_seconds": round(m.cpu_s, 2), "other_cpu_seconds": m.other_cpu_s, **m.report}
+        m = run_measured(
+            python_argv(
+                "digest.py",
+                "--child",
+                method,
+                "--db",
+                str(db),
+                "--memory-limit",
+                args.memory_limit,
+                "--workdir",
+                str(args.workdir),
+                "--report",
+                str(report),
+            ),
+            log_path=folder / "digest.log",
+            report_path=report,
+        )
+        runs[method] = {
+            "ok": m.ok,
+            "exit_code": m.returncode,
+            "peak_rss_mb": round(m.peak_rss_mb, 1),
+            "cpu_seconds": round(m.cpu_s, 2),
+            "other_cpu_seconds": m.other_cpu_s,
+            **m.report,
+        }
         r = runs[method]
-        print(f"  {method:<14} " + (f"{r['rows']:>13,} rows {r['seconds']:>9.2f} s  {r['peak_rss_mb']:>7.0f} MB  "
-                                    f"spill {r['spill_peak_gb']:.2f} GB"
-                                    if m.ok else f"FAILED (exit {m.returncode}): {m.stderr_tail[-300:]}"))
+        print(
+            f"  {method:<14} "
+            + (
+                f"{r['rows']:>13,} rows {r['seconds']:>9.2f} s  {r['peak_rss_mb']:>7.0f} MB  "
+                f"spill {r['spill_peak_gb']:.2f} GB"
+                if m.ok
+                else f"FAILED (exit {m.returncode}): {m.stderr_tail[-300:]}"
+            )
+        )
     done = {k: r for k, r in runs.items() if r["ok"]}
     if {"database-sort", "rows-v2"} <= set(done):
-        print(f"  same digest, database sort and rows-v2: {done['database-sort']['sha256'] == done['rows-v2']['sha256']}")
+        print(
+            f"  same digest, database sort and rows-v2: {done['database-sort']['sha256'] == done['rows-v2']['sha256']}"
+        )
     for method in (m for m in ("rows-v3",) if m in done and "rows-v2" in done):
-        print(f"  {method} / rows-v2: {done[method]['seconds'] / done['rows-v2']['seconds']:.2f}x time, "
-              f"{done[method]['peak_rss_mb'] / done['rows-v2']['peak_rss_mb']:.2f}x peak RSS")
+        print(
+            f"  {method} / rows-v2: {done[method]['seconds'] / done['rows-v2']['seconds']:.2f}x time, "
+            f"{done[method]['peak_rss_mb'] / done['rows-v2']['peak_rss_mb']:.2f}x peak RSS"
+        )
     label = args.label or (db.parent.name if args.evidence else str(args.rows))
     out = args.results_dir / f"{dt.date.today():%Y-%m-%d}-{label}-table-digest.json"
-    out.write_text(json.dumps({"rows": args.rows if not args.evidence else None, "evidence": str(db) if args.evidence
-                               else None, "memory_limit": args.memory_limit, "date": dt.datetime.now()
-                               .isoformat(timespec="seconds"), "machine": info, "code": code, "runs": runs},
-                              indent=1) + "\n", encoding="utf-8")
+    out.write_text(
+        json.dumps(
+            {
+                "rows": args.rows if not args.evidence else None,
+                "evidence": str(db) if args.evidence else None,
+                "memory_limit": args.memory_limit,
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "machine": info,
+                "code": code,
+                "runs": runs,
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     print(f"results: {out}")
     return 0 if all(r["ok"] for r in runs.values()) else 1
 

@@ -42,16 +42,29 @@ def _module(name: str) -> Any:
 
 def _stage(stage: str, incident: Path, out: Path, memory_limit: str) -> dict[str, Any]:
     """One stage in a process of its own: wall seconds, exit code, its peak RSS (ru_maxrss of the child)."""
-    cmd = [str(ROOT / ".venv" / "bin" / "kvforensics"), stage, str(incident), "--out", str(out),
-           "--memory-limit", memory_limit, "--quiet"] + (["--no-pdf"] if stage == "report" else [])
+    cmd = [
+        str(ROOT / ".venv" / "bin" / "kvforensics"),
+        stage,
+        str(incident),
+        "--out",
+        str(out),
+        "--memory-limit",
+        memory_limit,
+        "--quiet",
+    ] + (["--no-pdf"] if stage == "report" else [])
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
     code = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True).returncode
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     # ru_maxrss of the children is the largest of them so far: a stage's own peak only when it is the largest
-    return {"stage": stage, "exit_code": code, "seconds": round(seconds, 2),
-            "peak_rss_mb": round(peak / 1024, 1), "peak_is_this_stage": peak > before}
+    return {
+        "stage": stage,
+        "exit_code": code,
+        "seconds": round(seconds, 2),
+        "peak_rss_mb": round(peak / 1024, 1),
+        "peak_is_this_stage": peak > before,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,18 +91,30 @@ def main(argv: list[str] | None = None) -> int:
 
     con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
     try:
-        events, requests = con.execute("SELECT (SELECT count(*) FROM kv_events), (SELECT count(*) FROM requests)").fetchall()[0]
+        events, requests = con.execute(
+            "SELECT (SELECT count(*) FROM kv_events), (SELECT count(*) FROM requests)"
+        ).fetchall()[0]
     finally:
         con.close()
     doc = {
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-        "incident": {"generator": "tests/hicache_reference/generate.py", "requests": requests, "kv_event_rows": events,
-                     "seed": args.seed, "generate_seconds": generated},
-        "memory_limit": args.memory_limit, "steps": steps,
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "incident": {
+            "generator": "tests/hicache_reference/generate.py",
+            "requests": requests,
+            "kv_event_rows": events,
+            "seed": args.seed,
+            "generate_seconds": generated,
+        },
+        "memory_limit": args.memory_limit,
+        "steps": steps,
         "detect_scope_report_over_ingest": round(after / ingest, 2) if ingest else None,
         "peak_rss_mb": max(s["peak_rss_mb"] for s in steps),
-        "score": {k: result[k] for k in ("run", "affected", "recipients", "source_accounts", "sources", "exploitation",
-                                         "seq_gaps") if k in result},
+        "score": {
+            k: result[k]
+            for k in ("run", "affected", "recipients", "source_accounts", "sources", "exploitation", "seq_gaps")
+            if k in result
+        },
         "windows": result.get("windows"),
     }
     target = ROOT / "benchmarks" / "results" / f"{dt.date.today().isoformat()}-{args.requests}-hicache-reference.json"

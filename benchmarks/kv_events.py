@@ -48,7 +48,8 @@ def dataset(workdir: Path, shape: str, messages: int, seed: int) -> Path:
             fh.write(line + "\n")
     tmp.rename(root / "events" / "engine-0.jsonl")
     columns = ", ".join(f'{k} = "{v}"' for k, v in COLUMNS[shape].items())
-    incident.write_text(f"""[incident]
+    incident.write_text(
+        f"""[incident]
 id = "kv-events-bench"
 title = "KV events, {shape}"
 
@@ -63,7 +64,9 @@ instance = "engine-0"
 name = "gateway"
 kind = "requests"
 path = "gateway.jsonl"
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     return incident
 
 
@@ -79,21 +82,44 @@ def step(args: argparse.Namespace) -> int:
     con = connect(memory_limit=args.memory_limit, threads=args.threads)
     chains = Chains()
     cpu, start = time.process_time(), time.perf_counter()
-    loads = [read_reference(con, source, path, b"k" * 32, chains) if args.step == "reference"
-             else load_kv_events(con, source, path, b"k" * 32, chains) for path in source.files()]
+    loads = [
+        read_reference(con, source, path, b"k" * 32, chains)
+        if args.step == "reference"
+        else load_kv_events(con, source, path, b"k" * 32, chains)
+        for path in source.files()
+    ]
     run_script(con, "kv_event_gaps")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     digest = hashlib.sha256()
     for table in TABLES:
-        for row in sorted(map(repr, con.execute(f"SELECT * EXCLUDE (source_file) FROM {table}" if table != "quarantine"
-                                                else "SELECT * EXCLUDE (file) FROM quarantine").fetchall())):
+        for row in sorted(
+            map(
+                repr,
+                con.execute(
+                    f"SELECT * EXCLUDE (source_file) FROM {table}"
+                    if table != "quarantine"
+                    else "SELECT * EXCLUDE (file) FROM quarantine"
+                ).fetchall(),
+            )
+        ):
             digest.update(row.encode())
     rows, stored = con.execute("SELECT count(*), count(*) FILTER (kind = 'stored') FROM kv_events").fetchall()[0]
-    args.report.write_text(json.dumps({
-        "seconds": round(seconds, 3), "cpu_s_inside": round(cpu, 3), "events": sum(x.records_read for x in loads),
-        "loaded": sum(x.loaded for x in loads), "quarantined": sum(x.quarantined for x in loads), "rows": rows,
-        "stored_blocks": stored, "reader_notes": [x.notes[0] for x in loads], "tables_sha256": digest.hexdigest(),
-        "peak_rss_mb_inside": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    args.report.write_text(
+        json.dumps(
+            {
+                "seconds": round(seconds, 3),
+                "cpu_s_inside": round(cpu, 3),
+                "events": sum(x.records_read for x in loads),
+                "loaded": sum(x.loaded for x in loads),
+                "quarantined": sum(x.quarantined for x in loads),
+                "rows": rows,
+                "stored_blocks": stored,
+                "reader_notes": [x.notes[0] for x in loads],
+                "tables_sha256": digest.hexdigest(),
+                "peak_rss_mb_inside": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
     return 0
 
 
@@ -126,27 +152,62 @@ def main(argv: list[str] | None = None) -> int:
             for threads in args.threads.split(",") if reader == "bulk" else args.threads.split(",")[-1:]:
                 report = args.workdir / "reports" / f"kv-events-{shape}-{reader}-t{threads}.json"
                 report.parent.mkdir(parents=True, exist_ok=True)
-                m = run_measured(python_argv("kv_events.py", "--step", reader, "--threads", threads,
-                                             "--incident", str(incident), "--report", str(report),
-                                             "--memory-limit", args.memory_limit, "--messages", str(args.messages)),
-                                 log_path=args.workdir / "logs" / "kv-events.log", report_path=report)
+                m = run_measured(
+                    python_argv(
+                        "kv_events.py",
+                        "--step",
+                        reader,
+                        "--threads",
+                        threads,
+                        "--incident",
+                        str(incident),
+                        "--report",
+                        str(report),
+                        "--memory-limit",
+                        args.memory_limit,
+                        "--messages",
+                        str(args.messages),
+                    ),
+                    log_path=args.workdir / "logs" / "kv-events.log",
+                    report_path=report,
+                )
                 if not m.ok:
                     print(m.stderr_tail, file=sys.stderr)
                     return 1
                 r = m.report
-                entry["steps"].append({
-                    "reader": reader, "threads": int(threads), **r, "process_seconds": round(m.wall_s, 2),
-                    "cpu_s": round(m.cpu_s, 2), "peak_rss_mb": round(m.peak_rss_mb, 1), "other_cpu_s": m.other_cpu_s,
-                    "events_per_s": round(r["events"] / r["seconds"]),
-                    "noisy": m.other_cpu_s is not None and m.other_cpu_s > max(1.0, 0.1 * m.wall_s)})
+                entry["steps"].append(
+                    {
+                        "reader": reader,
+                        "threads": int(threads),
+                        **r,
+                        "process_seconds": round(m.wall_s, 2),
+                        "cpu_s": round(m.cpu_s, 2),
+                        "peak_rss_mb": round(m.peak_rss_mb, 1),
+                        "other_cpu_s": m.other_cpu_s,
+                        "events_per_s": round(r["events"] / r["seconds"]),
+                        "noisy": m.other_cpu_s is not None and m.other_cpu_s > max(1.0, 0.1 * m.wall_s),
+                    }
+                )
         digests = {s["tables_sha256"] for s in entry["steps"]}
         entry["readers_agree"] = len(digests) == 1
         runs[shape] = entry
         print_shape(shape, entry)
     path = args.results / f"{dt.date.today().isoformat()}-{args.messages}-kv-events.json"
-    path.write_text(json.dumps({"messages": args.messages, "machine": info, "code": code,
-                                "memory_limit": args.memory_limit, "seed": args.seed, "runs": runs},
-                               indent=1) + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(
+            {
+                "messages": args.messages,
+                "machine": info,
+                "code": code,
+                "memory_limit": args.memory_limit,
+                "seed": args.seed,
+                "runs": runs,
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     print(f"results: {path}")
     return 0
 
@@ -154,14 +215,18 @@ def main(argv: list[str] | None = None) -> int:
 def print_shape(shape: str, entry: dict[str, Any]) -> None:
     steps = entry["steps"]
     first = steps[0]
-    print(f"\n{shape}: {first['events']:,} events in {entry['bytes'] / 1e6:,.0f} MB, {first['rows']:,} block rows "
-          f"({first['stored_blocks']:,} stored); readers agree: {entry['readers_agree']}")
+    print(
+        f"\n{shape}: {first['events']:,} events in {entry['bytes'] / 1e6:,.0f} MB, {first['rows']:,} block rows "
+        f"({first['stored_blocks']:,} stored); readers agree: {entry['readers_agree']}"
+    )
     print(f"{'reader':10} {'threads':>7} {'wall s':>8} {'cpu s':>8} {'events/s':>10} {'peak MB':>8} {'x ref':>6}")
     ref = next((s["seconds"] for s in steps if s["reader"] == "reference"), None)
     for s in steps:
         ratio = f"{ref / s['seconds']:.1f}" if ref else "-"
-        print(f"{s['reader']:10} {s['threads']:>7} {s['seconds']:>8.2f} {s['cpu_s']:>8.2f} {s['events_per_s']:>10,} "
-              f"{s['peak_rss_mb']:>8.0f} {ratio:>6}{' *' if s['noisy'] else ''}")
+        print(
+            f"{s['reader']:10} {s['threads']:>7} {s['seconds']:>8.2f} {s['cpu_s']:>8.2f} {s['events_per_s']:>10,} "
+            f"{s['peak_rss_mb']:>8.0f} {ratio:>6}{' *' if s['noisy'] else ''}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,15 +35,21 @@ class Measured:
     cpu_s: float
     report: dict[str, Any] = field(default_factory=dict)
     stderr_tail: str = ""
-    other_cpu_s: float | None = None   # CPU seconds other processes used meanwhile (noise)
+    other_cpu_s: float | None = None  # CPU seconds other processes used meanwhile (noise)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
 
-def run_measured(argv: list[str], *, log_path: Path, report_path: Path | None = None,
-                 timeout_s: float | None = None, env: dict[str, str] | None = None) -> Measured:
+def run_measured(
+    argv: list[str],
+    *,
+    log_path: Path,
+    report_path: Path | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+) -> Measured:
     """Run ``argv`` with its output appended to ``log_path``; the child may write a JSON report
     (its own inner timings, counts) to ``report_path``."""
     if report_path is not None and report_path.exists():
@@ -55,8 +61,7 @@ def run_measured(argv: list[str], *, log_path: Path, report_path: Path | None = 
         offset = log.tell()
         busy_before = _busy_cpu_s()
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})},
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, **(env or {})}, start_new_session=True)
         status, usage = _wait(proc, None if timeout_s is None else start + timeout_s)
         wall = time.perf_counter() - start
         busy_after = _busy_cpu_s()
@@ -69,11 +74,16 @@ def run_measured(argv: list[str], *, log_path: Path, report_path: Path | None = 
     report: dict[str, Any] = {}
     if report_path is not None and report_path.exists():
         report = json.loads(report_path.read_text(encoding="utf-8"))
-    return Measured(argv=argv, returncode=code, wall_s=wall,
-                    peak_rss_mb=(usage.ru_maxrss / 1024.0) if usage else float("nan"),
-                    cpu_s=(usage.ru_utime + usage.ru_stime) if usage else float("nan"),
-                    report=report, stderr_tail=stderr_tail,
-                    other_cpu_s=_other(busy_before, busy_after, usage))
+    return Measured(
+        argv=argv,
+        returncode=code,
+        wall_s=wall,
+        peak_rss_mb=(usage.ru_maxrss / 1024.0) if usage else float("nan"),
+        cpu_s=(usage.ru_utime + usage.ru_stime) if usage else float("nan"),
+        report=report,
+        stderr_tail=stderr_tail,
+        other_cpu_s=_other(busy_before, busy_after, usage),
+    )
 
 
 def _busy_cpu_s() -> float | None:

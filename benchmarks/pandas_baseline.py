@@ -49,28 +49,43 @@ from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_
 from kvforensics.sources.engine_logs.parse import parse_engine_log
 from kvforensics.stages.ingest import resolve_model
 
-FIELDS = ["request_id", "ts", "account_id", "model", "status", "prompt_tokens", "completion_tokens",
-          "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance"]
+FIELDS = [
+    "request_id",
+    "ts",
+    "account_id",
+    "model",
+    "status",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "latency_ms",
+    "prefill_instance",
+    "decode_instance",
+]
 CATEGORIES = ["model", "prefill_instance", "decode_instance"]
-REJECT_MARGIN = 6                 # rule prompt_exceeds_kv_pool: reject_margin
-FAST_FRACTION = 0.2               # rule prefill_too_fast: max_fraction
-MIN_UNCACHED = 32_768             # rule prefill_too_fast: min_uncached_tokens
+REJECT_MARGIN = 6  # rule prompt_exceeds_kv_pool: reject_margin
+FAST_FRACTION = 0.2  # rule prefill_too_fast: max_fraction
+MIN_UNCACHED = 32_768  # rule prefill_too_fast: min_uncached_tokens
 ENVELOPE_QUANTILE = 0.02
 BINS_PER_DECADE = 5
 MIN_BIN_POINTS = 10
-HORIZON_FACTOR = 1.5              # scope: horizon_factor
+HORIZON_FACTOR = 1.5  # scope: horizon_factor
 #: One expression per engine-log line, as sql/floor_engine_lines.sql applies it.
-ENGINE_LINE = (r"^\[(?P<ts>[^\]]+)\] (?:ReqTimeStats\(rid=(?P<rid>[^,]+), bootstrap_room=\d+, "
-               r"input_len=(?P<input_len>\d+), cached_input_len=(?P<cached>\d+).*?"
-               r"queue_duration=(?P<queue_ms>[\d.]+)ms, forward_duration=(?P<forward_ms>[\d.]+)ms, "
-               r"entry_time=(?P<entry>[\d.]+)|Input length \((?P<prompt>\d+) tokens\) exceeds the maximum "
-               r"allowed length \((?P<limit>\d+) tokens\).*self\.rid='(?P<abort_rid>[^']+)')")
+ENGINE_LINE = (
+    r"^\[(?P<ts>[^\]]+)\] (?:ReqTimeStats\(rid=(?P<rid>[^,]+), bootstrap_room=\d+, "
+    r"input_len=(?P<input_len>\d+), cached_input_len=(?P<cached>\d+).*?"
+    r"queue_duration=(?P<queue_ms>[\d.]+)ms, forward_duration=(?P<forward_ms>[\d.]+)ms, "
+    r"entry_time=(?P<entry>[\d.]+)|Input length \((?P<prompt>\d+) tokens\) exceeds the maximum "
+    r"allowed length \((?P<limit>\d+) tokens\).*self\.rid='(?P<abort_rid>[^']+)')"
+)
 ENGINE_NUMBERS = ["input_len", "cached", "queue_ms", "forward_ms", "entry", "prompt", "limit"]
-BATCH_LINES = 500_000             # engine-log lines per str.extract
-BATCH_RECORDS = 100_000           # content records per read_json chunk (the words and sets are Python objects)
+BATCH_LINES = 500_000  # engine-log lines per str.extract
+BATCH_RECORDS = 100_000  # content records per read_json chunk (the words and sets are Python objects)
 
 
 # --- read ----------------------------------------------------------------------------------------
+
 
 def read_file(source: Source, path: Path) -> pd.DataFrame:
     wanted = {source.column(f): f for f in FIELDS}
@@ -105,8 +120,9 @@ def read_gateway(source: Source) -> tuple[pd.DataFrame, int]:
     return out, rows
 
 
-def load_capacity(incident: Incident, gateway_models: list[str] | None,
-                  scratch: duckdb.DuckDBPyConnection | None = None) -> pd.DataFrame:
+def load_capacity(
+    incident: Incident, gateway_models: list[str] | None, scratch: duckdb.DuckDBPyConnection | None = None
+) -> pd.DataFrame:
     """Start-up intervals per engine instance, from the engine logs through kvforensics' parser: the
     reference parser, or with ``scratch`` (an evidence database to throw away) the column-wise one,
     which inserts the per-request rows there instead of holding them (what a floor's preparation
@@ -114,17 +130,35 @@ def load_capacity(incident: Incident, gateway_models: list[str] | None,
     rows = []
     for source in incident.sources_of("engine_log"):
         for path in source.files():
-            kwargs = dict(fmt=source.format, instance=source.instance_for(path), tz=source.tz,
-                          year=source.year or incident.year, clock_offset_s=source.clock_offset_s)
-            parsed = (parse_engine_log(path, **kwargs) if scratch is None else parse_engine_file_columnar(
-                path, **kwargs, con=scratch, sink=EvidenceSink(source.name, str(path))))
+            kwargs = dict(
+                fmt=source.format,
+                instance=source.instance_for(path),
+                tz=source.tz,
+                year=source.year or incident.year,
+                clock_offset_s=source.clock_offset_s,
+            )
+            parsed = (
+                parse_engine_log(path, **kwargs)
+                if scratch is None
+                else parse_engine_file_columnar(path, **kwargs, con=scratch, sink=EvidenceSink(source.name, str(path)))
+            )
             for s in parsed.startups:
                 model, _ = resolve_model(s.model, source, dict(incident.model_aliases), gateway_models or [])
-                rows.append({"instance": s.instance, "role": s.role, "model": model, "valid_from": s.ts,
-                             "kv_pool_tokens": s.kv_pool_tokens, "context_length": s.context_length,
-                             "file": str(path), "line": s.line})
-    cap = pd.DataFrame(rows, columns=["instance", "role", "model", "valid_from", "kv_pool_tokens",
-                                      "context_length", "file", "line"])
+                rows.append(
+                    {
+                        "instance": s.instance,
+                        "role": s.role,
+                        "model": model,
+                        "valid_from": s.ts,
+                        "kv_pool_tokens": s.kv_pool_tokens,
+                        "context_length": s.context_length,
+                        "file": str(path),
+                        "line": s.line,
+                    }
+                )
+    cap = pd.DataFrame(
+        rows, columns=["instance", "role", "model", "valid_from", "kv_pool_tokens", "context_length", "file", "line"]
+    )
     cap["valid_from"] = pd.to_datetime(cap["valid_from"], utc=True)
     cap = cap.sort_values(["instance", "valid_from", "file", "line"], na_position="last").reset_index(drop=True)
     cap["valid_to"] = cap.groupby("instance")["valid_from"].shift(-1)
@@ -144,14 +178,18 @@ def read_engine_lines(incident: Incident) -> tuple[pd.DataFrame, int]:
                     lines_read += len(batch)
                     x = pd.Series(batch, dtype=object).str.rstrip("\r\n").str.extract(ENGINE_LINE)
                     x = x[x["rid"].notna() | x["abort_rid"].notna()]
-                    stamp = pd.to_datetime(x["ts"].str.replace(r" TP\d+$", "", regex=True),
-                                           format="%Y-%m-%d %H:%M:%S")
-                    frames.append(pd.DataFrame({
-                        "instance": source.instance_for(path),
-                        "ts": stamp.dt.tz_localize(source.tz, ambiguous="NaT", nonexistent="NaT"),
-                        "kind": np.where(x["rid"].notna(), "req_time_stats", "abort_input_too_long"),
-                        "request_id": x["rid"].fillna(x["abort_rid"]),
-                        **{c: pd.to_numeric(x[c]) for c in ENGINE_NUMBERS}}))
+                    stamp = pd.to_datetime(x["ts"].str.replace(r" TP\d+$", "", regex=True), format="%Y-%m-%d %H:%M:%S")
+                    frames.append(
+                        pd.DataFrame(
+                            {
+                                "instance": source.instance_for(path),
+                                "ts": stamp.dt.tz_localize(source.tz, ambiguous="NaT", nonexistent="NaT"),
+                                "kind": np.where(x["rid"].notna(), "req_time_stats", "abort_input_too_long"),
+                                "request_id": x["rid"].fillna(x["abort_rid"]),
+                                **{c: pd.to_numeric(x[c]) for c in ENGINE_NUMBERS},
+                            }
+                        )
+                    )
     events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["kind", "request_id"])
     return events, lines_read
 
@@ -170,7 +208,7 @@ def shingle_fingerprints(words: list[str], key: bytes, select: bytes, window: in
     if len(words) < SHINGLE_WORDS:
         shingles = [" ".join(words)] if words else []
     else:
-        shingles = [" ".join(words[i:i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
+        shingles = [" ".join(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
     if window > 1 and shingles:
         order = [int.from_bytes(hashlib.md5(select + s.encode("utf-8")).digest()[:8], "big") for s in shingles]
         span = min(window, len(order))
@@ -178,8 +216,10 @@ def shingle_fingerprints(words: list[str], key: bytes, select: bytes, window: in
         chosen = [shingles[j] for j in kept]
     else:
         chosen = shingles
-    return ({int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in chosen},
-            len(shingles))
+    return (
+        {int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in chosen},
+        len(shingles),
+    )
 
 
 def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int, int]:
@@ -201,11 +241,17 @@ def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int, i
                     fps = [f for f, _ in kept]
                     shingles += sum(n for _, n in kept)
                     counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))
-                    out.append(pd.DataFrame({
-                        "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
-                        "part": np.int8(code),
-                        "fp": np.fromiter(itertools.chain.from_iterable(fps), dtype=np.int64,
-                                          count=int(counts.sum()))}))
+                    out.append(
+                        pd.DataFrame(
+                            {
+                                "record": np.repeat(words.index.to_numpy(dtype=np.int64), counts),
+                                "part": np.int8(code),
+                                "fp": np.fromiter(
+                                    itertools.chain.from_iterable(fps), dtype=np.int64, count=int(counts.sum())
+                                ),
+                            }
+                        )
+                    )
     return out, records, shingles
 
 
@@ -216,11 +262,15 @@ def read_sources(incident: Incident, lap: Callable[[str], None]) -> dict[str, An
     fps, records, shingles = content_fingerprints(incident)
     lap("content")
     aborted = sorted(set(events.loc[events["kind"] == "abort_input_too_long", "request_id"]))
-    return {"engine_lines_read": lines_read, "content_records": records,
-            "engine_req_time_stats": int((events["kind"] == "req_time_stats").sum()),
-            "engine_aborted_requests": len(aborted),
-            "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
-            "content_fingerprints": int(sum(len(f) for f in fps)), "content_shingles": shingles}
+    return {
+        "engine_lines_read": lines_read,
+        "content_records": records,
+        "engine_req_time_stats": int((events["kind"] == "req_time_stats").sum()),
+        "engine_aborted_requests": len(aborted),
+        "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
+        "content_fingerprints": int(sum(len(f) for f in fps)),
+        "content_shingles": shingles,
+    }
 
 
 def lap_timer(phases: dict[str, float]) -> Callable[[str], None]:
@@ -243,6 +293,7 @@ def sources_only(incident_path: Path, phases: dict[str, float]) -> dict[str, Any
 
 # --- detect --------------------------------------------------------------------------------------
 
+
 def _limit(pool: pd.Series, context: pd.Series) -> pd.Series:
     return np.minimum(pool, context.fillna(pool))
 
@@ -252,13 +303,20 @@ def _in_force(left: pd.DataFrame, cap: pd.DataFrame, by: str | None) -> pd.DataF
     cap = cap[cap["valid_from"].notna()].sort_values("valid_from")
     left = left.sort_values("ts")
     if by is None:
-        m = pd.merge_asof(left, cap, left_on="ts", right_on="valid_from", direction="backward",
-                          suffixes=("", "_cap"))
+        m = pd.merge_asof(left, cap, left_on="ts", right_on="valid_from", direction="backward", suffixes=("", "_cap"))
     else:
         left = left.assign(**{by: left[by].astype("str")})
         cap = cap.assign(instance=cap["instance"].astype("str"))
-        m = pd.merge_asof(left, cap, left_on="ts", right_on="valid_from", left_by=by, right_by="instance",
-                          direction="backward", suffixes=("", "_cap"))
+        m = pd.merge_asof(
+            left,
+            cap,
+            left_on="ts",
+            right_on="valid_from",
+            left_by=by,
+            right_by="instance",
+            direction="backward",
+            suffixes=("", "_cap"),
+        )
     ok = m["valid_from"].notna() & (m["valid_to"].isna() | (m["ts"] < m["valid_to"]))
     return m[ok]
 
@@ -272,8 +330,9 @@ def oversize(served: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
         left = served.loc[served[by].notna(), cols + [by]]
         m = _in_force(left, pools[pools["role"] == role], by)
         m = m[m["prompt_tokens"] >= _limit(m["kv_pool_tokens"], m["context_length"]) - REJECT_MARGIN]
-        found.append(pd.DataFrame({"request_id": m["request_id"], "strength": "strong", "priority": priority,
-                                   "basis": by}))
+        found.append(
+            pd.DataFrame({"request_id": m["request_id"], "strength": "strong", "priority": priority, "basis": by})
+        )
     # no prefill instance: the prefill pools serving the model then (smallest decides; weak unless all)
     left = served.loc[served["prefill_instance"].isna(), cols]
     prefill = pools[pools["role"] == "prefill"]
@@ -292,9 +351,16 @@ def oversize(served: pd.DataFrame, cap: pd.DataFrame) -> pd.DataFrame:
         smallest = smallest.join(largest, on="request_id")
         smallest = smallest[smallest["prompt_tokens"] >= smallest["limit"] - REJECT_MARGIN]
         every = smallest["prompt_tokens"] >= smallest["largest_limit"] - REJECT_MARGIN
-        found.append(pd.DataFrame({"request_id": smallest["request_id"],
-                                   "strength": np.where(every, "strong", "weak"), "priority": 3,
-                                   "basis": "model"}))
+        found.append(
+            pd.DataFrame(
+                {
+                    "request_id": smallest["request_id"],
+                    "strength": np.where(every, "strong", "weak"),
+                    "priority": 3,
+                    "basis": "model",
+                }
+            )
+        )
     out = pd.concat(found, ignore_index=True).sort_values(["request_id", "priority"])
     return out.drop_duplicates("request_id")[["request_id", "strength", "basis"]]
 
@@ -304,8 +370,11 @@ def too_fast(served: pd.DataFrame, exclude: pd.Series) -> pd.DataFrame:
     uncached = served["prompt_tokens"] - served["cached_tokens"].fillna(0)
     obs = served[served["ttft_ms"].gt(0) & uncached.gt(0) & ~served["request_id"].isin(exclude)]
     obs_bin = np.floor(np.log10(uncached[obs.index]) * BINS_PER_DECADE)
-    env = obs.assign(bin=obs_bin).groupby(["model", "bin"], observed=True)["ttft_ms"].agg(
-        q=lambda s: s.quantile(ENVELOPE_QUANTILE), n="size")
+    env = (
+        obs.assign(bin=obs_bin)
+        .groupby(["model", "bin"], observed=True)["ttft_ms"]
+        .agg(q=lambda s: s.quantile(ENVELOPE_QUANTILE), n="size")
+    )
     env = env[env["n"] >= MIN_BIN_POINTS]["q"].rename("envelope_ms").reset_index()
     cand = served[uncached >= MIN_UNCACHED].copy()
     cand["bin"] = np.floor(np.log10(uncached[cand.index]) * BINS_PER_DECADE)
@@ -316,17 +385,25 @@ def too_fast(served: pd.DataFrame, exclude: pd.Series) -> pd.DataFrame:
 
 
 def tiers(signals: pd.DataFrame) -> pd.DataFrame:
-    g = signals.groupby("request_id").agg(strong=("strength", lambda s: int((s == "strong").sum())),
-                                          rules=("strength", "size"))
-    g["confidence"] = np.where((g["strong"] >= 1) & (g["rules"] >= 2), "confirmed",
-                               np.where((g["strong"] >= 1) | (g["rules"] >= 2), "probable", "possible"))
+    g = signals.groupby("request_id").agg(
+        strong=("strength", lambda s: int((s == "strong").sum())), rules=("strength", "size")
+    )
+    g["confidence"] = np.where(
+        (g["strong"] >= 1) & (g["rules"] >= 2),
+        "confirmed",
+        np.where((g["strong"] >= 1) | (g["rules"] >= 2), "probable", "possible"),
+    )
     return g.reset_index()
 
 
 # --- scope ---------------------------------------------------------------------------------------
 
+
 def account_class(account: str, incident: Incident) -> str:
-    for cls, patterns in (("reporter", incident.scope.reporter_accounts), ("internal", incident.scope.internal_accounts)):
+    for cls, patterns in (
+        ("reporter", incident.scope.reporter_accounts),
+        ("internal", incident.scope.internal_accounts),
+    ):
         if any(fnmatch.fnmatchcase(account, p) for p in sorted(patterns)):
             return cls
     return "customer"
@@ -339,8 +416,19 @@ def _us(ms: pd.Series) -> pd.Series:
 def possible_sources(served: pd.DataFrame, affected_ids: set[str], cap: pd.DataFrame) -> pd.DataFrame:
     """The turnover horizon of sql/scope.sql: per decode instance (else per model), requests freed
     before the affected response's allocation with < horizon_factor x pool tokens written since."""
-    w = served[["request_id", "account_id", "model", "decode_instance", "ts", "ttft_ms", "latency_ms",
-                "prompt_tokens", "completion_tokens"]].copy()
+    w = served[
+        [
+            "request_id",
+            "account_id",
+            "model",
+            "decode_instance",
+            "ts",
+            "ttft_ms",
+            "latency_ms",
+            "prompt_tokens",
+            "completion_tokens",
+        ]
+    ].copy()
     w["is_affected"] = w["request_id"].isin(affected_ids)
     w["instance_known"] = w["decode_instance"].notna()
     w["kv_group"] = w["decode_instance"].astype(object).where(w["instance_known"], "(model) " + w["model"].astype(str))
@@ -348,10 +436,19 @@ def possible_sources(served: pd.DataFrame, affected_ids: set[str], cap: pd.DataF
     w["free_ts"] = w["ts"] + _us(w["latency_ms"].fillna(w["ttft_ms"]).fillna(0))
     completion = w["completion_tokens"].fillna(0)
     w["written"] = np.where(w["is_affected"], 1 + completion, w["prompt_tokens"] + completion).astype("int64")
-    common = {"kv_group": w["kv_group"], "request_id": w["request_id"], "account_id": w["account_id"],
-              "is_affected": w["is_affected"]}
-    events = pd.concat([pd.DataFrame({**common, "t": w["alloc_ts"], "marker": 0, "w": w["written"]}),
-                        pd.DataFrame({**common, "t": w["free_ts"], "marker": 1, "w": 0})], ignore_index=True)
+    common = {
+        "kv_group": w["kv_group"],
+        "request_id": w["request_id"],
+        "account_id": w["account_id"],
+        "is_affected": w["is_affected"],
+    }
+    events = pd.concat(
+        [
+            pd.DataFrame({**common, "t": w["alloc_ts"], "marker": 0, "w": w["written"]}),
+            pd.DataFrame({**common, "t": w["free_ts"], "marker": 1, "w": 0}),
+        ],
+        ignore_index=True,
+    )
     events = events.sort_values(["kv_group", "t", "marker", "request_id"], ignore_index=True)
     events["cum"] = events.groupby("kv_group", sort=False)["w"].cumsum()
     alloc = events[events["marker"] == 0].set_index("request_id")["cum"]
@@ -368,23 +465,33 @@ def possible_sources(served: pd.DataFrame, affected_ids: set[str], cap: pd.DataF
                 pool = valid.loc[valid["instance"] == group, "kv_pool_tokens"].max()
             else:
                 pool = valid.loc[(valid["model"] == a.model) & (valid["role"] == "decode"), "kv_pool_tokens"].sum(
-                    min_count=1)
+                    min_count=1
+                )
             horizon = HORIZON_FACTOR * (0.0 if pd.isna(pool) else float(pool))
             cum_before = int(alloc[a.request_id]) - int(a.written)
             hi = np.searchsorted(t, np.datetime64(a.alloc_ts.tz_convert(None)), side="right") if len(t) else 0
             lo = np.searchsorted(cum, cum_before - horizon, side="right")
             s = f.iloc[lo:hi]
             s = s[~s["is_affected"] & (s["request_id"] != a.request_id)]
-            pairs.append(pd.DataFrame({"affected_request_id": a.request_id, "recipient_account_id": a.account_id,
-                                       "source_request_id": s["request_id"].to_numpy(),
-                                       "source_account_id": s["account_id"].to_numpy()}))
+            pairs.append(
+                pd.DataFrame(
+                    {
+                        "affected_request_id": a.request_id,
+                        "recipient_account_id": a.account_id,
+                        "source_request_id": s["request_id"].to_numpy(),
+                        "source_account_id": s["account_id"].to_numpy(),
+                    }
+                )
+            )
     if not pairs:
-        return pd.DataFrame(columns=["affected_request_id", "recipient_account_id", "source_request_id",
-                                     "source_account_id"])
+        return pd.DataFrame(
+            columns=["affected_request_id", "recipient_account_id", "source_request_id", "source_account_id"]
+        )
     return pd.concat(pairs, ignore_index=True)
 
 
 # --- the whole thing -----------------------------------------------------------------------------
+
 
 def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> dict[str, Any]:
     """Read, detect, scope; returns the answers compared with kvforensics' and the phase timings."""
@@ -408,7 +515,8 @@ def investigate(incident_path: Path, phases: dict[str, float] | None = None) -> 
     if incident.scope.end is not None:
         analysed = analysed[analysed["ts"] < pd.Timestamp(incident.scope.end)]
     affected = t[t["confidence"].isin(["confirmed", "probable"])].merge(
-        analysed[["request_id", "account_id"]], on="request_id")
+        analysed[["request_id", "account_id"]], on="request_id"
+    )
     recipients = affected.groupby("account_id").size()
     classes = {a: account_class(a, incident) for a in recipients.index}
     by_class = affected["account_id"].map(classes).value_counts().sort_index()
@@ -440,8 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     answers = investigate(args.incident, phases)
     if args.answers:
         args.answers.write_text(json.dumps(answers, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps({"phases": phases, **{k: v for k, v in answers.items() if k not in ("affected", "recipients")}},
-                     indent=1))
+    print(
+        json.dumps(
+            {"phases": phases, **{k: v for k, v in answers.items() if k not in ("affected", "recipients")}}, indent=1
+        )
+    )
     return 0
 
 

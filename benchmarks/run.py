@@ -31,16 +31,22 @@ from measure import BENCH_DIR, Measured, package_sha256, python_argv, run_measur
 
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
-DEFAULT_LIMITS = {"ingest": "1GB", "sources": "2GB", "pipeline": "2GB"}      # issue 3 / issue 16 / issue 8
+DEFAULT_LIMITS = {"ingest": "1GB", "sources": "2GB", "pipeline": "2GB"}  # issue 3 / issue 16 / issue 8
 STAGES = ("ingest", "sources", "pipeline")
 PIPELINE = ["ingest", "audit", "detect", "scope", "outputs", "report"]
-PANDAS_PHASES = {"ingest": ("read", "capacity", "engine_lines", "content"), "detect": ("detect",),
-                 "scope": ("scope",), "ingest-engine": ("engine_lines",), "ingest-content": ("content",)}
+PANDAS_PHASES = {
+    "ingest": ("read", "capacity", "engine_lines", "content"),
+    "detect": ("detect",),
+    "scope": ("scope",),
+    "ingest-engine": ("engine_lines",),
+    "ingest-content": ("content",),
+}
 #: The sources stage (issue 16): each source's ingest against its own floor.
 SOURCE_STEPS = {"engine_log": ("floor-engine", "ingest-engine"), "content": ("floor-content", "ingest-content")}
 
 
 # --- the machine and the code measured ---------------------------------------------------------------
+
 
 def machine() -> dict[str, Any]:
     cpu = "unknown"
@@ -66,15 +72,21 @@ def machine() -> dict[str, Any]:
             return None
 
     return {
-        "cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_gb": mem_gb, "os": f"{platform.system()} {platform.release()}",
-        "python": platform.python_version(), "duckdb": version("duckdb"), "pandas": version("pandas"),
-        "pyarrow": version("pyarrow"), "kvforensics": version("kvforensics"),
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gb": mem_gb,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "duckdb": version("duckdb"),
+        "pandas": version("pandas"),
+        "pyarrow": version("pyarrow"),
+        "kvforensics": version("kvforensics"),
     }
 
 
 def code_state() -> dict[str, Any]:
     """The commit, whether the package had local changes, and a hash of its sources as measured."""
+
     def git(*args: str) -> str | None:
         try:
             return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
@@ -82,11 +94,15 @@ def code_state() -> dict[str, Any]:
             return None
 
     dirty = git("status", "--porcelain", "--", "kvforensics")
-    return {"commit": git("rev-parse", "--short", "HEAD"), "package_locally_modified": bool(dirty),
-            "package_sha256": package_sha256()}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "package_locally_modified": bool(dirty),
+        "package_sha256": package_sha256(),
+    }
 
 
 # --- running steps -----------------------------------------------------------------------------------
+
 
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -94,8 +110,16 @@ class Runner:
         self.workdir: Path = args.workdir
         self.log = self.workdir / "logs" / f"run-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
 
-    def step(self, name: str, ds: Dataset, *, out: Path | None = None, memory_limit: str | None = None,
-             extra: tuple[str, ...] = (), label: str | None = None) -> dict[str, Any]:
+    def step(
+        self,
+        name: str,
+        ds: Dataset,
+        *,
+        out: Path | None = None,
+        memory_limit: str | None = None,
+        extra: tuple[str, ...] = (),
+        label: str | None = None,
+    ) -> dict[str, Any]:
         label = label or name
         report = self.workdir / "reports" / f"{ds.label}-n{ds.requests}-{label}.json"
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -125,23 +149,32 @@ class Runner:
         entry = summarise_step(label, m, memory_limit)
         if m.ok:
             noisy = noise(entry)
-            print(f"{entry['seconds']:>9.2f} s  {entry['peak_rss_mb']:>8.0f} MB"
-                  + (f"  (noise: other processes used {entry['other_cpu_seconds']:.0f} CPU s meanwhile)"
-                     if noisy else ""), flush=True)
+            print(
+                f"{entry['seconds']:>9.2f} s  {entry['peak_rss_mb']:>8.0f} MB"
+                + (
+                    f"  (noise: other processes used {entry['other_cpu_seconds']:.0f} CPU s meanwhile)" if noisy else ""
+                ),
+                flush=True,
+            )
         else:
-            print(f"  FAILED (exit {m.returncode}, {m.wall_s:.0f} s, {m.peak_rss_mb:.0f} MB): "
-                  f"{entry['error']}", flush=True)
+            print(
+                f"  FAILED (exit {m.returncode}, {m.wall_s:.0f} s, {m.peak_rss_mb:.0f} MB): {entry['error']}",
+                flush=True,
+            )
         return entry
 
     # issue 3: gateway files only, 1 GB
     def ingest_stage(self, ds: Dataset) -> dict[str, Any]:
         limit = self.args.memory_limit or DEFAULT_LIMITS["ingest"]
         out = self.fresh(ds, "ingest")
-        steps = [self.step("floor-count", ds, memory_limit=limit),
-                 self.step("floor-scan", ds, memory_limit=limit),
-                 self.step("floor-load", ds, out=out, memory_limit=limit),
-                 self.step("ingest", ds, out=out, memory_limit=limit, extra=("--kinds", "requests"),
-                           label="ingest-requests")]
+        steps = [
+            self.step("floor-count", ds, memory_limit=limit),
+            self.step("floor-scan", ds, memory_limit=limit),
+            self.step("floor-load", ds, out=out, memory_limit=limit),
+            self.step(
+                "ingest", ds, out=out, memory_limit=limit, extra=("--kinds", "requests"), label="ingest-requests"
+            ),
+        ]
         if not self.args.keep_evidence:
             shutil.rmtree(out, ignore_errors=True)
         return {"memory_limit": limit, "floors": ["floor-count", "floor-scan", "floor-load"], "steps": steps}
@@ -166,8 +199,16 @@ class Runner:
             for window in self.args.winnow_windows if kind == "content" else []:
                 other = f"{label}-w{window}"
                 out = self.fresh(ds, other)
-                steps.append(self.step("ingest", ds, out=out, memory_limit=limit, label=other,
-                                       extra=("--kinds", kind, "--winnow-window", str(window))))
+                steps.append(
+                    self.step(
+                        "ingest",
+                        ds,
+                        out=out,
+                        memory_limit=limit,
+                        label=other,
+                        extra=("--kinds", kind, "--winnow-window", str(window)),
+                    )
+                )
                 if floor in floors:
                     floor_of[other] = floor
                 if not self.args.keep_evidence:
@@ -185,8 +226,10 @@ class Runner:
         else:  # later steps only: on the database a run with --keep-evidence left
             out = self.workdir / "runs" / f"{ds.label}-n{ds.requests}-seed{ds.seed}" / "pipeline"
             if not (out / "evidence.duckdb").exists():
-                raise SystemExit(f"--steps {','.join(wanted)}: no evidence database in {out}; "
-                                 "run the steps before them with --keep-evidence first")
+                raise SystemExit(
+                    f"--steps {','.join(wanted)}: no evidence database in {out}; "
+                    "run the steps before them with --keep-evidence first"
+                )
         # the floor is the stale-pages investigation's (oversize prompts against the pool): none for a prefix scenario
         skip = self.args.skip_floors or wanted[0] != "ingest" or ds.scenario is not None
         steps = [] if skip else [self.step("floor-oversize", ds, memory_limit=limit)]
@@ -195,8 +238,11 @@ class Runner:
             steps.append(entry)
             if not entry["ok"]:
                 break
-        result: dict[str, Any] = {"memory_limit": limit, "floors": [] if ds.scenario else ["floor-oversize"],
-                                  "steps": steps}
+        result: dict[str, Any] = {
+            "memory_limit": limit,
+            "floors": [] if ds.scenario else ["floor-oversize"],
+            "steps": steps,
+        }
         if self.args.pandas_baseline:
             steps.append(self.step("pandas", ds, out=out))
             result["agreement"] = agreement(out)
@@ -216,10 +262,18 @@ class Runner:
 def summarise_step(label: str, m: Measured, memory_limit: str | None) -> dict[str, Any]:
     r = dict(m.report)
     entry: dict[str, Any] = {
-        "step": label, "ok": m.ok, "exit_code": m.returncode, "memory_limit": memory_limit,
-        "seconds": r.pop("seconds", None), "process_seconds": round(m.wall_s, 3), "cpu_seconds": round(m.cpu_s, 2),
-        "other_cpu_seconds": m.other_cpu_s, "package_sha256": m.report.get("package_sha256"),
-        "peak_rss_mb": round(m.peak_rss_mb, 1), "rows": r.pop("rows", None), "rows_per_s": r.pop("rows_per_s", None),
+        "step": label,
+        "ok": m.ok,
+        "exit_code": m.returncode,
+        "memory_limit": memory_limit,
+        "seconds": r.pop("seconds", None),
+        "process_seconds": round(m.wall_s, 3),
+        "cpu_seconds": round(m.cpu_s, 2),
+        "other_cpu_seconds": m.other_cpu_s,
+        "package_sha256": m.report.get("package_sha256"),
+        "peak_rss_mb": round(m.peak_rss_mb, 1),
+        "rows": r.pop("rows", None),
+        "rows_per_s": r.pop("rows_per_s", None),
     }
     r.pop("step", None)
     r.pop("package_sha256", None)
@@ -236,23 +290,44 @@ def agreement(out: Path) -> dict[str, Any] | None:
         return None
     a = json.loads(ours.read_text(encoding="utf-8"))
     b = json.loads(theirs.read_text(encoding="utf-8"))
-    keys = ["affected", "recipients", "by_class", "possible_source_pairs", "possible_source_pairs_sha256",
-            "possible_source_accounts", "engine_req_time_stats", "engine_aborted_requests", "engine_aborted_sha256",
-            "content_fingerprints"]
+    keys = [
+        "affected",
+        "recipients",
+        "by_class",
+        "possible_source_pairs",
+        "possible_source_pairs_sha256",
+        "possible_source_accounts",
+        "engine_req_time_stats",
+        "engine_aborted_requests",
+        "engine_aborted_sha256",
+        "content_fingerprints",
+    ]
     same = {k: a.get(k) == b.get(k) for k in keys}
     only_ours = sorted(set(a["affected"]) - set(b["affected"]))
     only_pandas = sorted(set(b["affected"]) - set(a["affected"]))
-    summary = ("same affected set ({n}), recipients, possible-source pairs ({p})".format(
-        n=len(a["affected"]), p=a["possible_source_pairs"]) if all(same.values())
-        else "DIFFERENT: " + ", ".join(k for k, v in same.items() if not v))
+    summary = (
+        "same affected set ({n}), recipients, possible-source pairs ({p})".format(
+            n=len(a["affected"]), p=a["possible_source_pairs"]
+        )
+        if all(same.values())
+        else "DIFFERENT: " + ", ".join(k for k, v in same.items() if not v)
+    )
     if all(same.values()) and a.get("engine_req_time_stats") is not None:
-        summary += (f", engine ReqTimeStats ({a['engine_req_time_stats']:,}) and aborted requests "
-                    f"({a['engine_aborted_requests']:,}), content fingerprints ({a['content_fingerprints']:,})")
-    return {"same": same, "all_same": all(same.values()), "summary": summary,
-            "affected_only_kvforensics": only_ours[:20], "affected_only_pandas": only_pandas[:20]}
+        summary += (
+            f", engine ReqTimeStats ({a['engine_req_time_stats']:,}) and aborted requests "
+            f"({a['engine_aborted_requests']:,}), content fingerprints ({a['content_fingerprints']:,})"
+        )
+    return {
+        "same": same,
+        "all_same": all(same.values()),
+        "summary": summary,
+        "affected_only_kvforensics": only_ours[:20],
+        "affected_only_pandas": only_pandas[:20],
+    }
 
 
 # --- tables ------------------------------------------------------------------------------------------
+
 
 def noise(entry: dict[str, Any]) -> bool:
     """Other processes used more than 10% of one core (and over a CPU second) during the step: its
@@ -271,15 +346,19 @@ def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
     def ratios(row: dict[str, Any]) -> dict[str, Any]:
         measured = row["ok"] and not row["step"].startswith("floor")
-        row["x"] = {f: (row["seconds"] / fs if measured and fs and (not own or own.get(row["step"]) == f) else None)
-                    for f, fs in floors.items()}
+        row["x"] = {
+            f: (row["seconds"] / fs if measured and fs and (not own or own.get(row["step"]) == f) else None)
+            for f, fs in floors.items()
+        }
         return row
 
     rows = []
     for s in result["steps"]:
         row = ratios(dict(s))
         names = PANDAS_PHASES.get(s["step"])
-        row["pandas_x"] = (sum(phases.get(p, 0) for p in names) / s["seconds"]) if names and phases and s["ok"] else None
+        row["pandas_x"] = (
+            (sum(phases.get(p, 0) for p in names) / s["seconds"]) if names and phases and s["ok"] else None
+        )
         row["noisy"] = noise(s)
         rows.append(row)
     if stage == "pipeline":
@@ -290,28 +369,54 @@ def stage_rows(stage: str, result: dict[str, Any]) -> list[dict[str, Any]]:
             for label, names in (("pipeline total", PIPELINE), ("ingest+detect+scope", like_names)):
                 secs = sum(steps[n]["seconds"] for n in names)
                 n_rows = steps["ingest"]["rows"]
-                rows.append(ratios({"step": label, "ok": True, "rows": n_rows, "seconds": secs,
-                                    "rows_per_s": round(n_rows / secs) if secs else None,
-                                    "peak_rss_mb": max(steps[n]["peak_rss_mb"] for n in names),
-                                    "pandas_x": (like / secs) if like else None,
-                                    "noisy": any(noise(steps[n]) for n in names)}))
+                rows.append(
+                    ratios(
+                        {
+                            "step": label,
+                            "ok": True,
+                            "rows": n_rows,
+                            "seconds": secs,
+                            "rows_per_s": round(n_rows / secs) if secs else None,
+                            "peak_rss_mb": max(steps[n]["peak_rss_mb"] for n in names),
+                            "pandas_x": (like / secs) if like else None,
+                            "noisy": any(noise(steps[n]) for n in names),
+                        }
+                    )
+                )
     return rows
 
 
 def render_table(title: str, rows: list[dict[str, Any]], floors: list[str], markdown: bool = False) -> str:
-    head = ["step", "rows", "wall s", "rows/s", "peak RSS MB", *(f"x {f.removeprefix('floor-')}" for f in floors),
-            "pandas x"]
+    head = [
+        "step",
+        "rows",
+        "wall s",
+        "rows/s",
+        "peak RSS MB",
+        *(f"x {f.removeprefix('floor-')}" for f in floors),
+        "pandas x",
+    ]
 
     def fmt(r: dict[str, Any]) -> list[str]:
         if not r["ok"]:
-            return [r["step"], "-", f"FAILED: {r.get('error', '')[:70]}", "", f"{r['peak_rss_mb']:,.0f}",
-                    *("" for _ in floors), ""]
-        return [r["step"] + (" *" if r.get("noisy") else ""),
-                f"{r['rows']:,}" if r.get("rows") is not None else "-",
-                f"{r['seconds']:.2f}", f"{r['rows_per_s']:,.0f}" if r.get("rows_per_s") else "-",
+            return [
+                r["step"],
+                "-",
+                f"FAILED: {r.get('error', '')[:70]}",
+                "",
                 f"{r['peak_rss_mb']:,.0f}",
-                *(f"{r['x'][f]:.2f}" if r.get("x", {}).get(f) else "-" for f in floors),
-                f"{r['pandas_x']:.1f}" if r.get("pandas_x") else "-"]
+                *("" for _ in floors),
+                "",
+            ]
+        return [
+            r["step"] + (" *" if r.get("noisy") else ""),
+            f"{r['rows']:,}" if r.get("rows") is not None else "-",
+            f"{r['seconds']:.2f}",
+            f"{r['rows_per_s']:,.0f}" if r.get("rows_per_s") else "-",
+            f"{r['peak_rss_mb']:,.0f}",
+            *(f"{r['x'][f]:.2f}" if r.get("x", {}).get(f) else "-" for f in floors),
+            f"{r['pandas_x']:.1f}" if r.get("pandas_x") else "-",
+        ]
 
     body = [fmt(r) for r in rows]
     notes = []
@@ -321,28 +426,37 @@ def render_table(title: str, rows: list[dict[str, Any]], floors: list[str], mark
     if len(versions) > 1:
         notes.append(f"note: the kvforensics sources changed between steps ({', '.join(sorted(versions))})")
     if markdown:
-        md = [f"**{title}**", "", "| " + " | ".join(head) + " |",
-              "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |"]
+        md = [
+            f"**{title}**",
+            "",
+            "| " + " | ".join(head) + " |",
+            "| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |",
+        ]
         md += ["| " + " | ".join(c.replace("*", "\\*") for c in b) + " |" for b in body]
         return "\n".join(md + ([""] + notes if notes else []))
     widths = [max(len(head[i]), *(len(b[i]) for b in body)) for i in range(len(head))]
 
     def join(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     line = join(head)
     return "\n".join([title, line, "-" * len(line), *(join(b) for b in body), *notes])
 
 
 def header(info: dict[str, Any], code: dict[str, Any]) -> str:
-    return (f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gb']} GB RAM, {info['os']}\n"
-            f"software: Python {info['python']}, DuckDB {info['duckdb']}, pandas {info['pandas']}, "
-            f"pyarrow {info['pyarrow']}\n"
-            f"kvforensics {info['kvforensics']} at {code['commit']}"
-            f"{' + local changes' if code['package_locally_modified'] else ''} (sources {code['package_sha256']})")
+    return (
+        f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gb']} GB RAM, {info['os']}\n"
+        f"software: Python {info['python']}, DuckDB {info['duckdb']}, pandas {info['pandas']}, "
+        f"pyarrow {info['pyarrow']}\n"
+        f"kvforensics {info['kvforensics']} at {code['commit']}"
+        f"{' + local changes' if code['package_locally_modified'] else ''} (sources {code['package_sha256']})"
+    )
 
 
 # --- results file ------------------------------------------------------------------------------------
+
 
 def write_results(requests: int, run: dict[str, Any], results_dir: Path, name: str | None = None) -> Path:
     """Merge into ``<date>-<N>.json`` (``<date>-<N>-<name>.json`` with *name*, e.g. a prefix scenario): one entry
@@ -359,23 +473,39 @@ def write_results(requests: int, run: dict[str, Any], results_dir: Path, name: s
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", default="200000",
-                   help="gateway requests to generate; several as a comma list (200000,1000000)")
+    p.add_argument(
+        "--requests", default="200000", help="gateway requests to generate; several as a comma list (200000,1000000)"
+    )
     p.add_argument("--format", choices=["jsonl", "parquet", "both"], default="both")
-    p.add_argument("--memory-limit", default=None,
-                   help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)")
-    p.add_argument("--stages", default=None,
-                   help="ingest, sources and/or pipeline (comma list; default all three, with --prefix-scenario "
-                        "pipeline, the only one it has)")
-    p.add_argument("--prefix-scenario", default=None,
-                   help="measure a prefix-cache incident instead (kvforensics simulate --mechanism prefix_reuse "
-                        "--prefix-scenario NAME, e.g. prefix-l3-unsalted): the pipeline stage, without floors, "
-                        "results in <date>-<N>-<NAME>.json")
-    p.add_argument("--sources", default=",".join(SOURCE_STEPS),
-                   help="with the sources stage: which sources, comma list (engine_log, content)")
-    p.add_argument("--winnow-windows", default="",
-                   help="with the sources stage: the content ingest again with each of these winnowing windows "
-                        "(comma list; 1 fingerprints every shingle), steps ingest-content-w<N>")
+    p.add_argument(
+        "--memory-limit",
+        default=None,
+        help="DuckDB memory_limit for every step (default: 1GB for ingest, 2GB for pipeline)",
+    )
+    p.add_argument(
+        "--stages",
+        default=None,
+        help="ingest, sources and/or pipeline (comma list; default all three, with --prefix-scenario "
+        "pipeline, the only one it has)",
+    )
+    p.add_argument(
+        "--prefix-scenario",
+        default=None,
+        help="measure a prefix-cache incident instead (kvforensics simulate --mechanism prefix_reuse "
+        "--prefix-scenario NAME, e.g. prefix-l3-unsalted): the pipeline stage, without floors, "
+        "results in <date>-<N>-<NAME>.json",
+    )
+    p.add_argument(
+        "--sources",
+        default=",".join(SOURCE_STEPS),
+        help="with the sources stage: which sources, comma list (engine_log, content)",
+    )
+    p.add_argument(
+        "--winnow-windows",
+        default="",
+        help="with the sources stage: the content ingest again with each of these winnowing windows "
+        "(comma list; 1 fingerprints every shingle), steps ingest-content-w<N>",
+    )
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
     p.add_argument("--pandas-baseline", action="store_true", help="also run the pandas implementation")
     p.add_argument("--seed", type=int, default=7)
@@ -383,17 +513,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="seconds before a step is killed")
     p.add_argument("--profile", default="", help="steps to run under cProfile (comma list, e.g. ingest,scope)")
     p.add_argument("--regenerate", action="store_true", help="generate the data sets again, ignoring the cache")
-    p.add_argument("--trace-sql", action="store_true",
-                   help="time every DuckDB statement of the kvforensics steps (<workdir>/traces/*.sql.json)")
+    p.add_argument(
+        "--trace-sql",
+        action="store_true",
+        help="time every DuckDB statement of the kvforensics steps (<workdir>/traces/*.sql.json)",
+    )
     p.add_argument("--keep-evidence", action="store_true", help="keep the evidence databases in the workdir")
-    p.add_argument("--memory-trace", action="store_true",
-                   help="each step samples its RSS and DuckDB's memory by tag every 5 s (workdir/traces/*.memory.jsonl)")
-    p.add_argument("--skip-floors", action="store_true",
-                   help="no floors in the sources and pipeline stages (at 100M the pipeline floor's capacity "
-                        "preparation alone parses every engine log)")
-    p.add_argument("--steps", default="",
-                   help="pipeline stage: only these steps, in order (comma list; from a later step, on the "
-                        "database an earlier run kept with --keep-evidence)")
+    p.add_argument(
+        "--memory-trace",
+        action="store_true",
+        help="each step samples its RSS and DuckDB's memory by tag every 5 s (workdir/traces/*.memory.jsonl)",
+    )
+    p.add_argument(
+        "--skip-floors",
+        action="store_true",
+        help="no floors in the sources and pipeline stages (at 100M the pipeline floor's capacity "
+        "preparation alone parses every engine log)",
+    )
+    p.add_argument(
+        "--steps",
+        default="",
+        help="pipeline stage: only these steps, in order (comma list; from a later step, on the "
+        "database an earlier run kept with --keep-evidence)",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--show", type=Path, help="print the tables of a results JSON file and exit")
     p.add_argument("--markdown", action="store_true", help="with --show: Markdown tables (for README.md)")
@@ -406,8 +548,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown stage(s) {sorted(bad)}; use {', '.join(STAGES)}")
     if args.prefix_scenario:
         if args.stages != ["pipeline"] or args.pandas_baseline:
-            p.error("--prefix-scenario measures the pipeline stage only, without the pandas baseline "
-                    "(both are the stale-pages investigation's)")
+            p.error(
+                "--prefix-scenario measures the pipeline stage only, without the pandas baseline "
+                "(both are the stale-pages investigation's)"
+            )
         if args.format == "parquet":
             p.error("--prefix-scenario: the prefix simulator writes its gateway log as JSONL; leave --format out")
         args.format = "jsonl"
@@ -437,8 +581,14 @@ def show(path: Path, markdown: bool = False) -> int:
             result = entry[stage]
             result.setdefault("floors", [result["floor"]] if "floor" in result else [])
             print()
-            print(render_table(f"{stage} | {doc['requests']:,} requests | {fmt} | memory_limit {result['memory_limit']}",
-                               stage_rows(stage, result), result["floors"], markdown))
+            print(
+                render_table(
+                    f"{stage} | {doc['requests']:,} requests | {fmt} | memory_limit {result['memory_limit']}",
+                    stage_rows(stage, result),
+                    result["floors"],
+                    markdown,
+                )
+            )
             if result.get("agreement"):
                 print(f"agreement with pandas: {result['agreement']['summary']}")
     return 0
@@ -456,32 +606,52 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workdir: {args.workdir} ({free_gb:.0f} GB free); log: {runner.log}\n")
     failed = False
     for n in args.requests:
-        run: dict[str, Any] = {"date": dt.datetime.now().isoformat(timespec="seconds"), "machine": info,
-                               "code": code, "args": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path)
-                                                          else v) for k, v in vars(args).items()},
-                               "runs": {}}
+        run: dict[str, Any] = {
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": info,
+            "code": code,
+            "args": {
+                k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path) else v)
+                for k, v in vars(args).items()
+            },
+            "runs": {},
+        }
         tables = []
         for fmt in args.formats:
             print(f"== {n:,} requests, {args.prefix_scenario or fmt}: data set", end="", flush=True)
             if args.regenerate:
                 shutil.rmtree(dataset_dir(args.workdir, n, fmt, args.seed, args.prefix_scenario), ignore_errors=True)
-            ds = ensure_dataset(args.workdir, n, fmt, args.seed, log_path=runner.log, timeout_s=args.timeout,
-                                scenario=args.prefix_scenario)
-            print(f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines; "
-                  f"engine logs {ds.info.get('engine_bytes', 0) / 1e6:,.0f} MB, "
-                  f"content {ds.info.get('content_bytes', 0) / 1e6:,.0f} MB; "
-                  f"generated in {ds.info['generate_wall_s']:,.0f} s)")
+            ds = ensure_dataset(
+                args.workdir,
+                n,
+                fmt,
+                args.seed,
+                log_path=runner.log,
+                timeout_s=args.timeout,
+                scenario=args.prefix_scenario,
+            )
+            print(
+                f" {ds.root} ({ds.info['gateway_bytes'] / 1e6:,.0f} MB, {ds.info['gateway_lines']:,} lines; "
+                f"engine logs {ds.info.get('engine_bytes', 0) / 1e6:,.0f} MB, "
+                f"content {ds.info.get('content_bytes', 0) / 1e6:,.0f} MB; "
+                f"generated in {ds.info['generate_wall_s']:,.0f} s)"
+            )
             if ds.info.get("simulator_changed_since"):
                 print("  note: cached data set made by another simulator version (--regenerate to remake it)")
             entry: dict[str, Any] = {"dataset": ds.info}
             for stage in args.stages:
-                result = {"ingest": runner.ingest_stage, "sources": runner.sources_stage,
-                          "pipeline": runner.pipeline_stage}[stage](ds)
+                result = {
+                    "ingest": runner.ingest_stage,
+                    "sources": runner.sources_stage,
+                    "pipeline": runner.pipeline_stage,
+                }[stage](ds)
                 result["table"] = stage_rows(stage, result)
                 entry[stage] = result
                 failed |= not all(s["ok"] for s in result["steps"])
-                title = (f"{stage} | {n:,} requests | {ds.label} | memory_limit {result['memory_limit']} | "
-                         "x <floor> = wall / floor wall; pandas x = pandas wall / ours")
+                title = (
+                    f"{stage} | {n:,} requests | {ds.label} | memory_limit {result['memory_limit']} | "
+                    "x <floor> = wall / floor wall; pandas x = pandas wall / ours"
+                )
                 tables.append(render_table(title, result["table"], result["floors"]))
                 if result.get("agreement"):
                     tables.append(f"agreement with pandas: {result['agreement']['summary']}")

@@ -91,16 +91,26 @@ class MemoryTrace:
             start = time.perf_counter()
             while not self.stop.wait(self.every_s):
                 status = Path("/proc/self/status").read_text()
-                rss = next((int(line.split()[1]) // 1024 for line in status.splitlines() if line.startswith("VmRSS")), None)
+                rss = next(
+                    (int(line.split()[1]) // 1024 for line in status.splitlines() if line.startswith("VmRSS")), None
+                )
                 tags: dict[str, int] = {}
                 if self.con is not None:
                     try:
-                        tags = {t: round(m / 2 ** 20) for t, m in self.con.execute(
-                            "SELECT tag, memory_usage_bytes FROM duckdb_memory() WHERE memory_usage_bytes > 0").fetchall()}
+                        tags = {
+                            t: round(m / 2**20)
+                            for t, m in self.con.execute(
+                                "SELECT tag, memory_usage_bytes FROM duckdb_memory() WHERE memory_usage_bytes > 0"
+                            ).fetchall()
+                        }
                     except Exception as e:  # noqa: BLE001 - a sample is skipped, the step goes on
                         tags = {"error": str(e)[:80]}
                 try:
-                    limit = self.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0] if self.con else None
+                    limit = (
+                        self.con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+                        if self.con
+                        else None
+                    )
                 except Exception:  # noqa: BLE001 - as above
                     limit = None
                 files = []
@@ -109,18 +119,46 @@ class MemoryTrace:
                         target = os.readlink(f"/proc/self/fd/{fd}")
                     except OSError:
                         continue
-                    if (target.startswith("/") and not target.startswith(("/dev", "/proc")) and ".duckdb" not in target
-                            and target != str(self.path.absolute())):
+                    if (
+                        target.startswith("/")
+                        and not target.startswith(("/dev", "/proc"))
+                        and ".duckdb" not in target
+                        and target != str(self.path.absolute())
+                    ):
                         files.append(Path(target).name)
-                fh.write(json.dumps({"s": round(time.perf_counter() - start, 1), "rss_mb": rss,
-                                     "duckdb_mb": sum(v for v in tags.values() if isinstance(v, int)),
-                                     "tags": tags, "limit": limit, **_outside_duckdb(), "files": sorted(files)}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "s": round(time.perf_counter() - start, 1),
+                            "rss_mb": rss,
+                            "duckdb_mb": sum(v for v in tags.values() if isinstance(v, int)),
+                            "tags": tags,
+                            "limit": limit,
+                            **_outside_duckdb(),
+                            "files": sorted(files),
+                        }
+                    )
+                    + "\n"
+                )
                 fh.flush()
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _outside_duckdb() -> dict[str, int]:
@@ -128,15 +166,19 @@ def _outside_duckdb() -> dict[str, int]:
     (Python's objects and strings) as in use, free but kept, and mapped (mallinfo2)."""
     import pyarrow as pa
 
-    found = {"arrow_mb": pa.total_allocated_bytes() // 2 ** 20}
+    found = {"arrow_mb": pa.total_allocated_bytes() // 2**20}
     try:
         libc = ctypes.CDLL(None)
         libc.mallinfo2.restype = _MallInfo2
         info = libc.mallinfo2()
     except (OSError, AttributeError):  # not glibc 2.33 or later
         return found
-    return {**found, "malloc_used_mb": (info.uordblks + info.hblkhd) // 2 ** 20,
-            "malloc_free_mb": info.fordblks // 2 ** 20, "malloc_mapped_mb": info.hblkhd // 2 ** 20}
+    return {
+        **found,
+        "malloc_used_mb": (info.uordblks + info.hblkhd) // 2**20,
+        "malloc_free_mb": info.fordblks // 2**20,
+        "malloc_mapped_mb": info.hblkhd // 2**20,
+    }
 
 
 class SqlTrace:
@@ -211,13 +253,16 @@ def reader_sql(fmt: str) -> str:
 
 # --- floors ------------------------------------------------------------------------------------------
 
+
 def step_floor_count(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """``SELECT count(*)`` over the gateway files: what issue 3 calls the floor."""
     _, source = gateway_source(args.incident)
     files = [str(p) for p in source.files()]
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
     with timed(result, "seconds", args.profile):
-        result["rows"] = con.execute(f"SELECT count(*) FROM {reader_sql(source.format)}", {"files": files}).fetchone()[0]
+        result["rows"] = con.execute(f"SELECT count(*) FROM {reader_sql(source.format)}", {"files": files}).fetchone()[
+            0
+        ]
 
 
 def step_floor_scan(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -226,7 +271,9 @@ def step_floor_scan(args: argparse.Namespace, result: dict[str, Any]) -> None:
     _, source = gateway_source(args.incident)
     files = [str(p) for p in source.files()]
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
-    cols = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader_sql(source.format)}", {"files": files}).fetchall()]
+    cols = [
+        r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {reader_sql(source.format)}", {"files": files}).fetchall()
+    ]
     exprs = ", ".join(f'bit_xor(hash("{c}"))' for c in cols)
     with timed(result, "seconds", args.profile):
         row = con.execute(f"SELECT count(*), {exprs} FROM {reader_sql(source.format)}", {"files": files}).fetchone()
@@ -254,7 +301,8 @@ def step_floor_load(args: argparse.Namespace, result: dict[str, Any]) -> None:
         con.execute(f"SET threads = {int(args.threads)}")
     text = bench_sql("floor_load").format(
         reader=reader_sql(source.format),
-        **{f: '"' + source.column(f).replace('"', '""') + '"' for f in CANONICAL_REQUEST_FIELDS})
+        **{f: '"' + source.column(f).replace('"', '""') + '"' for f in CANONICAL_REQUEST_FIELDS},
+    )
     with timed(result, "seconds", args.profile):
         con.execute(text, {"files": files})
         con.execute("CHECKPOINT")
@@ -282,8 +330,7 @@ def step_floor_oversize(args: argparse.Namespace, result: dict[str, Any]) -> Non
     files = [str(p) for p in source.files()]
     con.register("capacity", capacity)
     col = {c: source.column(c) for c in ("request_id", "ts", "status", "prompt_tokens", "prefill_instance")}
-    text = bench_sql("floor_oversize").format(
-        reader=reader_sql(source.format), **{k: f'"{v}"' for k, v in col.items()})
+    text = bench_sql("floor_oversize").format(reader=reader_sql(source.format), **{k: f'"{v}"' for k, v in col.items()})
     with timed(result, "seconds", args.profile):
         rows, served, oversize = con.execute(text, {"files": files, "reject_margin": 6}).fetchone()
     result.update(rows=rows, served_2xx=served, oversize=oversize)
@@ -321,15 +368,20 @@ def step_floor_content(args: argparse.Namespace, result: dict[str, Any]) -> None
         raise SystemExit(f"no content files in {args.incident}")
     con = duckdb_connection(args.memory_limit, args.threads, args.temp_dir)
     key = secrets.token_bytes(32)
-    variants = {"seconds": ("(('0x' || left(sha256($key || shingle), 16))::UBIGINT >> 1)", {"key": key.hex()}),
-                "noncrypto_seconds": ("hash(shingle, $key_int)", {"key_int": int.from_bytes(key[:8], "big")})}
+    variants = {
+        "seconds": ("(('0x' || left(sha256($key || shingle), 16))::UBIGINT >> 1)", {"key": key.hex()}),
+        "noncrypto_seconds": ("hash(shingle, $key_int)", {"key_int": int.from_bytes(key[:8], "big")}),
+    }
     for label, (fingerprint, keyed) in variants.items():
         records = shingles = 0
         with timed(result, label, args.profile if label == "seconds" else None):
             for source, files in sources:
                 cols = {f: '"' + source.column(f).replace('"', '""') + '"' for f in ("request_id", "prompt", "output")}
-                reader = ("read_json($files, format = 'newline_delimited', columns = {"
-                          + ", ".join(f"{c}: 'VARCHAR'" for c in cols.values()) + "})")
+                reader = (
+                    "read_json($files, format = 'newline_delimited', columns = {"
+                    + ", ".join(f"{c}: 'VARCHAR'" for c in cols.values())
+                    + "})"
+                )
                 text = bench_sql("floor_content").format(reader=reader, fingerprint=fingerprint, **cols)
                 n, k, _ = con.execute(text, {"files": files, **keyed}).fetchone()
                 records += n
@@ -338,6 +390,7 @@ def step_floor_content(args: argparse.Namespace, result: dict[str, Any]) -> None
 
 
 # --- kvforensics stages -------------------------------------------------------------------------------
+
 
 def investigation(args: argparse.Namespace, *, kinds: tuple[str, ...] = ()):
     from kvforensics.config import load_incident
@@ -369,16 +422,20 @@ def step_ingest(args: argparse.Namespace, result: dict[str, Any]) -> None:
             r = inv.ingest()
         requests_files = [f for f in r.files if f.kind == "requests"]
         counted = [f for f in r.files if f.kind == (kinds[0] if kinds else "requests")]
-        result.update(rows=sum(f.records_read for f in counted),
-                      loaded=sum(f.loaded for f in requests_files),
-                      duplicates=sum(f.duplicates for f in requests_files),
-                      quarantined=sum(f.quarantined for f in requests_files),
-                      other_records=sum(f.records_read for f in r.files if f.kind != "requests"),
-                      warnings=r.warnings)
+        result.update(
+            rows=sum(f.records_read for f in counted),
+            loaded=sum(f.loaded for f in requests_files),
+            duplicates=sum(f.duplicates for f in requests_files),
+            quarantined=sum(f.quarantined for f in requests_files),
+            other_records=sum(f.records_read for f in r.files if f.kind != "requests"),
+            warnings=r.warnings,
+        )
         if any(f.kind == "content" for f in r.files):
-            result.update(winnow_window=inv.incident.winnow_window, content_fingerprints=inv.con.execute(
-                "SELECT count(*) FROM content_fingerprints").fetchone()[0], content_texts=inv.con.execute(
-                "SELECT count(*) FROM content_stats").fetchone()[0])
+            result.update(
+                winnow_window=inv.incident.winnow_window,
+                content_fingerprints=inv.con.execute("SELECT count(*) FROM content_fingerprints").fetchone()[0],
+                content_texts=inv.con.execute("SELECT count(*) FROM content_stats").fetchone()[0],
+            )
         with timed(result, "checkpoint_seconds", None):
             inv.con.execute("CHECKPOINT").fetchall()
     finally:
@@ -404,10 +461,12 @@ def step_detect(args: argparse.Namespace, result: dict[str, Any]) -> None:
             found = inv.detect()
         result["rows"] = _request_count(inv)
         result["findings"] = len(found)
-        result["tiers"] = dict(inv.con.execute(
-            "SELECT confidence, count(*) FROM request_tiers GROUP BY 1 ORDER BY 1").fetchall())
-        result["latency_models"] = [list(r) for r in inv.con.execute(
-            "SELECT model, usable, n_points FROM latency_model ORDER BY 1").fetchall()]
+        result["tiers"] = dict(
+            inv.con.execute("SELECT confidence, count(*) FROM request_tiers GROUP BY 1 ORDER BY 1").fetchall()
+        )
+        result["latency_models"] = [
+            list(r) for r in inv.con.execute("SELECT model, usable, n_points FROM latency_model ORDER BY 1").fetchall()
+        ]
         inv.con.execute("CHECKPOINT").fetchall()
     finally:
         inv.close()
@@ -435,10 +494,12 @@ def _write_answers(inv, path: Path) -> None:
 
     con = inv.con
     affected = [r[0] for r in con.execute("SELECT request_id FROM affected_responses ORDER BY 1").fetchall()]
-    recipients = dict(con.execute(
-        "SELECT account_id, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall())
-    classes = dict(con.execute(
-        "SELECT account_class, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall())
+    recipients = dict(
+        con.execute("SELECT account_id, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall()
+    )
+    classes = dict(
+        con.execute("SELECT account_class, count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall()
+    )
     digest = hashlib.sha256()
     pairs = 0
     cur = con.execute("SELECT affected_request_id, source_request_id FROM possible_sources ORDER BY 1, 2")
@@ -447,18 +508,33 @@ def _write_answers(inv, path: Path) -> None:
             digest.update(f"{a}|{s}\n".encode())
         pairs += len(batch)
     sources = int(con.execute("SELECT count(DISTINCT source_account_id) FROM possible_sources").fetchone()[0])
-    aborted = [r[0] for r in con.execute("SELECT DISTINCT request_id FROM engine_events "
-                                         "WHERE kind = 'abort_input_too_long' ORDER BY 1").fetchall()]
-    path.write_text(json.dumps({
-        "affected": affected, "recipients": recipients, "by_class": classes,
-        "possible_source_pairs": pairs, "possible_source_pairs_sha256": digest.hexdigest(),
-        "possible_source_accounts": sources,
-        "engine_req_time_stats": con.execute(
-            "SELECT count(*) FROM engine_events WHERE kind = 'req_time_stats'").fetchone()[0],
-        "engine_aborted_requests": len(aborted),
-        "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
-        "content_fingerprints": con.execute("SELECT count(*) FROM content_fingerprints").fetchone()[0],
-    }, indent=1) + "\n", encoding="utf-8")
+    aborted = [
+        r[0]
+        for r in con.execute(
+            "SELECT DISTINCT request_id FROM engine_events WHERE kind = 'abort_input_too_long' ORDER BY 1"
+        ).fetchall()
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "affected": affected,
+                "recipients": recipients,
+                "by_class": classes,
+                "possible_source_pairs": pairs,
+                "possible_source_pairs_sha256": digest.hexdigest(),
+                "possible_source_accounts": sources,
+                "engine_req_time_stats": con.execute(
+                    "SELECT count(*) FROM engine_events WHERE kind = 'req_time_stats'"
+                ).fetchone()[0],
+                "engine_aborted_requests": len(aborted),
+                "engine_aborted_sha256": hashlib.sha256("\n".join(aborted).encode()).hexdigest(),
+                "content_fingerprints": con.execute("SELECT count(*) FROM content_fingerprints").fetchone()[0],
+            },
+            indent=1,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
 
 
 def step_outputs(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -512,15 +588,19 @@ def step_proto_sources(args: argparse.Namespace, result: dict[str, Any]) -> None
             for stmt in statements(bench_sql("proto_possible_sources")):
                 uses = "$horizon_factor" in re.sub(r"--[^\n]*", "", stmt)
                 con.execute(stmt, h if uses else None)
-        cols = ("affected_request_id, recipient_account_id, source_request_id, source_account_id, kv_group, "
-                "tokens_written_since, pool_tokens")
+        cols = (
+            "affected_request_id, recipient_account_id, source_request_id, source_account_id, kv_group, "
+            "tokens_written_since, pool_tokens"
+        )
         result["rows"] = int(con.execute("SELECT count(*) FROM requests").fetchone()[0])
         result["pairs"] = int(con.execute("SELECT count(*) FROM possible_sources").fetchone()[0])
         result["proto_pairs"] = int(con.execute("SELECT count(*) FROM proto_possible_sources").fetchone()[0])
-        result["differences"] = int(con.execute(
-            f"SELECT count(*) FROM ((SELECT {cols} FROM possible_sources EXCEPT ALL SELECT {cols} FROM proto_possible_sources)"
-            f" UNION ALL (SELECT {cols} FROM proto_possible_sources EXCEPT ALL SELECT {cols} FROM possible_sources))"
-        ).fetchone()[0])
+        result["differences"] = int(
+            con.execute(
+                f"SELECT count(*) FROM ((SELECT {cols} FROM possible_sources EXCEPT ALL SELECT {cols} FROM proto_possible_sources)"
+                f" UNION ALL (SELECT {cols} FROM proto_possible_sources EXCEPT ALL SELECT {cols} FROM possible_sources))"
+            ).fetchone()[0]
+        )
         result["timeline_events"] = int(con.execute("SELECT count(*) FROM proto_timeline").fetchone()[0])
         con.execute("DROP TABLE proto_possible_sources")
     finally:
@@ -547,11 +627,21 @@ def step_pandas_sources(args: argparse.Namespace, result: dict[str, Any]) -> Non
 
 
 STEPS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], None]] = {
-    "floor-count": step_floor_count, "floor-scan": step_floor_scan, "floor-load": step_floor_load,
-    "floor-oversize": step_floor_oversize, "floor-engine": step_floor_engine, "floor-content": step_floor_content,
+    "floor-count": step_floor_count,
+    "floor-scan": step_floor_scan,
+    "floor-load": step_floor_load,
+    "floor-oversize": step_floor_oversize,
+    "floor-engine": step_floor_engine,
+    "floor-content": step_floor_content,
     "pandas-sources": step_pandas_sources,
-    "ingest": step_ingest, "audit": step_audit, "detect": step_detect, "scope": step_scope,
-    "outputs": step_outputs, "report": step_report, "pandas": step_pandas, "proto-sources": step_proto_sources,
+    "ingest": step_ingest,
+    "audit": step_audit,
+    "detect": step_detect,
+    "scope": step_scope,
+    "outputs": step_outputs,
+    "report": step_report,
+    "pandas": step_pandas,
+    "proto-sources": step_proto_sources,
 }
 
 
@@ -565,12 +655,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--temp-dir", type=Path, default=None)
     p.add_argument("--kinds", default="", help="ingest: only the sources of these kinds (comma list, e.g. requests)")
-    p.add_argument("--winnow-window", type=int, default=None,
-                   help="the content's winnowing window instead of the incident file's (1: every shingle)")
+    p.add_argument(
+        "--winnow-window",
+        type=int,
+        default=None,
+        help="the content's winnowing window instead of the incident file's (1: every shingle)",
+    )
     p.add_argument("--profile", type=Path, default=None)
     p.add_argument("--trace-sql", type=Path, default=None, help="time every DuckDB execute; JSON written here")
-    p.add_argument("--memory-trace", type=Path, default=None,
-                   help="RSS, DuckDB's memory by tag and the open input files every 5 s, as JSON lines written here")
+    p.add_argument(
+        "--memory-trace",
+        type=Path,
+        default=None,
+        help="RSS, DuckDB's memory by tag and the open input files every 5 s, as JSON lines written here",
+    )
     args = p.parse_args(argv)
     trace = SqlTrace() if args.trace_sql else None
     if trace:

@@ -27,7 +27,10 @@ def test_a_later_run_of_the_day_replaces_only_the_stages_it_ran(tmp_path: Path) 
     write_results(5, {"runs": {"parquet": {"dataset": {"n": 1}, "ingest": {"steps": "first"}}}}, tmp_path)
     path = write_results(5, {"runs": {"parquet": {"dataset": {"n": 2}, "pipeline": {"steps": "second"}}}}, tmp_path)
     assert json.loads(path.read_text())["runs"]["parquet"] == {
-        "dataset": {"n": 2}, "ingest": {"steps": "first"}, "pipeline": {"steps": "second"}}
+        "dataset": {"n": 2},
+        "ingest": {"steps": "first"},
+        "pipeline": {"steps": "second"},
+    }
 
 
 def test_a_prefix_scenario_is_measured_in_the_pipeline_stage_into_its_own_results_file(tmp_path: Path) -> None:
@@ -35,8 +38,9 @@ def test_a_prefix_scenario_is_measured_in_the_pipeline_stage_into_its_own_result
 
     args = parse_args(["--requests", "20000,100000", "--prefix-scenario", "prefix-l3-unsalted"])
     assert (args.stages, args.formats, args.requests) == (["pipeline"], ["jsonl"], [20000, 100000])
-    path = write_results(20000, {"runs": {"prefix-l3-unsalted": {"pipeline": {"steps": []}}}}, tmp_path,
-                         "prefix-l3-unsalted")
+    path = write_results(
+        20000, {"runs": {"prefix-l3-unsalted": {"pipeline": {"steps": []}}}}, tmp_path, "prefix-l3-unsalted"
+    )
     assert path.name.endswith("-20000-prefix-l3-unsalted.json")
     assert list(json.loads(path.read_text())["runs"]) == ["prefix-l3-unsalted"]
     for refused in (["--stages", "ingest,pipeline"], ["--pandas-baseline"], ["--format", "parquet"]):
@@ -59,8 +63,12 @@ print(json.dumps([big.ok, big.peak_rss_mb, small.ok, small.peak_rss_mb]))
 def test_peak_rss_is_the_childs_own(tmp_path: Path) -> None:
     """Measured from a parent as lean as the harness (this test process is not: Linux keeps a
     parent's RSS at the start in its child's high-water mark, see measure.py)."""
-    done = subprocess.run([sys.executable, "-c", _LEAN_PARENT, str(BENCH), str(tmp_path / "log")],
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _LEAN_PARENT, str(BENCH), str(tmp_path / "log")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     big_ok, big, small_ok, small = json.loads(done.stdout)
     assert big_ok and small_ok
     assert big > 300
@@ -77,15 +85,30 @@ def test_each_source_is_measured_against_its_own_floor() -> None:
     from run import stage_rows
 
     def step(name: str, seconds: float) -> dict:
-        return {"step": name, "ok": True, "seconds": seconds, "rows": 10, "peak_rss_mb": 1.0,
-                "other_cpu_seconds": 0, "process_seconds": seconds, "details": {}}
+        return {
+            "step": name,
+            "ok": True,
+            "seconds": seconds,
+            "rows": 10,
+            "peak_rss_mb": 1.0,
+            "other_cpu_seconds": 0,
+            "process_seconds": seconds,
+            "details": {},
+        }
 
     pandas = step("pandas-sources", 9.0)
     pandas["details"] = {"phases": {"engine_lines": 4.0, "content": 5.0}}
-    result = {"floors": ["floor-engine", "floor-content"],
-              "floor_of": {"ingest-engine": "floor-engine", "ingest-content": "floor-content"},
-              "steps": [step("floor-engine", 1.0), step("ingest-engine", 2.0), step("floor-content", 4.0),
-                        step("ingest-content", 10.0), pandas]}
+    result = {
+        "floors": ["floor-engine", "floor-content"],
+        "floor_of": {"ingest-engine": "floor-engine", "ingest-content": "floor-content"},
+        "steps": [
+            step("floor-engine", 1.0),
+            step("ingest-engine", 2.0),
+            step("floor-content", 4.0),
+            step("ingest-content", 10.0),
+            pandas,
+        ],
+    }
     rows = {r["step"]: r for r in stage_rows("sources", result)}
     assert rows["ingest-engine"]["x"] == {"floor-engine": 2.0, "floor-content": None}
     assert rows["ingest-content"]["x"] == {"floor-engine": None, "floor-content": 2.5}
@@ -102,12 +125,30 @@ def test_floors_and_pandas_do_the_same_work_on_engine_lines_and_content(tmp_path
     data = tmp_path / "data"
     simulate(Scenario(seed=5, requests=4_000, affected=12, page_simulation_max_requests=2_000), data)
     reports = {}
-    for step, *extra in (("floor-engine",), ("floor-content",), ("pandas-sources",), ("ingest", "--kinds", "content"),
-                         ("ingest", "--kinds", "content", "--winnow-window", "1")):
+    for step, *extra in (
+        ("floor-engine",),
+        ("floor-content",),
+        ("pandas-sources",),
+        ("ingest", "--kinds", "content"),
+        ("ingest", "--kinds", "content", "--winnow-window", "1"),
+    ):
         label = "-".join([step, *extra[3:]])
         report = tmp_path / f"{label}.json"
-        m = run_measured([sys.executable, str(BENCH / "steps.py"), step, "--incident", str(data / "incident.toml"),
-                          "--report", str(report), "--out", str(tmp_path / label), *extra], log_path=tmp_path / "log")
+        m = run_measured(
+            [
+                sys.executable,
+                str(BENCH / "steps.py"),
+                step,
+                "--incident",
+                str(data / "incident.toml"),
+                "--report",
+                str(report),
+                "--out",
+                str(tmp_path / label),
+                *extra,
+            ],
+            log_path=tmp_path / "log",
+        )
         assert m.ok, m.stderr_tail
         reports[label] = json.loads(report.read_text())
     engine, content, pandas = reports["floor-engine"], reports["floor-content"], reports["pandas-sources"]
@@ -126,9 +167,23 @@ def test_floors_and_pandas_do_the_same_work_on_engine_lines_and_content(tmp_path
 @pytest.mark.slow
 def test_small_run_completes_and_pandas_agrees(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "run.py"), "--requests", "20000", "--format", "both", "--pandas-baseline",
-         "--workdir", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results")],
-        capture_output=True, text=True, timeout=1800)
+        [
+            sys.executable,
+            str(BENCH / "run.py"),
+            "--requests",
+            "20000",
+            "--format",
+            "both",
+            "--pandas-baseline",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--results-dir",
+            str(tmp_path / "results"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("*-20000.json")
     doc = json.loads(path.read_text(encoding="utf-8"))
@@ -136,7 +191,12 @@ def test_small_run_completes_and_pandas_agrees(tmp_path: Path) -> None:
         run = doc["runs"][fmt]
         steps = run["ingest"]["steps"] + run["sources"]["steps"] + run["pipeline"]["steps"]
         assert [s["step"] for s in run["sources"]["steps"]] == [
-            "floor-engine", "ingest-engine", "floor-content", "ingest-content", "pandas-sources"]
+            "floor-engine",
+            "ingest-engine",
+            "floor-content",
+            "ingest-content",
+            "pandas-sources",
+        ]
         assert [s["step"] for s in steps if not s["ok"]] == []
         assert all(s["peak_rss_mb"] > 0 and s["rows"] > 0 for s in steps)
         assert run["pipeline"]["agreement"]["all_same"], run["pipeline"]["agreement"]

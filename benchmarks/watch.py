@@ -103,9 +103,12 @@ def _spread(delays: list[float]) -> dict[str, float | None]:
     if not delays:
         return {"n": 0, "median_s": None, "p95_s": None, "max_s": None}
     ordered = sorted(delays)
-    return {"n": len(ordered), "median_s": round(statistics.median(ordered), 2),
-            "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 2),
-            "max_s": round(ordered[-1], 2)}
+    return {
+        "n": len(ordered),
+        "median_s": round(statistics.median(ordered), 2),
+        "p95_s": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 2),
+        "max_s": round(ordered[-1], 2),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,8 +131,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts[0].write(dest)
     written = [time.time()]
     log = (root / "watch.log").open("wb")
-    argv = [sys.executable, "-m", "kvforensics", "watch", str(dest / "incident.toml"), "--out", str(out),
-            "--interval", str(args.interval), "--silence", "86400"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvforensics",
+        "watch",
+        str(dest / "incident.toml"),
+        "--out",
+        str(out),
+        "--interval",
+        str(args.interval),
+        "--silence",
+        "86400",
+    ]
     if args.memory_limit:
         argv += ["--memory-limit", args.memory_limit]
     busy_before, own_before = _busy_cpu_s(), _own_cpu_s()
@@ -169,61 +183,96 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     live = [a for a in responses if _epoch(a["detected_at"]) < sigterm_at]  # not raised by the stop's settle
     delays = [_epoch(a["detected_at"]) - written[part_of[a["request_id"]]] for a in live if a["request_id"] in part_of]
     exposed = [a for a in raised if a["kind"] == "exposed_startup"]
-    exposed_delays = [_epoch(a["detected_at"]) - written[_part_of_line(parts, dest, a["file"], a["line"])]
-                      for a in exposed]
+    exposed_delays = [
+        _epoch(a["detected_at"]) - written[_part_of_line(parts, dest, a["file"], a["line"])] for a in exposed
+    ]
     import duckdb
 
     con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
     try:
-        loaded, quarantined = con.execute("SELECT (SELECT count(*) FROM requests), "
-                                          "(SELECT count(*) FROM quarantine)").fetchall()[0]
+        loaded, quarantined = con.execute(
+            "SELECT (SELECT count(*) FROM requests), (SELECT count(*) FROM quarantine)"
+        ).fetchall()[0]
     finally:
         con.close()
     gateway = sum(len(p.request_ids) for p in parts)
     return {
-        "requests": args.requests, "rate_target": args.rate, "tick_s": args.tick, "interval_s": args.interval,
-        "dataset": ds.info, "prepare_s": round(prepare_s, 1),
-        "appended": {"gateway_records": gateway, "parts": len(parts), "seconds": round(appended_s, 2),
-                     "records_per_s": round(gateway / appended_s) if appended_s else None,
-                     "lines": sum(len(v) for p in parts for v in p.lines.values())},
-        "watch": {"exit_code": code, "follow_cpu_s": round(follow_cpu_s, 1),
-                  "follow_cpu_share": round(follow_cpu_s / (appended_s + caught_up_s), 2),
-                  # what following costs, whatever else ran: CPU seconds per 50,000 gateway records (and the
-                  # lines beside them), i.e. the share of a core that 50,000 records/s take
-                  "cpu_s_per_50k_records": round(follow_cpu_s / gateway * 50_000, 3),
-                  "peak_rss_mb": round(max((r for _, _, r in samples), default=0.0), 1),
-                  "caught_up_s_after_last_append": round(caught_up_s, 2), "stop_s": round(stop_s, 1),
-                  "requests_loaded": loaded, "quarantined": quarantined},
-        "alerts": {"affected_responses": len(responses), "expected": len(affected),
-                   "alerted_while_following": len(live),
-                   "not_affected_by_the_simulator": len({a["request_id"] for a in responses} - affected),
-                   "delay": _spread(delays),
-                   "exposed_startups": len(exposed), "exposed_delay": _spread(exposed_delays)},
-        "watch_cpu_s_total": round(watch_cpu_s, 1), "other_cpu_s": round(max(0.0, other_cpu_s), 1),
-        "machine": machine(), "code": code_state(), "date": dt.date.today().isoformat(),
+        "requests": args.requests,
+        "rate_target": args.rate,
+        "tick_s": args.tick,
+        "interval_s": args.interval,
+        "dataset": ds.info,
+        "prepare_s": round(prepare_s, 1),
+        "appended": {
+            "gateway_records": gateway,
+            "parts": len(parts),
+            "seconds": round(appended_s, 2),
+            "records_per_s": round(gateway / appended_s) if appended_s else None,
+            "lines": sum(len(v) for p in parts for v in p.lines.values()),
+        },
+        "watch": {
+            "exit_code": code,
+            "follow_cpu_s": round(follow_cpu_s, 1),
+            "follow_cpu_share": round(follow_cpu_s / (appended_s + caught_up_s), 2),
+            # what following costs, whatever else ran: CPU seconds per 50,000 gateway records (and the
+            # lines beside them), i.e. the share of a core that 50,000 records/s take
+            "cpu_s_per_50k_records": round(follow_cpu_s / gateway * 50_000, 3),
+            "peak_rss_mb": round(max((r for _, _, r in samples), default=0.0), 1),
+            "caught_up_s_after_last_append": round(caught_up_s, 2),
+            "stop_s": round(stop_s, 1),
+            "requests_loaded": loaded,
+            "quarantined": quarantined,
+        },
+        "alerts": {
+            "affected_responses": len(responses),
+            "expected": len(affected),
+            "alerted_while_following": len(live),
+            "not_affected_by_the_simulator": len({a["request_id"] for a in responses} - affected),
+            "delay": _spread(delays),
+            "exposed_startups": len(exposed),
+            "exposed_delay": _spread(exposed_delays),
+        },
+        "watch_cpu_s_total": round(watch_cpu_s, 1),
+        "other_cpu_s": round(max(0.0, other_cpu_s), 1),
+        "machine": machine(),
+        "code": code_state(),
+        "date": dt.date.today().isoformat(),
     }
 
 
 def table(result: dict[str, Any]) -> str:
     a, w, d = result["appended"], result["watch"], result["alerts"]["delay"]
-    rows = [("gateway records appended", f"{a['gateway_records']:,} in {a['seconds']} s = {a['records_per_s']:,}/s "
-                                         f"(target {result['rate_target']:,}/s)"),
-            ("lines appended (all sources)", f"{a['lines']:,}"),
-            ("watch CPU while following", f"{w['follow_cpu_s']} s ({w['follow_cpu_share']} of a core), "
-                                          f"peak RSS {w['peak_rss_mb']} MB"),
-            ("watch CPU per 50,000 records", f"{w['cpu_s_per_50k_records']} s"),
-            ("caught up after the last append", f"{w['caught_up_s_after_last_append']} s"),
-            ("affected responses alerted", f"{result['alerts']['affected_responses']} of "
-                                           f"{result['alerts']['expected']}, "
-                                           f"{result['alerts']['not_affected_by_the_simulator']} not affected"),
-            ("append -> alert delay", f"median {d['median_s']} s, p95 {d['p95_s']} s, max {d['max_s']} s"),
-            ("exposed start-ups alerted", f"{result['alerts']['exposed_startups']}, "
-                                          f"max {result['alerts']['exposed_delay']['max_s']} s after the append of "
-                                          "their start-up's lines"),
-            ("stop (settle: ingest of engine logs and content, detect)", f"{w['stop_s']} s, exit {w['exit_code']}"),
-            ("settled database", f"{w['requests_loaded']:,} requests, {w['quarantined']:,} quarantined"),
-            ("watch CPU in all (with the stop)", f"{result['watch_cpu_s_total']} s"),
-            ("other processes' CPU meanwhile", f"{result['other_cpu_s']} s")]
+    rows = [
+        (
+            "gateway records appended",
+            f"{a['gateway_records']:,} in {a['seconds']} s = {a['records_per_s']:,}/s "
+            f"(target {result['rate_target']:,}/s)",
+        ),
+        ("lines appended (all sources)", f"{a['lines']:,}"),
+        (
+            "watch CPU while following",
+            f"{w['follow_cpu_s']} s ({w['follow_cpu_share']} of a core), peak RSS {w['peak_rss_mb']} MB",
+        ),
+        ("watch CPU per 50,000 records", f"{w['cpu_s_per_50k_records']} s"),
+        ("caught up after the last append", f"{w['caught_up_s_after_last_append']} s"),
+        (
+            "affected responses alerted",
+            f"{result['alerts']['affected_responses']} of "
+            f"{result['alerts']['expected']}, "
+            f"{result['alerts']['not_affected_by_the_simulator']} not affected",
+        ),
+        ("append -> alert delay", f"median {d['median_s']} s, p95 {d['p95_s']} s, max {d['max_s']} s"),
+        (
+            "exposed start-ups alerted",
+            f"{result['alerts']['exposed_startups']}, "
+            f"max {result['alerts']['exposed_delay']['max_s']} s after the append of "
+            "their start-up's lines",
+        ),
+        ("stop (settle: ingest of engine logs and content, detect)", f"{w['stop_s']} s, exit {w['exit_code']}"),
+        ("settled database", f"{w['requests_loaded']:,} requests, {w['quarantined']:,} quarantined"),
+        ("watch CPU in all (with the stop)", f"{result['watch_cpu_s_total']} s"),
+        ("other processes' CPU meanwhile", f"{result['other_cpu_s']} s"),
+    ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

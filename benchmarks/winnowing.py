@@ -39,8 +39,11 @@ def incident_copy(src: Path, dst: Path, window: int) -> Path:
             (dst / child.name).symlink_to(child.resolve())
     text = src.read_text(encoding="utf-8")
     lines = f"winnow_window = {window}\nallow_outside = true"
-    text = text.replace("[settings]", f"[settings]\n{lines}", 1) if "[settings]" in text else \
-        f"{text}\n[settings]\n{lines}\n"
+    text = (
+        text.replace("[settings]", f"[settings]\n{lines}", 1)
+        if "[settings]" in text
+        else f"{text}\n[settings]\n{lines}\n"
+    )
     (dst / "incident.toml").write_text(text, encoding="utf-8")
     return dst / "incident.toml"
 
@@ -60,15 +63,27 @@ def answers(incident_toml: Path, out: Path, counts: list[int]) -> dict[int, dict
             result = scope(inv.con, inv.incident, {"min_matching_shingles": m})
 
             def accounts(role: str) -> list[str]:
-                return [r[0] for r in inv.con.execute(
-                    "SELECT DISTINCT account_id FROM notifications WHERE role = $r ORDER BY 1", {"r": role}).fetchall()]
+                return [
+                    r[0]
+                    for r in inv.con.execute(
+                        "SELECT DISTINCT account_id FROM notifications WHERE role = $r ORDER BY 1", {"r": role}
+                    ).fetchall()
+                ]
 
-            found[m] = {"fingerprints": fps, "affected": result.summary["affected_responses"],
-                        "recipients": result.summary["affected_accounts"],
-                        "confirmed": accounts("data_exposed_confirmed"), "possible": accounts("data_exposed_possible"),
-                        "pairs": [list(p) for p in inv.con.execute(
-                            "SELECT DISTINCT affected_request_id, source_request_id FROM content_matches "
-                            "WHERE confirmed AND basis = 'output_shingles' ORDER BY 1, 2").fetchall()]}
+            found[m] = {
+                "fingerprints": fps,
+                "affected": result.summary["affected_responses"],
+                "recipients": result.summary["affected_accounts"],
+                "confirmed": accounts("data_exposed_confirmed"),
+                "possible": accounts("data_exposed_possible"),
+                "pairs": [
+                    list(p)
+                    for p in inv.con.execute(
+                        "SELECT DISTINCT affected_request_id, source_request_id FROM content_matches "
+                        "WHERE confirmed AND basis = 'output_shingles' ORDER BY 1, 2"
+                    ).fetchall()
+                ],
+            }
         return found
     finally:
         inv.close()
@@ -78,7 +93,7 @@ def words_of(data: Path) -> dict[str, tuple[list[str], ...]]:
     """Each content record's prompt and output as lower-cased words (held in memory, never written)."""
     out = {}
     for path in sorted((data / "content").glob("*.jsonl*")):
-        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as fh:
+        with gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8") as fh:
             for line in fh:
                 r = json.loads(line)
                 out[r["request_id"]] = tuple(re.findall(r"\w+", (r.get(p) or "").lower()) for p in ("prompt", "output"))
@@ -107,16 +122,23 @@ def compare(runs: dict[tuple[int, int], dict[str, Any]], words: dict[str, Any]) 
         lost = sorted(base_pairs - pairs)
         lost_runs = sorted({max(longest_run(words[a][1], t) for t in words[s]) for a, s in lost})
         out[f"w{w}-m{m}"] = {
-            "winnow_window": w, "min_matching_shingles": m, "guaranteed_words": m * w + 7,
-            "fingerprints": r["fingerprints"], "fingerprints_x": round(r["fingerprints"] / base["fingerprints"], 4),
-            "affected": r["affected"], "recipients": r["recipients"],
-            "confirmed_accounts": len(r["confirmed"]), "possible_accounts": len(r["possible"]),
+            "winnow_window": w,
+            "min_matching_shingles": m,
+            "guaranteed_words": m * w + 7,
+            "fingerprints": r["fingerprints"],
+            "fingerprints_x": round(r["fingerprints"] / base["fingerprints"], 4),
+            "affected": r["affected"],
+            "recipients": r["recipients"],
+            "confirmed_accounts": len(r["confirmed"]),
+            "possible_accounts": len(r["possible"]),
             "confirmed_pairs": len(pairs),
             "confirmed_accounts_lost": sorted(set(base["confirmed"]) - set(r["confirmed"])),
             "confirmed_accounts_gained": sorted(set(r["confirmed"]) - set(base["confirmed"])),
-            "pairs_lost": len(lost), "pairs_gained": len(pairs - base_pairs),
+            "pairs_lost": len(lost),
+            "pairs_gained": len(pairs - base_pairs),
             "lost_pairs_longest_shared_runs": lost_runs,
-            "every_loss_below_the_guarantee": all(n < m * w + 7 for n in lost_runs)}
+            "every_loss_below_the_guarantee": all(n < m * w + 7 for n in lost_runs),
+        }
     return out
 
 
@@ -146,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             for m, found in answers(toml, toml.parent / "out", [1, 3]).items():
                 runs[(w, m)] = found
         doc["incidents"][spec] = compare(runs, words_of(data))
-        print(spec, {k: (v["confirmed_accounts"], v["pairs_lost"], v["every_loss_below_the_guarantee"])
-                     for k, v in doc["incidents"][spec].items()}, flush=True)
+        print(
+            spec,
+            {
+                k: (v["confirmed_accounts"], v["pairs_lost"], v["every_loss_below_the_guarantee"])
+                for k, v in doc["incidents"][spec].items()
+            },
+            flush=True,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     print(f"results: {args.out}")

@@ -39,16 +39,26 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("incident", type=Path, help="the incident file (incident.toml)")
     p.add_argument("--out", type=Path, required=True, help="output folder (evidence.duckdb, scope.json, report)")
     p.add_argument("--strict", action="store_true", help="fail on the first record that would be quarantined")
-    p.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it; default: "
-                   "[settings] memory_limit, else the smaller of 4GB and half the machine's memory)")
+    p.add_argument(
+        "--memory-limit",
+        help="DuckDB memory limit, e.g. 2GB (spills to disk beyond it; default: "
+        "[settings] memory_limit, else the smaller of 4GB and half the machine's memory)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.add_argument("--no-pdf", action="store_true", help="skip report.pdf (it needs a local Chromium)")
-    p.add_argument("--engine", choices=["duckdb", "spark"], default="duckdb",
-                   help="where detect and scope run (ingest is always DuckDB; spark needs the 'spark' extra)")
+    p.add_argument(
+        "--engine",
+        choices=["duckdb", "spark"],
+        default="duckdb",
+        help="where detect and scope run (ingest is always DuckDB; spark needs the 'spark' extra)",
+    )
     p.add_argument("--spark-master", help="Spark master URL for --engine spark (default local[2])")
-    p.add_argument("--allow-outside", action="store_true",
-                   help="read source files that resolve outside the incident folder ('..', symbolic links; "
-                        "[settings] allow_outside); the manifest lists them")
+    p.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="read source files that resolve outside the incident folder ('..', symbolic links; "
+        "[settings] allow_outside); the manifest lists them",
+    )
 
 
 def _investigation(args: argparse.Namespace):
@@ -63,10 +73,19 @@ def _investigation(args: argparse.Namespace):
     incident = load_incident(args.incident)
     if args.allow_outside:
         incident = replace(incident, allow_outside=True)
-    return Investigation.open(incident, args.out, strict=args.strict, memory_limit=args.memory_limit,
-                              progress=not args.quiet, pdf=not args.no_pdf, engine=args.engine,
-                              spark_master=args.spark_master, raw_csv=getattr(args, "raw_csv", False),
-                              rebuild=not getattr(args, "no_rebuild", False), append=getattr(args, "append", False))
+    return Investigation.open(
+        incident,
+        args.out,
+        strict=args.strict,
+        memory_limit=args.memory_limit,
+        progress=not args.quiet,
+        pdf=not args.no_pdf,
+        engine=args.engine,
+        spark_master=args.spark_master,
+        raw_csv=getattr(args, "raw_csv", False),
+        rebuild=not getattr(args, "no_rebuild", False),
+        append=getattr(args, "append", False),
+    )
 
 
 def _verdict(summary: dict) -> int:
@@ -74,8 +93,10 @@ def _verdict(summary: dict) -> int:
     reasons = summary.get("inconclusive_reasons") or []
     if not reasons:
         return 0
-    print(f"INCONCLUSIVE: the evidence cannot support this answer ({len(reasons)} reason(s)); "
-          "fix these and run again before relying on any figure below")
+    print(
+        f"INCONCLUSIVE: the evidence cannot support this answer ({len(reasons)} reason(s)); "
+        "fix these and run again before relying on any figure below"
+    )
     for r in reasons:
         print(visible_controls(f"  ! [{r['code']}] {r['message']}"))
     return EXIT_INCONCLUSIVE
@@ -91,8 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = inv.run()
     s = result.summary
     code = _verdict(s)
-    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts received foreign data; "
-          f"source accounts: {s['source_accounts']['confirmed']} confirmed, {s['source_accounts']['possible']} possible")
+    print(
+        f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts received foreign data; "
+        f"source accounts: {s['source_accounts']['confirmed']} confirmed, {s['source_accounts']['possible']} possible"
+    )
     for w in s["windows"]:
         print(visible_controls(f"  {w['model']}: {w['responses']} from {w['first']} to {w['last']}"))
     print(f"report: {args.out / 'report.html'}")
@@ -105,8 +128,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         r = inv.ingest()
     finally:
         inv.close()
-    print(f"{r.records_read} records read, {r.quarantined} quarantined, from {len(r.files)} file(s) "
-          f"into {inv.db_path}")
+    print(f"{r.records_read} records read, {r.quarantined} quarantined, from {len(r.files)} file(s) into {inv.db_path}")
     return 0
 
 
@@ -129,8 +151,10 @@ def cmd_scope(args: argparse.Namespace) -> int:
     finally:
         inv.close()
     code = _verdict(s)
-    print(f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts; "
-          f"scope.json, CSVs and manifest.json in {args.out}")
+    print(
+        f"{s['affected_responses']} affected responses, {s['affected_accounts']} accounts; "
+        f"scope.json, CSVs and manifest.json in {args.out}"
+    )
     return code
 
 
@@ -159,8 +183,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{len(problems)} problem(s)")
         return 1
     signed = "manifest signature holds; " if args.allowed_signers else ""
-    print(f"{signed}inputs and outputs unchanged; every table, figure, CSV row and notice re-derived and matching, "
-          "report.md and report.html re-rendered and matching")
+    print(
+        f"{signed}inputs and outputs unchanged; every table, figure, CSV row and notice re-derived and matching, "
+        "report.md and report.html re-rendered and matching"
+    )
     return 0
 
 
@@ -169,8 +195,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     kwargs = {"server_info": list(args.server_info), "manifest": args.manifest}
     if args.incident and args.instance:
-        print("Error: --instance names the instances of engine logs given on the command line; with --incident, "
-              "set `instance` in each engine_log source of the incident file", file=sys.stderr)
+        print(
+            "Error: --instance names the instances of engine logs given on the command line; with --incident, "
+            "set `instance` in each engine_log source of the incident file",
+            file=sys.stderr,
+        )
         return 2
     if args.incident:
         from kvforensics.config import load_incident
@@ -180,8 +209,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
         if not args.sources:
             print("Error: name engine logs to audit, or --incident incident.toml", file=sys.stderr)
             return 2
-        report = audit.audit_paths(list(args.sources), fmt=args.format, tz=args.timezone, year=args.year,
-                                   envelope=args.envelope, instance_template=args.instance, **kwargs)
+        report = audit.audit_paths(
+            list(args.sources),
+            fmt=args.format,
+            tz=args.timezone,
+            year=args.year,
+            envelope=args.envelope,
+            instance_template=args.instance,
+            **kwargs,
+        )
     if args.json:
         print(report.to_json())
     elif args.markdown:
@@ -203,22 +239,42 @@ def cmd_watch(args: argparse.Namespace) -> int:
     incident = load_incident(args.incident)
     if args.allow_outside:
         incident = replace(incident, allow_outside=True)
-    options = WatchOptions(interval=args.interval, silence=args.silence, alert_command=args.alert_command,
-                           memory_limit=args.memory_limit, status=not args.quiet)
+    options = WatchOptions(
+        interval=args.interval,
+        silence=args.silence,
+        alert_command=args.alert_command,
+        memory_limit=args.memory_limit,
+        status=not args.quiet,
+    )
     watch = Watch(incident, args.out, options)
     if not args.quiet:
-        print(visible_controls(f"watching {len(incident.sources)} source(s) of {incident.path.name} every "
-                               f"{args.interval:g} s; alerts to {args.out / 'alerts.jsonl'} (Ctrl-C stops)"),
-              file=sys.stderr, flush=True)
+        print(
+            visible_controls(
+                f"watching {len(incident.sources)} source(s) of {incident.path.name} every "
+                f"{args.interval:g} s; alerts to {args.out / 'alerts.jsonl'} (Ctrl-C stops)"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     done = watch.run(once=args.once)
     if not args.quiet:
-        print(visible_controls(f"stopped: {done.requests} requests in {args.out / 'evidence.duckdb'}, {done.alerts} "
-                               "alert(s) in alerts.jsonl; `kvforensics scope` or `report` on the folder gives the "
-                               "answer"), file=sys.stderr)
+        print(
+            visible_controls(
+                f"stopped: {done.requests} requests in {args.out / 'evidence.duckdb'}, {done.alerts} "
+                "alert(s) in alerts.jsonl; `kvforensics scope` or `report` on the folder gives the "
+                "answer"
+            ),
+            file=sys.stderr,
+        )
         if done.alerted_not_in_answer:
-            print(visible_controls(f"note: {len(done.alerted_not_in_answer)} response(s) alerted while watching are "
-                                   "not affected in the answer of all the evidence (e.g. "
-                                   f"{done.alerted_not_in_answer[0]})"), file=sys.stderr)
+            print(
+                visible_controls(
+                    f"note: {len(done.alerted_not_in_answer)} response(s) alerted while watching are "
+                    "not affected in the answer of all the evidence (e.g. "
+                    f"{done.alerted_not_in_answer[0]})"
+                ),
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -231,8 +287,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvforensics.config import ENGINE_ENVELOPES
 
-    parser = argparse.ArgumentParser(prog="kvforensics", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvforensics", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"kvforensics {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,66 +304,115 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _add_common(p)
         if name == "run":
-            p.add_argument("--sign-key", type=Path, help="SSH private key to sign manifest.json with "
-                           "(ssh-keygen -Y sign, namespace kvforensics; writes manifest.json.sig)")
+            p.add_argument(
+                "--sign-key",
+                type=Path,
+                help="SSH private key to sign manifest.json with "
+                "(ssh-keygen -Y sign, namespace kvforensics; writes manifest.json.sig)",
+            )
         if name in ("run", "scope"):  # the commands that write the CSVs
-            p.add_argument("--raw-csv", action="store_true",
-                           help="write CSV cells as read, without the ' before =, +, -, @ (for machine consumers)")
+            p.add_argument(
+                "--raw-csv",
+                action="store_true",
+                help="write CSV cells as read, without the ' before =, +, -, @ (for machine consumers)",
+            )
         if name in ("run", "ingest"):  # the commands that read the inputs
             changed = p.add_mutually_exclusive_group()
-            changed.add_argument("--no-rebuild", action="store_true",
-                                 help="if the inputs changed since --out was built, stop (exit 2) instead of "
-                                      "building the evidence afresh")
-            changed.add_argument("--append", action="store_true",
-                                 help="load only the input files added since --out was built into its evidence "
-                                      "(refused if any was removed or modified)")
+            changed.add_argument(
+                "--no-rebuild",
+                action="store_true",
+                help="if the inputs changed since --out was built, stop (exit 2) instead of "
+                "building the evidence afresh",
+            )
+            changed.add_argument(
+                "--append",
+                action="store_true",
+                help="load only the input files added since --out was built into its evidence "
+                "(refused if any was removed or modified)",
+            )
         p.set_defaults(func=func)
-    a = sub.add_parser("audit", help="is any deployment exposed now? the six operator checks (exit 1 if anything "
-                                     "was exposed in the logs, --now: if a start-up still in force is)")
+    a = sub.add_parser(
+        "audit",
+        help="is any deployment exposed now? the six operator checks (exit 1 if anything "
+        "was exposed in the logs, --now: if a start-up still in force is)",
+    )
     a.add_argument("sources", nargs="*", type=Path, help="engine logs (plain, .gz or .zst)")
     a.add_argument("--incident", type=Path, help="audit the engine logs of an incident file instead")
     a.add_argument("--server-info", type=Path, action="append", default=[], help="a /get_server_info JSON dump")
-    a.add_argument("--manifest", type=Path, help="deployment manifest (TOML/YAML): load balancer "
-                   "and prefix-cache tenancy ([prefix_cache])")
+    a.add_argument(
+        "--manifest",
+        type=Path,
+        help="deployment manifest (TOML/YAML): load balancer and prefix-cache tenancy ([prefix_cache])",
+    )
     a.add_argument("--format", default="auto", choices=["auto", "sglang", "vllm"])
     a.add_argument("--timezone", default="UTC", help="IANA zone of the log timestamps")
     a.add_argument("--year", type=int, help="year for vLLM timestamps, which carry none")
-    a.add_argument("--instance", metavar="TEMPLATE",
-                   help="the instance a log belongs to, from its path: {stem} (file name without extensions), {name}, "
-                        "{parent} (its folder), {label:NAME} (an envelope label); default {stem}, or {parent} "
-                        "(said in a note) when files in different folders share a stem (engines/*/sglang.log.gz)")
-    a.add_argument("--envelope", default="auto", choices=list(ENGINE_ENVELOPES),
-                   help="the collection envelope of the engine logs (auto: recognised from the first lines; "
-                        "an incident file sets it per source)")
+    a.add_argument(
+        "--instance",
+        metavar="TEMPLATE",
+        help="the instance a log belongs to, from its path: {stem} (file name without extensions), {name}, "
+        "{parent} (its folder), {label:NAME} (an envelope label); default {stem}, or {parent} "
+        "(said in a note) when files in different folders share a stem (engines/*/sglang.log.gz)",
+    )
+    a.add_argument(
+        "--envelope",
+        default="auto",
+        choices=list(ENGINE_ENVELOPES),
+        help="the collection envelope of the engine logs (auto: recognised from the first lines; "
+        "an incident file sets it per source)",
+    )
     a.add_argument("--json", action="store_true", help="print JSON")
     a.add_argument("--markdown", action="store_true", help="print Markdown")
-    a.add_argument("--now", action="store_true",
-                   help="exit 1 only while an exposed start-up is still in force (a deploy gate); without it, 1 when "
-                        "any start-up in the logs was exposed, also one that has since shut down or restarted")
+    a.add_argument(
+        "--now",
+        action="store_true",
+        help="exit 1 only while an exposed start-up is still in force (a deploy gate); without it, 1 when "
+        "any start-up in the logs was exposed, also one that has since shut down or restarted",
+    )
     a.set_defaults(func=cmd_audit)
-    v = sub.add_parser("verify", help="re-hash inputs and outputs, re-derive every figure from the evidence "
-                                       "(exit 1 if anything differs)")
+    v = sub.add_parser(
+        "verify",
+        help="re-hash inputs and outputs, re-derive every figure from the evidence (exit 1 if anything differs)",
+    )
     v.add_argument("dir", type=Path, help="an output folder of 'kvforensics run'")
-    v.add_argument("--allowed-signers", type=Path,
-                   help="ssh-keygen allowed signers file: check manifest.json.sig against it")
+    v.add_argument(
+        "--allowed-signers", type=Path, help="ssh-keygen allowed signers file: check manifest.json.sig against it"
+    )
     v.add_argument("--identity", help="the signer's principal in --allowed-signers (default: its first one)")
     v.set_defaults(func=cmd_verify)
-    w = sub.add_parser("watch", help="follow the sources as they grow; alert on exposed start-ups, affected responses "
-                                     "and gaps in the evidence (alerts.jsonl, stdout)")
+    w = sub.add_parser(
+        "watch",
+        help="follow the sources as they grow; alert on exposed start-ups, affected responses "
+        "and gaps in the evidence (alerts.jsonl, stdout)",
+    )
     w.add_argument("incident", type=Path, help="the incident file (incident.toml)")
-    w.add_argument("--out", type=Path, required=True,
-                   help="output folder: evidence.duckdb and alerts.jsonl (a restart resumes where it stopped)")
+    w.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output folder: evidence.duckdb and alerts.jsonl (a restart resumes where it stopped)",
+    )
     w.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default 5)")
-    w.add_argument("--silence", type=float, default=600.0,
-                   help="a source that has not grown for this many seconds is an evidence gap (default 600)")
-    w.add_argument("--alert-command", metavar="CMD",
-                   help="run CMD (split as a shell splits it, not run by one) per batch of alerts, their JSON lines "
-                        "on its standard input")
+    w.add_argument(
+        "--silence",
+        type=float,
+        default=600.0,
+        help="a source that has not grown for this many seconds is an evidence gap (default 600)",
+    )
+    w.add_argument(
+        "--alert-command",
+        metavar="CMD",
+        help="run CMD (split as a shell splits it, not run by one) per batch of alerts, their JSON lines "
+        "on its standard input",
+    )
     w.add_argument("--once", action="store_true", help="one poll, then stop (and settle the folder)")
     w.add_argument("--memory-limit", help="DuckDB memory limit, e.g. 2GB")
     w.add_argument("--quiet", action="store_true", help="no status lines on stderr (alerts still go to stdout)")
-    w.add_argument("--allow-outside", action="store_true",
-                   help="read source files that resolve outside the incident folder ([settings] allow_outside)")
+    w.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="read source files that resolve outside the incident folder ([settings] allow_outside)",
+    )
     w.set_defaults(func=cmd_watch)
     try:
         from kvforensics.simulate.cli import add_arguments
@@ -349,16 +455,24 @@ def _main(argv: list[str] | None) -> int:
 
 def _describe(e: Exception) -> str:
     """What went wrong and what to do, in one line."""
-    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):  # OSError or duckdb's IOException
-        return (f"out of disk space ({_one_line(e)}): DuckDB spills beyond memory_limit into <out>/evidence.spill; "
-                "free disk there, or run with --out on a larger disk")
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(
+        e
+    ):  # OSError or duckdb's IOException
+        return (
+            f"out of disk space ({_one_line(e)}): DuckDB spills beyond memory_limit into <out>/evidence.spill; "
+            "free disk there, or run with --out on a larger disk"
+        )
     if isinstance(e, (KvForensicsError, OSError)):  # bad input or configuration: the message says what to fix
         return str(e)
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryException":  # duckdb's, without importing it
-        return (f"out of memory ({_one_line(e)}): set a larger --memory-limit or [settings] memory_limit "
-                "(DuckDB spills to disk beyond it), or free memory")
-    return (f"unexpected {type(e).__name__}{_origin(e)}: {_one_line(e)}. This is a kvforensics bug: run again with "
-            "--debug for the traceback and report it with the input that caused it")
+        return (
+            f"out of memory ({_one_line(e)}): set a larger --memory-limit or [settings] memory_limit "
+            "(DuckDB spills to disk beyond it), or free memory"
+        )
+    return (
+        f"unexpected {type(e).__name__}{_origin(e)}: {_one_line(e)}. This is a kvforensics bug: run again with "
+        "--debug for the traceback and report it with the input that caused it"
+    )
 
 
 def _one_line(e: BaseException) -> str:

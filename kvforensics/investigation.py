@@ -37,24 +37,24 @@ class Investigation:
     memory_limit: str | None = None
     progress: bool = True
     pdf: bool = True
-    raw_csv: bool = False                # CSV cells as read, formula starts not neutralised (machine consumers)
-    engine: str = "duckdb"               # where detect and scope run: duckdb | spark
-    spark_master: str | None = None      # Spark master URL (default local[2])
+    raw_csv: bool = False  # CSV cells as read, formula starts not neutralised (machine consumers)
+    engine: str = "duckdb"  # where detect and scope run: duckdb | spark
+    spark_master: str | None = None  # Spark master URL (default local[2])
     spark_requests_table: str | None = None  # else [settings] spark_requests_table
-    sign_key: Path | None = None         # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.evidence.verify)
-    rebuild: bool = True                 # inputs changed since the folder was built: build afresh
-    append: bool = False                 # ... or load only the added files (refused if any other change)
+    sign_key: Path | None = None  # SSH private key: manifest.json.sig (ssh-keygen -Y sign, kvforensics.evidence.verify)
+    rebuild: bool = True  # inputs changed since the folder was built: build afresh
+    append: bool = False  # ... or load only the added files (refused if any other change)
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-    evidence_built: str | None = None    # how this run came to its evidence set (manifest run.evidence)
+    evidence_built: str | None = None  # how this run came to its evidence set (manifest run.evidence)
     ingest_result: IngestResult | None = None
     scope_result: ScopeResult | None = None
-    scope_reused: bool = False           # the report reused the folder's scope of the same inputs (not run again)
+    scope_reused: bool = False  # the report reused the folder's scope of the same inputs (not run again)
     _con: duckdb.DuckDBPyConnection | None = None
     _spark: Any = None
     _lock: FolderLock | None = None
     _staging: Path | None = None
     _digests: dict[str, tuple[str, int]] = field(default_factory=dict)  # input files hashed by _prepare_evidence
-    _scope_key: str | None = None        # evidence_set.scope_key when scope() ran: the manifest's run.scope_key
+    _scope_key: str | None = None  # evidence_set.scope_key when scope() ran: the manifest's run.scope_key
 
     def __post_init__(self) -> None:
         from kvforensics.engines import ENGINES
@@ -73,8 +73,9 @@ class Investigation:
         return investigation
 
     @classmethod
-    def open_or_build(cls, incident: str | Path | Incident, out_dir: str | Path, through: str = "scope",
-                      **kwargs: Any) -> "Investigation":
+    def open_or_build(
+        cls, incident: str | Path | Incident, out_dir: str | Path, through: str = "scope", **kwargs: Any
+    ) -> "Investigation":
         """Open an output folder to read it, first building, in order, the stages up to *through* (ingest,
         detect, scope or report) whose output it lacks: a notebook runs on its own on a fresh folder. A stage
         whose output is there is not run again (``kvforensics run`` rebuilds a folder whose inputs changed)."""
@@ -82,7 +83,7 @@ class Investigation:
             raise ConfigError(f"through must be one of {', '.join(cls.STAGES)}, got {through!r}")
         investigation = cls.open(incident, out_dir, **kwargs)
         try:
-            for name in cls.STAGES[:cls.STAGES.index(through) + 1]:
+            for name in cls.STAGES[: cls.STAGES.index(through) + 1]:
                 if not investigation.has(name):
                     investigation._build(name)
         except BaseException:
@@ -166,8 +167,10 @@ class Investigation:
         try:
             old, loaded = recorded_inputs(self.db_path)
         except duckdb.Error as e:
-            raise InputError(f"{self.db_path} cannot be read ({' '.join(str(e).split())[:200]}): delete it or "
-                             f"use another --out folder") from None
+            raise InputError(
+                f"{self.db_path} cannot be read ({' '.join(str(e).split())[:200]}): delete it or "
+                f"use another --out folder"
+            ) from None
         self.lock()
         if old is None:
             diff = "the evidence database records no input set (an older kvforensics built it)" if loaded else ""
@@ -180,11 +183,15 @@ class Investigation:
         elif self.append and can_append:
             built = f"appended: {diff}"
         elif self.append:
-            raise InputError(f"--append only adds files, but the inputs changed since {self.out_dir} was built "
-                             f"({diff}): run without --append to build the evidence afresh")
+            raise InputError(
+                f"--append only adds files, but the inputs changed since {self.out_dir} was built "
+                f"({diff}): run without --append to build the evidence afresh"
+            )
         elif not self.rebuild:
-            raise InputError(f"the inputs changed since {self.out_dir} was built ({diff}): run without "
-                             f"--no-rebuild to build the evidence afresh, or use another --out folder")
+            raise InputError(
+                f"the inputs changed since {self.out_dir} was built ({diff}): run without "
+                f"--no-rebuild to build the evidence afresh, or use another --out folder"
+            )
         else:
             clear_evidence(self.out_dir)
             built = f"rebuilt: the inputs changed ({diff})"
@@ -203,8 +210,11 @@ class Investigation:
         if stage_name == "report":
             return (self.out_dir / "report.html").is_file()
         table = self._STAGE_TABLES[stage_name]
-        present = self.db_path.is_file() and bool(self.con.execute(
-            "SELECT count(*) FROM information_schema.tables WHERE table_name = $t", {"t": table}).fetchone()[0])
+        present = self.db_path.is_file() and bool(
+            self.con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = $t", {"t": table}
+            ).fetchone()[0]
+        )
         if present and table == "load_report":
             present = bool(self.con.execute("SELECT count(*) FROM load_report").fetchone()[0])
         return present
@@ -214,15 +224,18 @@ class Investigation:
         (``detect`` on an empty folder must not say "0 findings")."""
         before = self.STAGES[self.STAGES.index(stage_name) - 1]
         if not self.has(before):
-            raise InputError(f"{self.out_dir} holds no output of '{before}' yet: run `kvforensics {before} "
-                             f"{self.incident.path.name} --out {self.out_dir}` first (or `kvforensics run`)")
+            raise InputError(
+                f"{self.out_dir} holds no output of '{before}' yet: run `kvforensics {before} "
+                f"{self.incident.path.name} --out {self.out_dir}` first (or `kvforensics run`)"
+            )
 
     def ingest(self) -> IngestResult:
         stage(f"ingest: {len(self.incident.sources)} source(s)", self.progress)
         self._prepare_evidence()
         with record_progress("loading", self.progress) as (tick, describe):
-            self.ingest_result = ingest(self.con, self.incident, strict=self.strict, tick=tick, on_file=describe,
-                                        digests=self._digests)
+            self.ingest_result = ingest(
+                self.con, self.incident, strict=self.strict, tick=tick, on_file=describe, digests=self._digests
+            )
         write_prefix_windows(self.con, self.incident)  # the prefix_reuse exposure windows of the start-ups
         write_exposure_windows(self.con)  # the stale_pages ones: the start-ups audit check 1 fails
         for w in self.ingest_result.warnings:
@@ -233,12 +246,15 @@ class Investigation:
         from kvforensics.stages.detect import detect
 
         stage(f"detect: rules and latency model{' (rules on Spark)' if self.spark else ''}", self.progress)
-        return detect(self.con, overrides=self.incident.rule_parameters, spark=self.spark,
-                      mechanisms=self.incident.mechanisms)
+        return detect(
+            self.con, overrides=self.incident.rule_parameters, spark=self.spark, mechanisms=self.incident.mechanisms
+        )
 
     def scope(self) -> ScopeResult:
-        stage(f"scope: affected responses, recipients, sources, windows{' (on Spark)' if self.spark else ''}",
-              self.progress)
+        stage(
+            f"scope: affected responses, recipients, sources, windows{' (on Spark)' if self.spark else ''}",
+            self.progress,
+        )
         key = scope_key(self.con, self.incident)  # before: what this scope follows from
         self.scope_result = scope(self.con, self.incident, spark=self.spark)
         self._scope_key = key
@@ -249,8 +265,12 @@ class Investigation:
         evidence set and the same kvforensics version (its manifest's ``run.scope_key``) and its outputs are in
         place; else None. Detect, run again on the same inputs, gives the same tables."""
         scope_json, manifest_json = self.out_dir / "scope.json", self.out_dir / "manifest.json"
-        if not (self.has("scope") and scope_json.is_file() and manifest_json.is_file()
-                and all((self.out_dir / name).is_file() for name in CSV_OUTPUTS)):
+        if not (
+            self.has("scope")
+            and scope_json.is_file()
+            and manifest_json.is_file()
+            and all((self.out_dir / name).is_file() for name in CSV_OUTPUTS)
+        ):
             return None
         try:
             manifest = json.loads(manifest_json.read_text(encoding="utf-8"))
@@ -271,10 +291,13 @@ class Investigation:
         with self.writing() as out:
             outputs.write_scope_json(self.scope_result, out)
             outputs.write_tables(self.con, out, raw_csv=self.raw_csv)
-            manifest = outputs.write_manifest(self.con, self.incident, self.scope_result, out, self.started,
-                                              raw_csv=self.raw_csv)
-            run = {"evidence": self.evidence_built,  # how this run came to its evidence set, beside its times
-                   "scope_key": self._scope_key}  # what the scope followed from: a report may reuse it
+            manifest = outputs.write_manifest(
+                self.con, self.incident, self.scope_result, out, self.started, raw_csv=self.raw_csv
+            )
+            run = {
+                "evidence": self.evidence_built,  # how this run came to its evidence set, beside its times
+                "scope_key": self._scope_key,
+            }  # what the scope followed from: a report may reuse it
             if any(run.values()):
                 manifest["run"].update({k: v for k, v in run.items() if v})
                 (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -292,8 +315,11 @@ class Investigation:
         if problem:
             stage(f"[yellow]note:[/] {problem}", self.progress)
         if self.incident.notice.missing:
-            stage(f"[yellow]note:[/] the notices are drafts: the incident file's \\[notice] gives no "
-                  f"{', '.join(self.incident.notice.missing)}", self.progress)
+            stage(
+                f"[yellow]note:[/] the notices are drafts: the incident file's \\[notice] gives no "
+                f"{', '.join(self.incident.notice.missing)}",
+                self.progress,
+            )
         return self.out_dir / "report.html"
 
     def seal(self) -> None:
@@ -339,7 +365,9 @@ class Investigation:
             self.ingest()
             self.detect()
             self.scope()
-            with self.writing(stale=("report.pdf", "notices", "manifest.json.sig")):  # every output put in place together
+            with self.writing(
+                stale=("report.pdf", "notices", "manifest.json.sig")
+            ):  # every output put in place together
                 self.write_outputs()
                 self.report()
                 self.seal()
@@ -363,16 +391,20 @@ class Investigation:
     def __repr__(self) -> str:
         """One line (the dataclass repr printed the whole incident, ~18,000 characters, in a notebook)."""
         stages = ", ".join(self._stages_present()) or "none yet"
-        return (f"Investigation({self.incident.id!r}: {len(self.incident.sources)} sources, output in "
-                f"{str(self.out_dir)!r}, stages in the folder: {stages})")
+        return (
+            f"Investigation({self.incident.id!r}: {len(self.incident.sources)} sources, output in "
+            f"{str(self.out_dir)!r}, stages in the folder: {stages})"
+        )
 
     def _repr_html_(self) -> str:
         from html import escape
 
         stages = ", ".join(self._stages_present()) or "none yet"
-        return (f"<b>Investigation</b> {escape(self.incident.id)}: {escape(self.incident.title)}<br>"
-                f"{len(self.incident.sources)} sources, output in <code>{escape(str(self.out_dir))}</code>; "
-                f"stages in the folder: {escape(stages)}")
+        return (
+            f"<b>Investigation</b> {escape(self.incident.id)}: {escape(self.incident.title)}<br>"
+            f"{len(self.incident.sources)} sources, output in <code>{escape(str(self.out_dir))}</code>; "
+            f"stages in the folder: {escape(stages)}"
+        )
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

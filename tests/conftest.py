@@ -56,16 +56,47 @@ def mini_requests(seed: int = 1) -> list[dict]:
     for i in range(400):
         n = int(10 ** rnd.uniform(3, 5.75))
         t = (50 + 0.05 * n + 1e-7 * n * n) * rnd.uniform(1.0, 3.0)
-        rows.append({"rid": f"r{i}", "received_at": f"2026-08-28T{8 + i // 60:02d}:{i % 60:02d}:00Z",
-                     "account_id": f"acct-{i % 17}", "model": "@cf/zai-org/glm-5.3", "http_status": 200,
-                     "prompt_tokens": n, "completion_tokens": 100, "cached_tokens": 0, "ttft_ms": round(t, 1),
-                     "latency_ms": round(t + 3000, 1), "prefill_instance": "p0", "decode_instance": "d0"})
-    rows.append({"rid": "r-leak", "received_at": "2026-08-28T10:00:00Z", "account_id": "victim-recipient",
-                 "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 700000,
-                 "completion_tokens": 50, "ttft_ms": 150.0, "latency_ms": 2000, "prefill_instance": "p0",
-                 "decode_instance": "d0"})
-    rows.append({"rid": "r-400", "received_at": "2026-08-28T10:05:00Z", "account_id": "acct-1",
-                 "model": "@cf/zai-org/glm-5.3", "http_status": 400, "prompt_tokens": 1100000})
+        rows.append(
+            {
+                "rid": f"r{i}",
+                "received_at": f"2026-08-28T{8 + i // 60:02d}:{i % 60:02d}:00Z",
+                "account_id": f"acct-{i % 17}",
+                "model": "@cf/zai-org/glm-5.3",
+                "http_status": 200,
+                "prompt_tokens": n,
+                "completion_tokens": 100,
+                "cached_tokens": 0,
+                "ttft_ms": round(t, 1),
+                "latency_ms": round(t + 3000, 1),
+                "prefill_instance": "p0",
+                "decode_instance": "d0",
+            }
+        )
+    rows.append(
+        {
+            "rid": "r-leak",
+            "received_at": "2026-08-28T10:00:00Z",
+            "account_id": "victim-recipient",
+            "model": "@cf/zai-org/glm-5.3",
+            "http_status": 200,
+            "prompt_tokens": 700000,
+            "completion_tokens": 50,
+            "ttft_ms": 150.0,
+            "latency_ms": 2000,
+            "prefill_instance": "p0",
+            "decode_instance": "d0",
+        }
+    )
+    rows.append(
+        {
+            "rid": "r-400",
+            "received_at": "2026-08-28T10:05:00Z",
+            "account_id": "acct-1",
+            "model": "@cf/zai-org/glm-5.3",
+            "http_status": 400,
+            "prompt_tokens": 1100000,
+        }
+    )
     return rows
 
 

@@ -38,35 +38,65 @@ INFO 08-27 14:03:10 [api_server.py:1857] Starting vLLM API server 0 on http://0.
 """
 
 
-def sglang_log(mode: str | None, pool: int, context: int, *, model: str = "m", version: str | None = None,
-               restart_pool: int | None = None) -> str:
+def sglang_log(
+    mode: str | None,
+    pool: int,
+    context: int,
+    *,
+    model: str = "m",
+    version: str | None = None,
+    restart_pool: int | None = None,
+) -> str:
     """An SGLang start-up (``server_args`` and the pool line) of a role (``prefill``, ``decode``, None: unified), and,
     with ``restart_pool``, a restart on 9 Sep with that pool."""
     mode_arg = f", disaggregation_mode='{mode}'" if mode else ""
-    head = f"[2026-08-27 14:00:00] server_args=ServerArgs(model_path='{model}', served_model_name='{model}', " \
-           f"tp_size=1, context_length={context}, page_size=64{mode_arg})\n"
+    head = (
+        f"[2026-08-27 14:00:00] server_args=ServerArgs(model_path='{model}', served_model_name='{model}', "
+        f"tp_size=1, context_length={context}, page_size=64{mode_arg})\n"
+    )
     if version:
         head = f"[2026-08-27 13:59:59] sglang version {version}\n" + head
-    pool_line = (f"max_total_num_tokens={{pool}}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
-                 f"max_running_requests=64, context_len={context}, available_gpu_mem=12.34 GB\n")
+    pool_line = (
+        f"max_total_num_tokens={{pool}}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+        f"max_running_requests=64, context_len={context}, available_gpu_mem=12.34 GB\n"
+    )
     text = head + "[2026-08-27 14:01:06] " + pool_line.format(pool=pool)
     if restart_pool is not None:
-        text += head.replace("2026-08-27 14:00:00", "2026-09-09 12:00:00") + "[2026-09-09 12:01:06] " + \
-            pool_line.format(pool=restart_pool)
+        text += (
+            head.replace("2026-08-27 14:00:00", "2026-09-09 12:00:00")
+            + "[2026-09-09 12:01:06] "
+            + pool_line.format(pool=restart_pool)
+        )
     return text
 
 
-def traffic(model: str, *, n: int = 60, accounts: int = 4, seed: int = 5, hour: int = 10, timed: bool = True,
-            largest: int = 60_000, **fields: object) -> list[dict]:
+def traffic(
+    model: str,
+    *,
+    n: int = 60,
+    accounts: int = 4,
+    seed: int = 5,
+    hour: int = 10,
+    timed: bool = True,
+    largest: int = 60_000,
+    **fields: object,
+) -> list[dict]:
     """``n`` ordinary requests of ``model`` on 28 Aug, one a minute from ``hour``:00, prompts of 1k to ``largest`` tokens
     and a prefill time growing with them, from accounts ``tenant-0`` ... (``fields``: added to each)."""
     rnd = random.Random(seed)
     rows = []
     for i in range(n):
         tokens = int(10 ** rnd.uniform(3, math.log10(largest)))
-        row: dict[str, object] = {"request_id": f"q{i}", "ts": f"2026-08-28T{hour + i // 60:02d}:{i % 60:02d}:00Z",
-                                  "account_id": f"tenant-{i % accounts}", "model": model, "status": 200,
-                                  "prompt_tokens": tokens, "completion_tokens": 50, **fields}
+        row: dict[str, object] = {
+            "request_id": f"q{i}",
+            "ts": f"2026-08-28T{hour + i // 60:02d}:{i % 60:02d}:00Z",
+            "account_id": f"tenant-{i % accounts}",
+            "model": model,
+            "status": 200,
+            "prompt_tokens": tokens,
+            "completion_tokens": 50,
+            **fields,
+        }
         if timed:
             ttft = (60 + 0.04 * tokens + 2e-7 * tokens * tokens) * rnd.uniform(1.0, 2.0)
             row.update(ttft_ms=round(ttft, 1), latency_ms=round(ttft + 2500, 1))
@@ -74,8 +104,16 @@ def traffic(model: str, *, n: int = 60, accounts: int = 4, seed: int = 5, hour: 
     return rows
 
 
-def write_incident(root: Path, logs: dict[str, str], rows: Iterable[dict], *, engine_format: str = "sglang",
-                   extra: str = "", title: str = "Hand-written incident", year: int = 2026) -> Path:
+def write_incident(
+    root: Path,
+    logs: dict[str, str],
+    rows: Iterable[dict],
+    *,
+    engine_format: str = "sglang",
+    extra: str = "",
+    title: str = "Hand-written incident",
+    year: int = 2026,
+) -> Path:
     """An incident folder: ``engine/<instance>.log`` per log, ``gateway/requests.jsonl``, ``incident.toml``; ``year``
     dates the vLLM lines (any format but ``sglang``, whose lines carry their year)."""
     (root / "engine").mkdir(parents=True, exist_ok=True)
@@ -112,8 +150,19 @@ def vllm_unified(root: Path, **kw: object) -> Path:
     """Observation 1: 19 ordinary requests and one 80,214-token prompt answered 200 in 38 ms, on a unified vLLM
     0.8.5 server whose log reports a KV cache of 50,000 tokens under max_model_len 131,072."""
     rows = traffic("qwen-72b", n=19, largest=40_000)
-    rows.append({"request_id": "q-big", "ts": "2026-08-28T11:00:00Z", "account_id": "tenant-x", "model": "qwen-72b",
-                 "status": 200, "prompt_tokens": 80214, "completion_tokens": 50, "ttft_ms": 38, "latency_ms": 900})
+    rows.append(
+        {
+            "request_id": "q-big",
+            "ts": "2026-08-28T11:00:00Z",
+            "account_id": "tenant-x",
+            "model": "qwen-72b",
+            "status": 200,
+            "prompt_tokens": 80214,
+            "completion_tokens": 50,
+            "ttft_ms": 38,
+            "latency_ms": 900,
+        }
+    )
     return write_incident(root, {"vllm-0": VLLM_UNIFIED_LOG}, rows, engine_format="vllm", **kw)  # type: ignore[arg-type]
 
 
@@ -121,9 +170,20 @@ def nixl_producer(root: Path, **kw: object) -> Path:
     """Observation 3: a NIXL kv_producer with a KV cache below max_model_len, no decode log, the gateway naming only
     the prefill instance; four tenants' traffic, then one 120,000-token prompt answered 200 in 90 ms."""
     rows = traffic("gpt-oss-120b", prefill_instance="prefill-0")
-    rows.append({"request_id": "q-big", "ts": "2026-08-28T11:00:00Z", "account_id": "tenant-x",
-                 "model": "gpt-oss-120b", "status": 200, "prompt_tokens": 120000, "completion_tokens": 50,
-                 "ttft_ms": 90, "latency_ms": 1900, "prefill_instance": "prefill-0"})
+    rows.append(
+        {
+            "request_id": "q-big",
+            "ts": "2026-08-28T11:00:00Z",
+            "account_id": "tenant-x",
+            "model": "gpt-oss-120b",
+            "status": 200,
+            "prompt_tokens": 120000,
+            "completion_tokens": 50,
+            "ttft_ms": 90,
+            "latency_ms": 1900,
+            "prefill_instance": "prefill-0",
+        }
+    )
     return write_incident(root, {"prefill-0": VLLM_PRODUCER_LOG}, rows, engine_format="vllm", **kw)  # type: ignore[arg-type]
 
 
@@ -156,23 +216,47 @@ def exploited_mini(root: Path, *, notice: bool = True) -> Path:
     extra = [("acct-prober", f"2026-08-28T11:{2 * k:02d}:00Z", 681_280 + 10 * k) for k in range(12)]
     extra += [("loadtest-1", "2026-08-28T12:00:00Z", 690_000), ("bounty-1", "2026-08-28T12:10:00Z", 700_500)]
     for k, (account, ts, tokens) in enumerate(extra):
-        rows.append({"rid": f"r-extra{k}", "received_at": ts, "account_id": account, "model": "@cf/zai-org/glm-5.3",
-                     "http_status": 200, "prompt_tokens": tokens, "completion_tokens": 40, "ttft_ms": 140.0,
-                     "latency_ms": 1900, "prefill_instance": "p0", "decode_instance": "d0"})
+        rows.append(
+            {
+                "rid": f"r-extra{k}",
+                "received_at": ts,
+                "account_id": account,
+                "model": "@cf/zai-org/glm-5.3",
+                "http_status": 200,
+                "prompt_tokens": tokens,
+                "completion_tokens": 40,
+                "ttft_ms": 140.0,
+                "latency_ms": 1900,
+                "prefill_instance": "p0",
+                "decode_instance": "d0",
+            }
+        )
     # a prompt well inside the pool answered far faster than any prefill of it: one weak signal, the possible tier
-    rows.append({"rid": "r-fast", "received_at": "2026-08-28T12:20:00Z", "account_id": "acct-3",
-                 "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 400_000, "completion_tokens": 40,
-                 "ttft_ms": 60.0, "latency_ms": 1500, "prefill_instance": "p0", "decode_instance": "d0"})
-    incident = INCIDENT.replace('internal_accounts = ["loadtest-*"]',
-                                'internal_accounts = ["loadtest-*"]\nreporter_accounts = ["bounty-*"]')
+    rows.append(
+        {
+            "rid": "r-fast",
+            "received_at": "2026-08-28T12:20:00Z",
+            "account_id": "acct-3",
+            "model": "@cf/zai-org/glm-5.3",
+            "http_status": 200,
+            "prompt_tokens": 400_000,
+            "completion_tokens": 40,
+            "ttft_ms": 60.0,
+            "latency_ms": 1500,
+            "prefill_instance": "p0",
+            "decode_instance": "d0",
+        }
+    )
+    incident = INCIDENT.replace(
+        'internal_accounts = ["loadtest-*"]', 'internal_accounts = ["loadtest-*"]\nreporter_accounts = ["bounty-*"]'
+    )
     return write_mini(root, rows, incident + (NOTICE if notice else ""))
 
 
 def sglang_unified(root: Path, **kw: object) -> Path:
     """An SGLang unified server whose KV pool (100,000) is below its context (131,072); ordinary traffic below the
     pool: not exposed (the scheduler refuses a prompt beyond the pool with an error), nothing affected."""
-    return write_incident(root, {"u0": sglang_log(None, 100_000, 131_072)}, traffic("m", prefill_instance="u0"),
-                          **kw)  # type: ignore[arg-type]
+    return write_incident(root, {"u0": sglang_log(None, 100_000, 131_072)}, traffic("m", prefill_instance="u0"), **kw)  # type: ignore[arg-type]
 
 
 def prefix_probe(root: Path, **kw: object) -> Path:
@@ -188,11 +272,11 @@ def prefix_probe(root: Path, **kw: object) -> Path:
 
 # the shapes of incident the report is read on (tests/test_report_shapes.py): builder and whether [notice] is given
 SHAPES = {
-    "sglang-pd": lambda root: exploited_mini(root),                  # PD, SGLang, exposure ended by a restart, suspects
+    "sglang-pd": lambda root: exploited_mini(root),  # PD, SGLang, exposure ended by a restart, suspects
     "sglang-unified": lambda root: sglang_unified(root, extra=NOTICE),  # unified, SGLang, none affected
-    "vllm-unified": lambda root: vllm_unified(root, extra=NOTICE),   # unified, vLLM, inconclusive (observation 1)
+    "vllm-unified": lambda root: vllm_unified(root, extra=NOTICE),  # unified, vLLM, inconclusive (observation 1)
     "vllm-pd-running": lambda root: nixl_producer(root, extra=NOTICE),  # PD, vLLM, still running (observation 3)
-    "prefix-cache": lambda root: prefix_probe(root, extra=NOTICE),   # prefix_reuse, vLLM, a prober
+    "prefix-cache": lambda root: prefix_probe(root, extra=NOTICE),  # prefix_reuse, vLLM, a prober
     "sglang-pd-draft": lambda root: exploited_mini(root, notice=False),  # as sglang-pd, no [notice]: drafts
 }
 

@@ -52,9 +52,7 @@ def audit_one(name: str, **kwargs: Any) -> AuditReport:
 
 
 def pd_pair(**kwargs: Any) -> AuditReport:
-    return audit_paths(
-        [AUDIT / "glm53-prefill-0.log", AUDIT / "glm53-decode-0.log"], model_aliases=GLM53, **kwargs
-    )
+    return audit_paths([AUDIT / "glm53-prefill-0.log", AUDIT / "glm53-decode-0.log"], model_aliases=GLM53, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,8 +156,7 @@ def test_restart_with_a_larger_pool_is_clean() -> None:
         ("pass", False, utc("2026-09-09 14:35:00"), None),
     ]
     assert after[0].detail == (
-        "KV pool 2,042,880 >= context 1,048,576: the pool never lowers the scheduler limit "
-        "(context - 6 = 1,048,570)"
+        "KV pool 2,042,880 >= context 1,048,576: the pool never lowers the scheduler limit (context - 6 = 1,048,570)"
     )
     assert [(w.instance, w.start, w.end) for w in report.exposure_windows] == [
         ("glm53-decode-0", utc("2026-08-27 15:36:00"), utc("2026-09-09 14:35:00")),
@@ -186,9 +183,7 @@ def test_unified_pool_below_context_is_not_applicable_and_not_exposed() -> None:
 
 def test_multi_rank_pool_is_the_smallest_rank_and_dp_attention_pool_is_per_replica() -> None:
     v = verdict(audit_one("sglang-0.4.3-tp8.log"), 1)
-    assert v.detail.startswith(
-        "KV pool 59,868 < context 163,840: the scheduler limit is min(163,839, 59,867) - 5"
-    )
+    assert v.detail.startswith("KV pool 59,868 < context 163,840: the scheduler limit is min(163,839, 59,867) - 5")
     dp = verdict(audit_one("sglang-0.4.6-dp-attention.log"), 1)
     assert "(per DP replica, dp_size=2)" in dp.detail
 
@@ -215,8 +210,7 @@ def test_restart_without_server_args_carries_the_role_over_and_says_so() -> None
     v = verdict(audit_one("sglang-restarts.log"), 1, 2)
     assert (v.role, v.model) == ("prefill", "@cf/zai-org/glm-5.3")
     assert v.detail.endswith(
-        "[role and model assumed from the previous start-up (sglang-restarts.log:11): this one logged no "
-        "server_args]"
+        "[role and model assumed from the previous start-up (sglang-restarts.log:11): this one logged no server_args]"
     )
 
 
@@ -331,8 +325,7 @@ def test_version_range_straddling_the_fix_is_unknown_and_logged_fixed_version_pa
     before = verdict(report, 2, 0, "glm53-decode-0")
     assert (before.status, before.evidence_line) == ("unknown", 1)
     assert before.detail.endswith(
-        "the range includes releases before and after 0.5.22; give a /get_server_info dump to confirm the "
-        "build"
+        "the range includes releases before and after 0.5.22; give a /get_server_info dump to confirm the build"
     )
     after = verdict(report, 2, 1, "glm53-prefill-0")
     assert (after.status, after.evidence_line) == ("pass", 12)
@@ -392,8 +385,7 @@ def test_log_and_server_info_versions_that_disagree_are_unknown(tmp_path: Path) 
     v = verdict(audit_startups([rec], source_file="node.log", server_info=[read_server_info(dump)]), 2)
     assert v.status == "unknown"
     assert v.detail == (
-        "the log says SGLang 0.5.15 (node.log:4) but node.server_info.json says 0.5.22: confirm which build "
-        "runs"
+        "the log says SGLang 0.5.15 (node.log:4) but node.server_info.json says 0.5.22: confirm which build runs"
     )
 
 
@@ -420,10 +412,7 @@ def test_absent_settings_are_unknown_and_a_default_is_not_evidence() -> None:
     )
     unset = verdict(pd_pair(), 3, 1, "glm53-decode-0")
     assert unset.status == "unknown"
-    assert (
-        "Mooncake transfer batch cap not set (disaggregation_mooncake_transfer_batch_size=None)"
-        in unset.detail
-    )
+    assert "Mooncake transfer batch cap not set (disaggregation_mooncake_transfer_batch_size=None)" in unset.detail
 
 
 def test_settings_from_server_info_fill_what_the_log_lacks() -> None:
@@ -452,8 +441,7 @@ def test_other_transfer_backends_and_unified_servers() -> None:
     )
     assert verdict(audit_one("sglang-0.5.23-ray-post-capture.log"), 3).status == "not_applicable"
     assert verdict(audit_one("vllm-0.10.1-pd-producer-docker.log"), 3).detail == (
-        "vllm (KV moves via NixlConnector): deferred KV release and the Mooncake transfer batch are SGLang "
-        "settings"
+        "vllm (KV moves via NixlConnector): deferred KV release and the Mooncake transfer batch are SGLang settings"
     )
 
 
@@ -550,10 +538,7 @@ def test_manifest_toml_and_yaml(manifest: str, default_line: int, override_line:
         manifest,
         default_line,
     )
-    assert (
-        ok.detail
-        == "load balancer 'sgl-model-gateway' aborts only after the first token on client disconnect"
-    )
+    assert ok.detail == "load balancer 'sgl-model-gateway' aborts only after the first token on client disconnect"
     bad = verdict(report, 5, 0, "glm53-decode-0")
     assert (bad.status, bad.evidence_line) == ("fail", override_line)
     assert bad.detail == (
@@ -856,8 +841,9 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
     con = db.connect()
     startups = []
     for path in ALL_LOGS:
-        parse = parse_engine_log(path, fmt="auto", instance=path.stem, tz=ZoneInfo("UTC"), year=2026,
-                                 envelope="auto")  # as audit_paths reads them
+        parse = parse_engine_log(
+            path, fmt="auto", instance=path.stem, tz=ZoneInfo("UTC"), year=2026, envelope="auto"
+        )  # as audit_paths reads them
         startups += [(path, s) for s in parse.startups]
         for e in parse.events:
             con.execute(
@@ -917,11 +903,7 @@ def test_audit_database_agrees_with_audit_paths_on_every_fixture() -> None:
 
     def pool_evidence(r: AuditReport) -> list[tuple[str | None, int | None]]:
         # the database keeps no refusal line: there a refused vLLM start-up points at its pool line
-        return [
-            (v.evidence_file, v.evidence_line)
-            for v in r.verdicts
-            if v.check == 1 and v.status != "not_applicable"
-        ]
+        return [(v.evidence_file, v.evidence_line) for v in r.verdicts if v.check == 1 and v.status != "not_applicable"]
 
     assert pool_evidence(from_db) == pool_evidence(from_logs)
 
@@ -995,7 +977,8 @@ def test_files_of_one_name_in_several_folders_are_several_instances_by_default(t
     assert {v.instance for v in report.verdicts} == {"prefill-0", "prefill-1"}
     assert report.notes[0] == (
         "2 files in different folders share the instance name 'sglang' that --instance '{stem}' gives: told apart "
-        "by their folder instead (--instance '{parent}'); pass --instance '{stem}' if they are one engine's logs")
+        "by their folder instead (--instance '{parent}'); pass --instance '{stem}' if they are one engine's logs"
+    )
     assert {v.startup_to for v in report.verdicts} == {None}  # both still running
     merged = audit_paths(paths, instance_template="{stem}")
     assert {v.instance for v in merged.verdicts} == {"sglang"}
@@ -1017,8 +1000,9 @@ def test_the_default_instance_template_keeps_the_stem_unless_folders_share_it() 
     # one engine's logs rotated in one folder: one instance
     assert default_instance_template([Path("engine/p0.log"), Path("engine/p0.log.gz")]) == ("{stem}", None)
     # a folder a day, several pods in each: the folder alone would merge the pods of a day
-    template, note = default_instance_template([Path("logs/2026-08-27/p0.log"), Path("logs/2026-08-27/p1.log"),
-                                                Path("logs/2026-08-28/p0.log")])
+    template, note = default_instance_template(
+        [Path("logs/2026-08-27/p0.log"), Path("logs/2026-08-27/p1.log"), Path("logs/2026-08-28/p0.log")]
+    )
     assert template == "{parent}/{stem}" and note is not None and "'p0'" in note
 
 
@@ -1033,8 +1017,10 @@ def test_cli_audit_instance_template(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["audit", "--instance", "{pod}", *paths]) == 2
     assert capsys.readouterr().err == (
         "Error: instance template '{pod}' may only use {stem}, {name}, {parent} and {label:NAME}: "
-        "e.g. --instance '{parent}'\n")
+        "e.g. --instance '{parent}'\n"
+    )
     assert main(["audit", "--incident", str(tmp_path / "incident.toml"), "--instance", "{parent}"]) == 2
     assert capsys.readouterr().err == (
         "Error: --instance names the instances of engine logs given on the command line; with --incident, set "
-        "`instance` in each engine_log source of the incident file\n")
+        "`instance` in each engine_log source of the incident file\n"
+    )

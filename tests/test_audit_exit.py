@@ -51,8 +51,11 @@ def test_clean_exits_0_and_nothing_to_audit_exits_2(capsys: pytest.CaptureFixtur
     assert audit(capsys, "--now", empty)[0] == 2
 
 
-@pytest.mark.parametrize("path", sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log")),
+    ids=lambda p: p.name,
+)
 def test_a_check_1_fail_is_never_under_not_exposed(capsys: pytest.CaptureFixture[str], path: Path) -> None:
     """Issue 27, observation 4: the audit's table and its headline tell one story. A start-up whose check 1
     FAILs is exposed: the headline says EXPOSED, the exit status is 1, and with --now 1 while it is in force;

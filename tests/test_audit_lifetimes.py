@@ -70,19 +70,29 @@ def test_a_pod_shut_down_in_a_rollout_is_exposed_until_its_sigterm_and_not_now(t
     assert report.now() == "Not exposed now: every exposed start-up has ended (1 shut down)."
     (window,) = report.exposure_windows
     assert (window.instance, window.end, window.end_reason, window.end_line, window.in_force) == (
-        "glm-prefill-a", T0 + timedelta(hours=5, minutes=1), "shutdown", 10, False)
+        "glm-prefill-a",
+        T0 + timedelta(hours=5, minutes=1),
+        "shutdown",
+        10,
+        False,
+    )
 
     doc = json.loads(report.to_json())
     assert doc["now"] == {"exposed": False, "exposed_startups": 0, "answer": report.now()}
     assert [(w["end"], w["end_reason"], w["end_line"]) for w in doc["exposure_windows"]] == [
-        ("2026-08-20T15:01:00Z", "shutdown", 10)]
+        ("2026-08-20T15:01:00Z", "shutdown", 10)
+    ]
     assert {(v["instance"], v["end_reason"]) for v in doc["verdicts"]} == {
-        ("glm-prefill-a", "shutdown"), ("glm-prefill-b", None)}
+        ("glm-prefill-a", "shutdown"),
+        ("glm-prefill-b", None),
+    }
 
     md = report.to_markdown()
     assert "**Not exposed now: every exposed start-up has ended (1 shut down).**" in md
-    assert ("| glm-prefill-a | prefill | zai-org/GLM-5.3-FP8 | 2026-08-20 10:00 → 2026-08-20 15:01 | 1. KV pool "
-            "vs context length | FAIL (exposed) |") in md
+    assert (
+        "| glm-prefill-a | prefill | zai-org/GLM-5.3-FP8 | 2026-08-20 10:00 → 2026-08-20 15:01 | 1. KV pool "
+        "vs context length | FAIL (exposed) |"
+    ) in md
     assert md.count("| shut down (glm-prefill-a.log:10) |") == len(CHECKS)  # every check of that start-up
     assert md.count("| in force: the log shows no end |") == len(CHECKS)
     console = Console(record=True, width=400, color_system=None)
@@ -96,7 +106,12 @@ def test_a_pod_replaced_without_shutdown_lines_is_retired_at_its_last_line(tmp_p
     report = audit_paths(rollout(tmp_path, sigterm=False))
     old = pool_check(report, "glm-prefill-a")
     assert (old.exposed, old.in_force, old.end_reason, old.end_line, old.successor) == (
-        True, False, "log_end", 9, "glm-prefill-b")
+        True,
+        False,
+        "log_end",
+        9,
+        "glm-prefill-b",
+    )
     assert old.startup_to == T0 + timedelta(hours=5)  # its last line: the successor started before it
     assert not report.exposed_now
     assert report.now() == "Not exposed now: every exposed start-up has ended (1 replaced by a successor)."
@@ -109,7 +124,8 @@ def test_a_log_that_merely_stops_without_a_successor_stays_in_force(tmp_path: Pa
     assert (old.exposed, old.in_force, old.end_reason, old.startup_to) == (True, True, None, None)
     assert report.exposed_now and report.exit_code == 1
     assert report.now() == (
-        "EXPOSED NOW: 1 start-up(s) still in force serve prompts beyond their KV pool (glm-prefill-a).")
+        "EXPOSED NOW: 1 start-up(s) still in force serve prompts beyond their KV pool (glm-prefill-a)."
+    )
     md = report.to_markdown()
     assert "| 2026-08-20 10:00 → running | 1. KV pool vs context length | FAIL (exposed) |" in md
     assert json.loads(report.to_json())["now"]["exposed"] is True
@@ -138,9 +154,20 @@ def ingest_and_audit(tmp_path: Path, request_at: datetime, capacity_sql: str) ->
     """Ingest ``tmp_path/data`` (its engine logs, one gateway request at *request_at*): the incident file, the
     audit of the evidence database and what *capacity_sql* selects from it."""
     (tmp_path / "data" / "gateway").mkdir()
-    (tmp_path / "data" / "gateway" / "day.jsonl").write_text(json.dumps({
-        "rid": "r1", "received_at": request_at.isoformat(), "account_id": "a",
-        "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 1000, "completion_tokens": 10}) + "\n")
+    (tmp_path / "data" / "gateway" / "day.jsonl").write_text(
+        json.dumps(
+            {
+                "rid": "r1",
+                "received_at": request_at.isoformat(),
+                "account_id": "a",
+                "model": "@cf/zai-org/glm-5.3",
+                "http_status": 200,
+                "prompt_tokens": 1000,
+                "completion_tokens": 10,
+            }
+        )
+        + "\n"
+    )
     incident = tmp_path / "data" / "incident.toml"
     incident.write_text(INCIDENT)
     inv = Investigation.open(incident, tmp_path / "out")
@@ -154,23 +181,34 @@ def ingest_and_audit(tmp_path: Path, request_at: datetime, capacity_sql: str) ->
 def test_audit_database_agrees_with_audit_paths_on_how_start_ups_ended(tmp_path: Path) -> None:
     rollout(tmp_path / "data" / "engine", sigterm=True)
     (tmp_path / "data" / "engine" / "glm-prefill-c.log").write_text(  # replaced by b without shutdown lines
-        pod_log(T0 + timedelta(hours=1), SMALL, until=T0 + timedelta(hours=5)))
+        pod_log(T0 + timedelta(hours=1), SMALL, until=T0 + timedelta(hours=5))
+    )
     incident, from_db, capacity = ingest_and_audit(
-        tmp_path, T0 + timedelta(hours=2),
-        "SELECT instance, valid_to, end_reason, end_line, successor FROM capacity ORDER BY instance")
+        tmp_path,
+        T0 + timedelta(hours=2),
+        "SELECT instance, valid_to, end_reason, end_line, successor FROM capacity ORDER BY instance",
+    )
     from_logs = audit_incident(load_incident(incident))
 
     def ends(r: AuditReport) -> list[tuple[object, ...]]:
-        return sorted((v.instance, v.startup_to, v.end_reason, v.end_line, v.successor, v.exposed, v.in_force)
-                      for v in r.verdicts if v.check == 1)
+        return sorted(
+            (v.instance, v.startup_to, v.end_reason, v.end_line, v.successor, v.exposed, v.in_force)
+            for v in r.verdicts
+            if v.check == 1
+        )
 
     assert ends(from_db) == ends(from_logs)
     assert [(i, to, why, line, succ) for i, to, why, line, succ, _exposed, _live in ends(from_db)] == [
-        (i, to.astimezone(UTC) if to else None, why, line, succ) for i, to, why, line, succ in capacity]
+        (i, to.astimezone(UTC) if to else None, why, line, succ) for i, to, why, line, succ in capacity
+    ]
     assert {(i, why) for i, _to, why, *_ in ends(from_db)} == {
-        ("glm-prefill-a", "shutdown"), ("glm-prefill-b", None), ("glm-prefill-c", "log_end")}
+        ("glm-prefill-a", "shutdown"),
+        ("glm-prefill-b", None),
+        ("glm-prefill-c", "log_end"),
+    }
     assert not from_db.exposed_now and from_db.now() == from_logs.now() == (
-        "Not exposed now: every exposed start-up has ended (1 shut down, 1 replaced by a successor).")
+        "Not exposed now: every exposed start-up has ended (1 shut down, 1 replaced by a successor)."
+    )
 
 
 def test_a_database_row_without_an_end_reason_is_ended_when_it_has_an_end(tmp_path: Path) -> None:
@@ -205,8 +243,9 @@ def test_cli_audit_envelope(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     wrapped = []
     for path in (a, b):  # kubectl logs --timestamps: the envelope's clock in front of each line
         out = tmp_path / path.name
-        out.write_text("".join(f"{line[1:11]}T{line[12:20]}.000000000Z {line}\n"
-                               for line in path.read_text().splitlines()))
+        out.write_text(
+            "".join(f"{line[1:11]}T{line[12:20]}.000000000Z {line}\n" for line in path.read_text().splitlines())
+        )
         wrapped.append(str(out))
     assert main(["audit", "--envelope", "kubectl", "--json", *wrapped]) == 1
     doc = json.loads(capsys.readouterr().out)
@@ -242,22 +281,32 @@ def test_the_audit_and_the_capacity_table_read_one_role_from_sglang_logs_without
     restart = pod_log(T0 + timedelta(hours=3), SMALL, until=T0 + timedelta(hours=3))
     (engine / "restart-0.log").write_text(pod_log(T0, LARGE, until=T0) + bare(restart))
     incident, from_db, capacity = ingest_and_audit(
-        tmp_path, T0 + timedelta(hours=1),
-        "SELECT instance, role, json_extract_string(flags, '$.role_source') FROM capacity ORDER BY instance, valid_from")
+        tmp_path,
+        T0 + timedelta(hours=1),
+        "SELECT instance, role, json_extract_string(flags, '$.role_source') FROM capacity ORDER BY instance, valid_from",
+    )
     from_logs = audit_incident(load_incident(incident))
 
     def roles(r: AuditReport) -> list[tuple[str, str]]:
         return sorted((v.instance, v.role) for v in r.verdicts if v.check == 1)
 
-    assert roles(from_logs) == roles(from_db) == sorted((i, role) for i, role, _ in capacity) == [
-        ("plain-0", "unified"), ("quiet-0", "unknown"), ("restart-0", "prefill"), ("restart-0", "prefill")]
+    assert (
+        roles(from_logs)
+        == roles(from_db)
+        == sorted((i, role) for i, role, _ in capacity)
+        == [("plain-0", "unified"), ("quiet-0", "unknown"), ("restart-0", "prefill"), ("restart-0", "prefill")]
+    )
     assert [source for _i, _role, source in capacity] == [
-        "inferred from a batch line without the PD queue counts", "default (no server_args line)", None,
-        "assumed from the previous start-up (restart-0.log:1): this one logged no server_args"]
+        "inferred from a batch line without the PD queue counts",
+        "default (no server_args line)",
+        None,
+        "assumed from the previous start-up (restart-0.log:1): this one logged no server_args",
+    ]
     plain = pool_check(from_logs, "plain-0")
     assert (plain.status, plain.exposed) == ("pass", False)
     restarted = pool_check_nth(from_db, "restart-0", 1)
     assert (restarted.status, restarted.exposed) == ("fail", True)  # its SMALL pool, on the prefill role it kept
     assert restarted.detail.endswith(
-        "[role and model assumed from the previous start-up (restart-0.log:1): this one logged no server_args]")
+        "[role and model assumed from the previous start-up (restart-0.log:1): this one logged no server_args]"
+    )
     assert pool_check_nth(from_logs, "restart-0", 1).detail == restarted.detail

@@ -125,9 +125,7 @@ def test_unknown_tenancy_and_salt_owner(tmp_path: Path) -> None:
     assert at(v) == ("unknown", "m.toml", None) and "who sets cache_salt" in v.detail
 
 
-def startup(
-    engine: str, version: str | None, flags: dict[str, str], evidence: dict[str, int]
-) -> StartupRecord:
+def startup(engine: str, version: str | None, flags: dict[str, str], evidence: dict[str, int]) -> StartupRecord:
     return StartupRecord(
         instance="node",
         ts=None,
@@ -223,12 +221,15 @@ def test_the_engine_that_ran_gives_the_default_in_every_version(salted: Path) ->
     # vllm/engine/llm_engine.py) says which engine ran, whatever the version's default engine
     def ran(version: str, generation: str) -> StartupRecord:
         rec = vllm(version)
-        return replace(rec, flags={**rec.flags, "engine_generation": generation},
-                       evidence={**rec.evidence, "engine_generation": 3})
+        return replace(
+            rec, flags={**rec.flags, "engine_generation": generation}, evidence={**rec.evidence, "engine_generation": 3}
+        )
+
     v = judge(ran("0.9.2", "V1"), salted)
     assert (v.status, v.evidence_line) == ("fail", 1)  # on, and 0.9.2 hashes with builtin by default
     assert v.detail.startswith(
-        "prefix caching on (vLLM 0.9.2 ran the V1 engine, 'Initializing a V1 LLM engine': its default) (node.log:3)")
+        "prefix caching on (vLLM 0.9.2 ran the V1 engine, 'Initializing a V1 LLM engine': its default) (node.log:3)"
+    )
     v = judge(ran("0.9.2", "V0"), salted)
     assert (v.status, v.evidence_line) == ("pass", 3) and "ran the V0 engine" in v.detail
     v = judge(ran("0.7.3", "V1"), salted)  # VLLM_USE_V1=1 before V1 became the default
@@ -260,7 +261,8 @@ def test_an_lmcache_mp_connector_reuses_kv_with_the_prefix_cache_off_and_its_lin
     assert (v.status, v.evidence_line) == ("unknown", 2)
     assert v.detail.startswith(
         "prefix caching off (enable_prefix_caching=false), yet LMCacheMPConnector stores KV and loads it into "
-        f"later requests: vLLM consults a KV connector whatever enable_prefix_caching says ({LMCACHE_MP.name}:2)")
+        f"later requests: vLLM consults a KV connector whatever enable_prefix_caching says ({LMCACHE_MP.name}:2)"
+    )
     assert v.detail.endswith(f"; the engine built LMCacheMPConnector ({LMCACHE_MP.name}:6)")
     v = check6(audit_paths([LMCACHE_MP], year=2026, manifest=PREFIX / "multi-none.toml"), LMCACHE_MP.stem)
     assert v.status == "fail" and "multi-tenant with no cache_salt" in v.detail
@@ -284,9 +286,7 @@ def test_existing_v0_fixture_has_prefix_caching_off() -> None:
 
 def test_the_other_checks_do_not_change_with_the_prefix_cache_table() -> None:
     def others(report: AuditReport) -> list[tuple[object, ...]]:
-        return [
-            (v.instance, v.check, v.status, v.detail, v.evidence_line) for v in report.verdicts if v.check < 5
-        ]
+        return [(v.instance, v.check, v.status, v.detail, v.evidence_line) for v in report.verdicts if v.check < 5]
 
     assert others(audit_paths(LOGS)) == others(audit_paths(LOGS, manifest=PREFIX / "overrides.yaml"))
 
@@ -342,9 +342,20 @@ def test_the_evidence_database_keeps_what_the_check_reads(tmp_path: Path) -> Non
     for log in PREFIX.glob("sglang-*.log"):
         (engine / log.name).write_bytes(log.read_bytes())
     (tmp_path / "data" / "gateway").mkdir()
-    (tmp_path / "data" / "gateway" / "day.jsonl").write_text(json.dumps({
-        "rid": "r1", "received_at": "2026-09-10T09:00:00+00:00", "account_id": "a", "model": "qwen3-32b",
-        "http_status": 200, "prompt_tokens": 1000, "completion_tokens": 10}) + "\n")
+    (tmp_path / "data" / "gateway" / "day.jsonl").write_text(
+        json.dumps(
+            {
+                "rid": "r1",
+                "received_at": "2026-09-10T09:00:00+00:00",
+                "account_id": "a",
+                "model": "qwen3-32b",
+                "http_status": 200,
+                "prompt_tokens": 1000,
+                "completion_tokens": 10,
+            }
+        )
+        + "\n"
+    )
     incident = tmp_path / "data" / "incident.toml"
     incident.write_text(INCIDENT)
     manifest = PREFIX / "multi-gateway.toml"
@@ -359,12 +370,16 @@ def test_the_evidence_database_keeps_what_the_check_reads(tmp_path: Path) -> Non
     def statuses(r: AuditReport) -> list[tuple[str, str]]:
         return sorted((v.instance, v.status) for v in r.verdicts if v.check == 6)
 
-    assert statuses(from_db) == statuses(from_logs) == [
-        ("sglang-0.5.15-hicache-mooncake", "fail"),
-        ("sglang-0.5.22-lmcache", "fail"),
-        ("sglang-0.5.22-radix", "pass"),
-        ("sglang-0.5.22-radix-off", "pass"),
-    ]
+    assert (
+        statuses(from_db)
+        == statuses(from_logs)
+        == [
+            ("sglang-0.5.15-hicache-mooncake", "fail"),
+            ("sglang-0.5.22-lmcache", "fail"),
+            ("sglang-0.5.22-radix", "pass"),
+            ("sglang-0.5.22-radix-off", "pass"),
+        ]
+    )
 
 
 def test_the_headline_counts_start_ups_failing_isolation(gateway: AuditReport) -> None:
@@ -397,7 +412,6 @@ def test_every_verdict_has_its_evidence_and_none_is_exposed(manifest: str | None
             assert not v.exposed and v.evidence_file is not None
             if v.status in ("pass", "fail"):
                 assert v.evidence_line is not None, v
-
 
 
 def test_the_documented_manifest_example_reads(tmp_path: Path) -> None:

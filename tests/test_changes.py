@@ -48,9 +48,19 @@ def test_the_epoch_constant_is_the_instant() -> None:
     assert datetime.fromtimestamp(EPOCH_S, tz=timezone.utc) == INSTANT
 
 
-@pytest.mark.parametrize("text", [str(EPOCH_S), f"{EPOCH_S}.0", str(EPOCH_S * 1000), str(EPOCH_S * 1_000_000),
-                                  str(EPOCH_S * 1_000_000_000), "2026-08-28T10:00:00Z", "2026-08-28T12:00:00+02:00",
-                                  "2026-08-28T06:00:00"])  # the last in the source's zone, New York (EDT)
+@pytest.mark.parametrize(
+    "text",
+    [
+        str(EPOCH_S),
+        f"{EPOCH_S}.0",
+        str(EPOCH_S * 1000),
+        str(EPOCH_S * 1_000_000),
+        str(EPOCH_S * 1_000_000_000),
+        "2026-08-28T10:00:00Z",
+        "2026-08-28T12:00:00+02:00",
+        "2026-08-28T06:00:00",
+    ],
+)  # the last in the source's zone, New York (EDT)
 def test_epoch_and_iso_timestamps_get_the_clock_offset_alike(tmp_path: Path, text: str) -> None:
     source = change_source(tmp_path, 'timezone = "America/New_York"\nclock_offset_s = -90.5')
     assert parse_ts(text, source) == datetime(2026, 8, 28, 9, 58, 29, 500000, tzinfo=timezone.utc)
@@ -71,11 +81,11 @@ def test_unreadable_or_out_of_range_timestamps_are_none(tmp_path: Path, text: st
 def test_a_change_and_a_request_at_the_same_epoch_are_at_the_same_instant_after_ingest(tmp_path: Path) -> None:
     (tmp_path / "gateway.jsonl").write_text(
         f'{{"request_id": "r1", "ts": {EPOCH_S * 1000}, "account_id": "a", "model": "m", "status": 200, "prompt_tokens": 10}}\n'
-        f'{{"request_id": "r2", "ts": "2026-08-28T06:00:00", "account_id": "a", "model": "m", "status": 200, "prompt_tokens": 10}}\n')
+        f'{{"request_id": "r2", "ts": "2026-08-28T06:00:00", "account_id": "a", "model": "m", "status": 200, "prompt_tokens": 10}}\n'
+    )
     (tmp_path / "changes.csv").write_text(
-        "ts,description\n"
-        f"{EPOCH_S * 1000},deploy by epoch\n"
-        "2026-08-28T06:00:00,deploy by local time\n")
+        f"ts,description\n{EPOCH_S * 1000},deploy by epoch\n2026-08-28T06:00:00,deploy by local time\n"
+    )
     con = connect()
     try:
         ingest(con, load_incident(incident(tmp_path, 'timezone = "America/New_York"\nclock_offset_s = 30')))

@@ -7,9 +7,16 @@ import pandas as pd
 from kvforensics.report import charts
 from kvforensics.report.views import AccountFrames, TimelineFrames
 
-POINTS = pd.DataFrame({"prompt_tokens": [1000, 700000], "observed_ms": [100.0, 150.0],
-                       "confidence": ["not flagged", "confirmed"], "request_id": ["a", "b"],
-                       "account_id": ["x", "y"], "measure": ["ttft", "ttft"]})
+POINTS = pd.DataFrame(
+    {
+        "prompt_tokens": [1000, 700000],
+        "observed_ms": [100.0, 150.0],
+        "confidence": ["not flagged", "confirmed"],
+        "request_id": ["a", "b"],
+        "account_id": ["x", "y"],
+        "measure": ["ttft", "ttft"],
+    }
+)
 POOLS = pd.DataFrame({"kv_pool_tokens": [681280], "label": ["KV pool 681,280 (prefill)"]})
 CURVE = pd.DataFrame({"prompt_tokens": [1000, 700000], "expected_ms": [60.0, 90000.0]})
 
@@ -40,23 +47,53 @@ def test_interactive_money_chart_zooms_and_selects_by_legend():
 
 def _timeline_frames(affected_total: int = 2) -> TimelineFrames:
     ts = pd.to_datetime(["2026-08-28T10:00Z", "2026-08-28T11:30Z"], utc=True)
-    windows = pd.DataFrame({"lane": ["p0 (prefill, pool 681,280)"], "instance": ["p0"], "role": ["prefill"],
-                            "model": ["m"], "start": pd.to_datetime(["2026-08-27T00:00Z"], utc=True),
-                            "end": pd.to_datetime(["2026-09-09T00:00Z"], utc=True), "pool_tokens": [681280],
-                            "context_length": [1048576], "from": ["2026-08-27T00:00:00Z"],
-                            "to": ["2026-09-09T00:00:00Z"]})
-    events = pd.DataFrame({"ts": pd.to_datetime(["2026-08-27T00:00Z", "2026-09-08T23:11Z"], utc=True),
-                           "kind": ["start-up", "incident file"], "title": ["p0 started", "report received"],
-                           "detail": ["", ""], "time": ["2026-08-27T00:00:00Z", "2026-09-08T23:11:00Z"]})
-    affected = pd.DataFrame({"ts": ts, "request_id": ["a", "b"], "account_id": ["x", "y"],
-                             "account_class": ["customer", "internal"], "model": ["m", "m"],
-                             "confidence": ["confirmed", "probable"], "prompt_tokens": [700000, 690000],
-                             "instance": ["p0", "p0"], "time": ["2026-08-28T10:00:00Z", "2026-08-28T11:30:00Z"]})
-    hourly = pd.DataFrame({"hour": pd.to_datetime(["2026-08-28T10:00Z", "2026-08-28T11:00Z"], utc=True),
-                           "model": ["m", "m"], "responses": [1, 1],
-                           "time": ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z"]})
-    return TimelineFrames(windows=windows, events=events, affected=affected, hourly=hourly,
-                          affected_total=affected_total)
+    windows = pd.DataFrame(
+        {
+            "lane": ["p0 (prefill, pool 681,280)"],
+            "instance": ["p0"],
+            "role": ["prefill"],
+            "model": ["m"],
+            "start": pd.to_datetime(["2026-08-27T00:00Z"], utc=True),
+            "end": pd.to_datetime(["2026-09-09T00:00Z"], utc=True),
+            "pool_tokens": [681280],
+            "context_length": [1048576],
+            "from": ["2026-08-27T00:00:00Z"],
+            "to": ["2026-09-09T00:00:00Z"],
+        }
+    )
+    events = pd.DataFrame(
+        {
+            "ts": pd.to_datetime(["2026-08-27T00:00Z", "2026-09-08T23:11Z"], utc=True),
+            "kind": ["start-up", "incident file"],
+            "title": ["p0 started", "report received"],
+            "detail": ["", ""],
+            "time": ["2026-08-27T00:00:00Z", "2026-09-08T23:11:00Z"],
+        }
+    )
+    affected = pd.DataFrame(
+        {
+            "ts": ts,
+            "request_id": ["a", "b"],
+            "account_id": ["x", "y"],
+            "account_class": ["customer", "internal"],
+            "model": ["m", "m"],
+            "confidence": ["confirmed", "probable"],
+            "prompt_tokens": [700000, 690000],
+            "instance": ["p0", "p0"],
+            "time": ["2026-08-28T10:00:00Z", "2026-08-28T11:30:00Z"],
+        }
+    )
+    hourly = pd.DataFrame(
+        {
+            "hour": pd.to_datetime(["2026-08-28T10:00Z", "2026-08-28T11:00Z"], utc=True),
+            "model": ["m", "m"],
+            "responses": [1, 1],
+            "time": ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z"],
+        }
+    )
+    return TimelineFrames(
+        windows=windows, events=events, affected=affected, hourly=hourly, affected_total=affected_total
+    )
 
 
 def _params(spec: dict) -> list[dict]:
@@ -75,11 +112,15 @@ def test_timeline_zooms_brushes_and_shares_one_utc_time_axis():
     params = {p["name"]: p for p in _params(spec)}
     assert params["zoom"]["bind"] == "scales" and params["zoom"]["select"]["encodings"] == ["x"]
     assert params["period"]["select"] == {"type": "interval", "encodings": ["x"]}
-    assert params["period"]["views"] == [hourly["name"]]                    # brushed on the hourly bars
-    assert params["zoom"]["views"] == [detail["layer"][0]["name"]]         # zoomed on the timeline above
+    assert params["period"]["views"] == [hourly["name"]]  # brushed on the hourly bars
+    assert params["zoom"]["views"] == [detail["layer"][0]["name"]]  # zoomed on the timeline above
     lanes = detail["layer"][0]["encoding"]["y"]["sort"]
-    assert lanes == ["incident file (reports, fixes)", "engine start-ups and restarts",
-                     "p0 (prefill, pool 681,280)", "affected responses"]
+    assert lanes == [
+        "incident file (reports, fixes)",
+        "engine start-ups and restarts",
+        "p0 (prefill, pool 681,280)",
+        "affected responses",
+    ]
     assert all(layer["encoding"]["x"]["scale"]["type"] == "utc" for layer in detail["layer"])
     assert detail["title"] == "2 affected responses"
 
@@ -94,15 +135,21 @@ def test_static_timeline_has_no_selections():
 
 
 def test_account_view_filters_responses_by_the_account_picked():
-    accounts = pd.DataFrame({"account_id": ["x", "y"], "account_class": ["customer", "internal"],
-                             "responses": [1, 1], "first_time": ["a", "b"], "last_time": ["a", "b"],
-                             "models": ["m", "m"]})
-    frames = AccountFrames(accounts=accounts, affected=_timeline_frames().affected, accounts_total=3,
-                           affected_total=3)
+    accounts = pd.DataFrame(
+        {
+            "account_id": ["x", "y"],
+            "account_class": ["customer", "internal"],
+            "responses": [1, 1],
+            "first_time": ["a", "b"],
+            "last_time": ["a", "b"],
+            "models": ["m", "m"],
+        }
+    )
+    frames = AccountFrames(accounts=accounts, affected=_timeline_frames().affected, accounts_total=3, affected_total=3)
     spec = charts.account_chart(frames).to_dict()
     bars, dots = spec["hconcat"]
     (pick,) = spec["params"]
-    assert pick["views"] == [bars["name"]]                                   # click a bar ...
+    assert pick["views"] == [bars["name"]]  # click a bar ...
     assert pick["bind"]["input"] == "select" and pick["bind"]["options"] == [None, "x", "y"]  # ... or pick one
     assert pick["select"] == {"type": "point", "fields": ["account_id"]}
     assert dots["transform"] == [{"filter": {"param": pick["name"]}}]

@@ -33,8 +33,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_to_file(args: list[str], out: Path, **env: str) -> subprocess.CompletedProcess[str]:
     with out.open("w") as f:
-        return subprocess.run([KVF, *args], stdout=f, stderr=subprocess.PIPE, text=True, env=clean_env(**env),
-                              timeout=300)
+        return subprocess.run(
+            [KVF, *args], stdout=f, stderr=subprocess.PIPE, text=True, env=clean_env(**env), timeout=300
+        )
 
 
 def run_into_closed_pipe(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -42,8 +43,9 @@ def run_into_closed_pipe(args: list[str], cwd: Path | None = None) -> subprocess
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        return subprocess.run([KVF, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env=clean_env(), timeout=300)
+        return subprocess.run(
+            [KVF, *args], stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=cwd, env=clean_env(), timeout=300
+        )
     finally:
         os.close(write_end)
 
@@ -114,17 +116,30 @@ def test_in_a_terminal_the_table_fits_the_window() -> None:
 # --- a reader that goes away -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [
-    ["audit", "--json"], ["audit", "--markdown"], ["audit"],
-], ids=["json", "markdown", "table"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["audit", "--json"],
+        ["audit", "--markdown"],
+        ["audit"],
+    ],
+    ids=["json", "markdown", "table"],
+)
 def test_audit_into_a_closed_pipe_ends_quietly(args: list[str]) -> None:
     done = run_into_closed_pipe([*args, *map(str, LOGS)])
     assert (done.returncode, done.stderr) == (PIPE_CLOSED, "")
 
 
-@pytest.mark.parametrize("args", [
-    ["--help"], ["run", "--help"], ["verify", "--help"], ["simulate", "--help"],
-], ids=" ".join)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["run", "--help"],
+        ["verify", "--help"],
+        ["simulate", "--help"],
+    ],
+    ids=" ".join,
+)
 def test_help_into_a_closed_pipe_ends_quietly(args: list[str]) -> None:
     done = run_into_closed_pipe(args)
     assert done.returncode in (0, PIPE_CLOSED) and done.stderr == ""
@@ -133,8 +148,13 @@ def test_help_into_a_closed_pipe_ends_quietly(args: list[str]) -> None:
 def test_audit_json_piped_into_head() -> None:
     logs = " ".join(f"'{p}'" for p in EVERY_LOG)
     assert len(audit_paths(EVERY_LOG).to_json()) > 128 * 1024  # more than a pipe holds: head leaves first
-    done = subprocess.run(["bash", "-c", f"set -o pipefail; '{KVF}' audit --json {logs} | head -c 10"],
-                          capture_output=True, text=True, env=clean_env(), timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; '{KVF}' audit --json {logs} | head -c 10"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=300,
+    )
     assert (done.stdout, done.stderr, done.returncode) == ('{\n  "summa', "", PIPE_CLOSED)
 
 

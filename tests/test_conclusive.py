@@ -22,8 +22,17 @@ from kvforensics.mechanisms import load_mechanisms
 from kvforensics.stages import conclusive
 from kvforensics.stages.detect import load_rules
 
-REQUIRED_CODES = {"quarantine_share", "rule_field_missing", "window_without_requests", "model_without_capacity",
-                  "unknown_instances", "affected_outside_window", "truncated_file", "no_requests", "kv_event_gap"}
+REQUIRED_CODES = {
+    "quarantine_share",
+    "rule_field_missing",
+    "window_without_requests",
+    "model_without_capacity",
+    "unknown_instances",
+    "affected_outside_window",
+    "truncated_file",
+    "no_requests",
+    "kv_event_gap",
+}
 
 
 def run(incident: Path, out: Path, capsys: pytest.CaptureFixture[str] | None = None) -> tuple[int, dict]:
@@ -40,6 +49,7 @@ def mini(tmp_path: Path, rows: list[dict] | None = None, incident: str = INCIDEN
 
 
 # --- the gate as data ---------------------------------------------------------------------------------
+
 
 def test_every_check_has_a_code_and_the_required_reasons_exist():
     got = conclusive.codes()
@@ -70,6 +80,7 @@ def test_the_mini_incident_is_conclusive(tmp_path):
 
 
 # --- each reason on its own -----------------------------------------------------------------------------
+
 
 def test_quarantine_share_and_its_setting(tmp_path, capsys):
     rows = mini_requests()
@@ -115,8 +126,17 @@ def with_kv_events(incident: Path, messages: list[tuple[int, str]], extra: str =
     with (incident.parent / "kv" / "p0.jsonl").open("w") as fh:
         for seq, hhmm in messages:
             ts = datetime.fromisoformat(f"2026-08-28T{hhmm}:00+00:00").timestamp()
-            fh.write(json.dumps({"instance": "p0", "topic": "kv-events", "seq": seq, "batch": [
-                ts, [["BlockStored", [1000 + seq], None, [seq, 2, 3, 4], 4, None, "GPU"]], 0]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "instance": "p0",
+                        "topic": "kv-events",
+                        "seq": seq,
+                        "batch": [ts, [["BlockStored", [1000 + seq], None, [seq, 2, 3, 4], 4, None, "GPU"]], 0],
+                    }
+                )
+                + "\n"
+            )
     incident.write_text(incident.read_text() + KV_SOURCE + extra)
     return incident
 
@@ -125,19 +145,30 @@ def test_quarantine_share_of_a_kv_events_source_and_its_limit_per_kind(tmp_path)
     """Every kind of source counts, each with its own limit: a KV-event archive read without its mapping
     loses every event, which made no reason before."""
     messages = [(i, f"{9 + i // 60:02d}:{i % 60:02d}") for i in range(20)]
-    unmapped = KV_SOURCE.replace('columns = { ts = "batch.0", events = "batch.1", dp_rank = "batch.2", '
-                                 'instance = "instance", seq = "seq" }\n', "")
+    unmapped = KV_SOURCE.replace(
+        'columns = { ts = "batch.0", events = "batch.1", dp_rank = "batch.2", instance = "instance", seq = "seq" }\n',
+        "",
+    )
     incident = with_kv_events(mini(tmp_path), messages)
     incident.write_text(incident.read_text().replace(KV_SOURCE, unmapped))
     code, scope = run(incident, tmp_path / "out")
     assert code == 3 and "quarantine_share" in codes(scope)
     (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "quarantine_share"]
-    assert {k: reason["evidence"][k] for k in ("source", "kind", "records_read", "quarantined", "fraction",
-                                              "max_quarantine_fraction")} == {
-        "source": "kv", "kind": "kv_events", "records_read": 20, "quarantined": 20, "fraction": 1,
-        "max_quarantine_fraction": 0.01}
-    assert reason["message"].startswith("kv_events source 'kv': 20 of 20 records quarantined (100.0%, above its limit "
-                                        "1.0%), most often \"the batch's events are null, not a list (key 'events'; ")
+    assert {
+        k: reason["evidence"][k]
+        for k in ("source", "kind", "records_read", "quarantined", "fraction", "max_quarantine_fraction")
+    } == {
+        "source": "kv",
+        "kind": "kv_events",
+        "records_read": 20,
+        "quarantined": 20,
+        "fraction": 1,
+        "max_quarantine_fraction": 0.01,
+    }
+    assert reason["message"].startswith(
+        "kv_events source 'kv': 20 of 20 records quarantined (100.0%, above its limit "
+        "1.0%), most often \"the batch's events are null, not a list (key 'events'; "
+    )
     assert "or raise [quarantine] kv_events (default: [settings] max_quarantine_fraction)" in reason["message"]
     # a limit of its own for the kind; the requests' limit is still the default one
     allowed = incident.read_text() + "\n[quarantine]\nkv_events = 1.0\n"
@@ -149,10 +180,13 @@ def test_quarantine_share_of_a_kv_events_source_and_its_limit_per_kind(tmp_path)
 
 
 def test_quarantine_limits_per_kind_are_validated(tmp_path, capsys):
-    for table, message in (("[quarantine]\nkv_event = 0.1\n", "incident.toml: [quarantine]: unknown source kind "
-                                                                 "'kv_event'; did you mean 'kv_events'?"),
-                           ("[quarantine]\nrequests = 2\n", "incident.toml: [quarantine]: requests must be a number "
-                                                             "from 0 to 1")):
+    for table, message in (
+        (
+            "[quarantine]\nkv_event = 0.1\n",
+            "incident.toml: [quarantine]: unknown source kind 'kv_event'; did you mean 'kv_events'?",
+        ),
+        ("[quarantine]\nrequests = 2\n", "incident.toml: [quarantine]: requests must be a number from 0 to 1"),
+    ):
         incident = mini(tmp_path / table[14:18], incident=INCIDENT + "\n" + table)
         assert main(["run", str(incident), "--out", str(tmp_path / "o"), "--quiet"]) == 2
         err = capsys.readouterr().err
@@ -170,12 +204,22 @@ def test_kv_event_gap_over_prefix_cache_hits(tmp_path):
     code, scope = run(with_kv_events(mini(tmp_path, rows), messages), tmp_path / "out")
     assert code == 3 and "kv_event_gap" in codes(scope)
     (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "kv_event_gap"]
-    assert reason["evidence"] == {"instance": "p0", "dp_rank": 0, "gaps": 1, "missing": 8,
-                                  "first": "2026-08-28T09:10:00Z", "last": "2026-08-28T09:30:00Z",
-                                  "responses": 2, "flagged": 0, "hits": 2}
-    assert reason["message"].startswith("KV events of instance 'p0' (dp rank 0): 8 message(s) lost in 1 break(s) of "
-                                        "the publisher's sequence (the first from seq 10 to 19), from "
-                                        "2026-08-28T09:10:00Z to 2026-08-28T09:30:00Z, a span holding 2 response(s)")
+    assert reason["evidence"] == {
+        "instance": "p0",
+        "dp_rank": 0,
+        "gaps": 1,
+        "missing": 8,
+        "first": "2026-08-28T09:10:00Z",
+        "last": "2026-08-28T09:30:00Z",
+        "responses": 2,
+        "flagged": 0,
+        "hits": 2,
+    }
+    assert reason["message"].startswith(
+        "KV events of instance 'p0' (dp rank 0): 8 message(s) lost in 1 break(s) of "
+        "the publisher's sequence (the first from seq 10 to 19), from "
+        "2026-08-28T09:10:00Z to 2026-08-28T09:30:00Z, a span holding 2 response(s)"
+    )
     assert "replay buffer" in reason["message"] and "subscriber's other copy" in reason["message"]
     # the same archive without the gap; a gap over no hit is only an ingest warning
     whole = [(i, f"09:{i:02d}") for i in range(21)]
@@ -216,9 +260,17 @@ def test_truncated_engine_log(tmp_path):
 
 
 def test_model_without_capacity(tmp_path):
-    rows = mini_requests() + [{"rid": f"x{i}", "received_at": "2026-08-28T09:00:00Z", "account_id": "acct-1",
-                               "model": "@cf/other/model", "http_status": 200, "prompt_tokens": 1000}
-                              for i in range(3)]
+    rows = mini_requests() + [
+        {
+            "rid": f"x{i}",
+            "received_at": "2026-08-28T09:00:00Z",
+            "account_id": "acct-1",
+            "model": "@cf/other/model",
+            "http_status": 200,
+            "prompt_tokens": 1000,
+        }
+        for i in range(3)
+    ]
     code, scope = run(mini(tmp_path, rows), tmp_path / "out")
     assert code == 3 and codes(scope) == {"model_without_capacity"}
     (reason,) = scope["inconclusive_reasons"]
@@ -230,7 +282,8 @@ def test_startup_incomplete(tmp_path):
     incident = mini(tmp_path)
     (incident.parent / "engine" / "p1.log").write_text(
         "[2026-08-27 14:00:00] server_args=ServerArgs(model_path='zai-org/GLM-5.3-FP8', context_length=1048576, "
-        "disaggregation_mode='prefill')\n")
+        "disaggregation_mode='prefill')\n"
+    )
     code, scope = run(incident, tmp_path / "out")
     assert code == 3 and codes(scope) == {"startup_incomplete"}
     (reason,) = scope["inconclusive_reasons"]
@@ -320,6 +373,7 @@ def test_each_check_runs_on_its_own(tmp_path):
 
 # --- where the verdict shows ------------------------------------------------------------------------------
 
+
 def test_stage_commands_exit_3_and_verify_checks_the_verdict(tmp_path, capsys):
     rows = mini_requests()
     for r in rows[:5]:
@@ -369,9 +423,15 @@ def test_a_full_disk_is_one_line_that_says_so(tmp_path, capsys, monkeypatch):
     import kvforensics.investigation as investigation
 
     incident = mini(tmp_path)
-    for i, error in enumerate((duckdb.IOException('IO Error: Could not write file "x/evidence.spill/duckdb_temp_1.tmp": '
-                                                  "No space left on device"),
-                               OSError(errno.ENOSPC, "No space left on device"))):
+    for i, error in enumerate(
+        (
+            duckdb.IOException(
+                'IO Error: Could not write file "x/evidence.spill/duckdb_temp_1.tmp": No space left on device'
+            ),
+            OSError(errno.ENOSPC, "No space left on device"),
+        )
+    ):
+
         def full(self, error=error):
             raise error
 
@@ -383,6 +443,7 @@ def test_a_full_disk_is_one_line_that_says_so(tmp_path, capsys, monkeypatch):
 
 
 # --- the observations of issue 12 on the bundled sample -----------------------------------------------------
+
 
 def sample_copy(sample_incident: Path, dst: Path, rewrite=None, incident_text=None) -> Path:
     shutil.copytree(sample_incident.parent, dst, ignore=shutil.ignore_patterns("ground_truth.json"))
@@ -440,11 +501,13 @@ def test_observation_2_blank_ttft_is_inconclusive(sample_incident, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("zone", "outside_last"), [("America/New_York", "2026-08-27T17:15:16Z"),
-                                                     ("Europe/Berlin", "2026-09-09T12:44:49Z")])
+@pytest.mark.parametrize(
+    ("zone", "outside_last"), [("America/New_York", "2026-08-27T17:15:16Z"), ("Europe/Berlin", "2026-09-09T12:44:49Z")]
+)
 def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tmp_path, zone, outside_last):
     """The engine logs are UTC; read as New York time the windows open 4 h late, as Berlin time they
     close 2 h early (12:05Z, before the last affected response at 12:44:49Z)."""
+
     def wrong_zone(text: str) -> str:
         engines = 'format = "sglang"\ntimezone = "UTC"'
         assert engines in text
@@ -453,7 +516,9 @@ def test_observation_7_wrong_engine_timezone_is_inconclusive(sample_incident, tm
     code, scope = run(sample_copy(sample_incident, tmp_path / "s", incident_text=wrong_zone), tmp_path / "out")
     assert code == 3 and "affected_outside_window" in codes(scope)
     (reason,) = [r for r in scope["inconclusive_reasons"] if r["code"] == "affected_outside_window"]
-    assert reason["evidence"]["model"] == "@cf/zai-org/glm-5.3" and reason["evidence"]["last"].startswith(outside_last[:-1])
+    assert reason["evidence"]["model"] == "@cf/zai-org/glm-5.3" and reason["evidence"]["last"].startswith(
+        outside_last[:-1]
+    )
     line = first_line(tmp_path / "out")
     assert line.startswith("**INCONCLUSIVE") and "outside every exposure window" in line
 
@@ -463,16 +528,20 @@ def test_a_total_mapped_to_prompt_tokens_contradicts_the_engines_counts(sample_i
     """A mapping mistake that quarantines nothing: prompt_tokens mapped to the total with the completion. The
     engines' own counts (ReqTimeStats input_len) of the requests the incident does not explain disagree, and the
     report still renders although thousands of requests are now flagged (its chart draws a sample)."""
+
     def total(text: str) -> str:
-        return text.replace('status = "http_status" }',
-                            'status = "http_status", prompt_tokens = "prompt_tokens + completion_tokens" }')
+        return text.replace(
+            'status = "http_status" }', 'status = "http_status", prompt_tokens = "prompt_tokens + completion_tokens" }'
+        )
 
     incident = sample_copy(sample_incident, tmp_path / "s", incident_text=total)
     code, scope = run(incident, tmp_path / "out")
     assert code == 3 and codes(scope) == {"prompt_tokens_disagree"}
     (reason,) = scope["inconclusive_reasons"]
-    assert reason["message"].startswith("prompt_tokens: the gateway's count and the engines' own count (ReqTimeStats "
-                                        "input_len) differ by more than 64 tokens and 5% for ")
+    assert reason["message"].startswith(
+        "prompt_tokens: the gateway's count and the engines' own count (ReqTimeStats "
+        "input_len) differ by more than 64 tokens and 5% for "
+    )
     assert reason["evidence"]["fraction"] > 0.3 and reason["evidence"]["max_fraction"] == 0.01
     assert "flagged requests drawn: confirmed first" in (tmp_path / "out" / "report.html").read_text()
     # the rule's own tolerance, set by the incident, is the check's: a tolerance that accepts the completion
@@ -491,7 +560,9 @@ def test_prompt_tokens_disagree_leaves_out_what_the_incident_explains(sample_run
     con = connect(sample_run / "evidence.duckdb", read_only=True)
     try:
         assert conclusive.evaluate(con, only=("prompt_tokens_disagree",)) == []
-        mismatched = con.execute("SELECT count(*) FROM findings WHERE rule_id = 'engine_token_count_mismatch'").fetchall()
+        mismatched = con.execute(
+            "SELECT count(*) FROM findings WHERE rule_id = 'engine_token_count_mismatch'"
+        ).fetchall()
         assert mismatched == [(155,)]
     finally:
         con.close()

@@ -24,7 +24,9 @@ from kvforensics.stages.ingest import ingest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Every table of the incident file, each key once.
-FULL = INCIDENT + """
+FULL = (
+    INCIDENT
+    + """
 [[events]]
 ts = "2026-09-08T23:11:00Z"
 title = "Report received"
@@ -53,6 +55,7 @@ handover_s = 600
 max_fraction = 0.25
 min_uncached_tokens = 40000
 """
+)
 
 
 def load_text(tmp_path: Path, text: str):
@@ -73,33 +76,57 @@ UNKNOWN_KEYS = [
     (("[models]\n", "[modles]\n"), "incident.toml: unknown table [modles]; did you mean [models]?"),
     (("[[events]]\n", "[[event]]\n"), "incident.toml: unknown table [[event]]; did you mean [[events]]?"),
     (("[scope]\n", "[scoep]\n"), "incident.toml: unknown table [scoep]; did you mean [scope]?"),
-    (('title = "Mini incident"', 'titel = "Mini incident"'),
-     "incident.toml: [incident]: unknown key 'titel'; did you mean 'title'?"),
-    (("internal_accounts =", "internal_acounts ="),
-     "incident.toml: [scope]: unknown key 'internal_acounts'; did you mean 'internal_accounts'?"),
-    (('description = "bug bounty"', 'descripton = "bug bounty"'),
-     "incident.toml: events[0]: unknown key 'descripton'; did you mean 'description'?"),
+    (
+        ('title = "Mini incident"', 'titel = "Mini incident"'),
+        "incident.toml: [incident]: unknown key 'titel'; did you mean 'title'?",
+    ),
+    (
+        ("internal_accounts =", "internal_acounts ="),
+        "incident.toml: [scope]: unknown key 'internal_acounts'; did you mean 'internal_accounts'?",
+    ),
+    (
+        ('description = "bug bounty"', 'descripton = "bug bounty"'),
+        "incident.toml: events[0]: unknown key 'descripton'; did you mean 'description'?",
+    ),
     (("aliases =", "alias ="), "incident.toml: [models]: unknown key 'alias'; did you mean 'aliases'?"),
-    (("layers = 78", "layer = 78"),
-     "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: unknown key 'layer'; did you mean 'layers'?"),
-    (('memory_limit = "2GB"', 'memory_limt = "2GB"'),
-     "incident.toml: [settings]: unknown key 'memory_limt'; did you mean 'memory_limit'?"),
-    (("handover_s = 600", "handover = 600"),
-     "incident.toml: [instances]: unknown key 'handover'; did you mean 'handover_s'?"),
-    (('format = "sglang"', 'fromat = "sglang"'),
-     "incident.toml: source 'engines': unknown key 'fromat'; did you mean 'format'?"),
-    (('request_id = "rid"', 'reqest_id = "rid"'),
-     "incident.toml: source 'gateway': columns maps unknown canonical field 'reqest_id'; did you mean 'request_id'?"),
-    (("[rules.prefill_too_fast]", "[rules.prefill_to_fast]"),
-     "incident.toml: [rules]: unknown rule 'prefill_to_fast'; did you mean 'prefill_too_fast'?"),
-    (("max_fraction = 0.25", "max_fractoin = 0.25"),
-     "incident.toml: [rules.prefill_too_fast]: unknown parameter 'max_fractoin'; did you mean 'max_fraction'?"),
-    (('format = "sglang"', 'format = "sglang"\nrole = "prefill"'),
-     "incident.toml: source 'engines': unknown key 'role'; valid keys: ambiguous, clock_offset_s, columns, envelope, "
-     "format, instance, kind, model, name, null_tokens, path, preset, timezone, values, year"),
-    (('memory_limit = "2GB"', 'colour = "red"'),
-     "incident.toml: [settings]: unknown key 'colour'; valid keys: allow_outside, max_quarantine_fraction, "
-     "memory_limit, spark_requests_table, winnow_window, year"),
+    (
+        ("layers = 78", "layer = 78"),
+        "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: unknown key 'layer'; did you mean 'layers'?",
+    ),
+    (
+        ('memory_limit = "2GB"', 'memory_limt = "2GB"'),
+        "incident.toml: [settings]: unknown key 'memory_limt'; did you mean 'memory_limit'?",
+    ),
+    (
+        ("handover_s = 600", "handover = 600"),
+        "incident.toml: [instances]: unknown key 'handover'; did you mean 'handover_s'?",
+    ),
+    (
+        ('format = "sglang"', 'fromat = "sglang"'),
+        "incident.toml: source 'engines': unknown key 'fromat'; did you mean 'format'?",
+    ),
+    (
+        ('request_id = "rid"', 'reqest_id = "rid"'),
+        "incident.toml: source 'gateway': columns maps unknown canonical field 'reqest_id'; did you mean 'request_id'?",
+    ),
+    (
+        ("[rules.prefill_too_fast]", "[rules.prefill_to_fast]"),
+        "incident.toml: [rules]: unknown rule 'prefill_to_fast'; did you mean 'prefill_too_fast'?",
+    ),
+    (
+        ("max_fraction = 0.25", "max_fractoin = 0.25"),
+        "incident.toml: [rules.prefill_too_fast]: unknown parameter 'max_fractoin'; did you mean 'max_fraction'?",
+    ),
+    (
+        ('format = "sglang"', 'format = "sglang"\nrole = "prefill"'),
+        "incident.toml: source 'engines': unknown key 'role'; valid keys: ambiguous, clock_offset_s, columns, envelope, "
+        "format, instance, kind, model, name, null_tokens, path, preset, timezone, values, year",
+    ),
+    (
+        ('memory_limit = "2GB"', 'colour = "red"'),
+        "incident.toml: [settings]: unknown key 'colour'; valid keys: allow_outside, max_quarantine_fraction, "
+        "memory_limit, spark_requests_table, winnow_window, year",
+    ),
 ]
 
 
@@ -119,33 +146,53 @@ def test_an_unknown_key_at_any_level_names_the_nearest_valid_key(tmp_path, chang
 def test_a_top_level_key_outside_any_table_lists_the_tables(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_text(tmp_path, "colour = 3\n" + FULL)
-    assert str(e.value) == ("incident.toml: unknown top-level key 'colour'; the top level holds mechanisms = [...] "
-                            "and the tables [incident], [[sources]], [scope], [[events]], [models], [settings], "
-                            "[instances], [rules], [prefix_cache], [quarantine], [notice]")
+    assert str(e.value) == (
+        "incident.toml: unknown top-level key 'colour'; the top level holds mechanisms = [...] "
+        "and the tables [incident], [[sources]], [scope], [[events]], [models], [settings], "
+        "[instances], [rules], [prefix_cache], [quarantine], [notice]"
+    )
 
 
 WRONG_TYPES = [
-    (('internal_accounts = ["loadtest-*"]', 'internal_accounts = "loadtest-*"'),
-     "incident.toml: [scope]: 'internal_accounts' must be a list of strings, e.g. internal_accounts = "
-     "[\"a\", \"b\"], got a string"),
-    (("max_fraction = 0.25", 'max_fraction = "0.25"'),
-     "incident.toml: [rules.prefill_too_fast]: 'max_fraction' must be a number like its default 0.2, got a string"),
-    (("layers = 78", 'layers = "78"'),
-     "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: 'layers' must be a number, got a string"),
-    (('precision = "fp8"', 'precision = "fp16"'),
-     "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: precision 'fp16' is not one of ['bf16', 'fp8']"),
-    (("year = 2026", 'year = "2026"'),
-     "incident.toml: [settings]: 'year' must be an integer such as 2026, got a string"),
-    (('memory_limit = "2GB"', "memory_limit = 2"),
-     "incident.toml: [settings]: 'memory_limit' must be a string, got an integer"),
+    (
+        ('internal_accounts = ["loadtest-*"]', 'internal_accounts = "loadtest-*"'),
+        "incident.toml: [scope]: 'internal_accounts' must be a list of strings, e.g. internal_accounts = "
+        "[\"a\", \"b\"], got a string",
+    ),
+    (
+        ("max_fraction = 0.25", 'max_fraction = "0.25"'),
+        "incident.toml: [rules.prefill_too_fast]: 'max_fraction' must be a number like its default 0.2, got a string",
+    ),
+    (
+        ("layers = 78", 'layers = "78"'),
+        "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: 'layers' must be a number, got a string",
+    ),
+    (
+        ('precision = "fp8"', 'precision = "fp16"'),
+        "incident.toml: [models.hardware.\"@cf/zai-org/glm-5.3\"]: precision 'fp16' is not one of ['bf16', 'fp8']",
+    ),
+    (
+        ("year = 2026", 'year = "2026"'),
+        "incident.toml: [settings]: 'year' must be an integer such as 2026, got a string",
+    ),
+    (
+        ('memory_limit = "2GB"', "memory_limit = 2"),
+        "incident.toml: [settings]: 'memory_limit' must be a string, got an integer",
+    ),
     (('format = "sglang"', "format = 5"), "incident.toml: source 'engines': 'format' must be a string, got an integer"),
-    (('format = "sglang"', 'format = "sglang"\nclock_offset_s = true'),
-     "incident.toml: source 'engines': 'clock_offset_s' must be a number of seconds, got a boolean"),
-    (('description = "bug bounty"', "description = 3"),
-     "incident.toml: events[0]: 'description' must be a string, got an integer"),
-    (('aliases = { "zai-org/GLM-5.3-FP8" = "@cf/zai-org/glm-5.3" }', 'aliases = { "zai-org/GLM-5.3-FP8" = 1 }'),
-     "incident.toml: [models.aliases]: aliases must be a table of \"<engine served_model_name>\" = "
-     "\"<gateway model id>\" strings"),
+    (
+        ('format = "sglang"', 'format = "sglang"\nclock_offset_s = true'),
+        "incident.toml: source 'engines': 'clock_offset_s' must be a number of seconds, got a boolean",
+    ),
+    (
+        ('description = "bug bounty"', "description = 3"),
+        "incident.toml: events[0]: 'description' must be a string, got an integer",
+    ),
+    (
+        ('aliases = { "zai-org/GLM-5.3-FP8" = "@cf/zai-org/glm-5.3" }', 'aliases = { "zai-org/GLM-5.3-FP8" = 1 }'),
+        "incident.toml: [models.aliases]: aliases must be a table of \"<engine served_model_name>\" = "
+        "\"<gateway model id>\" strings",
+    ),
 ]
 
 
@@ -180,12 +227,15 @@ format = "jsonl"
 
 
 def test_a_file_two_sources_name_is_refused_before_anything_is_read(tmp_path, capsys):
-    path = write_mini(tmp_path, incident=INCIDENT.replace("[models]", CONTENT.format(path="gateway/day*.jsonl")
-                                                           + "\n[models]"))
+    path = write_mini(
+        tmp_path, incident=INCIDENT.replace("[models]", CONTENT.format(path="gateway/day*.jsonl") + "\n[models]")
+    )
     with pytest.raises(ConfigError) as e:
         ingest(connect(), load_incident(path))
-    assert str(e.value) == ("incident.toml: file gateway/day1.jsonl matches the paths of sources 'gateway' and "
-                            "'content'; a file belongs to one source: narrow one of the paths")
+    assert str(e.value) == (
+        "incident.toml: file gateway/day1.jsonl matches the paths of sources 'gateway' and "
+        "'content'; a file belongs to one source: narrow one of the paths"
+    )
     assert main(["ingest", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert capsys.readouterr().err == f"Error: {e.value}\n"
 
@@ -195,35 +245,53 @@ def test_the_same_file_reached_by_two_spellings_of_a_path_is_one_file(tmp_path):
     incident += '\n[[sources]]\nname = "engines2"\nkind = "engine_log"\npath = "engine/*0.log"\n'
     with pytest.raises(ConfigError) as e:
         load_incident(write_mini(tmp_path, incident=incident)).source_files()
-    assert str(e.value) == ("incident.toml: file engine/d0.log matches the paths of sources 'engines' and "
-                            "'engines2'; a file belongs to one source: narrow one of the paths")
+    assert str(e.value) == (
+        "incident.toml: file engine/d0.log matches the paths of sources 'engines' and "
+        "'engines2'; a file belongs to one source: narrow one of the paths"
+    )
 
 
 def test_an_sglang_server_log_may_be_read_for_its_start_ups_and_for_its_request_lines(tmp_path):
     """SGLang writes its --log-requests lines into the server log that also holds its start-ups."""
-    incident = INCIDENT + ('\n[[sources]]\nname = "engine-requests"\nkind = "requests"\npath = "engine/p0.log"\n'
-                           'format = "sglang_requests"\n')
+    incident = INCIDENT + (
+        '\n[[sources]]\nname = "engine-requests"\nkind = "requests"\npath = "engine/p0.log"\n'
+        'format = "sglang_requests"\n'
+    )
     plan = load_incident(write_mini(tmp_path, incident=incident)).source_files()
     assert [(s.name, [f.name for f in files]) for s, files in plan][1:] == [
-        ("engines", ["d0.log", "p0.log"]), ("engine-requests", ["p0.log"])]
-    twice = incident + '\n[[sources]]\nname = "again"\nkind = "requests"\npath = "engine/p*.log"\nformat = "sglang_requests"\n'
-    with pytest.raises(ConfigError, match="file engine/p0.log matches the paths of sources 'engine-requests' and 'again'"):
+        ("engines", ["d0.log", "p0.log"]),
+        ("engine-requests", ["p0.log"]),
+    ]
+    twice = (
+        incident
+        + '\n[[sources]]\nname = "again"\nkind = "requests"\npath = "engine/p*.log"\nformat = "sglang_requests"\n'
+    )
+    with pytest.raises(
+        ConfigError, match="file engine/p0.log matches the paths of sources 'engine-requests' and 'again'"
+    ):
         load_incident(write_mini(tmp_path, incident=twice)).source_files()
 
 
 def test_sources_naming_different_files_each_keep_their_own(tmp_path):
     inc = load_incident(write_mini(tmp_path))
     assert [(s.name, [f.name for f in files]) for s, files in inc.source_files()] == [
-        ("gateway", ["day1.jsonl"]), ("engines", ["d0.log", "p0.log"])]
+        ("gateway", ["day1.jsonl"]),
+        ("engines", ["d0.log", "p0.log"]),
+    ]
 
 
 def test_the_content_loader_quarantines_where_and_why_never_the_text(tmp_path):
-    path = write_mini(tmp_path, incident=INCIDENT.replace("[models]", CONTENT.format(path="content/*.jsonl")
-                                                           + "\n[models]"))
+    path = write_mini(
+        tmp_path, incident=INCIDENT.replace("[models]", CONTENT.format(path="content/*.jsonl") + "\n[models]")
+    )
     (tmp_path / "content").mkdir()
-    lines = [json.dumps({"request_id": "r1", "prompt": "secret prompt words here", "output": "secret reply"}),
-             '{"request_id": "r2", "prompt": "secret unterminated',
-             json.dumps({"prompt": "secret without an id"}), json.dumps(["secret", "in a list"]), "secret,not,json"]
+    lines = [
+        json.dumps({"request_id": "r1", "prompt": "secret prompt words here", "output": "secret reply"}),
+        '{"request_id": "r2", "prompt": "secret unterminated',
+        json.dumps({"prompt": "secret without an id"}),
+        json.dumps(["secret", "in a list"]),
+        "secret,not,json",
+    ]
     (tmp_path / "content" / "c.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     con = connect()
     ingest(con, load_incident(path))
@@ -233,6 +301,7 @@ def test_the_content_loader_quarantines_where_and_why_never_the_text(tmp_path):
 
 
 # --- the incident files we ship, document and generate all load ----------------------------------
+
 
 def _whole_incident_blocks(doc: Path) -> list[str]:
     blocks = re.findall(r"```toml\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S)
@@ -254,8 +323,11 @@ def test_the_sample_incident_loads():
 @pytest.mark.parametrize("columns", COLUMN_STYLES)
 @pytest.mark.parametrize("with_content", [False, True])
 def test_the_simulators_incident_files_load(columns, with_content):
-    scenario = Scenario(gateway_columns=columns, custom_columns={"account_id": "customer"},
-                        gateway_timestamps="naive_local" if columns == "canonical" else "iso_z")
+    scenario = Scenario(
+        gateway_columns=columns,
+        custom_columns={"account_id": "customer"},
+        gateway_timestamps="naive_local" if columns == "canonical" else "iso_z",
+    )
     dep = build_deployment(scenario)
     incident_from_dict(tomllib.loads(incident_toml(dep, with_content)), Path("incident.toml"))
     if not with_content:
@@ -264,10 +336,17 @@ def test_the_simulators_incident_files_load(columns, with_content):
 
 def test_notice_keys_are_checked_and_typed(tmp_path):
     """[notice] (issue 27): what the notices say the responder declares; its keys and their types are checked."""
-    incident = load_text(tmp_path, FULL + '\n[notice]\nprovider = "Example Inference Ltd"\ncontact = "privacy@example.com"\n'
-                                           'measures = ["Restarted the servers."]\n')
+    incident = load_text(
+        tmp_path,
+        FULL + '\n[notice]\nprovider = "Example Inference Ltd"\ncontact = "privacy@example.com"\n'
+        'measures = ["Restarted the servers."]\n',
+    )
     assert (incident.notice.provider, incident.notice.contact, incident.notice.measures, incident.notice.missing) == (
-        "Example Inference Ltd", "privacy@example.com", ("Restarted the servers.",), ())
+        "Example Inference Ltd",
+        "privacy@example.com",
+        ("Restarted the servers.",),
+        (),
+    )
     with pytest.raises(ConfigError) as e:
         load_text(tmp_path, FULL + '\n[notice]\nprovder = "x"\n')
     assert str(e.value) == "incident.toml: [notice]: unknown key 'provder'; did you mean 'provider'?"

@@ -43,7 +43,7 @@ path = "gateway.jsonl"
 format = "jsonl"
 """)
     inc = load_incident(path)
-    (source, files), = [(s, f) for s, f in inc.source_files() if s.kind == kind]
+    ((source, files),) = [(s, f) for s, f in inc.source_files() if s.kind == kind]
     return source, tmp_path / name
 
 
@@ -55,18 +55,48 @@ def load_texts(tmp_path: Path, rows: list[dict], key: bytes = KEY, window: int =
 
 
 def stored(con, rid: str, part: str) -> set[int]:
-    return {r[0] for r in con.execute("SELECT fp FROM content_fingerprints WHERE request_id = $r AND part = $p",
-                                      {"r": rid, "p": part}).fetchall()}
+    return {
+        r[0]
+        for r in con.execute(
+            "SELECT fp FROM content_fingerprints WHERE request_id = $r AND part = $p", {"r": rid, "p": part}
+        ).fetchall()
+    }
 
 
-WORDS = st.sampled_from(["the", "Merger", "closes", "NOON", "é", "İstanbul", "straße", "ΣΊΣΥΦΟΣ", "x_1", "42",
-                         "½", "٣", "東京", "नमस्ते", "e\u0301", "Kelvin\u212a", "😀", "—", "“quoted”", "a-b", "\ud800"])
+WORDS = st.sampled_from(
+    [
+        "the",
+        "Merger",
+        "closes",
+        "NOON",
+        "é",
+        "İstanbul",
+        "straße",
+        "ΣΊΣΥΦΟΣ",
+        "x_1",
+        "42",
+        "½",
+        "٣",
+        "東京",
+        "नमस्ते",
+        "e\u0301",
+        "Kelvin\u212a",
+        "😀",
+        "—",
+        "“quoted”",
+        "a-b",
+        "\ud800",
+    ]
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(texts=st.lists(st.one_of(st.lists(WORDS, max_size=30).map(" ".join), st.text(max_size=80)), min_size=1,
-                      max_size=12),
-       window=st.sampled_from([1, 2, WINNOW_WINDOW, 5, 11]))
+@given(
+    texts=st.lists(
+        st.one_of(st.lists(WORDS, max_size=30).map(" ".join), st.text(max_size=80)), min_size=1, max_size=12
+    ),
+    window=st.sampled_from([1, 2, WINNOW_WINDOW, 5, 11]),
+)
 def test_bulk_fingerprints_equal_the_reference(tmp_path, texts, window):
     """The shingles winnowing keeps (the few words repeat, so their selection hashes tie) and their HMACs."""
     rows = [{"request_id": f"r{i}", "prompt": t, "output": "ok"} for i, t in enumerate(texts)]
@@ -85,12 +115,21 @@ def test_keys_of_any_length_give_the_hmac(tmp_path, key):
     assert stored(con, "a", "prompt") == fingerprints(text, key)
     assert stored(con, "a", "output") == fingerprints("Short answer, sir.", key)
     inner, outer = hmac_blocks(key)
-    assert len(inner) == len(outer) == 64 and bytes(a ^ b for a, b in zip(inner, outer, strict=True)) == bytes([0x36 ^ 0x5C]) * 64
+    assert (
+        len(inner) == len(outer) == 64
+        and bytes(a ^ b for a, b in zip(inner, outer, strict=True)) == bytes([0x36 ^ 0x5C]) * 64
+    )
 
 
 def test_batches_do_not_change_the_result(tmp_path, monkeypatch):
-    rows = [{"request_id": f"r{i}", "prompt": f"the same eight words and then a number {i} again " * 3,
-             "output": "naïve café text with ünïcode words in it, nine or more of them"} for i in range(30)]
+    rows = [
+        {
+            "request_id": f"r{i}",
+            "prompt": f"the same eight words and then a number {i} again " * 3,
+            "output": "naïve café text with ünïcode words in it, nine or more of them",
+        }
+        for i in range(30)
+    ]
     (tmp_path / "one").mkdir()
     (tmp_path / "many").mkdir()
     con, _ = load_texts(tmp_path / "one", rows)
@@ -128,21 +167,32 @@ def test_a_reading_error_is_the_one_raised_over_a_batch_in_flight(tmp_path, monk
 
 def test_texts_without_words_duplicates_and_chat_messages(tmp_path):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Tell me the launch code"}]}]
-    con, load = load_texts(tmp_path, [
-        {"request_id": "punct", "prompt": "?! ... --", "output": ""},
-        {"request_id": "dup", "prompt": "first copy of the record", "output": None},
-        {"request_id": "dup", "prompt": "second copy of the record", "output": 17},
-        {"request_id": "chat", "prompt": messages, "output": json.dumps(messages)},
-    ])
+    con, load = load_texts(
+        tmp_path,
+        [
+            {"request_id": "punct", "prompt": "?! ... --", "output": ""},
+            {"request_id": "dup", "prompt": "first copy of the record", "output": None},
+            {"request_id": "dup", "prompt": "second copy of the record", "output": 17},
+            {"request_id": "chat", "prompt": messages, "output": json.dumps(messages)},
+        ],
+    )
     assert (load.loaded, load.quarantined) == (4, 0)
     stats = sorted(con.execute("SELECT request_id, part, shingles FROM content_stats").fetchall())
     # a text without words counts 0 shingles; an empty or non-text field has no row; both copies of a
     # duplicated id are kept, as the scope counts shingles per text
-    assert stats == [("chat", "output", 1), ("chat", "prompt", 1), ("dup", "prompt", 1), ("dup", "prompt", 1),
-                     ("punct", "prompt", 0)]
-    assert stored(con, "dup", "prompt") == (fingerprints("first copy of the record", KEY)
-                                            | fingerprints("second copy of the record", KEY))
-    assert stored(con, "chat", "prompt") == stored(con, "chat", "output") == fingerprints("Tell me the launch code", KEY)
+    assert stats == [
+        ("chat", "output", 1),
+        ("chat", "prompt", 1),
+        ("dup", "prompt", 1),
+        ("dup", "prompt", 1),
+        ("punct", "prompt", 0),
+    ]
+    assert stored(con, "dup", "prompt") == (
+        fingerprints("first copy of the record", KEY) | fingerprints("second copy of the record", KEY)
+    )
+    assert (
+        stored(con, "chat", "prompt") == stored(con, "chat", "output") == fingerprints("Tell me the launch code", KEY)
+    )
 
 
 def test_refused_records_are_quarantined_in_batches_without_text(tmp_path, monkeypatch):
@@ -156,54 +206,81 @@ def test_refused_records_are_quarantined_in_batches_without_text(tmp_path, monke
 
     monkeypatch.setattr(records.QuarantineRows, "flush", counted_flush)
     source, path = incident(tmp_path, "content", "content.jsonl")
-    lines = ['{"request_id": "ok", "prompt": "secret words of the customer"}', "{not json secret", "[1, 2]",
-             '{"prompt": "secret without an id"}', '{"request_id": "\\ud800", "prompt": "secret"}',
-             '{"request_id": "", "output": "secret"}', '{"request_id": "ok2", "output": "fine"}']
+    lines = [
+        '{"request_id": "ok", "prompt": "secret words of the customer"}',
+        "{not json secret",
+        "[1, 2]",
+        '{"prompt": "secret without an id"}',
+        '{"request_id": "\\ud800", "prompt": "secret"}',
+        '{"request_id": "", "output": "secret"}',
+        '{"request_id": "ok2", "output": "fine"}',
+    ]
     path.write_bytes(("\n".join(lines) + "\n").encode() + b'\xff{"request_id": "x"}\n')
     con = connect()
     load = load_content(con, source, path, KEY)
     assert (load.records_read, load.loaded, load.quarantined) == (8, 2, 6)
     got = con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall()
-    assert got == [(2, "malformed JSON", None), (3, "not a JSON object", None),
-                   (4, "missing required field 'request_id'", None),
-                   (5, "request_id is not valid Unicode (a lone surrogate escape)", None),
-                   (6, "missing required field 'request_id'", None), (8, "not UTF-8", None)]
+    assert got == [
+        (2, "malformed JSON", None),
+        (3, "not a JSON object", None),
+        (4, "missing required field 'request_id'", None),
+        (5, "request_id is not valid Unicode (a lone surrogate escape)", None),
+        (6, "missing required field 'request_id'", None),
+        (8, "not UTF-8", None),
+    ]
     assert [n for n in inserts if n] == [3, 3]  # 6 refused records: two inserts of 3
     tables = con.execute("SELECT database_name, schema_name, table_name FROM duckdb_tables()").fetchall()
     assert {"quarantine", "content_fingerprints", "content_stats"} <= {t[2] for t in tables}
-    assert not any("secret" in str(v) for db, schema, table in tables
-                   for row in con.execute(f'SELECT * FROM "{db}"."{schema}"."{table}"').fetchall() for v in row)
-    assert con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE 'content_batch%'").fetchall() == [(0,)]
+    assert not any(
+        "secret" in str(v)
+        for db, schema, table in tables
+        for row in con.execute(f'SELECT * FROM "{db}"."{schema}"."{table}"').fetchall()
+        for v in row
+    )
+    assert con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE 'content_batch%'").fetchall() == [
+        (0,)
+    ]
 
 
 def test_changes_from_csv(tmp_path):
     source, path = incident(tmp_path, "changes", "changes.csv", fmt="csv")
-    path.write_text("ts,model,instance,description,details\n"
-                    "2026-09-09T14:05:00Z,m1,pod-1,prefill restarted,kv pool raised\n"
-                    "1757426700,,,epoch seconds,\n"
-                    "1e30,,,an epoch beyond any date,\n"
-                    "yesterday,,,not a time,\n"
-                    "2026-09-09T15:00:00Z,,,,\n"
-                    "2026-09-09T16:00:00Z,too,few\n")
+    path.write_text(
+        "ts,model,instance,description,details\n"
+        "2026-09-09T14:05:00Z,m1,pod-1,prefill restarted,kv pool raised\n"
+        "1757426700,,,epoch seconds,\n"
+        "1e30,,,an epoch beyond any date,\n"
+        "yesterday,,,not a time,\n"
+        "2026-09-09T15:00:00Z,,,,\n"
+        "2026-09-09T16:00:00Z,too,few\n"
+    )
     con = connect()
     load = load_changes(con, source, path)
     assert (load.records_read, load.loaded, load.quarantined) == (6, 2, 4)
-    assert con.execute("SELECT strftime(ts, '%Y-%m-%d %H:%M'), model, instance, description, details, source_line "
-                       "FROM changes ORDER BY source_line").fetchall() == [
+    assert con.execute(
+        "SELECT strftime(ts, '%Y-%m-%d %H:%M'), model, instance, description, details, source_line "
+        "FROM changes ORDER BY source_line"
+    ).fetchall() == [
         ("2026-09-09 14:05", "m1", "pod-1", "prefill restarted", "kv pool raised", 2),
-        ("2025-09-09 14:05", None, None, "epoch seconds", None, 3)]
+        ("2025-09-09 14:05", None, None, "epoch seconds", None, 3),
+    ]
     assert [r[0] for r in con.execute("SELECT reason FROM quarantine ORDER BY line").fetchall()] == [
-        "bad timestamp '1e30'", "bad timestamp 'yesterday'", "missing required field 'description'",
-        "expected 5 fields, found 3"]
+        "bad timestamp '1e30'",
+        "bad timestamp 'yesterday'",
+        "missing required field 'description'",
+        "expected 5 fields, found 3",
+    ]
 
 
 def test_changes_from_jsonl_with_unstorable_text(tmp_path):
     source, path = incident(tmp_path, "changes", "changes.jsonl")
-    path.write_text('{"ts": "2026-09-09T14:05:00Z", "description": "restart", "model": 7}\n'
-                    '{"ts": "2026-09-09T14:06:00Z", "description": "bad \\ud800 text"}\n')
+    path.write_text(
+        '{"ts": "2026-09-09T14:05:00Z", "description": "restart", "model": 7}\n'
+        '{"ts": "2026-09-09T14:06:00Z", "description": "bad \\ud800 text"}\n'
+    )
     con = connect()
     load = load_changes(con, source, path)
     assert (load.loaded, load.quarantined) == (1, 1)
     assert con.execute("SELECT model, description FROM changes").fetchall() == [("7", "restart")]
     assert con.execute("SELECT line, reason FROM quarantine").fetchall() == [
-        (2, "field 'description' is not valid Unicode (a lone surrogate escape)")]
+        (2, "field 'description' is not valid Unicode (a lone surrogate escape)")
+    ]

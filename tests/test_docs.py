@@ -79,7 +79,7 @@ def section(doc: str, heading: str) -> str:
     m = re.search(rf"^(#+) {re.escape(heading)}.*$", text, re.M)
     assert m, f"{doc} has no heading starting with {heading!r}"
     end = re.compile(rf"^#{{1,{len(m[1])}}} ", re.M).search(text, m.end())
-    return text[m.end(): end.start() if end else len(text)]
+    return text[m.end() : end.start() if end else len(text)]
 
 
 def table_column(text: str, header: str) -> list[str]:
@@ -87,7 +87,7 @@ def table_column(text: str, header: str) -> list[str]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|") and line.split("|")[1].strip() == header)
     cells = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells.append(line.split("|")[1].strip())
@@ -101,10 +101,16 @@ def names_in(cells: list[str]) -> set[str]:
 # --- incident-file examples --------------------------------------------------------------------------------
 
 # ```toml blocks are incident files, whole or in part; these words after `toml` mark the others (parsed only)
-NOT_INCIDENT_FILES = {"fragment": "part of an incident file that does not load alone",
-                      "manifest": "a deployment manifest (kvforensics audit --manifest)"}
-TOML_BLOCKS = [pytest.param(doc, info, body, id=f"{doc}:{line}")
-               for doc in USER_DOCS for info, body, line in fences(doc) if info.split()[:1] == ["toml"]]
+NOT_INCIDENT_FILES = {
+    "fragment": "part of an incident file that does not load alone",
+    "manifest": "a deployment manifest (kvforensics audit --manifest)",
+}
+TOML_BLOCKS = [
+    pytest.param(doc, info, body, id=f"{doc}:{line}")
+    for doc in USER_DOCS
+    for info, body, line in fences(doc)
+    if info.split()[:1] == ["toml"]
+]
 
 
 @pytest.mark.parametrize(("doc", "info", "body"), TOML_BLOCKS)
@@ -118,9 +124,11 @@ def test_toml_example_is_an_incident_file_the_loader_accepts(doc, info, body, tm
     try:
         incident = load_incident(tmp_path / "incident.toml")
     except ConfigError as e:
-        pytest.fail(f"{doc}: a TOML example the config loader refuses (mark it ```toml fragment if it is part "
-                    f"of an incident file not meant to load alone, ```toml manifest if it is a deployment "
-                    f"manifest): {e}")
+        pytest.fail(
+            f"{doc}: a TOML example the config loader refuses (mark it ```toml fragment if it is part "
+            f"of an incident file not meant to load alone, ```toml manifest if it is a deployment "
+            f"manifest): {e}"
+        )
     names = [s["name"] for s in data.get("sources", [])]
     assert [s.name for s in incident.sources if s.name in names] == names
 
@@ -132,6 +140,7 @@ def test_there_are_incident_examples_to_check():
 
 
 # --- commands and options ----------------------------------------------------------------------------------
+
 
 def cli_help() -> tuple[str, dict[str, str]]:
     """The top-level --help text and each command's --help text."""
@@ -199,11 +208,13 @@ def test_quick_start_is_the_makefile_and_ci():
 
 # --- paths -------------------------------------------------------------------------------------------------
 
+
 def repo_paths(doc: str) -> set[str]:
     """Repository paths the doc names (from the root) and the targets of its relative links."""
     text = read(doc)
-    links = {(Path(doc).parent / m).as_posix() for m in re.findall(r"\]\(([^)#\s]+)\)", text)
-             if not re.match(r"[a-z]+:", m)}
+    links = {
+        (Path(doc).parent / m).as_posix() for m in re.findall(r"\]\(([^)#\s]+)\)", text) if not re.match(r"[a-z]+:", m)
+    }
     return {p.rstrip(".,:;") for p in set(REPO_PATH.findall(text)) | links}
 
 
@@ -212,7 +223,7 @@ def expand(path: str) -> list[str]:
     path = re.sub(r"<[^>]+>", "*", path)
     m = re.search(r"\{([^{}]*,[^{}]*)\}", path)
     if m:
-        return [g for alt in m[1].split(",") for g in expand(path[:m.start()] + alt + path[m.end():])]
+        return [g for alt in m[1].split(",") for g in expand(path[: m.start()] + alt + path[m.end() :])]
     return [path]
 
 
@@ -255,7 +266,12 @@ def test_a_run_of_the_sample_writes_what_the_outputs_table_lists(doc, sample_run
     assert written - set(documented) == set(), "files a run writes that the table does not list"
     expected = set(documented) - set(CONDITIONS) | ({"report.pdf"} if find_chromium() else set())
     assert expected - written == set()
-    assert {p.name for p in (sample_run / "notices").iterdir()} <= {"customers", "internal", "reporter", "trust-and-safety"}
+    assert {p.name for p in (sample_run / "notices").iterdir()} <= {
+        "customers",
+        "internal",
+        "reporter",
+        "trust-and-safety",
+    }
 
 
 def test_the_readme_python_example_runs_on_the_sample(sample_run):
@@ -277,6 +293,7 @@ def test_the_readme_python_example_runs_on_the_sample(sample_run):
 
 # --- tables of what the package ships -----------------------------------------------------------------------
 
+
 def test_readme_rules_table_is_the_rule_set():
     rules = {}
     for path in sorted((ROOT / "kvforensics" / "mechanisms").glob("*/rules/*.yml")):
@@ -289,14 +306,16 @@ def test_readme_rules_table_is_the_rule_set():
 
 def test_readme_rule_example_uses_the_keys_of_a_real_rule():
     example = next(yaml.safe_load(body) for info, body, _ in fences("README.md") if info == "yaml")
-    real = yaml.safe_load((ROOT / "kvforensics" / "mechanisms" / "stale_pages" / "rules" / "prompt_exceeds_kv_pool.yml")
-                          .read_text())
+    real = yaml.safe_load(
+        (ROOT / "kvforensics" / "mechanisms" / "stale_pages" / "rules" / "prompt_exceeds_kv_pool.yml").read_text()
+    )
     assert set(example) <= set(real) | {"version"}
     assert {"id", "title", "severity", "description", "tests"} <= set(example)
 
 
-@pytest.mark.parametrize(("doc", "heading"), [("README.md", "Inputs understood"),
-                                              ("docs/incident-config.md", "Mapping real exports")])
+@pytest.mark.parametrize(
+    ("doc", "heading"), [("README.md", "Inputs understood"), ("docs/incident-config.md", "Mapping real exports")]
+)
 def test_preset_table_is_the_preset_set(doc, heading):
     shipped = {p.stem for p in (ROOT / "kvforensics" / "sources" / "requests" / "presets").glob("*.toml")}
     assert names_in(table_column(section(doc, heading), "preset")) == shipped
@@ -321,8 +340,9 @@ def package_imports() -> dict[str, set[str]]:
     """Each module of the package (its path under ``kvforensics/``) -> the modules of the package it imports,
     anywhere in it (inside functions and under ``TYPE_CHECKING`` too)."""
     paths = {p.relative_to(PACKAGE).as_posix(): p for p in sorted(PACKAGE.rglob("*.py"))}
-    by_name = {".".join(["kvforensics", *Path(rel).with_suffix("").parts]).removesuffix(".__init__"): rel
-               for rel in paths}
+    by_name = {
+        ".".join(["kvforensics", *Path(rel).with_suffix("").parts]).removesuffix(".__init__"): rel for rel in paths
+    }
     graph = {}
     for name, rel in by_name.items():
         package = name if rel.endswith("__init__.py") else name.rpartition(".")[0]
@@ -333,7 +353,7 @@ def package_imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                    anchor = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
                     base = f"{anchor}.{base}" if base else anchor
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in by_name else base for a in node.names]
             else:
@@ -362,7 +382,11 @@ def floor_of(module: str, table: dict[str, int]) -> int | None:
 def test_floor_lookup_prefers_the_module_row():
     table = {"engines/": 1, "engines/spark.py": 3, "sources/": 2}
     assert [floor_of(m, table) for m in ("engines/__init__.py", "engines/spark.py", "sources/x.py", "cli.py")] == [
-        1, 3, 2, None]
+        1,
+        3,
+        2,
+        None,
+    ]
 
 
 def test_every_import_goes_to_the_same_floor_or_below():
@@ -371,8 +395,12 @@ def test_every_import_goes_to_the_same_floor_or_below():
     assert len(graph) > 50 and "sources/common/load_report.py" in graph["stages/ingest.py"]
     unplaced = sorted(m for m in graph if floor_of(m, table) is None)
     assert unplaced == [], "modules docs/architecture.md's floors table does not place"
-    upward = sorted(f"{m} (floor {floor_of(m, table)}) imports {d} (floor {floor_of(d, table)})"
-                    for m, deps in graph.items() for d in deps if floor_of(d, table) > floor_of(m, table))
+    upward = sorted(
+        f"{m} (floor {floor_of(m, table)}) imports {d} (floor {floor_of(d, table)})"
+        for m, deps in graph.items()
+        for d in deps
+        if floor_of(d, table) > floor_of(m, table)
+    )
     assert upward == []
 
 
@@ -387,11 +415,24 @@ def test_each_documented_epoch_unit_is_read(unit, tmp_path):
     for doc in USER_DOCS:
         assert unit in " ".join(prose(doc).split()), f"{doc} should name epoch {unit}"
     value = round(INSTANT.timestamp() * EPOCH_UNITS[unit]) if unit != "seconds" else int(INSTANT.timestamp())
-    record = {"rid": "r1", "received_at": value, "account_id": "a", "model": "m", "http_status": 200,
-              "prompt_tokens": 1}
+    record = {
+        "rid": "r1",
+        "received_at": value,
+        "account_id": "a",
+        "model": "m",
+        "http_status": 200,
+        "prompt_tokens": 1,
+    }
     (tmp_path / "gw.jsonl").write_text(json.dumps(record) + "\n")
-    source = Source(name="gw", kind="requests", path="*.jsonl", format="jsonl", timezone="UTC", base_dir=tmp_path,
-                    columns={"request_id": "rid", "ts": "received_at", "status": "http_status"})
+    source = Source(
+        name="gw",
+        kind="requests",
+        path="*.jsonl",
+        format="jsonl",
+        timezone="UTC",
+        base_dir=tmp_path,
+        columns={"request_id": "rid", "ts": "received_at", "status": "http_status"},
+    )
     con = connect()
     load_requests_file(con, source, tmp_path / "gw.jsonl")
     (ts,) = con.execute("SELECT ts FROM requests").fetchone()

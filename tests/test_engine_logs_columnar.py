@@ -27,8 +27,12 @@ from kvforensics.sources.engine_logs.contract import BATCH_COLUMNS, EVENT_COLUMN
 from kvforensics.sources.engine_logs.parse import EngineFileParse, parse_engine_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
-REAL_LOGS = sorted(p for d in ("engine_logs", "audit", "envelopes", "sglang_requests") for p in (FIXTURES / d).iterdir()
-                   if p.suffix in (".log", ".jsonl", ".json") and not p.name.endswith(".server_info.json"))
+REAL_LOGS = sorted(
+    p
+    for d in ("engine_logs", "audit", "envelopes", "sglang_requests")
+    for p in (FIXTURES / d).iterdir()
+    if p.suffix in (".log", ".jsonl", ".json") and not p.name.endswith(".server_info.json")
+)
 NEW_YORK = ZoneInfo("America/New_York")
 
 
@@ -48,14 +52,24 @@ def _assert_sink_stores_the_same(path: Path, reference: EngineFileParse, args: d
     plus what the parse still holds are the reference's events and batches (as ingest stores them)."""
     with duckdb.connect() as con:
         run_script(con, "schema")
-        sunk = parse_engine_file_columnar(path, **args, batch_lines=batch_lines, con=con,  # type: ignore[arg-type]
-                                          sink=EvidenceSink("s", str(path)))
+        sunk = parse_engine_file_columnar(
+            path,
+            **args,
+            batch_lines=batch_lines,
+            con=con,  # type: ignore[arg-type]
+            sink=EvidenceSink("s", str(path)),
+        )
         assert not any(p.event_tables or p.batch_tables for p in sunk.instances.values())
         assert sunk.startups == reference.startups and sunk.lines_read == reference.lines_read
         assert sunk.all_quarantined() == reference.all_quarantined() and sunk.all_notes() == reference.all_notes()
         names = ", ".join(EVENT_COLUMNS.names).replace("line", "source_line")
-        stored = con.sql(f"SELECT {names} FROM engine_events WHERE source = 's' AND source_file = $f",
-                         params={"f": str(path)}).to_arrow_table().rename_columns(EVENT_COLUMNS.names)
+        stored = (
+            con.sql(
+                f"SELECT {names} FROM engine_events WHERE source = 's' AND source_file = $f", params={"f": str(path)}
+            )
+            .to_arrow_table()
+            .rename_columns(EVENT_COLUMNS.names)
+        )
         events = pa.concat_tables([stored.cast(EVENT_COLUMNS), sunk.event_table()]).sort_by("line")
         assert events.to_pylist() == reference.event_table().sort_by("line").to_pylist()
         names = ", ".join(BATCH_COLUMNS.names).replace("line", "source_line")
@@ -115,17 +129,26 @@ def test_request_lines_are_read_column_wise_and_give_the_parsers_answer(tmp_path
 # The prefill batch forms of SGLang's scheduler (see kvforensics/sources/engine_logs/sglang/batches.py): 0.5.x
 # scheduler_components/metrics_reporter.py (PD prefill and hybrid variants), 0.4.x scheduler.py (a period,
 # cache hit rate, mixed chunked prefill).
-def _batch_line(i: int, stamp: str = "2026-08-27 10:00:0{s}", ranks: str = " TP0", body: str | None = None,
-                head: str = "Prefill batch, ") -> str:
-    body = body or (f"#new-seq: 1, #new-token: {200 + i}, #cached-token: {64 * (i % 3)}, token usage: 0.{i % 10}1, "
-                    f"#running-req: {i % 4}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
-                    f"input throughput (token/s): 1234.50")
+def _batch_line(
+    i: int,
+    stamp: str = "2026-08-27 10:00:0{s}",
+    ranks: str = " TP0",
+    body: str | None = None,
+    head: str = "Prefill batch, ",
+) -> str:
+    body = body or (
+        f"#new-seq: 1, #new-token: {200 + i}, #cached-token: {64 * (i % 3)}, token usage: 0.{i % 10}1, "
+        f"#running-req: {i % 4}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
+        f"input throughput (token/s): 1234.50"
+    )
     return f"[{stamp.format(s=i % 10)}{ranks}] {head}{body}"
 
 
-PD_BATCH = ("#new-seq: 2, #new-token: 900, #cached-token: 128, token usage: 0.05, #running-req: 0, #queue-req: 1, "
-            "#pending-token: 0, #bootstrap-req: 0, #inflight-req: 1, #optimistic-req: 0, cuda graph: False, "
-            "input throughput (token/s): 5000.00")
+PD_BATCH = (
+    "#new-seq: 2, #new-token: 900, #cached-token: 128, token usage: 0.05, #running-req: 0, #queue-req: 1, "
+    "#pending-token: 0, #bootstrap-req: 0, #inflight-req: 1, #optimistic-req: 0, cuda graph: False, "
+    "input throughput (token/s): 5000.00"
+)
 
 
 def test_prefill_batch_lines_are_read_column_wise_with_the_role_they_hint(tmp_path: Path) -> None:
@@ -209,16 +232,29 @@ NEAR_MISSES = [
     "Traceback (most recent call last):",
     "",
     _batch_line(30),
-    _batch_line(31, head="Prefill batch. ", body="#new-seq: 1, #new-token: 5, #cached-token: 0, cache hit rate: 0.00%, "
-                                                 "token usage: 0.01, #running-req: 0, #queue-req: 0"),
+    _batch_line(
+        31,
+        head="Prefill batch. ",
+        body="#new-seq: 1, #new-token: 5, #cached-token: 0, cache hit rate: 0.00%, "
+        "token usage: 0.01, #running-req: 0, #queue-req: 0",
+    ),
     _batch_line(32, head="Prefill batch [17], "),
-    _batch_line(33, head="Prefill batch(mixed #running-req: 3). ",
-                body="#new-seq: 1, #new-token: 5, #cached-token: 2, cache hit rate: 1.00%, #queue-req: 0"),
+    _batch_line(
+        33,
+        head="Prefill batch(mixed #running-req: 3). ",
+        body="#new-seq: 1, #new-token: 5, #cached-token: 2, cache hit rate: 1.00%, #queue-req: 0",
+    ),
     _batch_line(34, body=PD_BATCH),
-    _batch_line(35, body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, "
-                         "swa token usage: 0.30, #running-req: 1, #queue-req: 0, "),
-    _batch_line(36, body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, mamba usage: 0.2, "
-                         "#unbootstrapped-req: 0, #queue-req: 0, #transferring-req: 2, "),
+    _batch_line(
+        35,
+        body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, "
+        "swa token usage: 0.30, #running-req: 1, #queue-req: 0, ",
+    ),
+    _batch_line(
+        36,
+        body="#new-seq: 1, #new-token: 9, #cached-token: 0, full token usage: 0.10, mamba usage: 0.2, "
+        "#unbootstrapped-req: 0, #queue-req: 0, #transferring-req: 2, ",
+    ),
     _batch_line(37, body="#new-seq: 1, #new-token: 9, #cached-token: -1, token usage: 0.10"),
     _batch_line(38, body="#new-seq: 1, #new-token: 9, token usage: 0.10"),
     _batch_line(39, body="#new-seq: 1, #new-token: 12345678901234567890, #cached-token: 0"),
@@ -251,15 +287,29 @@ def generated_log(draw: st.DrawFn) -> list[str | bytes]:
             out += [_batch_line(start + i, ranks=ranks, body=body) for i in range(draw(st.integers(1, 6)))]
         elif kind == "run":
             ranks = draw(st.sampled_from(["", " TP0", " TP1", " DP1 TP0", " TP7"]))
-            stamp = draw(st.sampled_from(["2026-08-27 10:00:0{s}", "2026-11-01 01:59:5{s}", "2026-11-01 02:00:0{s}.5",
-                                          "2026-03-08 01:59:5{s}", "2026-12-31 23:59:5{s}.123456"]))
+            stamp = draw(
+                st.sampled_from(
+                    [
+                        "2026-08-27 10:00:0{s}",
+                        "2026-11-01 01:59:5{s}",
+                        "2026-11-01 02:00:0{s}.5",
+                        "2026-03-08 01:59:5{s}",
+                        "2026-12-31 23:59:5{s}.123456",
+                    ]
+                )
+            )
             start = draw(st.integers(0, 10_000))
             out += [_request_line(start + i, stamp=stamp, ranks=ranks) for i in range(draw(st.integers(1, 8)))]
         elif kind == "miss":
             out.append(draw(st.sampled_from(NEAR_MISSES)))
         else:
-            out.append(draw(st.sampled_from([b"\xff\xfe not utf-8", b"[2026-08-27 10:00:00 TP0] ReqTimeStats(rid=\xff)",
-                                             b"\x00\x00\x00"])))
+            out.append(
+                draw(
+                    st.sampled_from(
+                        [b"\xff\xfe not utf-8", b"[2026-08-27 10:00:00 TP0] ReqTimeStats(rid=\xff)", b"\x00\x00\x00"]
+                    )
+                )
+            )
     return out
 
 
@@ -273,18 +323,34 @@ def _write(path: Path, lines: list[str | bytes], compression: str, newline: byte
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lines=generated_log(), batch_lines=st.sampled_from([2, 5, 1000]),
-       zone=st.sampled_from(["UTC", "America/New_York", "Australia/Lord_Howe"]),
-       clock_offset_s=st.sampled_from([0.0, -3600.5]),
-       compression=st.sampled_from(["none", "gzip", "zstd"]), newline=st.sampled_from([b"\n", b"\r\n"]),
-       final_newline=st.booleans())
-def test_generated_logs_read_the_same(lines: list[str | bytes], batch_lines: int, zone: str, clock_offset_s: float,
-                                      compression: str, newline: bytes, final_newline: bool) -> None:
+@given(
+    lines=generated_log(),
+    batch_lines=st.sampled_from([2, 5, 1000]),
+    zone=st.sampled_from(["UTC", "America/New_York", "Australia/Lord_Howe"]),
+    clock_offset_s=st.sampled_from([0.0, -3600.5]),
+    compression=st.sampled_from(["none", "gzip", "zstd"]),
+    newline=st.sampled_from([b"\n", b"\r\n"]),
+    final_newline=st.booleans(),
+)
+def test_generated_logs_read_the_same(
+    lines: list[str | bytes],
+    batch_lines: int,
+    zone: str,
+    clock_offset_s: float,
+    compression: str,
+    newline: bytes,
+    final_newline: bool,
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "engine.log"
         _write(path, lines + ([""] if final_newline else []), compression, newline)
-        kw = {"fmt": "sglang", "tz": ZoneInfo(zone), "clock_offset_s": clock_offset_s, "batch_lines": batch_lines,
-              "sink": batch_lines == 5}  # stored through a sink too on a third of the examples
+        kw = {
+            "fmt": "sglang",
+            "tz": ZoneInfo(zone),
+            "clock_offset_s": clock_offset_s,
+            "batch_lines": batch_lines,
+            "sink": batch_lines == 5,
+        }  # stored through a sink too on a third of the examples
         _assert_same(*_both(path, **kw))
 
 

@@ -99,18 +99,41 @@ def test_truncated_compressed_file_yields_complete_lines_and_says_where_it_stopp
     assert stream.truncated.describe().startswith(f"{compression} stream truncated after line {len(lines)}: ")
 
 
-_LINE_PIECES = st.sampled_from([b"", b"x", b"[2026-08-27 10:00:00 TP0] ReqTimeStats(rid=a)", b"\r", b"\xef\xbb\xbf",
-                                 b"\xff\xfe", "\u00e9\u2026".encode(), b"\x00", b"\t \x1f", b"\xe2\x80"])
+_LINE_PIECES = st.sampled_from(
+    [
+        b"",
+        b"x",
+        b"[2026-08-27 10:00:00 TP0] ReqTimeStats(rid=a)",
+        b"\r",
+        b"\xef\xbb\xbf",
+        b"\xff\xfe",
+        "\u00e9\u2026".encode(),
+        b"\x00",
+        b"\t \x1f",
+        b"\xe2\x80",
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(lines=st.lists(st.lists(_LINE_PIECES, max_size=3).map(b"".join), max_size=12), final_newline=st.booleans(),
-       compression=st.sampled_from(["none", "gzip", "zstd"]), cut=st.sampled_from([None, 0.5, 0.9]),
-       max_lines=st.sampled_from([1, 2, 5, 1000]), chunk=st.sampled_from([None, 3, 17]),
-       max_bytes=st.sampled_from([None, 1, 12, 40]))
-def test_line_batches_are_the_lines_iteration_gives(lines: list[bytes], final_newline: bool, compression: str,
-                                                   cut: float | None, max_lines: int, chunk: int | None,
-                                                   max_bytes: int | None) -> None:
+@given(
+    lines=st.lists(st.lists(_LINE_PIECES, max_size=3).map(b"".join), max_size=12),
+    final_newline=st.booleans(),
+    compression=st.sampled_from(["none", "gzip", "zstd"]),
+    cut=st.sampled_from([None, 0.5, 0.9]),
+    max_lines=st.sampled_from([1, 2, 5, 1000]),
+    chunk=st.sampled_from([None, 3, 17]),
+    max_bytes=st.sampled_from([None, 1, 12, 40]),
+)
+def test_line_batches_are_the_lines_iteration_gives(
+    lines: list[bytes],
+    final_newline: bool,
+    compression: str,
+    cut: float | None,
+    max_lines: int,
+    chunk: int | None,
+    max_bytes: int | None,
+) -> None:
     """Batches cut by offsets (valid UTF-8) and batches read line by line (anything else) both give
     iteration's numbers, texts, bytes and truncation; the Arrow column holds the texts. With small
     reads (*chunk* bytes), lines and batches span reads; a batch holds at most *max_bytes* (or one line)."""
@@ -187,9 +210,7 @@ def test_parse_engine_log_auto_refuses_a_file_it_cannot_recognise(tmp_path: Path
 
 def test_parse_engine_log_rejects_an_unknown_format(tmp_path: Path) -> None:
     path = _write(tmp_path / "a.log", SGLANG_LINES)
-    with pytest.raises(
-        InputError, match="unknown engine log format 'trtllm'; use one of: sglang, vllm or auto"
-    ):
+    with pytest.raises(InputError, match="unknown engine log format 'trtllm'; use one of: sglang, vllm or auto"):
         parse_engine_log(path, fmt="trtllm", instance="x", tz=UTC_ZONE)
 
 
@@ -221,8 +242,11 @@ _SGLANG_ENVELOPE = re.compile(r"^\[[^\]]*\] ")
 
 def _bare(name: str, envelope: re.Pattern[str], keep: str) -> list[str]:
     """The messages of fixture *name* whose line holds *keep*, with the engine's envelope stripped."""
-    return [envelope.sub("", split_outer_prefixes(line).rest)
-            for line in (FIXTURES / name).read_text().splitlines() if re.search(keep, line)]
+    return [
+        envelope.sub("", split_outer_prefixes(line).rest)
+        for line in (FIXTURES / name).read_text().splitlines()
+        if re.search(keep, line)
+    ]
 
 
 def test_sniff_format_recognises_bare_lines_by_their_messages(tmp_path: Path) -> None:
@@ -284,9 +308,7 @@ def test_local_clock_reads_dst_ambiguous_and_missing_times_with_fold_0_and_says_
 
 def test_local_clock_adds_the_clock_offset_in_real_seconds() -> None:
     clock = LocalClock(UTC_ZONE, clock_offset_s=-2.5)
-    assert clock.to_utc(datetime(2026, 8, 27, 10, 0, 0), 1) == datetime(
-        2026, 8, 27, 9, 59, 57, 500000, tzinfo=UTC
-    )
+    assert clock.to_utc(datetime(2026, 8, 27, 10, 0, 0), 1) == datetime(2026, 8, 27, 9, 59, 57, 500000, tzinfo=UTC)
     assert clock.notes() == ["clock offset of -2.5 s added to every engine timestamp"]
 
 
@@ -324,9 +346,7 @@ def test_parse_repr_fields_reads_a_dict_dump_that_is_not_a_literal() -> None:
 
 
 def test_parse_repr_fields_reads_a_bare_config_string_with_a_missing_comma() -> None:
-    fields, _ = parse_repr_fields(
-        "model='m', max_seq_len=32768, chunked_prefill_enabled=False multi_step=True, seed=0"
-    )
+    fields, _ = parse_repr_fields("model='m', max_seq_len=32768, chunked_prefill_enabled=False multi_step=True, seed=0")
     assert fields["max_seq_len"] == 32768
     assert fields["seed"] == 0
 

@@ -96,9 +96,7 @@ def test_parse_lines_never_raises_and_accounts_for_every_line(
     values=st.lists(st.sampled_from(REAL_LINES), min_size=1, max_size=60),
     engine=st.sampled_from(sorted(PARSERS)),
 )
-def test_real_lines_in_any_order_are_never_quarantined_for_internal_errors(
-    values: list[str], engine: str
-) -> None:
+def test_real_lines_in_any_order_are_never_quarantined_for_internal_errors(values: list[str], engine: str) -> None:
     lines = _lines(list(values))
     parse = PARSERS[engine](iter(lines), instance="i", tz=ZoneInfo("UTC"), year=2026)
     _check_accounting(parse, lines)
@@ -106,9 +104,7 @@ def test_real_lines_in_any_order_are_never_quarantined_for_internal_errors(
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.binary(max_size=2000), compress=st.booleans(), cut=st.integers(0, 100))
-def test_files_of_any_bytes_are_read_line_by_line_even_when_truncated(
-    data: bytes, compress: bool, cut: int
-) -> None:
+def test_files_of_any_bytes_are_read_line_by_line_even_when_truncated(data: bytes, compress: bool, cut: int) -> None:
     assume(compress or not data.startswith((b"\x1f\x8b", b"\x28\xb5\x2f\xfd")))  # compression magic
     payload = gzip.compress(data) if compress else data
     truncated = compress and cut < 100

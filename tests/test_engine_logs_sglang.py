@@ -381,10 +381,7 @@ INFO:     Started server process [1]
 """)
     [s] = p.startups
     assert (s.model, s.tp_size, s.role, s.kv_pool_tokens) == ("m", 2, "decode", 5000)
-    assert (
-        "start-up at line 1: server_args dump at line 1 is cut off; fields after the cut were not read"
-        in (p.notes)
-    )
+    assert "start-up at line 1: server_args dump at line 1 is cut off; fields after the cut were not read" in (p.notes)
 
 
 def test_sglang_version_line_before_server_args_is_exact_and_role_is_inferred_without_args() -> None:
@@ -501,10 +498,7 @@ EVENT_EXAMPLES = [
         None,
     ),
     (
-        (
-            "Metadata unexpectedly not ready after readiness gate: request i9, bootstrap_room=1, "
-            "metadata_buffer_index=2"
-        ),
+        ("Metadata unexpectedly not ready after readiness gate: request i9, bootstrap_room=1, metadata_buffer_index=2"),
         "transfer_failure",
         "i9",
         None,

@@ -20,9 +20,7 @@ def fixture(name: str, tz: ZoneInfo = UTC_ZONE, year: int | None = 2026) -> Engi
 
 def parse(text: str, tz: ZoneInfo = UTC_ZONE, year: int | None = 2026) -> EngineLogParse:
     lines = text.strip("\n").split("\n")
-    return vllm.parse_lines(
-        ((i, t, t.encode()) for i, t in enumerate(lines, start=1)), instance="v", tz=tz, year=year
-    )
+    return vllm.parse_lines(((i, t, t.encode()) for i, t in enumerate(lines, start=1)), instance="v", tz=tz, year=year)
 
 
 def utc(*args: int) -> datetime:
@@ -252,8 +250,11 @@ def test_a_hybrid_models_derived_token_figure_gives_way_to_the_concurrency_line(
     assert (s.flags["kv_cache_size_logged"], s.flags["kv_pool_concurrency"]) == ("67728", "1.06")
     assert s.flags["kv_pool_source"].startswith("Maximum concurrency x max_model_len")
     assert "kv_pool_note" not in s.flags
-    assert any("KV cache size 67728 tokens (line 7) is below what 'Maximum concurrency for 180000 tokens "
-               "per request: 1.06x' (line 8) implies" in n for n in p.notes)
+    assert any(
+        "KV cache size 67728 tokens (line 7) is below what 'Maximum concurrency for 180000 tokens "
+        "per request: 1.06x' (line 8) implies" in n
+        for n in p.notes
+    )
 
 
 def test_an_ordinary_models_token_figure_stays_the_pool() -> None:
@@ -304,8 +305,9 @@ INFO 09-01 10:00:02 [api_server.py:3] non-default args: {'model': 'm', 'served_m
     assert s.flags["engine_generation"] == "V0" and "tokens" not in s.flags
     assert s.flags["startup_refused"] == "true"  # the ValueError line is not taken for a piece of the dump
     assert "start-up at line 1: args dump at line 2 is wrapped over 2 lines; joined" in p.notes
-    assert ("start-up at line 1: non-default args dump at line 7 is cut off; fields after the cut were not read"
-            in p.notes)
+    assert (
+        "start-up at line 1: non-default args dump at line 7 is cut off; fields after the cut were not read" in p.notes
+    )
 
 
 def test_the_connectors_the_engine_builds_are_kept_with_their_line() -> None:
@@ -314,4 +316,7 @@ def test_the_connectors_the_engine_builds_are_kept_with_their_line() -> None:
     [s] = p.startups
     assert (s.flags["kv_connectors_created"], s.evidence["kv_connector_created"]) == ("LMCacheMPConnector", 6)
     assert (s.flags["kv_connector"], s.flags["enable_prefix_caching"], s.role) == (
-        "LMCacheMPConnector", "false", "unified")
+        "LMCacheMPConnector",
+        "false",
+        "unified",
+    )

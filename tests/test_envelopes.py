@@ -35,8 +35,9 @@ UTC_ZONE = ZoneInfo("UTC")
 BERLIN = ZoneInfo("Europe/Berlin")
 
 
-def parse(name: str, tz: ZoneInfo = UTC_ZONE, instance: object = None, envelope: str = "auto",
-          folder: Path = FIXTURES) -> EngineFileParse:
+def parse(
+    name: str, tz: ZoneInfo = UTC_ZONE, instance: object = None, envelope: str = "auto", folder: Path = FIXTURES
+) -> EngineFileParse:
     path = folder / name
     return parse_engine_file(path, fmt="auto", instance=instance or path.stem, tz=tz, envelope=envelope)  # type: ignore[arg-type]
 
@@ -70,23 +71,26 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
 # --- recognising the envelope -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "envelope"), [
-    ("kubectl-glm53-decode-0.log", "kubectl"),
-    ("cri-glm53-prefill-0.log", "cri"),
-    ("docker-qwen3-prefill-0-json.log", "docker"),
-    ("loki-3-pods-newest-first.jsonl", "loki"),
-    ("loki-query-range.json", "loki"),
-    ("cloudwatch-filter-log-events.json", "cloudwatch"),
-    ("cloudwatch-glm53-decode-0.jsonl", "cloudwatch"),
-    ("journald-sglang-decode.jsonl", "journald"),
-    ("fluentbit-out-file-2-pods.log", "fluentbit"),
-    ("fluentbit-json-lines-qwen3.jsonl", "fluentbit"),
-    ("syslog-gpu-node-7.log", "syslog"),
-    ("syslog-traditional-decode.log", "syslog"),
-    ("compose-vllm-2-services.log", "compose"),
-    ("compose-up-timestamps-2-replicas.log", "compose"),
-    ("docker-logs-timestamps-gemma.log", "docker_logs"),
-])
+@pytest.mark.parametrize(
+    ("name", "envelope"),
+    [
+        ("kubectl-glm53-decode-0.log", "kubectl"),
+        ("cri-glm53-prefill-0.log", "cri"),
+        ("docker-qwen3-prefill-0-json.log", "docker"),
+        ("loki-3-pods-newest-first.jsonl", "loki"),
+        ("loki-query-range.json", "loki"),
+        ("cloudwatch-filter-log-events.json", "cloudwatch"),
+        ("cloudwatch-glm53-decode-0.jsonl", "cloudwatch"),
+        ("journald-sglang-decode.jsonl", "journald"),
+        ("fluentbit-out-file-2-pods.log", "fluentbit"),
+        ("fluentbit-json-lines-qwen3.jsonl", "fluentbit"),
+        ("syslog-gpu-node-7.log", "syslog"),
+        ("syslog-traditional-decode.log", "syslog"),
+        ("compose-vllm-2-services.log", "compose"),
+        ("compose-up-timestamps-2-replicas.log", "compose"),
+        ("docker-logs-timestamps-gemma.log", "docker_logs"),
+    ],
+)
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
     head = list(open_lines(FIXTURES / name))[:200]
     assert sniff_envelope(head) == envelope
@@ -136,9 +140,11 @@ def test_loki_newest_first_with_three_pods_gives_three_instances_with_their_own_
         record = json.loads(lines[s.line - 1])
         assert record["labels"]["pod"] == s.instance
         assert "server_args=ServerArgs(" in record["line"]
-    assert ("this loki export interleaves 3 origins, told apart by pod: each is read as its own instance "
-            "(glm53-decode-0, glm53-prefill-0, qwen3-prefill-0); name them otherwise with the source's instance "
-            'template, e.g. instance = "{label:pod}"') in p.notes
+    assert (
+        "this loki export interleaves 3 origins, told apart by pod: each is read as its own instance "
+        "(glm53-decode-0, glm53-prefill-0, qwen3-prefill-0); name them otherwise with the source's instance "
+        'template, e.g. instance = "{label:pod}"'
+    ) in p.notes
 
 
 def test_loki_events_are_in_time_order_per_instance_and_point_at_their_file_line() -> None:
@@ -165,23 +171,38 @@ def test_a_malformed_loki_record_is_quarantined_with_its_line_and_reason() -> No
 
 
 def test_the_instance_template_names_instances_from_a_label() -> None:
-    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
-                    instance="{label:namespace}-{label:pod}")
+    source = Source(
+        name="e",
+        kind="engine_log",
+        path="",
+        format="auto",
+        timezone="UTC",
+        base_dir=FIXTURES,
+        instance="{label:namespace}-{label:pod}",
+    )
     path = FIXTURES / LOKI
     p = parse(LOKI, instance=lambda labels: source.instance_for(path, labels))
-    assert sorted(p.instances) == ["inference-glm53-decode-0", "inference-glm53-prefill-0",
-                                   "inference-qwen3-prefill-0"]
+    assert sorted(p.instances) == ["inference-glm53-decode-0", "inference-glm53-prefill-0", "inference-qwen3-prefill-0"]
     assert not any("interleaves" in n for n in p.notes)
 
 
 def test_a_label_the_records_lack_is_a_warning_and_the_file_name_is_used() -> None:
-    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
-                    instance="{label:node_name}")
+    source = Source(
+        name="e",
+        kind="engine_log",
+        path="",
+        format="auto",
+        timezone="UTC",
+        base_dir=FIXTURES,
+        instance="{label:node_name}",
+    )
     path = FIXTURES / "kubectl-glm53-decode-0.log"
     p = parse(path.name, instance=lambda labels: source.instance_for(path, labels))
     assert list(p.instances) == ["kubectl-glm53-decode-0"]
-    assert p.warnings == ["1 label set(s) in this kubectl export have no label 'node_name' for the instance "
-                          "template: their records are read as instance 'kubectl-glm53-decode-0'"]
+    assert p.warnings == [
+        "1 label set(s) in this kubectl export have no label 'node_name' for the instance "
+        "template: their records are read as instance 'kubectl-glm53-decode-0'"
+    ]
 
 
 def test_loki_query_range_response_reads_like_the_logcli_export() -> None:
@@ -190,7 +211,8 @@ def test_loki_query_range_response_reads_like_the_logcli_export() -> None:
     summary = {s.instance: (capacity(s), s.ts, s.last_ts) for s in doc.startups}
     assert summary == {s.instance: (capacity(s), s.ts, s.last_ts) for s in jsonl.startups}
     assert sorted((e.instance, e.ts, e.kind) for e in doc.events) == sorted(
-        (e.instance, e.ts, e.kind) for e in jsonl.events)
+        (e.instance, e.ts, e.kind) for e in jsonl.events
+    )
     lines = file_lines("loki-query-range.json")
     for e in doc.events:  # each entry's line: the array [ "<ns>", "<line>" ] starts there
         assert lines[e.line - 1].strip() == "["
@@ -213,7 +235,8 @@ def test_records_with_the_same_clock_keep_their_written_order_in_a_newest_first_
     assert len({r["timestamp"] for r in records}) < len(records)  # there are ties
     assert [capacity(s) for s in got.startups] == [capacity(s) for s in want.startups]
     assert [(len(lines) + 1 - e.line, e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
-        (e.line, e.kind, e.request_id, e.prompt_tokens) for e in want.events]
+        (e.line, e.kind, e.request_id, e.prompt_tokens) for e in want.events
+    ]
 
 
 # --- Fluent Bit ---------------------------------------------------------------------------------
@@ -229,17 +252,23 @@ def test_fluent_bit_file_output_with_two_pods_gives_each_pod_its_capacity_and_ev
     [prefill] = plain("sglang-0.5.15-pd-prefill-tp8.log").startups
     [decode] = plain("sglang-0.5.15-pd-decode-tp8.log").startups
     # the prefill pod's server_args line came in three partial records (logtag P, P, F)
-    assert capacity(by["glm53-prefill-0"]) == capacity(prefill) == (
-        "prefill", "@cf/zai-org/glm-5.3", 681280, 1048576, 64, 8)
+    assert (
+        capacity(by["glm53-prefill-0"])
+        == capacity(prefill)
+        == ("prefill", "@cf/zai-org/glm-5.3", 681280, 1048576, 64, 8)
+    )
     assert capacity(by["glm53-decode-0"]) == capacity(decode)
     # the clock is Fluent Bit's event time, to the nanosecond; the start-up points at its first piece
     assert (by["glm53-prefill-0"].line, by["glm53-prefill-0"].ts) == (1, utc(2026, 8, 26, 21, 10, 0, 1123))
     assert "logtag" in file_lines(FLUENTBIT)[by["glm53-decode-0"].line - 1]
-    for pod, name in (("glm53-prefill-0", "sglang-0.5.15-pd-prefill-tp8.log"),
-                      ("glm53-decode-0", "sglang-0.5.15-pd-decode-tp8.log")):
+    for pod, name in (
+        ("glm53-prefill-0", "sglang-0.5.15-pd-prefill-tp8.log"),
+        ("glm53-decode-0", "sglang-0.5.15-pd-decode-tp8.log"),
+    ):
         got = p.instances[pod]
         assert [(e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
-            (e.kind, e.request_id, e.prompt_tokens) for e in plain(name).events], pod
+            (e.kind, e.request_id, e.prompt_tokens) for e in plain(name).events
+        ], pod
         for e in got.events:  # each event points at its own pod's record
             assert f'"pod_name":"{pod}"' in file_lines(FLUENTBIT)[e.line - 1]
     [q] = p.all_quarantined()
@@ -249,8 +278,15 @@ def test_fluent_bit_file_output_with_two_pods_gives_each_pod_its_capacity_and_ev
 
 def test_fluent_bit_json_lines_name_the_instance_from_the_pod_label() -> None:
     name = "fluentbit-json-lines-qwen3.jsonl"
-    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES,
-                    instance="{label:namespace_name}/{label:pod_name}")
+    source = Source(
+        name="e",
+        kind="engine_log",
+        path="",
+        format="auto",
+        timezone="UTC",
+        base_dir=FIXTURES,
+        instance="{label:namespace_name}/{label:pod_name}",
+    )
     p = parse(name, instance=lambda labels: source.instance_for(FIXTURES / name, labels))
     every_line_once(p, name)
     [s] = p.startups
@@ -258,39 +294,53 @@ def test_fluent_bit_json_lines_name_the_instance_from_the_pod_label() -> None:
     assert (s.instance, capacity(s)) == ("inference/qwen3-prefill-0", capacity(want))
     assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)  # "date", a double: to the microsecond
     assert [(e.kind, e.request_id) for e in p.events] == [
-        (e.kind, e.request_id) for e in plain("sglang-0.5.4-pd-prefill.log").events]
+        (e.kind, e.request_id) for e in plain("sglang-0.5.4-pd-prefill.log").events
+    ]
     assert p.all_quarantined() == []
 
 
-@pytest.mark.parametrize(("line", "ns"), [
-    ('kube.a: [1787778600.001123456, {"log":"x"}]', 1787778600001123456),  # Fluent Bit 2.1 and later
-    ('kube.a: [1787778600.001123, {"log":"x"}]', 1787778600001123000),  # before: printf %f
-    ('cpu.local: [1787778600, {"message":"x"}]', 1787778600000000000),
-])
+@pytest.mark.parametrize(
+    ("line", "ns"),
+    [
+        ('kube.a: [1787778600.001123456, {"log":"x"}]', 1787778600001123456),  # Fluent Bit 2.1 and later
+        ('kube.a: [1787778600.001123, {"log":"x"}]', 1787778600001123000),  # before: printf %f
+        ('cpu.local: [1787778600, {"message":"x"}]', 1787778600000000000),
+    ],
+)
 def test_fluent_bit_out_file_times_of_every_version(line: str, ns: int) -> None:
     from kvforensics.sources.engine_logs.envelopes.fluentbit import out_file_line
 
     assert out_file_line(line)[1] == ns
 
 
-@pytest.mark.parametrize(("date", "ns"), [
-    (1787778600.001123, 1787778600001123000),  # json_date_format double (the default)
-    (1787778600, 1787778600000000000),  # epoch
-    (1787778600001, 1787778600001000000),  # epoch_ms
-    ("2026-08-26T21:10:00.001123Z", 1787778600001123000),  # iso8601
-    ("2026-08-26 21:10:00.001123", 1787778600001123000),  # java_sql_timestamp (UTC)
-    ("2026-08-26T23:10:00.001+02:00", 1787778600001000000),
-])
+@pytest.mark.parametrize(
+    ("date", "ns"),
+    [
+        (1787778600.001123, 1787778600001123000),  # json_date_format double (the default)
+        (1787778600, 1787778600000000000),  # epoch
+        (1787778600001, 1787778600001000000),  # epoch_ms
+        ("2026-08-26T21:10:00.001123Z", 1787778600001123000),  # iso8601
+        ("2026-08-26 21:10:00.001123", 1787778600001123000),  # java_sql_timestamp (UTC)
+        ("2026-08-26T23:10:00.001+02:00", 1787778600001000000),
+    ],
+)
 def test_fluent_bit_dates_in_every_json_date_format(date: object, ns: int) -> None:
     from kvforensics.sources.engine_logs.envelopes.fluentbit import date_ns
 
     assert date_ns(date) == ns
 
 
-@pytest.mark.parametrize("record", [
-    b'{"date":"yesterday","log":"x"}', b'{"date":true,"log":"x"}', b'{"date":-5,"log":"x"}',
-    b'kube.a: [1787778600.5, {"log":1}]', b'kube.a: [1787778600.5, "x"]', b'kube.a: [1787778600.5, {"log":"x"',
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        b'{"date":"yesterday","log":"x"}',
+        b'{"date":true,"log":"x"}',
+        b'{"date":-5,"log":"x"}',
+        b'kube.a: [1787778600.5, {"log":1}]',
+        b'kube.a: [1787778600.5, "x"]',
+        b'kube.a: [1787778600.5, {"log":"x"',
+    ],
+)
 def test_a_fluent_bit_record_that_cannot_be_read_is_quarantined_with_its_reason(tmp_path: Path, record: bytes) -> None:
     path = tmp_path / "fb.log"
     good = (FIXTURES / FLUENTBIT).read_bytes().splitlines(keepends=True)[:3]
@@ -318,15 +368,21 @@ def test_syslog_with_two_engines_on_one_host_tells_them_apart_by_program() -> No
     # the header's RFC 3339 time (+02:00) is the clock: to the microsecond, in UTC
     assert by["sglang-prefill"].ts == utc(2026, 8, 26, 19, 10, 0, 1123)
     assert p.warnings == []  # the engine's Berlin stamps agree with it
-    for name, plain_name in (("sglang-prefill", "sglang-0.5.15-pd-prefill-tp8.log"),
-                             ("sglang-decode", "sglang-0.5.15-pd-decode-tp8.log")):
+    for name, plain_name in (
+        ("sglang-prefill", "sglang-0.5.15-pd-prefill-tp8.log"),
+        ("sglang-decode", "sglang-0.5.15-pd-decode-tp8.log"),
+    ):
         assert [(e.kind, e.request_id, e.prompt_tokens) for e in p.instances[name].events] == [
-            (e.kind, e.request_id, e.prompt_tokens) for e in plain(plain_name).events], name
+            (e.kind, e.request_id, e.prompt_tokens) for e in plain(plain_name).events
+        ], name
         for e in p.instances[name].events:
             assert f" {name}[" in file_lines(SYSLOG)[e.line - 1]
     [q] = p.all_quarantined()
     assert (q.line, q.reason, q.raw) == (
-        31, "not a syslog line (<time> <host> <program>[<pid>]: <message>)", "continued without a header")
+        31,
+        "not a syslog line (<time> <host> <program>[<pid>]: <message>)",
+        "continued without a header",
+    )
 
 
 def test_a_traditional_syslog_header_has_no_year_or_zone_so_the_engine_stamp_is_the_time() -> None:
@@ -339,8 +395,15 @@ def test_a_traditional_syslog_header_has_no_year_or_zone_so_the_engine_stamp_is_
 
 
 def test_syslog_labels_name_instances_by_host_and_program() -> None:
-    source = Source(name="e", kind="engine_log", path="", format="auto", timezone="Europe/Berlin",
-                    base_dir=FIXTURES, instance="{label:host}/{label:program}")
+    source = Source(
+        name="e",
+        kind="engine_log",
+        path="",
+        format="auto",
+        timezone="Europe/Berlin",
+        base_dir=FIXTURES,
+        instance="{label:host}/{label:program}",
+    )
     p = parse(SYSLOG, tz=BERLIN, instance=lambda labels: source.instance_for(FIXTURES / SYSLOG, labels))
     assert sorted(s.instance for s in p.startups) == ["gpu-node-7/sglang-decode", "gpu-node-7/sglang-prefill"]
 
@@ -358,7 +421,10 @@ def test_cri_partial_lines_are_joined_and_a_cut_record_is_quarantined() -> None:
     assert (s.line, s.ts) == (1, utc(2026, 8, 26, 21, 10, 0, 1123))
     [q] = p.all_quarantined()
     assert (q.line, q.reason, q.raw) == (
-        34, "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)", file_lines("cri-glm53-prefill-0.log")[33])
+        34,
+        "not a CRI log line (<RFC3339Nano> stdout|stderr F|P <line>)",
+        file_lines("cri-glm53-prefill-0.log")[33],
+    )
     assert len(q.raw) == 18
     assert [(e.kind, e.request_id, e.prompt_tokens) for e in p.events] == [
         (e.kind, e.request_id, e.prompt_tokens) for e in plain("sglang-0.5.15-pd-prefill-tp8.log").events
@@ -373,7 +439,9 @@ def test_docker_json_file_joins_a_line_split_over_records() -> None:
     assert capacity(s) == capacity(want) == ("prefill", "Qwen/Qwen3-32B", 362752, 32768, 64, 2)
     assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)
     assert [(e.line, e.kind, e.request_id) for e in p.events][:2] == [
-        (20, "req_time_stats", "5c1e2a"), (21, "abort_input_too_long", "9ab3f0")]
+        (20, "req_time_stats", "5c1e2a"),
+        (21, "abort_input_too_long", "9ab3f0"),
+    ]
     assert p.all_quarantined() == []
 
 
@@ -413,7 +481,10 @@ def test_compose_logs_name_each_service_and_keep_its_start_up_times() -> None:
     assert sorted(p.instances) == ["llama", "qwen3"]
     assert p.all_quarantined() == []
     by = {s.instance: s for s in p.startups}
-    for instance, name in (("qwen3", "vllm-0.11.0-hybrid-pd-prefill.log"), ("llama", "vllm-0.10.1-v1-wrapped-config.log")):
+    for instance, name in (
+        ("qwen3", "vllm-0.11.0-hybrid-pd-prefill.log"),
+        ("llama", "vllm-0.10.1-v1-wrapped-config.log"),
+    ):
         [want] = plain(name, year=2026).startups
         assert vllm_capacity(by[instance]) == vllm_capacity(want), instance
         assert by[instance].flags == want.flags, instance
@@ -457,8 +528,10 @@ def test_a_compose_line_without_the_prefix_before_any_line_is_quarantined(tmp_pa
     p = parse(path.name, folder=tmp_path)
     assert p.envelope == "compose"
     [q] = p.all_quarantined()
-    assert (q.line, q.reason) == (1, "not a docker compose log line (<container> | <line>) and no line before it "
-                                      "to continue")
+    assert (q.line, q.reason) == (
+        1,
+        "not a docker compose log line (<container> | <line>) and no line before it to continue",
+    )
 
 
 def test_docker_logs_timestamps_are_the_clock() -> None:
@@ -487,8 +560,16 @@ def test_kubectl_and_docker_logs_are_told_apart_by_the_fraction_docker_always_pr
 def test_ingest_of_compose_output_gives_each_service_its_start_up_window(tmp_path: Path) -> None:
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / COMPOSE).write_bytes((FIXTURES / COMPOSE).read_bytes())
-    rows = [{"request_id": "r1", "ts": "2026-05-19T10:00:00Z", "account_id": "a", "model": "llama-3.1-8b",
-             "status": 200, "prompt_tokens": 10}]
+    rows = [
+        {
+            "request_id": "r1",
+            "ts": "2026-05-19T10:00:00Z",
+            "account_id": "a",
+            "model": "llama-3.1-8b",
+            "status": 200,
+            "prompt_tokens": 10,
+        }
+    ]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "incident.toml"
     path.write_text("""
@@ -509,8 +590,9 @@ year = 2026
 """)
     con = connect()
     ingest(con, load_incident(path))
-    assert con.execute("SELECT instance, role, kv_pool_tokens, context_length, valid_from FROM capacity "
-                       "ORDER BY instance").fetchall() == [
+    assert con.execute(
+        "SELECT instance, role, kv_pool_tokens, context_length, valid_from FROM capacity ORDER BY instance"
+    ).fetchall() == [
         ("llama", "unified", 426800, 32768, utc(2026, 5, 19, 9, 0, 0)),
         ("qwen3", "prefill", 190800, 180000, utc(2026, 5, 19, 8, 0, 1)),
     ]
@@ -575,9 +657,11 @@ def test_a_wrong_timezone_is_reported_against_the_envelope_clock_which_stays_the
     wrong = parse(JOURNALD, tz=UTC_ZONE)  # the engine stamps are Berlin time
     assert [s.ts for s in wrong.startups] == [s.ts for s in right.startups]
     assert [e.ts for e in wrong.events] == [e.ts for e in right.events]
-    note = ("engine timestamps differ from the journald __REALTIME_TIMESTAMP (UTC) by -2.00 h (median over 7 "
-            "start-up and event line(s), first at line 1): the journald __REALTIME_TIMESTAMP is used as the time "
-            "of each line; check the source's timezone or clock offset")
+    note = (
+        "engine timestamps differ from the journald __REALTIME_TIMESTAMP (UTC) by -2.00 h (median over 7 "
+        "start-up and event line(s), first at line 1): the journald __REALTIME_TIMESTAMP is used as the time "
+        "of each line; check the source's timezone or clock offset"
+    )
     assert wrong.warnings == [note]
     assert note in wrong.all_notes()
     [s] = wrong.startups
@@ -598,8 +682,17 @@ def _incident(tmp_path: Path, engine_source: str) -> Path:
     (tmp_path / "engine").mkdir()
     for name in (LOKI, JOURNALD):
         (tmp_path / "engine" / name).write_bytes((FIXTURES / name).read_bytes())
-    rows = [{"request_id": f"r{i}", "ts": f"2026-08-27T10:0{i}:00Z", "account_id": "a", "model": m, "status": 200,
-             "prompt_tokens": 10} for i, m in enumerate(["@cf/zai-org/glm-5.3", "Qwen/Qwen3-32B"])]
+    rows = [
+        {
+            "request_id": f"r{i}",
+            "ts": f"2026-08-27T10:0{i}:00Z",
+            "account_id": "a",
+            "model": m,
+            "status": 200,
+            "prompt_tokens": 10,
+        }
+        for i, m in enumerate(["@cf/zai-org/glm-5.3", "Qwen/Qwen3-32B"])
+    ]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "incident.toml"
     path.write_text(f"""
@@ -617,7 +710,10 @@ path = "requests.jsonl"
 
 
 def test_ingest_loads_each_instance_of_an_export_and_counts_the_files_lines(tmp_path: Path) -> None:
-    incident = load_incident(_incident(tmp_path, """
+    incident = load_incident(
+        _incident(
+            tmp_path,
+            """
 [[sources]]
 name = "loki"
 kind = "engine_log"
@@ -630,11 +726,14 @@ kind = "engine_log"
 path = "engine/journald-*.jsonl"
 envelope = "journald"
 instance = "{label:_HOSTNAME}"
-"""))
+""",
+        )
+    )
     con = connect()
     result = ingest(con, incident)
-    rows = con.execute("SELECT instance, role, model, kv_pool_tokens, context_length, valid_from FROM capacity "
-                       "ORDER BY instance").fetchall()
+    rows = con.execute(
+        "SELECT instance, role, model, kv_pool_tokens, context_length, valid_from FROM capacity ORDER BY instance"
+    ).fetchall()
     assert [r[:5] for r in rows] == [
         ("glm53-decode-0", "decode", "@cf/zai-org/glm-5.3", 1423360, 1048576),
         ("glm53-prefill-0", "prefill", "@cf/zai-org/glm-5.3", 681280, 1048576),
@@ -642,20 +741,29 @@ instance = "{label:_HOSTNAME}"
         ("qwen3-prefill-0", "prefill", "Qwen/Qwen3-32B", 362752, 32768),
     ]
     assert rows[1][5] == utc(2026, 8, 26, 21, 10, 0, 1123)
-    assert con.execute("SELECT source, records_read, loaded, quarantined FROM load_report WHERE kind = 'engine_log' "
-                       "ORDER BY source").fetchall() == [("journal", 28, 26, 2), ("loki", 116, 115, 1)]
+    assert con.execute(
+        "SELECT source, records_read, loaded, quarantined FROM load_report WHERE kind = 'engine_log' ORDER BY source"
+    ).fetchall() == [("journal", 28, 26, 2), ("loki", 116, 115, 1)]
     assert con.execute("SELECT source, line FROM quarantine ORDER BY source, line").fetchall() == [
-        ("journal", 22), ("journal", 23), ("loki", 41)]
+        ("journal", 22),
+        ("journal", 23),
+        ("loki", 41),
+    ]
     # the journal's engine stamps are Berlin time but the source says UTC: a warning, not a silent shift
-    assert any(w.startswith(f"journal: {JOURNALD}: engine timestamps differ from the journald") for w in result.warnings)
+    assert any(
+        w.startswith(f"journal: {JOURNALD}: engine timestamps differ from the journald") for w in result.warnings
+    )
     assert con.execute("SELECT count(DISTINCT instance) FROM engine_events WHERE source = 'loki'").fetchall() == [(3,)]
 
 
-@pytest.mark.parametrize(("keys", "message"), [
-    ('envelope = "fluentd"', "envelope 'fluentd' is not one of ['auto', 'none', 'kubectl'"),
-    ('instance = "{label}"', "may only use {stem}, {name}, {parent} and {label:NAME}"),
-    ('envelope = "none"\ninstance = "{label:pod}"', "names an envelope label but envelope = \"none\""),
-])
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ('envelope = "fluentd"', "envelope 'fluentd' is not one of ['auto', 'none', 'kubectl'"),
+        ('instance = "{label}"', "may only use {stem}, {name}, {parent} and {label:NAME}"),
+        ('envelope = "none"\ninstance = "{label:pod}"', "names an envelope label but envelope = \"none\""),
+    ],
+)
 def test_envelope_settings_are_checked_when_the_incident_is_loaded(tmp_path: Path, keys: str, message: str) -> None:
     path = _incident(tmp_path, f'[[sources]]\nname = "e"\nkind = "engine_log"\npath = "engine/*"\n{keys}\n')
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -679,10 +787,22 @@ def test_audit_sees_every_instance_of_an_export() -> None:
 # --- never a crash, every line accounted for -------------------------------------------------------
 
 FIXTURE_LINES = {
-    name: file_lines(name) for name in (
-        "kubectl-glm53-decode-0.log", "cri-glm53-prefill-0.log", "docker-qwen3-prefill-0-json.log", LOKI,
-        "loki-query-range.json", "cloudwatch-filter-log-events.json", "cloudwatch-glm53-decode-0.jsonl", JOURNALD,
-        FLUENTBIT, "fluentbit-json-lines-qwen3.jsonl", SYSLOG, "syslog-traditional-decode.log", COMPOSE, COMPOSE_UP,
+    name: file_lines(name)
+    for name in (
+        "kubectl-glm53-decode-0.log",
+        "cri-glm53-prefill-0.log",
+        "docker-qwen3-prefill-0-json.log",
+        LOKI,
+        "loki-query-range.json",
+        "cloudwatch-filter-log-events.json",
+        "cloudwatch-glm53-decode-0.jsonl",
+        JOURNALD,
+        FLUENTBIT,
+        "fluentbit-json-lines-qwen3.jsonl",
+        SYSLOG,
+        "syslog-traditional-decode.log",
+        COMPOSE,
+        COMPOSE_UP,
         "docker-logs-timestamps-gemma.log",
     )
 }
@@ -703,12 +823,28 @@ def mangled_export(draw: st.DrawFn) -> tuple[str, bytes]:
         elif edit == "repeat":
             lines.insert(at, lines[at])
         elif edit == "noise":
-            lines[at] = draw(st.one_of(st.binary(max_size=60), st.text(max_size=60).map(str.encode), st.sampled_from(
-                [b'{"log":1,"time":"x"}', b'{"line":"a","timestamp":"-1"}', b'{"__REALTIME_TIMESTAMP":"9"*40}',
-                 b'{"timestamp":1e400,"message":"m"}', b'{"data":{"result":[{"values":[[1]]}]}}', b"[1,2", b"{}",
-                 b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}', b"2026-13-45T99:00:00Z stdout F x",
-                 b'{"date":1e400,"log":"x"}', b'k: [99999999999999999999.1, {"log":"x","logtag":"P"}]',
-                 b"[" * 50_000])))
+            lines[at] = draw(
+                st.one_of(
+                    st.binary(max_size=60),
+                    st.text(max_size=60).map(str.encode),
+                    st.sampled_from(
+                        [
+                            b'{"log":1,"time":"x"}',
+                            b'{"line":"a","timestamp":"-1"}',
+                            b'{"__REALTIME_TIMESTAMP":"9"*40}',
+                            b'{"timestamp":1e400,"message":"m"}',
+                            b'{"data":{"result":[{"values":[[1]]}]}}',
+                            b"[1,2",
+                            b"{}",
+                            b'{"__REALTIME_TIMESTAMP":"1","MESSAGE":[300]}',
+                            b"2026-13-45T99:00:00Z stdout F x",
+                            b'{"date":1e400,"log":"x"}',
+                            b'k: [99999999999999999999.1, {"log":"x","logtag":"P"}]',
+                            b"[" * 50_000,
+                        ]
+                    ),
+                )
+            )
         else:
             other = draw(st.integers(0, len(lines) - 1))
             lines[at], lines[other] = lines[other], lines[at]
@@ -717,14 +853,16 @@ def mangled_export(draw: st.DrawFn) -> tuple[str, bytes]:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(export=mangled_export(), envelope=st.sampled_from(["auto", *ENVELOPES]))
-def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(tmp_path: Path, export: tuple[str, bytes],
-                                                                           envelope: str) -> None:
+def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(
+    tmp_path: Path, export: tuple[str, bytes], envelope: str
+) -> None:
     name, data = export
     path = tmp_path / name
     path.write_bytes(data)
     try:
-        p = parse_engine_file(path, fmt="sglang", instance=lambda labels: f"i-{len(labels or {})}", tz=UTC_ZONE,
-                              envelope=envelope)
+        p = parse_engine_file(
+            path, fmt="sglang", instance=lambda labels: f"i-{len(labels or {})}", tz=UTC_ZONE, envelope=envelope
+        )
     except InputError as e:  # a clear error is allowed only for an envelope setting the file does not fit
         assert envelope != "auto" and "check the source's envelope setting" in str(e)
         return
@@ -739,8 +877,11 @@ def test_any_export_is_read_without_a_crash_and_every_line_is_counted_once(tmp_p
 
 
 def test_an_envelope_setting_that_fits_no_record_is_a_clear_error() -> None:
-    with pytest.raises(InputError, match=r"no record of this file could be read as a cri export \(its first lines "
-                                         r"look like loki\): check the source's envelope setting"):
+    with pytest.raises(
+        InputError,
+        match=r"no record of this file could be read as a cri export \(its first lines "
+        r"look like loki\): check the source's envelope setting",
+    ):
         parse(LOKI, envelope="cri")
 
 

@@ -91,8 +91,9 @@ def test_account_timeline(sample):
     assert sorted(view.frame["request_id"]) == sorted(mine["request_id"])
     assert view.frame["ts"].is_monotonic_increasing
     affected = pd.read_csv(out / "affected_requests.csv")
-    assert set(view.frame.loc[view.frame["affected"], "request_id"]) == \
-        set(affected.loc[affected["account_id"] == ex.account, "request_id"])
+    assert set(view.frame.loc[view.frame["affected"], "request_id"]) == set(
+        affected.loc[affected["account_id"] == ex.account, "request_id"]
+    )
     tiers = table(con, "request_tiers").set_index("request_id")["confidence"]
     for row in view.frame.itertuples():
         assert row.confidence == tiers.get(row.request_id, "not flagged")
@@ -109,8 +110,11 @@ def test_instance_history(sample):
     assert len(view) == len(mine)
     assert list(view.frame["kv_pool_tokens"]) == list(mine.sort_values("valid_from")["kv_pool_tokens"])
     affected = table(con, "affected_responses")
-    served = affected[(affected["prefill_instance"] == ex.instance) | (affected["decode_instance"] == ex.instance)
-                      | (affected["pool_instance"] == ex.instance)]
+    served = affected[
+        (affected["prefill_instance"] == ex.instance)
+        | (affected["decode_instance"] == ex.instance)
+        | (affected["pool_instance"] == ex.instance)
+    ]
     assert int(view.frame["affected_responses"].sum()) == len(served) > 0
     assert view.frame["exposed"].astype(bool).any()
     assert all(isinstance(e, str) and e for e in view.frame["ended"])
@@ -133,35 +137,45 @@ def test_response_sources_and_account_exposure(sample):
     ex = explore.examples(con)
     possible, matches = table(con, "possible_sources"), table(con, "content_matches")
     view = explore.response_sources(con, ex.response)
-    expected = set(possible.loc[possible["affected_request_id"] == ex.response, "source_request_id"]) | \
-        set(matches.loc[matches["affected_request_id"] == ex.response, "source_request_id"])
+    expected = set(possible.loc[possible["affected_request_id"] == ex.response, "source_request_id"]) | set(
+        matches.loc[matches["affected_request_id"] == ex.response, "source_request_id"]
+    )
     assert set(view.frame["source_request_id"]) == expected and len(view) == len(expected)
     confirmed = matches[(matches["affected_request_id"] == ex.response) & matches["confirmed"]]
-    assert set(view.frame.loc[view.frame["confirmed"], "source_request_id"]) == \
-        set(confirmed["source_request_id"])
+    assert set(view.frame.loc[view.frame["confirmed"], "source_request_id"]) == set(confirmed["source_request_id"])
     exposure = explore.account_exposure(con, ex.source_account)
-    theirs = possible[(possible["source_account_id"] == ex.source_account)
-                      & (possible["recipient_account_id"] != ex.source_account)]
-    content = matches[(matches["source_account_id"] == ex.source_account)
-                      & (matches["recipient_account_id"] != ex.source_account)]
-    assert set(exposure.frame["affected_request_id"]) == \
-        set(theirs["affected_request_id"]) | set(content["affected_request_id"])
+    theirs = possible[
+        (possible["source_account_id"] == ex.source_account) & (possible["recipient_account_id"] != ex.source_account)
+    ]
+    content = matches[
+        (matches["source_account_id"] == ex.source_account) & (matches["recipient_account_id"] != ex.source_account)
+    ]
+    assert set(exposure.frame["affected_request_id"]) == set(theirs["affected_request_id"]) | set(
+        content["affected_request_id"]
+    )
     assert exposure.frame["confirmed"].any()
     assert set(exposure.frame.loc[exposure.frame["confirmed"], "basis"]) <= {
-        "output_shingles", "output_shingles turnover_horizon"}
+        "output_shingles",
+        "output_shingles turnover_horizon",
+    }
 
 
 def test_unknown_and_missing_names_give_an_empty_view_that_says_so(sample):
     _, con = sample
-    for view in (explore.account_timeline(con, "no-such-account"),
-                 explore.account_exposure(con, "no-such-account"),
-                 explore.instance_history(con, "no-such-instance"),
-                 explore.response_evidence(con, "no-such-request"),
-                 explore.response_sources(con, "no-such-request")):
+    for view in (
+        explore.account_timeline(con, "no-such-account"),
+        explore.account_exposure(con, "no-such-account"),
+        explore.instance_history(con, "no-such-instance"),
+        explore.response_evidence(con, "no-such-request"),
+        explore.response_sources(con, "no-such-request"),
+    ):
         assert view.empty and "no-such-" in view.note
     assert "accounts with affected responses:" in explore.account_timeline(con, "no-such-account").note
-    for view in (explore.account_timeline(con, None), explore.instance_history(con, None),
-                 explore.response_sources(con, None)):
+    for view in (
+        explore.account_timeline(con, None),
+        explore.instance_history(con, None),
+        explore.response_sources(con, None),
+    ):
         assert view.empty and view.note
     # a value is a parameter, never SQL
     assert explore.quarantined_records(con, reason="x' OR 1=1 --").empty
@@ -236,12 +250,14 @@ def test_offline_charts_need_no_network():
 def test_a_view_before_its_stage_says_which_stage_to_build(tmp_path):
     from kvforensics.core.errors import InputError
 
-    inv = Investigation.open_or_build(write_mini(tmp_path / "mini"), tmp_path / "out", through="ingest",
-                                      progress=False)
+    inv = Investigation.open_or_build(write_mini(tmp_path / "mini"), tmp_path / "out", through="ingest", progress=False)
     try:
         assert len(explore.startups(inv.con)) == 3
-        with pytest.raises(InputError, match=r"reads affected_responses, which the 'scope' stage writes.*"
-                                             r'through="scope"'):
+        with pytest.raises(
+            InputError,
+            match=r"reads affected_responses, which the 'scope' stage writes.*"
+            r'through="scope"',
+        ):
             explore.recipients(inv.con)
         with pytest.raises(InputError, match="'detect' stage"):
             explore.tiers(inv.con)

@@ -97,8 +97,11 @@ def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp
     generate.generate(tmp_path / "incident", seed=15, requests=2000)
     for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
         lines = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
-        path.write_bytes(gzip.compress(b"".join(
-            json.dumps({k: v for k, v in r.items() if k != "cache_salt"}).encode() + b"\n" for r in lines)))
+        path.write_bytes(
+            gzip.compress(
+                b"".join(json.dumps({k: v for k, v in r.items() if k != "cache_salt"}).encode() + b"\n" for r in lines)
+            )
+        )
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
     reasons = [r["code"] for r in json.loads((tmp_path / "out" / "scope.json").read_text())["inconclusive_reasons"]]
     assert "prefix_store_loads_unmatched" in reasons

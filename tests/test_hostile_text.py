@@ -15,8 +15,15 @@ from hypothesis import strategies as st
 from kvforensics.cli import main
 from kvforensics.core.escaping import UNSAFE, markdown_text, visible_controls, visible_controls_in
 
-OUTPUTS = ("scope.json", "affected_requests.csv", "notifications.csv", "quarantine.csv", "manifest.json",
-           "report.html", "report.md")
+OUTPUTS = (
+    "scope.json",
+    "affected_requests.csv",
+    "notifications.csv",
+    "quarantine.csv",
+    "manifest.json",
+    "report.html",
+    "report.md",
+)
 # the text fields of a request each hostile account carries its text in (besides its account id)
 FIELD_SETS = ((), ("rid",), ("model",), ("prefill_instance", "decode_instance"))
 
@@ -31,8 +38,10 @@ def test_visible_controls_escapes_what_xml_forbids():
     assert visible_controls("tab\there\nline é 中 😀 \ufffd") == "tab\there\nline é 中 😀 \ufffd"
     assert markdown_text("a\x00b") == "a\\\\x00b"
     spec = {"datasets": {"d\x00": [{"account_id": "nul\x00", "n": 1}]}, "title": ("\uffff",)}
-    assert visible_controls_in(spec) == {"datasets": {"d\\x00": [{"account_id": "nul\\x00", "n": 1}]},
-                                         "title": ["\\uffff"]}
+    assert visible_controls_in(spec) == {
+        "datasets": {"d\\x00": [{"account_id": "nul\\x00", "n": 1}]},
+        "title": ["\\uffff"],
+    }
 
 
 def _hostile_incident(root: Path, texts: list[str], escaped: bool) -> Path:
@@ -41,15 +50,25 @@ def _hostile_incident(root: Path, texts: list[str], escaped: bool) -> Path:
     lone surrogate as the bytes Python's surrogatepass writes, which are not UTF-8)."""
     rows = mini_requests()
     for k, text in enumerate(texts):
-        row = {"rid": f"r-hostile{k}", "received_at": f"2026-08-28T10:{10 + k:02d}:00Z", "account_id": text,
-               "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 700000 + k,
-               "completion_tokens": 50, "ttft_ms": 150.0, "latency_ms": 2000, "prefill_instance": "p0",
-               "decode_instance": "d0"}
+        row = {
+            "rid": f"r-hostile{k}",
+            "received_at": f"2026-08-28T10:{10 + k:02d}:00Z",
+            "account_id": text,
+            "model": "@cf/zai-org/glm-5.3",
+            "http_status": 200,
+            "prompt_tokens": 700000 + k,
+            "completion_tokens": 50,
+            "ttft_ms": 150.0,
+            "latency_ms": 2000,
+            "prefill_instance": "p0",
+            "decode_instance": "d0",
+        }
         row.update({field: f"{row[field]}{text}" for field in FIELD_SETS[k % len(FIELD_SETS)]})
         rows.append(row)
     path = write_mini(root, rows)
-    (root / "gateway" / "day1.jsonl").write_bytes(b"".join(
-        (json.dumps(r, ensure_ascii=escaped) + "\n").encode("utf-8", "surrogatepass") for r in rows))
+    (root / "gateway" / "day1.jsonl").write_bytes(
+        b"".join((json.dumps(r, ensure_ascii=escaped) + "\n").encode("utf-8", "surrogatepass") for r in rows)
+    )
     return path
 
 
@@ -73,8 +92,11 @@ def _run_and_check(root: Path, texts: list[str], escaped: bool) -> None:
 
 
 # a character of any category, surrogates (Cs) and unassigned code points (Cn: the non-characters) included
-HOSTILE = st.text(st.one_of(st.characters(exclude_categories=()), st.sampled_from("\x00\x01\x1b\x7f\x85\ud800\ufffe\uffff")),
-                  min_size=1, max_size=12)
+HOSTILE = st.text(
+    st.one_of(st.characters(exclude_categories=()), st.sampled_from("\x00\x01\x1b\x7f\x85\ud800\ufffe\uffff")),
+    min_size=1,
+    max_size=12,
+)
 
 
 @settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -19,15 +19,29 @@ COLUMNS = {"request_id": "rid", "ts": "received_at", "status": "http_status"}
 
 
 def rec(rid, **kw):
-    base = {"rid": rid, "received_at": "2026-08-28T10:00:00Z", "account_id": "a1", "model": "m",
-            "http_status": 200, "prompt_tokens": 100}
+    base = {
+        "rid": rid,
+        "received_at": "2026-08-28T10:00:00Z",
+        "account_id": "a1",
+        "model": "m",
+        "http_status": 200,
+        "prompt_tokens": 100,
+    }
     base.update(kw)
     return json.dumps(base)
 
 
 def source(tmp_path: Path, fmt="jsonl", tz="UTC", columns=COLUMNS, offset=0.0) -> Source:
-    return Source(name="gw", kind="requests", path="*", format=fmt, timezone=tz, base_dir=tmp_path,
-                  columns=columns, clock_offset_s=offset)
+    return Source(
+        name="gw",
+        kind="requests",
+        path="*",
+        format=fmt,
+        timezone=tz,
+        base_dir=tmp_path,
+        columns=columns,
+        clock_offset_s=offset,
+    )
 
 
 def load(tmp_path, name, text: str | bytes, **kw):
@@ -51,10 +65,17 @@ def test_corrupt_jsonl_fixture_set(tmp_path):
         rec("bad_status", http_status="OK"),
         rec("bad_tokens", prompt_tokens="many"),
         rec("neg", prompt_tokens=-5),
-        json.dumps({"rid": "no_account", "received_at": "2026-08-28T10:00:00Z", "model": "m", "http_status": 200,
-                    "prompt_tokens": 1}),
-        rec("ok1"),                                   # exact duplicate: at-least-once shipping
-        rec("ok1", account_id="someone-else"),        # same id, conflicting values
+        json.dumps(
+            {
+                "rid": "no_account",
+                "received_at": "2026-08-28T10:00:00Z",
+                "model": "m",
+                "http_status": 200,
+                "prompt_tokens": 1,
+            }
+        ),
+        rec("ok1"),  # exact duplicate: at-least-once shipping
+        rec("ok1", account_id="someone-else"),  # same id, conflicting values
         rec("cache", prompt_tokens=10, cached_tokens=11),
         rec("ttft", ttft_ms="fast"),
         "",
@@ -96,13 +117,16 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
 
     monkeypatch.setattr(requests_loader, "MERGE_ROWS", merge_rows)
     if collide:
+
         def colliding(name: str, original=db.sql) -> str:
             text = original(name)
             if name in ("requests_typed", "requests_merge"):
                 assert "hash(request_id)" in text or "hash(r.request_id)" in text
                 text = text.replace("hash(request_id)", "(hash(request_id) % 2)").replace(
-                    "hash(r.request_id)", "(hash(r.request_id) % 2)")
+                    "hash(r.request_id)", "(hash(r.request_id) % 2)"
+                )
             return text
+
         monkeypatch.setattr(db, "sql", colliding)
         monkeypatch.setattr(request_typing, "sql", colliding)
     (tmp_path / "a.jsonl").write_text("\n".join([rec("x"), rec("y"), rec("x")]) + "\n")
@@ -116,7 +140,11 @@ def test_duplicates_across_files_and_loads_keep_the_earliest_record(tmp_path, mo
     assert counts == [("a.jsonl", 3, 2, 0, 1), ("b.jsonl", 3, 1, 1, 1), ("c.jsonl", 3, 1, 1, 1)]
     kept = con.execute("SELECT request_id, source_file, source_line FROM requests ORDER BY 1").fetchall()
     assert [(rid, Path(f).name, line) for rid, f, line in kept] == [
-        ("w", "c.jsonl", 2), ("x", "a.jsonl", 1), ("y", "a.jsonl", 2), ("z", "b.jsonl", 2)]
+        ("w", "c.jsonl", 2),
+        ("x", "a.jsonl", 1),
+        ("y", "a.jsonl", 2),
+        ("z", "b.jsonl", 2),
+    ]
     bad = con.execute("SELECT file, line, reason, raw FROM quarantine ORDER BY file").fetchall()
     assert [(Path(f).name, line) for f, line, _, _ in bad] == [("b.jsonl", 1), ("c.jsonl", 1)]
     assert bad[0][2].endswith(f"(kept the record at {tmp_path / 'a.jsonl'}:1)")
@@ -131,9 +159,13 @@ def test_missing_mapped_field_names_the_source_column(tmp_path):
 
 
 def test_timestamps_normalised_to_utc(tmp_path):
-    lines = [rec("iso_z"), rec("offset", received_at="2026-08-28T12:00:00+02:00"),
-             rec("naive", received_at="2026-08-28 03:00:00"), rec("epoch_s", received_at=1787911200),
-             rec("epoch_ms", received_at=1787911200000)]
+    lines = [
+        rec("iso_z"),
+        rec("offset", received_at="2026-08-28T12:00:00+02:00"),
+        rec("naive", received_at="2026-08-28 03:00:00"),
+        rec("epoch_s", received_at=1787911200),
+        rec("epoch_ms", received_at=1787911200000),
+    ]
     con, r, reasons = load(tmp_path, "gw.jsonl", "\n".join(lines), tz="America/Los_Angeles")
     assert reasons == []
     got = {rid: ts.isoformat() for rid, ts in con.execute("SELECT request_id, ts FROM requests").fetchall()}
@@ -160,9 +192,17 @@ def test_truncated_gzip_loads_what_it_can(tmp_path):
 def test_csv_and_parquet_with_mapping(tmp_path):
     import pandas as pd
 
-    df = pd.DataFrame({"rid": ["c1", "c2"], "received_at": ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z"],
-                       "account_id": ["a", "b"], "model": ["m", "m"], "http_status": [200, 400],
-                       "prompt_tokens": [10, 20], "extra": ["x", "y"]})
+    df = pd.DataFrame(
+        {
+            "rid": ["c1", "c2"],
+            "received_at": ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z"],
+            "account_id": ["a", "b"],
+            "model": ["m", "m"],
+            "http_status": [200, 400],
+            "prompt_tokens": [10, 20],
+            "extra": ["x", "y"],
+        }
+    )
     df.to_csv(tmp_path / "gw.csv", index=False)
     con = connect()
     r = load_requests_file(con, source(tmp_path, fmt="csv"), tmp_path / "gw.csv")
@@ -175,13 +215,16 @@ def test_csv_and_parquet_with_mapping(tmp_path):
 
 
 def test_csv_missing_required_column_is_a_clear_error(tmp_path):
-    (tmp_path / "gw.csv").write_text("rid,received_at,model,http_status,prompt_tokens\nr1,2026-08-28T10:00:00Z,m,200,5\n")
+    (tmp_path / "gw.csv").write_text(
+        "rid,received_at,model,http_status,prompt_tokens\nr1,2026-08-28T10:00:00Z,m,200,5\n"
+    )
     with pytest.raises(InputError) as e:
         load_requests_file(connect(), source(tmp_path, fmt="csv"), tmp_path / "gw.csv")
     assert str(e.value) == (
         f"source 'gw': {tmp_path / 'gw.csv'}: required field 'account_id' is missing (no column of that name); "
         "the file has columns ['http_status', 'model', 'prompt_tokens', 'received_at', 'rid']. "
-        "Map it in the incident file: columns = { account_id = \"<column>\" }")
+        "Map it in the incident file: columns = { account_id = \"<column>\" }"
+    )
 
 
 @pytest.mark.parametrize("name", ["gw.jsonl", "gw.jsonl.gz"])
@@ -194,7 +237,8 @@ def test_jsonl_mapped_to_a_key_no_record_has_is_a_clear_error(tmp_path, name):
     assert str(e.value) == (
         f"source 'gw': {tmp_path / name}: required field 'ts' is missing (mapped to key 'recieved_at'): no record "
         "has it; the records have keys ['account_id', 'http_status', 'model', 'prompt_tokens', 'received_at', "
-        "'rid']. Map it in the incident file: columns = { ts = \"<key>\" }")
+        "'rid']. Map it in the incident file: columns = { ts = \"<key>\" }"
+    )
 
 
 def test_jsonl_key_missing_from_the_first_records_only_is_read_where_it_is(tmp_path):
@@ -211,14 +255,19 @@ def test_an_optional_field_first_logged_after_the_sample_is_mapped(tmp_path, nam
     """A gateway upgraded mid-file starts logging cached_tokens (under a known alias) after the records whose
     keys are sampled: it is mapped all the same, for the records that have it."""
     lines = [rec(f"r{i}") for i in range(2500)]
-    lines += [json.dumps({**json.loads(rec(f"c{i}")), "usage": {"prompt_tokens_details": {"cached_tokens": 64}}})
-              for i in range(3)]
+    lines += [
+        json.dumps({**json.loads(rec(f"c{i}")), "usage": {"prompt_tokens_details": {"cached_tokens": 64}}})
+        for i in range(3)
+    ]
     con, r, reasons = load(tmp_path, name, "\n".join(lines) + "\n")
     assert reasons == [] and r.loaded == 2503
-    assert con.execute("SELECT request_id, cached_tokens FROM requests WHERE cached_tokens IS NOT NULL "
-                       "ORDER BY 1").fetchall() == [("c0", 64), ("c1", 64), ("c2", 64)]
-    assert ("cached_tokens <- usage.prompt_tokens_details.cached_tokens: first logged after the first 2,000 records "
-            "(the keys of every record were read to map it)") in r.notes
+    assert con.execute(
+        "SELECT request_id, cached_tokens FROM requests WHERE cached_tokens IS NOT NULL ORDER BY 1"
+    ).fetchall() == [("c0", 64), ("c1", 64), ("c2", 64)]
+    assert (
+        "cached_tokens <- usage.prompt_tokens_details.cached_tokens: first logged after the first 2,000 records "
+        "(the keys of every record were read to map it)"
+    ) in r.notes
 
 
 def test_a_field_name_that_is_only_a_value_maps_nothing(tmp_path):
@@ -230,13 +279,23 @@ def test_a_field_name_that_is_only_a_value_maps_nothing(tmp_path):
 
 
 def test_opentelemetry_names_are_recognised_without_a_mapping(tmp_path):
-    line = json.dumps({"gen_ai.response.id": "otel1", "timestamp": "2026-08-28T10:00:00Z", "account_id": "a",
-                       "gen_ai.request.model": "m", "http.response.status_code": 200,
-                       "gen_ai.usage.input_tokens": 900, "gen_ai.usage.output_tokens": 5,
-                       "gen_ai.usage.cache_read.input_tokens": 100})
+    line = json.dumps(
+        {
+            "gen_ai.response.id": "otel1",
+            "timestamp": "2026-08-28T10:00:00Z",
+            "account_id": "a",
+            "gen_ai.request.model": "m",
+            "http.response.status_code": 200,
+            "gen_ai.usage.input_tokens": 900,
+            "gen_ai.usage.output_tokens": 5,
+            "gen_ai.usage.cache_read.input_tokens": 100,
+        }
+    )
     con, r, reasons = load(tmp_path, "gw.jsonl", line, columns={})
     assert reasons == []
-    assert con.execute("SELECT request_id, prompt_tokens, cached_tokens FROM requests").fetchall() == [("otel1", 900, 100)]
+    assert con.execute("SELECT request_id, prompt_tokens, cached_tokens FROM requests").fetchall() == [
+        ("otel1", 900, 100)
+    ]
     assert any("gen_ai.usage.input_tokens" in n for n in r.notes)
 
 
@@ -255,8 +314,16 @@ def test_values_that_cannot_be_stored_are_quarantined_not_raised(tmp_path):
         rec("infinite_ts", received_at="infinity"),
         rec("far_future", received_at="294000-01-01"),
         rec("before_1970", received_at="1969-12-31T23:59:59Z"),
-        json.dumps({"rid": {"nested": [1]}, "received_at": "2026-08-28T10:00:00Z", "account_id": "a",
-                    "model": "m", "http_status": 200, "prompt_tokens": 1}),
+        json.dumps(
+            {
+                "rid": {"nested": [1]},
+                "received_at": "2026-08-28T10:00:00Z",
+                "account_id": "a",
+                "model": "m",
+                "http_status": 200,
+                "prompt_tokens": 1,
+            }
+        ),
         rec("bool_account", account_id=True),
         rec("ok"),
     ]
@@ -276,40 +343,89 @@ def test_values_that_cannot_be_stored_are_quarantined_not_raised(tmp_path):
     ]
 
 
-DIRTY = [rec("ok1"), "{not json", "[1, 2, 3]", rec("bad_ts", received_at="31/08/2026 10:00"),
-         rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5), "", "   ",
-         rec("obj", account_id={"nested": 1}), rec("ok1"), rec("ok1", account_id="x"),
-         rec("ok2", ttft_ms=12.5, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20)]
+DIRTY = [
+    rec("ok1"),
+    "{not json",
+    "[1, 2, 3]",
+    rec("bad_ts", received_at="31/08/2026 10:00"),
+    rec("bad_status", http_status="OK"),
+    rec("neg", prompt_tokens=-5),
+    "",
+    "   ",
+    rec("obj", account_id={"nested": 1}),
+    rec("ok1"),
+    rec("ok1", account_id="x"),
+    rec("ok2", ttft_ms=12.5, received_at="2026-08-28 03:00:00"),
+    rec("big", prompt_tokens=1e20),
+]
 # every line a JSON object (so DuckDB's NDJSON reader can take it), with values that are easy to read
 # differently: wrong JSON types, nulls, huge and fractional numbers, unicode, keys in other cases
-CLEAN = [rec("ok1"), rec("bad_status", http_status="OK"), rec("neg", prompt_tokens=-5),
-         rec("obj", account_id={"nested": 1}), rec("arr", model=[1]), rec("bool", prompt_tokens=True),
-         rec("ok1"), rec("ok1", account_id="x"), rec("null_ttft", ttft_ms=None), rec("frac", prompt_tokens=2.5),
-         rec("ok2", ttft_ms=12.50, received_at="2026-08-28 03:00:00"), rec("big", prompt_tokens=1e20),
-         rec("exp", prompt_tokens=1e3), rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600"),
-         rec("epoch", received_at=1787911200.5), json.dumps({"RID": "upper", "rid": "lower", "received_at": 1,
-                                                              "account_id": "a", "model": "m", "http_status": 200,
-                                                              "prompt_tokens": 1}),
-         rec("esc", model='m\\"quoted"\n'), rec("huge_int", prompt_tokens=10**30), rec("u64", cached_tokens=10**19),
-         rec("neg_zero", ttft_ms=-0.0), rec("tiny", latency_ms=1e-300), rec("false", account_id=False), rec(""), rec("missing_tokens", prompt_tokens=None)]
+CLEAN = [
+    rec("ok1"),
+    rec("bad_status", http_status="OK"),
+    rec("neg", prompt_tokens=-5),
+    rec("obj", account_id={"nested": 1}),
+    rec("arr", model=[1]),
+    rec("bool", prompt_tokens=True),
+    rec("ok1"),
+    rec("ok1", account_id="x"),
+    rec("null_ttft", ttft_ms=None),
+    rec("frac", prompt_tokens=2.5),
+    rec("ok2", ttft_ms=12.50, received_at="2026-08-28 03:00:00"),
+    rec("big", prompt_tokens=1e20),
+    rec("exp", prompt_tokens=1e3),
+    rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600"),
+    rec("epoch", received_at=1787911200.5),
+    json.dumps(
+        {
+            "RID": "upper",
+            "rid": "lower",
+            "received_at": 1,
+            "account_id": "a",
+            "model": "m",
+            "http_status": 200,
+            "prompt_tokens": 1,
+        }
+    ),
+    rec("esc", model='m\\"quoted"\n'),
+    rec("huge_int", prompt_tokens=10**30),
+    rec("u64", cached_tokens=10**19),
+    rec("neg_zero", ttft_ms=-0.0),
+    rec("tiny", latency_ms=1e-300),
+    rec("false", account_id=False),
+    rec(""),
+    rec("missing_tokens", prompt_tokens=None),
+]
 
 
 # every record loads, with values whose text a reader could get wrong: numbers where text is expected
 # (in exponent form too, which the text reader must give up), text where numbers are expected, floats,
 # huge integers, unicode and escapes, epoch timestamps, ids that read as JSON literals
-VALID = [rec("ok1"), rec(12345), rec(123456789012345678901234567890), rec("str_num", prompt_tokens="42"),
-         rec("float_int", prompt_tokens=1e3, completion_tokens=7.0), rec("ttft", ttft_ms=0.1, latency_ms=1e-7),
-         rec("epoch_s", received_at=1787911200.5), rec("epoch_ms", received_at=1787911200123),
-         rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600", model='m\\"q"\n'), rec("neg_zero", ttft_ms=-0.0),
-         rec("ok1"), rec("naive", received_at="2026-08-28 03:00:00"), rec("instances", prefill_instance=7,
-                                                                         decode_instance="d-1e-5")]
+VALID = [
+    rec("ok1"),
+    rec(12345),
+    rec(123456789012345678901234567890),
+    rec("str_num", prompt_tokens="42"),
+    rec("float_int", prompt_tokens=1e3, completion_tokens=7.0),
+    rec("ttft", ttft_ms=0.1, latency_ms=1e-7),
+    rec("epoch_s", received_at=1787911200.5),
+    rec("epoch_ms", received_at=1787911200123),
+    rec("uni", account_id="kunde-\u00e4\u00df-\U0001f600", model='m\\"q"\n'),
+    rec("neg_zero", ttft_ms=-0.0),
+    rec("ok1"),
+    rec("naive", received_at="2026-08-28 03:00:00"),
+    rec("instances", prefill_instance=7, decode_instance="d-1e-5"),
+]
 EXPONENT_ID = rec(1.5e20)  # DuckDB's text for it (1.5e+20) differs from the JSON reader's digits
 LITERAL_ID = rec("true")  # a string the text reader cannot tell from the JSON literal
 READERS = {"text": (True, ("text",)), "json": (True, ("json",)), "lines": (True, ()), "python": (False, ())}
 
 
-@pytest.mark.parametrize("lines", [DIRTY, CLEAN, VALID, VALID + [EXPONENT_ID], VALID + [LITERAL_ID]],
-                         ids=["dirty", "clean", "valid", "exponent-id", "literal-id"])
+@pytest.mark.parametrize(
+    "lines",
+    [DIRTY, CLEAN, VALID, VALID + [EXPONENT_ID], VALID + [LITERAL_ID]],
+    ids=["dirty", "clean", "valid", "exponent-id", "literal-id"],
+)
 def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
     """DuckDB's NDJSON reader (values as text, values as JSON), DuckDB's line reader and the Python
     reader load and refuse the same records with the same reasons, values and notes. Each is forced
@@ -326,9 +442,11 @@ def test_duckdb_and_python_staging_agree(tmp_path, monkeypatch, lines):
         r = load_requests_file(con, source(tmp_path, tz="Europe/Berlin"), tmp_path / "gw.jsonl")
         readers[name] = r.reader
         results[name] = (
-            (r.records_read, r.loaded, r.quarantined, r.duplicates), sorted(r.notes),
+            (r.records_read, r.loaded, r.quarantined, r.duplicates),
+            sorted(r.notes),
             con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall(),
-            con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+            con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall(),
+        )
     assert results["text"] == results["json"] == results["lines"] == results["python"]
     if lines is DIRTY:
         assert results["text"][0] == (11, 2, 8, 1)
@@ -356,8 +474,10 @@ def test_control_bytes_anywhere_in_a_file_lose_no_line(tmp_path):
     assert (r.records_read, r.loaded, r.quarantined) == (30_004, 30_001, 3)
     bad = con.execute("SELECT line, reason, raw FROM quarantine ORDER BY line").fetchall()
     assert [(line, reason) for line, reason, _ in bad] == [
-        (30_001, "malformed JSON"), (30_002, "malformed JSON"),
-        (30_003, "missing required field 'ts' (column received_at)")]  # a CR between tokens is JSON whitespace
+        (30_001, "malformed JSON"),
+        (30_002, "malformed JSON"),
+        (30_003, "missing required field 'ts' (column received_at)"),
+    ]  # a CR between tokens is JSON whitespace
     assert "tail" in bad[1][2]
     assert con.execute("SELECT source_line FROM requests WHERE request_id = 'last'").fetchall() == [(30_004,)]
 
@@ -373,22 +493,43 @@ def test_clean_files_take_duckdbs_reader_and_odd_ones_the_python_reader(tmp_path
     (tmp_path / "clean.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "clean.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     (tmp_path / "latin1.jsonl").write_bytes(("\n".join(lines) + "\n").encode() + b'{"rid": "caf\xe9"}\n')
-    pd.DataFrame({"rid": ["p1", "p2"], "received_at": ["2026-08-28T10:00:00Z", "bad"], "account_id": ["a", "b"],
-                  "model": ["m", "m"], "http_status": [200, 200], "prompt_tokens": [1, 2]}).to_parquet(
-        tmp_path / "gw.parquet")
+    pd.DataFrame(
+        {
+            "rid": ["p1", "p2"],
+            "received_at": ["2026-08-28T10:00:00Z", "bad"],
+            "account_id": ["a", "b"],
+            "model": ["m", "m"],
+            "http_status": [200, 200],
+            "prompt_tokens": [1, 2],
+        }
+    ).to_parquet(tmp_path / "gw.parquet")
     readers = {}
-    for name, fmt in [("clean.jsonl", "jsonl"), ("clean.jsonl.gz", "jsonl"), ("latin1.jsonl", "jsonl"),
-                      ("gw.parquet", "parquet")]:
+    for name, fmt in [
+        ("clean.jsonl", "jsonl"),
+        ("clean.jsonl.gz", "jsonl"),
+        ("latin1.jsonl", "jsonl"),
+        ("gw.parquet", "parquet"),
+    ]:
         con = connect()
         r = load_requests_file(con, source(tmp_path, fmt=fmt), tmp_path / name)
         readers[name] = (r.reader, r.records_read, r.loaded, r.quarantined)
         raw = con.execute("SELECT raw FROM quarantine").fetchall()
         assert len(raw) == r.quarantined and all(text for (text,) in raw)  # refused records keep their text
         if fmt == "parquet":
-            assert json.loads(raw[0][0]) == {"request_id": "p2", "ts": "bad", "account_id": "b", "model": "m",
-                                             "status": 200, "prompt_tokens": 2}
-    assert readers == {"clean.jsonl": ("duckdb-lines", 3, 2, 1), "clean.jsonl.gz": ("duckdb-lines", 3, 2, 1),
-                       "latin1.jsonl": ("python", 4, 2, 2), "gw.parquet": ("duckdb-parquet", 2, 1, 1)}
+            assert json.loads(raw[0][0]) == {
+                "request_id": "p2",
+                "ts": "bad",
+                "account_id": "b",
+                "model": "m",
+                "status": 200,
+                "prompt_tokens": 2,
+            }
+    assert readers == {
+        "clean.jsonl": ("duckdb-lines", 3, 2, 1),
+        "clean.jsonl.gz": ("duckdb-lines", 3, 2, 1),
+        "latin1.jsonl": ("python", 4, 2, 2),
+        "gw.parquet": ("duckdb-parquet", 2, 1, 1),
+    }
     # without the blank and the broken line, DuckDB's NDJSON reader takes the file: reading values as
     # JSON when a record is refused, as text when every record loads (plain and gzip)
     (tmp_path / "tidy.jsonl").write_text("\n".join([rec("a"), rec("b", http_status="x")]) + "\n")
@@ -405,12 +546,19 @@ def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
 
     import kvforensics.sources.requests.readers as request_readers
 
-    df = pd.DataFrame({"rid": ["p1", "p2", "p3", "p1"],
-                       "received_at": pd.to_datetime(["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z",
-                                                      "2026-08-28T12:00:00Z", "2026-08-28T10:00:00Z"]),
-                       "local": pd.to_datetime(["2026-08-28 12:00:00"] * 4),
-                       "account_id": ["a", "b", None, "a"], "model": ["m"] * 4, "http_status": [200, 400, 200, 200],
-                       "prompt_tokens": [10, 20, 30, 10]})
+    df = pd.DataFrame(
+        {
+            "rid": ["p1", "p2", "p3", "p1"],
+            "received_at": pd.to_datetime(
+                ["2026-08-28T10:00:00Z", "2026-08-28T11:00:00Z", "2026-08-28T12:00:00Z", "2026-08-28T10:00:00Z"]
+            ),
+            "local": pd.to_datetime(["2026-08-28 12:00:00"] * 4),
+            "account_id": ["a", "b", None, "a"],
+            "model": ["m"] * 4,
+            "http_status": [200, 400, 200, 200],
+            "prompt_tokens": [10, 20, 30, 10],
+        }
+    )
     df.to_parquet(tmp_path / "gw.parquet")
     results = {}
     for fast in (True, False):
@@ -419,11 +567,15 @@ def test_parquet_staging_paths_agree(tmp_path, monkeypatch):
             con = connect()
             src = source(tmp_path, fmt="parquet", tz="Europe/Berlin", columns={**COLUMNS, "ts": ts_col})
             r = load_requests_file(con, src, tmp_path / "gw.parquet")
-            results[fast, ts_col] = ((r.records_read, r.loaded, r.quarantined, r.duplicates),
-                                     con.execute("SELECT line, reason FROM quarantine").fetchall(),
-                                     con.execute("SELECT request_id, ts FROM requests ORDER BY 1").fetchall())
-    expected = {"received_at": ["2026-08-28T10:00:00+00:00", "2026-08-28T11:00:00+00:00"],
-                "local": ["2026-08-28T10:00:00+00:00", "2026-08-28T10:00:00+00:00"]}  # 12:00 in Berlin
+            results[fast, ts_col] = (
+                (r.records_read, r.loaded, r.quarantined, r.duplicates),
+                con.execute("SELECT line, reason FROM quarantine").fetchall(),
+                con.execute("SELECT request_id, ts FROM requests ORDER BY 1").fetchall(),
+            )
+    expected = {
+        "received_at": ["2026-08-28T10:00:00+00:00", "2026-08-28T11:00:00+00:00"],
+        "local": ["2026-08-28T10:00:00+00:00", "2026-08-28T10:00:00+00:00"],
+    }  # 12:00 in Berlin
     for ts_col in ("received_at", "local"):
         assert results[True, ts_col] == results[False, ts_col]
         assert results[True, ts_col][0] == (4, 2, 1, 1)
@@ -441,27 +593,33 @@ def test_parquet_number_columns_of_every_type_read_as_their_text_would(tmp_path,
     import kvforensics.sources.requests.readers as request_readers
 
     n = 7
-    table = pa.table({
-        "rid": [f"r{i}" for i in range(n)],
-        "received_at": ["2026-08-28T10:00:00Z"] * n,
-        "account_id": ["a"] * n, "model": ["m"] * n,
-        "http_status": pa.array([200, 404, 99, 200, 200, 200, 200], pa.int16()),
-        "prompt_tokens": pa.array([10, 2**63 - 1, 5, 3, 9007199254740993, 4, 5], pa.uint64()),
-        "completion_tokens": pa.array([1.0, 2.5, None, 1e20, 3.0, float("nan"), -0.0], pa.float64()),
-        "cached_tokens": pa.array([decimal.Decimal("1.000"), None, decimal.Decimal("0.500"), None, None, None, None],
-                                  pa.decimal128(10, 3)),
-        "ttft_ms": pa.array([0.1, 12.25, None, 3.5, 1e-7, 2.0, float("inf")], pa.float32()),
-        "latency_ms": pa.array([100, -1, None, 5, 6, 7, 8], pa.int64()),
-    })
+    table = pa.table(
+        {
+            "rid": [f"r{i}" for i in range(n)],
+            "received_at": ["2026-08-28T10:00:00Z"] * n,
+            "account_id": ["a"] * n,
+            "model": ["m"] * n,
+            "http_status": pa.array([200, 404, 99, 200, 200, 200, 200], pa.int16()),
+            "prompt_tokens": pa.array([10, 2**63 - 1, 5, 3, 9007199254740993, 4, 5], pa.uint64()),
+            "completion_tokens": pa.array([1.0, 2.5, None, 1e20, 3.0, float("nan"), -0.0], pa.float64()),
+            "cached_tokens": pa.array(
+                [decimal.Decimal("1.000"), None, decimal.Decimal("0.500"), None, None, None, None], pa.decimal128(10, 3)
+            ),
+            "ttft_ms": pa.array([0.1, 12.25, None, 3.5, 1e-7, 2.0, float("inf")], pa.float32()),
+            "latency_ms": pa.array([100, -1, None, 5, 6, 7, 8], pa.int64()),
+        }
+    )
     pq.write_table(table, tmp_path / "gw.parquet")
     results = {}
     for fast in (True, False):
         monkeypatch.setattr(request_readers, "FAST_STAGING", fast)
         con = connect()
         r = load_requests_file(con, source(tmp_path, fmt="parquet"), tmp_path / "gw.parquet")
-        results[fast] = ((r.records_read, r.loaded, r.quarantined),
-                         con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall(),
-                         con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+        results[fast] = (
+            (r.records_read, r.loaded, r.quarantined),
+            con.execute("SELECT line, reason FROM quarantine ORDER BY line").fetchall(),
+            con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall(),
+        )
     assert results[True] == results[False]
     assert results[True][0] == (7, 1, 6)
     assert [reason for _, reason in results[True][1]] == [
@@ -483,13 +641,17 @@ def test_an_evidence_database_of_the_earlier_schema_is_migrated(tmp_path):
 
     path = tmp_path / "evidence.duckdb"
     old = duckdb.connect(str(path))
-    old.execute("CREATE TABLE requests (request_id VARCHAR NOT NULL, ts TIMESTAMPTZ NOT NULL, account_id VARCHAR NOT NULL, "
-                "model VARCHAR NOT NULL, status INTEGER NOT NULL, prompt_tokens BIGINT NOT NULL, "
-                "completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE, "
-                "prefill_instance VARCHAR, decode_instance VARCHAR, source VARCHAR NOT NULL, "
-                "source_file VARCHAR NOT NULL, source_line BIGINT NOT NULL, row_hash VARCHAR NOT NULL)")
-    old.execute("INSERT INTO requests VALUES ('x', '2026-08-28 10:00:00+00', 'a1', 'm', 200, 100, NULL, NULL, NULL, "
-                "NULL, NULL, NULL, 'gw', 'old.jsonl', 1, 'h')")
+    old.execute(
+        "CREATE TABLE requests (request_id VARCHAR NOT NULL, ts TIMESTAMPTZ NOT NULL, account_id VARCHAR NOT NULL, "
+        "model VARCHAR NOT NULL, status INTEGER NOT NULL, prompt_tokens BIGINT NOT NULL, "
+        "completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE, "
+        "prefill_instance VARCHAR, decode_instance VARCHAR, source VARCHAR NOT NULL, "
+        "source_file VARCHAR NOT NULL, source_line BIGINT NOT NULL, row_hash VARCHAR NOT NULL)"
+    )
+    old.execute(
+        "INSERT INTO requests VALUES ('x', '2026-08-28 10:00:00+00', 'a1', 'm', 200, 100, NULL, NULL, NULL, "
+        "NULL, NULL, NULL, 'gw', 'old.jsonl', 1, 'h')"
+    )
     old.close()
     (tmp_path / "gw.jsonl").write_text("\n".join([rec("x"), rec("y")]) + "\n")
     con = connect(path)
@@ -501,15 +663,19 @@ def test_an_evidence_database_of_the_earlier_schema_is_migrated(tmp_path):
 def test_a_reader_error_whose_message_python_cannot_decode_falls_back(tmp_path):
     """DuckDB's NDJSON reader refuses a JSON array line with an error message that quotes the line
     cut inside a 4-byte character (found by hypothesis); the line reader then takes the file."""
-    lines = [b'{"decode_instance": null, "request_id": "dup-1"}',
-             json.dumps([{"": None, "\x1f\x1f\x1f\x1f": None, "\U00010000\U00010000": None}]).encode()]
+    lines = [
+        b'{"decode_instance": null, "request_id": "dup-1"}',
+        json.dumps([{"": None, "\x1f\x1f\x1f\x1f": None, "\U00010000\U00010000": None}]).encode(),
+    ]
     (tmp_path / "gw.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     src = Source(name="gw", kind="requests", path="*", format="jsonl", timezone="UTC", base_dir=tmp_path, columns={})
     con = connect()
     r = load_requests_file(con, src, tmp_path / "gw.jsonl")
     assert (r.reader, r.records_read, r.loaded, r.quarantined) == ("duckdb-lines", 2, 0, 2)
     assert [reason for (reason,) in con.execute("SELECT reason FROM quarantine ORDER BY line").fetchall()] == [
-        "missing required field 'ts'", "not a JSON object"]
+        "missing required field 'ts'",
+        "not a JSON object",
+    ]
 
 
 def _setting(con) -> str:
@@ -519,7 +685,7 @@ def _setting(con) -> str:
 def test_sizes_are_read_as_duckdb_reads_them() -> None:
     from kvforensics.core.db import size_bytes
 
-    assert size_bytes("2GB") == 2 * 10 ** 9 and size_bytes("512MiB") == 2 ** 29 and size_bytes("1.5 GB") == 15 * 10 ** 8
+    assert size_bytes("2GB") == 2 * 10**9 and size_bytes("512MiB") == 2**29 and size_bytes("1.5 GB") == 15 * 10**8
     con = duckdb.connect()
     for size in ("2GB", "512MiB", "1.5 GB", "300MB"):
         con.execute(f"SET memory_limit = '{size}'")
@@ -552,8 +718,13 @@ def test_memory_duckdb_frees_leaves_the_process(tmp_path) -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _RSS_AFTER_A_DROP, str(tmp_path / "evidence.duckdb")],
-                          capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_AFTER_A_DROP, str(tmp_path / "evidence.duckdb")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     held, after = map(int, done.stdout.split()[-2:])  # after any progress bar DuckDB printed
     assert held > 450, held  # the table was in memory (~520 MB)
     assert after < held - 300, (held, after)
@@ -572,7 +743,7 @@ def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its
     held = bytearray(b"\x01" * 400_000_000)  # 400 MB that DuckDB does not count
     with MemoryGovernor(con, every_s=0) as governor:
         governor.tick()
-        assert 400_000_000 < governor.outside < 10 ** 9
+        assert 400_000_000 < governor.outside < 10**9
         assert _setting(con) == shown(size_bytes("2GB") - governor.outside)
         more = bytearray(b"\x01" * 800_000_000)  # outside more than half the limit: DuckDB keeps half
         governor.tick()
@@ -605,18 +776,21 @@ def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, m
         assert governor.limit == size_bytes(default)
         governor.tick()
         assert governor.outside > 0
-        expected.execute(f"SET memory_limit = '{max(size_bytes(default) - governor.outside, size_bytes(default) // 2)}B'")
+        expected.execute(
+            f"SET memory_limit = '{max(size_bytes(default) - governor.outside, size_bytes(default) // 2)}B'"
+        )
         assert _setting(con) == _setting(expected)
     # half of a small machine (or container), 4 GB of a large one
-    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 6 * 2 ** 30)
+    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 6 * 2**30)
     assert db.default_memory_limit() == "3072MiB"
-    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 64 * 2 ** 30)
-    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2 ** 20}MiB"
+    monkeypatch.setattr(db, "usable_memory_bytes", lambda: 64 * 2**30)
+    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2**20}MiB"
     monkeypatch.setattr(db, "usable_memory_bytes", lambda: None)
-    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2 ** 20}MiB"
+    assert db.default_memory_limit() == f"{size_bytes('4GB') // 2**20}MiB"
     # an explicit limit wins, and may be larger
-    assert _setting(connect(tmp_path / "big.duckdb", memory_limit="6GB")) == _setting(duckdb.connect(
-        config={"memory_limit": "6GB"}))
+    assert _setting(connect(tmp_path / "big.duckdb", memory_limit="6GB")) == _setting(
+        duckdb.connect(config={"memory_limit": "6GB"})
+    )
 
 
 def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs(tmp_path, monkeypatch) -> None:
@@ -645,10 +819,10 @@ def test_engine_logs_are_parsed_with_their_batches_memory_set_aside_from_duckdbs
     assert seen == [_setting(expected)] * 2
     assert _setting(con) == _setting(connect(tmp_path / "other.duckdb", memory_limit="3GB"))
     # never below half the limit; without a limit of the incident's, nothing changes
-    with memory_set_aside(con, 10 ** 12):
+    with memory_set_aside(con, 10**12):
         expected.execute(f"SET memory_limit = '{size_bytes('3GB') // 2}B'")
         assert _setting(con) == _setting(expected)
     unlimited = duckdb.connect(str(tmp_path / "unlimited.duckdb"))  # a limit kvforensics.core.db.connect did not set
     before = _setting(unlimited)
-    with memory_set_aside(unlimited, 10 ** 9):
+    with memory_set_aside(unlimited, 10**9):
         assert _setting(unlimited) == before

@@ -25,27 +25,37 @@ from kvforensics.core.canonical import CANONICAL_REQUEST_FIELDS
 from kvforensics.core.db import connect
 from kvforensics.sources.requests.load import FileLoad, load_requests_file
 
-FAST = settings(max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 60)), deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=int(__import__("os").environ.get("KVF_EXAMPLES", 60)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 COMPRESSION_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd")  # gzip, zstd: recognised whatever the file name
 SGLANG_FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 SGLANG_LINES = sorted({line for f in SGLANG_FIXTURES.glob("*.log") for line in f.read_text().splitlines()})
 
 # values: no surrounding spaces (the loader trims), never empty
 name_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20).filter(
-    lambda s: s.strip() == s and s.strip(" ") != "")
+    lambda s: s.strip() == s and s.strip(" ") != ""
+)
 # from 2000: an epoch in milliseconds before 1973-03 is indistinguishable from one in seconds
-instants = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2199, 12, 31),
-                        timezones=st.just(timezone.utc))
+instants = st.datetimes(
+    min_value=datetime(2000, 1, 1), max_value=datetime(2199, 12, 31), timezones=st.just(timezone.utc)
+)
 finite = st.floats(min_value=0, max_value=1e12, allow_nan=False, allow_infinity=False)
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.text(max_size=30),
+    st.none(),
+    st.booleans(),
+    st.text(max_size=30),
     st.integers(min_value=-(10**30), max_value=10**30),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(["", " ", "NaN", "Infinity", "-1", "1e400", "2026-13-45", "0x10", "200 OK", "\x00", "nan"]),
 )
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8,
+)
 duplicate_ids = st.sampled_from(["dup-1", "dup-2", "dup-3"])
 
 
@@ -82,8 +92,17 @@ def garbage_records(draw: st.DrawFn) -> dict:
     elif isinstance(rec.get("request_id"), str) and rec["request_id"].strip().startswith("valid-"):
         rec["request_id"] = "x" + rec["request_id"]
     if draw(st.booleans()):
-        rec.update({"ts": "2026-08-28T10:00:00Z", "account_id": "a", "model": "m", "status": 200,
-                    "prompt_tokens": draw(st.integers(0, 5))} if draw(st.booleans()) else {})
+        rec.update(
+            {
+                "ts": "2026-08-28T10:00:00Z",
+                "account_id": "a",
+                "model": "m",
+                "status": 200,
+                "prompt_tokens": draw(st.integers(0, 5)),
+            }
+            if draw(st.booleans())
+            else {}
+        )
     return rec
 
 
@@ -146,14 +165,27 @@ line_kinds = st.one_of(
     st.text(max_size=80).map(lambda t: t.replace("\n", " ").replace("\r", " ").encode("utf-8", "surrogatepass")),
     garbage_records().map(lambda r: json.dumps(r).encode()),
     json_values.map(lambda v: json.dumps(v).encode()),
-    st.sampled_from([b"{}", b"[]", b"null", b"{\"request_id\": {\"nested\": [1, {\"a\": NaN}]}}", b"   ",
-                     b"{\"request_id\": \"dup-1\", \"prompt_tokens\": 1e999}", b"\xff\xfe{\"a\": 1}"]),
+    st.sampled_from(
+        [
+            b"{}",
+            b"[]",
+            b"null",
+            b"{\"request_id\": {\"nested\": [1, {\"a\": NaN}]}}",
+            b"   ",
+            b"{\"request_id\": \"dup-1\", \"prompt_tokens\": 1e999}",
+            b"\xff\xfe{\"a\": 1}",
+        ]
+    ),
 )
 
 
 @FAST
-@given(garbage=st.lists(line_kinds, max_size=25), n_valid=st.integers(0, 4), data=st.data(),
-       ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]))
+@given(
+    garbage=st.lists(line_kinds, max_size=25),
+    n_valid=st.integers(0, 4),
+    data=st.data(),
+    ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]),
+)
 def test_jsonl_never_crashes_and_accounts_for_every_line(garbage, n_valid, data, ts_style):
     valid = [data.draw(valid_records(i)) for i in range(n_valid)]
     lines = list(garbage)
@@ -180,20 +212,33 @@ def test_a_line_of_ascii_whitespace_is_blank_to_every_reader():
         assert load.records_read == sum(1 for line in data.split(b"\n") if line.strip())
 
 
-csv_fields = st.one_of(st.text(max_size=15), json_scalars.map(lambda v: "" if v is None else str(v)),
-                       st.binary(max_size=10).map(lambda b: b.decode("utf-8", "surrogateescape")))
+csv_fields = st.one_of(
+    st.text(max_size=15),
+    json_scalars.map(lambda v: "" if v is None else str(v)),
+    st.binary(max_size=10).map(lambda b: b.decode("utf-8", "surrogateescape")),
+)
 
 
 @FAST
-@given(garbage=st.lists(st.lists(csv_fields, max_size=14), max_size=20), n_valid=st.integers(0, 4),
-       data=st.data())
+@given(garbage=st.lists(st.lists(csv_fields, max_size=14), max_size=20), n_valid=st.integers(0, 4), data=st.data())
 def test_csv_never_crashes_and_loads_every_valid_row(garbage, n_valid, data):
     valid = [data.draw(valid_records(i)) for i in range(n_valid)]
     rows = [list(r) for r in garbage]
     for rec in valid:
         at = data.draw(st.integers(0, len(rows)))
-        rows.insert(at, ["" if rec[f] is None else _ts_text(rec[f], "iso") if f == "ts" else
-                         repr(rec[f]) if isinstance(rec[f], float) else str(rec[f]) for f in CANONICAL_REQUEST_FIELDS])
+        rows.insert(
+            at,
+            [
+                ""
+                if rec[f] is None
+                else _ts_text(rec[f], "iso")
+                if f == "ts"
+                else repr(rec[f])
+                if isinstance(rec[f], float)
+                else str(rec[f])
+                for f in CANONICAL_REQUEST_FIELDS
+            ],
+        )
     out = io.StringIO(newline="")
     writer = csv.writer(out)
     writer.writerow(CANONICAL_REQUEST_FIELDS)
@@ -216,48 +261,86 @@ def mutated_sglang_line(draw: st.DrawFn) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(0, len(line)))
         piece = draw(st.text(alphabet="'\"()[]{},:= 0123456789.-eNaI\\x", max_size=4))
-        line = line[:at] + piece + line[at + draw(st.integers(0, 4)):] if draw(st.booleans()) else line[:at]
+        line = line[:at] + piece + line[at + draw(st.integers(0, 4)) :] if draw(st.booleans()) else line[:at]
     return line.encode()
 
 
 @st.composite
 def sglang_json_event(draw: st.DrawFn) -> bytes:
-    meta = {k: draw(json_values) for k in ("id", "finish_reason", "prompt_tokens", "completion_tokens",
-                                           "cached_tokens", "e2e_latency", "request_received_ts",
-                                           "first_token_latency") if draw(st.booleans())}
-    record = {"timestamp": draw(st.sampled_from(["2026-08-28T10:00:00.5", "", "garbage", "2026-08-28T10:00:00Z"])),
-              "event": draw(st.sampled_from(["request.received", "request.finished", "request.received.openai",
-                                             "request.other"])),
-              "rid": draw(duplicate_ids | json_values),
-              "obj": draw(st.dictionaries(st.sampled_from(["rid", "model", "received_time", "routing_key"]),
-                                          json_values, max_size=3) | json_values),
-              "headers": draw(st.dictionaries(st.sampled_from(["x-smg-routing-key", "x-account"]), json_values,
-                                              max_size=2) | json_values),
-              "out": draw(st.just({"meta_info": meta}) | json_values)}
+    meta = {
+        k: draw(json_values)
+        for k in (
+            "id",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "e2e_latency",
+            "request_received_ts",
+            "first_token_latency",
+        )
+        if draw(st.booleans())
+    }
+    record = {
+        "timestamp": draw(st.sampled_from(["2026-08-28T10:00:00.5", "", "garbage", "2026-08-28T10:00:00Z"])),
+        "event": draw(
+            st.sampled_from(["request.received", "request.finished", "request.received.openai", "request.other"])
+        ),
+        "rid": draw(duplicate_ids | json_values),
+        "obj": draw(
+            st.dictionaries(st.sampled_from(["rid", "model", "received_time", "routing_key"]), json_values, max_size=3)
+            | json_values
+        ),
+        "headers": draw(
+            st.dictionaries(st.sampled_from(["x-smg-routing-key", "x-account"]), json_values, max_size=2) | json_values
+        ),
+        "out": draw(st.just({"meta_info": meta}) | json_values),
+    }
     return json.dumps(record).encode()
 
 
 @FAST
-@given(lines=st.lists(st.one_of(st.sampled_from(SGLANG_LINES).map(str.encode), mutated_sglang_line(),
-                                sglang_json_event(), line_kinds), max_size=25),
-       account=st.sampled_from([None, "headers.x-account", "obj.rid", "meta_info"]))
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.sampled_from(SGLANG_LINES).map(str.encode), mutated_sglang_line(), sglang_json_event(), line_kinds
+        ),
+        max_size=25,
+    ),
+    account=st.sampled_from([None, "headers.x-account", "obj.rid", "meta_info"]),
+)
 def test_sglang_request_log_never_crashes_and_accounts_for_every_request(lines, account):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "requests.log"
         path.write_bytes(b"\n".join(lines) + b"\n")
         con = _empty_database()
-        src = Source(name="eng", kind="requests", path="*", format="sglang_requests", timezone="Europe/Berlin",
-                     base_dir=Path(d), columns={"account_id": account} if account else {}, model="m")
+        src = Source(
+            name="eng",
+            kind="requests",
+            path="*",
+            format="sglang_requests",
+            timezone="Europe/Berlin",
+            base_dir=Path(d),
+            columns={"account_id": account} if account else {},
+            model="m",
+        )
         load = load_requests_file(con, src, path)
     _check_accounting(con, load)
     rows = con.execute("SELECT ts, latency_ms, ttft_ms FROM requests").fetchall()
-    assert all(ts is not None and (lat is None or math.isfinite(lat)) and (tt is None or math.isfinite(tt))
-               for ts, lat, tt in rows)
+    assert all(
+        ts is not None and (lat is None or math.isfinite(lat)) and (tt is None or math.isfinite(tt))
+        for ts, lat, tt in rows
+    )
 
 
 @FAST
-@given(garbage=st.lists(garbage_records(), max_size=12), n_valid=st.integers(0, 4), data=st.data(),
-       ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]), blank=st.booleans())
+@given(
+    garbage=st.lists(garbage_records(), max_size=12),
+    n_valid=st.integers(0, 4),
+    data=st.data(),
+    ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]),
+    blank=st.booleans(),
+)
 def test_the_three_jsonl_readers_agree_on_arbitrary_records(garbage, n_valid, data, ts_style, blank):
     """DuckDB's NDJSON reader, DuckDB's line reader and the Python reader load, refuse and count the
     same records with the same reasons, values and notes, whatever the values' JSON types."""
@@ -280,17 +363,25 @@ def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
     readers = {}
     previous = (request_readers.FAST_STAGING, request_readers.JSON_READERS)
     try:
-        for name, fast, json_readers in (("text", True, ("text",)), ("json", True, ("json",)), ("lines", True, ()),
-                                         ("python", False, ())):
+        for name, fast, json_readers in (
+            ("text", True, ("text",)),
+            ("json", True, ("json",)),
+            ("lines", True, ()),
+            ("python", False, ()),
+        ):
             request_readers.FAST_STAGING, request_readers.JSON_READERS = fast, json_readers
             con, load = _load("jsonl", "gw.jsonl", payload)
             readers[name] = load.reader
             results[name] = (
-                (load.records_read, load.loaded, load.quarantined, load.duplicates), sorted(load.notes),
+                (load.records_read, load.loaded, load.quarantined, load.duplicates),
+                sorted(load.notes),
                 # a conflict names the file (in each load's own temporary folder) holding the kept record
-                con.execute("SELECT line, replace(reason, $dir, '<dir>'), raw FROM quarantine ORDER BY line, reason",
-                            {"dir": str(load.file.parent)}).fetchall(),
-                con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall())
+                con.execute(
+                    "SELECT line, replace(reason, $dir, '<dir>'), raw FROM quarantine ORDER BY line, reason",
+                    {"dir": str(load.file.parent)},
+                ).fetchall(),
+                con.execute("SELECT * EXCLUDE (source_file) FROM requests ORDER BY request_id").fetchall(),
+            )
     finally:
         request_readers.FAST_STAGING, request_readers.JSON_READERS = previous
     assert results["text"] == results["json"] == results["lines"] == results["python"]
@@ -299,9 +390,12 @@ def _assert_jsonl_readers_agree(payload: bytes) -> dict[str, str]:
 
 # values that load, in JSON types and spellings a reader could misread: numbers where text is
 # expected (exponent forms included), numeric text and integral floats where numbers are expected
-loose_text = st.one_of(name_text, st.integers(-(10**25), 10**25),
-                       st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: x == x),
-                       st.sampled_from(["true", "false", "null", "{x}", "[1]", "1e5", "-2.5E-3", "0x1"]))
+loose_text = st.one_of(
+    name_text,
+    st.integers(-(10**25), 10**25),
+    st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: x == x),
+    st.sampled_from(["true", "false", "null", "{x}", "[1]", "1e5", "-2.5E-3", "0x1"]),
+)
 
 
 @st.composite

@@ -21,15 +21,22 @@ from kvforensics.stages.ingest import ingest
 
 
 def rec(rid: str, **kw) -> str:
-    base = {"request_id": rid, "ts": "2026-08-28T10:00:00Z", "account_id": "a1", "model": "m", "status": 200,
-            "prompt_tokens": 100}
+    base = {
+        "request_id": rid,
+        "ts": "2026-08-28T10:00:00Z",
+        "account_id": "a1",
+        "model": "m",
+        "status": 200,
+        "prompt_tokens": 100,
+    }
     base.update(kw)
     return json.dumps(base)
 
 
 def source(tmp_path: Path, tz: str = "UTC", ambiguous: str = "reject") -> Source:
-    return Source(name="gw", kind="requests", path="*", format="jsonl", timezone=tz, base_dir=tmp_path,
-                  ambiguous=ambiguous)
+    return Source(
+        name="gw", kind="requests", path="*", format="jsonl", timezone=tz, base_dir=tmp_path, ambiguous=ambiguous
+    )
 
 
 def load(tmp_path: Path, name: str, data: bytes, **kw):
@@ -84,16 +91,19 @@ def test_cr_only_gzip_and_crlf_files(tmp_path):
     assert not any("CR only" in n for n in r.notes)
 
 
-@pytest.mark.parametrize("stamp, ok", [
-    ("2026-08-28T10:00:00+25:00", False),
-    ("2026-08-28T10:00:00-14:30", False),
-    ("2026-08-28T10:00:00+05:60", False),
-    ("2026-08-28T10:00:00+9900", False),
-    ("2026-08-28T10:00:00+14:00", True),
-    ("2026-08-28T10:00:00-14:00", True),
-    ("2026-08-28T10:00:00+0530", True),
-    ("2026-08-28T10:00:00Z", True),
-])
+@pytest.mark.parametrize(
+    "stamp, ok",
+    [
+        ("2026-08-28T10:00:00+25:00", False),
+        ("2026-08-28T10:00:00-14:30", False),
+        ("2026-08-28T10:00:00+05:60", False),
+        ("2026-08-28T10:00:00+9900", False),
+        ("2026-08-28T10:00:00+14:00", True),
+        ("2026-08-28T10:00:00-14:00", True),
+        ("2026-08-28T10:00:00+0530", True),
+        ("2026-08-28T10:00:00Z", True),
+    ],
+)
 def test_utc_offsets_are_range_checked(tmp_path, stamp, ok):
     _, r, quarantined = load(tmp_path, "off.jsonl", (rec("r", ts=stamp) + "\n").encode())
     assert r.loaded == int(ok)
@@ -102,31 +112,32 @@ def test_utc_offsets_are_range_checked(tmp_path, stamp, ok):
 
 
 DST_LINES = [
-    rec("fall", ts="2026-11-01 01:30:00"),       # New York: 01:00-02:00 happens twice (EDT, then EST)
-    rec("spring", ts="2026-03-08 02:30:00"),     # New York: 02:00-03:00 does not exist
+    rec("fall", ts="2026-11-01 01:30:00"),  # New York: 01:00-02:00 happens twice (EDT, then EST)
+    rec("spring", ts="2026-03-08 02:30:00"),  # New York: 02:00-03:00 does not exist
     rec("summer", ts="2026-06-01 12:00:00"),
-    rec("edge", ts="2026-11-01 00:59:59"),       # just before the repeated hour: one meaning
+    rec("edge", ts="2026-11-01 00:59:59"),  # just before the repeated hour: one meaning
 ]
 
 
 def test_dst_ambiguous_and_nonexistent_local_times_are_rejected_by_default(tmp_path):
-    con, r, quarantined = load(tmp_path, "dst.jsonl", ("\n".join(DST_LINES) + "\n").encode(),
-                               tz="America/New_York")
+    con, r, quarantined = load(tmp_path, "dst.jsonl", ("\n".join(DST_LINES) + "\n").encode(), tz="America/New_York")
     assert (r.loaded, r.quarantined) == (2, 2)
     assert [q[0] for q in quarantined] == [1, 2]
     assert "'2026-11-01 01:30:00' is ambiguous in America/New_York" in quarantined[0][1]
     assert "'2026-03-08 02:30:00' does not exist in America/New_York" in quarantined[1][1]
     assert 'set ambiguous = "earlier" or "later"' in quarantined[0][1]
-    assert any(n.startswith("1 local time(s) ambiguous in America/New_York (first at line 1): quarantined")
-               for n in r.notes)
+    assert any(
+        n.startswith("1 local time(s) ambiguous in America/New_York (first at line 1): quarantined") for n in r.notes
+    )
     got = dict(con.execute("SELECT request_id, strftime(ts AT TIME ZONE 'UTC', '%H:%M:%S') FROM requests").fetchall())
     assert got == {"summer": "16:00:00", "edge": "04:59:59"}
 
 
 @pytest.mark.parametrize("choice, fall, spring", [("earlier", "05:30", "06:30"), ("later", "06:30", "07:30")])
 def test_dst_resolution_is_configurable(tmp_path, choice, fall, spring):
-    con, r, _ = load(tmp_path, "dst.jsonl", ("\n".join(DST_LINES) + "\n").encode(), tz="America/New_York",
-                     ambiguous=choice)
+    con, r, _ = load(
+        tmp_path, "dst.jsonl", ("\n".join(DST_LINES) + "\n").encode(), tz="America/New_York", ambiguous=choice
+    )
     assert (r.loaded, r.quarantined) == (4, 0)
     got = dict(con.execute("SELECT request_id, strftime(ts AT TIME ZONE 'UTC', '%H:%M') FROM requests").fetchall())
     assert (got["fall"], got["spring"], got["summer"]) == (fall, spring, "16:00")
@@ -173,16 +184,25 @@ def test_ambiguous_is_a_checked_source_key(tmp_path):
     with pytest.raises(ConfigError, match="ambiguous 'first' is not one of"):
         load_incident(incident_file(tmp_path, 'ambiguous = "first"'))
     content_too = incident_file(tmp_path)
-    content_too.write_text(content_too.read_text().replace('format = "jsonl"\n', 'format = "jsonl"\nambiguous = "later"\n', 1))
+    content_too.write_text(
+        content_too.read_text().replace('format = "jsonl"\n', 'format = "jsonl"\nambiguous = "later"\n', 1)
+    )
     with pytest.raises(ConfigError, match="applies to kind \"requests\" only"):
         load_incident(content_too)
 
 
 def test_rendered_text_of_chat_messages():
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "What is the launch code?"},
-                                             {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
-                                             {"type": "text", "text": "Answer in French."}]}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the launch code?"},
+                {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                {"type": "text", "text": "Answer in French."},
+            ],
+        },
+    ]
     assert rendered_text(messages) == "Be brief.\n\nWhat is the launch code?\n\nAnswer in French."
     assert rendered_text(json.dumps(messages)) == rendered_text(messages)
     assert rendered_text([{"type": "text", "text": "parts only"}]) == "parts only"
@@ -197,19 +217,27 @@ def test_chat_message_prompts_are_fingerprinted(tmp_path, monkeypatch):
     key = "ab" * 32
     monkeypatch.setenv("KVFORENSICS_HMAC_KEY", key)
     secret = "the quarterly merger with Globex closes on the ninth of March at noon sharp"
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": [{"type": "text", "text": secret}]}]
-    lines = [json.dumps({"request_id": "c1", "prompt": messages, "output": "ok"}),
-             json.dumps({"request_id": "c2", "prompt": "x", "output": f"Sure: {secret}."}),
-             json.dumps({"request_id": "c3", "prompt": json.dumps(messages), "output": "ok"})]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": secret}]},
+    ]
+    lines = [
+        json.dumps({"request_id": "c1", "prompt": messages, "output": "ok"}),
+        json.dumps({"request_id": "c2", "prompt": "x", "output": f"Sure: {secret}."}),
+        json.dumps({"request_id": "c3", "prompt": json.dumps(messages), "output": "ok"}),
+    ]
     (tmp_path / "content.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "gw.jsonl").write_text(rec("c1") + "\n")
     con = connect()
     ingest(con, load_incident(incident_file(tmp_path)))
 
     def fps(rid: str, part: str) -> set[int]:
-        return {r[0] for r in con.execute("SELECT fp FROM content_fingerprints WHERE request_id = $r AND part = $p",
-                                          {"r": rid, "p": part}).fetchall()}
+        return {
+            r[0]
+            for r in con.execute(
+                "SELECT fp FROM content_fingerprints WHERE request_id = $r AND part = $p", {"r": rid, "p": part}
+            ).fetchall()
+        }
 
     prompt = fps("c1", "prompt")
     assert prompt == fingerprints(rendered_text(messages) or "", bytes.fromhex(key))
@@ -231,7 +259,6 @@ def test_truncated_content_stream_quarantines_its_partial_record(tmp_path, monke
     content = next(f for f in result.files if f.source == "content")
     assert content.quarantined == 1 and content.records_read == content.loaded + 1
     assert con.execute("SELECT reason FROM quarantine WHERE source = 'content'").fetchall() == [(INCOMPLETE_RECORD,)]
-
 
 
 CSV_HEADER = "request_id,ts,account_id,model,status,prompt_tokens,note"
@@ -271,6 +298,7 @@ def test_only_records_near_an_offset_change_are_checked(tmp_path):
     berlin = set(dst_days("Europe/Berlin"))
     assert {date(2026, 3, 29), date(2026, 10, 25)} <= berlin and date(2026, 7, 1) not in berlin
     # Samoa skipped 2011-12-30 when it moved across the date line: a whole day that does not exist
-    con, r, quarantined = load(tmp_path, "apia.jsonl", (rec("gone", ts="2011-12-30 12:00:00") + "\n").encode(),
-                               tz="Pacific/Apia")
+    con, r, quarantined = load(
+        tmp_path, "apia.jsonl", (rec("gone", ts="2011-12-30 12:00:00") + "\n").encode(), tz="Pacific/Apia"
+    )
     assert r.loaded == 0 and "does not exist in Pacific/Apia" in quarantined[0][1]

@@ -32,8 +32,11 @@ def _case(tmp_path: Path, incident: str = INCIDENT) -> tuple[Path, Path]:
 
 def test_a_file_outside_the_incident_folder_is_refused_unless_allowed(tmp_path, capsys):
     path, outside = _case(tmp_path)
-    with pytest.raises(ConfigError, match=r"source 'gateway': 1 file\(s\) resolve outside the incident folder .* "
-                                          r"allow it with --allow-outside or \[settings\] allow_outside = true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"source 'gateway': 1 file\(s\) resolve outside the incident folder .* "
+        r"allow it with --allow-outside or \[settings\] allow_outside = true",
+    ):
         load_incident(path).source_files()
     assert main(["ingest", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
@@ -59,5 +62,6 @@ def test_allowed_outside_files_are_in_the_manifest_and_a_forged_duplicate_is_a_r
     assert set(reasons) == {"conflicting_duplicate"}
     assert reasons["conflicting_duplicate"]["message"].startswith(
         "1 request id(s) logged more than once with different values where a copy decides a finding (first 'r-leak' "
-        "at day1.jsonl line 401, kept the record at day0.jsonl:1)")  # r-400's copies decide nothing
+        "at day1.jsonl line 401, kept the record at day0.jsonl:1)"
+    )  # r-400's copies decide nothing
     assert reasons["conflicting_duplicate"]["evidence"]["request_ids"] == ["r-leak"]

@@ -35,13 +35,22 @@ ENGINES = ["glm53-prefill-0", "glm53-prefill-1", "glm53-decode-0"]
 
 
 def _matched(gateway: list[str], engines: list[str] = ENGINES, **cfg) -> dict[str, tuple[str | None, str]]:
-    return {m.gateway_name: (m.engine_instance, m.matched_by)
-            for m in match_instance_names(gateway, engines, InstanceMatching(**cfg))}
+    return {
+        m.gateway_name: (m.engine_instance, m.matched_by)
+        for m in match_instance_names(gateway, engines, InstanceMatching(**cfg))
+    }
 
 
 def test_builtin_normalisation():
-    assert _matched(["glm53-prefill-0", "glm53-prefill-1.pd.svc.cluster.local:30000",
-                     "http://GLM53-decode-0:30000/generate", "glm53-decode-9.pd:30000", "10.0.0.7:30000"]) == {
+    assert _matched(
+        [
+            "glm53-prefill-0",
+            "glm53-prefill-1.pd.svc.cluster.local:30000",
+            "http://GLM53-decode-0:30000/generate",
+            "glm53-decode-9.pd:30000",
+            "10.0.0.7:30000",
+        ]
+    ) == {
         "glm53-prefill-0": ("glm53-prefill-0", "exact"),
         "glm53-prefill-1.pd.svc.cluster.local:30000": ("glm53-prefill-1", "first_label"),
         "http://GLM53-decode-0:30000/generate": ("glm53-decode-0", "host"),
@@ -58,15 +67,19 @@ def test_short_and_long_names_of_one_pod_both_match():
 
 
 def test_first_label_is_not_used_when_it_names_pods_in_two_domains():
-    got = match_instance_names(["prefill-0.cluster-a:30000", "prefill-0.cluster-b:30000"], ["prefill-0"],
-                               InstanceMatching())
-    assert got == [NameMatch("prefill-0.cluster-a:30000", None, "ambiguous", ("prefill-0",)),
-                   NameMatch("prefill-0.cluster-b:30000", None, "ambiguous", ("prefill-0",))]
+    got = match_instance_names(
+        ["prefill-0.cluster-a:30000", "prefill-0.cluster-b:30000"], ["prefill-0"], InstanceMatching()
+    )
+    assert got == [
+        NameMatch("prefill-0.cluster-a:30000", None, "ambiguous", ("prefill-0",)),
+        NameMatch("prefill-0.cluster-b:30000", None, "ambiguous", ("prefill-0",)),
+    ]
 
 
 def test_first_label_never_joins_two_domains():
     assert _matched(["prefill-0.cluster-b:30000"], ["prefill-0.cluster-a"]) == {
-        "prefill-0.cluster-b:30000": (None, "unmatched")}
+        "prefill-0.cluster-b:30000": (None, "unmatched")
+    }
 
 
 def test_two_engine_instances_with_one_host_are_ambiguous():
@@ -75,19 +88,24 @@ def test_two_engine_instances_with_one_host_are_ambiguous():
 
 
 def test_regex_and_map():
-    got = _matched(["sglang-glm53-prefill-0-7f9c", "gw-decode"], match=r"(?P<instance>glm53-\w+-\d+)",
-                   map={"gw-decode": "glm53-decode-0"})
-    assert got == {"sglang-glm53-prefill-0-7f9c": ("glm53-prefill-0", "match"),
-                   "gw-decode": ("glm53-decode-0", "map")}
+    got = _matched(
+        ["sglang-glm53-prefill-0-7f9c", "gw-decode"],
+        match=r"(?P<instance>glm53-\w+-\d+)",
+        map={"gw-decode": "glm53-decode-0"},
+    )
+    assert got == {"sglang-glm53-prefill-0-7f9c": ("glm53-prefill-0", "match"), "gw-decode": ("glm53-decode-0", "map")}
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"match": "(unclosed"}, "match is not a valid regular expression"),
-    ({"match": "glm53-.*"}, "match needs a named group (?P<instance>...)"),
-    ({"map": {"a": 3}}, 'map must be a table of "<gateway name>" = "<engine instance>" strings'),
-    ({"handover_s": -1}, "handover_s must be a number of seconds >= 0"),
-    ({"regex": "x"}, "unknown key(s) ['regex']"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"match": "(unclosed"}, "match is not a valid regular expression"),
+        ({"match": "glm53-.*"}, "match needs a named group (?P<instance>...)"),
+        ({"map": {"a": 3}}, 'map must be a table of "<gateway name>" = "<engine instance>" strings'),
+        ({"handover_s": -1}, "handover_s must be a number of seconds >= 0"),
+        ({"regex": "x"}, "unknown key(s) ['regex']"),
+    ],
+)
 def test_bad_instances_config(raw, message):
     with pytest.raises(ConfigError) as e:
         instances_from_config(raw, "incident.toml: [instances]")
@@ -95,13 +113,18 @@ def test_bad_instances_config(raw, message):
 
 
 def test_instances_table_is_read_from_the_incident_file(tmp_path):
-    path = write_mini(tmp_path, incident=INCIDENT + '\n[instances]\nmatch = "^(?P<instance>[^.:]+)"\n'
-                                                    'map = { "gw-0" = "p0" }\nhandover_s = 600\n')
-    assert load_incident(path).instances == InstanceMatching(match="^(?P<instance>[^.:]+)", map={"gw-0": "p0"},
-                                                             handover_s=600.0)
+    path = write_mini(
+        tmp_path,
+        incident=INCIDENT + '\n[instances]\nmatch = "^(?P<instance>[^.:]+)"\n'
+        'map = { "gw-0" = "p0" }\nhandover_s = 600\n',
+    )
+    assert load_incident(path).instances == InstanceMatching(
+        match="^(?P<instance>[^.:]+)", map={"gw-0": "p0"}, handover_s=600.0
+    )
 
 
 # --- ingest ------------------------------------------------------------------------------------
+
 
 def test_unknown_instance_names_are_a_loud_warning(tmp_path):
     rows = mini_requests()
@@ -113,10 +136,12 @@ def test_unknown_instance_names_are_a_loud_warning(tmp_path):
     assert warning.startswith("25 request(s) name 1 instance(s) no engine log knows ('p9.pool:30000')")
     assert '[instances] map = { "p9.pool:30000" = "<engine instance>" }' in warning
     # requests keep the unknown name, so a query for names absent from capacity finds them
-    assert con.execute("SELECT count(*) FROM requests WHERE prefill_instance NOT IN "
-                       "(SELECT instance FROM capacity)").fetchone() == (25,)
-    assert con.execute("SELECT matched_by, requests FROM instance_names WHERE gateway_name = 'p9.pool:30000'"
-                       ).fetchall() == [("unmatched", 25)]
+    assert con.execute(
+        "SELECT count(*) FROM requests WHERE prefill_instance NOT IN (SELECT instance FROM capacity)"
+    ).fetchone() == (25,)
+    assert con.execute(
+        "SELECT matched_by, requests FROM instance_names WHERE gateway_name = 'p9.pool:30000'"
+    ).fetchall() == [("unmatched", 25)]
 
 
 def test_the_warning_reaches_the_console_with_its_config_line(tmp_path, capsys):
@@ -126,8 +151,10 @@ def test_the_warning_reaches_the_console_with_its_config_line(tmp_path, capsys):
     rows[0]["prefill_instance"] = "p9.pool:30000"
     main(["run", str(write_mini(tmp_path, rows)), "--out", str(tmp_path / "out"), "--no-pdf"])
     err = " ".join(capsys.readouterr().err.split())
-    assert ("warning: 1 request(s) name 1 instance(s) no engine log knows ('p9.pool:30000'): the pool rule "
-            'cannot judge them by instance; add [instances] map = { "p9.pool:30000" = "<engine instance>" }') in err
+    assert (
+        "warning: 1 request(s) name 1 instance(s) no engine log knows ('p9.pool:30000'): the pool rule "
+        'cannot judge them by instance; add [instances] map = { "p9.pool:30000" = "<engine instance>" }'
+    ) in err
 
 
 def _fqdn(name: str | None) -> str | None:
@@ -178,8 +205,9 @@ def test_fqdn_names_are_mapped_with_a_note(fqdn_run):
     names = con.execute("SELECT gateway_name, engine_instance, matched_by FROM instance_names ORDER BY 1").fetchall()
     assert len(names) == 8
     assert all(g == _fqdn(e) and how == "first_label" for g, e, how in names)
-    assert con.execute("SELECT count(*) FROM requests WHERE prefill_instance LIKE '%:30000' "
-                       "OR decode_instance LIKE '%:30000'").fetchone() == (0,)
+    assert con.execute(
+        "SELECT count(*) FROM requests WHERE prefill_instance LIKE '%:30000' OR decode_instance LIKE '%:30000'"
+    ).fetchone() == (0,)
     notes = [n for (n,) in con.execute("SELECT note FROM ingest_notes").fetchall()]
     assert any(n.startswith("8 gateway instance name(s) matched to engine instances by first_label") for n in notes)
     assert not [n for n in notes if "no engine log knows" in n]
@@ -204,29 +232,40 @@ def test_reingest_keeps_names_and_compares_redelivered_records_with_the_gateways
     result = ingest(con, incident)
     day2 = next(f for f in result.files if f.file.endswith("day2.jsonl"))
     assert (day2.duplicates, day2.quarantined) == (10, 0)
-    assert con.execute("SELECT DISTINCT prefill_instance, decode_instance FROM requests "
-                       "WHERE prefill_instance IS NOT NULL").fetchall() == [("p0", "d0")]
-    assert con.execute("SELECT gateway_name, engine_instance, matched_by FROM instance_names ORDER BY 1").fetchall() == [
-        (_fqdn("d0"), "d0", "first_label"), (_fqdn("p0"), "p0", "first_label"), ("p0:30000", "p0", "host")]
+    assert con.execute(
+        "SELECT DISTINCT prefill_instance, decode_instance FROM requests WHERE prefill_instance IS NOT NULL"
+    ).fetchall() == [("p0", "d0")]
+    assert con.execute(
+        "SELECT gateway_name, engine_instance, matched_by FROM instance_names ORDER BY 1"
+    ).fetchall() == [(_fqdn("d0"), "d0", "first_label"), (_fqdn("p0"), "p0", "first_label"), ("p0:30000", "p0", "host")]
     assert con.execute("SELECT count(*) FROM instance_renames").fetchone() == (named,)
 
 
 _NAMES = st.one_of(
     st.text(max_size=30),
-    st.builds(lambda pod, domain, port: pod + domain + port,
-              st.sampled_from(["p0", "P0", "p1", "10.0.0.1", "[::1]", "http://p0", ""]),
-              st.sampled_from(["", ".ns", ".ns.svc", ".other"]), st.sampled_from(["", ":30000", ":x", "/v1"])),
+    st.builds(
+        lambda pod, domain, port: pod + domain + port,
+        st.sampled_from(["p0", "P0", "p1", "10.0.0.1", "[::1]", "http://p0", ""]),
+        st.sampled_from(["", ".ns", ".ns.svc", ".other"]),
+        st.sampled_from(["", ":30000", ":x", "/v1"]),
+    ),
 )
 
 
 @settings(max_examples=int(os.environ.get("KVF_EXAMPLES", 200)), deadline=None)
-@given(gateway=st.lists(_NAMES, max_size=8), engines=st.lists(_NAMES, max_size=6),
-       regex=st.sampled_from([None, r"(?P<instance>[^.:]+)", r"^(?P<instance>p\d)", r"(?P<instance>)"]))
+@given(
+    gateway=st.lists(_NAMES, max_size=8),
+    engines=st.lists(_NAMES, max_size=6),
+    regex=st.sampled_from([None, r"(?P<instance>[^.:]+)", r"^(?P<instance>p\d)", r"(?P<instance>)"]),
+)
 def test_matching_any_names_never_fails_and_never_invents_an_instance(gateway, engines, regex):
     got = match_instance_names(gateway, engines, InstanceMatching(match=regex))
     assert sorted(m.gateway_name for m in got) == sorted(set(gateway))
     for m in got:
-        assert (m.engine_instance in engines) if m.engine_instance is not None else m.matched_by in (
-            "ambiguous", "unmatched")
+        assert (
+            (m.engine_instance in engines)
+            if m.engine_instance is not None
+            else m.matched_by in ("ambiguous", "unmatched")
+        )
         assert (m.matched_by == "exact") == (m.gateway_name in engines)
         assert not m.candidates or m.matched_by == "ambiguous"

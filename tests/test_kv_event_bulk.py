@@ -82,8 +82,10 @@ def test_every_fixture_is_read_in_bulk_with_the_references_rows(tmp_path, fixtur
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_generated_archives_agree_and_chains_run_on_across_files(tmp_path, shape):
-    files = [write(tmp_path, f"engine-0.{i}.jsonl", list(lines(Stream(shape, 400, seed=11 + i, capacity=300))))
-             for i in range(2)]
+    files = [
+        write(tmp_path, f"engine-0.{i}.jsonl", list(lines(Stream(shape, 400, seed=11 + i, capacity=300))))
+        for i in range(2)
+    ]
     loads, got = assert_agree(tmp_path, files, COLUMNS[shape] or None, 'instance = "engine-0"')
     assert all(load.notes[0] == "read in bulk by DuckDB" for load in loads)
     stored = [r for r in got["kv_events"] if r[5] == "stored"]  # kind; position is column 8
@@ -94,8 +96,10 @@ def test_generated_archives_agree_and_chains_run_on_across_files(tmp_path, shape
 def test_damaged_archives_agree_line_for_line(tmp_path, shape):
     """Cut lines, not JSON, unknown events, unreadable timestamps and ranks, wrong arities and sizes, sequence
     numbers sent twice or skipped, hashes as hex, base64 and 0x text, escapes, trailing commas, keys twice."""
-    files = [write(tmp_path, f"engine-0.{i}.jsonl", list(lines(Stream(shape, 500, seed=5 + i, damage=0.2))))
-             for i in range(2)]
+    files = [
+        write(tmp_path, f"engine-0.{i}.jsonl", list(lines(Stream(shape, 500, seed=5 + i, damage=0.2))))
+        for i in range(2)
+    ]
     loads, got = assert_agree(tmp_path, files, COLUMNS[shape] or None, 'instance = "engine-0"')
     assert all("outside its shapes read by the Python reference" in load.notes[0] for load in loads)
     assert got["quarantine"]
@@ -105,23 +109,27 @@ def test_damaged_archives_agree_line_for_line(tmp_path, shape):
 
 def test_keys_written_twice_and_lenient_json_go_to_the_reference(tmp_path):
     good = {"recv_ts": "x", "instance": "sglang-1", "seq": 1, "batch": [1.0, [["BlockRemoved", [7], "GPU"]], 0]}
-    text = [json.dumps(good),
-            json.dumps(good)[:-1] + ', "seq": 9}',  # Python reads the last seq, DuckDB the first
-            '{"recv_ts": "x", "instance": "sglang-1", "seq": 2, "batch": [2.0, [{"type": "BlockRemoved", '
-            '"block_hashes": [8], "block_hashes": [1]}], 0]}',  # Python reads the last block_hashes
-            '{"recv_ts": "x", "instance": "sglang-1", "seq": 3, "batch": [3.0, [["BlockRemoved", [9], "GPU"],], 0]}',
-            '{"recv_ts": "x", "instance": "sglang-1", "seq": 4, "batch": [nan, [["BlockRemoved", [9], "GPU"]], 0]}',
-            '{"recv_ts": "x", "instance": "sglang-1", "seq": 5, "batch": [NaN, [["BlockRemoved", [9], "GPU"]], 0]}',
-            '{"recv_ts": "x", "instance": "sglang-\\u0031", "seq": 6, "batch": [6.0, [["BlockRemoved", [9], "GPU"]], 0]}',
-            '{"type": "BlockRemoved", "type": "AllBlocksCleared"}',
-            "[" + "9" * 5000 + ", []]"]
+    text = [
+        json.dumps(good),
+        json.dumps(good)[:-1] + ', "seq": 9}',  # Python reads the last seq, DuckDB the first
+        '{"recv_ts": "x", "instance": "sglang-1", "seq": 2, "batch": [2.0, [{"type": "BlockRemoved", '
+        '"block_hashes": [8], "block_hashes": [1]}], 0]}',  # Python reads the last block_hashes
+        '{"recv_ts": "x", "instance": "sglang-1", "seq": 3, "batch": [3.0, [["BlockRemoved", [9], "GPU"],], 0]}',
+        '{"recv_ts": "x", "instance": "sglang-1", "seq": 4, "batch": [nan, [["BlockRemoved", [9], "GPU"]], 0]}',
+        '{"recv_ts": "x", "instance": "sglang-1", "seq": 5, "batch": [NaN, [["BlockRemoved", [9], "GPU"]], 0]}',
+        '{"recv_ts": "x", "instance": "sglang-\\u0031", "seq": 6, "batch": [6.0, [["BlockRemoved", [9], "GPU"]], 0]}',
+        '{"type": "BlockRemoved", "type": "AllBlocksCleared"}',
+        "[" + "9" * 5000 + ", []]",
+    ]
     loads, got = assert_agree(tmp_path, [write(tmp_path, "a.jsonl", text)], ARCHIVE)
     assert loads[0].notes[0] == "read in bulk by DuckDB; 8 line(s) outside its shapes read by the Python reference"
 
 
 def test_a_map_with_a_key_twice(tmp_path):
-    text = ['[1.0, [{"type": "BlockRemoved", "block_hashes": [8], "block_hashes": [9]}]]',
-            '[2.0, [{"type": "BlockRemoved", "block_hashes": [8]}, ["BlockRemoved", [10]]]]']
+    text = [
+        '[1.0, [{"type": "BlockRemoved", "block_hashes": [8], "block_hashes": [9]}]]',
+        '[2.0, [{"type": "BlockRemoved", "block_hashes": [8]}, ["BlockRemoved", [10]]]]',
+    ]
     loads, got = assert_agree(tmp_path, [write(tmp_path, "a.jsonl", text)])
     assert sorted(r[6] for r in got["kv_events"]) == ["10", "8", "9"]  # block_hash: the map's last block_hashes
     assert loads[0].notes[0] == "read in bulk by DuckDB; 1 line(s) outside its shapes read by the Python reference"
@@ -138,7 +146,7 @@ def test_compressed_and_truncated_files(tmp_path, compress):
     else:
         path = folder / "a.jsonl.gz"
         data = gzip.compress(text)
-        path.write_bytes(data[:len(data) * 2 // 3] if compress == "truncated" else data)
+        path.write_bytes(data[: len(data) * 2 // 3] if compress == "truncated" else data)
     src = source(tmp_path, ARCHIVE)
     if compress == "truncated":
         assert read_bulk(connect(), src, path, KEY, Chains(), 0).startswith("DuckDB cannot number its lines")
@@ -161,7 +169,7 @@ def test_reference_and_bulk_files_share_their_chains(tmp_path):
     """A file read in bulk, one by the reference (its keys not ones the bulk reader follows), one in bulk
     again: the chains run on through all three, whichever read each."""
     stream = list(lines(Stream("vllm-array", 600, seed=21, capacity=200)))
-    files = [write(tmp_path, f"e.{i}.jsonl", stream[i * 200:(i + 1) * 200]) for i in range(3)]
+    files = [write(tmp_path, f"e.{i}.jsonl", stream[i * 200 : (i + 1) * 200]) for i in range(3)]
     src = source(tmp_path, extra='instance = "engine-0"')
     ref, bulk = connect(), connect()
     ref_chains, bulk_chains = Chains(), Chains()
@@ -177,11 +185,15 @@ def test_reference_and_bulk_files_share_their_chains(tmp_path):
     assert bulk_chains.messages == ref_chains.messages == 600
 
 
-@pytest.mark.parametrize(("columns", "followed"), [
-    ({"ts": "b.t", "events": "b.evs", "dp_rank": "rank", "instance": "who", "seq": "n"}, True),
-    ({"ts": "b.0", "events": "b.1", "dp_rank": "meta.2"}, True),
-    ({"ts": "b.0.x", "events": "b.1"}, False),
-    ({"ts": "b.0", "events": "b.t"}, True)])  # "b" an object: its "0" a key the JSON path cannot read, left
+@pytest.mark.parametrize(
+    ("columns", "followed"),
+    [
+        ({"ts": "b.t", "events": "b.evs", "dp_rank": "rank", "instance": "who", "seq": "n"}, True),
+        ({"ts": "b.0", "events": "b.1", "dp_rank": "meta.2"}, True),
+        ({"ts": "b.0.x", "events": "b.1"}, False),
+        ({"ts": "b.0", "events": "b.t"}, True),
+    ],
+)  # "b" an object: its "0" a key the JSON path cannot read, left
 def test_keys_the_source_maps(tmp_path, columns, followed):
     def nest(key: str, value, into: dict) -> None:
         *names, last = key.split(".")
@@ -197,8 +209,13 @@ def test_keys_the_source_maps(tmp_path, columns, followed):
             if "dp_rank" in columns:
                 message["meta"] = [0, 1, 3] if i % 2 else {"2": 5}
         else:
-            for part, value in (("ts", 1_790_000_000.5 + i), ("dp_rank", i % 3), ("instance", f"p{i % 2}"),
-                                ("seq", i), ("events", [["BlockStored", [100 + i], 99 + i if i else None, [1, 2], 2]])):
+            for part, value in (
+                ("ts", 1_790_000_000.5 + i),
+                ("dp_rank", i % 3),
+                ("instance", f"p{i % 2}"),
+                ("seq", i),
+                ("events", [["BlockStored", [100 + i], 99 + i if i else None, [1, 2], 2]]),
+            ):
                 if part in columns:
                     nest(columns[part], value, message)
         text.append(json.dumps(message))
@@ -210,8 +227,14 @@ def test_keys_the_source_maps(tmp_path, columns, followed):
         assert isinstance(reason, str) and "(columns.ts)" in reason
 
 
-TIMES = st.one_of(st.floats(-1e20, 1e20, allow_nan=False), st.integers(-10 ** 19, 10 ** 19),
-                  st.floats(1e9, 2e9), st.floats(1e12, 2e12), st.floats(1e15, 2e15), st.floats(1e18, 2e18))
+TIMES = st.one_of(
+    st.floats(-1e20, 1e20, allow_nan=False),
+    st.integers(-(10**19), 10**19),
+    st.floats(1e9, 2e9),
+    st.floats(1e12, 2e12),
+    st.floats(1e15, 2e15),
+    st.floats(1e18, 2e18),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -221,24 +244,49 @@ def test_timestamps_of_every_magnitude(tmp_path, times, offset):
     assert_agree(tmp_path, [write(tmp_path, "a.jsonl", text)], extra=f"clock_offset_s = {offset}")
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 2 ** 70) | st.just(2 ** 33) | st.floats()
-                    | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-                    max_leaves=12)
-HASH = st.one_of(st.integers(-2 ** 64, 2 ** 64), st.sampled_from(["0x1f", "ab12", "AB", "QUJD", "", "zz", "q=="]))
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2**70) | st.just(2**33) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+HASH = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from(["0x1f", "ab12", "AB", "QUJD", "", "zz", "q=="]))
 TOKENS = st.lists(st.integers(-1, 200_000), max_size=10)
-FIELD = st.one_of(JSON, st.integers(-3, 20), TOKENS, st.sampled_from(["GPU", "CPU_PINNED", "0x1f"]),
-                  st.lists(HASH, max_size=3), st.just({"cache_salt": "t"}), st.just([["salt-a"], None]))
-STORED = st.builds(lambda h, p, t, s, rest: ["BlockStored", h, p, t, s, *rest], st.lists(HASH, min_size=1, max_size=3),
-                   st.one_of(st.none(), HASH), TOKENS, st.integers(1, 6), st.lists(FIELD, max_size=7))
+FIELD = st.one_of(
+    JSON,
+    st.integers(-3, 20),
+    TOKENS,
+    st.sampled_from(["GPU", "CPU_PINNED", "0x1f"]),
+    st.lists(HASH, max_size=3),
+    st.just({"cache_salt": "t"}),
+    st.just([["salt-a"], None]),
+)
+STORED = st.builds(
+    lambda h, p, t, s, rest: ["BlockStored", h, p, t, s, *rest],
+    st.lists(HASH, min_size=1, max_size=3),
+    st.one_of(st.none(), HASH),
+    TOKENS,
+    st.integers(1, 6),
+    st.lists(FIELD, max_size=7),
+)
 EVENT = st.one_of(
-    STORED, JSON,
+    STORED,
+    JSON,
     st.builds(lambda tag, fields: [tag, *fields], st.sampled_from([*FIELDS, "Other"]), st.lists(FIELD, max_size=12)),
-    st.builds(lambda tag, fields: {"type": tag, **dict(zip(FIELDS["BlockStored"], fields, strict=False))},
-              st.sampled_from([*FIELDS, None]), st.lists(FIELD, max_size=11)))
-BATCH = st.one_of(JSON, st.builds(lambda ts, events, rank: [ts, events, *rank],
-                                  st.one_of(st.floats(1e9, 2e9), st.integers(), JSON), st.lists(EVENT, max_size=4),
-                                  st.lists(st.one_of(st.integers(-1, 3), JSON), max_size=1)))
+    st.builds(
+        lambda tag, fields: {"type": tag, **dict(zip(FIELDS["BlockStored"], fields, strict=False))},
+        st.sampled_from([*FIELDS, None]),
+        st.lists(FIELD, max_size=11),
+    ),
+)
+BATCH = st.one_of(
+    JSON,
+    st.builds(
+        lambda ts, events, rank: [ts, events, *rank],
+        st.one_of(st.floats(1e9, 2e9), st.integers(), JSON),
+        st.lists(EVENT, max_size=4),
+        st.lists(st.one_of(st.integers(-1, 3), JSON), max_size=1),
+    ),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -249,10 +297,19 @@ def test_any_batch_gives_the_references_rows(tmp_path, batches):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(messages=st.lists(st.fixed_dictionaries({"instance": st.one_of(st.sampled_from(["a", "b", ""]), JSON),
-                                                "seq": st.one_of(st.integers(-1, 5), st.sampled_from(["3", "x", "007"]),
-                                                                 JSON),
-                                                "batch": BATCH}), min_size=1, max_size=6))
+@given(
+    messages=st.lists(
+        st.fixed_dictionaries(
+            {
+                "instance": st.one_of(st.sampled_from(["a", "b", ""]), JSON),
+                "seq": st.one_of(st.integers(-1, 5), st.sampled_from(["3", "x", "007"]), JSON),
+                "batch": BATCH,
+            }
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_any_archived_message_gives_the_references_rows(tmp_path, messages):
     text = [json.dumps(m, allow_nan=True) for m in messages]
     assert_agree(tmp_path, [write(tmp_path, "a.jsonl", text)], ARCHIVE)
@@ -263,7 +320,8 @@ def test_load_kv_events_reads_in_bulk_from_a_size_and_says_which_reader(tmp_path
     src = source(tmp_path)
     small = load_kv_events(connect(), src, path, KEY)
     assert small.reader == "python" and small.notes[0] == (
-        "read by the Python reference: 50 lines, fewer than the 2,000 from which the bulk reader is faster")
+        "read by the Python reference: 50 lines, fewer than the 2,000 from which the bulk reader is faster"
+    )
     assert load_kv_events(connect(), src, path, KEY, bulk_from=50).reader == "duckdb-bulk"
     assert math.isclose(small.records_read, small.loaded)
 
@@ -274,8 +332,9 @@ def test_a_file_read_in_chunks_gives_the_same_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bulk, "CHUNK_LINES", 70)
     monkeypatch.setattr(bulk, "SLICE_LINES", 16)
-    path = write(tmp_path, "engine-0.jsonl", list(lines(Stream("sglang-archive", 400, seed=8, capacity=200,
-                                                                damage=0.05))))
+    path = write(
+        tmp_path, "engine-0.jsonl", list(lines(Stream("sglang-archive", 400, seed=8, capacity=200, damage=0.05)))
+    )
     assert_agree(tmp_path, [path], ARCHIVE)
     # a chain that runs from the first chunk into a later one: a block whose parent only the first chunk stored
     got = rows_of(path, ARCHIVE)  # columns 3 batch (the line), 5 kind, 6 block_hash, 7 parent, 8 position

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 def lab_command(*assignments: str) -> list[str]:
     """The jupyter lab command `make lab` runs (a dry run: nothing is installed or started)."""
-    lines = subprocess.run(["make", "-n", "-s", "lab", *assignments], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["make", "-n", "-s", "lab", *assignments], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     commands = [shlex.split(line) for line in lines if "jupyter lab" in line]
     assert len(commands) == 1, lines
     return commands[0]
@@ -44,9 +45,13 @@ def test_make_lab_serves_the_notebooks(tmp_path):
         port = s.getsockname()[1]
     cmd = lab_command(f"LAB_PORT={port}", "LAB_ARGS=--no-browser --ServerApp.token=kvf-test")
     cmd[0] = str(ROOT / cmd[0])
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path),
-                                 "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")},
+    )
     try:
         url = f"http://127.0.0.1:{port}/api/contents?token=kvf-test"
         for _ in range(240):

@@ -250,16 +250,10 @@ def leave_range_out() -> dict[str, float]:
     """Relative error of a fit on the shorter prompts when predicting the longer ones."""
     n, t = minference("hf_transformers")
     short = fit_curve(n[n <= 300_000], t[n <= 300_000])
-    errors = {
-        f"HF {k // 1000}K from <=300K": float(short.predict(k) / t[n == k][0] - 1)
-        for k in (500_000, 1_000_000)
-    }
+    errors = {f"HF {k // 1000}K from <=300K": float(short.predict(k) / t[n == k][0] - 1) for k in (500_000, 1_000_000)}
     n, t = minference("vllm")
     short = fit_curve(n[n <= 50_000], t[n <= 50_000])
-    errors |= {
-        f"vLLM {k // 1000}K from <=50K": float(short.predict(k) / t[n == k][0] - 1)
-        for k in (100_000, 128_000)
-    }
+    errors |= {f"vLLM {k // 1000}K from <=50K": float(short.predict(k) / t[n == k][0] - 1) for k in (100_000, 128_000)}
     return errors
 
 
@@ -488,9 +482,7 @@ def test_prefill_flops_follows_the_documented_formula() -> None:
         v_head_dim=128,
     )
     assert mla.attention_width == 8 * (192 + 128)
-    assert float(physical_lower_bound_ms(100, mla)) == pytest.approx(
-        float(prefill_flops(100, mla)) / 4e12 * 1e3
-    )
+    assert float(physical_lower_bound_ms(100, mla)) == pytest.approx(float(prefill_flops(100, mla)) / 4e12 * 1e3)
 
 
 @pytest.mark.parametrize(
@@ -708,22 +700,16 @@ def test_fit_models_matches_the_in_memory_fit_and_writes_latency_model() -> None
     assert rows["usable"].tolist() == [True, False]
     assert rows.loc[0, "a_ms"] == pytest.approx(got.curve.a_ms)
     assert rows.loc[0, "n_points"] == got.n_points and rows.loc[0, "max_tokens"] == got.max_tokens
-    assert (
-        pd.isna(rows.loc[1, "a_ms"]) and rows.loc[1, "reason"] == "only 12 usable points (need at least 30)"
-    )
+    assert pd.isna(rows.loc[1, "a_ms"]) and rows.loc[1, "reason"] == "only 12 usable points (need at least 30)"
     assert con.execute(
         "SELECT count(*) FROM duckdb_tables() WHERE table_name IN ('latency_observation', 'latency_points')"
     ).fetchone() == (0,)
-    assert con.execute(
-        "SELECT count(*) FROM duckdb_views() WHERE view_name = 'latency_observation'"
-    ).fetchone() == (0,)
+    assert con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = 'latency_observation'").fetchone() == (0,)
 
 
 def test_fit_models_leaves_out_requests_in_the_exclude_table() -> None:
     con, _ = _loaded_con()
-    con.execute(
-        "CREATE TABLE flagged AS SELECT request_id FROM requests WHERE model = 'glm' AND source_line <= 600"
-    )
+    con.execute("CREATE TABLE flagged AS SELECT request_id FROM requests WHERE model = 'glm' AND source_line <= 600")
     con.execute("INSERT INTO flagged VALUES (NULL)")  # a NULL id must not empty the whole fit
     fits = fit_models(con, exclude_table="flagged")
     assert fits["glm"].n_points == 1200 - 600
@@ -735,9 +721,7 @@ def test_fit_models_accepts_only_a_plain_exclude_table_name(name: str) -> None:
     con, _ = _loaded_con()
     with pytest.raises(LatencyModelError) as exc:
         fit_models(con, exclude_table=name)
-    assert str(exc.value) == (
-        f"exclude_table must be a plain table name (letters, digits, underscore), got {name!r}"
-    )
+    assert str(exc.value) == (f"exclude_table must be a plain table name (letters, digits, underscore), got {name!r}")
     assert con.execute("SELECT count(*) FROM requests").fetchone() == (1212,)
 
 
@@ -776,19 +760,13 @@ def validation_table() -> str:
         fit = fit_curve(cell.n, cell.median_ms)
         model, hardware, tp = cell.label.split()[1:]
         headroom = sw_ok[
-            (sw_ok["model"] == model)
-            & (sw_ok["hardware"] == hardware)
-            & (sw_ok["tensor_parallel"] == int(tp[2:]))
+            (sw_ok["model"] == model) & (sw_ok["hardware"] == hardware) & (sw_ok["tensor_parallel"] == int(tp[2:]))
         ]["headroom"].min()
-        lines.append(
-            _row(cell.label + " (batch 1, median of 5)", fit, headroom, outside_repeat_range(cell, fit))
-        )
+        lines.append(_row(cell.label + " (batch 1, median of 5)", fit, headroom, outside_repeat_range(cell, fit)))
     mb = minference_bounds()
     for engine in ("hf_transformers", "vllm"):
         fit = fit_curve(*minference(engine))
-        headroom = mb[(mb["engine"] == engine) & (mb["attention_method"] == "FlashAttention-2")][
-            "headroom"
-        ].min()
+        headroom = mb[(mb["engine"] == engine) & (mb["attention_method"] == "FlashAttention-2")]["headroom"].min()
         lines.append(_row(f"MInference Llama-3-8B A100 dense FA2 ({engine})", fit, headroom))
     n, t = vidur()
     spec = HardwareSpec(**CODELLAMA_34B, n_gpus=2, peak_flops_per_gpu=A100_SXM.bf16_dense_flops)

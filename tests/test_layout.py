@@ -54,7 +54,7 @@ def imported(name: str, source: str, known: set[str], *, is_package: bool = Fals
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                anchor = ".".join(parts[:len(parts) - (node.level - 1)])
+                anchor = ".".join(parts[: len(parts) - (node.level - 1)])
                 base = f"{anchor}.{base}" if base else anchor
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
@@ -64,8 +64,10 @@ def imported(name: str, source: str, known: set[str], *, is_package: bool = Fals
 
 def import_graph() -> dict[str, dict[str, int]]:
     files = modules()
-    return {name: imported(name, path.read_text(encoding="utf-8"), set(files), is_package=path.name == "__init__.py")
-            for name, path in files.items()}
+    return {
+        name: imported(name, path.read_text(encoding="utf-8"), set(files), is_package=path.name == "__init__.py")
+        for name, path in files.items()
+    }
 
 
 def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -121,8 +123,14 @@ def one_cycle(graph: dict[str, dict[str, int]], group: list[str]) -> str:
 
 
 def test_the_import_graph_sees_every_kind_of_import() -> None:
-    known = {"kvforensics", "kvforensics.a", "kvforensics.b", "kvforensics.sub", "kvforensics.sub.c",
-             "kvforensics.sub.d"}
+    known = {
+        "kvforensics",
+        "kvforensics.a",
+        "kvforensics.b",
+        "kvforensics.sub",
+        "kvforensics.sub.c",
+        "kvforensics.sub.d",
+    }
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvforensics.b import B\n"
     assert imported("kvforensics.a", typing_only, known) == {"kvforensics.b": 3}
     in_function = "import json\n\ndef f():\n    from kvforensics.sub import c\n"
@@ -130,13 +138,20 @@ def test_the_import_graph_sees_every_kind_of_import() -> None:
     relative = "from .. import a\nfrom . import d\nimport kvforensics.sub.d\nfrom .d import name\n"
     assert imported("kvforensics.sub.c", relative, known) == {"kvforensics.a": 1, "kvforensics.sub.d": 2}
     assert imported("kvforensics.sub", "from .c import x\nfrom ..b import f\n", known, is_package=True) == {
-        "kvforensics.sub.c": 1, "kvforensics.b": 2}
-    graph = {"kvforensics.a": {"kvforensics.b": 3}, "kvforensics.b": {"kvforensics.sub.c": 4},
-             "kvforensics.sub.c": {"kvforensics.a": 1, "kvforensics.sub.d": 2}, "kvforensics.sub.d": {}}
+        "kvforensics.sub.c": 1,
+        "kvforensics.b": 2,
+    }
+    graph = {
+        "kvforensics.a": {"kvforensics.b": 3},
+        "kvforensics.b": {"kvforensics.sub.c": 4},
+        "kvforensics.sub.c": {"kvforensics.a": 1, "kvforensics.sub.d": 2},
+        "kvforensics.sub.d": {},
+    }
     (group,) = strongly_connected(graph)
     assert group == ["kvforensics.a", "kvforensics.b", "kvforensics.sub.c"]
-    assert one_cycle(graph, group) == ("kvforensics.a (line 3) -> kvforensics.b (line 4) -> "
-                                       "kvforensics.sub.c (line 1) -> kvforensics.a")
+    assert one_cycle(graph, group) == (
+        "kvforensics.a (line 3) -> kvforensics.b (line 4) -> kvforensics.sub.c (line 1) -> kvforensics.a"
+    )
 
 
 def test_no_import_cycles() -> None:
@@ -153,8 +168,10 @@ def size_reason(source: str) -> str | None:
 
 
 def test_size_reason_is_read_from_the_docstring_only() -> None:
-    assert size_reason('"""Readers.\n\nSize: one state machine, clearer whole.\n"""\nx = 1\n') == \
-        "Size: one state machine, clearer whole."
+    assert (
+        size_reason('"""Readers.\n\nSize: one state machine, clearer whole.\n"""\nx = 1\n')
+        == "Size: one state machine, clearer whole."
+    )
     assert size_reason('"""Readers."""\n# Size: a comment does not count\n') is None
     assert size_reason("x = 'Size: nor does a string'\n") is None
 
@@ -166,8 +183,10 @@ def test_no_module_outside_the_simulator_above_600_lines_without_a_reason() -> N
         lines = len(source.splitlines())
         if not name.startswith("kvforensics.simulate") and lines > MAX_LINES and size_reason(source) is None:
             problems.append(f"{path.relative_to(ROOT)}: {lines} lines")
-    assert not problems, (f"modules above {MAX_LINES} lines (split them where that makes them easier to follow, "
-                          "or say why not in a docstring line starting 'Size:'):\n" + "\n".join(problems))
+    assert not problems, (
+        f"modules above {MAX_LINES} lines (split them where that makes them easier to follow, "
+        "or say why not in a docstring line starting 'Size:'):\n" + "\n".join(problems)
+    )
 
 
 PATH_TOKEN = re.compile(r"`([A-Za-z0-9_./-]+(?:\.py|/))`")
@@ -206,13 +225,20 @@ def resolve(token: str, bases: list[str]) -> list[Path]:
 
 
 def test_named_paths_follow_the_bullets() -> None:
-    text = ("* `kvforensics/sources/` one module per format.\n  * `requests.py` gateway logs; see `textio.py`.\n"
-            "  * `sglang.py`, `vllm.py` engine logs\n* `kvforensics/config/__init__.py` the incident file\n"
-            "```\nnot/`named.py`\n```\nThe `tests/test_x.py` file.\n")
+    text = (
+        "* `kvforensics/sources/` one module per format.\n  * `requests.py` gateway logs; see `textio.py`.\n"
+        "  * `sglang.py`, `vllm.py` engine logs\n* `kvforensics/config/__init__.py` the incident file\n"
+        "```\nnot/`named.py`\n```\nThe `tests/test_x.py` file.\n"
+    )
     assert list(named_paths(text)) == [
-        ("kvforensics/sources/", []), ("requests.py", ["kvforensics/sources/"]),
-        ("textio.py", ["kvforensics/sources/"]), ("sglang.py", ["kvforensics/sources/"]),
-        ("vllm.py", ["kvforensics/sources/"]), ("kvforensics/config/__init__.py", []), ("tests/test_x.py", [])]
+        ("kvforensics/sources/", []),
+        ("requests.py", ["kvforensics/sources/"]),
+        ("textio.py", ["kvforensics/sources/"]),
+        ("sglang.py", ["kvforensics/sources/"]),
+        ("vllm.py", ["kvforensics/sources/"]),
+        ("kvforensics/config/__init__.py", []),
+        ("tests/test_x.py", []),
+    ]
 
 
 def test_architecture_doc_names_every_module_and_only_modules_that_exist() -> None:
@@ -260,5 +286,7 @@ def test_crowded_folders_counts_modules_directly_inside(tmp_path) -> None:
 
 def test_no_folder_holds_more_than_15_modules() -> None:
     crowded = crowded_folders(PACKAGE)
-    assert not crowded, (f"folders with more than {MAX_MODULES_PER_FOLDER} modules (group them into sub-folders by "
-                         "what they read or do, and name each in docs/architecture.md):\n" + "\n".join(crowded))
+    assert not crowded, (
+        f"folders with more than {MAX_MODULES_PER_FOLDER} modules (group them into sub-folders by "
+        "what they read or do, and name each in docs/architecture.md):\n" + "\n".join(crowded)
+    )

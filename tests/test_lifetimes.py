@@ -28,16 +28,21 @@ from kvforensics.stages.instances import Lifetime, PlacedStartup, lifetimes
 CTX = 1_048_576
 SMALL, LARGE = 681_280, 2_042_880
 SIGTERM = "SIGTERM received. signum=15 frame=None. Draining requests and shutting down..."
-UVICORN_SHUTDOWN = ["INFO:     Shutting down", "INFO:     Waiting for application shutdown.",
-                    "INFO:     Application shutdown complete.", "INFO:     Finished server process [1]"]
+UVICORN_SHUTDOWN = [
+    "INFO:     Shutting down",
+    "INFO:     Waiting for application shutdown.",
+    "INFO:     Application shutdown complete.",
+    "INFO:     Finished server process [1]",
+]
 
 
 def _stamp(t: datetime) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def sglang_pod(start: datetime, pool: int, *, serve_until: datetime, shutdown: bool = False,
-               role: str = "prefill") -> str:
+def sglang_pod(
+    start: datetime, pool: int, *, serve_until: datetime, shutdown: bool = False, role: str = "prefill"
+) -> str:
     """An SGLang pod's log: start-up, hourly batch lines until *serve_until*, then shutdown lines or nothing."""
     lines = [
         f"[{_stamp(start)}] server_args=ServerArgs(model_path='zai-org/GLM-5.3-FP8', "
@@ -51,8 +56,10 @@ def sglang_pod(start: datetime, pool: int, *, serve_until: datetime, shutdown: b
     ]
     t = start + timedelta(hours=1)
     while t <= serve_until:
-        lines.append(f"[{_stamp(t)} TP0] Prefill batch, #new-seq: 1, #new-token: 5000, #cached-token: 0, "
-                     "token usage: 0.01, #running-req: 0, #queue-req: 0")
+        lines.append(
+            f"[{_stamp(t)} TP0] Prefill batch, #new-seq: 1, #new-token: 5000, #cached-token: 0, "
+            "token usage: 0.01, #running-req: 0, #queue-req: 0"
+        )
         t += timedelta(hours=1)
     if shutdown:
         lines.append(f"[{_stamp(serve_until + timedelta(minutes=1))}] {SIGTERM}")
@@ -61,6 +68,7 @@ def sglang_pod(start: datetime, pool: int, *, serve_until: datetime, shutdown: b
 
 
 # --- the parsers record how a start-up's log ends ----------------------------------------------
+
 
 def _parse_sglang(text: str):
     lines = [(i, t, t.encode()) for i, t in enumerate(text.splitlines(), 1)]
@@ -118,21 +126,30 @@ def test_vllm_shutdown_lines_end_the_startup():
     assert s.last_line == 8 and s.last_ts == datetime(2026, 8, 20, 12, 30, tzinfo=UTC)
 
 
-@pytest.mark.parametrize("message, reason", [
-    (SIGTERM, "SIGTERM received"),
-    ("SIGQUIT received. signum=3, frame=None. It usually means one child failed.", "a child process failed (SIGQUIT)"),
-    ("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.", "engine core died"),
-    ("AsyncLLMEngine has failed, terminating server process", "engine failed, server terminated"),
-    ("[shutdown] API server: shutting down FastAPI HTTP server", "API server shutting down"),
-    ("INFO:     Application shutdown complete.", "HTTP server shutting down"),
-    ("KeyboardInterrupt", "KeyboardInterrupt"),
-    ("Prefill batch, #new-seq: 1, shutting down nothing", None),
-    ("Decode batch, #running-req: 3", None),
-    ("INFO:     Shutting down the connection pool of tenant 7", None),
-    # a request log line quoting a prompt that holds a shutdown text does not end the start-up
-    ("Receive: obj=GenerateReqInput(text='SIGTERM received. signum=15', rid='r1')", None),
-    ("Finish: obj=GenerateReqInput(text='x'), out={'text': 'Engine core proc EngineCore_DP0 died unexpectedly'}", None),
-])
+@pytest.mark.parametrize(
+    "message, reason",
+    [
+        (SIGTERM, "SIGTERM received"),
+        (
+            "SIGQUIT received. signum=3, frame=None. It usually means one child failed.",
+            "a child process failed (SIGQUIT)",
+        ),
+        ("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.", "engine core died"),
+        ("AsyncLLMEngine has failed, terminating server process", "engine failed, server terminated"),
+        ("[shutdown] API server: shutting down FastAPI HTTP server", "API server shutting down"),
+        ("INFO:     Application shutdown complete.", "HTTP server shutting down"),
+        ("KeyboardInterrupt", "KeyboardInterrupt"),
+        ("Prefill batch, #new-seq: 1, shutting down nothing", None),
+        ("Decode batch, #running-req: 3", None),
+        ("INFO:     Shutting down the connection pool of tenant 7", None),
+        # a request log line quoting a prompt that holds a shutdown text does not end the start-up
+        ("Receive: obj=GenerateReqInput(text='SIGTERM received. signum=15', rid='r1')", None),
+        (
+            "Finish: obj=GenerateReqInput(text='x'), out={'text': 'Engine core proc EngineCore_DP0 died unexpectedly'}",
+            None,
+        ),
+    ],
+)
 def test_shutdown_lines(message, reason):
     assert shutdown_reason(message) == reason
 
@@ -142,14 +159,30 @@ def test_shutdown_lines(message, reason):
 T = datetime(2026, 8, 20, tzinfo=UTC)
 
 
-def _placed(instance: str, start_h: float, last_h: float | None, *, shutdown_h: float | None = None,
-            model: str | None = "m", role: str = "prefill") -> PlacedStartup:
+def _placed(
+    instance: str,
+    start_h: float,
+    last_h: float | None,
+    *,
+    shutdown_h: float | None = None,
+    model: str | None = "m",
+    role: str = "prefill",
+) -> PlacedStartup:
     def at(h: float | None) -> datetime | None:
         return None if h is None else T + timedelta(hours=h)
 
-    return PlacedStartup(instance=instance, role=role, model=model, ts=at(start_h), file=f"{instance}.log",
-                         line=1, last_ts=at(last_h), last_line=50, shutdown_ts=at(shutdown_h),
-                         shutdown_line=40 if shutdown_h is not None else None)
+    return PlacedStartup(
+        instance=instance,
+        role=role,
+        model=model,
+        ts=at(start_h),
+        file=f"{instance}.log",
+        line=1,
+        last_ts=at(last_h),
+        last_line=50,
+        shutdown_ts=at(shutdown_h),
+        shutdown_line=40 if shutdown_h is not None else None,
+    )
 
 
 def test_next_startup_and_shutdown():
@@ -173,12 +206,16 @@ def test_a_successor_starting_soon_after_the_last_line_closes_the_gap():
     assert late[0].end_reason == "log_end" and late[0].valid_to == T + timedelta(hours=10)
 
 
-@pytest.mark.parametrize("other", [
-    _placed("sibling", 0.1, 30),  # a replica started with it, long before its log ends
-    _placed("new", 9.5, 9.8),  # started late but went silent first: did not take over
-    _placed("new", 9.5, 30, model="other"),  # another model
-    _placed("new", 9.5, 30, role="decode"),  # another role
-], ids=["sibling", "not-outliving", "other-model", "other-role"])
+@pytest.mark.parametrize(
+    "other",
+    [
+        _placed("sibling", 0.1, 30),  # a replica started with it, long before its log ends
+        _placed("new", 9.5, 9.8),  # started late but went silent first: did not take over
+        _placed("new", 9.5, 30, model="other"),  # another model
+        _placed("new", 9.5, 30, role="decode"),  # another role
+    ],
+    ids=["sibling", "not-outliving", "other-model", "other-role"],
+)
 def test_no_successor_leaves_the_startup_running(other):
     assert lifetimes([_placed("p", 0, 10), other])[0] == Lifetime(None, None)
 
@@ -221,13 +258,35 @@ def _rollout(root: Path) -> Path:
     requests = []
     for i in range(300):  # ordinary traffic across the whole period
         t = day + timedelta(minutes=70 * i)
-        requests.append({"rid": f"n{i}", "received_at": t.isoformat(), "account_id": f"acct-{i % 9}",
-                         "model": MODEL, "http_status": 200, "prompt_tokens": 2000 + 37 * i, "completion_tokens": 80})
-    oversize = {"during-a": day + timedelta(days=2), "during-b-1": b_at + timedelta(days=1),
-                "during-b-2": b_at + timedelta(days=4), "during-c": c_at + timedelta(days=2)}
+        requests.append(
+            {
+                "rid": f"n{i}",
+                "received_at": t.isoformat(),
+                "account_id": f"acct-{i % 9}",
+                "model": MODEL,
+                "http_status": 200,
+                "prompt_tokens": 2000 + 37 * i,
+                "completion_tokens": 80,
+            }
+        )
+    oversize = {
+        "during-a": day + timedelta(days=2),
+        "during-b-1": b_at + timedelta(days=1),
+        "during-b-2": b_at + timedelta(days=4),
+        "during-c": c_at + timedelta(days=2),
+    }
     for rid, t in oversize.items():
-        requests.append({"rid": rid, "received_at": t.isoformat(), "account_id": "victim", "model": MODEL,
-                         "http_status": 200, "prompt_tokens": 900_000, "completion_tokens": 40})
+        requests.append(
+            {
+                "rid": rid,
+                "received_at": t.isoformat(),
+                "account_id": "victim",
+                "model": MODEL,
+                "http_status": 200,
+                "prompt_tokens": 900_000,
+                "completion_tokens": 40,
+            }
+        )
     (root / "gateway").mkdir()
     (root / "gateway" / "day.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     (root / "incident.toml").write_text(INCIDENT)
@@ -243,8 +302,10 @@ def rollout(tmp_path_factory):
 
 def test_rollout_retires_replaced_pods(rollout):
     con = duckdb.connect(str(rollout / "evidence.duckdb"), read_only=True)
-    ends = {r[0]: r[1:] for r in con.execute(
-        "SELECT instance, end_reason, successor, valid_to IS NULL FROM capacity").fetchall()}
+    ends = {
+        r[0]: r[1:]
+        for r in con.execute("SELECT instance, end_reason, successor, valid_to IS NULL FROM capacity").fetchall()
+    }
     assert ends == {
         "glm-a-0": ("shutdown", None, False),
         "glm-a-1": ("log_end", "glm-b-0", False),
@@ -259,16 +320,21 @@ def test_rollout_retires_replaced_pods(rollout):
 def test_rollout_exposure_windows_close(rollout):
     scope = json.loads((rollout / "scope.json").read_text())
     windows = {w["instance"]: (w["start"], w["end"]) for w in scope["exposure_windows"]}
-    assert windows == {"glm-b-0": ("2026-08-25T10:00:00Z", "2026-09-01T10:21:00Z"),
-                       "glm-b-1": ("2026-08-25T10:10:00Z", "2026-09-01T10:10:00Z")}  # its last line
+    assert windows == {
+        "glm-b-0": ("2026-08-25T10:00:00Z", "2026-09-01T10:21:00Z"),
+        "glm-b-1": ("2026-08-25T10:10:00Z", "2026-09-01T10:10:00Z"),
+    }  # its last line
     assert {w["instance"]: w["end_reason"] for w in scope["exposure_windows"]} == {
-        "glm-b-0": "shutdown", "glm-b-1": "log_end"}
+        "glm-b-0": "shutdown",
+        "glm-b-1": "log_end",
+    }
 
 
 def test_rollout_oversize_responses_are_counted_at_the_right_tier(rollout):
     con = duckdb.connect(str(rollout / "evidence.duckdb"), read_only=True)
-    strength = dict(con.execute(
-        "SELECT request_id, strength FROM findings WHERE rule_id = 'prompt_exceeds_kv_pool'").fetchall())
+    strength = dict(
+        con.execute("SELECT request_id, strength FROM findings WHERE rule_id = 'prompt_exceeds_kv_pool'").fetchall()
+    )
     assert strength == {"during-b-1": "strong", "during-b-2": "strong"}
     scope = json.loads((rollout / "scope.json").read_text())
     assert scope["affected_responses"] == 2
@@ -286,8 +352,16 @@ def _startups(draw):
         since = draw(st.one_of(st.none(), st.integers(0, 12)))
         last = None if start is None or since is None else start + since
         shutdown = None if last is None else draw(st.one_of(st.none(), st.just(last)))
-        out.append(_placed(draw(st.sampled_from(["a", "b", "c"])), start, last, shutdown_h=shutdown,
-                           model=draw(st.sampled_from(["m", "n", None])), role=draw(st.sampled_from(["prefill", "decode"]))))
+        out.append(
+            _placed(
+                draw(st.sampled_from(["a", "b", "c"])),
+                start,
+                last,
+                shutdown_h=shutdown,
+                model=draw(st.sampled_from(["m", "n", None])),
+                role=draw(st.sampled_from(["prefill", "decode"])),
+            )
+        )
     return out
 
 

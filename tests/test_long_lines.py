@@ -22,8 +22,17 @@ from kvforensics.sources.requests.load import load_requests_file
 
 
 def rec(rid: str, **kw) -> str:
-    return json.dumps({"request_id": rid, "ts": "2026-08-28T10:00:00Z", "account_id": "a1", "model": "m",
-                       "status": 200, "prompt_tokens": 100, **kw})
+    return json.dumps(
+        {
+            "request_id": rid,
+            "ts": "2026-08-28T10:00:00Z",
+            "account_id": "a1",
+            "model": "m",
+            "status": 200,
+            "prompt_tokens": 100,
+            **kw,
+        }
+    )
 
 
 def load(tmp_path: Path, name: str, data: bytes):
@@ -60,11 +69,13 @@ def test_a_line_too_long_to_hold_is_quarantined_with_its_size_and_hash(tmp_path,
     assert (r.records_read, r.loaded, r.quarantined) == (4, 2, 2)
     assert [(line, reason) for line, reason, _ in quarantined] == [
         (2, "line too long to read whole (over 1,048,576 bytes): its size and SHA-256 lead the raw text"),
-        (4, "line too long to read whole (over 1,048,576 bytes): its size and SHA-256 lead the raw text")]
+        (4, "line too long to read whole (over 1,048,576 bytes): its size and SHA-256 lead the raw text"),
+    ]
     for (_, _, raw), text in zip(quarantined, (middle, last), strict=True):
         whole = text.encode()
-        assert raw.startswith(f"[line of {len(whole):,} bytes, SHA-256 {hashlib.sha256(whole).hexdigest()}] "
-                              '{"request_id": "long-')
+        assert raw.startswith(
+            f"[line of {len(whole):,} bytes, SHA-256 {hashlib.sha256(whole).hexdigest()}] {{\"request_id\": \"long-"
+        )
         assert len(raw) < 5000
     assert sorted(r for (r,) in con.execute("SELECT request_id FROM requests").fetchall()) == ["r1", "r3"]
 
@@ -75,13 +86,17 @@ def test_a_long_engine_log_line_is_quarantined_on_both_readers(tmp_path, monkeyp
     from kvforensics.sources.engine_logs.columnar import parse_engine_file_columnar
 
     monkeypatch.setattr(engine_lines, "MAX_LINE_BYTES", 1 << 20)
-    lines = ["[2026-08-27 14:00:00] server_args=ServerArgs(model_path='m', context_length=4096, tp_size=1)",
-             "[2026-08-27 14:00:01 TP0] " + "q" * 1_500_000,
-             "[2026-08-27 14:00:06 TP0] max_total_num_tokens=8192, chunked_prefill_size=8192, context_len=4096"]
+    lines = [
+        "[2026-08-27 14:00:00] server_args=ServerArgs(model_path='m', context_length=4096, tp_size=1)",
+        "[2026-08-27 14:00:01 TP0] " + "q" * 1_500_000,
+        "[2026-08-27 14:00:06 TP0] max_total_num_tokens=8192, chunked_prefill_size=8192, context_len=4096",
+    ]
     path = tmp_path / "p0.log"
     path.write_text("\n".join(lines) + "\n")
-    for parse in (parse_engine_file(path, fmt="sglang", instance="p0", tz=ZoneInfo("UTC")),
-                  parse_engine_file_columnar(path, fmt="sglang", instance="p0", tz=ZoneInfo("UTC"))):
+    for parse in (
+        parse_engine_file(path, fmt="sglang", instance="p0", tz=ZoneInfo("UTC")),
+        parse_engine_file_columnar(path, fmt="sglang", instance="p0", tz=ZoneInfo("UTC")),
+    ):
         quarantined = parse.all_quarantined()
         assert [(q.line, q.reason.split(" (")[0]) for q in quarantined] == [(2, "line too long to read whole")]
         assert parse.lines_read == 3

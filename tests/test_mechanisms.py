@@ -23,8 +23,13 @@ from kvforensics.stages.detect import detect, load_case_tables
 from kvforensics.stages.rulebook import load_rules
 
 STALE = MECHANISMS_DIR / "stale_pages"
-STALE_RULES = {"prompt_exceeds_kv_pool", "prefill_too_fast", "engine_abort_but_success",
-               "engine_token_count_mismatch", "transfer_integrity"}
+STALE_RULES = {
+    "prompt_exceeds_kv_pool",
+    "prefill_too_fast",
+    "engine_abort_but_success",
+    "engine_token_count_mismatch",
+    "transfer_integrity",
+}
 
 
 def test_the_shipped_mechanisms_and_their_rules():
@@ -86,17 +91,20 @@ def test_moving_rules_kept_their_versions():
     assert with_fragments >= 2  # cross_tenant_prefix_hit and prefix_salt_mismatch include prefix_senders
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda m: {**m, "colour": "red"}, "unknown key(s) ['colour']"),
-    (lambda m: {k: v for k, v in m.items() if k != "summary"}, "missing key(s) ['summary']"),
-    (lambda m: {**m, "id": "other"}, "must be the folder's name 'broken'"),
-    (lambda m: {**m, "summary": ""}, "'summary' must be a non-empty text"),
-    (lambda m: {**m, "inputs": {"required": ["gateway"]}}, "unknown input 'gateway'"),
-    (lambda m: {**m, "inputs": {"required": ["content.prompt"]}}, "unknown input 'content.prompt'"),
-    (lambda m: {**m, "inputs": {"needs": ["requests"]}}, "inputs must be a mapping with required"),
-    (lambda m: {**m, "audit_checks": ["prefix_cache"]}, "audit_checks must be a list of audit check numbers"),
-    (lambda m: ["not", "a", "mapping"], "a mechanism.yml is a mapping"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: {**m, "colour": "red"}, "unknown key(s) ['colour']"),
+        (lambda m: {k: v for k, v in m.items() if k != "summary"}, "missing key(s) ['summary']"),
+        (lambda m: {**m, "id": "other"}, "must be the folder's name 'broken'"),
+        (lambda m: {**m, "summary": ""}, "'summary' must be a non-empty text"),
+        (lambda m: {**m, "inputs": {"required": ["gateway"]}}, "unknown input 'gateway'"),
+        (lambda m: {**m, "inputs": {"required": ["content.prompt"]}}, "unknown input 'content.prompt'"),
+        (lambda m: {**m, "inputs": {"needs": ["requests"]}}, "inputs must be a mapping with required"),
+        (lambda m: {**m, "audit_checks": ["prefix_cache"]}, "audit_checks must be a list of audit check numbers"),
+        (lambda m: ["not", "a", "mapping"], "a mechanism.yml is a mapping"),
+    ],
+)
 def test_a_bad_mechanism_file_is_a_clear_error_naming_it(tmp_path, change, message):
     folder = tmp_path / "broken"
     folder.mkdir()
@@ -131,6 +139,7 @@ def test_a_rule_id_is_its_file_name(tmp_path):
 
 # --- selection ---------------------------------------------------------------------------------------------
 
+
 def test_select_by_inputs_or_by_name():
     prefix = {m.id: m for m in load_mechanisms()}["prefix_reuse"]
     assert prefix.missing({"requests"}) == ("requests.cached_tokens", "kv_events or requests.cache_salt")
@@ -150,39 +159,67 @@ def test_select_by_inputs_or_by_name():
 
 def test_present_inputs_reads_the_evidence():
     con = connect()
-    names = {"requests", "requests.cached_tokens", "requests.ttft_ms", "kv_events", "engine_log", "content",
-             "kv_events.salt", "requests.no_such_column"}
+    names = {
+        "requests",
+        "requests.cached_tokens",
+        "requests.ttft_ms",
+        "kv_events",
+        "engine_log",
+        "content",
+        "kv_events.salt",
+        "requests.no_such_column",
+    }
     assert present_inputs(con, names) == {"requests"}
-    load_case_tables(con, {"requests": [{"request_id": "a", "cached_tokens": 64}],
-                           "kv_events": [{"instance": "i", "ts": "2026-08-28T00:00:00Z", "batch": 1, "seq": 0,
-                                          "kind": "stored", "block_hash": "1", "source": "t", "source_file": "t",
-                                          "source_line": 1}]})
+    load_case_tables(
+        con,
+        {
+            "requests": [{"request_id": "a", "cached_tokens": 64}],
+            "kv_events": [
+                {
+                    "instance": "i",
+                    "ts": "2026-08-28T00:00:00Z",
+                    "batch": 1,
+                    "seq": 0,
+                    "kind": "stored",
+                    "block_hash": "1",
+                    "source": "t",
+                    "source_file": "t",
+                    "source_line": 1,
+                }
+            ],
+        },
+    )
     assert present_inputs(con, names) == {"requests", "requests.cached_tokens", "kv_events"}
 
 
 # --- the incident file -------------------------------------------------------------------------------------
 
+
 def _incident(tmp_path: Path, line: str) -> Path:
     path = tmp_path / "incident.toml"
-    path.write_text(f'{line}\n[incident]\nid = "m"\n[[sources]]\nname = "gw"\nkind = "requests"\n'
-                    f'path = "gw/*.jsonl"\n')
+    path.write_text(f'{line}\n[incident]\nid = "m"\n[[sources]]\nname = "gw"\nkind = "requests"\npath = "gw/*.jsonl"\n')
     return path
 
 
 def test_the_incident_file_names_mechanisms(tmp_path):
     assert load_incident(_incident(tmp_path, "")).mechanisms is None
     assert load_incident(_incident(tmp_path, 'mechanisms = ["prefix_reuse", "stale_pages"]')).mechanisms == (
-        "prefix_reuse", "stale_pages")
+        "prefix_reuse",
+        "stale_pages",
+    )
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ('mechanisms = ["prefix_reus"]', "unknown mechanism 'prefix_reus'; did you mean 'prefix_reuse'?"),
-    ('mechanisms = ["tapped_bus"]', "unknown mechanism 'tapped_bus'; valid mechanisms: prefix_reuse, stale_pages"),
-    ("mechanisms = []", "'mechanisms' is empty"),
-    ('mechanisms = "stale_pages"', "'mechanisms' must be a list of strings"),
-    ('mechanisms = ["stale_pages", "stale_pages"]', "names ['stale_pages'] more than once"),
-    ('mechanism = ["stale_pages"]', "did you mean mechanisms = [...]?"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('mechanisms = ["prefix_reus"]', "unknown mechanism 'prefix_reus'; did you mean 'prefix_reuse'?"),
+        ('mechanisms = ["tapped_bus"]', "unknown mechanism 'tapped_bus'; valid mechanisms: prefix_reuse, stale_pages"),
+        ("mechanisms = []", "'mechanisms' is empty"),
+        ('mechanisms = "stale_pages"', "'mechanisms' must be a list of strings"),
+        ('mechanisms = ["stale_pages", "stale_pages"]', "names ['stale_pages'] more than once"),
+        ('mechanism = ["stale_pages"]', "did you mean mechanisms = [...]?"),
+    ],
+)
 def test_bad_mechanisms_say_what_to_write(tmp_path, line, message):
     with pytest.raises(ConfigError) as e:
         load_incident(_incident(tmp_path, line))
@@ -192,8 +229,14 @@ def test_bad_mechanisms_say_what_to_write(tmp_path, line, message):
 # --- detect and what the choice leaves ---------------------------------------------------------------------
 
 LEAK = {"request_id": "leak", "model": "m", "status": 200, "prompt_tokens": 700000, "ttft_ms": 150}
-MODEL = {"model": "m", "usable": True, "a_ms": 50, "b_ms_per_token": 0.05, "c_ms_per_token2": 0.0000001,
-         "max_tokens": 800000}
+MODEL = {
+    "model": "m",
+    "usable": True,
+    "a_ms": 50,
+    "b_ms_per_token": 0.05,
+    "c_ms_per_token2": 0.0000001,
+    "max_tokens": 800000,
+}
 
 
 def _mechanisms(con: duckdb.DuckDBPyConnection) -> list[tuple]:
@@ -202,29 +245,46 @@ def _mechanisms(con: duckdb.DuckDBPyConnection) -> list[tuple]:
 
 def test_detect_runs_only_the_selected_mechanisms_rules():
     con = connect()
-    load_case_tables(con, {"requests": [LEAK] + [
-        {"request_id": f"r{i}", "model": "m", "status": 200, "prompt_tokens": 1000 * (i + 1),
-         "ttft_ms": 100 + 60 * i} for i in range(40)]})
+    load_case_tables(
+        con,
+        {
+            "requests": [LEAK]
+            + [
+                {
+                    "request_id": f"r{i}",
+                    "model": "m",
+                    "status": 200,
+                    "prompt_tokens": 1000 * (i + 1),
+                    "ttft_ms": 100 + 60 * i,
+                }
+                for i in range(40)
+            ]
+        },
+    )
     found = detect(con)
     assert set(found["mechanism"]) <= {"stale_pages"}
-    assert _mechanisms(con) == [("prefix_reuse", False, False,
-                                 ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
-                                ("stale_pages", False, True, [])]
+    assert _mechanisms(con) == [
+        ("prefix_reuse", False, False, ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
+        ("stale_pages", False, True, []),
+    ]
     assert set(con.execute("SELECT DISTINCT mechanism FROM findings").fetchall()) <= {("stale_pages",)}
 
     found = detect(con, mechanisms=["prefix_reuse"])
     prefix_rules = {r.id for r in load_rules() if r.mechanism == "prefix_reuse"}
     assert set(found["rule_id"]) <= prefix_rules
-    assert _mechanisms(con) == [("prefix_reuse", True, True,
-                                 ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
-                                ("stale_pages", False, False, [])]
+    assert _mechanisms(con) == [
+        ("prefix_reuse", True, True, ["requests.cached_tokens", "kv_events or requests.cache_salt"]),
+        ("stale_pages", False, False, []),
+    ]
 
 
 def test_an_old_evidence_database_gains_the_mechanism_column(tmp_path):
     path = tmp_path / "old.duckdb"
     old = duckdb.connect(str(path))
-    old.execute("CREATE TABLE findings (request_id VARCHAR NOT NULL, rule_id VARCHAR NOT NULL, rule_version VARCHAR "
-                "NOT NULL, confidence VARCHAR NOT NULL, strength VARCHAR, parameters JSON, evidence JSON)")
+    old.execute(
+        "CREATE TABLE findings (request_id VARCHAR NOT NULL, rule_id VARCHAR NOT NULL, rule_version VARCHAR "
+        "NOT NULL, confidence VARCHAR NOT NULL, strength VARCHAR, parameters JSON, evidence JSON)"
+    )
     old.execute("INSERT INTO findings VALUES ('a', 'prefill_too_fast', 'v', 'possible', 'weak', '{}', '{}')")
     old.close()
     con = connect(path)
@@ -236,11 +296,16 @@ def test_an_old_evidence_database_gains_the_mechanism_column(tmp_path):
 
 def test_the_choice_shows_in_scope_json_and_the_report(sample_run):
     scope = json.loads((sample_run / "scope.json").read_text())
-    assert scope["mechanisms"] == [{"id": "stale_pages",
-                                    "title": "Stale KV pages read after a prompt exceeded the KV pool"}]
+    assert scope["mechanisms"] == [
+        {"id": "stale_pages", "title": "Stale KV pages read after a prompt exceeded the KV pool"}
+    ]
     assert scope["mechanisms_not_investigated"] == [
-        {"id": "prefix_reuse", "title": "Prefix-cache blocks reused across tenants",
-         "missing_inputs": ["kv_events or requests.cache_salt"]}]
+        {
+            "id": "prefix_reuse",
+            "title": "Prefix-cache blocks reused across tenants",
+            "missing_inputs": ["kv_events or requests.cache_salt"],
+        }
+    ]
     con = connect(sample_run / "evidence.duckdb", read_only=True)
     try:
         assert con.execute("SELECT DISTINCT mechanism FROM findings").fetchall() == [("stale_pages",)]
@@ -286,8 +351,24 @@ def test_a_prefix_cache_incident_selects_prefix_reuse_by_its_inputs_and_needs_no
     and its affected responses, served far from any exceeded pool, do not make the run inconclusive."""
     from kvforensics.cli import main
 
-    assert main(["simulate", "--seed", "5", "--out", str(tmp_path / "in"), "--requests", "1500",
-                 "--mechanism", "prefix_reuse", "--prefix-scenario", "prefix-l3-unsalted"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--seed",
+                "5",
+                "--out",
+                str(tmp_path / "in"),
+                "--requests",
+                "1500",
+                "--mechanism",
+                "prefix_reuse",
+                "--prefix-scenario",
+                "prefix-l3-unsalted",
+            ]
+        )
+        == 0
+    )
     truth = json.loads((tmp_path / "in" / "ground_truth.json").read_text())
     result = run(tmp_path / "in" / "incident.toml", tmp_path / "out", progress=False, pdf=False)
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())

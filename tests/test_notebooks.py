@@ -28,15 +28,22 @@ def execute(nb_path: Path, incident: Path | None, out_dir: Path | None, executed
     import papermill
 
     parameters = {"incident": str(incident), "out_dir": str(out_dir)} if incident is not None else {}
-    papermill.execute_notebook(str(nb_path), str(executed), kernel_name="python3", parameters=parameters,
-                               cwd=str(nb_path.parent), progress_bar=False)
+    papermill.execute_notebook(
+        str(nb_path),
+        str(executed),
+        kernel_name="python3",
+        parameters=parameters,
+        cwd=str(nb_path.parent),
+        progress_bar=False,
+    )
     return json.loads(executed.read_text())
 
 
 def cell_outputs(nb: dict, source: str) -> str:
     """The outputs (plain and HTML) of the code cell whose last line is *source*."""
-    (cell,) = [c for c in nb["cells"] if c["cell_type"] == "code"
-               and "".join(c["source"]).strip().splitlines()[-1] == source]
+    (cell,) = [
+        c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip().splitlines()[-1] == source
+    ]
     return outputs_text({"cells": [cell]})
 
 
@@ -72,8 +79,9 @@ def test_each_notebook_opens_or_builds_its_stage_and_pastes_no_sql():
         assert "explore.offline_charts()" in first, "charts drawn offline from the first cell on"
         assert code[-1].strip() == "inv.close()"
         for source in code:
-            assert not re.search(r"\b(SELECT|FROM|JOIN)\b|\.query\(|\.execute\(", source), \
+            assert not re.search(r"\b(SELECT|FROM|JOIN)\b|\.query\(|\.execute\(", source), (
                 f"{nb_path.name}: SQL in a cell ({source[:60]!r}); drill-downs belong in kvforensics.explore"
+            )
 
 
 def test_the_runbook_explains_each_stage():
@@ -120,8 +128,9 @@ def test_numbers_the_text_quotes_are_computed(executed_on_sample):
         text = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
         shown = outputs_text(nb)
         for number in re.findall(r"\*\*([\d,.]+)\*\*", text):
-            assert re.search(rf"(?<![\d,]){re.escape(number)}(?![\d,])", shown), \
+            assert re.search(rf"(?<![\d,]){re.escape(number)}(?![\d,])", shown), (
                 f"{name} quotes {number} but no cell output shows it"
+            )
 
 
 @pytest.mark.slow
@@ -179,8 +188,9 @@ def test_section_references_name_their_sections():
 def test_the_first_cell_reads_the_incident_and_folder_from_the_environment():
     """Observation 10: out_dir could only be set through papermill or by editing a cell."""
     for nb_path in NOTEBOOKS:
-        (first,) = [c for c in json.loads(nb_path.read_text())["cells"]
-                    if "parameters" in c.get("metadata", {}).get("tags", [])]
+        (first,) = [
+            c for c in json.loads(nb_path.read_text())["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])
+        ]
         namespace: dict = {}
         import os
 
@@ -205,8 +215,9 @@ def test_notebook_outputs_are_short_and_clean(executed_on_sample, sample_run):
     ingest = executed_on_sample["01-ingest"][1]
     assert len(cell_outputs(ingest, "inv")) < 1000
     assert len(cell_outputs(ingest, "audit")) < 25_000
-    assert not re.search(r"<td>\d+\.0</td>", cell_outputs(ingest, "explore.loaded(inv.con, "
-                                                                   "inv.incident.max_quarantine_fraction)"))
+    assert not re.search(
+        r"<td>\d+\.0</td>", cell_outputs(ingest, "explore.loaded(inv.con, inv.incident.max_quarantine_fraction)")
+    )
     for name, (_, nb) in executed_on_sample.items():
         html = outputs_text(nb)
         assert not re.findall(r"<td>(None|NaN|nan|NaT|&lt;NA&gt;)</td>", html), name

@@ -28,10 +28,21 @@ def test_the_twins_shared_a_name_under_the_old_scheme_and_do_not_now():
 def test_every_account_gets_its_own_notice(tmp_path):
     rows = mini_requests()
     for k, account in enumerate(TWINS):
-        rows.append({"rid": f"r-twin{k}", "received_at": f"2026-08-28T10:1{k}:00Z", "account_id": account,
-                     "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 700000 + k,
-                     "completion_tokens": 50, "ttft_ms": 150.0, "latency_ms": 2000, "prefill_instance": "p0",
-                     "decode_instance": "d0"})
+        rows.append(
+            {
+                "rid": f"r-twin{k}",
+                "received_at": f"2026-08-28T10:1{k}:00Z",
+                "account_id": account,
+                "model": "@cf/zai-org/glm-5.3",
+                "http_status": 200,
+                "prompt_tokens": 700000 + k,
+                "completion_tokens": 50,
+                "ttft_ms": 150.0,
+                "latency_ms": 2000,
+                "prefill_instance": "p0",
+                "decode_instance": "d0",
+            }
+        )
     out = tmp_path / "out"
     assert main(["run", str(write_mini(tmp_path / "mini", rows)), "--out", str(out), "--quiet", "--no-pdf"]) == 0
     with (out / "notifications.csv").open(encoding="utf-8", newline="") as fh:

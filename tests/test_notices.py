@@ -12,8 +12,19 @@ import pytest
 from markdown_it import MarkdownIt
 
 MD = MarkdownIt("commonmark", {"html": False}).enable("table")
-JARGON = ("KV", "pool's worth", "request(s)", "response(s)", "account(s)", "turnover", "horizon", "prefill",
-          "stale page", "T0", "0Z")  # "0Z": an ISO stamp with milliseconds in prose would end so too
+JARGON = (
+    "KV",
+    "pool's worth",
+    "request(s)",
+    "response(s)",
+    "account(s)",
+    "turnover",
+    "horizon",
+    "prefill",
+    "stale page",
+    "T0",
+    "0Z",
+)  # "0Z": an ISO stamp with milliseconds in prose would end so too
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +92,9 @@ def test_notices_speak_plain_words_to_their_reader(runs):
     for path, text in texts.items():
         words = prose(text)
         assert not [j for j in JARGON if j in words and "trust-and-safety" not in path], (path, words)
-        for a, b in re.findall(r"between (\d+ \w+ \d{4} \d\d:\d\d UTC|\d\d:\d\d) and (\d+ \w+ \d{4} \d\d:\d\d UTC|\d\d:\d\d)",
-                               words):
+        for a, b in re.findall(
+            r"between (\d+ \w+ \d{4} \d\d:\d\d UTC|\d\d:\d\d) and (\d+ \w+ \d{4} \d\d:\d\d UTC|\d\d:\d\d)", words
+        ):
             assert a != b, path
         assert not re.search(r"\b1 (requests|responses)\b", words), path
     (internal,) = [t for p, t in texts.items() if p.startswith("notices/internal/")]
@@ -129,7 +141,11 @@ def test_possible_tier_responses_are_listed_with_why_each_is_only_possible(runs)
         possible = {r["request_id"]: r for r in csv.DictReader(fh)}
     fast = possible["r-fast"]
     assert (fast["account_id"], fast["rules"], fast["prompt_tokens"], fast["ttft_ms"]) == (
-        "acct-3", "prefill_too_fast", "400000", "60")
+        "acct-3",
+        "prefill_too_fast",
+        "400000",
+        "60",
+    )
     assert fast["why_only_possible"].startswith("only one weak signal from prefill_too_fast (")
     assert "observed_ms 60.0" in fast["why_only_possible"] and "counted as affected with" in fast["why_only_possible"]
     assert "r-fast" not in (out / "affected_requests.csv").read_text()

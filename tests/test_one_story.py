@@ -51,8 +51,10 @@ def test_observation_1_a_unified_server_answering_beyond_its_pool_is_one_inconcl
     report = audit_paths([log], year=2026)
     (check1,) = [v for v in report.verdicts if v.check == 1]
     assert (check1.status, check1.exposed) == ("unknown", False)
-    assert "check_enough_kv_cache_memory" in check1.detail and "prompts longer than the pool are admitted" not in \
-        check1.detail
+    assert (
+        "check_enough_kv_cache_memory" in check1.detail
+        and "prompts longer than the pool are admitted" not in check1.detail
+    )
     md = (root / "out" / "report.md").read_text()
     assert "| 1. KV pool vs context length | unknown |" in md and "| FAIL" not in md
     assert main(["audit", "--now", "--year", "2026", str(log)]) == 0
@@ -84,6 +86,7 @@ def test_observation_3_possible_sources_are_never_silently_zero(producer):
     con = duckdb.connect(str(root / "out" / "evidence.duckdb"), read_only=True)
     try:
         assert con.execute("SELECT DISTINCT basis, source_account_id FROM possible_sources ORDER BY 2").fetchall() == [
-            ("no_horizon_since_startup", f"tenant-{i}") for i in range(4)]
+            ("no_horizon_since_startup", f"tenant-{i}") for i in range(4)
+        ]
     finally:
         con.close()

@@ -128,8 +128,10 @@ def test_no_rebuild_refuses_changed_inputs(tmp_path: Path, capsys) -> None:
     assert run(incident, tmp_path / "out", "--no-rebuild") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith(f"Error: the inputs changed since {tmp_path / 'out'} was built "
-                          "(1 file(s) modified: gateway/day1.jsonl): run without --no-rebuild")
+    assert err.startswith(
+        f"Error: the inputs changed since {tmp_path / 'out'} was built "
+        "(1 file(s) modified: gateway/day1.jsonl): run without --no-rebuild"
+    )
 
 
 def test_append_adds_new_files_and_refuses_anything_else(tmp_path: Path, capsys) -> None:
@@ -162,14 +164,16 @@ def test_out_inside_the_inputs_is_refused(tmp_path: Path, capsys, inside: str) -
 
 def test_out_beside_the_inputs_is_accepted(tmp_path: Path) -> None:
     incident = write_mini(tmp_path / "mini")
-    check_out_dir(incident.parent / "out", load_incident(incident))          # gateway/*.jsonl cannot reach it
+    check_out_dir(incident.parent / "out", load_incident(incident))  # gateway/*.jsonl cannot reach it
     check_out_dir(incident.parent / "gateway" / "run1", load_incident(incident))  # nor files one folder deeper
     assert run(incident, incident.parent / "out") == 0
     assert run(incident, incident.parent / "out", "--no-rebuild") == 0  # the next run reads the same inputs
 
 
-@pytest.mark.parametrize(("path", "out"), [("logs", "logs/out"), ("logs/**/*.log", "logs/a/b"), ("*/*.log", "logs"),
-                                           ("**", "logs/out"), ("*.log", ".")])
+@pytest.mark.parametrize(
+    ("path", "out"),
+    [("logs", "logs/out"), ("logs/**/*.log", "logs/a/b"), ("*/*.log", "logs"), ("**", "logs/out"), ("*.log", ".")],
+)
 def test_out_that_a_source_path_reaches_is_refused(tmp_path: Path, path: str, out: str) -> None:
     incident = write_mini(tmp_path / "mini", incident=INCIDENT.replace('path = "engine/*.log"', f'path = "{path}"'))
     (incident.parent / "logs").mkdir()
@@ -182,8 +186,9 @@ def test_out_naming_a_file_is_refused(tmp_path: Path, capsys) -> None:
     target = tmp_path / "report.txt"
     target.write_text("keep me")
     assert run(incident, target) == 2
-    assert capsys.readouterr().err == (f"Error: --out {target} is a file, not a folder: name a folder "
-                                       "(it is created if missing)\n")
+    assert capsys.readouterr().err == (
+        f"Error: --out {target} is a file, not a folder: name a folder (it is created if missing)\n"
+    )
     assert target.read_text() == "keep me"
 
 
@@ -210,9 +215,22 @@ def test_a_live_run_holds_the_lock_against_another_process(tmp_path: Path) -> No
     incident = write_mini(tmp_path / "mini")
     inv = Investigation.open(incident, tmp_path / "out", progress=False)
     try:
-        done = subprocess.run([sys.executable, "-m", "kvforensics.cli", "run", str(incident), "--out",
-                               str(tmp_path / "out"), "--quiet", "--no-pdf"], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvforensics.cli",
+                "run",
+                str(incident),
+                "--out",
+                str(tmp_path / "out"),
+                "--quiet",
+                "--no-pdf",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2, done.stderr
         assert f"another kvforensics run (pid {os.getpid()})" in done.stderr
     finally:

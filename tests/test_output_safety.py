@@ -93,7 +93,8 @@ def test_raw_csv_writes_cells_as_read_and_says_so(runs):
     assert json.loads((raw / "manifest.json").read_text())["csv_cells"] == "raw"
     for name in CSV_FILES:  # the same rows, only the leading quote differs
         assert [{k: v.removeprefix("'") for k, v in r.items()} for r in _cells(neutral / name)] == [
-            {k: v.removeprefix("'") for k, v in r.items()} for r in _cells(raw / name)]
+            {k: v.removeprefix("'") for k, v in r.items()} for r in _cells(raw / name)
+        ]
 
 
 def test_every_text_file_is_utf8_without_control_bytes(runs):
@@ -144,12 +145,25 @@ def test_notice_heading_is_not_a_link(runs):
     assert "<h1>Notice to account =HYPERLINK(&quot;http://evil.example&quot;,&quot;x&quot;)</h1>" in headings
 
 
-@pytest.mark.parametrize("text", [
-    LINK_MODEL, PHISHING_ACCOUNT, "https://evil.example/x", "www.evil.example", "someone@evil.example",
-    "![img](http://evil.example/p.png)", "<a href='http://evil.example'>x</a>", "*bold* _em_ `code` ~~del~~ # h",
-    "__strong__ x_y_", "a_ _b",
-    "[ref]: http://evil.example", "a | b", "line\nbreak", "nul\x00byte",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        LINK_MODEL,
+        PHISHING_ACCOUNT,
+        "https://evil.example/x",
+        "www.evil.example",
+        "someone@evil.example",
+        "![img](http://evil.example/p.png)",
+        "<a href='http://evil.example'>x</a>",
+        "*bold* _em_ `code` ~~del~~ # h",
+        "__strong__ x_y_",
+        "a_ _b",
+        "[ref]: http://evil.example",
+        "a | b",
+        "line\nbreak",
+        "nul\x00byte",
+    ],
+)
 def test_markdown_text_renders_as_the_literal_text(text):
     html = _html(f"# Notice {markdown_text(text)}\n\n| x |\n| --- |\n| {markdown_text(text)} |\n")
     assert "<a " not in html and "<img" not in html and "<em>" not in html and "<code>" not in html
@@ -183,8 +197,11 @@ def test_markdown_text_keeps_comparisons_and_ampersands_readable():
     """Issue 27, observation 9: a version range in a report.md table read "&gt;0.5.9,&lt;0.5.20". "<", ">" and "&"
     stay themselves where no Markdown reading takes them for markup, and still render as the literal text."""
     assert markdown_text("sglang >0.5.9,<0.5.20 (inferred) & co") == "sglang >0.5.9,<0.5.20 (inferred) & co"
-    assert markdown_text("<script>x</script> &amp; <https://e.example>") == \
-        "&lt;script>x&lt;/script> &amp;amp; &lt;https\\://e.example>"
+    assert (
+        markdown_text("<script>x</script> &amp; <https://e.example>")
+        == "&lt;script>x&lt;/script> &amp;amp; &lt;https\\://e.example>"
+    )
     for text in (">0.5.9,<0.5.20", "a < b > c", "&lt;", "<!-- x -->", "x<y"):
-        assert unescape(re.search("<td>(.*)</td>", _html(f"| x |\n| --- |\n| {markdown_text(text)} |\n")).group(1)) \
-            == text
+        assert (
+            unescape(re.search("<td>(.*)</td>", _html(f"| x |\n| --- |\n| {markdown_text(text)} |\n")).group(1)) == text
+        )

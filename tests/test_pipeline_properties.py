@@ -27,21 +27,37 @@ from hypothesis import strategies as st
 from kvforensics.cli import main
 
 EXAMPLES = int(os.environ.get("KVF_EXAMPLES", 12))
-WHOLE_RUNS = settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
-                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+WHOLE_RUNS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 FIXTURES = Path(__file__).parent / "fixtures"
-MODELS = {"m1": "org/M1", "m2": "org/M2"}        # gateway id -> the engine's served_model_name
+MODELS = {"m1": "org/M1", "m2": "org/M2"}  # gateway id -> the engine's served_model_name
 LOGGED_INSTANCES = ("p0", "p1", "d0", "u0")
 # gateway instance names: logged ones, names no log can know, and odd text
 UNKNOWN_INSTANCE = "zz-unlogged-9"
-INSTANCE_NAMES = st.sampled_from([*LOGGED_INSTANCES, UNKNOWN_INSTANCE, "p0.pd.svc.cluster.local:30000", " ", "",
-                                  "Ünï-çødé", "p0;DROP TABLE requests", "'\"", "a" * 300])
+INSTANCE_NAMES = st.sampled_from(
+    [
+        *LOGGED_INSTANCES,
+        UNKNOWN_INSTANCE,
+        "p0.pd.svc.cluster.local:30000",
+        " ",
+        "",
+        "Ünï-çødé",
+        "p0;DROP TABLE requests",
+        "'\"",
+        "a" * 300,
+    ]
+)
 
 MINI_ALIASES = 'aliases = { "zai-org/GLM-5.3-FP8" = "@cf/zai-org/glm-5.3" }'
 assert MINI_ALIASES in INCIDENT
 # the small incident's file, serving the generated models
-incident_text = INCIDENT.replace(MINI_ALIASES, "aliases = { " + ", ".join(f'"{e}" = "{g}"' for g, e in MODELS.items())
-                                 + " }")
+incident_text = INCIDENT.replace(
+    MINI_ALIASES, "aliases = { " + ", ".join(f'"{e}" = "{g}"' for g, e in MODELS.items()) + " }"
+)
 
 
 @st.composite
@@ -55,15 +71,23 @@ def requests(draw: st.DrawFn, logged: list[str]) -> list[dict]:
     rows = []
     for i in range(draw(st.integers(0, 25))):
         prompt = draw(st.sampled_from([0, 10, 5000, 700000, 2_000_000]))
-        row = {"rid": f"r{i}", "received_at": f"2026-08-{draw(st.integers(20, 30))}T{draw(st.integers(0, 23)):02d}:00:00Z",
-               "account_id": draw(st.sampled_from(["a1", "a2", "loadtest-1", "Ω"])),
-               "model": draw(st.sampled_from(models)),
-               "http_status": draw(st.sampled_from([200, 200, 400, 500] + (["success"] if broken else []))),
-               "prompt_tokens": prompt}
+        row = {
+            "rid": f"r{i}",
+            "received_at": f"2026-08-{draw(st.integers(20, 30))}T{draw(st.integers(0, 23)):02d}:00:00Z",
+            "account_id": draw(st.sampled_from(["a1", "a2", "loadtest-1", "Ω"])),
+            "model": draw(st.sampled_from(models)),
+            "http_status": draw(st.sampled_from([200, 200, 400, 500] + (["success"] if broken else []))),
+            "prompt_tokens": prompt,
+        }
         cached = st.integers(0, prompt + (10 if broken else 0))
-        for field, values in (("ttft_ms", st.floats(0, 1e5)), ("latency_ms", st.floats(0, 1e6)),
-                              ("completion_tokens", st.integers(0, 5000)), ("cached_tokens", cached),
-                              ("prefill_instance", names), ("decode_instance", names)):
+        for field, values in (
+            ("ttft_ms", st.floats(0, 1e5)),
+            ("latency_ms", st.floats(0, 1e6)),
+            ("completion_tokens", st.integers(0, 5000)),
+            ("cached_tokens", cached),
+            ("prefill_instance", names),
+            ("decode_instance", names),
+        ):
             choice = draw(st.integers(0, 2))  # absent, null, a value
             if choice == 1:
                 row[field] = None
@@ -100,12 +124,20 @@ def startup(draw: st.DrawFn, day: int, complete: bool, model: str | None = None)
     if pool is not None:
         lines.append(line(f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {pool}, KV size: 40.10 GB"))
         if context is not None:
-            lines.append(line(f"max_total_num_tokens={pool}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
-                              f"max_running_requests=64, context_len={context}, available_gpu_mem=12.34 GB"))
+            lines.append(
+                line(
+                    f"max_total_num_tokens={pool}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+                    f"max_running_requests=64, context_len={context}, available_gpu_mem=12.34 GB"
+                )
+            )
     if draw(st.booleans()):
         rid = f"r{draw(st.integers(0, 25))}"
-        lines.append(line(f"Input length (700000 tokens) exceeds the maximum allowed length (681274 tokens). Use a "
-                          f"shorter input or enable --allow-auto-truncate., self.rid='{rid}'"))
+        lines.append(
+            line(
+                f"Input length (700000 tokens) exceeds the maximum allowed length (681274 tokens). Use a "
+                f"shorter input or enable --allow-auto-truncate., self.rid='{rid}'"
+            )
+        )
     return lines
 
 
@@ -132,7 +164,8 @@ def write_incident(root: Path, rows: list[dict], logs: dict[str, str], gateway_t
     (root / "gateway").mkdir(parents=True)
     (root / "engine").mkdir()
     (root / "gateway" / "day1.jsonl").write_text(
-        gateway_text if gateway_text is not None else "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        gateway_text if gateway_text is not None else "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
+    )
     for name, text in logs.items():
         (root / "engine" / f"{name}.log").write_text(text, encoding="utf-8")
     (root / "incident.toml").write_text(incident_text, encoding="utf-8")
@@ -165,8 +198,9 @@ def check_outcome(code: int, stdout: str, stderr: str, out: Path) -> dict | None
 
 def predicted_reasons(rows: list[dict], logs: dict[str, str]) -> set[str]:
     """Reasons certain from the inputs alone (each implies at least one reason of that code)."""
-    valid = [r for r in rows if isinstance(r["http_status"], int)
-             and (r.get("cached_tokens") or 0) <= r["prompt_tokens"]]
+    valid = [
+        r for r in rows if isinstance(r["http_status"], int) and (r.get("cached_tokens") or 0) <= r["prompt_tokens"]
+    ]
     reasons = set()
     if len(valid) < len(rows):  # any quarantined record is above 1% of at most 25
         reasons.add("quarantine_share")
@@ -197,8 +231,11 @@ def test_any_generated_incident_ends_in_0_2_or_3(data, empty_gateway):
 
 
 # real start-up logs, and engine logs in their collection envelopes (Loki, CloudWatch, journald, ...)
-ENGINE_FIXTURES = (sorted((FIXTURES / "engine_logs").glob("*.log")) + sorted((FIXTURES / "audit").glob("*.log"))
-                   + sorted(f for f in (FIXTURES / "envelopes").glob("*") if f.suffix in (".log", ".json", ".jsonl")))
+ENGINE_FIXTURES = (
+    sorted((FIXTURES / "engine_logs").glob("*.log"))
+    + sorted((FIXTURES / "audit").glob("*.log"))
+    + sorted(f for f in (FIXTURES / "envelopes").glob("*") if f.suffix in (".log", ".json", ".jsonl"))
+)
 
 
 @pytest.mark.slow

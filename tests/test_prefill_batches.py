@@ -55,8 +55,10 @@ FORMS = [
 def test_every_form_of_the_prefill_batch_line_is_read() -> None:
     out = parse(FORMS)
     assert not out.quarantined
-    got = [(b.line, b.ranks, b.new_seq, b.new_token, b.cached_token, b.running_req, b.queue_req, b.token_usage, b.role)
-           for b in out.prefill_batches]
+    got = [
+        (b.line, b.ranks, b.new_seq, b.new_token, b.cached_token, b.running_req, b.queue_req, b.token_usage, b.role)
+        for b in out.prefill_batches
+    ]
     assert got == [
         (1, "TP0", 1, 8192, 64, 0, 0, 0.02, "prefill"),
         (2, "DP1 TP1", 3, 512, 0, 2, 5, 0.10, None),
@@ -64,7 +66,9 @@ def test_every_form_of_the_prefill_batch_line_is_read() -> None:
         (4, "TP0", 2, 33, 5, 1, 0, 0.00, None),
         (5, "TP0", 1, 20, 0, 4, 3, None, None),
     ]
-    assert out.prefill_batches[0].ts is not None and out.prefill_batches[0].ts.isoformat() == "2026-08-28T09:00:00+00:00"
+    assert (
+        out.prefill_batches[0].ts is not None and out.prefill_batches[0].ts.isoformat() == "2026-08-28T09:00:00+00:00"
+    )
 
 
 def test_batch_lines_without_their_counts_are_quarantined_and_look_alikes_ignored() -> None:
@@ -85,12 +89,17 @@ def test_batch_lines_without_their_counts_are_quarantined_and_look_alikes_ignore
 
 
 def test_req_time_stats_keep_the_engines_cached_count_where_the_version_logs_it() -> None:
-    out = parse([
-        "[2026-08-28 09:00:00 TP0] ReqTimeStats(rid=a, bootstrap_room=1, input_len=1000, cached_input_len=256, "
-        "output_len=1, attempts=1, type=prefill): queue_duration=1.00ms, forward_duration=50.00ms",
-        "[2026-08-28 09:00:01 TP0] Req Time Stats(rid=b, input len=1000, output len=1, type=prefill)",  # 0.4.10-0.5.9
-    ])
-    assert [(e.request_id, e.prompt_tokens, e.cached_tokens) for e in out.events] == [("a", 1000, 256), ("b", 1000, None)]
+    out = parse(
+        [
+            "[2026-08-28 09:00:00 TP0] ReqTimeStats(rid=a, bootstrap_room=1, input_len=1000, cached_input_len=256, "
+            "output_len=1, attempts=1, type=prefill): queue_duration=1.00ms, forward_duration=50.00ms",
+            "[2026-08-28 09:00:01 TP0] Req Time Stats(rid=b, input len=1000, output len=1, type=prefill)",  # 0.4.10-0.5.9
+        ]
+    )
+    assert [(e.request_id, e.prompt_tokens, e.cached_tokens) for e in out.events] == [
+        ("a", 1000, 256),
+        ("b", 1000, None),
+    ]
 
 
 def test_a_cache_hit_in_a_batch_line_is_a_flag_of_its_start_up() -> None:
@@ -127,9 +136,18 @@ ENGINE_LOG = """\
 
 
 def request(rid: str, minute: int, prompt: int, cached: int | None, *, second: str = "00", ttft: float = 500.0) -> dict:
-    row = {"rid": rid, "received_at": f"2026-08-28T09:{minute:02d}:{second}Z", "account_id": f"acct-{rid}",
-           "model": "m", "http_status": 200, "prompt_tokens": prompt, "completion_tokens": 10, "ttft_ms": ttft,
-           "latency_ms": ttft + 1000, "prefill_instance": "p0"}
+    row = {
+        "rid": rid,
+        "received_at": f"2026-08-28T09:{minute:02d}:{second}Z",
+        "account_id": f"acct-{rid}",
+        "model": "m",
+        "http_status": 200,
+        "prompt_tokens": prompt,
+        "completion_tokens": 10,
+        "ttft_ms": ttft,
+        "latency_ms": ttft + 1000,
+        "prefill_instance": "p0",
+    }
     if cached is not None:
         row["cached_tokens"] = cached
     return row
@@ -138,7 +156,8 @@ def request(rid: str, minute: int, prompt: int, cached: int | None, *, second: s
 REQUESTS = [
     request("a", 0, 1000, None),  # ReqTimeStats of a on p0: 256
     request("b", 1, 1000, None, second="00.300"),  # the only batch of one request, 700 + 300 = 1000
-    request("c", 2, 2000, None), request("d", 2, 2000, None),  # one batch, two requests it fits: neither
+    request("c", 2, 2000, None),
+    request("d", 2, 2000, None),  # one batch, two requests it fits: neither
     request("e", 3, 3000, 64),  # gateway and engine agree
     request("f", 4, 3000, 0),  # gateway 0, engine 512: a contradiction
     request("g", 5, 5000, None),  # the engine saw a 1-token stub, not this prompt
@@ -157,27 +176,43 @@ def write_incident(root: Path, rows: list[dict]) -> Path:
 
 
 def cached(con) -> dict[str, tuple[int | None, str | None]]:
-    return {rid: (n, how) for rid, n, how in con.execute(
-        "SELECT request_id, cached_tokens, cached_tokens_source FROM requests ORDER BY 1").fetchall()}
+    return {
+        rid: (n, how)
+        for rid, n, how in con.execute(
+            "SELECT request_id, cached_tokens, cached_tokens_source FROM requests ORDER BY 1"
+        ).fetchall()
+    }
 
 
 def test_the_engines_fill_cached_tokens_the_gateway_lacks_and_say_so(tmp_path: Path) -> None:
     con = connect()
     result = ingest(con, load_incident(write_incident(tmp_path, REQUESTS)))
     assert cached(con) == {
-        "a": (256, "engine_request"), "b": (300, "engine_batch"), "c": (None, None), "d": (None, None),
-        "e": (64, "gateway"), "f": (0, "gateway"), "g": (None, None), "h": (None, None), "i": (None, None),
+        "a": (256, "engine_request"),
+        "b": (300, "engine_batch"),
+        "c": (None, None),
+        "d": (None, None),
+        "e": (64, "gateway"),
+        "f": (0, "gateway"),
+        "g": (None, None),
+        "h": (None, None),
+        "i": (None, None),
     }
-    assert con.execute("SELECT count(*), count(*) FILTER (WHERE role = 'prefill'), sum(cached_token) "
-                       "FROM prefill_batches").fetchall() == [(4, 4, 900)]
-    assert con.execute("SELECT request_id, cached_tokens FROM engine_events WHERE kind = 'req_time_stats' "
-                       "ORDER BY 1").fetchall() == [("a", 256), ("e", 64), ("f", 512), ("g", 0)]
-    assert con.execute("SELECT request_id, engine_cached, gateway_cached FROM engine_cached_tokens ORDER BY 1"
-                       ).fetchall() == [("a", 256, None), ("e", 64, 64), ("f", 512, 0)]
+    assert con.execute(
+        "SELECT count(*), count(*) FILTER (WHERE role = 'prefill'), sum(cached_token) FROM prefill_batches"
+    ).fetchall() == [(4, 4, 900)]
+    assert con.execute(
+        "SELECT request_id, cached_tokens FROM engine_events WHERE kind = 'req_time_stats' ORDER BY 1"
+    ).fetchall() == [("a", 256), ("e", 64), ("f", 512), ("g", 0)]
+    assert con.execute(
+        "SELECT request_id, engine_cached, gateway_cached FROM engine_cached_tokens ORDER BY 1"
+    ).fetchall() == [("a", 256, None), ("e", 64, 64), ("f", 512, 0)]
     (warning,) = [w for w in result.warnings if "cached_tokens" in w]
     assert "differ for 1 of 2 request(s) both count (e.g. 'f')" in warning
-    assert any("1 request(s) without cached_tokens from the gateway took it from a prefill batch" in a
-               for a in result.assumptions)
+    assert any(
+        "1 request(s) without cached_tokens from the gateway took it from a prefill batch" in a
+        for a in result.assumptions
+    )
 
     # the same gateway record delivered again compares equal with the one loaded (the engine's value is not the
     # gateway's), and the fill is made again
@@ -203,7 +238,8 @@ def test_a_contradiction_above_the_share_makes_the_run_inconclusive(tmp_path: Pa
     (reason,) = conclusive.evaluate(con, only=("cached_tokens_disagree",))
     assert reason.message.startswith(
         "cached_tokens: the gateway's count and the engines' own count (ReqTimeStats cached_input_len) differ for "
-        "1 of the 2 requests both count (50.0%, above 1.0%; e.g. 'f')")
+        "1 of the 2 requests both count (50.0%, above 1.0%; e.g. 'f')"
+    )
     assert reason.evidence == {"differing": 1, "compared": 2, "fraction": 0.5, "max_fraction": 0.01}
     con.execute("UPDATE engine_cached_tokens SET engine_cached = gateway_cached WHERE gateway_cached IS NOT NULL")
     assert conclusive.evaluate(con, only=("cached_tokens_disagree",)) == []
@@ -217,13 +253,16 @@ BARE_STARTUP = """\
 [2026-08-28 08:00:30] The server is fired up and ready to roll!
 [2026-08-28 09:00:00] Prefill batch, #new-seq: 1, #new-token: 100, #cached-token: 0, token usage: 0.01, #running-req: 0, #queue-req: 0
 """
-HIT = "[2026-08-28 09:00:01] Prefill batch, #new-seq: 1, #new-token: 100, #cached-token: 64, token usage: 0.01, " \
-      "#running-req: 0, #queue-req: 0\n"
+HIT = (
+    "[2026-08-28 09:00:01] Prefill batch, #new-seq: 1, #new-token: 100, #cached-token: 64, token usage: 0.01, "
+    "#running-req: 0, #queue-req: 0\n"
+)
 
 
 @pytest.mark.parametrize("hit", [True, False])
-def test_a_batch_served_from_the_cache_shows_prefix_caching_on_when_the_flags_do_not_say(tmp_path: Path,
-                                                                                           hit: bool) -> None:
+def test_a_batch_served_from_the_cache_shows_prefix_caching_on_when_the_flags_do_not_say(
+    tmp_path: Path, hit: bool
+) -> None:
     log = tmp_path / "u0.log"
     log.write_text(BARE_STARTUP + (HIT if hit else ""))
     (v,) = [v for v in audit_paths([log]).verdicts if v.check == 6]
@@ -260,11 +299,19 @@ def test_in_a_collection_envelope_batches_and_the_hit_flag_name_the_files_lines(
     clock order: the parse reads them in the envelope's order and names the file's own lines."""
     from kvforensics.sources.engine_logs.parse import parse_engine_file
 
-    records = [("08:00:05", BARE_STARTUP.splitlines()[0]), ("09:00:01", HIT.rstrip("\n")),
-               ("08:00:06", BARE_STARTUP.splitlines()[1]), ("08:00:30", BARE_STARTUP.splitlines()[2])]
+    records = [
+        ("08:00:05", BARE_STARTUP.splitlines()[0]),
+        ("09:00:01", HIT.rstrip("\n")),
+        ("08:00:06", BARE_STARTUP.splitlines()[1]),
+        ("08:00:30", BARE_STARTUP.splitlines()[2]),
+    ]
     path = tmp_path / "u0.log"
-    path.write_text("".join(json.dumps({"log": text + "\n", "stream": "stdout", "time": f"2026-08-28T{t}.000000000Z"})
-                            + "\n" for t, text in records))
+    path.write_text(
+        "".join(
+            json.dumps({"log": text + "\n", "stream": "stdout", "time": f"2026-08-28T{t}.000000000Z"}) + "\n"
+            for t, text in records
+        )
+    )
     parsed = parse_engine_file(path, fmt="sglang", instance="u0", tz=UTC, envelope="auto")
     assert parsed.envelope == "docker"
     assert [(b.line, b.cached_token) for b in parsed.batches] == [(2, 64)]

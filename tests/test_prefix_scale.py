@@ -40,8 +40,9 @@ def _reference_rows(con: duckdb.DuckDBPyConnection, name: str, params: dict) -> 
     text = (REFERENCE / f"{name}.sql").read_text(encoding="utf-8")
     text = text.replace("{{ direct_paths }}", (REFERENCE / "paths.sql").read_text(encoding="utf-8"))
     used = used_parameters(text)
-    return sorted(con.execute(render(text, "duckdb"), {k: v for k, v in params.items() if k in used} or None)
-                  .fetchall(), key=repr)
+    return sorted(
+        con.execute(render(text, "duckdb"), {k: v for k, v in params.items() if k in used} or None).fetchall(), key=repr
+    )
 
 
 def _rule_rows(con: duckdb.DuckDBPyConnection, rule_id: str, params: dict) -> list[tuple]:
@@ -74,8 +75,11 @@ def _assert_sources_match(con: duckdb.DuckDBPyConnection) -> int:
     con.execute("DELETE FROM findings").fetchall()
     for rule in RULES.values():
         for rid in run_rule(con, rule, rule.parameters)["request_id"]:
-            con.execute("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
-                        "VALUES ($r, $rule, 'v', 'probable')", {"r": rid, "rule": rule.id}).fetchall()
+            con.execute(
+                "INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
+                "VALUES ($r, $rule, 'v', 'probable')",
+                {"r": rid, "rule": rule.id},
+            ).fetchall()
     _account_classes(con)
     run_duckdb_script(con, "prefix_sources", {"store_window_s": 60, "load_window_s": 60, "clock_skew_s": 2})
     new = sorted(con.execute("SELECT * FROM prefix_sources WHERE basis = 'block_fingerprints'").fetchall(), key=repr)
@@ -85,11 +89,14 @@ def _assert_sources_match(con: duckdb.DuckDBPyConnection) -> int:
 
 # --- the fragment itself -------------------------------------------------------------------------------------
 
+
 def test_the_fragment_is_portable_sql():
     text = (Path(kvforensics.__file__).parent / "sql" / "prefix_senders.sql").read_text(encoding="utf-8")
     test_portable_sql("sql/prefix_senders.sql", text)
     for rule_id in REWRITTEN:
-        assert "{{ fragment('prefix_senders') }}" in RULES[rule_id].template and "block_senders AS" in RULES[rule_id].sql
+        assert (
+            "{{ fragment('prefix_senders') }}" in RULES[rule_id].template and "block_senders AS" in RULES[rule_id].sql
+        )
 
 
 def test_a_fragment_call_names_an_existing_file():
@@ -119,50 +126,105 @@ def test_yaml_cases_give_the_reference_rows(case):
 
 # --- random tables full of ties -------------------------------------------------------------------------------
 
+
 def _random_tables(seed: int) -> dict[str, list[dict]]:
     rnd = random.Random(seed)
     start = datetime(2026, 8, 28, 10, tzinfo=UTC)
     accounts = ["a", "b", "c", "d", "int-1", "int-2"]
     requests, blocks, events = [], [], []
     for i in range(rnd.randint(20, 160)):
-        rid = f"r{rnd.randint(0, 10_000):05d}-{i}"   # ids in no particular order against their times
+        rid = f"r{rnd.randint(0, 10_000):05d}-{i}"  # ids in no particular order against their times
         n = rnd.randint(1, 5)
         prompt = 16 * n + rnd.choice([0, 1, 7])
         salt = rnd.choice([None, "s1", "s2", "s3"])
-        requests.append({
-            "request_id": rid, "ts": (start + timedelta(minutes=rnd.randint(0, 12))).isoformat(),
-            "account_id": rnd.choice(accounts), "model": rnd.choice(["m", "m", "m2"]), "prompt_tokens": prompt,
-            "cached_tokens": rnd.choice([None, 0, 8, 16, 32, 48, 64, 80]),
-            "prefill_instance": rnd.choice([None, "i0", "i1", "i1"]), "cache_salt": salt})
+        requests.append(
+            {
+                "request_id": rid,
+                "ts": (start + timedelta(minutes=rnd.randint(0, 12))).isoformat(),
+                "account_id": rnd.choice(accounts),
+                "model": rnd.choice(["m", "m", "m2"]),
+                "prompt_tokens": prompt,
+                "cached_tokens": rnd.choice([None, 0, 8, 16, 32, 48, 64, 80]),
+                "prefill_instance": rnd.choice([None, "i0", "i1", "i1"]),
+                "cache_salt": salt,
+            }
+        )
         chain = 0
         for p in range(n):
-            choice = rnd.randint(0, 2)   # few distinct blocks per position: prefixes are widely shared
+            choice = rnd.randint(0, 2)  # few distinct blocks per position: prefixes are widely shared
             chain = chain * 7 + choice + 1
-            blocks.append({"request_id": rid, "position": p, "num_tokens": rnd.choice([16, 16, 16, 8]),
-                           "block_fp": 100 * p + choice, "chain_fp": chain})
+            blocks.append(
+                {
+                    "request_id": rid,
+                    "position": p,
+                    "num_tokens": rnd.choice([16, 16, 16, 8]),
+                    "block_fp": 100 * p + choice,
+                    "chain_fp": chain,
+                }
+            )
             if rnd.random() < 0.3:
-                events.append({"instance": rnd.choice(["i0", "i1"]), "ts": requests[-1]["ts"], "batch": i, "seq": p,
-                               "kind": "stored", "block_hash": str(rnd.randint(0, 5)), "position": p,
-                               "num_tokens": 16, "block_fp": 100 * p + choice,
-                               "salt": rnd.choice([None, salt, "s9"]), "source": "t", "source_file": "t",
-                               "source_line": i})
-    patterns = [{"pattern": "int-*", "account_class": "internal", "priority": 2},
-                {"pattern": "int-2", "account_class": "reporter", "priority": 1}]
+                events.append(
+                    {
+                        "instance": rnd.choice(["i0", "i1"]),
+                        "ts": requests[-1]["ts"],
+                        "batch": i,
+                        "seq": p,
+                        "kind": "stored",
+                        "block_hash": str(rnd.randint(0, 5)),
+                        "position": p,
+                        "num_tokens": 16,
+                        "block_fp": 100 * p + choice,
+                        "salt": rnd.choice([None, salt, "s9"]),
+                        "source": "t",
+                        "source_file": "t",
+                        "source_line": i,
+                    }
+                )
+    patterns = [
+        {"pattern": "int-*", "account_class": "internal", "priority": 2},
+        {"pattern": "int-2", "account_class": "reporter", "priority": 1},
+    ]
     # start-ups whose paths across tenants bound the rules: i1 isolated in its first minutes, then an instance
     # whose own cache crosses tenants or a store dropping the salt; i0 judged on half the seeds only (a hit on
     # an instance no start-up covers opens every path)
     windows = []
     cut = start + timedelta(minutes=rnd.randint(2, 9))
-    for instance, frm, to, reach in (("i1", None, cut, "none"),
-                                     ("i1", cut, None, rnd.choice(["local", "shared_store", "any", "collision"]))):
-        windows.append({"instance": instance, "valid_from": frm and frm.isoformat(), "valid_to": to and to.isoformat(),
-                        "path": "t", "reach": reach, "status": "fail", "sentence": "t"})
+    for instance, frm, to, reach in (
+        ("i1", None, cut, "none"),
+        ("i1", cut, None, rnd.choice(["local", "shared_store", "any", "collision"])),
+    ):
+        windows.append(
+            {
+                "instance": instance,
+                "valid_from": frm and frm.isoformat(),
+                "valid_to": to and to.isoformat(),
+                "path": "t",
+                "reach": reach,
+                "status": "fail",
+                "sentence": "t",
+            }
+        )
     if seed % 2:
-        windows.append({"instance": "i0", "valid_from": None, "valid_to": None, "path": "t",
-                        "reach": rnd.choice(["local", "shared_store", "none"]), "status": "fail", "sentence": "t"})
+        windows.append(
+            {
+                "instance": "i0",
+                "valid_from": None,
+                "valid_to": None,
+                "path": "t",
+                "reach": rnd.choice(["local", "shared_store", "none"]),
+                "status": "fail",
+                "sentence": "t",
+            }
+        )
     namespaces = [{"pattern": "s3"}] if seed % 3 == 0 else []
-    return {"account_patterns": patterns, "requests": requests, "request_blocks": blocks, "kv_events": events,
-            "prefix_windows": windows, "prefix_shared_namespaces": namespaces}
+    return {
+        "account_patterns": patterns,
+        "requests": requests,
+        "request_blocks": blocks,
+        "kv_events": events,
+        "prefix_windows": windows,
+        "prefix_shared_namespaces": namespaces,
+    }
 
 
 def test_random_tables_give_the_reference_rows():
@@ -175,13 +237,14 @@ def test_random_tables_give_the_reference_rows():
             sources += _assert_sources_match(con)
         finally:
             con.close()
-    assert flagged > 24 and sources > 24, (flagged, sources)   # the comparisons are not vacuous
+    assert flagged > 24 and sources > 24, (flagged, sources)  # the comparisons are not vacuous
 
 
 # --- the simulated incidents ----------------------------------------------------------------------------------
 
 SIMULATED = [pytest.param(name, None, 3000, id=f"{name}-3000") for name in sorted(SCENARIOS)] + [
-    pytest.param("prefix-l3-unsalted", 4, 4000, id="prefix-l3-unsalted-seed4-4000")]
+    pytest.param("prefix-l3-unsalted", 4, 4000, id="prefix-l3-unsalted-seed4-4000")
+]
 
 
 @pytest.mark.parametrize(("name", "seed", "requests"), SIMULATED)

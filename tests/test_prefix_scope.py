@@ -31,13 +31,33 @@ def _mixed_rows() -> list[dict]:
     rows = mini_requests()
     for r in rows:
         r["cache_salt"] = "salt-" + r["account_id"]
-    common = {"model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 5000, "completion_tokens": 100,
-              "ttft_ms": 900.0, "latency_ms": 4000.0, "prefill_instance": "p0", "decode_instance": "d0"}
+    common = {
+        "model": "@cf/zai-org/glm-5.3",
+        "http_status": 200,
+        "prompt_tokens": 5000,
+        "completion_tokens": 100,
+        "ttft_ms": 900.0,
+        "latency_ms": 4000.0,
+        "prefill_instance": "p0",
+        "decode_instance": "d0",
+    }
     return rows + [
-        {**common, "rid": "p-src", "received_at": "2026-08-28T09:58:10Z", "account_id": "owner-a", "cached_tokens": 0,
-         "cache_salt": "salt-owner-a"},
-        {**common, "rid": "p-hit", "received_at": "2026-08-28T09:59:10Z", "account_id": "reader-b",
-         "cached_tokens": 12, "cache_salt": "salt-reader-b"},
+        {
+            **common,
+            "rid": "p-src",
+            "received_at": "2026-08-28T09:58:10Z",
+            "account_id": "owner-a",
+            "cached_tokens": 0,
+            "cache_salt": "salt-owner-a",
+        },
+        {
+            **common,
+            "rid": "p-hit",
+            "received_at": "2026-08-28T09:59:10Z",
+            "account_id": "reader-b",
+            "cached_tokens": 12,
+            "cache_salt": "salt-reader-b",
+        },
     ]
 
 
@@ -45,8 +65,9 @@ def _mixed_rows() -> list[dict]:
 SALT_IGNORED = 'tenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.1"\n'
 
 
-def _write_mixed(root: Path, rows: list[dict] | None = None, content: bool = True,
-                 isolation: str = SALT_IGNORED) -> Path:
+def _write_mixed(
+    root: Path, rows: list[dict] | None = None, content: bool = True, isolation: str = SALT_IGNORED
+) -> Path:
     incident = INCIDENT + "\n[prefix_cache]\nblock_size = 4\n" + isolation
     if content:
         incident += '\n[[sources]]\nname = "content"\nkind = "content"\npath = "content/*.jsonl"\nformat = "jsonl"\n'
@@ -54,8 +75,11 @@ def _write_mixed(root: Path, rows: list[dict] | None = None, content: bool = Tru
     if content:
         (root / "content").mkdir(exist_ok=True)
         (root / "content" / "texts.jsonl").write_text(
-            json.dumps({"request_id": "p-src", "prompt": SHARED + " owner private text", "output": "ok"}) + "\n"
-            + json.dumps({"request_id": "p-hit", "prompt": SHARED + " reader question", "output": "fine"}) + "\n")
+            json.dumps({"request_id": "p-src", "prompt": SHARED + " owner private text", "output": "ok"})
+            + "\n"
+            + json.dumps({"request_id": "p-hit", "prompt": SHARED + " reader question", "output": "fine"})
+            + "\n"
+        )
     return path
 
 
@@ -79,28 +103,46 @@ def _con(out: Path) -> duckdb.DuckDBPyConnection:
 
 # --- each mechanism's findings, their own sources ---------------------------------------------------------
 
+
 def test_both_mechanisms_flag_a_response_and_each_has_its_own_sources(mixed):
     con = _con(mixed)
     try:
-        flagged = dict(con.execute("SELECT request_id, list(DISTINCT mechanism) FROM findings "
-                                   "WHERE request_id IN ('r-leak', 'p-hit') GROUP BY 1").fetchall())
+        flagged = dict(
+            con.execute(
+                "SELECT request_id, list(DISTINCT mechanism) FROM findings "
+                "WHERE request_id IN ('r-leak', 'p-hit') GROUP BY 1"
+            ).fetchall()
+        )
         assert flagged == {"r-leak": ["stale_pages"], "p-hit": ["prefix_reuse"]}
-        assert {r for (r,) in con.execute("SELECT request_id FROM affected_responses").fetchall()} == {"r-leak", "p-hit"}
+        assert {r for (r,) in con.execute("SELECT request_id FROM affected_responses").fetchall()} == {
+            "r-leak",
+            "p-hit",
+        }
         # the turnover horizon attributes the stale-pages leak only; the prefix hit's sources are its blocks' owner
         horizon = {r for (r,) in con.execute("SELECT DISTINCT affected_request_id FROM possible_sources").fetchall()}
         assert horizon == {"r-leak"}
-        assert con.execute("SELECT source_request_id, source_account, basis FROM prefix_sources "
-                           "WHERE request_id = 'p-hit'").fetchall() == [("p-src", "owner-a", "block_fingerprints")]
-        matches = con.execute("SELECT DISTINCT source_account_id, basis FROM content_matches "
-                              "WHERE affected_request_id = 'p-hit'").fetchall()
+        assert con.execute(
+            "SELECT source_request_id, source_account, basis FROM prefix_sources WHERE request_id = 'p-hit'"
+        ).fetchall() == [("p-src", "owner-a", "block_fingerprints")]
+        matches = con.execute(
+            "SELECT DISTINCT source_account_id, basis FROM content_matches WHERE affected_request_id = 'p-hit'"
+        ).fetchall()
         assert matches == [("owner-a", "block_fingerprints")]
         # a prefix-cache hit wrote its prompt's pages like any request: it may be a stale-pages source itself
-        assert con.execute("SELECT count(*) FROM possible_sources WHERE source_request_id = 'p-hit'").fetchall() == [(1,)]
-        roles = dict(con.execute("SELECT account_id, list(role ORDER BY role) FROM notifications WHERE account_id IN "
-                                 "('owner-a', 'reader-b', 'victim-recipient') GROUP BY 1").fetchall())
-        assert roles == {"owner-a": ["data_exposed_confirmed"],
-                         "reader-b": ["data_exposed_possible", "received_foreign_data"],  # p-hit, a horizon source
-                         "victim-recipient": ["received_foreign_data"]}
+        assert con.execute("SELECT count(*) FROM possible_sources WHERE source_request_id = 'p-hit'").fetchall() == [
+            (1,)
+        ]
+        roles = dict(
+            con.execute(
+                "SELECT account_id, list(role ORDER BY role) FROM notifications WHERE account_id IN "
+                "('owner-a', 'reader-b', 'victim-recipient') GROUP BY 1"
+            ).fetchall()
+        )
+        assert roles == {
+            "owner-a": ["data_exposed_confirmed"],
+            "reader-b": ["data_exposed_possible", "received_foreign_data"],  # p-hit, a horizon source
+            "victim-recipient": ["received_foreign_data"],
+        }
     finally:
         con.close()
 
@@ -113,13 +155,18 @@ def test_the_drill_down_views_show_each_mechanisms_sources(mixed):
         view = explore.response_sources(con, "p-hit")
         rows = view.frame.set_index("source_request_id")
         assert (rows.loc["p-src", "source_account_id"], rows.loc["p-src", "confirmed"], rows.loc["p-src", "basis"]) == (
-            "owner-a", True, "block_fingerprints")
-        assert view.note.startswith("1 candidate source requests from 1 accounts other than the recipient reader-b; "
-                                    "1 accounts confirmed"), view.note
+            "owner-a",
+            True,
+            "block_fingerprints",
+        )
+        assert view.note.startswith(
+            "1 candidate source requests from 1 accounts other than the recipient reader-b; 1 accounts confirmed"
+        ), view.note
         exposure = explore.account_exposure(con, "owner-a").frame
         assert exposure[["affected_request_id", "source_request_id", "confirmed", "basis"]].values.tolist() == [
             ["p-hit", "p-src", True, "block_fingerprints"],  # its blocks reused
-            ["r-leak", "p-src", False, "turnover_horizon"]]  # and its pages possibly read by the stale-pages leak
+            ["r-leak", "p-src", False, "turnover_horizon"],
+        ]  # and its pages possibly read by the stale-pages leak
         stale = explore.response_sources(con, "r-leak").frame
         assert set(stale["basis"]) <= {"turnover_horizon", "output_shingles turnover_horizon", "output_shingles"}
         assert stale["within_horizon"].any()
@@ -149,13 +196,16 @@ def test_a_collision_no_event_names_lists_the_resident_blocks_owners_as_possible
                    'customer' AS account_class, TIMESTAMPTZ '2026-08-28 09:01:00Z' AS ts""")
     view = explore.response_sources(con, "hit").frame
     assert view[["source_request_id", "source_account_id", "confirmed", "within_horizon", "basis"]].values.tolist() == [
-        ["stored", "owner", False, False, "resident_on_instance"]]
+        ["stored", "owner", False, False, "resident_on_instance"]
+    ]
     exposure = explore.account_exposure(con, "owner").frame
     assert exposure[["affected_request_id", "confirmed", "basis"]].values.tolist() == [
-        ["hit", False, "resident_on_instance"]]
+        ["hit", False, "resident_on_instance"]
+    ]
 
 
 # --- notices in the mechanism's words ----------------------------------------------------------------------
+
 
 def _notice(out: Path, account: str) -> str:
     (path,) = [p for p in (out / "notices").rglob("*.md") if p.name.startswith(account + "-")]
@@ -191,8 +241,9 @@ def test_stale_pages_notices_keep_their_own_words(mixed):
     assert "| r-leak |" in text
     con = _con(mixed)
     try:
-        (account,) = con.execute("SELECT min(account_id) FROM notifications WHERE role = 'data_exposed_possible'"
-                                 ).fetchone()
+        (account,) = con.execute(
+            "SELECT min(account_id) FROM notifications WHERE role = 'data_exposed_possible'"
+        ).fetchone()
     finally:
         con.close()
     possible = _notice(mixed, account)
@@ -204,8 +255,11 @@ def test_a_mechanism_brings_its_own_notice_and_it_is_checked(tmp_path):
     folder = tmp_path / "tapped_bus"
     folder.mkdir()
     meta = yaml.safe_load((stale / "mechanism.yml").read_text())
-    notice = {**meta["notice"], "received": {"title": "Bus tapped", "text": "A <b>tap</b> read it."},
-              "bases": {"bus_trace": "a trace of the bus"}}
+    notice = {
+        **meta["notice"],
+        "received": {"title": "Bus tapped", "text": "A <b>tap</b> read it."},
+        "bases": {"bus_trace": "a trace of the bus"},
+    }
     (folder / "mechanism.yml").write_text(yaml.safe_dump({**meta, "id": "tapped_bus", "notice": notice}))
     assert read_mechanism(folder).notice.basis("bus_trace") == "a trace of the bus"
     # both shipped mechanisms word their possible sources (stale pages' horizon, a collision's resident blocks)
@@ -223,6 +277,7 @@ def test_a_mechanism_brings_its_own_notice_and_it_is_checked(tmp_path):
 
 
 # --- the conclusiveness gate: what the prefix_reuse rules need -----------------------------------------------
+
 
 def _field_reasons(out: Path, tmp_path: Path, *updates: str) -> list[conclusive.Reason]:
     """rule_field_missing on a copy of *out*'s evidence after the *updates*."""
@@ -275,13 +330,18 @@ def test_probing_needs_the_timing(mixed, tmp_path):
 
 
 def test_without_prefix_reuse_its_needs_are_not_asked(mixed, tmp_path):
-    reasons = _field_reasons(mixed, tmp_path, "UPDATE mechanisms SET selected = false WHERE id = 'prefix_reuse'",
-                             "UPDATE requests SET cached_tokens = NULL WHERE request_id < 'r6'",
-                             "DELETE FROM request_blocks")
+    reasons = _field_reasons(
+        mixed,
+        tmp_path,
+        "UPDATE mechanisms SET selected = false WHERE id = 'prefix_reuse'",
+        "UPDATE requests SET cached_tokens = NULL WHERE request_id < 'r6'",
+        "DELETE FROM request_blocks",
+    )
     assert reasons == []
 
 
 # --- the probing thresholds in the incident file --------------------------------------------------------------
+
 
 def _incident(tmp_path: Path, extra: str) -> Path:
     path = tmp_path / "incident.toml"
@@ -290,20 +350,27 @@ def _incident(tmp_path: Path, extra: str) -> Path:
 
 
 def test_probing_thresholds_are_read_and_checked(tmp_path):
-    incident = load_incident(_incident(tmp_path, "[prefix_cache.probing]\nprobe_min_requests = 50\n"
-                                                 "probe_min_short_share = 1\n"))
+    incident = load_incident(
+        _incident(tmp_path, "[prefix_cache.probing]\nprobe_min_requests = 50\nprobe_min_short_share = 1\n")
+    )
     assert incident.probing_parameters == {"probe_min_requests": 50, "probe_min_short_share": 1}
     assert not incident.prefix_word_blocks  # the probing table alone asks for no word blocks
     assert load_incident(_incident(tmp_path, "[prefix_cache]\nblock_size = 16\n")).prefix_word_blocks
     assert load_incident(_incident(tmp_path, "")).probing_parameters == {}
     for extra, message in [
-        ("[prefix_cache.probing]\nprobe_min_request = 5\n",
-         "incident.toml: [prefix_cache.probing]: unknown probing parameter 'probe_min_request' (did you mean "
-         "'probe_min_requests'?); known: " + ", ".join(PROBING_PARAMETERS)),
-        ("[prefix_cache.probing]\nprobe_min_requests = 2.5\n",
-         "incident.toml: [prefix_cache.probing]: probing parameter probe_min_requests must be a whole number >= 0"),
-        ("[prefix_cache.probing]\nprobe_min_cached_share = 1.5\n",
-         "incident.toml: [prefix_cache.probing]: probing parameter probe_min_cached_share is a share between 0 and 1"),
+        (
+            "[prefix_cache.probing]\nprobe_min_request = 5\n",
+            "incident.toml: [prefix_cache.probing]: unknown probing parameter 'probe_min_request' (did you mean "
+            "'probe_min_requests'?); known: " + ", ".join(PROBING_PARAMETERS),
+        ),
+        (
+            "[prefix_cache.probing]\nprobe_min_requests = 2.5\n",
+            "incident.toml: [prefix_cache.probing]: probing parameter probe_min_requests must be a whole number >= 0",
+        ),
+        (
+            "[prefix_cache.probing]\nprobe_min_cached_share = 1.5\n",
+            "incident.toml: [prefix_cache.probing]: probing parameter probe_min_cached_share is a share between 0 and 1",
+        ),
         ("[prefix_cache]\nprobing = 3\n", "incident.toml: [prefix_cache]: 'probing' must be a table"),
     ]:
         with pytest.raises(ConfigError) as e:
@@ -335,7 +402,9 @@ def test_thresholds_from_the_incident_file_decide_the_tier_and_are_recorded(prob
     assert code == 0
     probing = scope["exploitation"]["prefix_probing"]
     assert probing["parameters"] == {**PROBING_PARAMETERS, "probe_min_requests": 100000}
-    assert json.loads((out / "manifest.json").read_text())["scope_parameters"]["prefix_probing"] == probing["parameters"]
+    assert (
+        json.loads((out / "manifest.json").read_text())["scope_parameters"]["prefix_probing"] == probing["parameters"]
+    )
     assert not set(truth["probers"]) & set(scope["exploitation"]["accounts_looking_deliberate"])
     # the same evidence with the default thresholds finds the prober
     con = duckdb.connect(str(out / "evidence.duckdb"))
@@ -363,12 +432,14 @@ def test_a_prefix_incident_without_cached_tokens_for_most_requests_is_inconclusi
     assert "cached_tokens empty for " in reasons[0]["message"]
 
 
-
-@pytest.mark.parametrize(("isolation", "outcome"), [
-    ("", "undetermined"),                                                    # no isolation facts stated
-    ('tenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.22"\n', "isolated"),  # salt honoured
-    (SALT_IGNORED, "flagged"),
-])
+@pytest.mark.parametrize(
+    ("isolation", "outcome"),
+    [
+        ("", "undetermined"),  # no isolation facts stated
+        ('tenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.22"\n', "isolated"),  # salt honoured
+        (SALT_IGNORED, "flagged"),
+    ],
+)
 def test_a_cross_salt_hit_counts_only_through_a_path_the_startups_open(tmp_path, isolation, outcome):
     """The same hit on another salt's blocks: with no isolation facts the run is inconclusive
     (prefix_path_undetermined); on a build that keys its radix tree on the salt it is no finding; on one
@@ -381,5 +452,8 @@ def test_a_cross_salt_hit_counts_only_through_a_path_the_startups_open(tmp_path,
         con.close()
     reasons = [r["code"] for r in scope["inconclusive_reasons"]]
     assert (flagged > 0, "prefix_path_undetermined" in reasons) == {
-        "undetermined": (True, True), "isolated": (False, False), "flagged": (True, False)}[outcome]
+        "undetermined": (True, True),
+        "isolated": (False, False),
+        "flagged": (True, False),
+    }[outcome]
     assert code == (3 if outcome == "undetermined" else 0)

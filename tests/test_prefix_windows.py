@@ -41,12 +41,25 @@ def _write(root: Path, isolation: str) -> Path:
     for n in range(2):
         folder = engines / f"sglang-{n}"
         folder.mkdir(parents=True)
-        (folder / "sglang.log").write_text(_startup(STARTS[0], False) + _startup(STARTS[1], True)
-                                           + _startup(STARTS[2], False))
-    (root / "gateway.jsonl").write_text(json.dumps({
-        "request_id": "r1", "ts": "2026-09-04T10:00:00Z", "account_id": "a", "model": "zai-org/GLM-5.3",
-        "status": 200, "prompt_tokens": 100, "cached_tokens": 64, "prefill_instance": "sglang-1",
-        "cache_salt": "sa"}) + "\n")
+        (folder / "sglang.log").write_text(
+            _startup(STARTS[0], False) + _startup(STARTS[1], True) + _startup(STARTS[2], False)
+        )
+    (root / "gateway.jsonl").write_text(
+        json.dumps(
+            {
+                "request_id": "r1",
+                "ts": "2026-09-04T10:00:00Z",
+                "account_id": "a",
+                "model": "zai-org/GLM-5.3",
+                "status": 200,
+                "prompt_tokens": 100,
+                "cached_tokens": 64,
+                "prefill_instance": "sglang-1",
+                "cache_salt": "sa",
+            }
+        )
+        + "\n"
+    )
     path = root / "incident.toml"
     path.write_text(f"""[incident]
 id = "windows"
@@ -89,17 +102,24 @@ def test_a_rolling_restart_that_adds_a_salt_blind_store_opens_a_window_and_the_n
     assert rows == [
         (i, *span, *what, "0.5.18")
         for i in ("sglang-0", "sglang-1")
-        for span, what in ((("09-01 08:10", "09-03 10:10"), ("isolated", "none", "pass")),
-                           (("09-03 10:10", "09-06 12:10"), ("salt_blind_store", "shared_store", "fail")),
-                           (("09-06 12:10", None), ("isolated", "none", "pass")))]
+        for span, what in (
+            (("09-01 08:10", "09-03 10:10"), ("isolated", "none", "pass")),
+            (("09-03 10:10", "09-06 12:10"), ("salt_blind_store", "shared_store", "fail")),
+            (("09-06 12:10", None), ("isolated", "none", "pass")),
+        )
+    ]
 
 
 def test_a_build_after_the_fix_is_unknown_and_a_declared_false_key_is_a_failure(tmp_path):
-    rows = _windows(tmp_path / "a", '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\n'
-                                    'engine_version = "0.5.22"\n')
+    rows = _windows(
+        tmp_path / "a", '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\nengine_version = "0.5.22"\n'
+    )
     assert {(r[3], r[5]) for r in rows if r[1].startswith("09-03")} == {("salt_blind_store", "unknown")}
-    rows = _windows(tmp_path / "b", '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\n'
-                                    'engine_version = "0.5.22"\nkv_store_keys_salt = false\n')
+    rows = _windows(
+        tmp_path / "b",
+        '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\n'
+        'engine_version = "0.5.22"\nkv_store_keys_salt = false\n',
+    )
     assert {(r[3], r[5]) for r in rows if r[1].startswith("09-03")} == {("salt_blind_store", "fail")}
 
 
@@ -114,12 +134,18 @@ def test_without_isolation_facts_every_startup_is_undetermined_and_a_single_tena
 
 
 def test_isolation_facts_are_checked_and_alone_do_not_cut_prompts_into_word_blocks(tmp_path):
-    incident = load_incident(_write(tmp_path / "a", '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\n'
-                                                    'shared_namespaces = ["playground*"]\n'))
+    incident = load_incident(
+        _write(
+            tmp_path / "a",
+            '[prefix_cache]\ntenants = "multi"\ncache_salt = "gateway"\nshared_namespaces = ["playground*"]\n',
+        )
+    )
     assert incident.prefix_shared_namespaces == ("playground*",) and not incident.prefix_word_blocks
-    for text, message in (('tenants = "many"', "tenants = 'many'; use one of 'multi', 'single'"),
-                          ('engine_version = 5', "engine_version = 5; write the engine's version as text"),
-                          ('shared_namespaces = "x"', "shared_namespaces must be a list")):
+    for text, message in (
+        ('tenants = "many"', "tenants = 'many'; use one of 'multi', 'single'"),
+        ('engine_version = 5', "engine_version = 5; write the engine's version as text"),
+        ('shared_namespaces = "x"', "shared_namespaces must be a list"),
+    ):
         with pytest.raises(ConfigError, match=message):
             load_incident(_write(tmp_path / text[:5], f"[prefix_cache]\n{text}\n"))
 
@@ -130,10 +156,12 @@ def test_a_declared_version_never_overrides_a_logged_one(tmp_path):
     from kvforensics.audit.startups import Startup
 
     incident = load_incident(_write(tmp_path, '[prefix_cache]\ntenants = "multi"\nengine_version = "0.5.18"\n'))
-    logged = Startup("i", None, None, None, "sglang", "0.5.22", "log", "unified", None, None, None, None, None, None,
-                     {}, {})
-    unlogged = Startup("j", None, None, None, "sglang", None, None, "unified", None, None, None, None, None, None,
-                       {}, {})
+    logged = Startup(
+        "i", None, None, None, "sglang", "0.5.22", "log", "unified", None, None, None, None, None, None, {}, {}
+    )
+    unlogged = Startup(
+        "j", None, None, None, "sglang", None, None, "unified", None, None, None, None, None, None, {}, {}
+    )
     declare_versions([logged, unlogged], incident_manifest(incident))
     assert (logged.version, logged.version_source) == ("0.5.22", "log")
     assert (unlogged.version, unlogged.version_source) == ("0.5.18", "declared")

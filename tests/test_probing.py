@@ -28,7 +28,7 @@ from kvforensics.stages.rulebook import load_rules
 
 T0 = datetime(2026, 3, 2, 9, 0, tzinfo=timezone.utc)
 BLOCK = 16
-SYSTEM_PROMPT = 1024     # the provider-wide system prompt every tenant's requests start with
+SYSTEM_PROMPT = 1024  # the provider-wide system prompt every tenant's requests start with
 
 
 @dataclass
@@ -39,20 +39,49 @@ class Traffic:
     blocks: list[dict] = field(default_factory=list)
     fingerprints: dict[str, int] = field(default_factory=dict)
 
-    def send(self, account: str, ts: datetime, prompt: int, output: int, cached: int | None, *,
-             status: int = 200, ttft_ms: float | None = 50.0, blocks: list[str] | None = None) -> str:
+    def send(
+        self,
+        account: str,
+        ts: datetime,
+        prompt: int,
+        output: int,
+        cached: int | None,
+        *,
+        status: int = 200,
+        ttft_ms: float | None = 50.0,
+        blocks: list[str] | None = None,
+    ) -> str:
         rid = f"{account}-{len(self.requests)}"
-        self.requests.append({"request_id": rid, "ts": ts, "account_id": account, "model": "m", "status": status,
-                              "prompt_tokens": prompt, "completion_tokens": output if status < 300 else 0,
-                              "cached_tokens": cached, "ttft_ms": ttft_ms,
-                              "latency_ms": None if ttft_ms is None else ttft_ms + 20.0 * output,
-                              "source": "gateway", "source_file": "gateway.jsonl", "source_line": len(self.requests)})
+        self.requests.append(
+            {
+                "request_id": rid,
+                "ts": ts,
+                "account_id": account,
+                "model": "m",
+                "status": status,
+                "prompt_tokens": prompt,
+                "completion_tokens": output if status < 300 else 0,
+                "cached_tokens": cached,
+                "ttft_ms": ttft_ms,
+                "latency_ms": None if ttft_ms is None else ttft_ms + 20.0 * output,
+                "source": "gateway",
+                "source_file": "gateway.jsonl",
+                "source_line": len(self.requests),
+            }
+        )
         if blocks is not None:
             chain = ""
             for position, name in enumerate(blocks):
                 chain = f"{chain}/{name}"
-                self.blocks.append({"request_id": rid, "position": position, "num_tokens": BLOCK,
-                                    "block_fp": self._fingerprint(name), "chain_fp": self._fingerprint(chain)})
+                self.blocks.append(
+                    {
+                        "request_id": rid,
+                        "position": position,
+                        "num_tokens": BLOCK,
+                        "block_fp": self._fingerprint(name),
+                        "chain_fp": self._fingerprint(chain),
+                    }
+                )
         return rid
 
     def _fingerprint(self, name: str) -> int:
@@ -65,26 +94,47 @@ class Traffic:
         if self.requests:
             con.execute("INSERT INTO requests BY NAME SELECT * FROM frame")
         if with_blocks:
-            blocks = pd.DataFrame(self.blocks, columns=["request_id", "position", "num_tokens", "block_fp",  # noqa: F841
-                                                        "chain_fp"])
-            con.execute("CREATE TABLE IF NOT EXISTS request_blocks (request_id VARCHAR, position BIGINT, "
-                        "num_tokens BIGINT, block_fp BIGINT, chain_fp BIGINT)")
+            blocks = pd.DataFrame(  # noqa: F841 (read by DuckDB)
+                self.blocks,
+                columns=[
+                    "request_id",
+                    "position",
+                    "num_tokens",
+                    "block_fp",
+                    "chain_fp",
+                ],
+            )
+            con.execute(
+                "CREATE TABLE IF NOT EXISTS request_blocks (request_id VARCHAR, position BIGINT, "
+                "num_tokens BIGINT, block_fp BIGINT, chain_fp BIGINT)"
+            )
             con.execute("INSERT INTO request_blocks BY NAME SELECT * FROM blocks")
         return con
 
 
 def flag(con: duckdb.DuckDBPyConnection, ids: list[str], rule: str = "cross_tenant_store_load") -> None:
     """The requests a prefix_reuse rule flagged: their reuse of other tenants' prefixes (what probing reads)."""
-    con.executemany("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
-                    "VALUES ($r, $rule, 'v', 'confirmed')", [{"r": rid, "rule": rule} for rid in ids])
+    con.executemany(
+        "INSERT INTO findings (request_id, rule_id, rule_version, confidence) VALUES ($r, $rule, 'v', 'confirmed')",
+        [{"r": rid, "rule": rule} for rid in ids],
+    )
 
 
 def _system_blocks() -> list[str]:
     return [f"system-{i}" for i in range(SYSTEM_PROMPT // BLOCK)]
 
 
-def probe(traffic: Traffic, account: str, *, probes: int = 48, candidates: int = 8, pause_s: float = 0.3,
-          cached: bool = True, start: datetime = T0, full_blocks_only: bool = False) -> list[str]:
+def probe(
+    traffic: Traffic,
+    account: str,
+    *,
+    probes: int = 48,
+    candidates: int = 8,
+    pause_s: float = 0.3,
+    cached: bool = True,
+    start: datetime = T0,
+    full_blocks_only: bool = False,
+) -> list[str]:
     """Token-by-token search over another tenant's cached document (the victim's 64 blocks after the system
     prompt): per position, ``candidates`` guesses of the next token, one output token each, each sent right
     after the previous first token came back. ``full_blocks_only``: the guess stays in a partial last block,
@@ -92,16 +142,25 @@ def probe(traffic: Traffic, account: str, *, probes: int = 48, candidates: int =
     ts, ids = start, []
     victim = _system_blocks() + [f"victim-{i}" for i in range(64)]
     for i in range(probes):
-        known = i // candidates                       # tokens recovered so far
+        known = i // candidates  # tokens recovered so far
         prompt = len(victim) * BLOCK + known + 1
-        ids.append(traffic.send(account, ts, prompt, 1, len(victim) * BLOCK if cached else None,
-                                blocks=victim if full_blocks_only else victim + [f"{account}-guess-{i}"]))
+        ids.append(
+            traffic.send(
+                account,
+                ts,
+                prompt,
+                1,
+                len(victim) * BLOCK if cached else None,
+                blocks=victim if full_blocks_only else victim + [f"{account}-guess-{i}"],
+            )
+        )
         ts += timedelta(seconds=pause_s)
     return ids
 
 
-def harness(traffic: Traffic, account: str, *, questions: int = 60, output: tuple[int, int] = (80, 400),
-            seed: int = 1) -> None:
+def harness(
+    traffic: Traffic, account: str, *, questions: int = 60, output: tuple[int, int] = (80, 400), seed: int = 1
+) -> None:
     """An evaluation harness: the system prompt, one few-shot template, many different questions of
     different lengths, one after the other."""
     rng = random.Random(seed)
@@ -110,8 +169,14 @@ def harness(traffic: Traffic, account: str, *, questions: int = 60, output: tupl
     for q in range(questions):
         length = rng.randint(40, 300)
         question = [f"{account}-q{q}-{i}" for i in range(-(-length // BLOCK))]
-        traffic.send(account, ts, len(template) * BLOCK + length, rng.randint(*output), len(template) * BLOCK,
-                     blocks=template + question)
+        traffic.send(
+            account,
+            ts,
+            len(template) * BLOCK + length,
+            rng.randint(*output),
+            len(template) * BLOCK,
+            blocks=template + question,
+        )
         ts += timedelta(seconds=rng.uniform(0.5, 2.0))
 
 
@@ -122,9 +187,16 @@ def retries(traffic: Traffic, account: str, *, requests: int = 12) -> None:
         blocks = _system_blocks() + [f"{account}-doc{r}-{i}" for i in range(20)]
         for attempt in range(3):
             status = 503 if attempt < 2 else 200
-            traffic.send(account, ts, len(blocks) * BLOCK, 250, SYSTEM_PROMPT if attempt == 0 else len(blocks) * BLOCK,
-                         status=status, blocks=blocks)
-            ts += timedelta(seconds=2 ** attempt)
+            traffic.send(
+                account,
+                ts,
+                len(blocks) * BLOCK,
+                250,
+                SYSTEM_PROMPT if attempt == 0 else len(blocks) * BLOCK,
+                status=status,
+                blocks=blocks,
+            )
+            ts += timedelta(seconds=2**attempt)
         ts += timedelta(minutes=5)
 
 
@@ -158,12 +230,13 @@ def row(frame: pd.DataFrame, account: str) -> pd.Series:
 
 # --- the prober ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("with_blocks", [True, False], ids=["prefix blocks", "prompt lengths only"])
 def test_prober_among_look_alikes_is_the_only_likely_account(with_blocks):
     traffic = Traffic()
     ids = probe(traffic, "acct-prober")
     harness(traffic, "acct-eval")
-    harness(traffic, "acct-mmlu", output=(1, 1), seed=3)   # multiple choice: one output token per question
+    harness(traffic, "acct-mmlu", output=(1, 1), seed=3)  # multiple choice: one output token per question
     retries(traffic, "acct-retry")
     chat(traffic, "acct-chat")
     load_test(traffic, "acct-load")
@@ -200,14 +273,20 @@ def test_each_signal_of_the_prober_is_measured():
     traffic = Traffic()
     probe(traffic, "acct-prober", probes=40, candidates=4)
     prober = row(probing_assessment(traffic.database()), "acct-prober")
-    assert (prober["many_short"], prober["long_prefix"], prober["varied"], prober["read_back"],
-            prober["foreign_prefixes"], prober["signals"]) == (True, True, True, True, False, 4)
+    assert (
+        prober["many_short"],
+        prober["long_prefix"],
+        prober["varied"],
+        prober["read_back"],
+        prober["foreign_prefixes"],
+        prober["signals"],
+    ) == (True, True, True, True, False, 4)
     assert prober["prompt_lengths"] == 10
 
 
 def test_a_slow_prober_without_timing_read_back_is_possible():
     traffic = Traffic()
-    ids = probe(traffic, "acct-slow", pause_s=600)     # a guess every ten minutes: no read-back pattern
+    ids = probe(traffic, "acct-slow", pause_s=600)  # a guess every ten minutes: no read-back pattern
     con = traffic.database()
     flag(con, ids)
     prober = row(probing_assessment(con), "acct-slow")
@@ -216,17 +295,33 @@ def test_a_slow_prober_without_timing_read_back_is_possible():
 
 def test_cross_tenant_hits_count_and_complete_the_picture_without_cached_tokens():
     traffic = Traffic()
-    ids = probe(traffic, "acct-prober", cached=False)     # the gateway did not log cached_tokens
-    probe(traffic, "acct-own", cached=False)              # hits on its own prefixes only
+    ids = probe(traffic, "acct-prober", cached=False)  # the gateway did not log cached_tokens
+    probe(traffic, "acct-own", cached=False)  # hits on its own prefixes only
     con = traffic.database()
-    con.execute("CREATE TABLE prefix_sources (request_id VARCHAR, source_request_id VARCHAR, source_account VARCHAR, "
-                "position_from INTEGER, position_to INTEGER, basis VARCHAR)")
-    sources = pd.DataFrame({"request_id": ids[:10], "source_request_id": "victim-req",  # noqa: F841
-                            "source_account": ["acct-victim"] * 6 + ["acct-other"] * 4,
-                            "position_from": 0, "position_to": 127, "basis": "request_blocks"})
-    own = pd.DataFrame({"request_id": [r["request_id"] for r in traffic.requests if r["account_id"] == "acct-own"][:5],  # noqa: F841
-                        "source_request_id": "x", "source_account": "acct-own", "position_from": 0,
-                        "position_to": 10, "basis": "request_blocks"})
+    con.execute(
+        "CREATE TABLE prefix_sources (request_id VARCHAR, source_request_id VARCHAR, source_account VARCHAR, "
+        "position_from INTEGER, position_to INTEGER, basis VARCHAR)"
+    )
+    sources = pd.DataFrame(  # noqa: F841 (read by DuckDB)
+        {
+            "request_id": ids[:10],
+            "source_request_id": "victim-req",
+            "source_account": ["acct-victim"] * 6 + ["acct-other"] * 4,
+            "position_from": 0,
+            "position_to": 127,
+            "basis": "request_blocks",
+        }
+    )
+    own = pd.DataFrame(  # noqa: F841 (read by DuckDB)
+        {
+            "request_id": [r["request_id"] for r in traffic.requests if r["account_id"] == "acct-own"][:5],
+            "source_request_id": "x",
+            "source_account": "acct-own",
+            "position_from": 0,
+            "position_to": 10,
+            "basis": "request_blocks",
+        }
+    )
     con.execute("INSERT INTO prefix_sources SELECT * FROM sources UNION ALL SELECT * FROM own")
     frame = probing_assessment(con)
     prober, own_row = row(frame, "acct-prober"), row(frame, "acct-own")
@@ -243,15 +338,20 @@ def test_findings_of_the_prefix_reuse_rules_are_cross_tenant_hits():
     traffic = Traffic()
     ids = probe(traffic, "acct-prober")
     con = traffic.database()
-    con.executemany("INSERT INTO findings (request_id, rule_id, rule_version, confidence) VALUES ($r, $rule, 'v', 'confirmed')",
-                    [{"r": rid, "rule": rules[0]} for rid in ids[:3]])
-    con.execute("INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
-                "VALUES ($r, 'prompt_exceeds_kv_pool', 'v', 'confirmed')",
-                {"r": ids[5]})      # another mechanism's finding is no prefix hit
+    con.executemany(
+        "INSERT INTO findings (request_id, rule_id, rule_version, confidence) VALUES ($r, $rule, 'v', 'confirmed')",
+        [{"r": rid, "rule": rules[0]} for rid in ids[:3]],
+    )
+    con.execute(
+        "INSERT INTO findings (request_id, rule_id, rule_version, confidence) "
+        "VALUES ($r, 'prompt_exceeds_kv_pool', 'v', 'confirmed')",
+        {"r": ids[5]},
+    )  # another mechanism's finding is no prefix hit
     assert row(probing_assessment(con), "acct-prober")["cross_tenant_hits"] == 3
 
 
 # --- the benign look-alikes -----------------------------------------------------------------------------
+
 
 def test_look_alikes_alone_are_no_probing_and_say_why():
     traffic = Traffic()
@@ -264,9 +364,11 @@ def test_look_alikes_alone_are_no_probing_and_say_why():
     assert mmlu["max_continuations"] <= 2
     # the same prompt back to back: one continuation only
     assert (load["many_short"], load["varied"], load["max_continuations"], load["probing"]) == (True, False, 1, "no")
-    assert load["why"].endswith("of the prompt; but no continuations varied over one common prefix; "
-                                "100% sent after the previous first token and within 30 s of it; "
-                                "but no short request reused another tenant's prefix")
+    assert load["why"].endswith(
+        "of the prompt; but no continuations varied over one common prefix; "
+        "100% sent after the previous first token and within 30 s of it; "
+        "but no short request reused another tenant's prefix"
+    )
 
 
 def test_harness_with_short_answers_is_no_probing_from_prompt_lengths_alone():
@@ -299,6 +401,7 @@ def test_no_probe_shaped_traffic_gives_an_empty_assessment():
 
 # --- parameters ------------------------------------------------------------------------------------------
 
+
 def test_parameters_change_the_tier():
     traffic = Traffic()
     ids = probe(traffic, "acct-prober")
@@ -310,16 +413,22 @@ def test_parameters_change_the_tier():
     assert row(probing_assessment(con), "acct-prober")["probing"] == "likely"
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"probe_max_tokens": 4}, "unknown probing parameter 'probe_max_tokens' (did you mean 'probe_max_output_tokens'?); "
-                              "known: probe_max_output_tokens, probe_min_requests"),
-    ({"tokens": 4}, "unknown probing parameter 'tokens'; known: probe_max_output_tokens"),
-    ({"probe_min_requests": 2.5}, "probing parameter probe_min_requests must be a whole number >= 0, got 2.5"),
-    ({"probe_min_short_share": -1}, "probing parameter probe_min_short_share must be a number >= 0, got -1"),
-    ({"probe_min_cached_share": 2}, "probing parameter probe_min_cached_share is a share between 0 and 1, got 2"),
-    ({"probe_max_gap_seconds": True}, "probing parameter probe_max_gap_seconds must be a whole number >= 0"),
-    ({"probe_min_requests": "20"}, "probing parameter probe_min_requests must be a whole number >= 0, got '20'"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"probe_max_tokens": 4},
+            "unknown probing parameter 'probe_max_tokens' (did you mean 'probe_max_output_tokens'?); "
+            "known: probe_max_output_tokens, probe_min_requests",
+        ),
+        ({"tokens": 4}, "unknown probing parameter 'tokens'; known: probe_max_output_tokens"),
+        ({"probe_min_requests": 2.5}, "probing parameter probe_min_requests must be a whole number >= 0, got 2.5"),
+        ({"probe_min_short_share": -1}, "probing parameter probe_min_short_share must be a number >= 0, got -1"),
+        ({"probe_min_cached_share": 2}, "probing parameter probe_min_cached_share is a share between 0 and 1, got 2"),
+        ({"probe_max_gap_seconds": True}, "probing parameter probe_max_gap_seconds must be a whole number >= 0"),
+        ({"probe_min_requests": "20"}, "probing parameter probe_min_requests must be a whole number >= 0, got '20'"),
+    ],
+)
 def test_bad_parameters_are_refused(overrides, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         probing_parameters(overrides)
@@ -334,13 +443,18 @@ def test_defaults_are_every_parameter_the_script_uses():
 
 # --- wiring ---------------------------------------------------------------------------------------------
 
+
 def _mechanisms(con: duckdb.DuckDBPyConnection, **selected: bool) -> None:
-    con.execute("CREATE TABLE IF NOT EXISTS mechanisms (id VARCHAR, title VARCHAR, named BOOLEAN, selected BOOLEAN, "
-                "missing_inputs VARCHAR[])")
+    con.execute(
+        "CREATE TABLE IF NOT EXISTS mechanisms (id VARCHAR, title VARCHAR, named BOOLEAN, selected BOOLEAN, "
+        "missing_inputs VARCHAR[])"
+    )
     for mechanism, chosen in selected.items():
-        con.execute("INSERT INTO mechanisms BY NAME SELECT $m AS id, $m AS title, false AS named, $s AS selected, "
-                    "CAST([] AS VARCHAR[]) AS missing_inputs",
-                    {"m": mechanism, "s": chosen})
+        con.execute(
+            "INSERT INTO mechanisms BY NAME SELECT $m AS id, $m AS title, false AS named, $s AS selected, "
+            "CAST([] AS VARCHAR[]) AS missing_inputs",
+            {"m": mechanism, "s": chosen},
+        )
 
 
 def test_probing_runs_only_for_the_prefix_reuse_mechanism():
@@ -355,21 +469,25 @@ def test_probing_runs_only_for_the_prefix_reuse_mechanism():
 def test_summary_names_the_likely_customers_and_sets_internal_accounts_apart():
     traffic = Traffic()
     ids = probe(traffic, "acct-prober")
-    ids += probe(traffic, "loadtest-probe", start=T0 + timedelta(hours=1))   # the provider's own red team
+    ids += probe(traffic, "loadtest-probe", start=T0 + timedelta(hours=1))  # the provider's own red team
     ids += probe(traffic, "acct-slow", pause_s=600, start=T0 + timedelta(hours=2))
     harness(traffic, "acct-mmlu", output=(1, 1), seed=3)
     con = traffic.database()
     flag(con, ids)
     assert probing_summary(con) is None
-    con.execute("CREATE TABLE account_classes AS SELECT DISTINCT account_id, "
-                "CASE WHEN account_id LIKE 'loadtest-%' THEN 'internal' ELSE 'customer' END AS account_class "
-                "FROM requests")
+    con.execute(
+        "CREATE TABLE account_classes AS SELECT DISTINCT account_id, "
+        "CASE WHEN account_id LIKE 'loadtest-%' THEN 'internal' ELSE 'customer' END AS account_class "
+        "FROM requests"
+    )
     probing_assessment(con)
     summary = probing_summary(con)
     assert summary is not None
     assert [(a["account_id"], a["account_class"], a["probing"]) for a in summary["accounts"]] == [
-        ("acct-prober", "customer", "likely"), ("loadtest-probe", "internal", "likely"),
-        ("acct-slow", "customer", "possible")]
+        ("acct-prober", "customer", "likely"),
+        ("loadtest-probe", "internal", "likely"),
+        ("acct-slow", "customer", "possible"),
+    ]
     assert summary["likely_customers"] == ["acct-prober"]
     assert summary["accounts"][0]["why"].startswith("48 of 48 requests")
 
@@ -380,18 +498,18 @@ def test_a_growing_prefix_on_other_tenants_content_is_probing_and_autocomplete_i
     own context the same way, with short answers too, but never on another tenant's content."""
     traffic = Traffic()
     ids, ts, prefix = [], T0, 2048
-    for _step in range(6):                       # six blocks recovered, four candidates each
+    for _step in range(6):  # six blocks recovered, four candidates each
         for _c in range(4):
             ids.append(traffic.send("acct-grow", ts, prefix + BLOCK, 1, prefix))
             ts += timedelta(seconds=0.4)
         prefix += BLOCK
     ts, context = T0, 200
-    for _ in range(40):                         # a user typing: its own context grows, a few tokens suggested
+    for _ in range(40):  # a user typing: its own context grows, a few tokens suggested
         traffic.send("acct-autocomplete", ts, context, 3, context - 6)
         context += 7
         ts += timedelta(seconds=2)
     con = traffic.database(with_blocks=False)
-    flag(con, ids[4:])                          # from the second block on, the probes hit the victim's pages
+    flag(con, ids[4:])  # from the second block on, the probes hit the victim's pages
     frame = probing_assessment(con, {"probe_min_requests": 20})
     grow, auto = row(frame, "acct-grow"), row(frame, "acct-autocomplete")
     assert (grow["growing"], grow["rises"], grow["probing"]) == (True, 5, "likely")

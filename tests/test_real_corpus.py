@@ -25,6 +25,7 @@ from kvforensics.cli import main
 
 REAL = Path(__file__).parent / "fixtures" / "real"
 
+
 @dataclass(frozen=True)
 class Expected:
     """What the log says, by hand. ``pool``: the KV pool tokens, or the figures either reading of the log gives;
@@ -49,59 +50,142 @@ CORPUS = {
     # kv_transfer_config (unified), l.7 / l.12 max len 32,768, l.12 enable_prefix_caching=True,
     # l.36 GPU KV cache size 840,160 (25.64x at l.37); the page dates the run January 2026
     "vllm-0.11.0-nv-docker-unified": Expected(
-        2026, 840_160, 32_768, "unified", "/models/mistral-7b", "2026-01-23 15:48:29", "0.11.0+582e4e37.nv25.11",
-        check1=("pass", 36), check6=("unknown", 12)),
+        2026,
+        840_160,
+        32_768,
+        "unified",
+        "/models/mistral-7b",
+        "2026-01-23 15:48:29",
+        "0.11.0+582e4e37.nv25.11",
+        check1=("pass", 36),
+        check6=("unknown", 12),
+    ),
     # l.6 version 0.9.0.1 and the start (17:49:48), l.7 kv_role='kv_producer' (prefill) with LMCacheConnectorV1,
     # l.16 model meta-llama/Llama-3.1-8B-Instruct, max_seq_len=131072, enable_prefix_caching=True,
     # l.39 GPU KV cache size 406,768; LMCache's own lines date it 2025
     "vllm-0.9.0.1-lmcache-nixl-prefill": Expected(
-        2025, 406_768, 131_072, "prefill", "meta-llama/Llama-3.1-8B-Instruct", "2025-06-02 17:49:48", "0.9.0.1",
-        check1=("pass", 39), check6=("unknown", 16)),
+        2025,
+        406_768,
+        131_072,
+        "prefill",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "2025-06-02 17:49:48",
+        "0.9.0.1",
+        check1=("pass", 39),
+        check6=("unknown", 16),
+    ),
     # l.3 version and start, l.4 kv_role='kv_consumer' (decode), l.8 model, max_seq_len, prefix caching on,
     # l.25 GPU KV cache size 406,768
     "vllm-0.9.0.1-lmcache-nixl-decode": Expected(
-        2025, 406_768, 131_072, "decode", "meta-llama/Llama-3.1-8B-Instruct", "2025-06-02 17:49:48", "0.9.0.1",
-        check1=("pass", 25), check6=("unknown", 8)),
+        2025,
+        406_768,
+        131_072,
+        "decode",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "2025-06-02 17:49:48",
+        "0.9.0.1",
+        check1=("pass", 25),
+        check6=("unknown", 8),
+    ),
     # l.3 version 0.9.2.dev356+g02cabff20 and start (00:03:53), l.4 kv_producer, tensor_parallel_size 2 and
     # 'enable_prefix_caching': False (check 6 cites it: off, yet LMCacheConnectorV1 is consulted, so unknown), l.6 max model len 131,072, l.11 engine config (enable_prefix_caching=False),
     # l.27 / l.29 GPU KV cache size 939,456 (once per worker, the same)
     "vllm-0.9.2-lmcache-nixl-tp2-prefill": Expected(
-        2025, 939_456, 131_072, "prefill", "meta-llama/Llama-3.1-8B-Instruct", "2025-07-09 00:03:53",
-        "0.9.2.dev356+g02cabff20", check1=("pass", 27), check6=("unknown", 4)),
+        2025,
+        939_456,
+        131_072,
+        "prefill",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "2025-07-09 00:03:53",
+        "0.9.2.dev356+g02cabff20",
+        check1=("pass", 27),
+        check6=("unknown", 4),
+    ),
     # l.3 version 0.9.2.dev325+g2965c99c8 and start (18:17:48), l.4 kv_consumer, prefix caching off (check 6: as the prefill's),
     # l.6 max model len 131,072, l.10 engine config, l.23 / l.25 GPU KV cache size 939,456
     "vllm-0.9.2-lmcache-nixl-tp2-decode": Expected(
-        2025, 939_456, 131_072, "decode", "meta-llama/Llama-3.1-8B-Instruct", "2025-07-14 18:17:48",
-        "0.9.2.dev325+g2965c99c8", check1=("pass", 23), check6=("unknown", 4)),
+        2025,
+        939_456,
+        131_072,
+        "decode",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "2025-07-14 18:17:48",
+        "0.9.2.dev325+g2965c99c8",
+        check1=("pass", 23),
+        check6=("unknown", 4),
+    ),
     # l.2 version 0.11.0 and start (14:16:17), l.3 served_model_name Qwen3-30B-A3B-Instruct-2507,
     # max_model_len 131,072, no kv_transfer_config, l.7 max model len again; no KV cache line: the pool is not
     # in the log. Check 6 stays unknown: prefix caching is 0.11's default, tenancy is not stated
     "vllm-0.11.0-tp4-no-pool": Expected(
-        2025, None, 131_072, "unified", "Qwen3-30B-A3B-Instruct-2507", "2025-11-18 14:16:17", "0.11.0",
-        check1=("unknown", 2), check6=("unknown", 2)),
+        2025,
+        None,
+        131_072,
+        "unified",
+        "Qwen3-30B-A3B-Instruct-2507",
+        "2025-11-18 14:16:17",
+        "0.11.0",
+        check1=("unknown", 2),
+        check6=("unknown", 2),
+    ),
     # l.3 the first start-up line (Available KV cache memory, 10:51:48), l.5 GPU KV cache size 75,840 (the
     # derived figure), l.6 / l.7 Maximum concurrency for 120,000 tokens per request: 2.48x, i.e. room for
     # 297,600 tokens of requests: one max-length request fits, as V1 checked before it started (check 1 passes);
     # the pool is either figure, depending on which the reader keeps. No args in the excerpt: unified, no model
     "vllm-0.11-kimi-linear-hybrid-tp2": Expected(
-        2025, (75_840, 297_600), 120_000, "unified", None, "2025-11-06 10:51:48", None,
-        check1=("pass", None), check6=("unknown", 3)),
+        2025,
+        (75_840, 297_600),
+        120_000,
+        "unified",
+        None,
+        "2025-11-06 10:51:48",
+        None,
+        check1=("pass", None),
+        check6=("unknown", 3),
+    ),
     # l.1 the first line (09:32:19), l.5 max_total_num_tokens=105600 ... context_len=40960 (l.3 KV Cache is
     # allocated #tokens 105600); no server_args line: no model, no disaggregation mode, no batch line: no line says its role,
     # no version (l.3 has no dtype: before 0.5.15). l.7 / l.8 HiCache with the Mooncake store
     "sglang-hicache-mooncake-store": Expected(
-        2026, 105_600, 40_960, "unknown", None, "2026-03-25 09:32:19", None, check1=("pass", 5),
-        check6=("unknown", 1), inferred_below="<0.5.15"),
+        2026,
+        105_600,
+        40_960,
+        "unknown",
+        None,
+        "2026-03-25 09:32:19",
+        None,
+        check1=("pass", 5),
+        check6=("unknown", 1),
+        inferred_below="<0.5.15",
+    ),
     # l.1 the first line (17:10:27), l.13 max_total_num_tokens=580364 ... context_len=8192 (l.6 / l.8 the same
     # pool per TP rank), TP0 / TP1 prefixes; no server_args line
     "sglang-hybrid-gdn-tp2": Expected(
-        2026, 580_364, 8_192, "unknown", None, "2026-02-27 17:10:27", None, check1=("pass", 13),
-        check6=("unknown", 1), inferred_below="<0.5.15"),
+        2026,
+        580_364,
+        8_192,
+        "unknown",
+        None,
+        "2026-02-27 17:10:27",
+        None,
+        check1=("pass", 13),
+        check6=("unknown", 1),
+        inferred_below="<0.5.15",
+    ),
     # l.1 a progress bar glued to DP1's Load weight end (13:39:14), l.9 / l.11 / l.13 KV Cache is allocated
     # #tokens 1029388 per DP replica (DP0..DP3); the excerpt stops before max_total_num_tokens: no context
     "sglang-dp-attention-ep4": Expected(
-        2026, 1_029_388, None, "unknown", None, "2026-05-07 13:39:14", None, check1=("unknown", None),
-        check6=("unknown", 1), inferred_below="<0.5.15"),
+        2026,
+        1_029_388,
+        None,
+        "unknown",
+        None,
+        "2026-05-07 13:39:14",
+        None,
+        check1=("unknown", None),
+        check6=("unknown", 1),
+        inferred_below="<0.5.15",
+    ),
 }
 
 
@@ -126,8 +210,14 @@ def run_artifact(root: Path, name: str, year: int) -> Run:
     """``name``'s log as engine/<name>.log of an incident folder (format auto, the year its source dates it), a
     few gateway requests beside it; ingest, then the audit of the incident."""
     folder = root / name.replace(".", "-")
-    incident = write_incident(folder, {name: (REAL / f"{name}.log").read_text()}, traffic("m", n=5),
-                              engine_format="auto", year=year, title=f"Real log {name}")
+    incident = write_incident(
+        folder,
+        {name: (REAL / f"{name}.log").read_text()},
+        traffic("m", n=5),
+        engine_format="auto",
+        year=year,
+        title=f"Real log {name}",
+    )
     code = main(["ingest", str(incident), "--out", str(folder / "out"), "--quiet", "--no-pdf"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -137,8 +227,9 @@ def run_artifact(root: Path, name: str, year: int) -> Run:
         cur = con.execute("SELECT * FROM capacity ORDER BY valid_from")
         columns = [d[0] for d in cur.description]
         capacity = [dict(zip(columns, row, strict=True)) for row in cur.fetchall()]
-        (load,) = con.execute("SELECT records_read, loaded, quarantined FROM load_report WHERE source = 'engines'"
-                              ).fetchall()
+        (load,) = con.execute(
+            "SELECT records_read, loaded, quarantined FROM load_report WHERE source = 'engines'"
+        ).fetchall()
     finally:
         con.close()
     return Run(code, audit_code, json.loads(out.getvalue()), capacity, load)
@@ -164,8 +255,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> CorpusRuns:
 
 
 def cases(test: str) -> list:
-    return [pytest.param(name, marks=pytest.mark.xfail(reason=e.known[test], strict=True)) if test in e.known
-            else name for name, e in CORPUS.items()]
+    return [
+        pytest.param(name, marks=pytest.mark.xfail(reason=e.known[test], strict=True)) if test in e.known else name
+        for name, e in CORPUS.items()
+    ]
 
 
 def verdict(run: Run, check: int) -> dict:
@@ -188,7 +281,11 @@ def test_ingest_reads_the_start_up_as_the_log_states_it(runs: CorpusRuns, name: 
     pools = e.pool if isinstance(e.pool, tuple) else (e.pool,)
     assert row["kv_pool_tokens"] in pools
     assert (row["context_length"], row["role"], row["engine_model"], row["model"]) == (
-        e.context, e.role, e.model, e.model)
+        e.context,
+        e.role,
+        e.model,
+        e.model,
+    )
     assert (row["engine"], row["valid_from"]) == (name.split("-")[0], utc(e.startup))  # files are named by engine
     if e.version is not None:
         assert (row["engine_version"], row["version_source"]) == (e.version, "log")
@@ -205,7 +302,8 @@ def test_audit_checks_1_and_6_read_as_the_log_states_them(runs: CorpusRuns, name
     e, run = CORPUS[name], runs[name]
     assert run.audit_code == 0  # nothing in the corpus was exposed
     assert {(v["startup_from"], v["engine_version"]) for v in run.audit["verdicts"]} == {
-        (f"{utc(e.startup):%Y-%m-%dT%H:%M:%SZ}", run.capacity[0]["engine_version"])}
+        (f"{utc(e.startup):%Y-%m-%dT%H:%M:%SZ}", run.capacity[0]["engine_version"])
+    }
     for check, (status, line) in ((1, e.check1), (6, e.check6)):
         v = verdict(run, check)
         assert (v["status"], v["exposed"], Path(v["evidence_file"] or "").name) == (status, False, f"{name}.log")
@@ -244,9 +342,13 @@ def test_the_lmcache_1p1d_pair_in_one_incident_is_one_prefill_and_one_decode(tmp
     incident = write_incident(tmp_path, logs, traffic("m", n=5), engine_format="auto", year=2025)
     assert main(["ingest", str(incident), "--out", str(tmp_path / "out"), "--quiet", "--no-pdf"]) == 0
     con = duckdb.connect(str(tmp_path / "out" / "evidence.duckdb"), read_only=True)
-    rows = con.execute("SELECT instance, role, engine_model, kv_pool_tokens, context_length, valid_from FROM capacity "
-                       "ORDER BY instance").fetchall()
+    rows = con.execute(
+        "SELECT instance, role, engine_model, kv_pool_tokens, context_length, valid_from FROM capacity "
+        "ORDER BY instance"
+    ).fetchall()
     con.close()
     start = utc("2025-06-02 17:49:48")
-    assert rows == [("decode-0", "decode", "meta-llama/Llama-3.1-8B-Instruct", 406_768, 131_072, start),
-                    ("prefill-0", "prefill", "meta-llama/Llama-3.1-8B-Instruct", 406_768, 131_072, start)]
+    assert rows == [
+        ("decode-0", "decode", "meta-llama/Llama-3.1-8B-Instruct", 406_768, 131_072, start),
+        ("prefill-0", "prefill", "meta-llama/Llama-3.1-8B-Instruct", 406_768, 131_072, start),
+    ]

@@ -98,9 +98,7 @@ columns = { ts = "startTime", account_id = "team_id", model = "model_group" }
     + ENGINE_SOURCES
 )
 
-KUBECTL_LINE = re.compile(
-    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?: TP\d+)?\] "
-)
+KUBECTL_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?: TP\d+)?\] ")
 PG_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{1,3})?$")
 
 
@@ -143,9 +141,7 @@ def test_the_exports_are_shaped_as_the_upstream_tools_write_them(exported: tuple
         rows = list(csv.DictReader(fh))
     assert tuple(rows[0]) == SPEND_LOG_COLUMNS
     assert {r["status"] for r in rows} == {"success", "failure"}
-    assert all(
-        PG_TIMESTAMP.match(r[c]) for r in rows for c in ("startTime", "endTime", "completionStartTime")
-    )
+    assert all(PG_TIMESTAMP.match(r[c]) for r in rows for c in ("startTime", "endTime", "completionStartTime"))
     failed = [r for r in rows if r["status"] == "failure"]
     assert {json.loads(r["metadata"])["error_information"]["error_code"] for r in failed} >= {"400", "429"}
     assert all((json.loads(r["metadata"])["user_api_key_team_id"] or "") == r["team_id"] for r in rows)
@@ -211,9 +207,7 @@ def test_a_wrong_engine_timezone_is_reported_and_the_envelope_clock_decides(
     con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
     notes = [n for (n,) in con.execute("SELECT note FROM ingest_notes").fetchall()]
     # the pods print Pacific daylight time (UTC-7) that the source declares UTC: off by +7 h
-    assert {"loki", "kubectl"} <= {
-        n.split(":")[0] for n in notes if "differ from the" in n and "+7.00 h" in n
-    }
+    assert {"loki", "kubectl"} <= {n.split(":")[0] for n in notes if "differ from the" in n and "+7.00 h" in n}
 
 
 def test_traps_are_not_counted(investigated: tuple[int, Path, dict]) -> None:
@@ -231,9 +225,7 @@ def test_rollouts_retire_pods_and_close_their_exposure_windows(investigated: tup
     assert ends == {p["pod"]: expected[p["end"]] for p in truth["pods"]}
     # the retired dark-launch pods (safe pools) no longer count: every prefill pool in force is exceeded
     pool_rule = dict(
-        con.execute(
-            "SELECT request_id, strength FROM findings WHERE rule_id = 'prompt_exceeds_kv_pool'"
-        ).fetchall()
+        con.execute("SELECT request_id, strength FROM findings WHERE rule_id = 'prompt_exceeds_kv_pool'").fetchall()
     )
     assert {pool_rule.get(a["request_id"]) for a in truth["affected"]} == {"strong"}
     scope = json.loads((out / "scope.json").read_text())
@@ -265,8 +257,5 @@ def test_export_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.Capt
     assert simulate_main(argv) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "Error: scenario: --export writes every request row by row; use requests <= 2000000" in err
-    assert (
-        simulate_main(["--out", str(tmp_path), "--export", "litellm-loki", "--logcli-timezone", "Mars/Base"])
-        == 2
-    )
+    assert simulate_main(["--out", str(tmp_path), "--export", "litellm-loki", "--logcli-timezone", "Mars/Base"]) == 2
     assert "Error: export: unknown IANA time zone 'Mars/Base'" in " ".join(capsys.readouterr().err.split())

@@ -61,8 +61,9 @@ def test_report_renders_offline_in_chromium(sample_run):
 
 
 def _axis_labels(page, selector: str) -> list[str]:
-    return page.eval_on_selector_all(f"{selector} .live-view svg .role-axis-label text",
-                                     "els => els.map(e => e.textContent)")
+    return page.eval_on_selector_all(
+        f"{selector} .live-view svg .role-axis-label text", "els => els.map(e => e.textContent)"
+    )
 
 
 def check_timeline_zooms_and_brushes(page) -> None:
@@ -114,8 +115,12 @@ def test_untrusted_strings_stay_text_in_the_live_charts(tmp_path):
         if r["rid"] == "r-leak":
             r["account_id"] = evil_account
     out = tmp_path / "out"
-    run(write_mini(tmp_path / "data", rows, INCIDENT.replace('"@cf/zai-org/glm-5.3"', json.dumps(evil_model))), out,
-        progress=False, pdf=False)
+    run(
+        write_mini(tmp_path / "data", rows, INCIDENT.replace('"@cf/zai-org/glm-5.3"', json.dumps(evil_model))),
+        out,
+        progress=False,
+        pdf=False,
+    )
     events: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[a for a in OFFLINE_FLAGS if a != "--headless"])

@@ -39,8 +39,11 @@ def rerender(incident, out, end: str = "") -> tuple[str, str]:
 
 def exposure_rows(html: str, md: str) -> tuple[str, str]:
     table = html.split('<table id="t-exposure">', 1)[1].split("</table>", 1)[0]
-    (row,) = [line for line in md.split("### Exposure windows", 1)[1].split("###", 1)[0].splitlines()
-              if line.startswith("| p0 ")]
+    (row,) = [
+        line
+        for line in md.split("### Exposure windows", 1)[1].split("###", 1)[0].splitlines()
+        if line.startswith("| p0 ")
+    ]
     return table, row
 
 
@@ -65,19 +68,28 @@ def test_a_shutdown_names_its_line(mini_run):
 def test_a_retired_pods_successor_is_escaped(mini_run):
     html, md = rerender(*mini_run, f"end_reason = 'log_end', end_line = 7, successor = '{EVIL_SUCCESSOR}'")
     table, row = exposure_rows(html, md)
-    assert "<td>retired: replaced by &lt;img src=x onerror=alert(1)&gt;|p1 (its log ends at p0.log line 7)</td>" in table
+    assert (
+        "<td>retired: replaced by &lt;img src=x onerror=alert(1)&gt;|p1 (its log ends at p0.log line 7)</td>" in table
+    )
     assert "| retired: replaced by &lt;img src=x onerror=alert(1)>\\|p1 (its log ends at p0.log line 7) |" in row
     assert "<img" not in markup_outside_scripts(html) and "<img" not in md
 
 
-@pytest.mark.parametrize(("startup", "words"), [
-    ({"end_reason": "shutdown", "end_file": "/x/p0.log", "end_line": 7.0, "source_file": "/x/p0.log"},
-     "shut down (p0.log line 7)"),
-    ({"end_reason": "next_startup", "end_file": "/x/p0.2.log", "end_line": 1, "source_file": "/x/p0.log"},
-     "restarted (p0.2.log line 1)"),
-    ({"end_reason": "log_end", "end_line": None, "successor": None}, "retired: replaced by another instance"),
-    ({"end_reason": None, "last_ts": None, "last_line": 12}, "still running / log stops at line 12"),
-    ({"end_reason": None}, "still running / log stops after its start"),
-])
+@pytest.mark.parametrize(
+    ("startup", "words"),
+    [
+        (
+            {"end_reason": "shutdown", "end_file": "/x/p0.log", "end_line": 7.0, "source_file": "/x/p0.log"},
+            "shut down (p0.log line 7)",
+        ),
+        (
+            {"end_reason": "next_startup", "end_file": "/x/p0.2.log", "end_line": 1, "source_file": "/x/p0.log"},
+            "restarted (p0.2.log line 1)",
+        ),
+        ({"end_reason": "log_end", "end_line": None, "successor": None}, "retired: replaced by another instance"),
+        ({"end_reason": None, "last_ts": None, "last_line": 12}, "still running / log stops at line 12"),
+        ({"end_reason": None}, "still running / log stops after its start"),
+    ],
+)
 def test_how_a_startup_ended_in_words(startup, words):
     assert how_it_ended(startup) == words

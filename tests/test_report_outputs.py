@@ -51,8 +51,9 @@ def variant_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def report(out: Path) -> tuple[str, str]:
-    return markup_outside_scripts((out / "report.html").read_text(encoding="utf-8")), \
-        (out / "report.md").read_text(encoding="utf-8")
+    return markup_outside_scripts((out / "report.html").read_text(encoding="utf-8")), (out / "report.md").read_text(
+        encoding="utf-8"
+    )
 
 
 def missing_notes(html: str, md: str) -> tuple[dict[str, str], list[str]]:
@@ -68,11 +69,16 @@ def cells(out: Path) -> list[tuple[str, str]]:
         text = path.read_text(encoding="utf-8")
         name = path.relative_to(out).as_posix()
         if path.suffix == ".html":
-            found += [(name, c) for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", markup_outside_scripts(text),
-                                                     re.DOTALL)]
+            found += [
+                (name, c) for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", markup_outside_scripts(text), re.DOTALL)
+            ]
         elif path.suffix == ".md":
-            found += [(name, c) for line in text.splitlines() if line.startswith("|")
-                      for c in line.strip().strip("|").split(" | ")]
+            found += [
+                (name, c)
+                for line in text.splitlines()
+                if line.startswith("|")
+                for c in line.strip().strip("|").split(" | ")
+            ]
         elif path.suffix == ".csv":
             found += [(name, c) for line in text.splitlines()[1:] for c in line.split(",")]
         elif path.suffix == ".json":
@@ -100,7 +106,9 @@ def assert_no_missing_markers(out: Path) -> None:
     assert bad == []
     for path in [out / "report.md", out / "report.html", *sorted((out / "notices").rglob("*.md"))]:
         text = path.read_text(encoding="utf-8")
-        assert re.search(r"\b(nan|NaN|NaT)\b", markup_outside_scripts(text) if path.suffix == ".html" else text) is None, path
+        assert (
+            re.search(r"\b(nan|NaN|NaT)\b", markup_outside_scripts(text) if path.suffix == ".html" else text) is None
+        ), path
 
 
 def test_no_output_of_the_sample_holds_a_missing_value_marker(sample_run):
@@ -156,9 +164,13 @@ def test_missing_content_and_changes_are_explained_and_present_ones_are_not(vari
 
 
 def test_the_provider_s_load_tests_are_not_deliberate_exploitation():
-    behaviour = pd.DataFrame({"account_id": ["c1", "c2", "lt", "bug"],
-                              "account_class": ["customer", "customer", "internal", "reporter"],
-                              "looks_deliberate": [True, False, True, True]})
+    behaviour = pd.DataFrame(
+        {
+            "account_id": ["c1", "c2", "lt", "bug"],
+            "account_class": ["customer", "customer", "internal", "reporter"],
+            "looks_deliberate": [True, False, True, True],
+        }
+    )
     rows = exploitation_verdicts(behaviour).set_index("account_id")
     assert rows.loc["c1", "deliberate"] == "yes" and rows.loc["c1", "pattern"].startswith("probing")
     assert rows.loc["c2", "deliberate"] == "no" and rows.loc["c2", "pattern"] == "ordinary long-context use"
@@ -166,7 +178,8 @@ def test_the_provider_s_load_tests_are_not_deliberate_exploitation():
     assert rows.loc["bug", "deliberate"] == "no" and rows.loc["bug", "pattern"].startswith("reproduction")
     assert set_apart_note(behaviour) == (
         "The same pattern came from 1 internal account (lt): the provider's own load tests; and from 1 reporter "
-        "account (bug): the reporter's reproduction. They are set apart: not deliberate exploitation.")
+        "account (bug): the reporter's reproduction. They are set apart: not deliberate exploitation."
+    )
     assert set_apart_note(behaviour[behaviour["account_class"] == "customer"]) == ""
 
 
@@ -186,8 +199,10 @@ def test_the_sample_s_exploitation_table_agrees_with_its_conclusion(sample_run):
         assert not deliberate and not [line for line in section.splitlines() if line.endswith("| yes |")]
     conclusion = unescape(html.split('id="exploitation-conclusion"', 1)[1].split("</p>", 1)[0])
     load_tests = sorted(cols[0] for cols in internal if cols[-2].startswith("load test"))
-    assert f"internal account{'s' if len(load_tests) > 1 else ''} ({', '.join(load_tests)}): the provider's own load " \
-           "tests" in conclusion
+    assert (
+        f"internal account{'s' if len(load_tests) > 1 else ''} ({', '.join(load_tests)}): the provider's own load "
+        "tests" in conclusion
+    )
 
 
 def test_the_progress_names_report_pdf_only_when_it_is_written(mini_incident, tmp_path, capsys):
@@ -228,9 +243,12 @@ def test_an_inferred_version_is_said_once_with_its_basis_even_with_braces_in_it(
     basis names a '{...}' feature)."""
     from kvforensics.report.data import engine_label, version_notes
 
-    capacity = pd.DataFrame([
-        {"engine": "sglang", "engine_version": ">0.5.9,<0.5.20 (inferred: server_args={...})", "instance": i}
-        for i in ("p1", "p0", "p0")])
+    capacity = pd.DataFrame(
+        [
+            {"engine": "sglang", "engine_version": ">0.5.9,<0.5.20 (inferred: server_args={...})", "instance": i}
+            for i in ("p1", "p0", "p0")
+        ]
+    )
     assert version_notes(capacity) == ["sglang >0.5.9,<0.5.20 on p0, p1, from server_args={...}"]
     assert engine_label("sglang", ">0.5.9,<0.5.20 (inferred: server_args={...})") == "sglang >0.5.9,<0.5.20 (inferred)"
     assert engine_label("vllm", None) == "vllm, version unknown"

@@ -14,8 +14,18 @@ from incidents import SHAPES
 from markdown_it import MarkdownIt
 
 MD = MarkdownIt("commonmark", {"html": False}).enable("table")
-SECTIONS = ["Summary", "Impact", "Timeline", "How the data was exposed", "How we know", "Exploitation assessment",
-            "Measures taken and advice to customers", "Notification", "Data quality", "Provenance"]
+SECTIONS = [
+    "Summary",
+    "Impact",
+    "Timeline",
+    "How the data was exposed",
+    "How we know",
+    "Exploitation assessment",
+    "Measures taken and advice to customers",
+    "Notification",
+    "Data quality",
+    "Provenance",
+]
 
 
 def section(md: str, heading: str) -> str:
@@ -23,7 +33,7 @@ def section(md: str, heading: str) -> str:
     level = heading.split(" ", 1)[0]
     body = md.split(f"\n{heading}\n", 1)[1]
     stop = re.search(rf"^#{{1,{len(level)}}} ", body, re.M)
-    return body[:stop.start()] if stop else body
+    return body[: stop.start()] if stop else body
 
 
 def outside_tables(text: str) -> str:
@@ -63,8 +73,9 @@ def test_no_statement_of_the_report_or_the_notices_contradicts_the_evidence(shap
     # the breach and its consequences are stated only when there are affected responses
     nature = section(md, "### Nature of the breach")
     assert ("A confidentiality breach" in nature) == (scope["affected_responses"] > 0)
-    assert ("No affected response was found" in nature or "Not established" in nature) == \
-        (scope["affected_responses"] == 0)
+    assert ("No affected response was found" in nature or "Not established" in nature) == (
+        scope["affected_responses"] == 0
+    )
     consequences = section(md, "### Likely consequences")
     assert ("- " in consequences) == (scope["affected_responses"] > 0)
     # the exposure windows are the evidence's, and the audit's check-1 FAILs are exactly them
@@ -123,7 +134,8 @@ def test_report_md_parses_as_markdown_with_every_heading_and_table(shapes, sampl
     assert len(headings) == sum(1 for line in md.splitlines() if line.startswith("#"))
     rows = sum(1 for t in tokens if t.type == "tr_open")
     assert rows == sum(1 for line in md.splitlines() if line.startswith("|")) - sum(
-        1 for line in md.splitlines() if re.fullmatch(r"\|( ?-+:? ?\|)+|\|(---\|)+", line))
+        1 for line in md.splitlines() if re.fullmatch(r"\|( ?-+:? ?\|)+|\|(---\|)+", line)
+    )
     assert [h for h in headings if h in SECTIONS] == SECTIONS
     nav = re.findall(r'<li><a href="#[\w-]+">([^<]+)</a></li>', (out / "report.html").read_text())
     assert nav == SECTIONS
@@ -142,8 +154,12 @@ def test_the_scatter_draws_every_exposed_pool_of_its_model(shapes, shape):
         frames = money_frames(con)
         assert frames
         for model, (_points, pools, _curve) in frames.items():
-            windows = {p for (p,) in con.execute("SELECT kv_pool_tokens FROM exposure_windows WHERE model = $m",
-                                                  {"m": model}).fetchall()}
+            windows = {
+                p
+                for (p,) in con.execute(
+                    "SELECT kv_pool_tokens FROM exposure_windows WHERE model = $m", {"m": model}
+                ).fetchall()
+            }
             assert windows and windows <= set(pools["kv_pool_tokens"]), model
             assert all(label.startswith("KV pool ") for label in pools["label"])
     finally:
@@ -159,6 +175,7 @@ def test_every_shape_s_output_folder_follows_the_contract(shapes, shape):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(CHECK_CONTRACT), str(shapes[shape][1])], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, str(CHECK_CONTRACT), str(shapes[shape][1])], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout

@@ -25,8 +25,13 @@ def test_rule_case(rule, case):
 def test_rule_ids_are_unique_and_match_file_names():
     ids = [r.id for r in RULES]
     assert len(ids) == len(set(ids))
-    assert {"prompt_exceeds_kv_pool", "prefill_too_fast", "engine_abort_but_success",
-            "engine_token_count_mismatch", "transfer_integrity"} <= set(ids)
+    assert {
+        "prompt_exceeds_kv_pool",
+        "prefill_too_fast",
+        "engine_abort_but_success",
+        "engine_token_count_mismatch",
+        "transfer_integrity",
+    } <= set(ids)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.id)
@@ -36,8 +41,12 @@ def test_rule_lint(rule):
     assert rule.severity in ("low", "medium", "high", "critical")
     assert rule.used_parameters() == set(rule.parameters), "every declared parameter is used and vice versa"
     positives = {rid for c in rule.tests for rid in c["expect"]}
-    negatives = {row["request_id"] for c in rule.tests for row in c["tables"].get("requests", [])
-                 if row["request_id"] not in c["expect"]}
+    negatives = {
+        row["request_id"]
+        for c in rule.tests
+        for row in c["tables"].get("requests", [])
+        if row["request_id"] not in c["expect"]
+    }
     assert positives and negatives, "at least one positive and one negative case"
     for case in rule.tests:
         assert {"name", "tables", "expect"} <= set(case)

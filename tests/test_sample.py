@@ -46,8 +46,9 @@ def test_headline_numbers(scope):
     assert all(n == 0 for m, n in scope["responses_by_model"].items() if m != "@cf/zai-org/glm-5.3")
     assert "@cf/zai-org/glm-5.2" in scope["responses_by_model"]
     exposed = [e for e in scope["exposure_windows"] if e["model"] == "@cf/zai-org/glm-5.3"]
-    assert exposed and all(e["pool_tokens"] == 681280 and e["context_length"] == 1048576 and e["role"] == "prefill"
-                           for e in exposed)
+    assert exposed and all(
+        e["pool_tokens"] == 681280 and e["context_length"] == 1048576 and e["role"] == "prefill" for e in exposed
+    )
     assert all(e["start"].startswith("2026-08-27") and e["end"].startswith("2026-09-09") for e in exposed)
     assert not [e for e in scope["exposure_windows"] if e["model"] != "@cf/zai-org/glm-5.3"]
     assert scope["by_account_class"]["internal"]["responses"] > 0
@@ -69,7 +70,9 @@ def score(got: set[str], want: set[str]) -> tuple[float, float]:
 
 def test_source_accounts_against_ground_truth(sample_run, truth):
     con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
-    want_confirmed = set().union(*(set(a["content_leaked_from_accounts"]) - {a["account_id"]} for a in truth["affected"]))
+    want_confirmed = set().union(
+        *(set(a["content_leaked_from_accounts"]) - {a["account_id"]} for a in truth["affected"])
+    )
     want_possible = set().union(*(set(a["pages_read_from_accounts"]) - {a["account_id"]} for a in truth["affected"]))
     precision, recall = score(accounts(con, "data_exposed_confirmed"), want_confirmed)
     print(f"confirmed sources (with content): precision {precision:.3f}, recall {recall:.3f}")
@@ -80,8 +83,16 @@ def test_source_accounts_against_ground_truth(sample_run, truth):
 
 
 def test_outputs_follow_the_contract(sample_run, scope):
-    for name in ["scope.json", "affected_requests.csv", "notifications.csv", "report.html", "report.md",
-                 "manifest.json", "quarantine.csv", "evidence.duckdb"]:
+    for name in [
+        "scope.json",
+        "affected_requests.csv",
+        "notifications.csv",
+        "report.html",
+        "report.md",
+        "manifest.json",
+        "quarantine.csv",
+        "evidence.duckdb",
+    ]:
         assert (sample_run / name).exists(), name
     for w in scope["windows"]:
         assert ZULU.match(w["first"]) and ZULU.match(w["last"])
@@ -93,7 +104,10 @@ def test_outputs_follow_the_contract(sample_run, scope):
     manifest = json.loads((sample_run / "manifest.json").read_text())
     for item in manifest["inputs"]:
         assert re.fullmatch(r"[0-9a-f]{64}", item["sha256"])
-        assert item["records_read"] == item["loaded"] + item["quarantined"] + item["duplicates"] or item["kind"] == "engine_log"
+        assert (
+            item["records_read"] == item["loaded"] + item["quarantined"] + item["duplicates"]
+            or item["kind"] == "engine_log"
+        )
 
 
 def test_figures_agree_across_outputs(sample_run, scope):
@@ -101,16 +115,20 @@ def test_figures_agree_across_outputs(sample_run, scope):
     con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
     affected = rows(sample_run / "affected_requests.csv")
     notifications = rows(sample_run / "notifications.csv")
-    assert len(affected) == scope["affected_responses"] == con.execute(
-        "SELECT count(*) FROM affected_responses").fetchall()[0][0]
+    assert (
+        len(affected)
+        == scope["affected_responses"]
+        == con.execute("SELECT count(*) FROM affected_responses").fetchall()[0][0]
+    )
     assert len({r["account_id"] for r in affected}) == scope["affected_accounts"]
     received = [r for r in notifications if r["role"] == "received_foreign_data"]
     assert sum(int(r["responses"]) for r in received) == scope["affected_responses"]
     assert sorted(" ".join(r["request_ids"] for r in received).split()) == sorted(r["request_id"] for r in affected)
     for cls, v in scope["by_account_class"].items():
         assert v["responses"] == sum(1 for r in affected if r["account_class"] == cls)
-    assert scope["source_accounts"]["confirmed"] == len({r["account_id"] for r in notifications
-                                                         if r["role"] == "data_exposed_confirmed"})
+    assert scope["source_accounts"]["confirmed"] == len(
+        {r["account_id"] for r in notifications if r["role"] == "data_exposed_confirmed"}
+    )
     html = (sample_run / "report.html").read_text()
     md = (sample_run / "report.md").read_text()
     assert f'id="fig-affected-responses">{scope["affected_responses"]}<' in html
@@ -135,7 +153,7 @@ def test_raw_text_never_leaves_ingest(sample_run, sample_incident):
         leaked = [p for p in phrases if p in body]
         assert not leaked, f"{path.name} contains content text"
     con = duckdb.connect(str(sample_run / "evidence.duckdb"), read_only=True)
-    for table, in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
+    for (table,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall():
         cols = [c[0] for c in con.execute(f'DESCRIBE "{table}"').fetchall()]
         assert "prompt" not in cols and "output" not in cols
 
@@ -164,23 +182,38 @@ def test_every_report_table_matches_scope_and_database(sample_run, scope):
     by_class = {r[0]: (_n(r[1]), _n(r[2])) for r in _table(html, "t-by-class")}
     assert by_class == {c: (v["responses"], v["accounts"]) for c, v in scope["by_account_class"].items()}
     roles = {(r[0], r[1]): (_n(r[2]), _n(r[3])) for r in _table(html, "t-roles")}
-    assert roles == {(role, cls): (n, recs) for role, cls, n, recs in con.execute(
-        "SELECT role, account_class, count(*), sum(responses) FROM notifications GROUP BY 1, 2").fetchall()}
+    assert roles == {
+        (role, cls): (n, recs)
+        for role, cls, n, recs in con.execute(
+            "SELECT role, account_class, count(*), sum(responses) FROM notifications GROUP BY 1, 2"
+        ).fetchall()
+    }
     models = {r[0]: (_n(r[1]), _n(r[2]), _n(r[3])) for r in _table(html, "t-models")}
-    assert models == {m: (n, ok, aff) for m, n, ok, aff in con.execute(
-        """SELECT r.model, count(*), count(*) FILTER (WHERE r.status BETWEEN 200 AND 299), count(a.request_id)
-           FROM requests r LEFT JOIN affected_responses a USING (request_id) GROUP BY 1""").fetchall()}
+    assert models == {
+        m: (n, ok, aff)
+        for m, n, ok, aff in con.execute(
+            """SELECT r.model, count(*), count(*) FILTER (WHERE r.status BETWEEN 200 AND 299), count(a.request_id)
+           FROM requests r LEFT JOIN affected_responses a USING (request_id) GROUP BY 1"""
+        ).fetchall()
+    }
     assert {m: v[2] for m, v in models.items()} == scope["responses_by_model"]
     exposure = [(r[0], r[1], r[3], r[4], _n(r[5]), _n(r[6])) for r in _table(html, "t-exposure")]
-    assert exposure == [(w["instance"], w["role"], w["start"], w["end"], w["pool_tokens"], w["context_length"])
-                        for w in scope["exposure_windows"]]
+    assert exposure == [
+        (w["instance"], w["role"], w["start"], w["end"], w["pool_tokens"], w["context_length"])
+        for w in scope["exposure_windows"]
+    ]
     rules = {r[0]: (_n(r[3]), _n(r[4])) for r in _table(html, "t-rules")}
-    assert rules == {rid: (n, aff) for rid, n, aff in con.execute(
-        """SELECT rule_id, count(*), count(*) FILTER (WHERE confidence IN ('confirmed', 'probable'))
-           FROM findings GROUP BY 1""").fetchall()} | {r: (0, 0) for r in rules if rules[r] == (0, 0)}
+    assert rules == {
+        rid: (n, aff)
+        for rid, n, aff in con.execute(
+            """SELECT rule_id, count(*), count(*) FILTER (WHERE confidence IN ('confirmed', 'probable'))
+           FROM findings GROUP BY 1"""
+        ).fetchall()
+    } | {r: (0, 0) for r in rules if rules[r] == (0, 0)}
     loads = [(_n(r[2]), _n(r[3]), _n(r[4]), _n(r[5])) for r in _table(html, "t-load")]
-    assert sorted(loads) == sorted(con.execute(
-        "SELECT records_read, loaded, quarantined, duplicates FROM load_report").fetchall())
+    assert sorted(loads) == sorted(
+        con.execute("SELECT records_read, loaded, quarantined, duplicates FROM load_report").fetchall()
+    )
 
 
 def test_exposure_windows_are_joined_with_config_changes(scope):
@@ -202,23 +235,32 @@ def test_possible_sources_match_a_brute_force_turnover_horizon(sample_run):
     from kvforensics.stages.scope import SCOPE_PARAMETERS
 
     factor = SCOPE_PARAMETERS["horizon_factor"]  # the sample incident file does not override it
-    req = con.execute("SELECT request_id, account_id, model, ts, ttft_ms, latency_ms, prompt_tokens, "
-                      "completion_tokens, decode_instance FROM requests WHERE status BETWEEN 200 AND 299").df()
+    req = con.execute(
+        "SELECT request_id, account_id, model, ts, ttft_ms, latency_ms, prompt_tokens, "
+        "completion_tokens, decode_instance FROM requests WHERE status BETWEEN 200 AND 299"
+    ).df()
     affected = set(r for (r,) in con.execute("SELECT request_id FROM affected_responses").fetchall())
     cap = con.execute("SELECT instance, role, model, kv_pool_tokens, valid_from, valid_to FROM capacity").df()
     req["kv_group"] = req["decode_instance"].fillna("(model) " + req["model"])
     req["alloc"] = _microseconds(req["ts"], req["ttft_ms"].fillna(0))
     req["free"] = _microseconds(req["ts"], req["latency_ms"].fillna(req["ttft_ms"]).fillna(0))
     req["is_affected"] = req["request_id"].isin(affected)
-    req["written"] = np.where(req["is_affected"], 1 + req["completion_tokens"].fillna(0),
-                              req["prompt_tokens"] + req["completion_tokens"].fillna(0))
+    req["written"] = np.where(
+        req["is_affected"],
+        1 + req["completion_tokens"].fillna(0),
+        req["prompt_tokens"] + req["completion_tokens"].fillna(0),
+    )
     want = set()
     cut_something = False
     for group, g in req.groupby("kv_group"):
         if not g["is_affected"].any():
             continue
-        ev = pd.concat([pd.DataFrame({"t": g["alloc"], "marker": 0, "w": g["written"], "rid": g["request_id"]}),
-                        pd.DataFrame({"t": g["free"], "marker": 1, "w": 0, "rid": g["request_id"]})])
+        ev = pd.concat(
+            [
+                pd.DataFrame({"t": g["alloc"], "marker": 0, "w": g["written"], "rid": g["request_id"]}),
+                pd.DataFrame({"t": g["free"], "marker": 1, "w": 0, "rid": g["request_id"]}),
+            ]
+        )
         ev = ev.sort_values(["t", "marker", "rid"], kind="stable").reset_index(drop=True)
         ev["cum"] = ev["w"].cumsum()
         cum_alloc = dict(zip(ev.loc[ev.marker == 0, "rid"], ev.loc[ev.marker == 0, "cum"], strict=True))
@@ -237,8 +279,12 @@ def test_possible_sources_match_a_brute_force_turnover_horizon(sample_run):
                     want.add((a.request_id, s.request_id, int(since)))
                 else:
                     cut_something = True
-    got = set((a, s, int(n)) for a, s, n in con.execute(
-        "SELECT affected_request_id, source_request_id, tokens_written_since FROM possible_sources").fetchall())
+    got = set(
+        (a, s, int(n))
+        for a, s, n in con.execute(
+            "SELECT affected_request_id, source_request_id, tokens_written_since FROM possible_sources"
+        ).fetchall()
+    )
     assert cut_something, "the sample never reaches past a horizon: the test would not exercise the cut"
     assert len(want) > 100
     assert got == want

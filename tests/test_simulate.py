@@ -59,13 +59,9 @@ OTHER_MESSAGES = [
     re.compile(r"^Load weight end\. elapsed=[\d.]+ s, type=\w+, avail mem=[\d.]+ GB, mem usage=[\d.]+ GB\.$"),
     re.compile(r"^Memory pool end\. avail mem=-?[\d.]+ GB$"),
     re.compile(r"^Capture cuda graph begin\. This can take up to several minutes\. avail mem=-?[\d.]+ GB$"),
-    re.compile(
-        r"^Capture cuda graph end\. Time elapsed: [\d.]+ s\. mem usage=[\d.]+ GB\. avail mem=-?[\d.]+ GB\.$"
-    ),
+    re.compile(r"^Capture cuda graph end\. Time elapsed: [\d.]+ s\. mem usage=[\d.]+ GB\. avail mem=-?[\d.]+ GB\.$"),
     re.compile(r"^Capture \w+ CUDA graph begin\. backend=\w+, num_tokens=\d+, avail mem=-?[\d.]+ GB$"),
-    re.compile(
-        r"^Capture \w+ CUDA graph end\. elapsed=[\d.]+ s, mem usage=[\d.]+ GB, avail mem=-?[\d.]+ GB\.$"
-    ),
+    re.compile(r"^Capture \w+ CUDA graph end\. elapsed=[\d.]+ s, mem usage=[\d.]+ GB, avail mem=-?[\d.]+ GB\.$"),
     re.compile(r"^CommonKVBootstrapServer started successfully on [\d.]+:\d+$"),
     re.compile(r"^The server is fired up and ready to roll!$"),
     re.compile(
@@ -267,9 +263,7 @@ def test_exactly_n_affected_and_all_above_the_exposed_pool(generated: dict[str, 
     long = [
         r
         for r in rows.values()
-        if r["model"] == scenario.model
-        and r["status"] == 200
-        and r["prompt_tokens"] >= scenario.scheduler_limit
+        if r["model"] == scenario.model and r["status"] == 200 and r["prompt_tokens"] >= scenario.scheduler_limit
     ]
     fix = scenario.fix_time.timestamp() * 1000
     assert sum(r["ts_ms"] < fix for r in long) == scenario.affected
@@ -335,9 +329,7 @@ def test_sample_traps(sample_copy: Path) -> None:
     assert len(cache_hits) >= 20
     assert all(r["prompt_tokens"] < scenario.scheduler_limit for r in cache_hits)
     assert not affected & {r["request_id"] for r in cache_hits}
-    queued = [
-        r for r in rows.values() if r["ttft_ms"] and r["ttft_ms"] > 5_000 and r["prompt_tokens"] < 20_000
-    ]
+    queued = [r for r in rows.values() if r["ttft_ms"] and r["ttft_ms"] > 5_000 and r["prompt_tokens"] < 20_000]
     assert queued
     statuses = Counter(r["status"] for r in rows.values())
     assert statuses[429] and statuses[500] + statuses[503]
@@ -348,12 +340,8 @@ def test_sample_traps(sample_copy: Path) -> None:
 # --- Engine logs --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name", ["sample", "kite-la-otel", "one-affected-tp1-epoch", "streamed-adelaide-tp4"]
-)
-def test_engine_lines_match_reference_formats(
-    generated: dict[str, Path], sample_copy: Path, name: str
-) -> None:
+@pytest.mark.parametrize("name", ["sample", "kite-la-otel", "one-affected-tp1-epoch", "streamed-adelaide-tp4"])
+def test_engine_lines_match_reference_formats(generated: dict[str, Path], sample_copy: Path, name: str) -> None:
     folder = sample_copy if name == "sample" else generated[name]
     scenario = Scenario() if name == "sample" else SCENARIOS[name]
     gt = truth(folder)
@@ -465,9 +453,7 @@ def test_page_reads_account_for_every_reserved_page(sample_copy: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["sample", "streamed-adelaide-tp4"])
-def test_affected_outputs_quote_their_sources(
-    generated: dict[str, Path], sample_copy: Path, name: str
-) -> None:
+def test_affected_outputs_quote_their_sources(generated: dict[str, Path], sample_copy: Path, name: str) -> None:
     folder = sample_copy if name == "sample" else generated[name]
     scenario = Scenario() if name == "sample" else SCENARIOS[name]
     with gzip.open(folder / "content" / "content.jsonl.gz", "rt") as fh:
@@ -492,14 +478,10 @@ def test_affected_outputs_quote_their_sources(
 
 
 def test_streaming_path_writes_parquet_without_page_simulation(tmp_path: Path) -> None:
-    scenario = Scenario(
-        seed=4, requests=30_000, page_simulation_max_requests=10_000, gateway_format="parquet"
-    )
+    scenario = Scenario(seed=4, requests=30_000, page_simulation_max_requests=10_000, gateway_format="parquet")
     result = simulate(scenario, tmp_path)
     assert not result.page_simulation and result.notes
-    assert (
-        result.content is not None and 'path = "content/content.jsonl.gz"' in result.incident_toml.read_text()
-    )
+    assert result.content is not None and 'path = "content/content.jsonl.gz"' in result.incident_toml.read_text()
     assert all(p.suffix == ".parquet" for p in result.gateway_files)
     gt = truth(tmp_path)
     assert gt["page_simulation"] is False and len(gt["affected"]) == 155
@@ -552,10 +534,7 @@ def cli_args(argv: list[str]) -> argparse.Namespace:
 def test_cli_scenario_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     scenario_file = tmp_path / "s.toml"
     scenario_file.write_text('[scenario]\nrequests = 3000\naffected = 5\nsglang_version = "0.5.20"\n')
-    assert (
-        run(cli_args(["--out", str(tmp_path / "o"), "--scenario-file", str(scenario_file), "--seed", "2"]))
-        == 0
-    )
+    assert run(cli_args(["--out", str(tmp_path / "o"), "--scenario-file", str(scenario_file), "--seed", "2"])) == 0
     assert truth(tmp_path / "o")["scenario"]["seed"] == 2
     assert len(truth(tmp_path / "o")["affected"]) == 5
     assert run(cli_args(["--out", str(tmp_path / "bad"), "--affected", "-1"])) == 2
@@ -568,9 +547,7 @@ def test_cli_scenario_file_and_errors(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_sample_is_small_complete_and_up_to_date(sample_copy: Path) -> None:
     files = digest(sample_copy)
     assert sum(p.stat().st_size for p in sample_copy.rglob("*") if p.is_file()) < MAX_SAMPLE_BYTES
-    assert {"incident.toml", "ground_truth.json", "changes/changes.csv", "content/content.jsonl.gz"} <= set(
-        files
-    )
+    assert {"incident.toml", "ground_truth.json", "changes/changes.csv", "content/content.jsonl.gz"} <= set(files)
     assert sum(f.startswith("gateway/requests-") for f in files) == 22
     assert "ground_truth" not in (sample_copy / "incident.toml").read_text().split("\n", 1)[1]
     if SAMPLE.joinpath("incident.toml").exists():

@@ -48,12 +48,16 @@ class Incident:
         self.content = {c["request_id"]: c for c in read_lines(folder / "content" / "content.jsonl.zst")}
         self.stored: dict[str, list[tuple[float, list, Any, list[int]]]] = {}
         for path in sorted((folder / "kv-events").glob("*.jsonl.zst")):
-            self.stored[path.name.split(".")[0]] = [(ts, ev[1], ev[2], ev[3]) for ts, events, _ in read_lines(path)
-                                                   for ev in events if ev[0] == "BlockStored"]
+            self.stored[path.name.split(".")[0]] = [
+                (ts, ev[1], ev[2], ev[3])
+                for ts, events, _ in read_lines(path)
+                for ev in events
+                if ev[0] == "BlockStored"
+            ]
 
     def block(self, request_id: str, position: int) -> list[int]:
         ids = self.content[request_id]["prompt_token_ids"]
-        return ids[position * BLOCK_SIZE:(position + 1) * BLOCK_SIZE]
+        return ids[position * BLOCK_SIZE : (position + 1) * BLOCK_SIZE]
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +73,33 @@ def incidents(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Incident]:
 def test_same_seed_same_bytes_other_seed_other_incident(tmp_path: Path) -> None:
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for folder, seed in ((a, 5), (b, 5), (c, 6)):
-        assert simulate_main(["--mechanism", "prefix_reuse", "--prefix-scenario", "prefix-probe", "--seed",
-                              str(seed), "--requests", "1500", "--out", str(folder)]) == 0
+        assert (
+            simulate_main(
+                [
+                    "--mechanism",
+                    "prefix_reuse",
+                    "--prefix-scenario",
+                    "prefix-probe",
+                    "--seed",
+                    str(seed),
+                    "--requests",
+                    "1500",
+                    "--out",
+                    str(folder),
+                ]
+            )
+            == 0
+        )
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert {str(f) for f in files} >= {"gateway/requests.jsonl.gz", "content/content.jsonl.zst", "deploy.toml",
-                                       "incident.toml", "ground_truth.json", "engine/vllm-0.log",
-                                       "kv-events/vllm-0.jsonl.zst"}
+    assert {str(f) for f in files} >= {
+        "gateway/requests.jsonl.gz",
+        "content/content.jsonl.zst",
+        "deploy.toml",
+        "incident.toml",
+        "ground_truth.json",
+        "engine/vllm-0.log",
+        "kv-events/vllm-0.jsonl.zst",
+    }
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
     assert (a / "gateway/requests.jsonl.gz").read_bytes() != (c / "gateway/requests.jsonl.gz").read_bytes()
 
@@ -84,8 +109,21 @@ def test_the_cli_refuses_what_does_not_apply(tmp_path: Path, capsys: pytest.Capt
     assert "needs --prefix-scenario" in capsys.readouterr().err
     assert simulate_main(["--prefix-scenario", "prefix-probe", "--out", str(tmp_path)]) == 2
     assert "needs --mechanism prefix_reuse" in capsys.readouterr().err
-    assert simulate_main(["--mechanism", "prefix_reuse", "--prefix-scenario", "prefix-probe", "--requests", "10",
-                          "--out", str(tmp_path)]) == 2
+    assert (
+        simulate_main(
+            [
+                "--mechanism",
+                "prefix_reuse",
+                "--prefix-scenario",
+                "prefix-probe",
+                "--requests",
+                "10",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "out of range" in capsys.readouterr().err
 
 
@@ -110,8 +148,11 @@ def test_every_recipient_reused_blocks_its_sources_stored_earlier(incidents: dic
                 theirs = inc.block(s["source_request_id"], p - s["position_from"] + s["source_position_from"])
                 mine = inc.block(rid, p)
                 # the source's request stored that block (alone or within its chain's event)
-                assert any(tuple(theirs) == tokens[k:k + BLOCK_SIZE] for tokens, _ in stored
-                           for k in range(0, len(tokens), BLOCK_SIZE))
+                assert any(
+                    tuple(theirs) == tokens[k : k + BLOCK_SIZE]
+                    for tokens, _ in stored
+                    for k in range(0, len(tokens), BLOCK_SIZE)
+                )
                 if rid in collisions:
                     continue
                 assert mine == theirs
@@ -129,7 +170,7 @@ def test_a_collision_is_an_equal_weak_hash_over_other_tokens(incidents: dict[str
         ids = inc.content[rid]["prompt_token_ids"]
         keys, parent = [], None
         for i in range(0, (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE, BLOCK_SIZE):
-            parent = chain_hash(parent, tuple(ids[i:i + BLOCK_SIZE]), request["cache_salt"] if i == 0 else None)
+            parent = chain_hash(parent, tuple(ids[i : i + BLOCK_SIZE]), request["cache_salt"] if i == 0 else None)
             keys.append(parent & mask)
         stored_hashes = {h for _, hashes, _, _ in inc.stored["vllm-2"] for h in hashes}
         for s in inc.truth["recipient_sources"][rid]:
@@ -142,13 +183,18 @@ def test_a_collision_is_an_equal_weak_hash_over_other_tokens(incidents: dict[str
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_the_provider_wide_system_prompt_is_shared_and_never_a_finding(incidents: dict[str, Incident],
-                                                                       name: str) -> None:
+def test_the_provider_wide_system_prompt_is_shared_and_never_a_finding(
+    incidents: dict[str, Incident], name: str
+) -> None:
     inc = incidents[name]
-    system = inc.content[next(rid for rid, r in inc.requests.items() if r["account_id"] == PROVIDER_ACCOUNT)
-                         ]["prompt_token_ids"][:SYSTEM_PROMPT_TOKENS]
-    users = [rid for rid, r in inc.requests.items() if r["account_id"] != PROVIDER_ACCOUNT
-             and inc.content[rid]["prompt_token_ids"][:SYSTEM_PROMPT_TOKENS] == system]
+    system = inc.content[next(rid for rid, r in inc.requests.items() if r["account_id"] == PROVIDER_ACCOUNT)][
+        "prompt_token_ids"
+    ][:SYSTEM_PROMPT_TOKENS]
+    users = [
+        rid
+        for rid, r in inc.requests.items()
+        if r["account_id"] != PROVIDER_ACCOUNT and inc.content[rid]["prompt_token_ids"][:SYSTEM_PROMPT_TOKENS] == system
+    ]
     assert len({inc.requests[rid]["account_id"] for rid in users}) >= 10  # many tenants send it
     full = SYSTEM_PROMPT_TOKENS // BLOCK_SIZE
     for rid in users:
@@ -165,8 +211,9 @@ def test_the_prober_probes_and_the_look_alikes_do_not(incidents: dict[str, Incid
     probes = sorted((r for r in inc.requests.values() if r["account_id"] == prober), key=lambda r: r["ts"])
     assert len(probes) >= 100 and all(r["completion_tokens"] <= 4 for r in probes)
     victims = set(truth["probe_victims"])
-    assert {a for rid, v in truth["recipients"].items() if inc.requests[rid]["account_id"] == prober
-            for a in v} == victims
+    assert {
+        a for rid, v in truth["recipients"].items() if inc.requests[rid]["account_id"] == prober for a in v
+    } == victims
     # candidates share a long prefix with a victim's document and differ in one position, tried in order
     by_prefix: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for r in probes:
@@ -175,8 +222,9 @@ def test_the_prober_probes_and_the_look_alikes_do_not(incidents: dict[str, Incid
     assert all(len(v) == PROBE_CANDIDATES and v == sorted(v) for v in by_prefix.values())
     assert min(len(p) for p in by_prefix) >= 3 * BLOCK_SIZE
     victim_ids = [inc.content[rid]["prompt_token_ids"] for rid, r in inc.requests.items() if r["account_id"] in victims]
-    assert sum(any(v[:3 * BLOCK_SIZE] == list(p[:3 * BLOCK_SIZE]) for v in victim_ids) for p in by_prefix) \
-        == len(by_prefix)
+    assert sum(any(v[: 3 * BLOCK_SIZE] == list(p[: 3 * BLOCK_SIZE]) for v in victim_ids) for p in by_prefix) == len(
+        by_prefix
+    )
     # the evaluation harness: one template, answers of normal length, no probed position
     (evaluator,) = truth["benign_lookalikes"]["evaluation_harness"]
     runs = [r for r in inc.requests.values() if r["account_id"] == evaluator]
@@ -188,8 +236,10 @@ def test_the_prober_probes_and_the_look_alikes_do_not(incidents: dict[str, Incid
         mine = sorted((r for r in inc.requests.values() if r["account_id"] == account), key=lambda r: r["ts"])
         for first, again in zip(mine, mine[1:], strict=False):
             if first["status"] == 504:
-                same = inc.content[again["request_id"]]["prompt_token_ids"] == \
-                    inc.content[first["request_id"]]["prompt_token_ids"]
+                same = (
+                    inc.content[again["request_id"]]["prompt_token_ids"]
+                    == inc.content[first["request_id"]]["prompt_token_ids"]
+                )
                 retried += same and again["cached_tokens"] > 0
     assert retried >= 3
 
@@ -215,15 +265,20 @@ def test_ingest_loads_every_file_without_quarantine(incidents: dict[str, Inciden
     assert kinds["requests"] == len(inc.requests)
     assert con.execute("SELECT count(DISTINCT instance) FROM capacity").fetchone() == (4,)
     # the events' token ids fingerprint as the same blocks of the requests that stored them
-    fps = con.execute("SELECT count(*) FILTER (WHERE position IS NOT NULL AND salt IS NOT NULL = $salted), "
-                      "count(*) FROM kv_events WHERE kind = 'stored'",
-                      {"salted": SCENARIOS[name].salted}).fetchone()
+    fps = con.execute(
+        "SELECT count(*) FILTER (WHERE position IS NOT NULL AND salt IS NOT NULL = $salted), "
+        "count(*) FROM kv_events WHERE kind = 'stored'",
+        {"salted": SCENARIOS[name].salted},
+    ).fetchone()
     assert fps is not None and fps[0] == fps[1] > 0
 
 
 def verdicts(report: AuditReport) -> dict[str, tuple[str, str, int | None, str]]:
-    return {v.instance: (v.status, Path(v.evidence_file or "").name, v.evidence_line, v.detail)
-            for v in report.verdicts if v.check == 6}
+    return {
+        v.instance: (v.status, Path(v.evidence_file or "").name, v.evidence_line, v.detail)
+        for v in report.verdicts
+        if v.check == 6
+    }
 
 
 def test_the_audit_fails_check_6_on_the_line_of_each_failure(incidents: dict[str, Incident]) -> None:
@@ -261,8 +316,12 @@ class HicacheIncident:
 
     def stores(self, instance: str) -> list[tuple[float, str, str | None, list, Any, list[int]]]:
         """(ts, medium, salt, hashes, parent, token ids) of every BlockStored of an instance, in order."""
-        return [(m["batch"][0], e[6], e[7]["cache_salt"], e[1], e[2], e[3]) for m in self.messages[instance]
-                for e in m["batch"][1] if e[0] == "BlockStored"]
+        return [
+            (m["batch"][0], e[6], e[7]["cache_salt"], e[1], e[2], e[3])
+            for m in self.messages[instance]
+            for e in m["batch"][1]
+            if e[0] == "BlockStored"
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +340,34 @@ def test_hicache_same_seed_same_bytes_and_a_few_seconds(tmp_path: Path, hicache:
     assert hicache.seconds < 15, hicache.seconds  # ~2 s on 2 shared cores
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, seed in ((a, 3), (b, 4)):
-        assert simulate_main(["--mechanism", "prefix_reuse", "--prefix-scenario", HICACHE, "--seed", str(seed),
-                              "--requests", str(HICACHE_SMALL), "--out", str(folder)]) == 0
+        assert (
+            simulate_main(
+                [
+                    "--mechanism",
+                    "prefix_reuse",
+                    "--prefix-scenario",
+                    HICACHE,
+                    "--seed",
+                    str(seed),
+                    "--requests",
+                    str(HICACHE_SMALL),
+                    "--out",
+                    str(folder),
+                ]
+            )
+            == 0
+        )
     files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     assert files == sorted(str(p.relative_to(hicache.folder)) for p in hicache.folder.rglob("*") if p.is_file())
-    assert set(files) >= {"gateway/requests.jsonl.gz", "content/content.jsonl.zst", "deploy.toml", "incident.toml",
-                          "ground_truth.json", "engine/sglang-0/sglang.log", "kv-events/sglang-3.jsonl.zst"}
+    assert set(files) >= {
+        "gateway/requests.jsonl.gz",
+        "content/content.jsonl.zst",
+        "deploy.toml",
+        "incident.toml",
+        "ground_truth.json",
+        "engine/sglang-0/sglang.log",
+        "kv-events/sglang-3.jsonl.zst",
+    }
     assert all((a / f).read_bytes() == (hicache.folder / f).read_bytes() for f in files)
     assert (a / "content/content.jsonl.zst").read_bytes() != (b / "content/content.jsonl.zst").read_bytes()
     assert len(hicache.requests) == HICACHE_SMALL == hicache.truth["requests"]
@@ -296,10 +377,18 @@ def test_hicache_engine_logs_have_three_startups_the_middle_one_with_the_store(h
     for n in range(4):
         log = (hicache.folder / "engine" / f"sglang-{n}" / "sglang.log").read_text()
         args = [line for line in log.splitlines() if "server_args=ServerArgs(" in line]
-        assert [("hicache_storage_backend='mooncake'" in a, "hicache_storage_backend=None" in a) for a in args] == \
-            [(False, True), (True, False), (False, True)]
-        assert all("enable_hierarchical_cache=True" in a and "hicache_write_policy='write_through'" in a
-                   and "page_size=64" in a and "enable_cache_report=True" in a for a in args)
+        assert [("hicache_storage_backend='mooncake'" in a, "hicache_storage_backend=None" in a) for a in args] == [
+            (False, True),
+            (True, False),
+            (False, True),
+        ]
+        assert all(
+            "enable_hierarchical_cache=True" in a
+            and "hicache_write_policy='write_through'" in a
+            and "page_size=64" in a
+            and "enable_cache_report=True" in a
+            for a in args
+        )
         assert "sglang version" not in log and log.count("The server is fired up and ready to roll!") == 3
         assert log.count("SIGTERM received") == 2
     incident = (hicache.folder / "incident.toml").read_text()
@@ -336,8 +425,9 @@ def test_hicache_salted_chains_differ_across_salts_for_equal_tokens(hicache: Hic
 
 def test_hicache_every_recipient_loaded_foreign_pages_inside_its_store_window(hicache: HicacheIncident) -> None:
     truth = hicache.truth
-    windows = {i: [(_iso_epoch(w["start"]), _iso_epoch(w["end"])) for w in ws]
-               for i, ws in truth["exposure_windows"].items()}
+    windows = {
+        i: [(_iso_epoch(w["start"]), _iso_epoch(w["end"])) for w in ws] for i, ws in truth["exposure_windows"].items()
+    }
     assert sorted(windows) == [f"sglang-{n}" for n in range(4)] and all(len(w) == 1 for w in windows.values())
     assert len(truth["recipients"]) >= 20
     internal, shared = set(truth["internal_accounts"]), set(truth["shared_namespaces"])
@@ -358,11 +448,14 @@ def test_hicache_every_recipient_loaded_foreign_pages_inside_its_store_window(hi
             assert len(theirs) >= end or s["source_position_from"] == s["position_from"]
             assert request["usage"]["prompt_tokens_details"]["cached_tokens"] >= end
         # the load shows in the events: a host store under the requester's salt, then the device store
-        stores = [(medium, ids_) for t, medium, salt, _, _, ids_ in hicache.stores(request["upstream"])
-                  if salt == request["cache_salt"] and ts <= t < ts + 60]
+        stores = [
+            (medium, ids_)
+            for t, medium, salt, _, _, ids_ in hicache.stores(request["upstream"])
+            if salt == request["cache_salt"] and ts <= t < ts + 60
+        ]
         first = sources[0]["position_from"] * PAGE
-        page = ids[first:first + PAGE]
-        media = [m for m, ids_ in stores if any(ids_[k:k + PAGE] == page for k in range(0, len(ids_), PAGE))]
+        page = ids[first : first + PAGE]
+        media = [m for m, ids_ in stores if any(ids_[k : k + PAGE] == page for k in range(0, len(ids_), PAGE))]
         assert media[:2] == ["CPU_PINNED", "GPU"], (rid, media)
     assert not set(truth["recipient_accounts"]) & internal
 
@@ -371,13 +464,17 @@ def test_hicache_lookalikes_and_the_prober(hicache: HicacheIncident) -> None:
     truth, rows = hicache.truth, list(hicache.requests.values())
     mine = lambda account: sorted((r for r in rows if r["account"] == account), key=lambda r: r["created"])  # noqa: E731
     look = truth["benign_lookalikes"]
-    assert {k: len(v) for k, v in look.items()} == {"evaluation_harness": 2, "retrying_clients": 3,
-                                                    "keepalive_pings": 2, "autocomplete": 3}
+    assert {k: len(v) for k, v in look.items()} == {
+        "evaluation_harness": 2,
+        "retrying_clients": 3,
+        "keepalive_pings": 2,
+        "autocomplete": 3,
+    }
     for account in look["evaluation_harness"]:  # one template, many items, one token out
         runs = mine(account)
         assert len(runs) >= 100 and {r["max_tokens"] for r in runs} == {1}
         prompts = [hicache.content[r["id"]]["prompt_token_ids"] for r in runs]
-        assert len({tuple(p[:5 * PAGE]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == len(prompts)
+        assert len({tuple(p[: 5 * PAGE]) for p in prompts}) == 1 and len({tuple(p) for p in prompts}) == len(prompts)
     for account in look["keepalive_pings"]:
         pings = mine(account)
         assert len(pings) >= 30 and len({tuple(hicache.content[r["id"]]["prompt_token_ids"]) for r in pings}) == 1
@@ -385,18 +482,22 @@ def test_hicache_lookalikes_and_the_prober(hicache: HicacheIncident) -> None:
     for account in look["autocomplete"]:
         for a, b in zip(mine(account), mine(account)[1:], strict=False):
             pa, pb = (hicache.content[r["id"]]["prompt_token_ids"] for r in (a, b))
-            growing += pb[:len(pa)] == pa and 0 < len(pb) - len(pa) <= 24
+            growing += pb[: len(pa)] == pa and 0 < len(pb) - len(pa) <= 24
     assert growing >= 20
     retried = 0
     for account in look["retrying_clients"]:
         reqs = mine(account)
         for a, b in zip(reqs, reqs[1:], strict=False):
-            retried += a["status"] == 504 and hicache.content[a["id"]]["prompt_token_ids"] == \
-                hicache.content[b["id"]]["prompt_token_ids"]
+            retried += (
+                a["status"] == 504
+                and hicache.content[a["id"]]["prompt_token_ids"] == hicache.content[b["id"]]["prompt_token_ids"]
+            )
     assert retried >= 1
-    assert truth["playground_accounts"] and {hicache.requests[r]["cache_salt"] for r in hicache.requests
-                                              if hicache.requests[r]["account"] in truth["playground_accounts"]} \
-        == {"playground"}
+    assert truth["playground_accounts"] and {
+        hicache.requests[r]["cache_salt"]
+        for r in hicache.requests
+        if hicache.requests[r]["account"] in truth["playground_accounts"]
+    } == {"playground"}
     # the prober: while every instance has the store, one page at a time of the victim's document
     (prober,) = truth["probers"]
     probes = mine(prober)
@@ -409,8 +510,8 @@ def test_hicache_lookalikes_and_the_prober(hicache: HicacheIncident) -> None:
     known = 3
     for r in probes:
         ids, cached = hicache.content[r["id"]]["prompt_token_ids"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert ids[:known * PAGE] == document[:known * PAGE]
-        candidate, true_page = ids[known * PAGE:(known + 1) * PAGE], document[known * PAGE:(known + 1) * PAGE]
+        assert ids[: known * PAGE] == document[: known * PAGE]
+        candidate, true_page = ids[known * PAGE : (known + 1) * PAGE], document[known * PAGE : (known + 1) * PAGE]
         assert 0 <= sum(x != y for x, y in zip(candidate, true_page, strict=True)) <= 3
         assert len(ids) - known * PAGE >= 256  # enough left for the store to be asked
         if cached >= (known + 1) * PAGE:
@@ -432,14 +533,20 @@ def test_hicache_ingest_loads_every_file_and_sees_the_restarts(tmp_path: Path) -
     assert con.execute("SELECT count(*) FROM quarantine").fetchone() == (0,)
     kinds = dict(con.execute("SELECT kind, sum(loaded) FROM load_report GROUP BY kind").fetchall())
     assert set(kinds) == {"requests", "content", "kv_events", "engine_log"} and kinds["requests"] == 1000
-    assert con.execute("SELECT count(*) FILTER (WHERE cached_tokens IS NOT NULL AND cache_salt IS NOT NULL "
-                       "AND prefill_instance LIKE 'sglang-%'), count(*) FROM requests").fetchone() == (1000, 1000)
+    assert con.execute(
+        "SELECT count(*) FILTER (WHERE cached_tokens IS NOT NULL AND cache_salt IS NOT NULL "
+        "AND prefill_instance LIKE 'sglang-%'), count(*) FROM requests"
+    ).fetchone() == (1000, 1000)
     assert con.execute("SELECT DISTINCT kind FROM kv_event_gaps").fetchall() == [("restart",)]
     assert con.execute("SELECT count(*) FROM kv_event_gaps").fetchone() == (8,)
     windows = con.execute("SELECT instance, path, status FROM prefix_windows ORDER BY instance, valid_from").fetchall()
-    assert windows == [(f"sglang-{n}", path, status) for n in range(4)
-                       for path, status in (("isolated", "pass"), ("salt_blind_store", "fail"), ("isolated", "pass"))]
+    assert windows == [
+        (f"sglang-{n}", path, status)
+        for n in range(4)
+        for path, status in (("isolated", "pass"), ("salt_blind_store", "fail"), ("isolated", "pass"))
+    ]
     media = dict(con.execute("SELECT medium, count(*) FROM kv_events WHERE kind = 'stored' GROUP BY 1").fetchall())
     assert set(media) == {"GPU", "CPU_PINNED"}
-    assert con.execute("SELECT count(*) FROM kv_events WHERE kind = 'stored' AND (chain_fp IS NULL OR salt IS NULL)"
-                       ).fetchone() == (0,)
+    assert con.execute(
+        "SELECT count(*) FROM kv_events WHERE kind = 'stored' AND (chain_fp IS NULL OR salt IS NULL)"
+    ).fetchone() == (0,)

@@ -69,14 +69,17 @@ def test_a_kind_missing_a_declared_field_is_refused_naming_it(tmp_path, field):
     assert "changes/kind.yml" in str(refused.value)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda m: m.update(inputs={"changes": ["no_such_table"]}), "inputs name tables the kind does not fill"),
-    (lambda m: m.update(default_format="xml"), "default_format 'xml' must be one of its formats"),
-    (lambda m: m.update(canonical="CHANGE_FIELDS"), "must name a CANONICAL_..._FIELDS tuple"),
-    (lambda m: m.update(keys={"region": "where"}), "'refused_elsewhere' must name each of its own keys"),
-    (lambda m: m.update(ingest="sometime"), "'ingest' must be one of"),
-    (lambda m: m.update(colour="blue"), r"unknown field\(s\) \['colour'\]"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda m: m.update(inputs={"changes": ["no_such_table"]}), "inputs name tables the kind does not fill"),
+        (lambda m: m.update(default_format="xml"), "default_format 'xml' must be one of its formats"),
+        (lambda m: m.update(canonical="CHANGE_FIELDS"), "must name a CANONICAL_..._FIELDS tuple"),
+        (lambda m: m.update(keys={"region": "where"}), "'refused_elsewhere' must name each of its own keys"),
+        (lambda m: m.update(ingest="sometime"), "'ingest' must be one of"),
+        (lambda m: m.update(colour="blue"), r"unknown field\(s\) \['colour'\]"),
+    ],
+)
 def test_a_kind_declaring_what_does_not_hold_is_refused(tmp_path, change, message):
     folder = copy_kinds(tmp_path)
     edit(folder / "changes" / "kind.yml", change)
@@ -103,7 +106,8 @@ def test_a_mechanism_naming_an_input_no_kind_offers_is_refused_on_load(tmp_path)
 
 
 def test_a_source_setting_another_kinds_key_is_told_what_that_kind_says(tmp_path):
-    (tmp_path / "incident.toml").write_text("""[incident]
+    (tmp_path / "incident.toml").write_text(
+        """[incident]
 id = "kinds"
 
 [[sources]]
@@ -116,7 +120,9 @@ name = "changes"
 kind = "changes"
 path = "changes.csv"
 envelope = "kubectl"
-""", encoding="utf-8")
+""",
+        encoding="utf-8",
+    )
     from kvforensics.config import load_incident
 
     with pytest.raises(ConfigError, match='envelope applies to kind "engine_log" only'):

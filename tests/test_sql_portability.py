@@ -26,12 +26,57 @@ from kvforensics.stages.detect import load_rules
 from kvforensics.stages.scope import SCOPE_SCRIPTS
 
 #: Functions both engines implement with the same meaning and result type for our inputs.
-PORTABLE_FUNCTIONS = {"count", "sum", "min", "max", "avg", "coalesce", "least", "greatest", "abs", "row_number",
-                      "rank", "dense_rank", "left", "date_trunc", "cast"}
+PORTABLE_FUNCTIONS = {
+    "count",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "coalesce",
+    "least",
+    "greatest",
+    "abs",
+    "row_number",
+    "rank",
+    "dense_rank",
+    "left",
+    "date_trunc",
+    "cast",
+}
 #: Words that may precede "(" without being a function call.
-KEYWORDS = {"as", "in", "exists", "over", "from", "join", "on", "and", "or", "not", "when", "then", "else",
-            "select", "where", "by", "with", "all", "union", "distinct", "case", "end", "between", "is", "null",
-            "having", "asc", "desc", "first", "last", "nulls"}
+KEYWORDS = {
+    "as",
+    "in",
+    "exists",
+    "over",
+    "from",
+    "join",
+    "on",
+    "and",
+    "or",
+    "not",
+    "when",
+    "then",
+    "else",
+    "select",
+    "where",
+    "by",
+    "with",
+    "all",
+    "union",
+    "distinct",
+    "case",
+    "end",
+    "between",
+    "is",
+    "null",
+    "having",
+    "asc",
+    "desc",
+    "first",
+    "last",
+    "nulls",
+}
 BANNED = [
     (r"::", "DuckDB cast syntax: write CAST(x AS type)"),
     (r"\bFILTER\s*\(", "aggregate FILTER is DuckDB/Postgres only: count(CASE WHEN ... THEN 1 END)"),
@@ -46,8 +91,10 @@ BANNED = [
     (r"\b(HUGEINT|UBIGINT|UINTEGER|JSON|LIST|STRUCT|MAP)\b", "engine-only type"),
     (r"->>?|\[", "JSON arrows and list indexing are DuckDB only"),
     (r"\?", "positional parameters: use $name"),
-    (r"(?<![\w.])\d+\.\d+", "decimal literals are typed differently (DECIMAL arithmetic on Spark): "
-                            "use integers or a DOUBLE parameter"),
+    (
+        r"(?<![\w.])\d+\.\d+",
+        "decimal literals are typed differently (DECIMAL arithmetic on Spark): use integers or a DOUBLE parameter",
+    ),
 ]
 
 
@@ -64,7 +111,7 @@ def _outside_helpers(template: str) -> str:
     """The code with comments and string contents removed and each helper call replaced by a name."""
     out, pos = [], 0
     for call in helper_calls(template):
-        out.append(template[pos:call.start])
+        out.append(template[pos : call.start])
         out.append(" kvf_helper ")
         pos = call.end
     out.append(template[pos:])
@@ -82,11 +129,13 @@ def test_portable_sql(name, template):
     called = {f.lower() for f in re.findall(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(", code)} - KEYWORDS
     assert called <= PORTABLE_FUNCTIONS, (
         f"{name} calls {sorted(called - PORTABLE_FUNCTIONS)} outside a helper: use a portable function or add "
-        f"a helper with an expansion per engine to kvforensics/engines/portable.py")
+        f"a helper with an expansion per engine to kvforensics/engines/portable.py"
+    )
     for items in _order_by_lists(code):
         for item in items:
             assert re.search(r"\bNULLS\s+(FIRST|LAST)\s*$", item, re.IGNORECASE), (
-                f"{name}: ORDER BY key {item!r} needs NULLS FIRST or NULLS LAST (DuckDB and Spark differ)")
+                f"{name}: ORDER BY key {item!r} needs NULLS FIRST or NULLS LAST (DuckDB and Spark differ)"
+            )
     for call in helper_calls(template):
         assert call.name in portable.HELPERS, f"{name}: unknown helper {call.name}"
 
@@ -127,8 +176,9 @@ def test_lint_catches_what_it_should():
     assert re.search(BANNED[0][0], code) and re.search(BANNED[1][0], code, re.IGNORECASE)
     assert {"list_sum"} <= {f.lower() for f in re.findall(r"\b([A-Za-z_][A-Za-z0-9_]*)\s*\(", code)} - KEYWORDS
     assert _order_by_lists(code) == [["a"]]
-    assert _order_by_lists("row_number() OVER (PARTITION BY a ORDER BY b NULLS LAST, c DESC NULLS LAST)") == \
-        [["b NULLS LAST", "c DESC NULLS LAST"]]
+    assert _order_by_lists("row_number() OVER (PARTITION BY a ORDER BY b NULLS LAST, c DESC NULLS LAST)") == [
+        ["b NULLS LAST", "c DESC NULLS LAST"]
+    ]
 
 
 def test_helpers_refuse_engines_they_do_not_support(monkeypatch):
@@ -144,12 +194,19 @@ def test_helpers_refuse_engines_they_do_not_support(monkeypatch):
 
 def test_rendering():
     template = "SELECT {{ json_object('k', {{ round_double(x, 1) }}) }} FROM t WHERE y > $min AND z = '$not_a_param'"
-    assert render(template, "duckdb") == \
-        "SELECT json_object('k', round(x, 1)) FROM t WHERE y > $min AND z = '$not_a_param'"
+    assert (
+        render(template, "duckdb")
+        == "SELECT json_object('k', round(x, 1)) FROM t WHERE y > $min AND z = '$not_a_param'"
+    )
     spark = render(template, "spark")
     assert spark.startswith("SELECT to_json(named_struct('k', (signum(") and spark.endswith(
-        "map('ignoreNullFields', 'false')) FROM t WHERE y > :min AND z = '$not_a_param'")
-    assert render("{{ string_agg_ordered(id, ' ', ts, id) }}", "duckdb") == \
-        "string_agg(id, ' ' ORDER BY ts ASC NULLS LAST, id ASC NULLS LAST)"
-    assert render("{{ string_agg_ordered(id, ' ', ts, id) }}", "spark") == \
-        "string_agg(id, ' ') WITHIN GROUP (ORDER BY ts ASC NULLS LAST, id ASC NULLS LAST)"
+        "map('ignoreNullFields', 'false')) FROM t WHERE y > :min AND z = '$not_a_param'"
+    )
+    assert (
+        render("{{ string_agg_ordered(id, ' ', ts, id) }}", "duckdb")
+        == "string_agg(id, ' ' ORDER BY ts ASC NULLS LAST, id ASC NULLS LAST)"
+    )
+    assert (
+        render("{{ string_agg_ordered(id, ' ', ts, id) }}", "spark")
+        == "string_agg(id, ' ') WITHIN GROUP (ORDER BY ts ASC NULLS LAST, id ASC NULLS LAST)"
+    )

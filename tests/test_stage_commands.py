@@ -98,10 +98,24 @@ def test_report_computes_the_scope_again_when_the_evidence_or_incident_changed(m
     monkeypatch.setattr(kvforensics.investigation, "scope", counted_scope)
     analysed = json.loads((out / "scope.json").read_text())["analysed_period"]["requests"]
     # an input file added and loaded (--append): the evidence set changed
-    (mini_incident.parent / "gateway" / "day2.jsonl").write_text(json.dumps(
-        {"rid": "r-new", "received_at": "2026-08-29T08:00:00Z", "account_id": "acct-new",
-         "model": "@cf/zai-org/glm-5.3", "http_status": 200, "prompt_tokens": 1000, "completion_tokens": 10,
-         "ttft_ms": 400.0, "latency_ms": 3000, "prefill_instance": "p0", "decode_instance": "d0"}) + "\n")
+    (mini_incident.parent / "gateway" / "day2.jsonl").write_text(
+        json.dumps(
+            {
+                "rid": "r-new",
+                "received_at": "2026-08-29T08:00:00Z",
+                "account_id": "acct-new",
+                "model": "@cf/zai-org/glm-5.3",
+                "http_status": 200,
+                "prompt_tokens": 1000,
+                "completion_tokens": 10,
+                "ttft_ms": 400.0,
+                "latency_ms": 3000,
+                "prefill_instance": "p0",
+                "decode_instance": "d0",
+            }
+        )
+        + "\n"
+    )
     assert _cmd("ingest", mini_incident, out, "--append") == 0
     assert _cmd("detect", mini_incident, out) == 0
     assert _cmd("report", mini_incident, out, "--no-pdf") == 0

@@ -21,21 +21,64 @@ pytestmark = pytest.mark.slow
 
 SCENARIOS = {
     "otel-columns-epoch-ms-la-engine-logs-no-instances-sglang-0.5.20": dict(
-        seed=11, requests=6000, accounts=200, model="@acme/qwen-9-long", engine_model="Qwen/Qwen9-Long-Instruct",
-        instance_prefix="qw9", context_length=524_288, exposed_pool_tokens=401_408, fixed_pool_tokens=1_048_576,
-        decode_pool_tokens=786_432, fixed_decode_pool_tokens=1_048_576, affected=37, affected_customer_accounts=12,
-        internal_affected=8, reporter_affected=2, engine_timezone="America/Los_Angeles", gateway_columns="otel",
-        gateway_timestamps="epoch_ms", gateway_has_instances=False, sglang_version="0.5.20"),
+        seed=11,
+        requests=6000,
+        accounts=200,
+        model="@acme/qwen-9-long",
+        engine_model="Qwen/Qwen9-Long-Instruct",
+        instance_prefix="qw9",
+        context_length=524_288,
+        exposed_pool_tokens=401_408,
+        fixed_pool_tokens=1_048_576,
+        decode_pool_tokens=786_432,
+        fixed_decode_pool_tokens=1_048_576,
+        affected=37,
+        affected_customer_accounts=12,
+        internal_affected=8,
+        reporter_affected=2,
+        engine_timezone="America/Los_Angeles",
+        gateway_columns="otel",
+        gateway_timestamps="epoch_ms",
+        gateway_has_instances=False,
+        sglang_version="0.5.20",
+    ),
     "canonical-columns-naive-tokyo-gateway-parquet": dict(
-        seed=23, requests=6000, accounts=150, model="deepthink-r9", engine_model="org/DeepThink-R9",
-        instance_prefix="dt9", context_length=262_144, exposed_pool_tokens=200_000, fixed_pool_tokens=524_288,
-        decode_pool_tokens=400_000, fixed_decode_pool_tokens=524_288, affected=21, affected_customer_accounts=9,
-        internal_affected=5, reporter_affected=1, gateway_columns="canonical", gateway_timestamps="naive_local",
-        gateway_timezone="Asia/Tokyo", engine_timezone="Europe/Berlin", gateway_format="parquet"),
+        seed=23,
+        requests=6000,
+        accounts=150,
+        model="deepthink-r9",
+        engine_model="org/DeepThink-R9",
+        instance_prefix="dt9",
+        context_length=262_144,
+        exposed_pool_tokens=200_000,
+        fixed_pool_tokens=524_288,
+        decode_pool_tokens=400_000,
+        fixed_decode_pool_tokens=524_288,
+        affected=21,
+        affected_customer_accounts=9,
+        internal_affected=5,
+        reporter_affected=1,
+        gateway_columns="canonical",
+        gateway_timestamps="naive_local",
+        gateway_timezone="Asia/Tokyo",
+        engine_timezone="Europe/Berlin",
+        gateway_format="parquet",
+    ),
     "custom-columns-offsets-one-prefill": dict(
-        seed=5, requests=5000, accounts=120, affected=9, affected_customer_accounts=5, internal_affected=2,
-        reporter_affected=1, prefill_instances=1, decode_instances=3, gateway_columns="custom",
-        gateway_timestamps="iso_offset", gateway_timezone="America/New_York", exploiters=0),
+        seed=5,
+        requests=5000,
+        accounts=120,
+        affected=9,
+        affected_customer_accounts=5,
+        internal_affected=2,
+        reporter_affected=1,
+        prefill_instances=1,
+        decode_instances=3,
+        gateway_columns="custom",
+        gateway_timestamps="iso_offset",
+        gateway_timezone="America/New_York",
+        exploiters=0,
+    ),
 }
 
 
@@ -57,8 +100,12 @@ def test_exactly_the_affected_responses(investigated):
 def test_traps_are_never_confirmed_or_probable(investigated):
     out, truth = investigated
     con = duckdb.connect(str(out / "evidence.duckdb"), read_only=True)
-    flagged = {r[0] for r in con.execute(
-        "SELECT request_id FROM request_tiers WHERE confidence IN ('confirmed', 'probable')").fetchall()}
+    flagged = {
+        r[0]
+        for r in con.execute(
+            "SELECT request_id FROM request_tiers WHERE confidence IN ('confirmed', 'probable')"
+        ).fetchall()
+    }
     for trap, ids in truth["traps"].items():
         if isinstance(ids, list):
             assert not flagged & set(ids), f"trap {trap} flagged"
@@ -74,8 +121,19 @@ def test_exposure_windows_match_the_simulated_deployment(investigated):
 
 def test_deliberate_exploitation_is_flagged(tmp_path):
     """Accounts that probe just above the pool, in bursts, repeating prompts, are called out; nobody else."""
-    result = simulate(Scenario(seed=31, requests=5000, accounts=120, affected=30, affected_customer_accounts=8,
-                               internal_affected=4, reporter_affected=1, exploiters=2), tmp_path / "data")
+    result = simulate(
+        Scenario(
+            seed=31,
+            requests=5000,
+            accounts=120,
+            affected=30,
+            affected_customer_accounts=8,
+            internal_affected=4,
+            reporter_affected=1,
+            exploiters=2,
+        ),
+        tmp_path / "data",
+    )
     run(result.incident_toml, tmp_path / "out", progress=False, pdf=False)
     truth = json.loads(result.ground_truth.read_text())
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())

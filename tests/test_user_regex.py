@@ -17,10 +17,13 @@ from kvforensics.stages.instances import InstanceMatching, match_instance_names
 HOSTILE_NAME = "a" * 40 + "!"
 
 
-@pytest.mark.parametrize("pattern, name", [
-    (r"^(?P<instance>(a+)+)$", HOSTILE_NAME),                         # the issue's: nested quantifiers
-    (r"(?P<instance>([a-z0-9]+-?)+)\.svc", "abcdefghijklmnopqrst"),   # the plausible one that took 47 s
-])
+@pytest.mark.parametrize(
+    "pattern, name",
+    [
+        (r"^(?P<instance>(a+)+)$", HOSTILE_NAME),  # the issue's: nested quantifiers
+        (r"(?P<instance>([a-z0-9]+-?)+)\.svc", "abcdefghijklmnopqrst"),  # the plausible one that took 47 s
+    ],
+)
 def test_the_issues_patterns_finish_at_once(pattern, name):
     started = time.monotonic()
     (found,) = match_instance_names([name], ["p0"], InstanceMatching(match=pattern))
@@ -29,11 +32,17 @@ def test_the_issues_patterns_finish_at_once(pattern, name):
 
 def test_a_pattern_over_its_time_budget_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError) as caught:
-        match_instance_names(["p0", HOSTILE_NAME], ["p0"], InstanceMatching(match=r"(?P<instance>(a|aa)+)$"),
-                             where="incident.toml: [instances]", budget_s=0.2)
+        match_instance_names(
+            ["p0", HOSTILE_NAME],
+            ["p0"],
+            InstanceMatching(match=r"(?P<instance>(a|aa)+)$"),
+            where="incident.toml: [instances]",
+            budget_s=0.2,
+        )
     message = str(caught.value)
-    assert message.startswith("incident.toml: [instances].match: match takes more than 0.2 s to search the "
-                              "instance names (at 'aaaa")
+    assert message.startswith(
+        "incident.toml: [instances].match: match takes more than 0.2 s to search the instance names (at 'aaaa"
+    )
     assert "'(a|aa)+'" in message and "simplify it" in message
 
 

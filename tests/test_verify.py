@@ -56,7 +56,8 @@ def test_an_untouched_folder_verifies_and_verify_leaves_the_evidence_as_it_was(o
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tables"] == before
     assert {"scope.json", "affected_requests.csv", "notifications.csv", "report.html", "report.md"} <= set(
-        manifest["outputs"])
+        manifest["outputs"]
+    )
     assert any(name.startswith("notices/") for name in manifest["outputs"])
     assert main(["verify", str(out)]) == 0
     assert "re-derived and matching" in capsys.readouterr().out
@@ -112,7 +113,8 @@ def test_an_edited_report_is_caught(out: Path, name: str) -> None:
     path.write_text(path.read_text().replace("affected", "unaffected", 1))
     assert [p for p in verify(out) if p.startswith("output")] == [
         f"output changed since the run: {name} (sha256 {file_digest(path)[0]} != "
-        f"{json.loads((out / 'manifest.json').read_text())['outputs'][name]})"]
+        f"{json.loads((out / 'manifest.json').read_text())['outputs'][name]})"
+    ]
 
 
 def test_a_forged_notice_and_a_removed_one_are_caught(out: Path) -> None:
@@ -134,15 +136,21 @@ def test_deleted_notices_of_a_run_are_caught(out: Path) -> None:
     assert {f"{rel} is missing; the evidence gives it" for rel in listed} <= set(problems), problems
 
 
-def test_a_folder_written_by_the_stage_commands_up_to_scope_verifies_as_its_manifest_lists_it(tmp_path: Path,
-                                                                                          capsys) -> None:
+def test_a_folder_written_by_the_stage_commands_up_to_scope_verifies_as_its_manifest_lists_it(
+    tmp_path: Path, capsys
+) -> None:
     incident = write_mini(tmp_path / "mini")
     out = tmp_path / "out"
     for command in ("ingest", "detect", "scope"):
         assert main([command, str(incident), "--out", str(out), "--quiet"]) in (0, 3)
     listed = json.loads((out / "manifest.json").read_text())["outputs"]
-    assert sorted(listed) == ["affected_requests.csv", "notifications.csv", "possible_responses.csv", "quarantine.csv",
-                              "scope.json"]
+    assert sorted(listed) == [
+        "affected_requests.csv",
+        "notifications.csv",
+        "possible_responses.csv",
+        "quarantine.csv",
+        "scope.json",
+    ]
     assert not (out / "notices").exists() and not (out / "report.html").exists()
     capsys.readouterr()
     assert main(["verify", str(out)]) == 0, capsys.readouterr().out
@@ -151,8 +159,10 @@ def test_a_folder_written_by_the_stage_commands_up_to_scope_verifies_as_its_mani
     forged = out / "notices" / "customers" / "someone-else.md"  # a notice no stage wrote
     forged.parent.mkdir(parents=True)
     forged.write_text("# Notice\n")
-    assert verify(out) == ["output not in the manifest: notices/customers/someone-else.md",
-                           "notices/customers/someone-else.md is not a notice the evidence gives"]
+    assert verify(out) == [
+        "output not in the manifest: notices/customers/someone-else.md",
+        "notices/customers/someone-else.md is not a notice the evidence gives",
+    ]
     shutil.rmtree(out / "notices")
 
     (out / "notifications.csv").unlink()  # a file the manifest lists
@@ -181,12 +191,15 @@ def test_an_input_changed_together_with_its_hash_in_the_manifest_is_caught(tmp_p
     problems = verify(out)
     assert not any(p.startswith("input changed") for p in problems)  # the hashes agree ...
     # ... but the evidence no longer is what the inputs give
-    assert any(p.startswith("evidence.duckdb: table requests has ") and p.endswith("a fresh ingest of the inputs gives")
-               for p in problems), problems
+    assert any(
+        p.startswith("evidence.duckdb: table requests has ") and p.endswith("a fresh ingest of the inputs gives")
+        for p in problems
+    ), problems
 
 
-def test_a_missing_database_and_a_folder_that_is_no_run_output_end_in_one_line(out: Path, tmp_path: Path,
-                                                                               capsys) -> None:
+def test_a_missing_database_and_a_folder_that_is_no_run_output_end_in_one_line(
+    out: Path, tmp_path: Path, capsys
+) -> None:
     (out / "evidence.duckdb").unlink()
     assert main(["verify", str(out)]) == 2
     empty = tmp_path / "empty"
@@ -214,11 +227,13 @@ def test_sql_and_paths_in_an_edited_manifest_are_never_used(out: Path, tmp_path:
     edit_json(out / "manifest.json", hostile)
     problems = verify(out)
     assert not written.exists()
-    assert problems == ["manifest.json lists '../../elsewhere.txt' among the outputs, which no run writes: "
-                        "the manifest was edited"]
+    assert problems == [
+        "manifest.json lists '../../elsewhere.txt' among the outputs, which no run writes: the manifest was edited"
+    ]
 
 
 # --- signing ----------------------------------------------------------------------------------------------------
+
 
 def keypair(folder: Path, principal: str) -> tuple[Path, Path]:
     """An ed25519 key without passphrase and an allowed-signers file naming its public key for ``principal``."""
@@ -253,7 +268,8 @@ def test_a_signed_manifest_verifies_and_an_edit_of_it_is_caught(tmp_path: Path, 
 
     (out / "manifest.json.sig").unlink()
     assert verify(out, allowed_signers=signers) == [
-        "manifest.json.sig is missing: the manifest is not signed (run with --sign-key)"]
+        "manifest.json.sig is missing: the manifest is not signed (run with --sign-key)"
+    ]
 
 
 @needs_ssh_keygen
@@ -266,8 +282,9 @@ def test_a_signing_key_that_does_not_exist_stops_the_run_before_it_starts(tmp_pa
         check_signature(tmp_path, tmp_path / "nope")
 
 
-def _digest_of(rows: list[tuple], method: str = "rows-v2", rows_per_pass: int | None = None,
-               rows_per_bucket: int | None = None) -> dict:
+def _digest_of(
+    rows: list[tuple], method: str = "rows-v2", rows_per_pass: int | None = None, rows_per_bucket: int | None = None
+) -> dict:
     con = connect()
     con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
     if rows:
@@ -284,15 +301,16 @@ def test_row_hashes_sorted_through_bucket_files_are_in_byte_order_whatever_the_b
     expected = sorted(bytes(r) for r in hashes)
     for per_bucket in (1, 3, 7, 64, 1000):
         with _Buckets(tmp_path, per_bucket) as buckets:
-            batches = (hashes[i:i + 50] for i in range(0, len(hashes), 50))
-            got = [bytes(r) for part in buckets.sorted(batches, len(hashes), 0, 16 ** 4) for r in part]
+            batches = (hashes[i : i + 50] for i in range(0, len(hashes), 50))
+            got = [bytes(r) for part in buckets.sorted(batches, len(hashes), 0, 16**4) for r in part]
             assert got == expected, per_bucket
             assert (buckets._made > 0) == (per_bucket < len(hashes)), per_bucket  # files only when too many
         assert list(tmp_path.iterdir()) == []  # the bucket files and their folder are gone
 
 
-def test_a_table_digest_through_bucket_files_and_passes_is_the_hash_of_its_sorted_row_hashes(tmp_path: Path,
-                                                                                           monkeypatch) -> None:
+def test_a_table_digest_through_bucket_files_and_passes_is_the_hash_of_its_sorted_row_hashes(
+    tmp_path: Path, monkeypatch
+) -> None:
     rows = [(f"r{i}", f"2026-08-28T10:00:{i % 60:02d}Z", i / 7, [str(i)] * (i % 3)) for i in range(200)]
     rows += [rows[3]] * 30  # identical rows: identical hashes
     con = connect(tmp_path / "evidence.duckdb", memory_limit="1GB")  # spills to evidence.spill
@@ -327,15 +345,22 @@ def test_a_table_sorted_in_passes_over_ranges_of_row_hashes_has_the_digest_of_on
 
 
 def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_bits() -> None:
-    rows = [("a", "2026-08-28T10:00:00Z", 0.1 + 0.2, ["x"]), ("b", "2026-08-28T11:00:00+02:00", None, None),
-            ("c", None, float("inf"), [])]
+    rows = [
+        ("a", "2026-08-28T10:00:00Z", 0.1 + 0.2, ["x"]),
+        ("b", "2026-08-28T11:00:00+02:00", None, None),
+        ("c", None, float("inf"), []),
+    ]
     for method in ("rows-v1", "rows-v2", "rows-v3"):
         base = _digest_of(rows, method)
         assert base["rows"] == 3
         assert _digest_of(rows[::-1], method) == base
         assert _digest_of([("a", "2026-08-28T10:00:00Z", 0.3, ["x"]), *rows[1:]], method) == base
-        for changed in (("a", "2026-08-28T10:00:01Z", 0.3, ["x"]), ("a", "2026-08-28T10:00:00Z", 0.31, ["x"]),
-                        ("a", "2026-08-28T10:00:00Z", 0.3, ["y"]), ("A", "2026-08-28T10:00:00Z", 0.3, ["x"])):
+        for changed in (
+            ("a", "2026-08-28T10:00:01Z", 0.3, ["x"]),
+            ("a", "2026-08-28T10:00:00Z", 0.31, ["x"]),
+            ("a", "2026-08-28T10:00:00Z", 0.3, ["y"]),
+            ("A", "2026-08-28T10:00:00Z", 0.3, ["x"]),
+        ):
             assert _digest_of([changed, *rows[1:]], method)["sha256"] != base["sha256"], (method, changed)
         assert _digest_of([*rows, rows[0]], method)["sha256"] != base["sha256"]  # a duplicated row counts
         assert _digest_of(rows[1:], method)["sha256"] != base["sha256"]  # so does a deleted one
@@ -370,10 +395,14 @@ def test_an_edited_report_with_its_hash_fixed_in_an_unsigned_manifest_is_caught(
     assert main(["verify", str(out)]) == 1
     printed = capsys.readouterr().out.splitlines()
     assert [p.split(",")[0] for p in printed if p.startswith("report.")] == [
-        "report.md differs from the report the evidence gives", "report.html differs from the report the evidence gives"]
+        "report.md differs from the report the evidence gives",
+        "report.html differs from the report the evidence gives",
+    ]
     assert "output changed since the run" not in "\n".join(printed)
-    assert ("note: manifest.json.sig was not checked: the folder is signed, but who signed it is only checked with "
-            "--allowed-signers (and --identity)") in printed
+    assert (
+        "note: manifest.json.sig was not checked: the folder is signed, but who signed it is only checked with "
+        "--allowed-signers (and --identity)"
+    ) in printed
 
 
 def _lthash_reference(con: duckdb.DuckDBPyConnection, table: str, columns: list[str], values: str) -> str:
@@ -384,8 +413,12 @@ def _lthash_reference(con: duckdb.DuckDBPyConnection, table: str, columns: list[
         seed = bytes.fromhex(row_hash)
         stream = b"".join(hashlib.sha256(seed + j.to_bytes(4, "big")).digest() for j in range(64))
         lanes += np.frombuffer(stream, dtype="<u2").astype(np.uint64)
-    return hashlib.sha256(b"kvforensics rows-v3 LtHash16 1024 MGF1-SHA-256\n" + json.dumps(columns).encode()
-                          + b"\n" + lanes.astype("<u8").tobytes()).hexdigest()
+    return hashlib.sha256(
+        b"kvforensics rows-v3 LtHash16 1024 MGF1-SHA-256\n"
+        + json.dumps(columns).encode()
+        + b"\n"
+        + lanes.astype("<u8").tobytes()
+    ).hexdigest()
 
 
 def test_a_rows_v3_digest_is_ltHash16_of_the_row_hashes_whatever_the_batches(monkeypatch) -> None:
@@ -396,8 +429,13 @@ def test_a_rows_v3_digest_is_ltHash16_of_the_row_hashes_whatever_the_batches(mon
     con = connect(memory_limit="1GB")
     con.execute("CREATE TABLE t (id VARCHAR, ts TIMESTAMPTZ, ms DOUBLE, tags VARCHAR[])")
     con.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
-    expected = _lthash_reference(con, "t", ["id", "ts", "ms", "tags"], """id, epoch_us(ts), CASE WHEN ms IS NULL
-        THEN NULL WHEN isfinite(ms) THEN printf('%.12g', ms) ELSE CAST(ms AS VARCHAR) END, tags""")
+    expected = _lthash_reference(
+        con,
+        "t",
+        ["id", "ts", "ms", "tags"],
+        """id, epoch_us(ts), CASE WHEN ms IS NULL
+        THEN NULL WHEN isfinite(ms) THEN printf('%.12g', ms) ELSE CAST(ms AS VARCHAR) END, tags""",
+    )
     for batch in (1, 7, 8192):
         monkeypatch.setattr(digests, "_V3_BATCH", batch)
         assert table_digests(con, "rows-v3")["t"] == {"rows": 65, "sha256": expected}, batch
@@ -423,22 +461,29 @@ def _record_tables(out: Path, method: str) -> None:
     con = connect(out / "evidence.duckdb", read_only=True)
     tables = table_digests(con, method)
     con.close()
-    edit_json(out / "manifest.json", lambda m: m.update(
-        tables=tables, table_digest=method, table_digest_construction=TABLE_DIGEST_CONSTRUCTIONS[method]))
+    edit_json(
+        out / "manifest.json",
+        lambda m: m.update(
+            tables=tables, table_digest=method, table_digest_construction=TABLE_DIGEST_CONSTRUCTIONS[method]
+        ),
+    )
 
 
 @pytest.mark.parametrize("method", ["rows-v2", "rows-v3"])
-def test_a_manifest_of_either_digest_verifies_and_a_row_changed_deleted_or_duplicated_is_caught(out: Path,
-                                                                                              method: str) -> None:
+def test_a_manifest_of_either_digest_verifies_and_a_row_changed_deleted_or_duplicated_is_caught(
+    out: Path, method: str
+) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["table_digest"] == "rows-v2" and "SHA-256" in manifest["table_digest_construction"]
     _record_tables(out, method)
     assert verify(out) == []
     pristine = out.parent / "pristine.duckdb"
     shutil.copyfile(out / "evidence.duckdb", pristine)
-    for tamper in ("UPDATE findings SET strength = strength || 'x' WHERE rowid = (SELECT min(rowid) FROM findings)",
-                   "DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)",
-                   "INSERT INTO findings SELECT * FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)"):
+    for tamper in (
+        "UPDATE findings SET strength = strength || 'x' WHERE rowid = (SELECT min(rowid) FROM findings)",
+        "DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)",
+        "INSERT INTO findings SELECT * FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)",
+    ):
         shutil.copyfile(pristine, out / "evidence.duckdb")
         con = duckdb.connect(str(out / "evidence.duckdb"))
         con.execute(tamper)

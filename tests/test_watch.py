@@ -40,15 +40,17 @@ def jsonl(rows: list[dict]) -> bytes:
 def incident(tmp_path: Path, gateway_path: str = "gateway/*.jsonl*", extra: str = "") -> Path:
     """The mini incident (tests/conftest.py) with an empty gateway folder whose path is *gateway_path*."""
     root = tmp_path / "mini"
-    toml = write_mini(root, rows=[], incident=INCIDENT.replace('path = "gateway/*.jsonl"',
-                                                               f'path = "{gateway_path}"') + extra)
+    toml = write_mini(
+        root, rows=[], incident=INCIDENT.replace('path = "gateway/*.jsonl"', f'path = "{gateway_path}"') + extra
+    )
     (root / "gateway" / "day1.jsonl").unlink()
     return toml
 
 
 def watch(toml: Path, out: Path, **options) -> Watch:
-    return Watch(load_incident(toml), out, WatchOptions(**{"interval": 0.1, "status": False,
-                                                            "stdout": io.StringIO(), **options}))
+    return Watch(
+        load_incident(toml), out, WatchOptions(**{"interval": 0.1, "status": False, "stdout": io.StringIO(), **options})
+    )
 
 
 def tables(db: Path, queries: dict[str, str] = REQUEST_TABLES) -> dict[str, list[tuple]]:
@@ -115,7 +117,7 @@ def test_gzip_members_appended_are_read_whole_and_a_line_across_members_once(tmp
             fh.write(member[: len(member) // 2])
         w.poll()
         with path.open("ab") as fh:
-            fh.write(member[len(member) // 2:])
+            fh.write(member[len(member) // 2 :])
         w.poll()
     w.stop()
     got = tables(tmp_path / "out" / "evidence.duckdb")
@@ -136,12 +138,12 @@ def test_a_restart_resumes_at_the_recorded_offsets_and_repeats_no_alert(tmp_path
     assert "affected_response:r-leak" in {a["alert_id"] for a in alerts(out)}
     w.close()  # killed: no last poll, nothing settled
     with live.open("ab") as fh:
-        fh.write(jsonl(rows[leak + 1: leak + 3]) + b'{"rid": "half a li')  # a line still being written
+        fh.write(jsonl(rows[leak + 1 : leak + 3]) + b'{"rid": "half a li')  # a line still being written
     w = watch(toml, out)
     w.poll()
     w.stop()  # stopped and settled
     with live.open("ab") as fh:
-        fh.write(b'ne"}\n' + jsonl(rows[leak + 3:]))
+        fh.write(b'ne"}\n' + jsonl(rows[leak + 3 :]))
     w = watch(toml, out)
     w.poll()
     w.stop()
@@ -180,8 +182,13 @@ def test_the_exposed_startup_is_alerted_when_its_lines_are_read_before_any_respo
         fh.writelines(prefill[1:6])  # the KV pool and the context length
     w.poll()
     (exposed,) = [a for a in alerts(out) if a["kind"] == "exposed_startup"]
-    assert (exposed["instance"], exposed["check"], exposed["kv_pool_tokens"], exposed["context_length"],
-            exposed["line"]) == ("p0", "pool_vs_context", 681280, 1048576, 1)
+    assert (
+        exposed["instance"],
+        exposed["check"],
+        exposed["kv_pool_tokens"],
+        exposed["context_length"],
+        exposed["line"],
+    ) == ("p0", "pool_vs_context", 681280, 1048576, 1)
     assert "681,274" in exposed["verdict"] and exposed["start"] == "2026-08-27T14:00:00Z"
     rows = mini_requests()
     (toml.parent / "gateway" / "day1.jsonl").write_bytes(jsonl(rows))
@@ -190,17 +197,21 @@ def test_the_exposed_startup_is_alerted_when_its_lines_are_read_before_any_respo
     w.poll()
     affected = [a for a in alerts(out) if a["kind"] == "affected_response"]
     assert [(a["request_id"], a["account_id"], a["instance"], a["ts"], a["confidence"]) for a in affected] == [
-        ("r-leak", "victim-recipient", "p0", "2026-08-28T10:00:00Z", "confirmed")]
+        ("r-leak", "victim-recipient", "p0", "2026-08-28T10:00:00Z", "confirmed")
+    ]
     assert {"engine_abort_but_success", "prompt_exceeds_kv_pool"} <= set(affected[0]["rules"])
     summary = w.stop()
     assert summary.alerted_not_in_answer == []
-    assert [a["alert_id"] for a in alerts(out)].count("exposed_startup:pool_vs_context:p0:" + str(engine / "p0.log")
-                                                      + ":1") == 1
+    assert [a["alert_id"] for a in alerts(out)].count(
+        "exposed_startup:pool_vs_context:p0:" + str(engine / "p0.log") + ":1"
+    ) == 1
 
 
 def test_evidence_gaps_silence_quarantine_share_and_a_kv_event_sequence_gap(tmp_path: Path) -> None:
-    kv = '\n[[sources]]\nname = "kv"\nkind = "kv_events"\npath = "events/*.jsonl"\n' \
-         'columns = { ts = "b.0", events = "b.1", seq = "seq" }\n'
+    kv = (
+        '\n[[sources]]\nname = "kv"\nkind = "kv_events"\npath = "events/*.jsonl"\n'
+        'columns = { ts = "b.0", events = "b.1", seq = "seq" }\n'
+    )
     toml = incident(tmp_path, extra=kv)
     (toml.parent / "events").mkdir()
     events = toml.parent / "events" / "p0.jsonl"
@@ -219,10 +230,16 @@ def test_evidence_gaps_silence_quarantine_share_and_a_kv_event_sequence_gap(tmp_
     time.sleep(0.6)
     w.poll()
     gaps = {a["gap"]: a for a in alerts(out) if a["kind"] == "evidence_gap"}
-    assert (gaps["kv_event_sequence"]["seq_before"], gaps["kv_event_sequence"]["seq_after"],
-            gaps["kv_event_sequence"]["missing"]) == (2, 6, 3)
-    assert (gaps["quarantine_share"]["source"], gaps["quarantine_share"]["records_read"],
-            gaps["quarantine_share"]["quarantined"]) == ("gateway", 220, 20)
+    assert (
+        gaps["kv_event_sequence"]["seq_before"],
+        gaps["kv_event_sequence"]["seq_after"],
+        gaps["kv_event_sequence"]["missing"],
+    ) == (2, 6, 3)
+    assert (
+        gaps["quarantine_share"]["source"],
+        gaps["quarantine_share"]["records_read"],
+        gaps["quarantine_share"]["quarantined"],
+    ) == ("gateway", 220, 20)
     assert gaps["silent_source"]["source"] == "engines"  # the engine logs did not grow for 0.6 s
     w.poll()
     w.stop()
@@ -245,7 +262,8 @@ def test_an_increment_splits_at_line_ends_into_pieces_that_resume_where_they_end
 
 
 def test_every_per_request_rule_flags_on_part_of_the_requests_what_it_flags_of_them_on_all(
-        mini_incident: Path, tmp_path: Path) -> None:
+    mini_incident: Path, tmp_path: Path
+) -> None:
     """The premise of running a rule on the new rows alone (kvforensics/watch/detection.py)."""
     from kvforensics.stages.detect import run_rule
     from kvforensics.stages.rulebook import load_rules, rule_parameters
@@ -260,15 +278,18 @@ def test_every_per_request_rule_flags_on_part_of_the_requests_what_it_flags_of_t
         assert {r.id for r in rules} >= {"prompt_exceeds_kv_pool", "engine_abort_but_success", "prefill_too_fast"}
         assert not [r.id for r in load_rules() if r.mechanism == "prefix_reuse" and per_request(r)]
         part = con.cursor()
-        part.execute("CREATE TEMP TABLE requests AS SELECT * FROM evidence.main.requests "
-                     "WHERE hash(request_id) % 3 = 0 OR request_id = 'r-leak'").fetchall()
+        part.execute(
+            "CREATE TEMP TABLE requests AS SELECT * FROM evidence.main.requests "
+            "WHERE hash(request_id) % 3 = 0 OR request_id = 'r-leak'"
+        ).fetchall()
         kept = {r for (r,) in part.execute("SELECT request_id FROM requests").fetchall()}
         for rule in rules:
             params = rule_parameters(rule)
             whole = run_rule(con, rule, params)
             some = run_rule(part, rule, params)
             assert sorted(map(tuple, some.values.tolist())) == sorted(
-                tuple(r) for r in whole.values.tolist() if r[0] in kept), rule.id
+                tuple(r) for r in whole.values.tolist() if r[0] in kept
+            ), rule.id
     finally:
         inv.close()
 
@@ -286,29 +307,40 @@ def test_alert_command_gets_each_batch_on_stdin(tmp_path: Path) -> None:
 
 def test_cli_once_prints_alerts_and_a_batch_folder_is_refused(tmp_path: Path) -> None:
     toml = write_mini(tmp_path / "mini")
-    run = [sys.executable, "-m", "kvforensics", "watch", str(toml), "--out", str(tmp_path / "out"), "--once",
-           "--quiet"]
+    run = [sys.executable, "-m", "kvforensics", "watch", str(toml), "--out", str(tmp_path / "out"), "--once", "--quiet"]
     done = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr
     printed = [json.loads(line) for line in done.stdout.splitlines()]
     assert printed == alerts(tmp_path / "out") and "affected_response:r-leak" in {a["alert_id"] for a in printed}
     assert all(line.isascii() for line in done.stdout.splitlines())
-    done = subprocess.run([sys.executable, "-m", "kvforensics", "run", str(toml), "--out", str(tmp_path / "b"),
-                           "--quiet", "--no-pdf"], capture_output=True, text=True, cwd=ROOT, check=False)
-    done = subprocess.run(run[:5] + ["--out", str(tmp_path / "b"), "--once"], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvforensics", "run", str(toml), "--out", str(tmp_path / "b"), "--quiet", "--no-pdf"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    done = subprocess.run(
+        run[:5] + ["--out", str(tmp_path / "b"), "--once"], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"Error: {tmp_path / 'b'} holds the evidence of a batch run, which watch does not continue: watch into a "
-        "new --out folder")
+        "new --out folder"
+    )
 
 
 @pytest.mark.skipif(os.name != "posix", reason="signals")
 def test_sigterm_stops_with_exit_0_after_settling_and_scope_verifies(tmp_path: Path) -> None:
     toml = write_mini(tmp_path / "mini")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "kvforensics", "watch", str(toml), "--out", str(out),
-                             "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvforensics", "watch", str(toml), "--out", str(out), "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 30
     while not (out / "alerts.jsonl").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -316,9 +348,15 @@ def test_sigterm_stops_with_exit_0_after_settling_and_scope_verifies(tmp_path: P
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "stopped: 402 requests" in stderr
-    scope = subprocess.run([sys.executable, "-m", "kvforensics", "scope", str(toml), "--out", str(out), "--quiet"],
-                           capture_output=True, text=True, cwd=ROOT, check=False)
+    scope = subprocess.run(
+        [sys.executable, "-m", "kvforensics", "scope", str(toml), "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert scope.returncode == 0, scope.stderr
-    verify = subprocess.run([sys.executable, "-m", "kvforensics", "verify", str(out)], capture_output=True, text=True,
-                            cwd=ROOT, check=False)
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvforensics", "verify", str(out)], capture_output=True, text=True, cwd=ROOT, check=False
+    )
     assert verify.returncode == 0, verify.stdout

@@ -34,8 +34,10 @@ def batch_answer(sample_incident: Path, tmp_path_factory) -> tuple[Path, set[str
         inv.detect()
         inv.scope_outputs(with_report=False)
         affected = {r for (r,) in inv.con.execute("SELECT request_id FROM affected_responses").fetchall()}
-        exposed = [(i, s.strftime("%Y-%m-%dT%H:%M:%SZ")) for i, s in inv.con.execute(
-            "SELECT instance, valid_from FROM exposure_windows ORDER BY ALL").fetchall()]
+        exposed = [
+            (i, s.strftime("%Y-%m-%dT%H:%M:%SZ"))
+            for i, s in inv.con.execute("SELECT instance, valid_from FROM exposure_windows ORDER BY ALL").fetchall()
+        ]
     finally:
         inv.close()
     return out / "scope.json", affected, exposed
@@ -51,15 +53,17 @@ def _epoch(text: str) -> float:
 
 
 def test_the_sample_replayed_is_alerted_as_it_grows_and_settles_to_the_batch_answer(
-        sample_incident: Path, batch_answer, tmp_path: Path) -> None:
+    sample_incident: Path, batch_answer, tmp_path: Path
+) -> None:
     scope_json, affected, exposed = batch_answer
     line = timeline(sample_incident)
     first = next(rid for *_, rid in line.items if rid in affected)  # the first affected response, in time order
     dest, out = tmp_path / "incident", tmp_path / "out"
     line.start(sample_incident.parent, dest)
     parts = list(line.parts(1000, breaks=frozenset({first})))
-    w = Watch(load_incident(dest / "incident.toml"), out,
-              WatchOptions(interval=0.2, status=False, stdout=io.StringIO()))
+    w = Watch(
+        load_incident(dest / "incident.toml"), out, WatchOptions(interval=0.2, status=False, stdout=io.StringIO())
+    )
     stop = threading.Event()
     done: dict = {}
     runner = threading.Thread(target=lambda: done.setdefault("summary", w.run(stop)))
@@ -79,8 +83,9 @@ def test_the_sample_replayed_is_alerted_as_it_grows_and_settles_to_the_batch_ans
             appended.update((rid, now) for rid in part.request_ids)
             time.sleep(PAUSE_S)
         deadline = time.monotonic() + LIMIT_S
-        while time.monotonic() < deadline and \
-                len([a for a in _alerts(out) if a["kind"] == "affected_response"]) < len(affected):
+        while time.monotonic() < deadline and len([a for a in _alerts(out) if a["kind"] == "affected_response"]) < len(
+            affected
+        ):
             time.sleep(0.2)
     finally:
         stopped = time.time()
@@ -94,8 +99,10 @@ def test_the_sample_replayed_is_alerted_as_it_grows_and_settles_to_the_batch_ans
     assert max(delays) <= LIMIT_S and all(_epoch(a["detected_at"]) <= stopped for a in responses)
     assert sorted((a["instance"], a["start"]) for a in exposed_before) == exposed
     assert sorted((a["instance"], a["start"]) for a in raised if a["kind"] == "exposed_startup") == exposed
-    print(f"\n{len(responses)} affected responses alerted {statistics.median(delays):.1f} s (median), "
-          f"{max(delays):.1f} s (max) after their append")
+    print(
+        f"\n{len(responses)} affected responses alerted {statistics.median(delays):.1f} s (median), "
+        f"{max(delays):.1f} s (max) after their append"
+    )
     inv = Investigation.open(dest / "incident.toml", out, progress=False, pdf=False)
     try:
         inv.scope_outputs(with_report=False)

@@ -31,15 +31,23 @@ def test_a_file_source_stream_flags_what_detect_flags(mini_incident: Path, tmp_p
         folder = tmp_path / "landing"
         folder.mkdir()
         # the provider's job lands typed request rows, two files here (DuckDB writes the Parquet)
-        for n, where in enumerate(("ts < TIMESTAMPTZ '2026-08-28 09:30:00+00'",
-                                   "ts >= TIMESTAMPTZ '2026-08-28 09:30:00+00'")):
-            con.execute(f"COPY (SELECT * FROM requests WHERE {where}) TO '{folder / f'part-{n}.parquet'}' "
-                        "(FORMAT PARQUET)").fetchall()
+        for n, where in enumerate(
+            ("ts < TIMESTAMPTZ '2026-08-28 09:30:00+00'", "ts >= TIMESTAMPTZ '2026-08-28 09:30:00+00'")
+        ):
+            con.execute(
+                f"COPY (SELECT * FROM requests WHERE {where}) TO '{folder / f'part-{n}.parquet'}' (FORMAT PARQUET)"
+            ).fetchall()
         found: list[pd.DataFrame] = []
         engine = SparkEngine.start()
         began = time.monotonic()
-        query = streaming.start(engine, con, str(folder), str(tmp_path / "checkpoint"),
-                                lambda f, _batch: found.append(f), available_now=True)
+        query = streaming.start(
+            engine,
+            con,
+            str(folder),
+            str(tmp_path / "checkpoint"),
+            lambda f, _batch: found.append(f),
+            available_now=True,
+        )
         query.awaitTermination(120)
         took = time.monotonic() - began
     finally:

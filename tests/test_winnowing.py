@@ -64,8 +64,16 @@ def test_one_word_less_and_the_guarantee_no_longer_holds(window):
     key = b"tight"
     for attempt in range(5000):
         run = [f"r{attempt}x{i}" for i in range(guaranteed_words(window) - 1)]
-        a = [f"a{rng.randrange(10**6)}" for _ in range(window)] + run + [f"a{rng.randrange(10**6)}" for _ in range(window)]
-        b = [f"b{rng.randrange(10**6)}" for _ in range(window)] + run + [f"b{rng.randrange(10**6)}" for _ in range(window)]
+        a = (
+            [f"a{rng.randrange(10**6)}" for _ in range(window)]
+            + run
+            + [f"a{rng.randrange(10**6)}" for _ in range(window)]
+        )
+        b = (
+            [f"b{rng.randrange(10**6)}" for _ in range(window)]
+            + run
+            + [f"b{rng.randrange(10**6)}" for _ in range(window)]
+        )
         if not fingerprints(" ".join(a), key, window=window) & fingerprints(" ".join(b), key, window=window):
             return
     pytest.fail(f"every pair sharing {guaranteed_words(window) - 1} words shared a fingerprint")
@@ -101,20 +109,24 @@ def test_what_winnowing_keeps_of_a_text():
 
 def incident_file(tmp_path: Path, settings_lines: str = "") -> Path:
     """A gateway and a content source, and the given ``[settings]`` lines."""
-    sources = "".join(f'[[sources]]\nname = "{kind}"\nkind = "{kind}"\npath = "{kind}.jsonl"\n\n'
-                      for kind in ("requests", "content"))
+    sources = "".join(
+        f'[[sources]]\nname = "{kind}"\nkind = "{kind}"\npath = "{kind}.jsonl"\n\n' for kind in ("requests", "content")
+    )
     path = tmp_path / "incident.toml"
     path.write_text(f'[incident]\nid = "winnow-test"\n\n{sources}{settings_lines}\n')
     return path
 
 
-@pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("65", "65"), ("2.5", "2.5"), ('"3"', "'3'"),
-                                              ("true", "True")])
+@pytest.mark.parametrize(
+    ("value", "shown"), [("0", "0"), ("65", "65"), ("2.5", "2.5"), ('"3"', "'3'"), ("true", "True")]
+)
 def test_a_bad_winnow_window_is_refused(tmp_path, value, shown):
     with pytest.raises(ConfigError) as e:
         load_incident(incident_file(tmp_path, f"[settings]\nwinnow_window = {value}"))
-    assert str(e.value) == (f"incident.toml: [settings]: winnow_window must be a whole number from 1 to 64 (of every "
-                            f"that many consecutive 8-word shingles one is fingerprinted; 1: every shingle), got {shown}")
+    assert str(e.value) == (
+        f"incident.toml: [settings]: winnow_window must be a whole number from 1 to 64 (of every "
+        f"that many consecutive 8-word shingles one is fingerprinted; 1: every shingle), got {shown}"
+    )
 
 
 @pytest.mark.parametrize("window", [1, 5])
@@ -134,4 +146,7 @@ def test_the_ingest_fingerprints_with_the_incident_files_window(tmp_path, monkey
         assert len(stored) == 60 - SHINGLE_WORDS + 1
     assert con.execute("SELECT shingles FROM content_stats").fetchall() == [(len(stored),)]
     notes = [n for f in result.files if f.kind == "content" for n in f.notes]
-    assert f"text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored" in notes
+    assert (
+        f"text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored"
+        in notes
+    )

@@ -84,9 +84,9 @@ def _judge(startups: list[Startup], manifest: DeploymentManifest | None) -> list
         status, detail, file, line, exposed = check_pool_vs_context(s)
         verdicts.append(_verdict(s, 1, status, detail, file, line, exposed))
         if s.engine == "vllm" and s.refused:
-            others: list[Judged] = [
-                ("not_applicable", "vLLM refused to start: nothing served", *s.where())
-            ] * (len(CHECKS) - 1)
+            others: list[Judged] = [("not_applicable", "vLLM refused to start: nothing served", *s.where())] * (
+                len(CHECKS) - 1
+            )
         else:
             others = [
                 check_engine_version(s),
@@ -221,9 +221,7 @@ def _zone(tz: str | ZoneInfo) -> ZoneInfo:
     try:
         return ZoneInfo(tz)
     except (ZoneInfoNotFoundError, ValueError) as e:
-        raise InputError(
-            f"unknown time zone {tz!r}; use an IANA name such as 'UTC' or 'Europe/Berlin'"
-        ) from e
+        raise InputError(f"unknown time zone {tz!r}; use an IANA name such as 'UTC' or 'Europe/Berlin'") from e
 
 
 def audit_paths(
@@ -343,9 +341,7 @@ def audit_incident(
     parses: dict[str | Path, EngineLogParse] = {}
     sources = incident.sources_of("engine_log")
     if not sources:
-        raise InputError(
-            "the incident file names no engine_log source: nothing to audit", location=str(incident.path)
-        )
+        raise InputError("the incident file names no engine_log source: nothing to audit", location=str(incident.path))
     for source in sources:
         files = source.files()
         if not files:

@@ -18,8 +18,21 @@ from kvforensics.audit.startups import from_capacity_row
 if TYPE_CHECKING:
     import duckdb
 
-_COLUMNS = ("instance", "role", "model", "engine", "engine_version", "valid_from", "valid_to", "end_reason",
-            "kv_pool_tokens", "context_length", "sentence", "source_file", "source_line")
+_COLUMNS = (
+    "instance",
+    "role",
+    "model",
+    "engine",
+    "engine_version",
+    "valid_from",
+    "valid_to",
+    "end_reason",
+    "kv_pool_tokens",
+    "context_length",
+    "sentence",
+    "source_file",
+    "source_line",
+)
 
 
 def write_exposure_windows(con: duckdb.DuckDBPyConnection) -> int:
@@ -30,10 +43,26 @@ def write_exposure_windows(con: duckdb.DuckDBPyConnection) -> int:
     for s in (from_capacity_row(r) for r in con.execute(sql("audit_capacity")).fetchall()):
         _status, sentence, _file, _line, exposed = check_pool_vs_context(s)
         if exposed:
-            rows.append((s.instance, s.role if s.role_certain else "unknown", s.model, s.engine, s.version, s.ts,
-                         s.to, s.end_reason, s.pool, s.context, sentence, s.file, s.line))
+            rows.append(
+                (
+                    s.instance,
+                    s.role if s.role_certain else "unknown",
+                    s.model,
+                    s.engine,
+                    s.version,
+                    s.ts,
+                    s.to,
+                    s.end_reason,
+                    s.pool,
+                    s.context,
+                    sentence,
+                    s.file,
+                    s.line,
+                )
+            )
     con.execute("DELETE FROM exposure_windows").fetchall()
     if rows:
-        con.executemany(f"INSERT INTO exposure_windows ({', '.join(_COLUMNS)}) VALUES "
-                        f"({', '.join('?' * len(_COLUMNS))})", rows)
+        con.executemany(
+            f"INSERT INTO exposure_windows ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})", rows
+        )
     return len(rows)

@@ -175,8 +175,7 @@ def _lb_value(raw: object, where: str, file: str) -> str | None:
     value = {"before_first_token": "always", "true": "always", "false": "never"}.get(value, value)
     if value not in _LB_VALUES:
         raise InputError(
-            f"{where}.abort_on_client_disconnect = {raw!r}; use one of "
-            f"{', '.join(repr(v) for v in _LB_VALUES)}",
+            f"{where}.abort_on_client_disconnect = {raw!r}; use one of {', '.join(repr(v) for v in _LB_VALUES)}",
             location=file,
         )
     return value
@@ -258,9 +257,7 @@ def read_manifest(path: str | Path) -> DeploymentManifest:
     return DeploymentManifest(
         file=str(path),
         name=str(name) if name else None,
-        default=LoadBalancerSetting(
-            _lb_value(lb.get(key), "load_balancer", str(path)), "load balancer", default_line
-        ),
+        default=LoadBalancerSetting(_lb_value(lb.get(key), "load_balancer", str(path)), "load balancer", default_line),
         models=models,
         instances=instances,
         prefix_cache=prefix_cache,

@@ -25,8 +25,23 @@ if TYPE_CHECKING:
 
     from kvforensics.config import Incident
 
-_COLUMNS = ("instance", "model", "engine", "engine_version", "valid_from", "valid_to", "end_reason", "path",
-            "reach", "status", "sentence", "evidence_file", "evidence_line", "startup_file", "startup_line")
+_COLUMNS = (
+    "instance",
+    "model",
+    "engine",
+    "engine_version",
+    "valid_from",
+    "valid_to",
+    "end_reason",
+    "path",
+    "reach",
+    "status",
+    "sentence",
+    "evidence_file",
+    "evidence_line",
+    "startup_file",
+    "startup_line",
+)
 
 
 def incident_manifest(incident: Incident) -> DeploymentManifest | None:
@@ -52,6 +67,7 @@ def write_prefix_windows(con: duckdb.DuckDBPyConnection, incident: Incident) -> 
             rows.append((*head, path, reach, status, sentence, file, line, s.file, s.line))
     con.execute("DELETE FROM prefix_windows").fetchall()
     if rows:
-        con.executemany(f"INSERT INTO prefix_windows ({', '.join(_COLUMNS)}) VALUES "
-                        f"({', '.join('?' * len(_COLUMNS))})", rows)
+        con.executemany(
+            f"INSERT INTO prefix_windows ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})", rows
+        )
     return sum(1 for r in rows if r[7] != "isolated")

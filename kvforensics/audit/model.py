@@ -81,4 +81,3 @@ class ExposureWindow:
     end_line: int | None = None
     successor: str | None = None
     in_force: bool = False
-

@@ -21,9 +21,7 @@ from kvforensics.audit.phrases import loc, short_ts
 from kvforensics.core.escaping import markdown_text, visible_controls
 
 STATUS_LABEL = {"pass": "pass", "fail": "FAIL", "unknown": "unknown", "not_applicable": "n/a"}
-TABLE_HEAD = (
-    "Instance", "Role", "Model", "Start-up (UTC)", "Check", "Status", "Detail", "Evidence", "Ended"
-)
+TABLE_HEAD = ("Instance", "Role", "Model", "Start-up (UTC)", "Check", "Status", "Detail", "Evidence", "Ended")
 
 
 def interval(v: Verdict) -> str:
@@ -90,6 +88,7 @@ _COLOUR = {"pass": "#1a7f37", "fail": "#cf222e", "unknown": "#9a6700", "not_appl
 
 def html_fragment(verdicts: Sequence[Verdict], *, headline: str, now: str | None, notes: Sequence[str]) -> str:
     """The same as :func:`markdown` as one ``<div class="kvf-audit">`` (notebooks, the report)."""
+
     def e(text: str) -> str:
         return html.escape(visible_controls(text))
 

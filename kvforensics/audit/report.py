@@ -117,8 +117,7 @@ class AuditReport:
             "summary": self.summary(),
             "checks": {str(k): v for k, v in CHECKS.items()},
             "verdicts": [
-                {k: iso(v) if isinstance(v, datetime) else v for k, v in r.items()}
-                for r in self.to_records()
+                {k: iso(v) if isinstance(v, datetime) else v for k, v in r.items()} for r in self.to_records()
             ],
             "exposure_windows": [
                 {k: iso(v) if isinstance(v, datetime) else v for k, v in asdict(w).items()}
@@ -189,16 +188,26 @@ class AuditReport:
         failing = [v for v in self.verdicts if v.status == "fail"]
         counts = "".join(
             f"<tr><td>{check}. {html.escape(name)}</td>"
-            + "".join(f"<td>{sum(1 for v in self.verdicts if v.check == check and v.status == s)}</td>"
-                      for s in STATUSES) + "</tr>"
-            for check, name in CHECKS.items() if any(v.check == check for v in self.verdicts))
+            + "".join(
+                f"<td>{sum(1 for v in self.verdicts if v.check == check and v.status == s)}</td>" for s in STATUSES
+            )
+            + "</tr>"
+            for check, name in CHECKS.items()
+            if any(v.check == check for v in self.verdicts)
+        )
         head = "".join(f"<th>{s.replace('_', ' ')}</th>" for s in STATUSES)
-        table = (f"<table><thead><tr><th>check</th>{head}</tr></thead><tbody>{counts}</tbody></table>"
-                 if self.verdicts else "")
+        table = (
+            f"<table><thead><tr><th>check</th>{head}</tr></thead><tbody>{counts}</tbody></table>"
+            if self.verdicts
+            else ""
+        )
         shown = failing[:MAX_FAILING_SHOWN]
-        rest = (f"<p><i>{len(failing) - len(shown):,} more failing verdicts; <code>to_frame()</code> holds every "
-                f"verdict.</i></p>" if len(failing) > len(shown) else
-                "<p><i><code>to_frame()</code> holds every verdict, <code>to_html()</code> shows them all.</i></p>")
+        rest = (
+            f"<p><i>{len(failing) - len(shown):,} more failing verdicts; <code>to_frame()</code> holds every "
+            f"verdict.</i></p>"
+            if len(failing) > len(shown)
+            else "<p><i><code>to_frame()</code> holds every verdict, <code>to_html()</code> shows them all.</i></p>"
+        )
         fails = html_fragment(shown, headline="Failing verdicts", now=None, notes=()) if shown else ""
         page = self._page()
         now = f"<p><b>{html.escape(page['now'])}</b></p>" if page["now"] else ""

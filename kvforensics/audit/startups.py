@@ -190,8 +190,14 @@ def link(startups: list[Startup]) -> None:
     ``capacity`` table follows (:func:`kvforensics.stages.instances.roles_carried_over`)."""
     startups.sort(key=_sort_key)
     placed = [
-        PlacedStartup(instance=s.instance, role=s.role if s.role_certain else UNKNOWN_ROLE, model=s.model, ts=s.ts,
-                      file=s.file or "", line=s.line or 0)
+        PlacedStartup(
+            instance=s.instance,
+            role=s.role if s.role_certain else UNKNOWN_ROLE,
+            model=s.model,
+            ts=s.ts,
+            file=s.file or "",
+            line=s.line or 0,
+        )
         for s in startups
     ]
     for s, k in zip(startups, roles_carried_over(placed), strict=True):
@@ -344,8 +350,11 @@ def from_capacity_row(row: Sequence[Any]) -> Startup:
         end_line=end_line,
         successor=successor,
         role_certain=role != UNKNOWN_ROLE and not role_source.startswith("default"),
-        role_note=(f"{'role and model' if flags.get('model_source', '').startswith('assumed') else 'role'} "
-                   f"{role_source}" if role_source.startswith("assumed") else None),
+        role_note=(
+            f"{'role and model' if flags.get('model_source', '').startswith('assumed') else 'role'} {role_source}"
+            if role_source.startswith("assumed")
+            else None
+        ),
     )
 
 

@@ -41,31 +41,83 @@ ENGINE_ENVELOPES = ("auto", "none", *envelope_names())
 AMBIGUOUS_TIMES = ("reject", "earlier", "later")
 _INCIDENT_ID = re.compile(r"^[a-z0-9-]+$")
 # the keys every source may have, and those only a source of one kind may (its kind.yml's keys)
-_SOURCE_KEYS = {"name", "kind", "path", "format", "timezone", "columns", "instance", "clock_offset_s",
-                "model", "year", *(key for k in load_kinds() for key, _ in k.keys)}
-_SOURCE_TEXT_KEYS = ("name", "kind", "path", "format", "timezone", "instance", "model", "preset", "envelope",
-                     "ambiguous")
+_SOURCE_KEYS = {
+    "name",
+    "kind",
+    "path",
+    "format",
+    "timezone",
+    "columns",
+    "instance",
+    "clock_offset_s",
+    "model",
+    "year",
+    *(key for k in load_kinds() for key, _ in k.keys),
+}
+_SOURCE_TEXT_KEYS = (
+    "name",
+    "kind",
+    "path",
+    "format",
+    "timezone",
+    "instance",
+    "model",
+    "preset",
+    "envelope",
+    "ambiguous",
+)
 #: The tables of an incident file and the keys each may hold ([[sources]]: _SOURCE_KEYS; [rules.<id>]: the
 #: rule's parameters; [models.hardware."<model>"]: kvforensics.config.hardware.SPEC_TABLE_KEYS), and its one
 #: top-level key, `mechanisms` (the ids of kvforensics/mechanisms/ to investigate; written before the tables).
-TOP_LEVEL_TABLES = {"mechanisms": "mechanisms = [...]", "incident": "[incident]", "sources": "[[sources]]",
-                    "scope": "[scope]", "events": "[[events]]", "models": "[models]", "settings": "[settings]",
-                    "instances": "[instances]", "rules": "[rules]", "prefix_cache": "[prefix_cache]",
-                    "quarantine": "[quarantine]", "notice": "[notice]"}
-_PREFIX_CACHE_KEYS = {"block_size", "word_blocks", "probing", "shared_namespaces",
-                      # the deployment's isolation facts, the keys of the audit manifest's [prefix_cache]
-                      "tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances"}
+TOP_LEVEL_TABLES = {
+    "mechanisms": "mechanisms = [...]",
+    "incident": "[incident]",
+    "sources": "[[sources]]",
+    "scope": "[scope]",
+    "events": "[[events]]",
+    "models": "[models]",
+    "settings": "[settings]",
+    "instances": "[instances]",
+    "rules": "[rules]",
+    "prefix_cache": "[prefix_cache]",
+    "quarantine": "[quarantine]",
+    "notice": "[notice]",
+}
+_PREFIX_CACHE_KEYS = {
+    "block_size",
+    "word_blocks",
+    "probing",
+    "shared_namespaces",
+    # the deployment's isolation facts, the keys of the audit manifest's [prefix_cache]
+    "tenants",
+    "cache_salt",
+    "kv_store_keys_salt",
+    "engine_version",
+    "models",
+    "instances",
+}
 _ISOLATION_KEYS = ("tenants", "cache_salt", "kv_store_keys_salt", "engine_version", "models", "instances")
 _INCIDENT_KEYS = {"id", "title"}
 _SCOPE_KEYS = {"internal_accounts", "reporter_accounts", "start", "end"}
 _EVENT_KEYS = {"ts", "title", "description"}
 _MODELS_KEYS = {"aliases", "hardware"}
-_SETTINGS_KEYS = {"year", "memory_limit", "max_quarantine_fraction", "spark_requests_table", "allow_outside",
-                  "winnow_window"}
+_SETTINGS_KEYS = {
+    "year",
+    "memory_limit",
+    "max_quarantine_fraction",
+    "spark_requests_table",
+    "allow_outside",
+    "winnow_window",
+}
 #: [notice]: what the responder declares for the notices (kvforensics.report.notices): who sends them, where to ask,
 #: the reference to quote, the measures taken and the advice, in plain words.
-NOTICE_KEYS = {"provider": "a string", "contact": "a string", "reference": "a string",
-               "measures": "a list of strings", "advice": "a list of strings"}
+NOTICE_KEYS = {
+    "provider": "a string",
+    "contact": "a string",
+    "reference": "a string",
+    "measures": "a list of strings",
+    "advice": "a list of strings",
+}
 # a notice says who sends it, where to ask and the measures taken (GDPR Art. 34(2) with 33(3)(b, d)): without them
 # every notice is a draft
 NOTICE_REQUIRED = ("provider", "contact", "measures")
@@ -119,8 +171,7 @@ class Source:
         for suffix in (".gz", ".zst", ".log", ".txt", ".jsonl", ".json"):
             if stem.endswith(suffix):
                 stem = stem[: -len(suffix)]
-        return self.instance.format(stem=stem, name=name, parent=file.parent.name,
-                                    label=_InstanceLabels(labels, stem))
+        return self.instance.format(stem=stem, name=name, parent=file.parent.name, label=_InstanceLabels(labels, stem))
 
     def column(self, canonical: str) -> str:
         return self.columns.get(canonical, canonical)
@@ -145,15 +196,16 @@ class Event:
 class NoticeConfig:
     """``[notice]``: declared by the responder, never derived: the notices print these as written."""
 
-    provider: str | None = None      # who the notices come from ("Example Inference Ltd")
-    contact: str | None = None       # where a recipient asks (an address, a page)
-    reference: str | None = None     # the reference a recipient quotes (default: the incident id)
-    measures: tuple[str, ...] = ()   # the measures taken, each a sentence in plain words
-    advice: tuple[str, ...] = ()     # further advice to every recipient, each a sentence
+    provider: str | None = None  # who the notices come from ("Example Inference Ltd")
+    contact: str | None = None  # where a recipient asks (an address, a page)
+    reference: str | None = None  # the reference a recipient quotes (default: the incident id)
+    measures: tuple[str, ...] = ()  # the measures taken, each a sentence in plain words
+    advice: tuple[str, ...] = ()  # further advice to every recipient, each a sentence
 
     @property
     def missing(self) -> tuple[str, ...]:
         """The keys a notice cannot be sent without (``NOTICE_REQUIRED``) that are not set: its notices are drafts."""
+
         def given(value: str | tuple[str, ...] | None) -> bool:
             return any(v.strip() for v in value) if isinstance(value, tuple) else bool((value or "").strip())
 
@@ -224,9 +276,11 @@ class Incident:
                 other = next((o for o in claimed if not _may_share_files(o, source)), None)
                 if other is not None:
                     shown = file.relative_to(self.base_dir) if file.is_relative_to(self.base_dir) else file
-                    raise ConfigError(f"file {shown} matches the paths of sources '{other.name}' and "
-                                      f"'{source.name}'; a file belongs to one source: narrow one of the paths",
-                                      location=self.path.name)
+                    raise ConfigError(
+                        f"file {shown} matches the paths of sources '{other.name}' and "
+                        f"'{source.name}'; a file belongs to one source: narrow one of the paths",
+                        location=self.path.name,
+                    )
                 claimed.append(source)
             plan.append((source, files))
         return plan
@@ -251,8 +305,7 @@ def parse_utc(value: Any, where: str) -> datetime:
     else:
         raise ConfigError(f"expected a timestamp, got {type(value).__name__}", location=where)
     if dt.tzinfo is None:
-        raise ConfigError(f"timestamp {value!s} has no time zone; add 'Z' or an offset such as +02:00",
-                          location=where)
+        raise ConfigError(f"timestamp {value!s} has no time zone; add 'Z' or an offset such as +02:00", location=where)
     return dt.astimezone(timezone.utc)
 
 
@@ -269,8 +322,9 @@ def _check_timezone(name: str, where: str) -> str:
     try:
         ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise ConfigError(f"unknown time zone {name!r}; use an IANA name such as 'UTC' or 'Europe/Berlin'",
-                          location=where) from None
+        raise ConfigError(
+            f"unknown time zone {name!r}; use an IANA name such as 'UTC' or 'Europe/Berlin'", location=where
+        ) from None
     return name
 
 
@@ -299,15 +353,23 @@ def _table(data: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
 
 
 def _type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a table", datetime: "a date-time"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a table",
+        datetime: "a date-time",
+    }.get(type(value), type(value).__name__)
 
 
 def _strings(value: Any, key: str, where: str) -> tuple[str, ...]:
     """A list of strings (a single string is refused: it is not a one-item list)."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"'{key}' must be a list of strings, e.g. {key} = [\"a\", \"b\"], got "
-                          f"{_type_name(value)}", location=where)
+        raise ConfigError(
+            f"'{key}' must be a list of strings, e.g. {key} = [\"a\", \"b\"], got {_type_name(value)}", location=where
+        )
     return tuple(value)
 
 
@@ -339,8 +401,9 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     if fmt is None:
         fmt = _guess_request_format(path)
         if fmt is None:
-            raise ConfigError("cannot tell the format from the path; set format = \"jsonl\", \"csv\" or "
-                              "\"parquet\"", location=where)
+            raise ConfigError(
+                "cannot tell the format from the path; set format = \"jsonl\", \"csv\" or \"parquet\"", location=where
+            )
     if fmt not in declared.formats:
         raise ConfigError(f"format {fmt!r} is not one of {list(declared.formats)} for kind {kind!r}", location=where)
     columns = raw.get("columns", {})
@@ -349,11 +412,14 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     canonical = declared.canonical
     bad = sorted(set(columns) - set(canonical))
     if len(bad) == 1 and nearest(bad[0], canonical):
-        raise ConfigError(f"columns maps unknown canonical field '{bad[0]}'; did you mean "
-                          f"'{nearest(bad[0], canonical)}'?", location=where)
+        raise ConfigError(
+            f"columns maps unknown canonical field '{bad[0]}'; did you mean '{nearest(bad[0], canonical)}'?",
+            location=where,
+        )
     if bad:
-        raise ConfigError(f"columns maps unknown canonical field(s) {bad}; canonical fields are "
-                          f"{list(canonical)}", location=where)
+        raise ConfigError(
+            f"columns maps unknown canonical field(s) {bad}; canonical fields are {list(canonical)}", location=where
+        )
     tz = _check_timezone(raw.get("timezone", "UTC"), where)
     values, null_tokens, expressions = {}, (), {}
     _refuse_keys_of_other_kinds(raw, declared, where)
@@ -365,25 +431,47 @@ def _parse_source(raw: Mapping[str, Any], index: int, base_dir: Path, file_label
     try:
         instance.format(stem="x", name="x", parent="x", label=_InstanceLabels(None, "x"))
     except (KeyError, IndexError, ValueError, AttributeError):
-        raise ConfigError(f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}} and "
-                          f"{{label:NAME}} (a label of an engine log's envelope)", location=where) from None
+        raise ConfigError(
+            f"instance template {instance!r} may only use {{stem}}, {{name}}, {{parent}} and "
+            f"{{label:NAME}} (a label of an engine log's envelope)",
+            location=where,
+        ) from None
     if declared.no_labels and "{label:" in instance:
-        raise ConfigError(f"instance template {instance!r} names an envelope label, {declared.no_labels}",
-                          location=where)
+        raise ConfigError(
+            f"instance template {instance!r} names an envelope label, {declared.no_labels}", location=where
+        )
     envelope = raw.get("envelope", "auto")
     if envelope not in ENGINE_ENVELOPES:
         raise ConfigError(f"envelope {envelope!r} is not one of {list(ENGINE_ENVELOPES)}", location=where)
     if envelope == "none" and "{label:" in instance:
-        raise ConfigError(f"instance template {instance!r} names an envelope label but envelope = \"none\"; "
-                          "set the envelope (or \"auto\") or use {stem}, {name}, {parent}", location=where)
+        raise ConfigError(
+            f"instance template {instance!r} names an envelope label but envelope = \"none\"; "
+            "set the envelope (or \"auto\") or use {stem}, {name}, {parent}",
+            location=where,
+        )
     ambiguous = raw.get("ambiguous", "reject")
     if ambiguous not in AMBIGUOUS_TIMES:
         raise ConfigError(f"ambiguous {ambiguous!r} is not one of {list(AMBIGUOUS_TIMES)}", location=where)
-    return Source(name=name, kind=kind, path=path, format=fmt, timezone=tz, base_dir=base_dir,
-                  columns=dict(columns), instance=instance, clock_offset_s=float(offset), ambiguous=ambiguous,
-                  model=raw.get("model"), year=year, values=values, null_tokens=null_tokens,
-                  expressions=expressions, preset=raw.get("preset"), incident_file=file_label,
-                  envelope=envelope)
+    return Source(
+        name=name,
+        kind=kind,
+        path=path,
+        format=fmt,
+        timezone=tz,
+        base_dir=base_dir,
+        columns=dict(columns),
+        instance=instance,
+        clock_offset_s=float(offset),
+        ambiguous=ambiguous,
+        model=raw.get("model"),
+        year=year,
+        values=values,
+        null_tokens=null_tokens,
+        expressions=expressions,
+        preset=raw.get("preset"),
+        incident_file=file_label,
+        envelope=envelope,
+    )
 
 
 def _refuse_keys_of_other_kinds(raw: Mapping[str, Any], declared: SourceKind, where: str) -> None:
@@ -413,8 +501,13 @@ class _InstanceLabels:
 
 def _guess_request_format(path: str) -> str | None:
     p = path.lower()
-    for ext, fmt in ((".jsonl", "jsonl"), (".ndjson", "jsonl"), (".json", "jsonl"), (".csv", "csv"),
-                     (".parquet", "parquet")):
+    for ext, fmt in (
+        (".jsonl", "jsonl"),
+        (".ndjson", "jsonl"),
+        (".json", "jsonl"),
+        (".csv", "csv"),
+        (".parquet", "parquet"),
+    ):
         if ext in p:
             return fmt
     return None
@@ -461,30 +554,32 @@ def incident_from_dict(data: Mapping[str, Any], path: Path) -> Incident:
             raise ConfigError(f"no source of kind '{needed.name}': {needed.required}", location=label)
     settings = _table(data, "settings", label)
     check_keys(settings, _SETTINGS_KEYS, f"{label}: [settings]")
-    max_q = _fraction(settings.get("max_quarantine_fraction", 0.01), "max_quarantine_fraction",
-                      f"{label}: [settings]")
+    max_q = _fraction(settings.get("max_quarantine_fraction", 0.01), "max_quarantine_fraction", f"{label}: [settings]")
     for key in ("memory_limit", "spark_requests_table"):
         _optional(settings, key, str, f"{label}: [settings]", "a string")
     models = _table(data, "models", label)
     check_keys(models, _MODELS_KEYS, f"{label}: [models]")
-    return Incident(id=incident_id, title=title, path=path.resolve(), sources=sources,
-                    scope=_parse_scope(_table(data, "scope", label), f"{label}: [scope]"),
-                    events=_parse_events(data.get("events", []), label),
-                    model_aliases=_parse_aliases(_table(models, "aliases", f"{label}: [models]"),
-                                                 f"{label}: [models.aliases]"),
-                    hardware=_parse_hardware(_table(models, "hardware", f"{label}: [models]"), label),
-                    rule_parameters=_parse_rules(_table(data, "rules", label), label),
-                    memory_limit=settings.get("memory_limit"),
-                    allow_outside=_flag(settings, "allow_outside", f"{label}: [settings]"),
-                    year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
-                    winnow_window=_winnow_window(settings, f"{label}: [settings]"),
-                    instances=instances_from_config(_checked_instances(data.get("instances"), label),
-                                                    f"{label}: [instances]"),
-                    max_quarantine_fraction=max_q,
-                    quarantine_fractions=_parse_quarantine(_table(data, "quarantine", label), f"{label}: [quarantine]"),
-                    mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
-                    notice=_parse_notice(_table(data, "notice", label), f"{label}: [notice]"),
-                    **_parse_prefix_cache(data, label, path))
+    return Incident(
+        id=incident_id,
+        title=title,
+        path=path.resolve(),
+        sources=sources,
+        scope=_parse_scope(_table(data, "scope", label), f"{label}: [scope]"),
+        events=_parse_events(data.get("events", []), label),
+        model_aliases=_parse_aliases(_table(models, "aliases", f"{label}: [models]"), f"{label}: [models.aliases]"),
+        hardware=_parse_hardware(_table(models, "hardware", f"{label}: [models]"), label),
+        rule_parameters=_parse_rules(_table(data, "rules", label), label),
+        memory_limit=settings.get("memory_limit"),
+        allow_outside=_flag(settings, "allow_outside", f"{label}: [settings]"),
+        year=_optional(settings, "year", int, f"{label}: [settings]", "an integer such as 2026"),
+        winnow_window=_winnow_window(settings, f"{label}: [settings]"),
+        instances=instances_from_config(_checked_instances(data.get("instances"), label), f"{label}: [instances]"),
+        max_quarantine_fraction=max_q,
+        quarantine_fractions=_parse_quarantine(_table(data, "quarantine", label), f"{label}: [quarantine]"),
+        mechanisms=_parse_mechanisms(data.get("mechanisms"), label),
+        notice=_parse_notice(_table(data, "notice", label), f"{label}: [notice]"),
+        **_parse_prefix_cache(data, label, path),
+    )
 
 
 def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
@@ -498,17 +593,22 @@ def _winnow_window(settings: Mapping[str, Any], where: str) -> int:
     """``[settings] winnow_window``: a whole number of shingles from 1 to ``MAX_WINNOW_WINDOW``."""
     value = settings.get("winnow_window", WINNOW_WINDOW)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WINNOW_WINDOW:
-        raise ConfigError(f"winnow_window must be a whole number from 1 to {MAX_WINNOW_WINDOW} (of every that many "
-                          f"consecutive 8-word shingles one is fingerprinted; 1: every shingle), got {value!r}",
-                          location=where)
+        raise ConfigError(
+            f"winnow_window must be a whole number from 1 to {MAX_WINNOW_WINDOW} (of every that many "
+            f"consecutive 8-word shingles one is fingerprinted; 1: every shingle), got {value!r}",
+            location=where,
+        )
     return value
 
 
 def _fraction(value: Any, key: str, where: str) -> float:
     """A share of a source's records that may be quarantined: a number from 0 to 1."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"{key} must be a number from 0 to 1 (the share of a source's records that may be "
-                          f"quarantined before the run is inconclusive), got {value!r}", location=where)
+        raise ConfigError(
+            f"{key} must be a number from 0 to 1 (the share of a source's records that may be "
+            f"quarantined before the run is inconclusive), got {value!r}",
+            location=where,
+        )
     return float(value)
 
 
@@ -516,8 +616,9 @@ def _parse_notice(table: Mapping[str, Any], where: str) -> NoticeConfig:
     """``[notice]``: texts as the responder writes them (provider, contact, reference; measures and advice as lists)."""
     check_keys(table, NOTICE_KEYS, where)
     texts = {k: _optional(table, k, str, where, "a string") for k, what in NOTICE_KEYS.items() if what == "a string"}
-    lists = {k: _strings(table[k], k, where) if k in table else () for k, what in NOTICE_KEYS.items()
-             if what != "a string"}
+    lists = {
+        k: _strings(table[k], k, where) if k in table else () for k, what in NOTICE_KEYS.items() if what != "a string"
+    }
     return NoticeConfig(**texts, **lists)
 
 
@@ -533,13 +634,23 @@ def _check_top_level(data: Mapping[str, Any], label: str) -> None:
         if key in TOP_LEVEL_TABLES:
             continue
         near = nearest(key, TOP_LEVEL_TABLES)
-        written = f"[[{key}]]" if isinstance(value, list) and value and isinstance(value[0], Mapping) else (
-            f"[{key}]" if isinstance(value, Mapping) else f"key '{key}'")
-        hint = (f"did you mean {TOP_LEVEL_TABLES[near]}?" if near
-                else "the top level holds " + ", ".join(v for v in TOP_LEVEL_TABLES.values() if not v.startswith("["))
-                + " and the tables " + ", ".join(v for v in TOP_LEVEL_TABLES.values() if v.startswith("[")))
-        raise ConfigError(f"unknown table {written}; {hint}" if written.startswith("[")
-                          else f"unknown top-level {written}; {hint}", location=label)
+        written = (
+            f"[[{key}]]"
+            if isinstance(value, list) and value and isinstance(value[0], Mapping)
+            else (f"[{key}]" if isinstance(value, Mapping) else f"key '{key}'")
+        )
+        hint = (
+            f"did you mean {TOP_LEVEL_TABLES[near]}?"
+            if near
+            else "the top level holds "
+            + ", ".join(v for v in TOP_LEVEL_TABLES.values() if not v.startswith("["))
+            + " and the tables "
+            + ", ".join(v for v in TOP_LEVEL_TABLES.values() if v.startswith("["))
+        )
+        raise ConfigError(
+            f"unknown table {written}; {hint}" if written.startswith("[") else f"unknown top-level {written}; {hint}",
+            location=label,
+        )
 
 
 def _parse_scope(sc: Mapping[str, Any], where: str) -> ScopeConfig:
@@ -564,16 +675,21 @@ def _parse_events(raw: Any, label: str) -> tuple[Event, ...]:
         if not isinstance(ev, Mapping):
             raise ConfigError(f"each [[events]] entry must be a table, got {_type_name(ev)}", location=where)
         check_keys(ev, _EVENT_KEYS, where)
-        events.append(Event(ts=parse_utc(_require(ev, "ts", where, object), where),
-                            title=_require(ev, "title", where),
-                            description=_optional(ev, "description", str, where, "a string") or ""))
+        events.append(
+            Event(
+                ts=parse_utc(_require(ev, "ts", where, object), where),
+                title=_require(ev, "title", where),
+                description=_optional(ev, "description", str, where, "a string") or "",
+            )
+        )
     return tuple(sorted(events, key=lambda e: e.ts))
 
 
 def _parse_aliases(aliases: Mapping[str, Any], where: str) -> dict[str, str]:
     if not all(isinstance(v, str) for v in aliases.values()):
-        raise ConfigError('aliases must be a table of "<engine served_model_name>" = "<gateway model id>" strings',
-                          location=where)
+        raise ConfigError(
+            'aliases must be a table of "<engine served_model_name>" = "<gateway model id>" strings', location=where
+        )
     return dict(aliases)
 
 
@@ -608,11 +724,17 @@ def _parse_rules(rules: Mapping[str, Any], label: str) -> dict[str, dict[str, An
         for key, value in params.items():
             default = known[rule_id].parameters[key]
             numeric = isinstance(default, (int, float)) and not isinstance(default, bool)
-            if default is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                            if numeric else isinstance(value, type(default))):
-                raise ConfigError(f"'{key}' must be {'a number' if numeric else _type_name(default)} like its "
-                                  f"default {default!r}, got "
-                                  f"{_type_name(value)}", location=where)
+            if default is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool)
+                if numeric
+                else isinstance(value, type(default))
+            ):
+                raise ConfigError(
+                    f"'{key}' must be {'a number' if numeric else _type_name(default)} like its "
+                    f"default {default!r}, got "
+                    f"{_type_name(value)}",
+                    location=where,
+                )
     return {k: dict(v) for k, v in rules.items()}
 
 
@@ -622,12 +744,16 @@ def _parse_mechanisms(raw: Any, label: str) -> tuple[str, ...] | None:
         return None
     names = _strings(raw, "mechanisms", label)
     if not names:
-        raise ConfigError("'mechanisms' is empty: name the mechanisms to investigate, or leave the key out to "
-                          "investigate every mechanism whose inputs are present", location=label)
+        raise ConfigError(
+            "'mechanisms' is empty: name the mechanisms to investigate, or leave the key out to "
+            "investigate every mechanism whose inputs are present",
+            location=label,
+        )
     check_keys(dict.fromkeys(names), {m.id for m in load_mechanisms()}, f"{label}: mechanisms", what="mechanism")
     if len(set(names)) < len(names):
-        raise ConfigError(f"'mechanisms' names {sorted({n for n in names if names.count(n) > 1})} more than once",
-                          location=label)
+        raise ConfigError(
+            f"'mechanisms' names {sorted({n for n in names if names.count(n) > 1})} more than once", location=label
+        )
     return names
 
 
@@ -654,10 +780,16 @@ def _parse_prefix_cache(data: Mapping[str, Any], label: str, path: Path) -> dict
         raise ConfigError(str(e), location=f"{label}: [prefix_cache.probing]") from None
     shared = table.get("shared_namespaces", [])
     if not isinstance(shared, list) or not all(isinstance(x, str) and x for x in shared):
-        raise ConfigError("shared_namespaces must be a list of cache salts (globs allowed), e.g. "
-                          "[\"playground\"]", location=where)
-    return {"prefix_block_size": size, "prefix_word_blocks": words, "probing_parameters": dict(probing),
-            "prefix_isolation": _prefix_isolation(table, path, where), "prefix_shared_namespaces": tuple(shared)}
+        raise ConfigError(
+            "shared_namespaces must be a list of cache salts (globs allowed), e.g. [\"playground\"]", location=where
+        )
+    return {
+        "prefix_block_size": size,
+        "prefix_word_blocks": words,
+        "probing_parameters": dict(probing),
+        "prefix_isolation": _prefix_isolation(table, path, where),
+        "prefix_shared_namespaces": tuple(shared),
+    }
 
 
 def _prefix_isolation(table: Mapping[str, Any], path: Path, where: str) -> Any:

@@ -20,10 +20,23 @@ import numpy as np
 from kvforensics import latency
 from kvforensics.core.errors import ConfigError
 
-GPUS = {"A100_SXM": latency.A100_SXM, "H100_SXM": latency.H100_SXM, "H200_SXM": latency.H200_SXM,
-        "B200_HGX": latency.B200_HGX}
-_SPEC_KEYS = {"active_params", "layers", "hidden_size", "n_gpus", "mfu_ceiling", "attention_heads", "qk_head_dim",
-              "v_head_dim", "attention_window"}
+GPUS = {
+    "A100_SXM": latency.A100_SXM,
+    "H100_SXM": latency.H100_SXM,
+    "H200_SXM": latency.H200_SXM,
+    "B200_HGX": latency.B200_HGX,
+}
+_SPEC_KEYS = {
+    "active_params",
+    "layers",
+    "hidden_size",
+    "n_gpus",
+    "mfu_ceiling",
+    "attention_heads",
+    "qk_head_dim",
+    "v_head_dim",
+    "attention_window",
+}
 SPEC_TABLE_KEYS = frozenset(_SPEC_KEYS | {"gpu", "precision", "peak_flops_per_gpu"})  # a [models.hardware."m"] table
 PRECISIONS = ("bf16", "fp8")
 
@@ -69,8 +82,14 @@ def physical_bounds(specs: Mapping[str, latency.HardwareSpec], affected: Any) ->
         if not ok.any():
             continue
         ratio = np.asarray(bound)[ok] / observed.to_numpy()[ok]
-        out.append({"model": model, "responses": int(ok.sum()),
-                    "min_bound_ms": float(np.min(np.asarray(bound)[ok])),
-                    "median_observed_ms": float(np.median(observed.to_numpy()[ok])),
-                    "min_speedup": float(np.min(ratio)), "median_speedup": float(np.median(ratio))})
+        out.append(
+            {
+                "model": model,
+                "responses": int(ok.sum()),
+                "min_bound_ms": float(np.min(np.asarray(bound)[ok])),
+                "median_observed_ms": float(np.median(observed.to_numpy()[ok])),
+                "min_speedup": float(np.min(ratio)),
+                "median_speedup": float(np.median(ratio)),
+            }
+        )
     return out

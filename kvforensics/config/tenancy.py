@@ -69,8 +69,9 @@ class PrefixCachePolicy:
 def _value(key: str, raw: object, where: str, file: str) -> str | bool:
     if key == "engine_version":
         if not isinstance(raw, str) or not _VERSION.fullmatch(raw.strip()):
-            raise InputError(f"{where}.{key} = {raw!r}; write the engine's version as text, e.g. \"0.5.18\"",
-                             location=file)
+            raise InputError(
+                f"{where}.{key} = {raw!r}; write the engine's version as text, e.g. \"0.5.18\"", location=file
+            )
         return raw.strip().lstrip("v")
     if key == "kv_store_keys_salt":
         if not isinstance(raw, bool):
@@ -79,9 +80,7 @@ def _value(key: str, raw: object, where: str, file: str) -> str | bool:
     allowed = TENANTS if key == "tenants" else CACHE_SALT
     value = raw.strip().lower() if isinstance(raw, str) else None
     if value is None or value not in allowed:
-        raise InputError(
-            f"{where}.{key} = {raw!r}; use one of {', '.join(repr(v) for v in allowed)}", location=file
-        )
+        raise InputError(f"{where}.{key} = {raw!r}; use one of {', '.join(repr(v) for v in allowed)}", location=file)
     return value
 
 
@@ -108,9 +107,7 @@ def _settings(
         if key in ("models", "instances") and where == "prefix_cache":
             continue
         if key not in KEYS:
-            raise InputError(
-                f"{where} has an unknown key {key!r}; the keys are {', '.join(KEYS)}", location=file
-            )
+            raise InputError(f"{where} has an unknown key {key!r}; the keys are {', '.join(KEYS)}", location=file)
         line = _key_line(lines, key, markers, claimed)
         if line is not None:
             claimed.add(line)

@@ -7,8 +7,18 @@ A ``columns`` entry of the incident file maps one of these names to where the so
 from __future__ import annotations
 
 CANONICAL_REQUEST_FIELDS = (
-    "request_id", "ts", "account_id", "model", "status", "prompt_tokens",
-    "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms", "prefill_instance", "decode_instance",
+    "request_id",
+    "ts",
+    "account_id",
+    "model",
+    "status",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms",
+    "latency_ms",
+    "prefill_instance",
+    "decode_instance",
     "cache_salt",  # the prefix-cache salt / namespace the gateway or engine saw (optional)
 )
 REQUIRED_REQUEST_FIELDS = ("request_id", "ts", "account_id", "model", "status", "prompt_tokens")

@@ -17,8 +17,13 @@ import duckdb
 DEFAULT_MEMORY_CAP = "4GB"
 
 
-def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
-            threads: int | None = None, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+def connect(
+    path: str | Path = ":memory:",
+    *,
+    memory_limit: str | None = None,
+    threads: int | None = None,
+    read_only: bool = False,
+) -> duckdb.DuckDBPyConnection:
     """Open (or create) an evidence database with the session settings every stage relies on. Its memory
     limit is *memory_limit*, else :func:`default_memory_limit`; :class:`MemoryGovernor` holds the process to it."""
     con = duckdb.connect(str(path), read_only=read_only)
@@ -29,7 +34,9 @@ def connect(path: str | Path = ":memory:", *, memory_limit: str | None = None,
     # Validated against a strict pattern, so it is safe to inline (SET takes no parameters).
     limit = _checked_size(memory_limit) if memory_limit else default_memory_limit()
     con.execute(f"SET memory_limit = '{limit}'").fetchall()
-    con.execute(f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}").fetchall()  # for memory_set_aside, MemoryGovernor
+    con.execute(
+        f"SET VARIABLE kvf_memory_limit = {size_bytes(limit)}"
+    ).fetchall()  # for memory_set_aside, MemoryGovernor
     if str(path) != ":memory:":  # spill next to the database rather than in the system temp dir
         con.execute("SET temp_directory = $d", {"d": str(Path(path).with_suffix(".spill"))}).fetchall()
     con.execute("SET preserve_insertion_order = false").fetchall()
@@ -45,7 +52,7 @@ def default_memory_limit() -> str:
     memory this process may use (the machine's, or its cgroup's limit in a container), in MiB."""
     cap = size_bytes(DEFAULT_MEMORY_CAP)
     usable = usable_memory_bytes()
-    return f"{(cap if usable is None else min(cap, usable // 2)) // 2 ** 20}MiB"
+    return f"{(cap if usable is None else min(cap, usable // 2)) // 2**20}MiB"
 
 
 def usable_memory_bytes() -> int | None:
@@ -151,8 +158,16 @@ def _rss_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-          "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}  # as DuckDB reads them
+_UNITS = {
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}  # as DuckDB reads them
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(" + "|".join(_UNITS) + ")")
 
 
@@ -179,12 +194,16 @@ def sql(name: str) -> str:
 def statements(text: str) -> list[str]:
     """Split a SQL script into statements (a statement ends with ';' at the end of a line)."""
     parts = re.split(r";[ \t]*(?:--[^\n]*)?\n", text + "\n")
-    return [p.strip() for p in parts if p.strip() and not all(
-        line.strip().startswith("--") or not line.strip() for line in p.strip().splitlines())]
+    return [
+        p.strip()
+        for p in parts
+        if p.strip() and not all(line.strip().startswith("--") or not line.strip() for line in p.strip().splitlines())
+    ]
 
 
-def run_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None, *,
-               text: str | None = None) -> None:
+def run_script(
+    con: duckdb.DuckDBPyConnection, name: str, params: dict | None = None, *, text: str | None = None
+) -> None:
     """Run ``sql/<name>.sql`` (or ``text``, a script built from it) statement by statement, giving
     each the named parameters it uses, under a :class:`MemoryGovernor`."""
 

@@ -12,8 +12,9 @@ import yaml
 from kvforensics.core.errors import ConfigError
 
 
-def read_declaration(path: Path, what: str, required: set[str], optional: set[str] | None = None, *,
-                     word: str = "key") -> Mapping[str, Any]:
+def read_declaration(
+    path: Path, what: str, required: set[str], optional: set[str] | None = None, *, word: str = "key"
+) -> Mapping[str, Any]:
     """The mapping *path* holds, its keys checked against *required* and *optional* (*what*: the unit it
     declares, for the message; *word*: what its keys are called there)."""
     where = str(path)
@@ -26,6 +27,10 @@ def read_declaration(path: Path, what: str, required: set[str], optional: set[st
     unknown = sorted(set(meta) - required - (optional or set()))
     missing = sorted(required - set(meta))
     if unknown or missing:
-        raise ConfigError("; ".join(filter(None, [unknown and f"unknown {word}(s) {unknown}",
-                                                  missing and f"missing {word}(s) {missing}"])), location=where)
+        raise ConfigError(
+            "; ".join(
+                filter(None, [unknown and f"unknown {word}(s) {unknown}", missing and f"missing {word}(s) {missing}"])
+            ),
+            location=where,
+        )
     return meta

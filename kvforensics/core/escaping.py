@@ -19,9 +19,11 @@ from kvforensics.core.timestamps import iso
 # UTF-8 cannot encode a lone one) and the non-characters U+FDD0..U+FDEF and U+xxFFFE/U+xxFFFF. XML 1.0 (SVG, the
 # charts vl-convert draws) forbids the controls, surrogates and U+FFFE/U+FFFF outright, and vl-convert aborts the
 # process on them; HTML calls them parse errors; a PDF or a file name carries them invisibly.
-UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff"
-                    + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17))
-                    + "]")
+UNSAFE = re.compile(
+    "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff"
+    + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17))
+    + "]"
+)
 # A leading character with which a spreadsheet starts a formula (OWASP CSV injection,
 # https://owasp.org/www-community/attacks/CSV_Injection).
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")

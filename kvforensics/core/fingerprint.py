@@ -71,7 +71,7 @@ def shingles(text: str, width: int = SHINGLE_WORDS) -> list[str]:
     words = [w.lower() for w in _WORD.findall(text)]
     if len(words) < width:
         return [" ".join(words)] if words else []
-    return [" ".join(words[i:i + width]) for i in range(len(words) - width + 1)]
+    return [" ".join(words[i : i + width]) for i in range(len(words) - width + 1)]
 
 
 def shingle_words(text: str) -> str:
@@ -110,7 +110,7 @@ def winnow(hashes: Sequence[int], window: int) -> list[int]:
     span = min(window, len(hashes))
     kept = set()
     for start in range(len(hashes) - span + 1):
-        least = min(hashes[start:start + span])
+        least = min(hashes[start : start + span])
         kept.add(max(i for i in range(start, start + span) if hashes[i] == least))
     return sorted(kept)
 
@@ -168,7 +168,10 @@ def _message_texts(value: Any) -> list[str]:
             texts.append(item["content"])
         elif isinstance(item, dict) and isinstance(item.get("content"), list):
             texts.extend(_message_texts(item["content"]))
-        elif isinstance(item, dict) and item.get("type") in (None, "text", "input_text", "output_text") \
-                and isinstance(item.get("text"), str):
+        elif (
+            isinstance(item, dict)
+            and item.get("type") in (None, "text", "input_text", "output_text")
+            and isinstance(item.get("text"), str)
+        ):
             texts.append(item["text"])
     return [t for t in texts if t]

@@ -20,10 +20,17 @@ def record_progress(label: str, enabled: bool = True) -> Iterator[tuple[Callable
     if not enabled:
         yield (lambda n: None), (lambda text: None)
         return
-    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(bar_width=None),
-                        TextColumn("{task.completed:,} records"), TextColumn("{task.fields[rate]}"),
-                        TimeElapsedColumn(), console=console, transient=not sys.stderr.isatty(),
-                        disable=not sys.stderr.isatty())
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(bar_width=None),
+        TextColumn("{task.completed:,} records"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=not sys.stderr.isatty(),
+        disable=not sys.stderr.isatty(),
+    )
     with progress:
         task = progress.add_task(label, total=None, rate="")
 

@@ -40,7 +40,10 @@ def check_inside(source: str, path: str, base_dir: Path, files: list[Path], wher
     named = absolute_root(path)
     refused = [f for f in outside_files(base_dir, files) if named is None or not f.resolve().is_relative_to(named)]
     if refused:
-        raise ConfigError(f"source '{source}': {len(refused)} file(s) resolve outside the incident folder {base_dir} "
-                          f"(first {refused[0]} -> {refused[0].resolve()}), through '..' or a symbolic link; move "
-                          "them into the folder, or allow it with --allow-outside or [settings] allow_outside = true "
-                          "(the manifest lists each such file)", location=where)
+        raise ConfigError(
+            f"source '{source}': {len(refused)} file(s) resolve outside the incident folder {base_dir} "
+            f"(first {refused[0]} -> {refused[0].resolve()}), through '..' or a symbolic link; move "
+            "them into the folder, or allow it with --allow-outside or [settings] allow_outside = true "
+            "(the manifest lists each such file)",
+            location=where,
+        )

@@ -69,24 +69,28 @@ def _round_double_spark(x: str, digits: str) -> str:
     m = f"{10 ** int(digits.strip())}D"
     # v = |x|, p = fl(v * m), ah/al = Veltkamp split of v, e = exact v * m - p
     split = "named_struct('p', kvf_v * {m}, 'ah', (134217729D * kvf_v) - ((134217729D * kvf_v) - kvf_v))"
-    exact = ("CASE WHEN kvf_s.p - floor(kvf_s.p) = 0.5D "
-             "THEN CASE WHEN (kvf_s.ah * {m} - kvf_s.p) + (kvf_v - kvf_s.ah) * {m} >= 0D "
-             "THEN ceil(kvf_s.p) ELSE floor(kvf_s.p) END "
-             "ELSE round(kvf_s.p, 0) END").format(m=m)
-    return (f"(signum(CAST(({x}) AS DOUBLE)) * element_at(transform(array(abs(CAST(({x}) AS DOUBLE))), "
-            f"kvf_v -> element_at(transform(array({split.format(m=m)}), "
-            f"kvf_s -> CAST({exact} AS DOUBLE) / {m}), 1)), 1))")
+    exact = (
+        "CASE WHEN kvf_s.p - floor(kvf_s.p) = 0.5D "
+        "THEN CASE WHEN (kvf_s.ah * {m} - kvf_s.p) + (kvf_v - kvf_s.ah) * {m} >= 0D "
+        "THEN ceil(kvf_s.p) ELSE floor(kvf_s.p) END "
+        "ELSE round(kvf_s.p, 0) END"
+    ).format(m=m)
+    return (
+        f"(signum(CAST(({x}) AS DOUBLE)) * element_at(transform(array(abs(CAST(({x}) AS DOUBLE))), "
+        f"kvf_v -> element_at(transform(array({split.format(m=m)}), "
+        f"kvf_s -> CAST({exact} AS DOUBLE) / {m}), 1)), 1))"
+    )
 
 
 def _glob_match_spark(value: str, pattern: str) -> str:
     """DuckDB GLOB: ``*`` any text, ``?`` one character, ``[...]`` a class, ``[!...]`` a negated class,
     ``\\`` escapes the next character; case-sensitive, whole string. As a Java regex."""
     p = f"({pattern})"
-    p = f"regexp_replace({p}, '\\\\\\\\([A-Za-z0-9])', '$1')"            # \a -> a (literal)
-    p = f"regexp_replace({p}, '([.+^$(){{}}|])', '\\\\\\\\$1')"          # regex metacharacters literal
-    p = f"regexp_replace({p}, '(?<!\\\\\\\\)\\\\*', '.*')"               # * -> .*
-    p = f"regexp_replace({p}, '(?<!\\\\\\\\)\\\\?', '.')"                # ? -> .
-    p = f"regexp_replace({p}, '\\\\[!', '[^')"                         # [! -> [^
+    p = f"regexp_replace({p}, '\\\\\\\\([A-Za-z0-9])', '$1')"  # \a -> a (literal)
+    p = f"regexp_replace({p}, '([.+^$(){{}}|])', '\\\\\\\\$1')"  # regex metacharacters literal
+    p = f"regexp_replace({p}, '(?<!\\\\\\\\)\\\\*', '.*')"  # * -> .*
+    p = f"regexp_replace({p}, '(?<!\\\\\\\\)\\\\?', '.')"  # ? -> .
+    p = f"regexp_replace({p}, '\\\\[!', '[^')"  # [! -> [^
     return f"regexp_like({value}, concat('(?s)^', {p}, '$'))"
 
 
@@ -98,6 +102,7 @@ def _string_agg_ordered(engine: str) -> Expansion:
         if engine == "duckdb":
             return f"string_agg({value}, {separator} ORDER BY {order})"
         return f"string_agg({value}, {separator}) WITHIN GROUP (ORDER BY {order})"
+
     return expand
 
 
@@ -112,6 +117,7 @@ def _fragment(engine: str) -> Expansion:
             raise EngineError(f"fragment {m.group(1)!r}: there is no kvforensics/sql/{m.group(1)}.sql") from None
         # without its comments, so that nothing after the call is commented out
         return expand_helpers("".join(t for k, t in _segments(text) if k != "comment").strip(), engine)
+
     return expand
 
 
@@ -197,14 +203,14 @@ def _segments(text: str) -> list[tuple[str, str]]:
         elif text[i] == "'":
             j = i + 1
             while j < n:
-                if text[j] == "'" and text[j + 1:j + 2] == "'":
+                if text[j] == "'" and text[j + 1 : j + 2] == "'":
                     j += 2
                 elif text[j] == "'":
                     break
                 else:
                     j += 1
             out.append(("code", text[start:i]))
-            out.append(("string", text[i:j + 1]))
+            out.append(("string", text[i : j + 1]))
             i = start = j + 1
         else:
             i += 1
@@ -232,11 +238,11 @@ def helper_calls(text: str) -> list[HelperCall]:
     while (i := text.find("{{", pos)) >= 0:
         m = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(").match(text, i)
         if not m:
-            raise EngineError(f"malformed helper at {text[i:i + 40]!r}: write {{{{ name(arg, ...) }}}}")
+            raise EngineError(f"malformed helper at {text[i : i + 40]!r}: write {{{{ name(arg, ...) }}}}")
         args, j = _split_args(text, m.end())
         close = re.compile(r"\s*\}\}").match(text, j)
         if not close:
-            raise EngineError(f"helper {m.group(1)} is not closed with }}}}: {text[i:j + 20]!r}")
+            raise EngineError(f"helper {m.group(1)} is not closed with }}}}: {text[i : j + 20]!r}")
         calls.append(HelperCall(m.group(1), tuple(args), i, close.end()))
         pos = close.end()
     return calls
@@ -249,7 +255,7 @@ def _split_args(text: str, i: int) -> tuple[list[str], int]:
     while i < len(text):
         c = text[i]
         if quote:
-            if c == "'" and text[i + 1:i + 2] == "'":
+            if c == "'" and text[i + 1 : i + 2] == "'":
                 i += 1
             elif c == "'":
                 quote = False
@@ -269,14 +275,14 @@ def _split_args(text: str, i: int) -> tuple[list[str], int]:
                 if args == [""]:
                     return [], i + 1
                 if not all(args):
-                    raise EngineError(f"empty argument in helper call near {text[max(0, i - 60):i + 1]!r}")
+                    raise EngineError(f"empty argument in helper call near {text[max(0, i - 60) : i + 1]!r}")
                 return args, i + 1
             depth -= 1
         elif c == "," and depth == 0 and not braces:
             args.append(text[cur:i].strip())
             cur = i + 1
         i += 1
-    raise EngineError(f"unbalanced parentheses in helper call near {text[max(0, i - 60):i]!r}")
+    raise EngineError(f"unbalanced parentheses in helper call near {text[max(0, i - 60) : i]!r}")
 
 
 def expand_helpers(text: str, engine: str) -> str:
@@ -290,14 +296,15 @@ def expand_helpers(text: str, engine: str) -> str:
             raise EngineError(f"unknown SQL helper {call.name!r}; helpers are {sorted(HELPERS)}")
         impl = impls.get(engine)
         if impl is None:
-            raise EngineError(f"SQL helper {call.name!r} has no {engine} implementation "
-                              f"(it supports {', '.join(sorted(impls))})")
+            raise EngineError(
+                f"SQL helper {call.name!r} has no {engine} implementation (it supports {', '.join(sorted(impls))})"
+            )
         args = [expand_helpers(a, engine) for a in call.args]
         try:
             sql = impl(*args)
         except TypeError as e:
             raise EngineError(f"SQL helper {call.name}: {e}") from None
-        out.append(text[pos:call.start])
+        out.append(text[pos : call.start])
         out.append(sql)
         pos = call.end
     out.append(text[pos:])
@@ -322,8 +329,9 @@ def used_parameters(template: str) -> set[str]:
 
 # --- scripts ---------------------------------------------------------------------------------------
 
-_CREATE = re.compile(r"CREATE\s+OR\s+REPLACE\s+(TEMP\s+)?TABLE\s+([A-Za-z_][A-Za-z0-9_]*)\s+AS\s+(.*)\Z",
-                     re.IGNORECASE | re.DOTALL)
+_CREATE = re.compile(
+    r"CREATE\s+OR\s+REPLACE\s+(TEMP\s+)?TABLE\s+([A-Za-z_][A-Za-z0-9_]*)\s+AS\s+(.*)\Z", re.IGNORECASE | re.DOTALL
+)
 
 
 @dataclass(frozen=True)
@@ -332,8 +340,8 @@ class TableStatement:
 
     name: str
     temporary: bool
-    query: str          # the template of the query
-    text: str           # the whole statement's template
+    query: str  # the template of the query
+    text: str  # the whole statement's template
     view: bool = False  # marked '-- portable: view': DuckDB keeps it as a view over its inputs (no copy)
 
 
@@ -344,8 +352,10 @@ def script_statements(name: str) -> list[TableStatement]:
         code = "\n".join(line for line in stmt.splitlines() if not line.strip().startswith("--")).strip()
         m = _CREATE.match(code)
         if not m:
-            raise EngineError(f"sql/{name}.sql: a portable script statement is "
-                              f"'CREATE OR REPLACE [TEMP] TABLE name AS query', got {code[:60]!r}")
+            raise EngineError(
+                f"sql/{name}.sql: a portable script statement is "
+                f"'CREATE OR REPLACE [TEMP] TABLE name AS query', got {code[:60]!r}"
+            )
         view = any(line.strip() == "-- portable: view" for line in stmt.splitlines())
         if view and used_parameters(code):
             raise EngineError(f"sql/{name}.sql, table {m.group(2)}: a view cannot take parameters")
@@ -355,8 +365,10 @@ def script_statements(name: str) -> list[TableStatement]:
 
 def create_duckdb_view(con: duckdb.DuckDBPyConnection, stmt: TableStatement) -> None:
     """A view statement on DuckDB: replaces a table of that name left by an earlier version."""
-    kind = con.execute("SELECT table_type FROM information_schema.tables WHERE table_schema = 'main' "
-                       "AND table_name = $n", {"n": stmt.name}).fetchall()
+    kind = con.execute(
+        "SELECT table_type FROM information_schema.tables WHERE table_schema = 'main' AND table_name = $n",
+        {"n": stmt.name},
+    ).fetchall()
     if kind and kind[0][0] != "VIEW":
         con.execute(f'DROP TABLE "{stmt.name}"').fetchall()
     temp = "TEMP " if stmt.temporary else ""

@@ -48,14 +48,31 @@ if TYPE_CHECKING:
 PYSPARK_VERSION = "4.3.0"
 DEFAULT_MASTER = "local[2]"
 #: Canonical tables the rules and scripts read, as ingest leaves them.
-CANONICAL_TABLES = ("requests", "capacity", "engine_events", "content_fingerprints", "content_stats",
-                    "account_patterns", "request_blocks", "kv_events", "prefix_windows", "prefix_shared_namespaces",
-                    "exposure_windows")
+CANONICAL_TABLES = (
+    "requests",
+    "capacity",
+    "engine_events",
+    "content_fingerprints",
+    "content_stats",
+    "account_patterns",
+    "request_blocks",
+    "kv_events",
+    "prefix_windows",
+    "prefix_shared_namespaces",
+    "exposure_windows",
+)
 #: Tables detect writes that the scope scripts read.
 DETECT_TABLES = ("latency_model", "findings", "request_tiers")
 
-_SPARK_TYPES = {"VARCHAR": "STRING", "BIGINT": "BIGINT", "INTEGER": "INT", "DOUBLE": "DOUBLE",
-                "BOOLEAN": "BOOLEAN", "TIMESTAMP WITH TIME ZONE": "TIMESTAMP", "JSON": "STRING"}
+_SPARK_TYPES = {
+    "VARCHAR": "STRING",
+    "BIGINT": "BIGINT",
+    "INTEGER": "INT",
+    "DOUBLE": "DOUBLE",
+    "BOOLEAN": "BOOLEAN",
+    "TIMESTAMP WITH TIME ZONE": "TIMESTAMP",
+    "JSON": "STRING",
+}
 
 
 def unavailable_reason() -> str | None:
@@ -87,18 +104,23 @@ def session(master: str | None = None) -> SparkSession:
     active = SparkSession.getActiveSession()
     if active is not None:
         if active.sparkContext.master != master:
-            raise EngineError(f"a Spark session on {active.sparkContext.master} is already running in this "
-                              f"process; cannot switch to {master}")
+            raise EngineError(
+                f"a Spark session on {active.sparkContext.master} is already running in this "
+                f"process; cannot switch to {master}"
+            )
         return active
-    builder = (SparkSession.builder.master(master).appName("kvforensics")
-               .config("spark.sql.session.timeZone", "UTC")
-               .config("spark.driver.extraJavaOptions", "-Duser.timezone=UTC")
-               .config("spark.executor.extraJavaOptions", "-Duser.timezone=UTC")
-               .config("spark.sql.ansi.enabled", "true")
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-               .config("spark.sql.execution.arrow.pyspark.fallback.enabled", "false")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false"))
+    builder = (
+        SparkSession.builder.master(master)
+        .appName("kvforensics")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.driver.extraJavaOptions", "-Duser.timezone=UTC")
+        .config("spark.executor.extraJavaOptions", "-Duser.timezone=UTC")
+        .config("spark.sql.ansi.enabled", "true")
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.execution.arrow.pyspark.fallback.enabled", "false")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+    )
     if master.startswith("local"):
         builder = builder.config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2")
     try:
@@ -175,8 +197,11 @@ class SparkEngine:
             select = ", ".join(f'CAST("{c}" AS VARCHAR) AS "{c}"' if t == "JSON" else f'"{c}"' for c, t in cols)
             arrow = _to_arrow(con, f'SELECT {select} FROM "{table}"')
             schema = ", ".join(f"`{c}` {_spark_type(t)}" for c, t in cols)
-            df = self.spark.createDataFrame(arrow, schema=schema) if arrow.num_rows else \
-                self.spark.createDataFrame([], schema=schema)
+            df = (
+                self.spark.createDataFrame(arrow, schema=schema)
+                if arrow.num_rows
+                else self.spark.createDataFrame([], schema=schema)
+            )
             df.createOrReplaceTempView(table)
 
     def load_canonical(self, con: duckdb.DuckDBPyConnection) -> None:
@@ -198,17 +223,27 @@ class SparkEngine:
         try:
             source = self.spark.table(self.requests_table)
         except AnalysisException as e:
-            raise EngineError(f"cannot read Spark table {self.requests_table!r} "
-                              f"([settings] spark_requests_table): {str(e).splitlines()[0]}") from None
+            raise EngineError(
+                f"cannot read Spark table {self.requests_table!r} "
+                f"([settings] spark_requests_table): {str(e).splitlines()[0]}"
+            ) from None
         cols = _duckdb_columns(con, "requests")
         have = {c.lower(): c for c in source.columns}
         optional = {"cache_salt", "cached_tokens_source"}  # added after Spark tables were first read: NULL when absent
         missing = [c for c, _ in cols if c.lower() not in have and c not in optional]
         if missing:
-            raise EngineError(f"Spark table {self.requests_table!r} lacks the canonical request column(s) "
-                              f"{missing}; it needs {[c for c, _ in cols]} (see kvforensics/sql/schema.sql)")
-        df = source.selectExpr(*[f"CAST(`{have[c.lower()]}` AS {_spark_type(t)}) AS `{c}`" if c.lower() in have
-                                 else f"CAST(NULL AS {_spark_type(t)}) AS `{c}`" for c, t in cols])
+            raise EngineError(
+                f"Spark table {self.requests_table!r} lacks the canonical request column(s) "
+                f"{missing}; it needs {[c for c, _ in cols]} (see kvforensics/sql/schema.sql)"
+            )
+        df = source.selectExpr(
+            *[
+                f"CAST(`{have[c.lower()]}` AS {_spark_type(t)}) AS `{c}`"
+                if c.lower() in have
+                else f"CAST(NULL AS {_spark_type(t)}) AS `{c}`"
+                for c, t in cols
+            ]
+        )
         df = df.cache()
         df.createOrReplaceTempView("requests")
         self._cached["requests"] = df
@@ -220,8 +255,9 @@ class SparkEngine:
             con.execute("INSERT INTO requests SELECT * FROM spark_requests").fetchall()
         finally:
             con.unregister("spark_requests")
-        note = (f"requests read from Spark table {self.requests_table} ({arrow.num_rows} rows)"
-                + (f"; they replace the {replaced} rows loaded from the requests source(s)" if replaced else ""))
+        note = f"requests read from Spark table {self.requests_table} ({arrow.num_rows} rows)" + (
+            f"; they replace the {replaced} rows loaded from the requests source(s)" if replaced else ""
+        )
         con.execute("DELETE FROM ingest_notes WHERE note LIKE 'requests read from Spark table %'").fetchall()
         con.execute("INSERT INTO ingest_notes VALUES ('warning', $n)", {"n": note}).fetchall()
 
@@ -244,8 +280,9 @@ class SparkEngine:
             arrow = self._sql(rule.template, params).toArrow()
         con.register("spark_findings", arrow)
         try:
-            return con.execute("SELECT request_id, strength, CAST(json(evidence) AS VARCHAR) AS evidence "
-                               "FROM spark_findings").df()
+            return con.execute(
+                "SELECT request_id, strength, CAST(json(evidence) AS VARCHAR) AS evidence FROM spark_findings"
+            ).df()
         finally:
             con.unregister("spark_findings")
 
@@ -271,7 +308,7 @@ class SparkEngine:
                 else:
                     self._write_back(con, stmt.name, types[stmt.name])
         finally:
-            for name in [n for n in self._cached if n != "requests"]:   # free the script tables
+            for name in [n for n in self._cached if n != "requests"]:  # free the script tables
                 self._cached.pop(name).unpersist()
                 self.spark.catalog.dropTempView(name)
 
@@ -296,8 +333,9 @@ class SparkEngine:
             con.unregister("spark_result")
 
 
-def reference_types(con: duckdb.DuckDBPyConnection,
-                    scripts: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, list[tuple[str, str]]]:
+def reference_types(
+    con: duckdb.DuckDBPyConnection, scripts: Sequence[tuple[str, Mapping[str, Any]]]
+) -> dict[str, list[tuple[str, str]]]:
     """The column names and types each script table has when DuckDB creates it.
 
     The scripts run on DuckDB over empty copies of their input tables (milliseconds), so a table
@@ -311,7 +349,6 @@ def reference_types(con: duckdb.DuckDBPyConnection,
             ref.execute(f'CREATE TABLE "{table}" ({cols})')
         for name, params in scripts:
             run_duckdb_script(ref, name, dict(params))
-        return {stmt.name: _duckdb_columns(ref, stmt.name)
-                for name, _ in scripts for stmt in script_statements(name)}
+        return {stmt.name: _duckdb_columns(ref, stmt.name) for name, _ in scripts for stmt in script_statements(name)}
     finally:
         ref.close()

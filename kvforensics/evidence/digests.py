@@ -46,42 +46,52 @@ TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST, "rows-v3")
 # what each method is and what it resists, as the manifest states it (`table_digest_construction`)
 TABLE_DIGEST_CONSTRUCTIONS = {
     "rows-v1": "SHA-256 of the column names and of every row rendered as JSON, in sorted order: "
-               "128-bit collision resistance (SHA-256)",
+    "128-bit collision resistance (SHA-256)",
     "rows-v2": "SHA-256 of the column names and of the rows' SHA-256 hashes in sorted order: "
-               "128-bit collision resistance (SHA-256)",
+    "128-bit collision resistance (SHA-256)",
     "rows-v3": "LtHash16 (Lewi, Kim, Maykov, Weis 2019; Bellare-Micciancio): 1024 16-bit lanes of MGF1-SHA-256 "
-               "of each row's SHA-256, summed exactly in 64 bits, then SHA-256 with the column names; at least "
-               "200 bits against multiset collisions by its authors' estimate (random oracle model), 128 bits "
-               "overall (the rows' SHA-256)",
+    "of each row's SHA-256, summed exactly in 64 bits, then SHA-256 with the column names; at least "
+    "200 bits against multiset collisions by its authors' estimate (random oracle model), 128 bits "
+    "overall (the rows' SHA-256)",
 }
 _HASH_BATCH = 1_000_000
 _HASH_BYTES = 32  # a row hash, as sorted and as written to the bucket files
-_BUCKET_BYTES = 32 * 2 ** 20  # a bucket's row hashes are sorted in memory when they are at most this
+_BUCKET_BYTES = 32 * 2**20  # a bucket's row hashes are sorted in memory when they are at most this
 _MAX_BUCKETS = 256  # bucket files written at once
 _HEX_ROWS = 1 << 18  # rows rendered as hex lines at once
 # what the digest holds outside DuckDB at most: an Arrow batch, a bucket, its sorted copy and keys, hex lines
 DIGEST_MEMORY = 3 * _BUCKET_BYTES + _HASH_BATCH * _HASH_BYTES + _HEX_ROWS * 4 * 65
 _MIN_ROWS_PER_PASS = 10_000_000
-_PREFIXES = 16 ** 4
+_PREFIXES = 16**4
 
 
-def table_digests(con: duckdb.DuckDBPyConnection, method: str = TABLE_DIGEST, rows_per_pass: int | None = None,
-                  rows_per_bucket: int | None = None) -> dict[str, dict[str, Any]]:
+def table_digests(
+    con: duckdb.DuckDBPyConnection,
+    method: str = TABLE_DIGEST,
+    rows_per_pass: int | None = None,
+    rows_per_bucket: int | None = None,
+) -> dict[str, dict[str, Any]]:
     """Every table of the database: its row count and the SHA-256 of its column names and rows, sorted
     (rows-v2 hashes the rows again for every ``rows_per_pass`` of them and sorts ``rows_per_bucket`` at
     a time; the digests depend on neither)."""
     if method not in TABLE_DIGESTS:
         raise ValueError(f"unknown table digest {method!r}; known: {', '.join(TABLE_DIGESTS)}")
-    names = [r[0] for r in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
-        "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name").fetchall()]
+    names = [
+        r[0]
+        for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
+            "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name"
+        ).fetchall()
+    ]
     if method == "rows-v1":
         return {name: _table_digest_v1(con, name) for name in names}
     if method == "rows-v3":
         with memory_set_aside(con, V3_MEMORY):
             return {name: _table_digest_v3(con, name) for name in names}
-    with memory_set_aside(con, DIGEST_MEMORY), _Buckets(
-            _spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets:
+    with (
+        memory_set_aside(con, DIGEST_MEMORY),
+        _Buckets(_spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets,
+    ):
         return {name: _table_digest_v2(con, name, buckets, rows_per_pass) for name in names}
 
 
@@ -89,8 +99,9 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
 
 
-def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Buckets,
-                     rows_per_pass: int | None = None) -> dict[str, Any]:
+def _table_digest_v2(
+    con: duckdb.DuckDBPyConnection, name: str, buckets: _Buckets, rows_per_pass: int | None = None
+) -> dict[str, Any]:
     """rows-v2 of one table, without a database sort: the row hashes are uniform, so they are written
     to bucket files by their leading bytes (ranges in order), and each bucket is sorted in memory and
     hashed in turn. A table of more than ``rows_per_pass`` rows (by default as many as two thirds of
@@ -104,12 +115,18 @@ def _table_digest_v2(con: duckdb.DuckDBPyConnection, name: str, buckets: _Bucket
     h = hashlib.sha256(json.dumps([c for c, _ in columns]).encode() + b"\n")
     rows = 0
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        ranged = hashed if passes == 1 else (f"SELECT h FROM ({hashed}) AS r WHERE h >= unhex('{lo:04x}')"
-                                             + (f" AND h < unhex('{hi:04x}')" if hi < _PREFIXES else ""))
+        ranged = (
+            hashed
+            if passes == 1
+            else (
+                f"SELECT h FROM ({hashed}) AS r WHERE h >= unhex('{lo:04x}')"
+                + (f" AND h < unhex('{hi:04x}')" if hi < _PREFIXES else "")
+            )
+        )
         batches = (_rows_of(b.column(0)) for b in con.sql(ranged).to_arrow_reader(_HASH_BATCH))
         for sorted_rows in buckets.sorted(batches, -(-total // passes), lo, hi):
             for at in range(0, len(sorted_rows), _HEX_ROWS):
-                h.update(_hex_lines(sorted_rows[at:at + _HEX_ROWS]))
+                h.update(_hex_lines(sorted_rows[at : at + _HEX_ROWS]))
             rows += len(sorted_rows)
     return {"rows": rows, "sha256": h.hexdigest()}
 
@@ -120,7 +137,9 @@ def _row_hashes(con: duckdb.DuckDBPyConnection, name: str) -> tuple[list[tuple[s
     columns = con.execute(
         """SELECT column_name, data_type FROM information_schema.columns
            WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
-           ORDER BY ordinal_position""", {"t": name}).fetchall()
+           ORDER BY ordinal_position""",
+        {"t": name},
+    ).fetchall()
     values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
     return columns, f"SELECT unhex(sha256(json_array({values}))) AS h FROM {_quoted(name)}"
 
@@ -150,7 +169,7 @@ def _table_digest_v3(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any
     for batch in con.sql(f"SELECT {blocks} FROM ({hashed}) AS r").to_arrow_reader(_V3_BATCH):
         for j, column in enumerate(batch.columns):  # block j of every row of the batch: lanes 16j to 16j+15
             decoded = np.frombuffer(binascii.unhexlify(_fixed_width(column, 2 * _HASH_BYTES)), dtype="<u2")
-            lanes[j * per_block:(j + 1) * per_block] += decoded.reshape(-1, per_block).sum(axis=0, dtype=np.uint64)
+            lanes[j * per_block : (j + 1) * per_block] += decoded.reshape(-1, per_block).sum(axis=0, dtype=np.uint64)
         rows += batch.num_rows
     h = hashlib.sha256(_V3_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
     h.update(lanes.astype("<u8").tobytes())
@@ -179,8 +198,9 @@ class _Buckets:
             with contextlib.suppress(OSError):  # unless DuckDB spilled there meanwhile
                 self.parent.rmdir()
 
-    def sorted(self, batches: Iterator[np.ndarray], expected: int, lo: int, hi: int,
-               depth: int = 0) -> Iterator[np.ndarray]:
+    def sorted(
+        self, batches: Iterator[np.ndarray], expected: int, lo: int, hi: int, depth: int = 0
+    ) -> Iterator[np.ndarray]:
         """The hashes of *batches* (each chunk at *depth* in ``[lo, hi)``; about *expected* of them),
         sorted, a bucket at a time."""
         if expected <= self.per_bucket:  # small: in memory, unless it turns out larger
@@ -281,13 +301,18 @@ def _fixed_width(column: pa.Array, width: int) -> np.ndarray:
     n = len(column)
     if n == 0:
         return np.empty((0, width), dtype=np.uint8)
-    if column.null_count or not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
-                                 or pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+    if column.null_count or not (
+        pa.types.is_binary(column.type)
+        or pa.types.is_large_binary(column.type)
+        or pa.types.is_string(column.type)
+        or pa.types.is_large_string(column.type)
+    ):
         raise ValueError(f"a digest column of {column.type} with {column.null_count} nulls")
-    offsets_type = np.int64 if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type) \
-        else np.int32
+    offsets_type = (
+        np.int64 if pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type) else np.int32
+    )
     _, offsets, data = column.buffers()
-    ends = np.frombuffer(offsets, dtype=offsets_type, count=column.offset + n + 1)[column.offset:]
+    ends = np.frombuffer(offsets, dtype=offsets_type, count=column.offset + n + 1)[column.offset :]
     if ends[-1] - ends[0] != width * n:
         raise ValueError(f"a digest is not {width} bytes")
     return np.frombuffer(data, dtype=np.uint8, count=int(ends[-1] - ends[0]), offset=int(ends[0])).reshape(n, width)
@@ -306,8 +331,10 @@ def _canonical_sql(column: str, data_type: str) -> str:
     """A column's value as the row hash renders it: floats to 12 significant digits (parallel sums may
     differ in the last bits), timestamps as epoch microseconds (whatever the session's time zone)."""
     if data_type in ("DOUBLE", "FLOAT", "REAL"):
-        return (f"CASE WHEN {column} IS NULL THEN NULL WHEN isfinite({column}) "
-                f"THEN printf('%.{_FLOAT_DIGITS}g', {column}) ELSE CAST({column} AS VARCHAR) END")
+        return (
+            f"CASE WHEN {column} IS NULL THEN NULL WHEN isfinite({column}) "
+            f"THEN printf('%.{_FLOAT_DIGITS}g', {column}) ELSE CAST({column} AS VARCHAR) END"
+        )
     if data_type.startswith("TIMESTAMP") or data_type == "DATE":
         return f"epoch_us({column})"
     return column

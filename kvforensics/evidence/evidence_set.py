@@ -104,9 +104,12 @@ def changes(old: InputSet, new: InputSet) -> Changes:
         paths = (Path(f) for _s, f in keys)
         return tuple(sorted(p.relative_to(base).as_posix() if p.is_relative_to(base) else str(p) for p in paths))
 
-    return Changes(incident=incident, added=shown(after.keys() - before.keys()),
-                   removed=shown(before.keys() - after.keys()),
-                   modified=shown(k for k, h in after.items() if k in before and before[k] != h))
+    return Changes(
+        incident=incident,
+        added=shown(after.keys() - before.keys()),
+        removed=shown(before.keys() - after.keys()),
+        modified=shown(k for k, h in after.items() if k in before and before[k] != h),
+    )
 
 
 def record(con: duckdb.DuckDBPyConnection, inputs: InputSet) -> None:
@@ -115,8 +118,9 @@ def record(con: duckdb.DuckDBPyConnection, inputs: InputSet) -> None:
     run_script(con, "evidence_set")
     con.execute("DELETE FROM evidence_set").fetchall()
     con.execute("DELETE FROM evidence_inputs").fetchall()
-    con.execute("INSERT INTO evidence_set VALUES ($f, $h)",
-                {"f": inputs.incident_file, "h": inputs.incident_sha256}).fetchall()
+    con.execute(
+        "INSERT INTO evidence_set VALUES ($f, $h)", {"f": inputs.incident_file, "h": inputs.incident_sha256}
+    ).fetchall()
     con.executemany("INSERT INTO evidence_inputs VALUES (?, ?, ?)", sorted(inputs.files))
 
 
@@ -132,7 +136,11 @@ def scope_key(con: duckdb.DuckDBPyConnection, incident: Incident) -> str | None:
     if not head:
         return None
     files = con.execute("SELECT source, file, sha256 FROM evidence_inputs ORDER BY ALL").fetchall()
-    key = {"kvforensics": __version__, "incident_file": str(incident.path.resolve()),
-           "incident_sha256": file_digest(incident.path)[0], "evidence_set": list(head[0]),
-           "evidence_inputs": [list(f) for f in files]}
+    key = {
+        "kvforensics": __version__,
+        "incident_file": str(incident.path.resolve()),
+        "incident_sha256": file_digest(incident.path)[0],
+        "evidence_set": list(head[0]),
+        "evidence_inputs": [list(f) for f in files],
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -25,8 +25,18 @@ from kvforensics.core.errors import ConfigError
 LOCK_NAME = ".kvforensics.lock"
 STAGING_NAME = ".kvforensics-staging"
 # Everything a run writes into its folder; a rebuild removes these (and only these) before it starts.
-OUTPUT_NAMES = ("scope.json", "affected_requests.csv", "notifications.csv", "quarantine.csv", "manifest.json",
-                "manifest.json.sig", "report.html", "report.md", "report.pdf", "notices")
+OUTPUT_NAMES = (
+    "scope.json",
+    "affected_requests.csv",
+    "notifications.csv",
+    "quarantine.csv",
+    "manifest.json",
+    "manifest.json.sig",
+    "report.html",
+    "report.md",
+    "report.pdf",
+    "notices",
+)
 DATABASE_NAMES = ("evidence.duckdb", "evidence.duckdb.wal", "evidence.spill")
 WRITTEN_LAST = "manifest.json"  # it describes the others, so it is put in place after them
 
@@ -41,9 +51,10 @@ def check_out_dir(out: Path, incident: Incident) -> None:
             raise ConfigError(
                 f"--out {out} is inside the inputs of source '{source.name}' (path '{source.path}'), so the next "
                 f"run would read its outputs as evidence: choose an output folder outside {source.base_dir}"
-                if target != source.base_dir.resolve() else
-                f"--out {out} is the incident folder, which source '{source.name}' (path '{source.path}') reads: "
-                f"choose an output folder outside the inputs, e.g. {source.base_dir / 'out'}")
+                if target != source.base_dir.resolve()
+                else f"--out {out} is the incident folder, which source '{source.name}' (path '{source.path}') reads: "
+                f"choose an output folder outside the inputs, e.g. {source.base_dir / 'out'}"
+            )
 
 
 def _could_match_below(target: Path, pattern: Path) -> bool:
@@ -90,7 +101,8 @@ class FolderLock:
                     continue
                 raise ConfigError(
                     f"another kvforensics run ({holder}) is writing to {self.path.parent}: wait for it to finish, "
-                    f"or use another --out folder (if no run is active, delete {self.path})") from None
+                    f"or use another --out folder (if no run is active, delete {self.path})"
+                ) from None
             with os.fdopen(fd, "w") as fh:
                 fh.write(me)
             self.held = True

@@ -38,19 +38,46 @@ HEADLINE_QUERIES: dict[str, str] = {
     "windows": "SELECT count(DISTINCT model) FROM affected_responses",
     "inconclusive_reasons": "SELECT count(*) FROM inconclusive_reasons",
 }
-AFFECTED_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", "prompt_tokens", "pool_tokens",
-                    "ttft_ms", "expected_ttft_ms", "confidence", "rules", "latency_ms", "completion_tokens",
-                    "cached_tokens", "prefill_instance", "decode_instance", "pool_instance"]
+AFFECTED_COLUMNS = [
+    "request_id",
+    "ts",
+    "account_id",
+    "account_class",
+    "model",
+    "prompt_tokens",
+    "pool_tokens",
+    "ttft_ms",
+    "expected_ttft_ms",
+    "confidence",
+    "rules",
+    "latency_ms",
+    "completion_tokens",
+    "cached_tokens",
+    "prefill_instance",
+    "decode_instance",
+    "pool_instance",
+]
 NOTIFICATION_COLUMNS = ["account_id", "account_class", "role", "responses", "first_ts", "last_ts", "request_ids"]
 # who gets which notice (kvforensics.report.notices): a suspected exploiter's goes to trust and safety
 NOTICE_COLUMNS = ["suspected_exploiter", "notice_type", "notice"]
 # the responses in the possible tier: one weak signal, listed for review, never counted as affected
-POSSIBLE_COLUMNS = ["request_id", "ts", "account_id", "account_class", "model", "prompt_tokens", "ttft_ms",
-                    "latency_ms", "prefill_instance", "decode_instance", "rules", "why_only_possible"]
+POSSIBLE_COLUMNS = [
+    "request_id",
+    "ts",
+    "account_id",
+    "account_class",
+    "model",
+    "prompt_tokens",
+    "ttft_ms",
+    "latency_ms",
+    "prefill_instance",
+    "decode_instance",
+    "rules",
+    "why_only_possible",
+]
 
 
-def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path, *,
-              raw: bool = False) -> int:
+def write_csv(con: duckdb.DuckDBPyConnection, query: str, columns: list[str], path: Path, *, raw: bool = False) -> int:
     """The query's rows as CSV, each cell written by ``csv_cell`` (formula starts neutralised unless ``raw``)."""
     return write_rows(con.execute(query).fetchall(), columns, path, raw=raw)
 
@@ -71,10 +98,18 @@ def notification_rows(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
     from kvforensics.report.notices import notice_path, notice_type, suspected_accounts
 
     suspects = suspected_accounts(con)
-    rows = con.execute(f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications "
-                       "ORDER BY role DESC, account_class, account_id").fetchall()
-    return [(*r, "true" if r[0] in suspects else "false", notice_type(r[1], r[0] in suspects),
-             notice_path(r[0], r[1], r[0] in suspects)) for r in rows]
+    rows = con.execute(
+        f"SELECT {', '.join(NOTIFICATION_COLUMNS)} FROM notifications ORDER BY role DESC, account_class, account_id"
+    ).fetchall()
+    return [
+        (
+            *r,
+            "true" if r[0] in suspects else "false",
+            notice_type(r[1], r[0] in suspects),
+            notice_path(r[0], r[1], r[0] in suspects),
+        )
+        for r in rows
+    ]
 
 
 def possible_rows(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
@@ -92,10 +127,17 @@ def possible_rows(con: duckdb.DuckDBPyConnection) -> list[tuple[Any, ...]]:
         GROUP BY ALL ORDER BY s.ts, s.request_id""").fetchall()
     out = []
     for *head, rule_ids, strengths, evidence in rows:
-        signals = "; ".join(f"{strength} signal from {rule} ({titles.get(rule, rule)}: {_evidence_words(ev)})"
-                            for rule, strength, ev in zip(rule_ids, strengths, evidence, strict=True))
-        out.append((*head, f"only one {signals}; a response is counted as affected with a strong signal and a second "
-                           "rule, or one strong signal, or two weak ones"))
+        signals = "; ".join(
+            f"{strength} signal from {rule} ({titles.get(rule, rule)}: {_evidence_words(ev)})"
+            for rule, strength, ev in zip(rule_ids, strengths, evidence, strict=True)
+        )
+        out.append(
+            (
+                *head,
+                f"only one {signals}; a response is counted as affected with a strong signal and a second "
+                "rule, or one strong signal, or two weak ones",
+            )
+        )
     return out
 
 
@@ -117,35 +159,70 @@ def write_scope_json(result: ScopeResult, out: Path) -> None:
 def write_tables(con: duckdb.DuckDBPyConnection, out: Path, *, raw_csv: bool = False) -> None:
     """affected_requests.csv, notifications.csv, possible_responses.csv, quarantine.csv; ``raw_csv`` keeps formula
     starts (machine use)."""
-    write_csv(con, f"SELECT {', '.join(AFFECTED_COLUMNS)} FROM affected_responses ORDER BY ts, request_id",
-              AFFECTED_COLUMNS, out / "affected_requests.csv", raw=raw_csv)
+    write_csv(
+        con,
+        f"SELECT {', '.join(AFFECTED_COLUMNS)} FROM affected_responses ORDER BY ts, request_id",
+        AFFECTED_COLUMNS,
+        out / "affected_requests.csv",
+        raw=raw_csv,
+    )
     write_rows(notification_rows(con), NOTIFICATION_COLUMNS + NOTICE_COLUMNS, out / "notifications.csv", raw=raw_csv)
     write_rows(possible_rows(con), POSSIBLE_COLUMNS, out / "possible_responses.csv", raw=raw_csv)
-    write_csv(con, "SELECT source, file, line, reason, raw FROM quarantine ORDER BY source, file, line",
-              ["source", "file", "line", "reason", "raw"], out / "quarantine.csv", raw=raw_csv)
+    write_csv(
+        con,
+        "SELECT source, file, line, reason, raw FROM quarantine ORDER BY source, file, line",
+        ["source", "file", "line", "reason", "raw"],
+        out / "quarantine.csv",
+        raw=raw_csv,
+    )
 
 
-def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: ScopeResult,
-                   out: Path, started: datetime, *, raw_csv: bool = False) -> dict[str, Any]:
+def write_manifest(
+    con: duckdb.DuckDBPyConnection,
+    incident: Incident,
+    scope: ScopeResult,
+    out: Path,
+    started: datetime,
+    *,
+    raw_csv: bool = False,
+) -> dict[str, Any]:
     import duckdb as _duckdb
     import pandas as _pandas
 
     base = incident.base_dir
     inputs = []
-    for row in con.execute("SELECT source, kind, file, sha256, bytes, records_read, loaded, quarantined, duplicates, "
-                           "notes FROM load_report ORDER BY source, file").fetchall():
+    for row in con.execute(
+        "SELECT source, kind, file, sha256, bytes, records_read, loaded, quarantined, duplicates, "
+        "notes FROM load_report ORDER BY source, file"
+    ).fetchall():
         path = Path(row[2])
         try:
             rel = str(path.relative_to(base))
         except ValueError:
             rel = str(path)
-        inputs.append({"source": row[0], "kind": row[1], "file": rel, "sha256": row[3], "bytes": row[4],
-                       "records_read": row[5], "loaded": row[6], "quarantined": row[7], "duplicates": row[8],
-                       "notes": row[9].split("; ") if row[9] else []})
+        inputs.append(
+            {
+                "source": row[0],
+                "kind": row[1],
+                "file": rel,
+                "sha256": row[3],
+                "bytes": row[4],
+                "records_read": row[5],
+                "loaded": row[6],
+                "quarantined": row[7],
+                "duplicates": row[8],
+                "notes": row[9].split("; ") if row[9] else [],
+            }
+        )
     digest, size = file_digest(incident.path)
     manifest = {
-        "tool": {"name": "kvforensics", "version": __version__, "python": platform.python_version(),
-                 "duckdb": _duckdb.__version__, "pandas": _pandas.__version__},
+        "tool": {
+            "name": "kvforensics",
+            "version": __version__,
+            "python": platform.python_version(),
+            "duckdb": _duckdb.__version__,
+            "pandas": _pandas.__version__,
+        },
         "incident": {"id": incident.id, "file": incident.path.name, "dir": str(base), "sha256": digest, "bytes": size},
         "run": {"started": iso(started), "finished": iso(datetime.now(timezone.utc))},
         "conclusive": scope.summary["conclusive"],
@@ -153,16 +230,25 @@ def write_manifest(con: duckdb.DuckDBPyConnection, incident: Incident, scope: Sc
         "inputs": inputs,
         # inputs that resolve outside the incident folder (an absolute source path, '..', a symbolic link;
         # [settings] allow_outside or --allow-outside lets the other ones be read)
-        "outside_incident_folder": [str(Path(p).resolve()) for p in outside_files(
-            base, [Path(r[0]) for r in con.execute("SELECT DISTINCT file FROM load_report ORDER BY 1").fetchall()])],
+        "outside_incident_folder": [
+            str(Path(p).resolve())
+            for p in outside_files(
+                base, [Path(r[0]) for r in con.execute("SELECT DISTINCT file FROM load_report ORDER BY 1").fetchall()]
+            )
+        ],
         "totals": {k: sum(i[k] for i in inputs) for k in ("records_read", "loaded", "quarantined", "duplicates")},
-        "rules": [{"id": r.id, "version": r.version,
-                   "parameters": {**r.parameters, **incident.rule_parameters.get(r.id, {})}} for r in load_rules()],
+        "rules": [
+            {"id": r.id, "version": r.version, "parameters": {**r.parameters, **incident.rule_parameters.get(r.id, {})}}
+            for r in load_rules()
+        ],
         "scope_parameters": scope.parameters,
-        "assumptions": [r[0] for r in con.execute(
-            "SELECT note FROM ingest_notes WHERE kind = 'assumption' ORDER BY note").fetchall()],
-        "warnings": [r[0] for r in con.execute(
-            "SELECT note FROM ingest_notes WHERE kind = 'warning' ORDER BY note").fetchall()],
+        "assumptions": [
+            r[0]
+            for r in con.execute("SELECT note FROM ingest_notes WHERE kind = 'assumption' ORDER BY note").fetchall()
+        ],
+        "warnings": [
+            r[0] for r in con.execute("SELECT note FROM ingest_notes WHERE kind = 'warning' ORDER BY note").fetchall()
+        ],
         "headline_queries": HEADLINE_QUERIES,
         "csv_cells": "raw" if raw_csv else "neutralised",  # formula starts (escaping.csv_cell)
         # what `kvforensics verify` re-hashes: every output file, every table of the evidence database

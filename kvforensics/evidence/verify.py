@@ -71,11 +71,14 @@ def seal_manifest(out_dir: Path, *, sign_key: Path | None = None) -> dict[str, A
 
 # --- signing --------------------------------------------------------------------------------------------------------
 
+
 def _ssh_keygen() -> str:
     found = shutil.which("ssh-keygen")
     if not found:
-        raise ConfigError("ssh-keygen is not installed: install OpenSSH (e.g. apt-get install openssh-client) "
-                          "to sign or check a manifest signature")
+        raise ConfigError(
+            "ssh-keygen is not installed: install OpenSSH (e.g. apt-get install openssh-client) "
+            "to sign or check a manifest signature"
+        )
     return found
 
 
@@ -91,31 +94,56 @@ def sign_manifest(out_dir: Path, key: Path) -> Path:
     check_sign_key(key)
     sig = out_dir / SIGNATURE
     sig.unlink(missing_ok=True)
-    done = subprocess.run([_ssh_keygen(), "-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE,
-                           str(out_dir / MANIFEST)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = subprocess.run(
+        [_ssh_keygen(), "-Y", "sign", "-f", str(key), "-n", SIGNATURE_NAMESPACE, str(out_dir / MANIFEST)],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     if done.returncode != 0 or not sig.exists():
-        raise ConfigError(f"ssh-keygen could not sign the manifest with {key} ({_last_line(done.stderr)}); "
-                          "use an SSH private key without a passphrase or one loaded in ssh-agent")
+        raise ConfigError(
+            f"ssh-keygen could not sign the manifest with {key} ({_last_line(done.stderr)}); "
+            "use an SSH private key without a passphrase or one loaded in ssh-agent"
+        )
     return sig
 
 
 def check_signature(out_dir: Path, allowed_signers: Path, identity: str | None = None) -> list[str]:
     """Problems with manifest.json.sig against an allowed-signers file (empty when the signature holds)."""
     if not Path(allowed_signers).is_file():
-        raise ConfigError(f"allowed signers file {allowed_signers} does not exist: name the file listing the "
-                          "public keys allowed to sign (ssh-keygen ALLOWED SIGNERS format)")
+        raise ConfigError(
+            f"allowed signers file {allowed_signers} does not exist: name the file listing the "
+            "public keys allowed to sign (ssh-keygen ALLOWED SIGNERS format)"
+        )
     identity = identity or _first_principal(Path(allowed_signers))
     sig = out_dir / SIGNATURE
     if not sig.exists():
         return [f"{SIGNATURE} is missing: the manifest is not signed (run with --sign-key)"]
     with (out_dir / MANIFEST).open("rb") as manifest:
-        done = subprocess.run([_ssh_keygen(), "-Y", "verify", "-f", str(allowed_signers), "-I", identity,
-                               "-n", SIGNATURE_NAMESPACE, "-s", str(sig)], stdin=manifest, capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            [
+                _ssh_keygen(),
+                "-Y",
+                "verify",
+                "-f",
+                str(allowed_signers),
+                "-I",
+                identity,
+                "-n",
+                SIGNATURE_NAMESPACE,
+                "-s",
+                str(sig),
+            ],
+            stdin=manifest,
+            capture_output=True,
+            text=True,
+        )
     if done.returncode != 0:
-        return [f"{MANIFEST}: the signature does not hold for {identity!r} "
-                f"({_last_line(done.stderr or done.stdout)}): the manifest was changed after signing, "
-                "or signed by another key"]
+        return [
+            f"{MANIFEST}: the signature does not hold for {identity!r} "
+            f"({_last_line(done.stderr or done.stdout)}): the manifest was changed after signing, "
+            "or signed by another key"
+        ]
     return []
 
 
@@ -123,8 +151,10 @@ def signature_unchecked(out_dir: Path, allowed_signers: Path | None) -> str | No
     """What to say when a folder's manifest is signed but no allowed-signers file was given to check it (a hash
     in an unsigned manifest proves nothing: anyone who edits an output can fix its hash)."""
     if allowed_signers is None and (Path(out_dir) / SIGNATURE).exists():
-        return (f"{SIGNATURE} was not checked: the folder is signed, but who signed it is only checked with "
-                "--allowed-signers (and --identity)")
+        return (
+            f"{SIGNATURE} was not checked: the folder is signed, but who signed it is only checked with "
+            "--allowed-signers (and --identity)"
+        )
     return None
 
 
@@ -133,8 +163,10 @@ def _first_principal(allowed_signers: Path) -> str:
         line = line.strip()
         if line and not line.startswith("#"):
             return line.split()[0].split(",")[0]
-    raise ConfigError(f"allowed signers file {allowed_signers} names no principal: give --identity or add a "
-                      "line '<principal> <key type> <public key>'")
+    raise ConfigError(
+        f"allowed signers file {allowed_signers} names no principal: give --identity or add a "
+        "line '<principal> <key type> <public key>'"
+    )
 
 
 def _last_line(text: str) -> str:
@@ -144,14 +176,18 @@ def _last_line(text: str) -> str:
 
 # --- verify ---------------------------------------------------------------------------------------------------------
 
+
 def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str | None = None) -> list[str]:
     """Problems found (empty when the folder checks out)."""
     out_dir = Path(out_dir)
     manifest, scope_json = _read_json(out_dir, MANIFEST), _read_json(out_dir, "scope.json")
     db = out_dir / EVIDENCE
     if not db.is_file():
-        raise InputError(f"{EVIDENCE} is missing: verify re-derives every figure from it; name the whole output "
-                         "folder of a `kvforensics run`", location=str(out_dir))
+        raise InputError(
+            f"{EVIDENCE} is missing: verify re-derives every figure from it; name the whole output "
+            "folder of a `kvforensics run`",
+            location=str(out_dir),
+        )
     problems: list[str] = []
     if allowed_signers is not None:
         problems += check_signature(out_dir, allowed_signers, identity)
@@ -164,8 +200,10 @@ def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str 
         # a manifest written before `table_digest` was recorded hashed its tables row by row in Python
         method = manifest.get("table_digest", "rows-v1")
         if method not in TABLE_DIGESTS:
-            problems.append(f"the manifest's table_digest {str(method)[:40]!r} is not one this version knows "
-                            f"({', '.join(TABLE_DIGESTS)}): its tables cannot be checked")
+            problems.append(
+                f"the manifest's table_digest {str(method)[:40]!r} is not one this version knows "
+                f"({', '.join(TABLE_DIGESTS)}): its tables cannot be checked"
+            )
             recorded = stored
         else:
             recorded = stored if method == TABLE_DIGEST else table_digests(evidence, method)
@@ -181,8 +219,9 @@ def verify(out_dir: Path, *, allowed_signers: Path | None = None, identity: str 
             problems.append(f"the inputs no longer ingest as they did: {e}")
         else:
             # tables the run keeps about itself (e.g. the evidence set it recorded) are not derived from inputs
-            problems += _compare_tables(fresh, {k: v for k, v in stored.items() if k in fresh},
-                                        "a fresh ingest of the inputs gives")
+            problems += _compare_tables(
+                fresh, {k: v for k, v in stored.items() if k in fresh}, "a fresh ingest of the inputs gives"
+            )
     return problems
 
 
@@ -224,12 +263,16 @@ def _check_inputs(out_dir: Path, manifest: dict) -> list[str]:
 def _incident(out_dir: Path, manifest: dict) -> Incident:
     recorded = manifest.get("incident")
     if not isinstance(recorded, dict) or not isinstance(recorded.get("file"), str):
-        raise InputError(f"{MANIFEST} names no incident file: it is not the manifest `kvforensics run` writes",
-                         location=str(out_dir))
+        raise InputError(
+            f"{MANIFEST} names no incident file: it is not the manifest `kvforensics run` writes", location=str(out_dir)
+        )
     path = _incident_dir(out_dir, manifest) / recorded["file"]
     if not path.is_file():
-        raise InputError(f"the incident file {path} is missing: verify needs it (and the inputs it names) to "
-                         "re-derive the figures; restore it at that path", location=str(out_dir))
+        raise InputError(
+            f"the incident file {path} is missing: verify needs it (and the inputs it names) to "
+            "re-derive the figures; restore it at that path",
+            location=str(out_dir),
+        )
     incident = load_incident(path)
     if manifest.get("outside_incident_folder"):  # the run was allowed to read them; their hashes are checked
         incident = replace(incident, allow_outside=True)
@@ -252,13 +295,22 @@ def _check_headlines(con: duckdb.DuckDBPyConnection, scope: dict) -> list[str]:
         if value != expected:
             problems.append(f"scope.json {key} = {expected}, but the database gives {value} ({query})")
     if "conclusive" in scope and scope["conclusive"] != (not scope.get("inconclusive_reasons")):
-        problems.append(f"scope.json conclusive = {scope['conclusive']} contradicts its "
-                        f"{len(scope.get('inconclusive_reasons') or [])} inconclusive reason(s)")
+        problems.append(
+            f"scope.json conclusive = {scope['conclusive']} contradicts its "
+            f"{len(scope.get('inconclusive_reasons') or [])} inconclusive reason(s)"
+        )
     return problems
 
 
-def _rederive_from_evidence(db: Path, tmp: Path, incident: Incident, manifest: dict, scope_json: dict,
-                            stored: dict[str, dict[str, Any]], out_dir: Path) -> list[str]:
+def _rederive_from_evidence(
+    db: Path,
+    tmp: Path,
+    incident: Incident,
+    manifest: dict,
+    scope_json: dict,
+    stored: dict[str, dict[str, Any]],
+    out_dir: Path,
+) -> list[str]:
     """Detection, scope, CSVs and notices re-run on a scratch copy of the evidence database, compared."""
     from kvforensics.evidence.outputs import write_manifest, write_tables
     from kvforensics.report.render import render_pages, write_notices
@@ -325,14 +377,21 @@ def _page_diff(have_path: Path, want_path: Path, version: Any) -> str | None:
     if have == want:
         return None
     have_lines, want_lines = have.decode("utf-8", "replace").splitlines(), want.decode("utf-8", "replace").splitlines()
-    line = next((i for i, (a, b) in enumerate(zip(have_lines, want_lines, strict=False), 1) if a != b),
-                min(len(have_lines), len(want_lines)) + 1)
+    line = next(
+        (i for i, (a, b) in enumerate(zip(have_lines, want_lines, strict=False), 1) if a != b),
+        min(len(have_lines), len(want_lines)) + 1,
+    )
     a = have_lines[line - 1] if line <= len(have_lines) else "(end of file)"
     b = want_lines[line - 1] if line <= len(want_lines) else "(end of file)"
-    older = (f" (the run was kvforensics {str(version)[:20]}, this is {__version__}: run it again to compare)"
-             if version != __version__ else "")
-    return (f"{name} differs from the report the evidence gives, first at line {line}: {_short(a[:300])}, "
-            f"re-rendered {_short(b[:300])}{older}")
+    older = (
+        f" (the run was kvforensics {str(version)[:20]}, this is {__version__}: run it again to compare)"
+        if version != __version__
+        else ""
+    )
+    return (
+        f"{name} differs from the report the evidence gives, first at line {line}: {_short(a[:300])}, "
+        f"re-rendered {_short(b[:300])}{older}"
+    )
 
 
 def _reinvestigate(work: Path, incident: Incident) -> dict[str, dict[str, Any]]:
@@ -368,8 +427,9 @@ def _compare_tables(expected: Any, stored: dict[str, dict[str, Any]], what: str)
         elif want is None:
             problems.append(f"{EVIDENCE}: table {name} ({have['rows']} rows) is not one {what}")
         elif want.get("sha256") != have["sha256"]:
-            problems.append(f"{EVIDENCE}: table {name} has {have['rows']} rows that differ from the "
-                            f"{want.get('rows')} {what}")
+            problems.append(
+                f"{EVIDENCE}: table {name} has {have['rows']} rows that differ from the {want.get('rows')} {what}"
+            )
     return problems
 
 
@@ -417,20 +477,29 @@ def _csv_diff(have_path: Path, want_path: Path) -> list[str]:
     if len(have) != len(want):
         missing = {tuple(r) for r in want[1:]} - {tuple(r) for r in have[1:]}
         extra = {tuple(r) for r in have[1:]} - {tuple(r) for r in want[1:]}
-        problems.append(f"{name}: {len(have) - 1} rows, re-derived {len(want) - 1} "
-                        f"({len(missing)} missing, {len(extra)} not re-derived)")
+        problems.append(
+            f"{name}: {len(have) - 1} rows, re-derived {len(want) - 1} "
+            f"({len(missing)} missing, {len(extra)} not re-derived)"
+        )
     return problems
 
 
 def _notices_diff(have_dir: Path, want_dir: Path, *, complete: bool = True) -> list[str]:
     """Each notice that differs from the re-derived ones; those re-derived but absent only when the folder should
     hold every notice (``complete``: the report stage wrote it)."""
-    have = {p.relative_to(have_dir).as_posix() for p in have_dir.rglob("*") if p.is_file()} if have_dir.is_dir() else set()
-    want = {p.relative_to(want_dir).as_posix() for p in want_dir.rglob("*") if p.is_file()} if want_dir.is_dir() else set()
+    have = (
+        {p.relative_to(have_dir).as_posix() for p in have_dir.rglob("*") if p.is_file()} if have_dir.is_dir() else set()
+    )
+    want = (
+        {p.relative_to(want_dir).as_posix() for p in want_dir.rglob("*") if p.is_file()} if want_dir.is_dir() else set()
+    )
     problems = [f"notices/{rel} is missing; the evidence gives it" for rel in sorted(want - have) if complete]
     problems += [f"notices/{rel} is not a notice the evidence gives" for rel in sorted(have - want)]
-    problems += [f"notices/{rel} differs from the notice the evidence gives" for rel in sorted(have & want)
-                 if (have_dir / rel).read_bytes() != (want_dir / rel).read_bytes()]
+    problems += [
+        f"notices/{rel} differs from the notice the evidence gives"
+        for rel in sorted(have & want)
+        if (have_dir / rel).read_bytes() != (want_dir / rel).read_bytes()
+    ]
     return problems
 
 
@@ -439,11 +508,13 @@ def _read_json(out_dir: Path, name: str) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise InputError(f"{name} is missing: name the output folder of a `kvforensics run`",
-                         location=str(out_dir)) from None
+        raise InputError(
+            f"{name} is missing: name the output folder of a `kvforensics run`", location=str(out_dir)
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{name} is not the JSON `kvforensics run` writes ({e}); run the investigation again",
-                         location=str(path)) from None
+        raise InputError(
+            f"{name} is not the JSON `kvforensics run` writes ({e}); run the investigation again", location=str(path)
+        ) from None
     if not isinstance(data, dict):
         raise InputError(f"{name} is not the JSON object `kvforensics run` writes", location=str(path))
     return data

@@ -22,7 +22,6 @@ MAX_CHART_POINTS = 4000  # an account's unflagged requests drawn (every flagged 
 AFFECTED = ("confirmed", "probable")  # the tiers counted as affected responses
 
 
-
 def _known(con: duckdb.DuckDBPyConnection, query: str, limit: int = 12) -> str:
     names = [str(r[0]) for r in con.execute(f"{query} LIMIT {int(limit) + 1}").fetchall()]
     shown = ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
@@ -50,9 +49,14 @@ def examples(con: duckdb.DuckDBPyConnection) -> Examples:
 
     account = first("""SELECT account_id FROM affected_responses GROUP BY account_id, account_class
                        ORDER BY account_class = 'customer' DESC, count(*) DESC, account_id LIMIT 1""")
-    response = None if account is None else con.execute(
-        "SELECT request_id FROM affected_responses WHERE account_id = $a ORDER BY ts, request_id LIMIT 1",
-        {"a": account}).fetchone()[0]
+    response = (
+        None
+        if account is None
+        else con.execute(
+            "SELECT request_id FROM affected_responses WHERE account_id = $a ORDER BY ts, request_id LIMIT 1",
+            {"a": account},
+        ).fetchone()[0]
+    )
     instance = first("""SELECT c.instance FROM capacity c JOIN affected_responses a
                           ON c.instance IN (a.prefill_instance, a.decode_instance, a.pool_instance)
                          AND a.ts >= c.valid_from AND (c.valid_to IS NULL OR a.ts < c.valid_to)
@@ -68,23 +72,35 @@ def examples(con: duckdb.DuckDBPyConnection) -> Examples:
 def account_timeline(con: duckdb.DuckDBPyConnection, account_id: str | None) -> View:
     """Every request of one account in time order, with its confidence tier (``not flagged`` when no rule
     flagged it) and whether it is an affected response; ``.chart`` draws them (prompt size over time)."""
-    frame = read_frame(con, """
+    frame = read_frame(
+        con,
+        """
         SELECT r.ts, r.request_id, r.model, r.status, r.prompt_tokens, r.completion_tokens, r.ttft_ms,
                r.latency_ms, r.prefill_instance, r.decode_instance,
                coalesce(t.confidence, 'not flagged') AS confidence, t.rules,
                a.request_id IS NOT NULL AS affected
         FROM requests r LEFT JOIN request_tiers t USING (request_id)
         LEFT JOIN affected_responses a USING (request_id)
-        WHERE r.account_id = $account ORDER BY r.ts, r.request_id""", {"account": account_id})
+        WHERE r.account_id = $account ORDER BY r.ts, r.request_id""",
+        {"account": account_id},
+    )
     title = f"Account {account_id}: its requests over time"
     if frame.empty:
         known = _known(con, "SELECT DISTINCT account_id FROM affected_responses ORDER BY 1")
-        return View(title, frame, f"No request of account {account_id!r} in the evidence (account ids are "
-                                  f"exact); accounts with affected responses: {known}.")
+        return View(
+            title,
+            frame,
+            f"No request of account {account_id!r} in the evidence (account ids are "
+            f"exact); accounts with affected responses: {known}.",
+        )
     affected = frame[frame["affected"]]
     note = f"{len(frame):,} requests from {when(frame['ts'].min())} to {when(frame['ts'].max())}; "
-    note += (f"{len(affected):,} affected responses (it received foreign data) from {when(affected['ts'].min())} "
-             f"to {when(affected['ts'].max())}." if not affected.empty else "none affected.")
+    note += (
+        f"{len(affected):,} affected responses (it received foreign data) from {when(affected['ts'].min())} "
+        f"to {when(affected['ts'].max())}."
+        if not affected.empty
+        else "none affected."
+    )
     return View(title, frame, note, chart=_account_chart(frame, str(account_id)))
 
 
@@ -93,24 +109,36 @@ def _account_chart(frame: pd.DataFrame, account_id: str) -> alt.Chart:
     rest = frame[frame["confidence"] == "not flagged"]
     if len(rest) > MAX_CHART_POINTS:
         rest = rest.sample(MAX_CHART_POINTS, random_state=0)
-    points = pd.concat([rest, flagged])[["ts", "request_id", "model", "status", "prompt_tokens", "ttft_ms",
-                                         "confidence", "affected"]]
-    points = points.assign(ts=points["ts"].dt.tz_convert("UTC").dt.tz_localize(None),
-                           outcome=["success" if 200 <= s <= 299 else "error" for s in points["status"]])
-    return alt.Chart(points).mark_point(filled=True, size=45, opacity=0.8).encode(
-        x=alt.X("ts:T", title="time (UTC)", scale=alt.Scale(type="utc")),
-        y=alt.Y("prompt_tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s")),
-        color=alt.Color("confidence:N", scale=CONFIDENCE_COLOURS, title="finding"),
-        shape=alt.Shape("outcome:N", title="client got"),
-        tooltip=["ts:T", "request_id:N", "model:N", "status:Q", "prompt_tokens:Q", "ttft_ms:Q", "confidence:N"],
-    ).properties(width=640, height=260, title=f"requests of {account_id}").interactive()
+    points = pd.concat([rest, flagged])[
+        ["ts", "request_id", "model", "status", "prompt_tokens", "ttft_ms", "confidence", "affected"]
+    ]
+    points = points.assign(
+        ts=points["ts"].dt.tz_convert("UTC").dt.tz_localize(None),
+        outcome=["success" if 200 <= s <= 299 else "error" for s in points["status"]],
+    )
+    return (
+        alt.Chart(points)
+        .mark_point(filled=True, size=45, opacity=0.8)
+        .encode(
+            x=alt.X("ts:T", title="time (UTC)", scale=alt.Scale(type="utc")),
+            y=alt.Y("prompt_tokens:Q", title="prompt tokens", axis=alt.Axis(format="~s")),
+            color=alt.Color("confidence:N", scale=CONFIDENCE_COLOURS, title="finding"),
+            shape=alt.Shape("outcome:N", title="client got"),
+            tooltip=["ts:T", "request_id:N", "model:N", "status:Q", "prompt_tokens:Q", "ttft_ms:Q", "confidence:N"],
+        )
+        .properties(width=640, height=260, title=f"requests of {account_id}")
+        .interactive()
+    )
 
 
 @reads
 def instance_history(con: duckdb.DuckDBPyConnection, instance: str | None) -> View:
     """One engine instance's start-ups in order: KV pool, context length, exposed or not, how each ended, and
     the requests, affected responses and engine aborts of each."""
-    frame = without_na(read_frame(con, """
+    frame = without_na(
+        read_frame(
+            con,
+            """
         SELECT c.valid_from, c.valid_to, c.role, c.model, c.engine_version, c.kv_pool_tokens,
                c.context_length, c.kv_pool_tokens < c.context_length AS exposed, c.source_file, c.source_line,
                c.end_reason, c.end_file, c.end_line, c.successor, c.last_ts, c.last_line,
@@ -122,16 +150,24 @@ def instance_history(con: duckdb.DuckDBPyConnection, instance: str | None) -> Vi
                (SELECT count(*) FROM engine_events e WHERE e.instance = c.instance AND e.kind LIKE 'abort%'
                   AND e.ts >= c.valid_from AND (c.valid_to IS NULL OR e.ts < c.valid_to)) AS engine_aborts
         FROM capacity c WHERE c.instance = $instance ORDER BY c.valid_from NULLS FIRST, c.source_line""",
-                           {"instance": instance}))
+            {"instance": instance},
+        )
+    )
     title = f"Instance {instance}: its start-ups"
     if frame.empty:
-        return View(title, frame, f"No start-up of instance {instance!r} in the engine logs; instances: "
-                                  f"{_known(con, 'SELECT DISTINCT instance FROM capacity ORDER BY 1')}.")
+        return View(
+            title,
+            frame,
+            f"No start-up of instance {instance!r} in the engine logs; instances: "
+            f"{_known(con, 'SELECT DISTINCT instance FROM capacity ORDER BY 1')}.",
+        )
     frame["ended"] = [how_it_ended(row) for row in frame.to_dict("records")]
     frame = frame.drop(columns=["end_reason", "end_file", "end_line", "successor", "last_ts", "last_line"])
     exposed = int(frame["exposed"].fillna(False).astype(bool).sum())
-    note = (f"{len(frame)} start-ups, {exposed} exposed (KV pool below the context length); "
-            f"{int(frame['affected_responses'].sum()):,} affected responses served.")
+    note = (
+        f"{len(frame)} start-ups, {exposed} exposed (KV pool below the context length); "
+        f"{int(frame['affected_responses'].sum()):,} affected responses served."
+    )
     return View(title, frame, note)
 
 
@@ -149,27 +185,52 @@ def _evidence_text(value: str | None) -> str:
 def response_evidence(con: duckdb.DuckDBPyConnection, request_id: str | None) -> View:
     """One response against every rule: whether each flagged it, with what strength and evidence (log lines,
     observed vs expected times, the pool it exceeded)."""
-    request = read_frame(con, """SELECT r.ts, r.account_id, r.model, r.status, r.prompt_tokens, r.prefill_instance,
+    request = read_frame(
+        con,
+        """SELECT r.ts, r.account_id, r.model, r.status, r.prompt_tokens, r.prefill_instance,
                                  r.decode_instance, t.confidence
                           FROM requests r LEFT JOIN request_tiers t USING (request_id)
-                          WHERE r.request_id = $id""", {"id": request_id})
+                          WHERE r.request_id = $id""",
+        {"id": request_id},
+    )
     title = f"Response {request_id}: the evidence of every rule"
     if request.empty:
-        return View(title, pd.DataFrame(columns=["rule_id", "title", "flagged", "strength", "evidence"]),
-                    f"No request {request_id!r} in the evidence (request ids are exact).")
-    found = {rule: (strength, evidence) for rule, strength, evidence in con.execute(
-        "SELECT rule_id, strength, CAST(evidence AS VARCHAR) FROM findings WHERE request_id = $id",
-        {"id": request_id}).fetchall()}
-    frame = pd.DataFrame([{"rule_id": r.id, "title": r.title, "flagged": r.id in found,
-                           "strength": found.get(r.id, (None, None))[0],
-                           "evidence": _evidence_text(found.get(r.id, (None, None))[1])} for r in load_rules()])
+        return View(
+            title,
+            pd.DataFrame(columns=["rule_id", "title", "flagged", "strength", "evidence"]),
+            f"No request {request_id!r} in the evidence (request ids are exact).",
+        )
+    found = {
+        rule: (strength, evidence)
+        for rule, strength, evidence in con.execute(
+            "SELECT rule_id, strength, CAST(evidence AS VARCHAR) FROM findings WHERE request_id = $id",
+            {"id": request_id},
+        ).fetchall()
+    }
+    frame = pd.DataFrame(
+        [
+            {
+                "rule_id": r.id,
+                "title": r.title,
+                "flagged": r.id in found,
+                "strength": found.get(r.id, (None, None))[0],
+                "evidence": _evidence_text(found.get(r.id, (None, None))[1]),
+            }
+            for r in load_rules()
+        ]
+    )
     row = request.iloc[0]
     tier = row["confidence"] if isinstance(row["confidence"], str) else "not flagged"
-    note = (f"Account {row['account_id']} at {when(row['ts'])}, {row['model']}, {int(row['prompt_tokens']):,} "
-            f"prompt tokens, HTTP {int(row['status'])}, prefill {row['prefill_instance']}, decode "
-            f"{row['decode_instance']}: {tier}"
-            + (" (an affected response when inside the analysed period)." if tier in AFFECTED
-               else " (not counted as affected)."))
+    note = (
+        f"Account {row['account_id']} at {when(row['ts'])}, {row['model']}, {int(row['prompt_tokens']):,} "
+        f"prompt tokens, HTTP {int(row['status'])}, prefill {row['prefill_instance']}, decode "
+        f"{row['decode_instance']}: {tier}"
+        + (
+            " (an affected response when inside the analysed period)."
+            if tier in AFFECTED
+            else " (not counted as affected)."
+        )
+    )
     return View(title, frame, note)
 
 
@@ -214,7 +275,9 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
     whose KV pages it could have read (freed on its decode instance less than the turnover horizon before
     it), whose prefix-cache blocks were resident when a collision was served, whose text its output shares,
     and whose stored blocks it reused (``confirmed``; ``basis`` says which), with their accounts."""
-    frame = read_frame(con, f"""
+    frame = read_frame(
+        con,
+        f"""
         WITH s AS ({_SOURCES.format(where="affected_request_id = $id")})
         SELECT s.source_request_id, s.source_account_id, ac.account_class, r.ts AS source_ts,
                s.tokens_written_since, s.pool_tokens, s.within_horizon, s.matching_shingles, s.match_fraction,
@@ -223,22 +286,34 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
         LEFT JOIN requests r ON r.request_id = s.source_request_id
         LEFT JOIN account_classes ac ON ac.account_id = s.source_account_id
         ORDER BY s.confirmed DESC, s.matching_shingles DESC, s.tokens_written_since NULLS LAST,
-                 s.source_request_id""", {"id": request_id})
+                 s.source_request_id""",
+        {"id": request_id},
+    )
     title = f"Response {request_id}: whose data it could have carried"
-    recipient = con.execute("SELECT account_id FROM affected_responses WHERE request_id = $id",
-                            {"id": request_id}).fetchone()
+    recipient = con.execute(
+        "SELECT account_id FROM affected_responses WHERE request_id = $id", {"id": request_id}
+    ).fetchone()
     if recipient is None:
-        return View(title, frame, f"{request_id!r} is not an affected response: no sources are computed for it "
-                                  f"(response_evidence shows how the rules saw it).")
+        return View(
+            title,
+            frame,
+            f"{request_id!r} is not an affected response: no sources are computed for it "
+            f"(response_evidence shows how the rules saw it).",
+        )
     # the recipient's own earlier requests are no source of another account's data: left out, and counted
     own = int((frame["source_account_id"] == recipient[0]).sum())
     others = frame[frame["source_account_id"] != recipient[0]].reset_index(drop=True)
     confirmed = others[others["confirmed"].fillna(False).astype(bool)]
-    note = (f"{len(others):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
-            f"other than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts "
-            f"confirmed (their text is in the output, or the response reused their prefix-cache blocks)."
-            + (f" {own:,} of the recipient's own earlier requests are left out: its own data is no exposure."
-               if own else ""))
+    note = (
+        f"{len(others):,} candidate source requests from {others['source_account_id'].nunique():,} accounts "
+        f"other than the recipient {recipient[0]}; {confirmed['source_account_id'].nunique():,} accounts "
+        f"confirmed (their text is in the output, or the response reused their prefix-cache blocks)."
+        + (
+            f" {own:,} of the recipient's own earlier requests are left out: its own data is no exposure."
+            if own
+            else ""
+        )
+    )
     return View(title, others, note)
 
 
@@ -246,23 +321,31 @@ def response_sources(con: duckdb.DuckDBPyConnection, request_id: str | None) -> 
 def account_exposure(con: duckdb.DuckDBPyConnection, account_id: str | None) -> View:
     """Where one account's data could have gone: the affected responses of other accounts that could have
     carried it (its request as a possible or confirmed source of any investigated mechanism)."""
-    frame = read_frame(con, f"""
+    frame = read_frame(
+        con,
+        f"""
         WITH s AS ({_SOURCES.format(where="source_account_id = $account AND recipient_account_id <> $account")})
         SELECT s.affected_request_id, a.ts, s.recipient_account_id, a.account_class AS recipient_class,
                s.source_request_id, s.tokens_written_since, s.matching_shingles, s.confirmed, s.basis
         FROM s LEFT JOIN affected_responses a ON a.request_id = s.affected_request_id
         ORDER BY s.confirmed DESC, a.ts, s.affected_request_id, s.source_request_id""",
-                       {"account": account_id})
+        {"account": account_id},
+    )
     title = f"Account {account_id}: where its data could have gone"
     if frame.empty:
-        known = con.execute("SELECT count(*) FROM requests WHERE account_id = $a",
-                            {"a": account_id}).fetchone()[0]
-        return View(title, frame, f"No affected response of another account could have carried data of "
-                                  f"{account_id!r}." if known else
-                    f"No request of account {account_id!r} in the evidence (account ids are exact).")
+        known = con.execute("SELECT count(*) FROM requests WHERE account_id = $a", {"a": account_id}).fetchone()[0]
+        return View(
+            title,
+            frame,
+            f"No affected response of another account could have carried data of {account_id!r}."
+            if known
+            else f"No request of account {account_id!r} in the evidence (account ids are exact).",
+        )
     confirmed = frame[frame["confirmed"]]
-    note = (f"{frame['affected_request_id'].nunique():,} affected responses to "
-            f"{frame['recipient_account_id'].nunique()} other accounts could have carried its data; "
-            f"{confirmed['affected_request_id'].nunique():,} confirmed (to "
-            f"{confirmed['recipient_account_id'].nunique()} accounts).")
+    note = (
+        f"{frame['affected_request_id'].nunique():,} affected responses to "
+        f"{frame['recipient_account_id'].nunique()} other accounts could have carried its data; "
+        f"{confirmed['affected_request_id'].nunique():,} confirmed (to "
+        f"{confirmed['recipient_account_id'].nunique()} accounts)."
+    )
     return View(title, frame, note)

@@ -53,9 +53,11 @@ class OfflineCharts:
 
     def _repr_html_(self) -> str:
         script = f"if (!window.vegaEmbed) {{ (function () {{\n{vega_javascript()}\n}})(); }}"
-        return (f'<script type="text/javascript">{script}</script><p><small>Charts: Vega-Lite {html_version()} '
-                f"embedded in this notebook (no network needed); drag or scroll a chart to zoom, hover for "
-                f"details.</small></p>")
+        return (
+            f'<script type="text/javascript">{script}</script><p><small>Charts: Vega-Lite {html_version()} '
+            f"embedded in this notebook (no network needed); drag or scroll a chart to zoom, hover for "
+            f"details.</small></p>"
+        )
 
     def __repr__(self) -> str:
         return f"charts: Vega-Lite {html_version()}, embedded (offline)"
@@ -92,8 +94,11 @@ def export_html(notebook: str | Path, html: str | Path | None = None) -> Path:
 
     source = Path(notebook)
     target = Path(html) if html is not None else source.with_suffix(".html")
-    exporter = HTMLExporter(template_name="lab", template_file="kvf_offline.html.j2",
-                            extra_loaders=[DictLoader({"kvf_offline.html.j2": _EXPORT_TEMPLATE})])
+    exporter = HTMLExporter(
+        template_name="lab",
+        template_file="kvf_offline.html.j2",
+        extra_loaders=[DictLoader({"kvf_offline.html.j2": _EXPORT_TEMPLATE})],
+    )
     body, _ = exporter.from_notebook_node(nbformat.read(source, as_version=4))
     target.write_text(body, encoding="utf-8")
     return target

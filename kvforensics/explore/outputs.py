@@ -53,11 +53,19 @@ def output_files(out_dir: str | Path) -> View:
         path = out / name
         if path.is_dir():
             files = [p for p in path.rglob("*") if p.is_file()]
-            rows.append({"file": f"{name}/", "what": what, "files": len(files),
-                         "bytes": sum(p.stat().st_size for p in files), "sha256": None})
+            rows.append(
+                {
+                    "file": f"{name}/",
+                    "what": what,
+                    "files": len(files),
+                    "bytes": sum(p.stat().st_size for p in files),
+                    "sha256": None,
+                }
+            )
         elif path.is_file():
-            rows.append({"file": name, "what": what, "files": 1, "bytes": path.stat().st_size,
-                         "sha256": hashes.get(name)})
+            rows.append(
+                {"file": name, "what": what, "files": 1, "bytes": path.stat().st_size, "sha256": hashes.get(name)}
+            )
     frame = pd.DataFrame(rows, columns=["file", "what", "files", "bytes", "sha256"])
     missing = [n for n in ("scope.json", "manifest.json", "report.html", "report.md") if not (out / n).exists()]
     note = f"{len(frame)} outputs in {out}." + (f" Missing: {', '.join(missing)}." if missing else "")
@@ -74,11 +82,12 @@ class ReportPreview:
 
     def _repr_html_(self) -> str:
         if not self.path.is_file():
-            return (f"<p>No report in {escape(str(self.path.parent))} yet: run notebook 04 or "
-                    f"`kvforensics report`.</p>")
+            return f"<p>No report in {escape(str(self.path.parent))} yet: run notebook 04 or `kvforensics report`.</p>"
         page = self.path.read_text(encoding="utf-8")
-        return (f'<iframe title="report.html" style="width: 100%; height: {int(self.height)}px; border: 1px solid '
-                f'#ccc" srcdoc="{escape(page, quote=True)}"></iframe>')
+        return (
+            f'<iframe title="report.html" style="width: 100%; height: {int(self.height)}px; border: 1px solid '
+            f'#ccc" srcdoc="{escape(page, quote=True)}"></iframe>'
+        )
 
     def __repr__(self) -> str:
         return f"report: {self.path}"

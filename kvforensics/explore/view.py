@@ -18,10 +18,20 @@ from kvforensics.stages.scope import iso
 
 MAX_ROWS = 50  # rows a view shows in a notebook; the frame holds them all
 # the stage that writes each table a view reads beyond the ingest's (sql/schema.sql creates those)
-STAGE_OF_TABLE = {"request_tiers": "detect", "affected_responses": "scope", "suspect_responses": "scope",
-                  "possible_sources": "scope", "content_matches": "scope", "notifications": "scope",
-                  "account_behaviour": "scope", "account_classes": "scope", "analysed_requests": "scope",
-                  "log_gaps": "scope", "prefix_sources": "scope", "prefix_possible_sources": "scope"}
+STAGE_OF_TABLE = {
+    "request_tiers": "detect",
+    "affected_responses": "scope",
+    "suspect_responses": "scope",
+    "possible_sources": "scope",
+    "content_matches": "scope",
+    "notifications": "scope",
+    "account_behaviour": "scope",
+    "account_classes": "scope",
+    "analysed_requests": "scope",
+    "log_gaps": "scope",
+    "prefix_sources": "scope",
+    "prefix_possible_sources": "scope",
+}
 _MISSING_TABLE = re.compile(r"Table with name (\w+) does not exist")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +44,7 @@ def read_frame(con: duckdb.DuckDBPyConnection, query: str, params: dict | None =
 def reads(function: F) -> F:
     """A view of a stage's tables asked for before the stage ran says which stage to build, not a DuckDB
     catalog error."""
+
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -42,10 +53,13 @@ def reads(function: F) -> F:
             found = _MISSING_TABLE.search(str(e))
             table = found.group(1) if found else "a table"
             stage = STAGE_OF_TABLE.get(table, "ingest")
-            raise InputError(f"{function.__name__} reads {table}, which the '{stage}' stage writes and this "
-                             f"evidence database lacks: open the folder with "
-                             f"Investigation.open_or_build(incident, out_dir, "
-                             f"through=\"{stage}\") (or run `kvforensics {stage}`) first") from None
+            raise InputError(
+                f"{function.__name__} reads {table}, which the '{stage}' stage writes and this "
+                f"evidence database lacks: open the folder with "
+                f"Investigation.open_or_build(incident, out_dir, "
+                f"through=\"{stage}\") (or run `kvforensics {stage}`) first"
+            ) from None
+
     return wrapper  # type: ignore[return-value]
 
 

@@ -106,9 +106,7 @@ class CurveFit:
         return html_table("Prefill curve fit", self.to_dict())
 
 
-def fit_curve(
-    n: ArrayLike, t_ms: ArrayLike, *, weights: Literal["relative", "absolute"] = "relative"
-) -> CurveFit:
+def fit_curve(n: ArrayLike, t_ms: ArrayLike, *, weights: Literal["relative", "absolute"] = "relative") -> CurveFit:
     """Fit ``t ≈ a + b*n + c*n**2`` with ``a, b, c >= 0`` by (weighted) least squares.
 
     ``weights="relative"`` minimises ``sum(((pred - t) / t) ** 2)``, i.e. relative error, so a

@@ -105,11 +105,7 @@ class LatencyFit:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (NaN becomes ``None``)."""
-        curve = (
-            self.curve.to_dict()
-            if self.curve
-            else dict.fromkeys(("a_ms", "b_ms_per_token", "c_ms_per_token2"))
-        )
+        curve = self.curve.to_dict() if self.curve else dict.fromkeys(("a_ms", "b_ms_per_token", "c_ms_per_token2"))
         return {
             "usable": self.usable,
             "reason": self.reason,
@@ -184,9 +180,7 @@ class EnvelopeSample(Protocol):
 
     def point_count(self) -> int: ...
 
-    def bin_quantiles(
-        self, q: float, per_decade: int, curve: PrefillCurve | None, far: float
-    ) -> list[BinStat]:
+    def bin_quantiles(self, q: float, per_decade: int, curve: PrefillCurve | None, far: float) -> list[BinStat]:
         """Per bin: quantile ``q`` of TTFT (``curve`` None) or of TTFT/curve over ratios >= far."""
         ...
 
@@ -211,9 +205,7 @@ class _ArraySample:
         bins: npt.NDArray[np.int64] = np.floor(np.log10(self.n) * per_decade).astype(np.int64)
         return bins
 
-    def bin_quantiles(
-        self, q: float, per_decade: int, curve: PrefillCurve | None, far: float
-    ) -> list[BinStat]:
+    def bin_quantiles(self, q: float, per_decade: int, curve: PrefillCurve | None, far: float) -> list[BinStat]:
         bins = self._bins(per_decade)
         values = self.t if curve is None else self.t / curve.predict(self.n)
         keep = np.ones_like(values, dtype=bool) if curve is None else values >= far
@@ -221,9 +213,7 @@ class _ArraySample:
         for b in np.unique(bins[keep]):
             sel = keep & (bins == b)
             out.append(
-                BinStat(
-                    int(b), int(sel.sum()), float(np.median(self.n[sel])), float(np.quantile(values[sel], q))
-                )
+                BinStat(int(b), int(sel.sum()), float(np.median(self.n[sel])), float(np.quantile(values[sel], q)))
             )
         return out
 
@@ -234,9 +224,7 @@ class _ArraySample:
     def ratio_summary(self, curve: PrefillCurve, far: float, quantile: float) -> RatioSummary:
         ratio = self.t / curve.predict(self.n)
         kept = ratio[ratio >= far]
-        scale = (
-            float(np.quantile(kept, quantile, method="inverted_cdf")) * ON_ENVELOPE if kept.size else None
-        )
+        scale = float(np.quantile(kept, quantile, method="inverted_cdf")) * ON_ENVELOPE if kept.size else None
         return RatioSummary(int((ratio < far).sum()), int(kept.size), scale)
 
     def count_below(self, curve: PrefillCurve, far: float, scale: float) -> int:
@@ -275,9 +263,7 @@ def fit_lower_envelope(
     valid = np.isfinite(n) & np.isfinite(t) & (n >= 1) & (t > 0)
     notes = []
     if (~valid).any():
-        notes.append(
-            f"{int((~valid).sum())} points not used: missing values, no uncached tokens or TTFT <= 0"
-        )
+        notes.append(f"{int((~valid).sum())} points not used: missing values, no uncached tokens or TTFT <= 0")
     return fit_envelope(_ArraySample(n[valid], t[valid]), settings, notes)
 
 
@@ -311,9 +297,7 @@ def fit_envelope(sample: EnvelopeSample, s: EnvelopeSettings, notes: list[str]) 
 
     # Step 2: raw bin quantiles, minus bins that no non-negative curve could pass through.
     raw = [
-        b
-        for b in sample.bin_quantiles(s.bin_quantile, s.bins_per_decade, None, 0.0)
-        if b.points >= s.min_bin_points
+        b for b in sample.bin_quantiles(s.bin_quantile, s.bins_per_decade, None, 0.0) if b.points >= s.min_bin_points
     ]
     consistent, rejected = _consistent_bins(raw)
     if rejected:

@@ -147,13 +147,9 @@ class _DuckDBSample:
     def _curve_params(self, curve: PrefillCurve) -> dict[str, Any]:
         return {"a": curve.a_ms, "b": curve.b_ms_per_token, "c": curve.c_ms_per_token2}
 
-    def bin_quantiles(
-        self, q: float, per_decade: int, curve: PrefillCurve | None, far: float
-    ) -> list[BinStat]:
+    def bin_quantiles(self, q: float, per_decade: int, curve: PrefillCurve | None, far: float) -> list[BinStat]:
         if curve is None:
-            rows = self.con.execute(
-                _BIN_TTFT_SQL, {"per_decade": per_decade, "q": q}
-            ).fetchall()
+            rows = self.con.execute(_BIN_TTFT_SQL, {"per_decade": per_decade, "q": q}).fetchall()
         else:
             params = {**self._curve_params(curve), "per_decade": per_decade, "q": q, "far": far}
             rows = self.con.execute(_BIN_RATIO_SQL, params).fetchall()
@@ -167,9 +163,7 @@ class _DuckDBSample:
     def ratio_summary(self, curve: PrefillCurve, far: float, quantile: float) -> RatioSummary:
         params = {**self._curve_params(curve), "far": far, "quantile": quantile}
         far_below, kept, scale = self.con.execute(_RATIO_SUMMARY_SQL, params).fetchone() or (0, 0, None)
-        return RatioSummary(
-            int(far_below), int(kept), None if scale is None else float(scale) * ON_ENVELOPE
-        )
+        return RatioSummary(int(far_below), int(kept), None if scale is None else float(scale) * ON_ENVELOPE)
 
     def count_below(self, curve: PrefillCurve, far: float, scale: float) -> int:
         params = {**self._curve_params(curve), "far": far, "scale": scale}
@@ -217,11 +211,7 @@ def fit_models(
     except duckdb.CatalogException as exc:
         raise LatencyModelError(
             f"cannot read the requests to fit latency models ({exc}); load the request logs first"
-            + (
-                f" and check that table {exclude_table!r} exists with a request_id column"
-                if exclude_table
-                else ""
-            )
+            + (f" and check that table {exclude_table!r} exists with a request_id column" if exclude_table else "")
         ) from exc
     try:
         fits: dict[str, LatencyFit] = {}

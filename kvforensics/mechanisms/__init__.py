@@ -69,15 +69,15 @@ class Mechanism:
     title: str
     summary: str
     explanation: str
-    required: tuple[str, ...]       # every one must be present
-    any_of: tuple[str, ...]         # at least one must be present (empty: no such need)
-    strengthens: tuple[str, ...]    # inputs that make its findings stronger or its sources surer
+    required: tuple[str, ...]  # every one must be present
+    any_of: tuple[str, ...]  # at least one must be present (empty: no such need)
+    strengthens: tuple[str, ...]  # inputs that make its findings stronger or its sources surer
     attribution: str
-    audit_checks: tuple[int, ...]   # numbers of kvforensics.audit.model.CHECKS
+    audit_checks: tuple[int, ...]  # numbers of kvforensics.audit.model.CHECKS
     exploitation: str
-    notice: Notice                  # what the per-account notices say
-    path: Path                      # the mechanism's folder
-    rule_ids: tuple[str, ...]       # the rules found in its rules/ folder
+    notice: Notice  # what the per-account notices say
+    path: Path  # the mechanism's folder
+    rule_ids: tuple[str, ...]  # the rules found in its rules/ folder
 
     @property
     def rules_dir(self) -> Path:
@@ -95,8 +95,10 @@ class Mechanism:
     def _repr_html_(self) -> str:
         from html import escape
 
-        return (f"<b>{escape(self.id)}</b>: {escape(self.title)}<p>{escape(self.summary)}</p>"
-                f"<p>rules: {escape(', '.join(self.rule_ids) or 'none')}</p>")
+        return (
+            f"<b>{escape(self.id)}</b>: {escape(self.title)}<p>{escape(self.summary)}</p>"
+            f"<p>rules: {escape(', '.join(self.rule_ids) or 'none')}</p>"
+        )
 
 
 def _text(meta: Mapping[str, Any], key: str, where: str) -> str:
@@ -114,9 +116,12 @@ def _inputs(meta: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
     for name in value:
         m = _INPUT.match(name)
         if not m or m.group(1) not in offered or (m.group(2) and m.group(1) not in fields):
-            raise ConfigError(f"inputs.{key}: unknown input {name!r}; an input is one a source kind offers "
-                              f"({', '.join(offered)}) or a field of {' or '.join(fields)} "
-                              f"(e.g. requests.cached_tokens)", location=where)
+            raise ConfigError(
+                f"inputs.{key}: unknown input {name!r}; an input is one a source kind offers "
+                f"({', '.join(offered)}) or a field of {' or '.join(fields)} "
+                f"(e.g. requests.cached_tokens)",
+                location=where,
+            )
     return tuple(value)
 
 
@@ -124,23 +129,35 @@ def _notice_section(raw: Mapping[str, Any], role: str, where: str) -> NoticeSect
     section = raw.get(role)
     if not isinstance(section, Mapping) or set(section) != {"title", "text"}:
         raise ConfigError(f"notice.{role} must be a mapping of title and text", location=where)
-    return NoticeSection(_text(section, "title", f"{where}: notice.{role}"),
-                         _text(section, "text", f"{where}: notice.{role}"))
+    return NoticeSection(
+        _text(section, "title", f"{where}: notice.{role}"), _text(section, "text", f"{where}: notice.{role}")
+    )
 
 
 def _notice(meta: Mapping[str, Any], where: str) -> Notice:
     raw = meta.get("notice")
-    if not isinstance(raw, Mapping) or not set(raw) <= {*_NOTICE_ROLES, "bases"} or not {
-            "received", "exposed", "bases"} <= set(raw):
-        raise ConfigError("notice must be a mapping of received and exposed (each with title and text), optionally "
-                          "possible, and bases (each basis of its confirmed sources with what it means)", location=where)
+    if (
+        not isinstance(raw, Mapping)
+        or not set(raw) <= {*_NOTICE_ROLES, "bases"}
+        or not {"received", "exposed", "bases"} <= set(raw)
+    ):
+        raise ConfigError(
+            "notice must be a mapping of received and exposed (each with title and text), optionally "
+            "possible, and bases (each basis of its confirmed sources with what it means)",
+            location=where,
+        )
     bases = raw["bases"]
     if not isinstance(bases, Mapping) or not bases or not all(isinstance(b, str) and _BASIS.match(b) for b in bases):
-        raise ConfigError("notice.bases must map each basis (a lower-case name such as block_fingerprints) to what "
-                          "it means", location=where)
-    return Notice(received=_notice_section(raw, "received", where), exposed=_notice_section(raw, "exposed", where),
-                  possible=_notice_section(raw, "possible", where) if "possible" in raw else None,
-                  bases=tuple((b, _text(bases, b, f"{where}: notice.bases")) for b in bases))
+        raise ConfigError(
+            "notice.bases must map each basis (a lower-case name such as block_fingerprints) to what it means",
+            location=where,
+        )
+    return Notice(
+        received=_notice_section(raw, "received", where),
+        exposed=_notice_section(raw, "exposed", where),
+        possible=_notice_section(raw, "possible", where) if "possible" in raw else None,
+        bases=tuple((b, _text(bases, b, f"{where}: notice.bases")) for b in bases),
+    )
 
 
 def read_mechanism(folder: Path) -> Mechanism:
@@ -153,18 +170,30 @@ def read_mechanism(folder: Path) -> Mechanism:
         raise ConfigError(f"id {text['id']!r} must be the folder's name {folder.name!r}", location=where)
     inputs = meta["inputs"]
     if not isinstance(inputs, Mapping) or not set(inputs) <= _INPUT_KEYS or "required" not in inputs:
-        raise ConfigError("inputs must be a mapping with required (and optionally any_of, strengthens), "
-                          "each a list of inputs", location=where)
+        raise ConfigError(
+            "inputs must be a mapping with required (and optionally any_of, strengthens), each a list of inputs",
+            location=where,
+        )
     checks = meta["audit_checks"]
     if not isinstance(checks, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in checks):
         raise ConfigError("audit_checks must be a list of audit check numbers, e.g. [6]", location=where)
     rules_dir = folder / "rules"
     rule_ids = tuple(sorted(p.stem for p in rules_dir.glob("*.yml"))) if rules_dir.is_dir() else ()
-    return Mechanism(id=text["id"], title=text["title"], summary=text["summary"], explanation=text["explanation"],
-                     required=_inputs(inputs, "required", where), any_of=_inputs(inputs, "any_of", where),
-                     strengthens=_inputs(inputs, "strengthens", where), attribution=text["attribution"],
-                     audit_checks=tuple(checks), exploitation=text["exploitation"], notice=_notice(meta, where),
-                     path=folder, rule_ids=rule_ids)
+    return Mechanism(
+        id=text["id"],
+        title=text["title"],
+        summary=text["summary"],
+        explanation=text["explanation"],
+        required=_inputs(inputs, "required", where),
+        any_of=_inputs(inputs, "any_of", where),
+        strengthens=_inputs(inputs, "strengthens", where),
+        attribution=text["attribution"],
+        audit_checks=tuple(checks),
+        exploitation=text["exploitation"],
+        notice=_notice(meta, where),
+        path=folder,
+        rule_ids=rule_ids,
+    )
 
 
 @cache
@@ -185,9 +214,14 @@ def present_inputs(con: duckdb.DuckDBPyConnection, names: Iterable[str]) -> set[
             present.add(name)
             continue
         for table in (fields[kind],) if column else offered[kind]:
-            has_column = not column or one(
-                con, "SELECT count(*) FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
-                {"t": table, "c": column})[0]
+            has_column = (
+                not column
+                or one(
+                    con,
+                    "SELECT count(*) FROM information_schema.columns WHERE table_name = $t AND column_name = $c",
+                    {"t": table, "c": column},
+                )[0]
+            )
             # identifiers: a table a source kind declares and a column that exists in it
             where = f'WHERE "{column}" IS NOT NULL' if column else ""
             if has_column and one(con, f'SELECT count(*) FROM (SELECT 1 FROM "{table}" {where} LIMIT 1)')[0]:
@@ -201,13 +235,14 @@ class Selection:
     """Whether an investigation runs a mechanism, and why."""
 
     mechanism: Mechanism
-    named: bool                 # the incident file names it
-    selected: bool              # its rules run
-    missing: tuple[str, ...]    # inputs it needs that the evidence lacks
+    named: bool  # the incident file names it
+    selected: bool  # its rules run
+    missing: tuple[str, ...]  # inputs it needs that the evidence lacks
 
 
-def select(named: Sequence[str] | None, present: Iterable[str],
-           mechanisms: Sequence[Mechanism] | None = None) -> tuple[Selection, ...]:
+def select(
+    named: Sequence[str] | None, present: Iterable[str], mechanisms: Sequence[Mechanism] | None = None
+) -> tuple[Selection, ...]:
     """Every mechanism with whether it runs: those *named* (missing inputs or not), or, when the incident
     file names none, every mechanism whose inputs are *present*."""
     have = set(present)

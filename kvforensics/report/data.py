@@ -64,8 +64,9 @@ def how_it_ended(startup: Mapping[str, Any]) -> str:
     if reason == "next_startup":
         return f"restarted ({line})" if line else "restarted"
     if reason == "log_end":
-        return (f"retired: replaced by {startup.get('successor') or 'another instance'}"
-                + (f" (its log ends at {line})" if line else ""))
+        return f"retired: replaced by {startup.get('successor') or 'another instance'}" + (
+            f" (its log ends at {line})" if line else ""
+        )
     if reason is None:
         last = _iso(startup.get("last_ts"))
         if last is None and startup.get("last_line") is not None:
@@ -95,8 +96,10 @@ def version_notes(capacity: pd.DataFrame) -> list[str]:
             head = f"{rec.get('engine') or 'engine'} {version.split(' (', 1)[0]}"
             notes.setdefault((head, basis), []).append(str(rec["instance"]))
     # the inference basis is the parser's text (it may hold braces): joined, never formatted
-    return [f"{head} on {', '.join(sorted(set(instances)))}, from {basis}"
-            for (head, basis), instances in sorted(notes.items())]
+    return [
+        f"{head} on {', '.join(sorted(set(instances)))}, from {basis}"
+        for (head, basis), instances in sorted(notes.items())
+    ]
 
 
 def _iso(value: Any) -> str | None:
@@ -127,8 +130,10 @@ def exploitation_verdicts(behaviour: pd.DataFrame) -> pd.DataFrame:
     """``account_behaviour`` rows with ``pattern`` and ``deliberate`` (yes / no) in the words the conclusion uses:
     only a customer's probing pattern is deliberate exploitation (as ``scope.json``'s
     ``accounts_looking_deliberate``)."""
-    verdicts = [PATTERNS.get(str(cls), PATTERNS["customer"]) if bool(looks) else ORDINARY
-                for cls, looks in zip(behaviour["account_class"], behaviour["looks_deliberate"], strict=True)]
+    verdicts = [
+        PATTERNS.get(str(cls), PATTERNS["customer"]) if bool(looks) else ORDINARY
+        for cls, looks in zip(behaviour["account_class"], behaviour["looks_deliberate"], strict=True)
+    ]
     return behaviour.assign(pattern=[v[0] for v in verdicts], deliberate=[v[1] for v in verdicts])
 
 
@@ -137,12 +142,23 @@ def set_apart_note(behaviour: pd.DataFrame) -> str:
     exploitation ("" when there are none)."""
     parts = []
     for cls, words in (("internal", "the provider's own load tests"), ("reporter", "the reporter's reproduction")):
-        ids = sorted(behaviour.loc[(behaviour["account_class"] == cls) & behaviour["looks_deliberate"].fillna(False)
-                                   .astype(bool), "account_id"].astype(str))
+        ids = sorted(
+            behaviour.loc[
+                (behaviour["account_class"] == cls) & behaviour["looks_deliberate"].fillna(False).astype(bool),
+                "account_id",
+            ].astype(str)
+        )
         if ids:
             parts.append(f"{len(ids)} {cls} {'account' if len(ids) == 1 else 'accounts'} ({', '.join(ids)}): {words}")
-    return ("The same pattern came from " + "; and from ".join(parts)
-            + ". They are set apart: not deliberate exploitation.") if parts else ""
+    return (
+        (
+            "The same pattern came from "
+            + "; and from ".join(parts)
+            + ". They are set apart: not deliberate exploitation."
+        )
+        if parts
+        else ""
+    )
 
 
 def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
@@ -151,24 +167,40 @@ def timeline_events(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.Da
     for ev in incident.events:
         rows.append({"ts": ev.ts, "kind": "incident file", "title": ev.title, "detail": ev.description})
     for ts, model, inst, desc, det in con.execute(
-            "SELECT ts, model, instance, description, details FROM changes ORDER BY ts").fetchall():
-        rows.append({"ts": ts, "kind": "config change", "title": desc,
-                     "detail": " ".join(filter(None, [model, inst, det]))})
+        "SELECT ts, model, instance, description, details FROM changes ORDER BY ts"
+    ).fetchall():
+        rows.append(
+            {"ts": ts, "kind": "config change", "title": desc, "detail": " ".join(filter(None, [model, inst, det]))}
+        )
     for inst, role, model, vf, pool, ctx, engine, ver, how, exposed in con.execute(
-            """SELECT instance, role, model, valid_from, kv_pool_tokens, context_length, engine, engine_version,
+        """SELECT instance, role, model, valid_from, kv_pool_tokens, context_length, engine, engine_version,
                       version_source,
                       EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance
                                                                AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
-               FROM capacity c WHERE valid_from IS NOT NULL ORDER BY valid_from, instance""").fetchall():
-        rows.append({"ts": vf, "kind": "engine start-up",
-                     "title": f"{inst} ({role}) started: KV pool {pool:,} tokens, context {ctx:,}"
-                     if pool and ctx else f"{inst} ({role}) started",
-                     "detail": f"{model or 'model unknown'}; {engine_label(engine, ver, how)}"
-                               + ("; EXPOSED: audit check 1 fails (pool smaller than context)" if exposed else "")})
+               FROM capacity c WHERE valid_from IS NOT NULL ORDER BY valid_from, instance"""
+    ).fetchall():
+        rows.append(
+            {
+                "ts": vf,
+                "kind": "engine start-up",
+                "title": f"{inst} ({role}) started: KV pool {pool:,} tokens, context {ctx:,}"
+                if pool and ctx
+                else f"{inst} ({role}) started",
+                "detail": f"{model or 'model unknown'}; {engine_label(engine, ver, how)}"
+                + ("; EXPOSED: audit check 1 fails (pool smaller than context)" if exposed else ""),
+            }
+        )
     for model, first, last, n in con.execute(
-            "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 2").fetchall():
-        rows.append({"ts": first, "kind": "finding", "title": f"first affected response ({model})",
-                     "detail": f"{n} affected responses for this model"})
+        "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 2"
+    ).fetchall():
+        rows.append(
+            {
+                "ts": first,
+                "kind": "finding",
+                "title": f"first affected response ({model})",
+                "detail": f"{n} affected responses for this model",
+            }
+        )
         rows.append({"ts": last, "kind": "finding", "title": f"last affected response ({model})", "detail": ""})
     df = pd.DataFrame(rows, columns=["ts", "kind", "title", "detail"])
     if not df.empty:
@@ -183,8 +215,7 @@ MIN_DRAWN_MS, MAX_DRAWN_MS = 0.001, 1e10
 def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]]:
     """Per model with affected responses: request points, pool limits and the prefill curve."""
     out = {}
-    models = [r[0] for r in con.execute(
-        "SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall()]
+    models = [r[0] for r in con.execute("SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall()]
     for model in models:
         requests = f"""
             SELECT q.request_id, q.account_id, q.prompt_tokens,
@@ -201,22 +232,33 @@ def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame
             WHERE q.model = $m AND q.status BETWEEN 200 AND 299 AND coalesce(q.ttft_ms, q.latency_ms) > 0"""
         # every flagged request when they fit; beyond that confirmed, then probable, then possible (by request
         # id), and the rest of the dots unflagged requests, long prompts first
-        flagged = _df(con, f"""
+        flagged = _df(
+            con,
+            f"""
             SELECT * FROM ({requests}) r WHERE confidence <> 'not flagged'
             ORDER BY CASE confidence WHEN 'confirmed' THEN 0 WHEN 'probable' THEN 1 ELSE 2 END,
                      hash(request_id), request_id
-            LIMIT {MAX_POINTS - MIN_CONTEXT_POINTS}""", {"m": model})
-        unflagged = _df(con, f"""
+            LIMIT {MAX_POINTS - MIN_CONTEXT_POINTS}""",
+            {"m": model},
+        )
+        unflagged = _df(
+            con,
+            f"""
             SELECT * FROM ({requests}) r WHERE confidence = 'not flagged'
             ORDER BY (prompt_tokens >= 100000) DESC, hash(request_id), request_id
-            LIMIT {MAX_POINTS - len(flagged)}""", {"m": model})
+            LIMIT {MAX_POINTS - len(flagged)}""",
+            {"m": model},
+        )
         points = pd.concat([flagged, unflagged], ignore_index=True) if not flagged.empty else unflagged
         points.attrs["flagged_total"] = con.execute(
-            f"SELECT count(*) FROM ({requests}) r WHERE confidence <> 'not flagged'", {"m": model}).fetchall()[0][0]
+            f"SELECT count(*) FROM ({requests}) r WHERE confidence <> 'not flagged'", {"m": model}
+        ).fetchall()[0][0]
         # a line per KV pool a prompt on the chart may have exceeded: every exposure window's (any role), and a
         # pool below the model's largest prompt on a server the audit does not call exposed (a unified one: the
         # responses beyond it are the gate's admission_contradicted)
-        pools = _df(con, """SELECT kv_pool_tokens,
+        pools = _df(
+            con,
+            """SELECT kv_pool_tokens,
                                    'KV pool ' || format('{:,}', kv_pool_tokens) || ' (' ||
                                    string_agg(DISTINCT role, ', ' ORDER BY role) || ')' AS label
                             FROM (SELECT kv_pool_tokens, role FROM exposure_windows
@@ -226,16 +268,21 @@ def money_frames(con: duckdb.DuckDBPyConnection) -> dict[str, tuple[pd.DataFrame
                                   WHERE model = $m AND kv_pool_tokens IS NOT NULL
                                     AND kv_pool_tokens < (SELECT max(prompt_tokens) FROM analysed_requests
                                                           WHERE model = $m AND status BETWEEN 200 AND 299))
-                            GROUP BY kv_pool_tokens ORDER BY 1""", {"m": model})
-        lm = con.execute("SELECT a_ms, b_ms_per_token, c_ms_per_token2, max_tokens FROM latency_model "
-                         "WHERE model = $m AND usable", {"m": model}).fetchall()
+                            GROUP BY kv_pool_tokens ORDER BY 1""",
+            {"m": model},
+        )
+        lm = con.execute(
+            "SELECT a_ms, b_ms_per_token, c_ms_per_token2, max_tokens FROM latency_model WHERE model = $m AND usable",
+            {"m": model},
+        ).fetchall()
         curve = pd.DataFrame(columns=["prompt_tokens", "expected_ms"])
         if lm and not points.empty:
             a, b, c, max_t = lm[0]
             hi = int(points["prompt_tokens"].max())
             xs = [int(hi * i / 60) for i in range(1, 61)]
-            curve = pd.DataFrame({"prompt_tokens": xs,
-                                  "expected_ms": [a + b * min(x, max_t) + c * min(x, max_t) ** 2 for x in xs]})
+            curve = pd.DataFrame(
+                {"prompt_tokens": xs, "expected_ms": [a + b * min(x, max_t) + c * min(x, max_t) ** 2 for x in xs]}
+            )
         out[model] = (points, pools, curve)
     return out
 
@@ -244,42 +291,73 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
     manifest_path = out_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     scope = summarise(con, incident)
-    accounts = _df(con, """SELECT account_class, role, count(*) AS accounts, sum(responses) AS records
-                           FROM notifications GROUP BY 1, 2 ORDER BY 2 DESC, 1""")
-    models = _df(con, """
+    accounts = _df(
+        con,
+        """SELECT account_class, role, count(*) AS accounts, sum(responses) AS records
+                           FROM notifications GROUP BY 1, 2 ORDER BY 2 DESC, 1""",
+    )
+    models = _df(
+        con,
+        """
         SELECT r.model, count(*) AS requests, count(a.request_id) AS affected,
                count(*) FILTER (WHERE r.status BETWEEN 200 AND 299) AS successful,
                max(r.prompt_tokens) AS largest_prompt
         FROM analysed_requests r LEFT JOIN affected_responses a USING (request_id)
-        GROUP BY 1 ORDER BY 1""")
+        GROUP BY 1 ORDER BY 1""",
+    )
     latency = _df(con, "SELECT * FROM latency_model ORDER BY model")
     rule_counts = dict(con.execute("SELECT rule_id, count(*) FROM findings GROUP BY 1").fetchall())
-    affected_counts = dict(con.execute(f"""SELECT rule_id, count(*) FROM findings
-                                            WHERE confidence IN {AFFECTED_TIERS} GROUP BY 1""").fetchall())
-    rules = [{"id": r.id, "title": r.title, "severity": r.severity, "version": r.version,
-              "description": r.description, "parameters": r.parameters,
-              "flagged": rule_counts.get(r.id, 0), "flagged_affected": affected_counts.get(r.id, 0)}
-             for r in load_rules()]
-    behaviour = exploitation_verdicts(_df(con, """
+    affected_counts = dict(
+        con.execute(f"""SELECT rule_id, count(*) FROM findings
+                                            WHERE confidence IN {AFFECTED_TIERS} GROUP BY 1""").fetchall()
+    )
+    rules = [
+        {
+            "id": r.id,
+            "title": r.title,
+            "severity": r.severity,
+            "version": r.version,
+            "description": r.description,
+            "parameters": r.parameters,
+            "flagged": rule_counts.get(r.id, 0),
+            "flagged_affected": affected_counts.get(r.id, 0),
+        }
+        for r in load_rules()
+    ]
+    behaviour = exploitation_verdicts(
+        _df(
+            con,
+            """
         SELECT * FROM account_behaviour
         ORDER BY looks_deliberate AND account_class = 'customer' DESC, looks_deliberate DESC, oversize_requests DESC,
-                 account_id"""))
-    load_report = _df(con, "SELECT source, kind, file, records_read, loaded, quarantined, duplicates, sha256, notes "
-                           "FROM load_report ORDER BY source, file")
+                 account_id""",
+        )
+    )
+    load_report = _df(
+        con,
+        "SELECT source, kind, file, records_read, loaded, quarantined, duplicates, sha256, notes "
+        "FROM load_report ORDER BY source, file",
+    )
     qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
-    capacity = _df(con, """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
+    capacity = _df(
+        con,
+        """SELECT instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length,
                                   page_size, engine, engine_version, version_source,
                                   EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = capacity.instance AND w.valid_from IS NOT DISTINCT FROM capacity.valid_from) AS exposed, source_file, source_line,
                                   end_reason, end_file, end_line, successor, last_ts, last_line
-                           FROM capacity ORDER BY model, instance, valid_from""")
+                           FROM capacity ORDER BY model, instance, valid_from""",
+    )
     capacity = without_na(capacity)
     startups = capacity.to_dict("records")
     capacity["ended"] = [how_it_ended(row) for row in startups]
-    capacity["engine_label"] = [engine_label(row["engine"], row["engine_version"], row["version_source"])
-                                for row in startups]
+    capacity["engine_label"] = [
+        engine_label(row["engine"], row["engine_version"], row["version_source"]) for row in startups
+    ]
     # keyed as scope.json's exposure_windows name a start-up: instance and start
     endings = {(row["instance"], _iso(row["valid_from"])): how_it_ended(row) for row in startups}
-    per_response = _df(con, """
+    per_response = _df(
+        con,
+        """
         SELECT a.request_id, count(DISTINCT p.source_request_id) AS candidate_requests,
                count(DISTINCT p.source_account_id) FILTER (WHERE p.source_account_id <> p.recipient_account_id) AS candidate_accounts,
                (SELECT count(DISTINCT m.source_account_id) FROM content_matches m
@@ -290,16 +368,28 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
                    FROM possible_sources
                    UNION ALL SELECT affected_request_id, source_request_id, source_account_id, recipient_account_id
                    FROM prefix_possible_sources) p ON p.affected_request_id = a.request_id
-        GROUP BY a.request_id ORDER BY a.request_id""")
+        GROUP BY a.request_id ORDER BY a.request_id""",
+    )
     notable = behaviour["looks_deliberate"].fillna(False).astype(bool)
-    return ReportData(incident=incident, scope=scope, manifest=manifest, timeline=timeline_events(con, incident),
-                      accounts=without_na(accounts), models=without_na(models), latency=without_na(latency),
-                      rules=rules, behaviour=without_na(behaviour), load_report=without_na(load_report),
-                      quarantine_reasons=without_na(qreasons), capacity=capacity,
-                      sources_per_response=without_na(per_response), endings=endings,
-                      exploitation_note=set_apart_note(behaviour),
-                      behaviour_notable=without_na(behaviour[notable]),
-                      behaviour_ordinary=without_na(behaviour[~notable]))
+    return ReportData(
+        incident=incident,
+        scope=scope,
+        manifest=manifest,
+        timeline=timeline_events(con, incident),
+        accounts=without_na(accounts),
+        models=without_na(models),
+        latency=without_na(latency),
+        rules=rules,
+        behaviour=without_na(behaviour),
+        load_report=without_na(load_report),
+        quarantine_reasons=without_na(qreasons),
+        capacity=capacity,
+        sources_per_response=without_na(per_response),
+        endings=endings,
+        exploitation_note=set_apart_note(behaviour),
+        behaviour_notable=without_na(behaviour[notable]),
+        behaviour_ordinary=without_na(behaviour[~notable]),
+    )
 
 
 __all__ = ["ReportData", "build", "money_frames", "timeline_events", "iso"]

@@ -66,8 +66,13 @@ def script_json(value: Any) -> str:
     """JSON to place inside ``<script>``: ``<``, ``>``, ``&`` and the JavaScript line separators escaped, so
     no text from the inputs can close the element or start markup."""
     text = json.dumps(value, ensure_ascii=False, allow_nan=False, default=str)
-    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for char, escaped in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         text = text.replace(char, escaped)
     return text
 

@@ -50,47 +50,70 @@ def missing_inputs(con: duckdb.DuckDBPyConnection, incident: Incident) -> list[M
     engine_sources = incident.sources_of("engine_log")
     startups = _count(con, "SELECT count(*) FROM capacity")
     if startups == 0:
-        found.append(MissingInput(
-            "engine",
-            "no engine start-up was read: " + (f"the engine logs ({_names(engine_sources)}) hold no start-up line"
-                                              if engine_sources else "the incident file names no engine_log source"),
-            "the KV pool of every instance is unknown, so no exposure window can be found, no response can be judged "
-            "against a pool and the deployment audit has nothing to check; an answer of no affected response is not "
-            "an all-clear. Add the engine logs of the period: their start-up lines give each instance's pool",
-            tuple(r.id for r in rules if reads_table(r, "capacity") or reads_table(r, "engine_events"))))
+        found.append(
+            MissingInput(
+                "engine",
+                "no engine start-up was read: "
+                + (
+                    f"the engine logs ({_names(engine_sources)}) hold no start-up line"
+                    if engine_sources
+                    else "the incident file names no engine_log source"
+                ),
+                "the KV pool of every instance is unknown, so no exposure window can be found, no response can be judged "
+                "against a pool and the deployment audit has nothing to check; an answer of no affected response is not "
+                "an all-clear. Add the engine logs of the period: their start-up lines give each instance's pool",
+                tuple(r.id for r in rules if reads_table(r, "capacity") or reads_table(r, "engine_events")),
+            )
+        )
     elif _count(con, "SELECT count(*) FROM engine_events") == 0:
-        found.append(MissingInput(
-            "engine_events",
-            "the engine logs hold no per-request line (scheduler aborts, KV transfer failures, request statistics)",
-            "the rules that read them found nothing to judge, so a response is confirmed only where the pool rule and "
-            "the latency rule agree. If the engines logged requests (SGLang --log-requests, vLLM request logging), "
-            "add those logs",
-            tuple(r.id for r in rules if reads_table(r, "engine_events"))))
+        found.append(
+            MissingInput(
+                "engine_events",
+                "the engine logs hold no per-request line (scheduler aborts, KV transfer failures, request statistics)",
+                "the rules that read them found nothing to judge, so a response is confirmed only where the pool rule and "
+                "the latency rule agree. If the engines logged requests (SGLang --log-requests, vLLM request logging), "
+                "add those logs",
+                tuple(r.id for r in rules if reads_table(r, "engine_events")),
+            )
+        )
     found += _latency(con, rules)
     if _count(con, "SELECT count(*) FROM content_fingerprints") == 0:
         content = incident.sources_of("content")
-        found.append(MissingInput(
-            "content",
-            "no content fingerprints: " + (f"the content sources ({_names(content)}) held no text" if content
-                                           else "the incident file names no content source"),
-            "no exposure can be confirmed or ruled out by matching text: every account whose data could have been "
-            "read by an affected response is notified as possibly exposed, none as confirmed. A content source "
-            "(prompts and outputs, fingerprinted as they are read, never stored) confirms exposures"))
+        found.append(
+            MissingInput(
+                "content",
+                "no content fingerprints: "
+                + (
+                    f"the content sources ({_names(content)}) held no text"
+                    if content
+                    else "the incident file names no content source"
+                ),
+                "no exposure can be confirmed or ruled out by matching text: every account whose data could have been "
+                "read by an affected response is notified as possibly exposed, none as confirmed. A content source "
+                "(prompts and outputs, fingerprinted as they are read, never stored) confirms exposures",
+            )
+        )
     if _count(con, "SELECT count(*) FROM changes") == 0:
-        found.append(MissingInput(
-            "changes",
-            "no record of configuration changes (no changes source, or an empty one)",
-            "exposure windows are bounded by engine start-ups alone: the deploy that opened or closed each is not "
-            "named, and the timeline shows no config change. A changes source (deploy log or change tickets) names "
-            "them"))
+        found.append(
+            MissingInput(
+                "changes",
+                "no record of configuration changes (no changes source, or an empty one)",
+                "exposure windows are bounded by engine start-ups alone: the deploy that opened or closed each is not "
+                "named, and the timeline shows no config change. A changes source (deploy log or change tickets) names "
+                "them",
+            )
+        )
     if startups:
-        found.append(MissingInput(
-            "audit",
-            "the audit reads the engine logs only: a deployment manifest and /get_server_info dumps are not inputs of "
-            "a run",
-            "check 5 (the load balancer does not abort before the first token) stays unknown here, and the engine "
-            "version is the one the log shows or implies. Run kvforensics audit --incident <incident.toml> "
-            "--manifest <deployment manifest> --server-info <dump.json> to answer them"))
+        found.append(
+            MissingInput(
+                "audit",
+                "the audit reads the engine logs only: a deployment manifest and /get_server_info dumps are not inputs of "
+                "a run",
+                "check 5 (the load balancer does not abort before the first token) stays unknown here, and the engine "
+                "version is the one the log shows or implies. Run kvforensics audit --incident <incident.toml> "
+                "--manifest <deployment manifest> --server-info <dump.json> to answer them",
+            )
+        )
     return found
 
 
@@ -98,31 +121,53 @@ def _latency(con: duckdb.DuckDBPyConnection, rules: list[Rule]) -> list[MissingI
     """Missing timings: the fields ``RULE_FIELDS`` names absent from every successful request, or models left
     without a usable latency model."""
     timed = [r for r in rules if reads_table(r, "latency_model") or r.id in RULE_FIELDS]
-    ttft, latency = con.execute("SELECT count(ttft_ms), count(latency_ms) FROM analysed_requests "
-                                "WHERE status BETWEEN 200 AND 299").fetchall()[0]
-    unfitted = [m for (m,) in con.execute(
-        """SELECT DISTINCT r.model FROM analysed_requests r
+    ttft, latency = con.execute(
+        "SELECT count(ttft_ms), count(latency_ms) FROM analysed_requests WHERE status BETWEEN 200 AND 299"
+    ).fetchall()[0]
+    unfitted = [
+        m
+        for (m,) in con.execute(
+            """SELECT DISTINCT r.model FROM analysed_requests r
            WHERE r.status BETWEEN 200 AND 299
              AND NOT EXISTS (SELECT 1 FROM latency_model l WHERE l.model = r.model AND l.usable)
-           ORDER BY 1""").fetchall()]
+           ORDER BY 1"""
+        ).fetchall()
+    ]
     ids = tuple(r.id for r in timed)
     if not ttft and not latency:
-        return [MissingInput(
-            "latency", "the gateway records have neither time to first token (ttft_ms) nor end-to-end latency "
-            "(latency_ms)",
-            "no latency model could be fitted, so no response could be found too fast for a real prefill and the chart "
-            "of prompt size against time to first token cannot be drawn; the findings rest on the other rules. Map "
-            "the gateway's timing field in the requests source's columns if its logs have one", ids)]
+        return [
+            MissingInput(
+                "latency",
+                "the gateway records have neither time to first token (ttft_ms) nor end-to-end latency (latency_ms)",
+                "no latency model could be fitted, so no response could be found too fast for a real prefill and the chart "
+                "of prompt size against time to first token cannot be drawn; the findings rest on the other rules. Map "
+                "the gateway's timing field in the requests source's columns if its logs have one",
+                ids,
+            )
+        ]
     if not ttft:
-        return [MissingInput(
-            "latency", "the gateway records have no time to first token (ttft_ms), only end-to-end latency",
-            ("no latency model could be fitted without it, so no response could be found too fast for a real prefill; "
-             if unfitted else "end-to-end latency (an upper bound of time to first token) stands in for it, which "
-             "finds fewer too-fast responses; ")
-            + "map the gateway's time-to-first-token field if its logs have one", ids if unfitted else ())]
+        return [
+            MissingInput(
+                "latency",
+                "the gateway records have no time to first token (ttft_ms), only end-to-end latency",
+                (
+                    "no latency model could be fitted without it, so no response could be found too fast for a real prefill; "
+                    if unfitted
+                    else "end-to-end latency (an upper bound of time to first token) stands in for it, which "
+                    "finds fewer too-fast responses; "
+                )
+                + "map the gateway's time-to-first-token field if its logs have one",
+                ids if unfitted else (),
+            )
+        ]
     if unfitted:
-        return [MissingInput(
-            "latency", f"no usable latency model for {', '.join(unfitted)}",
-            "no response of these models could be found too fast for a real prefill (the table below says why each "
-            "fit was refused)", ids)]
+        return [
+            MissingInput(
+                "latency",
+                f"no usable latency model for {', '.join(unfitted)}",
+                "no response of these models could be found too fast for a real prefill (the table below says why each "
+                "fit was refused)",
+                ids,
+            )
+        ]
     return []

@@ -46,8 +46,12 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # findings from before mechanisms have none recorded: the stale_pages rules were the only ones
 _LEGACY_MECHANISM = "stale_pages"
 #: notice type -> folder under notices/
-FOLDERS = {"customer": "customers", "internal": "internal", "reporter": "reporter",
-           "trust_and_safety": "trust-and-safety"}
+FOLDERS = {
+    "customer": "customers",
+    "internal": "internal",
+    "reporter": "reporter",
+    "trust_and_safety": "trust-and-safety",
+}
 
 
 def safe_filename(account_id: str) -> str:
@@ -76,18 +80,22 @@ def suspected_accounts(con: duckdb.DuckDBPyConnection) -> dict[Any, list[tuple[s
     """Per suspected account, (mechanism, why) for each mechanism whose pattern it has (table ``suspected_exploiters``,
     empty in an evidence database scoped before it existed)."""
     out: dict[Any, list[tuple[str, str]]] = {}
-    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'suspected_exploiters'"
-                       ).fetchall()[0][0]:
+    if not con.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'suspected_exploiters'"
+    ).fetchall()[0][0]:
         return out
     for account, mechanism, why in con.execute(
-            "SELECT account_id, mechanism, why FROM suspected_exploiters ORDER BY 1, 2").fetchall():
+        "SELECT account_id, mechanism, why FROM suspected_exploiters ORDER BY 1, 2"
+    ).fetchall():
         out.setdefault(account, []).append((mechanism, why))
     return out
 
 
 def notice_rows(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
-    return con.execute("SELECT account_id, account_class, role, responses, first_ts, last_ts, request_ids "
-                       "FROM notifications ORDER BY account_class, account_id, role").df()
+    return con.execute(
+        "SELECT account_id, account_class, role, responses, first_ts, last_ts, request_ids "
+        "FROM notifications ORDER BY account_class, account_id, role"
+    ).df()
 
 
 def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
@@ -100,7 +108,8 @@ def _received(con: duckdb.DuckDBPyConnection) -> dict[Any, dict[str, list[dict]]
     """Per account and mechanism, the affected responses it received that the mechanism's rules flagged, with
     the tokens of its prompt the prefix cache served from other accounts' blocks (when attributed)."""
     out: dict[Any, dict[str, list[dict]]] = {}
-    for rec in _records(con.execute(
+    for rec in _records(
+        con.execute(
             """WITH flagged AS (
                    SELECT DISTINCT request_id, coalesce(mechanism, $legacy) AS mechanism FROM findings
                ), reused AS (
@@ -115,19 +124,24 @@ def _received(con: duckdb.DuckDBPyConnection) -> dict[Any, dict[str, list[dict]]
                FROM affected_responses a JOIN flagged f ON f.request_id = a.request_id
                LEFT JOIN reused u ON u.request_id = a.request_id
                ORDER BY a.account_id, f.mechanism, a.ts, a.request_id""",
-            {"legacy": _LEGACY_MECHANISM}).df()):
+            {"legacy": _LEGACY_MECHANISM},
+        ).df()
+    ):
         out.setdefault(rec.pop("account_id"), {}).setdefault(rec.pop("mechanism"), []).append(rec)
     return out
 
 
-def _exposed(con: duckdb.DuckDBPyConnection, mechanisms: tuple[Mechanism, ...]) -> dict[Any, dict[str | None, list[dict]]]:
+def _exposed(
+    con: duckdb.DuckDBPyConnection, mechanisms: tuple[Mechanism, ...]
+) -> dict[Any, dict[str | None, list[dict]]]:
     """Per source account and mechanism (one whose rules flagged the response and whose notice claims the
     match's basis; None: no such mechanism),
     each of its requests confirmed in other accounts' responses: when it was sent, how many other accounts
     and requests, what the bases mean (``how``), and for reused prefix-cache blocks the most tokens one
     request reused."""
-    owners = pd.DataFrame([{"basis": b, "mechanism": m.id} for m in mechanisms for b, _ in m.notice.bases],
-                          columns=["basis", "mechanism"])
+    owners = pd.DataFrame(
+        [{"basis": b, "mechanism": m.id} for m in mechanisms for b, _ in m.notice.bases], columns=["basis", "mechanism"]
+    )
     con.register("notice_basis_owners", owners)
     try:
         frame = con.execute(
@@ -155,7 +169,9 @@ def _exposed(con: duckdb.DuckDBPyConnection, mechanisms: tuple[Mechanism, ...]) 
                FROM m JOIN requests r ON r.request_id = m.source_request_id
                LEFT JOIN reused u ON u.request_id = m.affected_request_id AND u.source_request_id = m.source_request_id
                GROUP BY m.account_id, m.mechanism, m.source_request_id
-               ORDER BY m.account_id, m.mechanism NULLS LAST, ts, request_id""", {"legacy": _LEGACY_MECHANISM}).df()
+               ORDER BY m.account_id, m.mechanism NULLS LAST, ts, request_id""",
+            {"legacy": _LEGACY_MECHANISM},
+        ).df()
     finally:
         con.unregister("notice_basis_owners")
     meaning = {b: text for m in mechanisms for b, text in m.notice.bases}
@@ -179,24 +195,36 @@ class Possible:
 def _possible(con: duckdb.DuckDBPyConnection) -> dict[Any, Possible]:
     """Per possible source account, the mechanisms whose rules flagged the responses it possibly fed (the
     stale-pages turnover horizon, the prefix cache's resident blocks) and the bases."""
-    tables = [t for (t,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_name IN "
-        "('possible_sources', 'prefix_possible_sources') ORDER BY 1").fetchall()]
+    tables = [
+        t
+        for (t,) in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_name IN "
+            "('possible_sources', 'prefix_possible_sources') ORDER BY 1"
+        ).fetchall()
+    ]
     if not tables:
         return {}
-    has_basis = {t for (t,) in con.execute(
-        "SELECT table_name FROM information_schema.columns WHERE column_name = 'basis' AND table_name IN "
-        "('possible_sources', 'prefix_possible_sources')").fetchall()}
+    has_basis = {
+        t
+        for (t,) in con.execute(
+            "SELECT table_name FROM information_schema.columns WHERE column_name = 'basis' AND table_name IN "
+            "('possible_sources', 'prefix_possible_sources')"
+        ).fetchall()
+    }
     sources = " UNION ALL ".join(
         f"SELECT affected_request_id, source_account_id, {'basis' if t in has_basis else chr(39) + 'turnover_horizon' + chr(39)} "
-        f"AS basis FROM {t}" for t in tables)
+        f"AS basis FROM {t}"
+        for t in tables
+    )
     out: dict[Any, Possible] = {}
     for account, mechanism, basis, since in con.execute(
-            f"""SELECT DISTINCT p.source_account_id, coalesce(f.mechanism, $legacy) AS mechanism, p.basis,
+        f"""SELECT DISTINCT p.source_account_id, coalesce(f.mechanism, $legacy) AS mechanism, p.basis,
                        (SELECT min(c.valid_from) FROM capacity c JOIN requests a ON a.request_id = p.affected_request_id
                         WHERE c.model = a.model AND c.valid_from <= a.ts AND (c.valid_to IS NULL OR a.ts < c.valid_to))
                 FROM ({sources}) p JOIN findings f ON f.request_id = p.affected_request_id
-                ORDER BY 1, 2, 3""", {"legacy": _LEGACY_MECHANISM}).fetchall():
+                ORDER BY 1, 2, 3""",
+        {"legacy": _LEGACY_MECHANISM},
+    ).fetchall():
         entry = out.setdefault(account, Possible())
         if mechanism not in entry.mechanisms:
             entry.mechanisms.append(mechanism)
@@ -214,12 +242,12 @@ class IncidentFacts:
     reference: str
     measures: tuple[str, ...]
     advice: tuple[str, ...]
-    missing: tuple[str, ...]         # [notice] keys a sendable notice needs that are not set: a draft
+    missing: tuple[str, ...]  # [notice] keys a sendable notice needs that are not set: a draft
     conclusive: bool
-    first: Any                       # the first and last affected response of the run
+    first: Any  # the first and last affected response of the run
     last: Any
-    models: tuple[str, ...]          # the models with affected responses
-    ended: tuple[str, ...]           # derived: how each exposure window ended, or that it had not
+    models: tuple[str, ...]  # the models with affected responses
+    ended: tuple[str, ...]  # derived: how each exposure window ended, or that it had not
 
 
 def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
@@ -234,31 +262,40 @@ def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
                   EXISTS (SELECT 1 FROM exposure_windows x WHERE x.instance = n.instance AND x.valid_from = n.valid_from)
            FROM exposure_windows w
            LEFT JOIN capacity n ON n.instance = w.instance AND n.valid_from = w.valid_to
-           ORDER BY w.valid_to NULLS FIRST, w.instance""").fetchall()
+           ORDER BY w.valid_to NULLS FIRST, w.instance"""
+    ).fetchall()
     open_windows = [r for r in rows if r[2] is None]
     if open_windows:
-        lines.append(f"{len(open_windows)} of the {plural(len(rows), 'misconfigured model server')} "
-                     f"({', '.join(sorted({str(r[0]) for r in open_windows}))}) were still running as configured "
-                     "during the incident when the records we examined end.")
+        lines.append(
+            f"{len(open_windows)} of the {plural(len(rows), 'misconfigured model server')} "
+            f"({', '.join(sorted({str(r[0]) for r in open_windows}))}) were still running as configured "
+            "during the incident when the records we examined end."
+        )
     for instance, _model, to, reason, pool, ctx, still in rows:  # noqa: B007 - pool and ctx only tested
         if to is None:
             continue
         if reason == "next_startup" and pool is not None and ctx is not None and not still:
-            lines.append(f"Model server {instance} was restarted on {prose_time(to)} with enough memory for every "
-                         "request it accepts.")
+            lines.append(
+                f"Model server {instance} was restarted on {prose_time(to)} with enough memory for every "
+                "request it accepts."
+            )
         elif reason == "next_startup":
             lines.append(f"Model server {instance} was restarted on {prose_time(to)}, still misconfigured.")
         elif reason == "shutdown":
             lines.append(f"Model server {instance} was shut down on {prose_time(to)}.")
         else:
             lines.append(f"Model server {instance} was replaced on {prose_time(to)}.")
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'").fetchall()[0][0]:
+    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'").fetchall()[0][
+        0
+    ]:
         (open_paths,) = con.execute("""SELECT count(DISTINCT instance) FROM prefix_windows
                                        WHERE path NOT IN ('isolated', 'undetermined') AND valid_to IS NULL
                                          AND EXISTS (SELECT 1 FROM findings f WHERE f.mechanism = 'prefix_reuse')""").fetchone()
         if open_paths:
-            lines.append(f"On {plural(open_paths, 'model server')} the shared prompt cache was still configured as "
-                         "during the incident when the records we examined end.")
+            lines.append(
+                f"On {plural(open_paths, 'model server')} the shared prompt cache was still configured as "
+                "during the incident when the records we examined end."
+            )
     return tuple(lines)
 
 
@@ -266,10 +303,19 @@ def incident_facts(con: duckdb.DuckDBPyConnection, incident: Incident) -> Incide
     first, last = con.execute("SELECT min(ts), max(ts) FROM affected_responses").fetchone() or (None, None)
     models = tuple(m for (m,) in con.execute("SELECT DISTINCT model FROM affected_responses ORDER BY 1").fetchall())
     n = incident.notice
-    return IncidentFacts(provider=n.provider, contact=n.contact, reference=n.reference or incident.id,
-                         measures=n.measures, advice=n.advice, missing=n.missing,
-                         conclusive=not con.execute("SELECT count(*) FROM inconclusive_reasons").fetchall()[0][0],
-                         first=first, last=last, models=models, ended=_exposure_ends(con))
+    return IncidentFacts(
+        provider=n.provider,
+        contact=n.contact,
+        reference=n.reference or incident.id,
+        measures=n.measures,
+        advice=n.advice,
+        missing=n.missing,
+        conclusive=not con.execute("SELECT count(*) FROM inconclusive_reasons").fetchall()[0][0],
+        first=first,
+        last=last,
+        models=models,
+        ended=_exposure_ends(con),
+    )
 
 
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
@@ -309,16 +355,24 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         path.parent.mkdir(parents=True, exist_ok=True)
         got = possible.get(account_id, Possible())
         context: Mapping[str, Any] = dict(
-            incident=incident, facts=facts, account_id=account_id, account_class=cls, kind=kind, roles=roles,
+            incident=incident,
+            facts=facts,
+            account_id=account_id,
+            account_class=cls,
+            kind=kind,
+            roles=roles,
             received=[(by_id.get(m), responses) for m, responses in received.get(account_id, {}).items()],
             exposed=[(by_id.get(m) if m else None, requests) for m, requests in exposed.get(account_id, {}).items()],
-            possible=[by_id[m].notice.possible for m in got.mechanisms
-                      if m in by_id and by_id[m].notice.possible is not None],
+            possible=[
+                by_id[m].notice.possible for m in got.mechanisms if m in by_id and by_id[m].notice.possible is not None
+            ],
             possible_bases=got.bases,
-            suspected=[(by_id[m].title if m in by_id else m, why) for m, why in suspected])
+            suspected=[(by_id[m].title if m in by_id else m, why) for m, why in suspected],
+        )
         markdown = (review if kind == "trust_and_safety" else letter).render(**context)
         path.write_text(markdown, encoding="utf-8")
         path.with_suffix(".html").write_text(
-            markdown_to_html(markdown, f"{incident.title}: notice for account {account_id}"), encoding="utf-8")
+            markdown_to_html(markdown, f"{incident.title}: notice for account {account_id}"), encoding="utf-8"
+        )
         written.append(path)
     return written

@@ -9,9 +9,18 @@ from pathlib import Path
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # Flags that keep a headless browser off the network and quiet (it must not fetch anything).
-OFFLINE_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-default-apps", "--disable-extensions"]
+OFFLINE_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+]
 
 
 def find_chromium() -> str | None:
@@ -24,8 +33,14 @@ def html_to_pdf(html: Path, pdf: Path, *, timeout_s: float = 120) -> str | None:
     if browser is None:
         return "no Chromium found (install Debian's chromium): report.pdf not written"
     with tempfile.TemporaryDirectory(prefix="kvf-chromium-") as profile:
-        cmd = [browser, *OFFLINE_FLAGS, f"--user-data-dir={profile}", "--no-pdf-header-footer",
-               f"--print-to-pdf={pdf}", html.resolve().as_uri()]
+        cmd = [
+            browser,
+            *OFFLINE_FLAGS,
+            f"--user-data-dir={profile}",
+            "--no-pdf-header-footer",
+            f"--print-to-pdf={pdf}",
+            html.resolve().as_uri(),
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

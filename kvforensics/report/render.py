@@ -51,8 +51,7 @@ def chart_svg(chart: Any, key: str) -> str:
     prefix = "svg-" + re.sub(r"[^A-Za-z0-9_-]+", "-", key) + "-"
     # Vega numbers its ids with a counter that lives as long as the process: renumbered in order of first
     # appearance, so the same inputs give the same bytes whatever was drawn before
-    renamed = {old: re.sub(r"\d+$", "", old) + str(n)
-               for n, old in enumerate(dict.fromkeys(_SVG_ID.findall(svg)), 1)}
+    renamed = {old: re.sub(r"\d+$", "", old) + str(n) for n, old in enumerate(dict.fromkeys(_SVG_ID.findall(svg)), 1)}
     return _SVG_REF.sub(lambda m: f"{m.group(1)}{prefix}{renamed.get(m.group(2), m.group(2))}", svg)
 
 
@@ -60,8 +59,9 @@ _SVG_ID = re.compile(r'\bid="([^"]+)"')
 _SVG_REF = re.compile(r'(\bid="|url\(#|href="#)([^")]+)')
 
 
-def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True,
-                  generated: str | None = None) -> dict[str, Any]:
+def build_context(
+    con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, svg: bool = True, generated: str | None = None
+) -> dict[str, Any]:
     """What the report's templates show. ``generated``: the time the report says it was generated (default now;
     ``kvforensics verify`` re-renders a report with the time it states)."""
     data: ReportData = build(con, incident, out_dir)
@@ -71,17 +71,26 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     live_specs: dict[str, dict[str, Any]] = {}
     if svg:
         for model, (points, pools, curve) in money.items():
-            chart_svgs[f"money:{model}"] = chart_svg(charts.money_chart(
-                points, pools, curve, title=f"{model}: prompt tokens vs time to first token"), f"money-{len(chart_svgs)}")
+            chart_svgs[f"money:{model}"] = chart_svg(
+                charts.money_chart(points, pools, curve, title=f"{model}: prompt tokens vs time to first token"),
+                f"money-{len(chart_svgs)}",
+            )
         # the live charts (zoom, brush, pick an account) over their static SVG, which print and no-script readers see
         timeline, accounts = timeline_frames(con, incident), account_frames(con)
         period = exposure_period(timeline)
         views = []
         if not (timeline.events.empty and timeline.windows.empty and timeline.affected.empty):
-            views.append(("timeline", charts.timeline_chart(timeline, interactive=False, period=period),
-                          charts.timeline_chart(timeline, period=period)))
+            views.append(
+                (
+                    "timeline",
+                    charts.timeline_chart(timeline, interactive=False, period=period),
+                    charts.timeline_chart(timeline, period=period),
+                )
+            )
         if not accounts.accounts.empty:
-            views.append(("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts)))
+            views.append(
+                ("accounts", charts.account_chart(accounts, interactive=False), charts.account_chart(accounts))
+            )
         for key, static, live in views:
             chart_svgs[key] = chart_box(chart_svg(static, key))
             live_specs[f"chart-{key}"] = visible_controls_in(live.to_dict(validate=False))
@@ -92,29 +101,45 @@ def build_context(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     from kvforensics.config.hardware import physical_bounds, spec_from_config
 
     specs = {m: spec_from_config(m, raw) for m, raw in incident.hardware.items()}
-    physical = physical_bounds(specs, con.execute(
-        "SELECT model, prompt_tokens, cached_tokens, ttft_ms, latency_ms FROM affected_responses").df()) if specs else []
+    physical = (
+        physical_bounds(
+            specs,
+            con.execute("SELECT model, prompt_tokens, cached_tokens, ttft_ms, latency_ms FROM affected_responses").df(),
+        )
+        if specs
+        else []
+    )
     s = data.scope
     known = {m.id: m for m in load_mechanisms()}
     first = min((w["first"] for w in s["windows"]), default=None)
     last = max((w["last"] for w in s["windows"]), default=None)
     return {
-        "incident": incident, "data": data, "s": s, "charts": {k: Markup(v) for k, v in chart_svgs.items()},
-        "money_models": list(money), "first_affected": first, "last_affected": last,
-        "generated": generated or iso(datetime.now(timezone.utc)), "version": __version__,
+        "incident": incident,
+        "data": data,
+        "s": s,
+        "charts": {k: Markup(v) for k, v in chart_svgs.items()},
+        "money_models": list(money),
+        "first_affected": first,
+        "last_affected": last,
+        "generated": generated or iso(datetime.now(timezone.utc)),
+        "version": __version__,
         "live_scripts": [Markup(scripts.library), Markup(scripts.loader)] if scripts else [],
         "csp_scripts": Markup(scripts.csp if scripts else "script-src 'none'"),
-        "physical": physical, "hardware": incident.hardware,
-        "audit_headline": audit.headline(), "audit_html": Markup(audit.to_html()),
-        "audit_md": audit.to_markdown(), "audited": audit.exit_code != 2,  # 2: no start-up to audit
+        "physical": physical,
+        "hardware": incident.hardware,
+        "audit_headline": audit.headline(),
+        "audit_html": Markup(audit.to_html()),
+        "audit_md": audit.to_markdown(),
+        "audited": audit.exit_code != 2,  # 2: no start-up to audit
         "missing": missing_inputs(con, incident),
         # the mechanisms investigated, with their report wording (kvforensics/mechanisms/<id>/mechanism.yml)
         "mechanisms": [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
         "not_investigated": s.get("mechanisms_not_investigated", []),
         "parameters_json": json.dumps(data.manifest.get("scope_parameters", {}), sort_keys=True),
         # the sentences about the deployment, the breach and the measures: derived or declared, never constants
-        "story": incident_story(con, incident, s, [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
-                                data.rules, audit),
+        "story": incident_story(
+            con, incident, s, [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known], data.rules, audit
+        ),
         "version_notes": version_notes(data.capacity),
         "parameters": scope_parameter_rows(data.manifest.get("scope_parameters", {})),
     }
@@ -127,8 +152,9 @@ def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     return out_dir / "report.html"
 
 
-def render_pages(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *,
-                 generated: str | None = None) -> None:
+def render_pages(
+    con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, generated: str | None = None
+) -> None:
     """Write report.html and report.md (``generated``: see :func:`build_context`)."""
     ctx = build_context(con, incident, out_dir, generated=generated)
     html = template_env(True).get_template("report.html.j2").render(**ctx)

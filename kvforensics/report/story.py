@@ -20,13 +20,13 @@ from kvforensics.report.templating import plural, prose_span, prose_time, words
 # what each basis of a possible source means, for the report (possible_sources / prefix_possible_sources.basis)
 POSSIBLE_BASES = {
     "turnover_horizon": "requests freed on the same instance within the turnover horizon before it "
-                        "(horizon_factor x the pool's tokens of writes)",
+    "(horizon_factor x the pool's tokens of writes)",
     "no_horizon_since_startup": "every request of other accounts the model served since the earliest start-up then "
-                                "in force: no decode pool is known (no decode engine log), so the turnover horizon "
-                                "cannot be computed; pages older than that start-up may still have been held by a "
-                                "decode node no log shows",
+    "in force: no decode pool is known (no decode engine log), so the turnover horizon "
+    "cannot be computed; pages older than that start-up may still have been held by a "
+    "decode node no log shows",
     "resident_on_instance": "the owners of the prefix-cache blocks the instance held when a collision of unknown "
-                            "source was served",
+    "source was served",
 }
 
 
@@ -38,8 +38,8 @@ class Story:
     deployment: tuple[str, ...]
     findings: str
     consequences: tuple[str, ...]
-    measures: tuple[str, ...]        # declared in [notice]
-    ended: tuple[str, ...]           # derived: how each exposure window ended, or that it had not
+    measures: tuple[str, ...]  # declared in [notice]
+    ended: tuple[str, ...]  # derived: how each exposure window ended, or that it had not
     operator_checks: tuple[str, ...]  # derived: the audit checks that fail
     possible_bases: tuple[str, ...]
     notice_missing: tuple[str, ...]
@@ -54,8 +54,10 @@ def _deployment(con: duckdb.DuckDBPyConnection, investigated: set[str], audit: A
     across tenants' prefix-cache namespaces); for an investigated mechanism with none, that there was none."""
     lines = _stale_windows(con)
     if "stale_pages" in investigated and not lines:
-        lines += ("No start-up's KV pool was below its context length on a role that serves a prompt past it (audit "
-                  "check 1).",)
+        lines += (
+            "No start-up's KV pool was below its context length on a role that serves a prompt past it (audit "
+            "check 1).",
+        )
     if "stale_pages" in investigated and audit is not None:
         lines += _unexposed_notes(audit)
     if "prefix_reuse" in investigated:
@@ -71,14 +73,17 @@ def _unexposed_notes(audit: Any) -> tuple[str, ...]:
     for v in audit.verdicts:
         if v.check == 1 and v.status in ("unknown", "not_applicable") and not v.exposed:
             groups.setdefault((v.model, v.role, v.engine, v.detail), []).append(v.instance)
-    return tuple(f"{model or 'model unknown'} on {words(dict.fromkeys(instances))} ({role}"
-                 f"{', ' + engine if engine else ''}): {detail} (audit check 1: not exposed)."
-                 for (model, role, engine, detail), instances in groups.items())
+    return tuple(
+        f"{model or 'model unknown'} on {words(dict.fromkeys(instances))} ({role}"
+        f"{', ' + engine if engine else ''}): {detail} (audit check 1: not exposed)."
+        for (model, role, engine, detail), instances in groups.items()
+    )
 
 
 def _prefix_paths(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
-    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'"
-                       ).fetchall()[0][0]:
+    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'").fetchall()[
+        0
+    ][0]:
         return ()
     rows = con.execute("""
         SELECT model, engine, engine_version, sentence, list(DISTINCT instance ORDER BY instance), min(valid_from),
@@ -86,10 +91,12 @@ def _prefix_paths(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
         FROM prefix_windows WHERE path <> 'isolated'
         GROUP BY model, engine, engine_version, sentence
         ORDER BY min(valid_from) NULLS FIRST, model""").fetchall()
-    return tuple(f"{model or 'model unknown'} on {words(instances)} ({engine_label(engine, version)}), from "
-                 f"{prose_time(first) or 'its first start-up'} to "
-                 f"{'the end of the records (still running)' if running else prose_time(last)}: {sentence}."
-                 for model, engine, version, sentence, instances, first, last, running in rows)
+    return tuple(
+        f"{model or 'model unknown'} on {words(instances)} ({engine_label(engine, version)}), from "
+        f"{prose_time(first) or 'its first start-up'} to "
+        f"{'the end of the records (still running)' if running else prose_time(last)}: {sentence}."
+        for model, engine, version, sentence, instances, first, last, running in rows
+    )
 
 
 def _stale_windows(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
@@ -102,10 +109,12 @@ def _stale_windows(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
     out = []
     for model, role, engine, version, sentence, instances, first, last, running in rows:
         names = words(dict.fromkeys(instances))
-        until = ("the end of the records (still running)" if running else prose_time(last))
+        until = "the end of the records (still running)" if running else prose_time(last)
         where = "role unknown: no line of its log says" if role == "unknown" else f"{role}"
-        out.append(f"{model or 'model unknown'} on {names} ({where}, {engine_label(engine, version)}), from "
-                   f"{prose_time(first) or 'an unknown time'} to {until}: {sentence}.")
+        out.append(
+            f"{model or 'model unknown'} on {names} ({where}, {engine_label(engine, version)}), from "
+            f"{prose_time(first) or 'an unknown time'} to {until}: {sentence}."
+        )
     return tuple(out)
 
 
@@ -123,34 +132,53 @@ def _nature(con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[
     if n:
         first = min(w["first"] for w in s["windows"])
         last = max(w["last"] for w in s["windows"])
-        flagged = {m for (m,) in con.execute(
-            """SELECT DISTINCT coalesce(f.mechanism, 'stale_pages') FROM findings f
-               JOIN affected_responses a USING (request_id)""").fetchall()}
+        flagged = {
+            m
+            for (m,) in con.execute(
+                """SELECT DISTINCT coalesce(f.mechanism, 'stale_pages') FROM findings f
+               JOIN affected_responses a USING (request_id)"""
+            ).fetchall()
+        }
         how = " ".join(m.summary.strip() for m in mechanisms if m.id in flagged)
-        return (f"A confidentiality breach: {plural(n, 'response')} sent to {plural(s['affected_accounts'], 'account')} "
-                f"{prose_span(first, last)} may carry other accounts' data. {how}")
+        return (
+            f"A confidentiality breach: {plural(n, 'response')} sent to {plural(s['affected_accounts'], 'account')} "
+            f"{prose_span(first, last)} may carry other accounts' data. {how}"
+        )
     if s["conclusive"]:
-        return ("No affected response was found: this evidence shows no breach of confidentiality through the "
-                "mechanisms investigated.")
-    return ("Not established: no affected response was found, but the evidence cannot support that answer (see the "
-            "reasons at the top of this report).")
+        return (
+            "No affected response was found: this evidence shows no breach of confidentiality through the "
+            "mechanisms investigated."
+        )
+    return (
+        "Not established: no affected response was found, but the evidence cannot support that answer (see the "
+        "reasons at the top of this report)."
+    )
 
 
 def _consequences(s: dict[str, Any]) -> tuple[str, ...]:
     if not s["affected_responses"]:
         return ()
     src = s["source_accounts"]
-    lines = [f"{plural(s['affected_accounts'], 'account')} received responses that may contain fragments of other "
-             "accounts' prompts or generated text, possibly personal data or confidential information."]
+    lines = [
+        f"{plural(s['affected_accounts'], 'account')} received responses that may contain fragments of other "
+        "accounts' prompts or generated text, possibly personal data or confidential information."
+    ]
     if src["confirmed"]:
-        lines.append(f"The text of {plural(src['confirmed'], 'account')} was found in responses sent to other "
-                     "accounts: it was disclosed to them.")
+        lines.append(
+            f"The text of {plural(src['confirmed'], 'account')} was found in responses sent to other "
+            "accounts: it was disclosed to them."
+        )
     if src["possible"]:
-        lines.append(f"The requests of {plural(src['possible'], 'more account')} could have been read by an affected "
-                     "response; no disclosure of them is confirmed.")
+        lines.append(
+            f"The requests of {plural(src['possible'], 'more account')} could have been read by an affected "
+            "response; no disclosure of them is confirmed."
+        )
     deliberate = s["exploitation"]["accounts_looking_deliberate"]
-    lines.append(f"{plural(len(deliberate), 'account')} looked like deliberate exploitation (see the exploitation "
-                 "assessment)." if deliberate else "No account's traffic looked like deliberate exploitation.")
+    lines.append(
+        f"{plural(len(deliberate), 'account')} looked like deliberate exploitation (see the exploitation assessment)."
+        if deliberate
+        else "No account's traffic looked like deliberate exploitation."
+    )
     return tuple(lines)
 
 
@@ -162,19 +190,30 @@ def _operator_checks(audit: Any) -> tuple[str, ...]:
         live = sum(1 for v in failing if v.in_force)
         names = sorted({v.instance for v in failing})
         instances = (", ".join(names[:5]) + f" and {len(names) - 5:,} more") if len(names) > 5 else words(names)
-        out.append(f"Check {check}, {failing[0].check_name}: fails on {plural(len(failing), 'start-up')} "
-                   f"({instances}), {live:,} still in force; the audit table below says what to set.")
+        out.append(
+            f"Check {check}, {failing[0].check_name}: fails on {plural(len(failing), 'start-up')} "
+            f"({instances}), {live:,} still in force; the audit table below says what to set."
+        )
     return tuple(out)
 
 
 def _possible_bases(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
-    tables = [t for (t,) in con.execute(
-        "SELECT table_name FROM information_schema.tables WHERE table_name IN "
-        "('possible_sources', 'prefix_possible_sources') ORDER BY 1").fetchall()]
-    with_basis = {t for (t,) in con.execute(
-        "SELECT table_name FROM information_schema.columns WHERE column_name = 'basis'").fetchall()}
-    union = " UNION ALL ".join(f"SELECT affected_request_id, source_account_id, basis FROM {t}"
-                               for t in tables if t in with_basis)
+    tables = [
+        t
+        for (t,) in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_name IN "
+            "('possible_sources', 'prefix_possible_sources') ORDER BY 1"
+        ).fetchall()
+    ]
+    with_basis = {
+        t
+        for (t,) in con.execute(
+            "SELECT table_name FROM information_schema.columns WHERE column_name = 'basis'"
+        ).fetchall()
+    }
+    union = " UNION ALL ".join(
+        f"SELECT affected_request_id, source_account_id, basis FROM {t}" for t in tables if t in with_basis
+    )
     if not union:
         return ()
     # the accounts counted are those notified as possibly exposed (not the recipient, not a confirmed source)
@@ -182,15 +221,31 @@ def _possible_bases(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
                                   count(DISTINCT source_account_id) FILTER (WHERE source_account_id IN (
                                       SELECT account_id FROM notifications WHERE role = 'data_exposed_possible'))
                            FROM ({union}) GROUP BY basis ORDER BY basis""").fetchall()
-    return tuple(f"{plural(n, 'affected response')}: {POSSIBLE_BASES.get(b, b)} ({plural(k, 'account')})"
-                 for b, n, k in rows)
+    return tuple(
+        f"{plural(n, 'affected response')}: {POSSIBLE_BASES.get(b, b)} ({plural(k, 'account')})" for b, n, k in rows
+    )
 
 
-def incident_story(con: duckdb.DuckDBPyConnection, incident: Incident, s: dict[str, Any], mechanisms: list[Any],
-                   rules: list[dict[str, Any]], audit: Any) -> Story:
+def incident_story(
+    con: duckdb.DuckDBPyConnection,
+    incident: Incident,
+    s: dict[str, Any],
+    mechanisms: list[Any],
+    rules: list[dict[str, Any]],
+    audit: Any,
+) -> Story:
     facts = incident_facts(con, incident)
-    return Story(nature=_nature(con, s, mechanisms), deployment=_deployment(con, {m.id for m in mechanisms}, audit), findings=_findings(con, rules),
-                 consequences=_consequences(s), measures=facts.measures, ended=facts.ended,
-                 operator_checks=_operator_checks(audit) if audit.verdicts else (),
-                 possible_bases=_possible_bases(con), notice_missing=facts.missing, provider=facts.provider,
-                 contact=facts.contact, reference=facts.reference)
+    return Story(
+        nature=_nature(con, s, mechanisms),
+        deployment=_deployment(con, {m.id for m in mechanisms}, audit),
+        findings=_findings(con, rules),
+        consequences=_consequences(s),
+        measures=facts.measures,
+        ended=facts.ended,
+        operator_checks=_operator_checks(audit) if audit.verdicts else (),
+        possible_bases=_possible_bases(con),
+        notice_missing=facts.missing,
+        provider=facts.provider,
+        contact=facts.contact,
+        reference=facts.reference,
+    )

@@ -88,10 +88,18 @@ def prose_span(first: Any, last: Any) -> str:
     return f"between {prose_time(a)} and {prose_time(b)}"
 
 
-_PLURALS = {"response": "responses", "request": "requests", "account": "accounts", "time": "times",
-            "model server": "model servers", "notice": "notices", "more account": "more accounts",
-            "affected response": "affected responses", "start-up": "start-ups",
-            "misconfigured model server": "misconfigured model servers"}
+_PLURALS = {
+    "response": "responses",
+    "request": "requests",
+    "account": "accounts",
+    "time": "times",
+    "model server": "model servers",
+    "notice": "notices",
+    "more account": "more accounts",
+    "affected response": "affected responses",
+    "start-up": "start-ups",
+    "misconfigured model server": "misconfigured model servers",
+}
 
 
 def plural(count: Any, word: str) -> str:
@@ -111,8 +119,12 @@ def for_class(text: str, account_class: str) -> str:
     account's", not "another customer's" (their traffic is not a customer's, and neither is every other account's)."""
     if account_class == "customer":
         return text
-    return (text.replace("another customer's", "another account's").replace("other customers'", "other accounts'")
-            .replace("another customer", "another account").replace("other customers", "other accounts"))
+    return (
+        text.replace("another customer's", "another account's")
+        .replace("other customers'", "other accounts'")
+        .replace("another customer", "another account")
+        .replace("other customers", "other accounts")
+    )
 
 
 def _ts_seconds(value: Any) -> str:
@@ -128,9 +140,14 @@ def _printable(value: Any) -> Any:
 
 
 def template_env(autoescape: bool) -> Environment:
-    env = Environment(loader=FileSystemLoader(TEMPLATES), undefined=StrictUndefined,
-                      autoescape=select_autoescape(["html", "j2"]) if autoescape else False,
-                      trim_blocks=True, lstrip_blocks=True, finalize=_printable)
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        undefined=StrictUndefined,
+        autoescape=select_autoescape(["html", "j2"]) if autoescape else False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        finalize=_printable,
+    )
     env.filters["ts"] = _fmt_ts
     env.filters["num"] = _fmt_num
     env.filters["fixed"] = _fmt_fixed

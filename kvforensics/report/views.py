@@ -18,18 +18,20 @@ from kvforensics.config import Incident
 from kvforensics.core.escaping import visible_controls
 from kvforensics.core.timestamps import iso
 
-MAX_POINTS = 4000     # dots drawn per view (one per affected response)
-MAX_ACCOUNTS = 50     # accounts in the per-account view's list, most affected responses first
+MAX_POINTS = 4000  # dots drawn per view (one per affected response)
+MAX_ACCOUNTS = 50  # accounts in the per-account view's list, most affected responses first
 # Every other element of a view is bounded too (a chart embeds at most 5,000 rows per dataset, and a page of tens of
 # thousands of marks is not read): beyond its limit it is sampled evenly in time or aggregated, and its title says so.
-MAX_EVENTS = 2000     # event ticks on the timeline: the incident file's first, then start-ups and restarts, then changes
-MAX_WINDOWS = 1000    # exposure windows on the timeline
-MAX_BARS = 2000       # bars of affected responses per hour; per day (then week, month) when the hours are more
+MAX_EVENTS = 2000  # event ticks on the timeline: the incident file's first, then start-ups and restarts, then changes
+MAX_WINDOWS = 1000  # exposure windows on the timeline
+MAX_BARS = 2000  # bars of affected responses per hour; per day (then week, month) when the hours are more
 _BAR_UNITS = ("hour", "day", "week", "month")
 _EVENT_PRIORITY = ("incident file", "start-up", "restart", "config change")
 
-_AFFECTED_COLUMNS = ("ts, request_id, account_id, account_class, model, confidence, prompt_tokens, "
-                     "coalesce(prefill_instance, pool_instance) AS instance")
+_AFFECTED_COLUMNS = (
+    "ts, request_id, account_id, account_class, model, confidence, prompt_tokens, "
+    "coalesce(prefill_instance, pool_instance) AS instance"
+)
 
 
 @dataclass(frozen=True)
@@ -54,11 +56,19 @@ class TimelineFrames:
 
     def bounds_note(self) -> str:
         """What the view leaves out, for its title: '' when it draws everything."""
-        notes = [f"{len(frame):,} of {total:,} {what} drawn, {how}"
-                 for frame, total, what, how in ((self.events, self.events_total, "events",
-                                                  "the incident file's first, then start-ups, then changes, evenly in time"),
-                                                 (self.windows, self.windows_total, "exposure windows", "evenly in time"))
-                 if total is not None and total > len(frame)]
+        notes = [
+            f"{len(frame):,} of {total:,} {what} drawn, {how}"
+            for frame, total, what, how in (
+                (
+                    self.events,
+                    self.events_total,
+                    "events",
+                    "the incident file's first, then start-ups, then changes, evenly in time",
+                ),
+                (self.windows, self.windows_total, "exposure windows", "evenly in time"),
+            )
+            if total is not None and total > len(frame)
+        ]
         return "; ".join(notes)
 
 
@@ -92,28 +102,38 @@ def _with_text_times(df: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 
 def _affected(con: duckdb.DuckDBPyConnection, where: str, params: dict, max_points: int) -> pd.DataFrame:
     """Affected responses matching ``where`` (a fixed clause with named parameters), at most ``max_points``."""
-    df = _frame(con, f"""SELECT * FROM (SELECT {_AFFECTED_COLUMNS} FROM affected_responses WHERE {where}
+    df = _frame(
+        con,
+        f"""SELECT * FROM (SELECT {_AFFECTED_COLUMNS} FROM affected_responses WHERE {where}
                                          ORDER BY hash(request_id), request_id LIMIT $n)
-                         ORDER BY ts, request_id""", {**params, "n": max_points})
+                         ORDER BY ts, request_id""",
+        {**params, "n": max_points},
+    )
     return _with_text_times(df, {"ts": "time"})
 
 
-def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = None, *,
-                    max_points: int = MAX_POINTS) -> TimelineFrames:
+def timeline_frames(
+    con: duckdb.DuckDBPyConnection, incident: Incident | None = None, *, max_points: int = MAX_POINTS
+) -> TimelineFrames:
     """Exposure windows, start-ups and restarts, config changes, the incident file's events (reports, fixes) and
     affected responses of an evidence database, for :func:`~kvforensics.report.charts.timeline_chart`."""
-    windows = _frame(con, """
+    windows = _frame(
+        con,
+        """
         SELECT instance || ' (' || coalesce(role, 'role unknown') || ', pool ' || format('{:,}', kv_pool_tokens) || ')'
                    AS lane,
                instance, role, model, valid_from AS start,
                coalesce(valid_to, greatest(valid_from, (SELECT max(ts) FROM requests))) AS "end",
                kv_pool_tokens AS pool_tokens, context_length
         FROM capacity c WHERE valid_from IS NOT NULL AND EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from)
-        ORDER BY valid_from, instance""")
+        ORDER BY valid_from, instance""",
+    )
     windows = _with_text_times(windows, {"start": "from", "end": "to"})
     windows_total = len(windows)
     windows = _evenly(windows, MAX_WINDOWS)
-    startups = _frame(con, """
+    startups = _frame(
+        con,
+        """
         SELECT valid_from AS ts,
                CASE WHEN row_number() OVER (PARTITION BY instance ORDER BY valid_from) = 1 THEN 'start-up'
                     ELSE 'restart' END AS kind,
@@ -123,35 +143,63 @@ def timeline_frames(con: duckdb.DuckDBPyConnection, incident: Incident | None = 
                    coalesce(format('{:,}', context_length), 'unknown') ||
                    CASE WHEN EXISTS (SELECT 1 FROM exposure_windows w WHERE w.instance = c.instance AND w.valid_from IS NOT DISTINCT FROM c.valid_from) THEN ': EXPOSED' ELSE '' END AS title,
                coalesce(model, 'model unknown') AS detail
-        FROM capacity c WHERE valid_from IS NOT NULL""")
+        FROM capacity c WHERE valid_from IS NOT NULL""",
+    )
     # a long change log: an even sample in time, taken in DuckDB (the rest are counted)
-    changes = _frame(con, """SELECT ts, kind, title, detail FROM (
+    changes = _frame(
+        con,
+        """SELECT ts, kind, title, detail FROM (
                                  SELECT ts, 'config change' AS kind, description AS title,
                                         concat_ws(' ', model, instance, details) AS detail,
                                         row_number() OVER (ORDER BY ts, description, details) - 1 AS n,
                                         count(*) OVER () AS total
                                  FROM changes)
-                             WHERE total <= $k OR n % ceil(total / $k) = 0""", {"k": MAX_EVENTS})
+                             WHERE total <= $k OR n % ceil(total / $k) = 0""",
+        {"k": MAX_EVENTS},
+    )
     changes_total = con.execute("SELECT count(*) FROM changes").fetchall()[0][0]
-    noted = pd.DataFrame([{"ts": e.ts, "kind": "incident file", "title": visible_controls(e.title),
-                           "detail": visible_controls(e.description)} for e in (incident.events if incident else [])],
-                         columns=["ts", "kind", "title", "detail"])
+    noted = pd.DataFrame(
+        [
+            {
+                "ts": e.ts,
+                "kind": "incident file",
+                "title": visible_controls(e.title),
+                "detail": visible_controls(e.description),
+            }
+            for e in (incident.events if incident else [])
+        ],
+        columns=["ts", "kind", "title", "detail"],
+    )
     events_total = len(startups) + changes_total + len(noted)
     present = [f for f in (startups, changes, noted) if not f.empty]
     events = pd.concat(present, ignore_index=True) if present else noted
     # a total order: start-ups of the same second come from the database in no fixed order
-    events = _with_text_times(events, {"ts": "time"}).sort_values(["ts", "kind", "title", "detail"], kind="stable").reset_index(drop=True)
+    events = (
+        _with_text_times(events, {"ts": "time"})
+        .sort_values(["ts", "kind", "title", "detail"], kind="stable")
+        .reset_index(drop=True)
+    )
     events = _events_within(events, MAX_EVENTS)
     for unit in _BAR_UNITS:  # per hour, or coarser when the hours are too many to draw
-        hourly = _frame(con, f"SELECT date_trunc('{unit}', ts) AS hour, model, count(*) AS responses "
-                             "FROM affected_responses GROUP BY 1, 2 ORDER BY 1, 2")
+        hourly = _frame(
+            con,
+            f"SELECT date_trunc('{unit}', ts) AS hour, model, count(*) AS responses "
+            "FROM affected_responses GROUP BY 1, 2 ORDER BY 1, 2",
+        )
         if len(hourly) <= MAX_BARS:
             break
     hourly = _with_text_times(hourly, {"hour": "time"})
     total = con.execute("SELECT count(*) FROM affected_responses").fetchall()[0][0]
-    return TimelineFrames(windows=windows, events=events, affected=_affected(con, "true", {}, max_points),
-                          hourly=hourly, affected_total=int(total), events_total=events_total,
-                          windows_total=windows_total, bar_unit=unit)
+    return TimelineFrames(
+        windows=windows,
+        events=events,
+        affected=_affected(con, "true", {}, max_points),
+        hourly=hourly,
+        affected_total=int(total),
+        events_total=events_total,
+        windows_total=windows_total,
+        bar_unit=unit,
+    )
 
 
 def _evenly(frame: pd.DataFrame, limit: int) -> pd.DataFrame:
@@ -176,25 +224,38 @@ def _events_within(events: pd.DataFrame, limit: int) -> pd.DataFrame:
     return pd.concat(kept).sort_values(["ts", "kind", "title", "detail"], kind="stable").reset_index(drop=True)
 
 
-def account_frames(con: duckdb.DuckDBPyConnection, *, account: str | None = None, max_accounts: int = MAX_ACCOUNTS,
-                   max_points: int = MAX_POINTS) -> AccountFrames:
+def account_frames(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    account: str | None = None,
+    max_accounts: int = MAX_ACCOUNTS,
+    max_points: int = MAX_POINTS,
+) -> AccountFrames:
     """The accounts that received affected responses (most first) and their responses, for
     :func:`~kvforensics.report.charts.account_chart`; ``account``: that account only."""
     where = "account_id = $account" if account is not None else "true"
     params = {"account": account} if account is not None else {}
-    accounts = _frame(con, f"""
+    accounts = _frame(
+        con,
+        f"""
         SELECT account_id, account_class, count(*) AS responses, min(ts) AS first, max(ts) AS last,
                string_agg(DISTINCT model, ', ' ORDER BY model) AS models
         FROM affected_responses WHERE {where} GROUP BY 1, 2
-        ORDER BY responses DESC, account_id LIMIT $k""", {**params, "k": max_accounts})
+        ORDER BY responses DESC, account_id LIMIT $k""",
+        {**params, "k": max_accounts},
+    )
     accounts = _with_text_times(accounts, {"first": "first_time", "last": "last_time"})
     accounts_total, affected_total = con.execute(
-        f"SELECT count(DISTINCT account_id), count(*) FROM affected_responses WHERE {where}", params).fetchall()[0]
-    listed = (f"account_id IN (SELECT account_id FROM affected_responses WHERE {where} GROUP BY 1 "
-              "ORDER BY count(*) DESC, account_id LIMIT $k)")
+        f"SELECT count(DISTINCT account_id), count(*) FROM affected_responses WHERE {where}", params
+    ).fetchall()[0]
+    listed = (
+        f"account_id IN (SELECT account_id FROM affected_responses WHERE {where} GROUP BY 1 "
+        "ORDER BY count(*) DESC, account_id LIMIT $k)"
+    )
     affected = _affected(con, f"{where} AND {listed}", {**params, "k": max_accounts}, max_points)
-    return AccountFrames(accounts=accounts, affected=affected, accounts_total=int(accounts_total),
-                         affected_total=int(affected_total))
+    return AccountFrames(
+        accounts=accounts, affected=affected, accounts_total=int(accounts_total), affected_total=int(affected_total)
+    )
 
 
 def exposure_period(frames: TimelineFrames, margin_days: float = 2) -> tuple[pd.Timestamp, pd.Timestamp] | None:

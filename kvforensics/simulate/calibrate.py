@@ -120,9 +120,7 @@ def prefill_fits(root: Path) -> dict[str, object]:
     mi = pd.read_csv(root / "minference_long_context_prefill/a100_llama3_8b_1m_prefill_latency.csv")
     dense = mi[(mi["engine"] == "hf_transformers") & (mi["attention_method"] == "FlashAttention-2")]
     dense = dense[dense["prompt_tokens"] >= 10_000]
-    mi_fit = fit_quadratic(
-        dense["prompt_tokens"].to_numpy(float), dense["prefill_latency_s"].to_numpy() * 1e3
-    )
+    mi_fit = fit_quadratic(dense["prompt_tokens"].to_numpy(float), dense["prefill_latency_s"].to_numpy() * 1e3)
     sw = pd.read_csv(root / "splitwise_perf_model/perf_model.csv")
     bs1 = sw[(sw["model"] == "llama2-70b") & (sw["hardware"] == "h100-80gb") & (sw["batch_size"] == 1)]
     h100 = bs1[bs1["tensor_parallel"] == 8].groupby("prompt_size")["prompt_time"].median()

@@ -34,20 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="total gateway requests (default 20000); large values stream to disk",
     )
     parser.add_argument("--format", choices=GATEWAY_FORMATS, default=None, help="gateway log format")
-    parser.add_argument(
-        "--affected", type=int, default=None, help="number of affected responses (default 155)"
-    )
-    parser.add_argument(
-        "--exploiters", type=int, default=None, help="accounts that probe on purpose (default 0)"
-    )
+    parser.add_argument("--affected", type=int, default=None, help="number of affected responses (default 155)")
+    parser.add_argument("--exploiters", type=int, default=None, help="accounts that probe on purpose (default 0)")
     parser.add_argument("--engine-timezone", default=None, help="IANA zone of engine log timestamps")
-    parser.add_argument(
-        "--timestamps", choices=TIMESTAMP_STYLES, default=None, help="gateway timestamp style"
-    )
+    parser.add_argument("--timestamps", choices=TIMESTAMP_STYLES, default=None, help="gateway timestamp style")
     parser.add_argument("--columns", choices=COLUMN_STYLES, default=None, help="gateway column names")
-    parser.add_argument(
-        "--sglang-version", choices=SGLANG_LOG_VERSIONS, default=None, help="engine log format"
-    )
+    parser.add_argument("--sglang-version", choices=SGLANG_LOG_VERSIONS, default=None, help="engine log format")
     parser.add_argument(
         "--scenario-file",
         type=Path,

@@ -116,11 +116,7 @@ def jsonb_text(value: Any) -> str:
     """JSON as ``jsonb`` prints it: object keys shortest first (then bytewise), ``", "`` and ``": "``."""
     if isinstance(value, dict):
         keys = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
-        return (
-            "{"
-            + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {jsonb_text(value[k])}" for k in keys)
-            + "}"
-        )
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {jsonb_text(value[k])}" for k in keys) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(jsonb_text(v) for v in value) + "]"
     if isinstance(value, float):
@@ -216,9 +212,7 @@ def spend_log_rows(
     """One row per request in table order (as written: by completion), and the ids failures get."""
     s = dep.scenario
     models = [dep.models[k] for k in MODEL_KEYS]
-    model_ids = {
-        k: hashlib.sha256(f"{s.seed}-{dep.models[k].gateway_model}".encode()).hexdigest() for k in MODEL_KEYS
-    }
+    model_ids = {k: hashlib.sha256(f"{s.seed}-{dep.models[k].gateway_model}".encode()).hexdigest() for k in MODEL_KEYS}
     keys = account_keys(served["account"].to_numpy(), s.seed)
     start = served["ts_ms"].to_numpy().astype(np.int64)
     latency = np.maximum(np.rint(served["latency_ms"].to_numpy()), 1).astype(np.int64)
@@ -273,9 +267,7 @@ def spend_log_rows(
                 "openai",
                 f"http://{m.prefix}-router.{NAMESPACE}.svc.cluster.local:8000/v1",
                 record.account if teamless else "",
-                spend_log_metadata(
-                    status, record.error, record.account, teamless, keys, usage, float(overhead[i])
-                ),
+                spend_log_metadata(status, record.error, record.account, teamless, keys, usage, float(overhead[i])),
                 "False",
                 "Cache OFF",
                 [],
@@ -424,9 +416,7 @@ def export_incident(scenario: Scenario, out_dir: Path, loki_timezone: str = "UTC
     served, _, _ = apply_pages(served, dep)
     fleet = with_dark_launch(dep)
     logs = build_engine_logs(fleet, np.random.default_rng([s.seed, STREAM_IDS, 1]))
-    request_lines(
-        logs, served, dep, ZoneInfo(s.engine_timezone), True, np.random.default_rng([s.seed, STREAM_IDS, 3])
-    )
+    request_lines(logs, served, dep, ZoneInfo(s.engine_timezone), True, np.random.default_rng([s.seed, STREAM_IDS, 3]))
     pods = build_pods(fleet, logs, np.random.default_rng([s.seed, STREAM_IDS, 5]))
     rows, renamed = spend_log_rows(served, dep, np.random.default_rng([s.seed, STREAM_IDS, 6]))
     spend_logs = write_spend_logs(rows, out_dir / "gateway" / "LiteLLM_SpendLogs.csv")
@@ -435,9 +425,7 @@ def export_incident(scenario: Scenario, out_dir: Path, loki_timezone: str = "UTC
         out_dir / "engine" / "loki" / f"{dep.models['target'].prefix}.jsonl",
         loki_zone,
     )
-    kubectl = write_kubectl_logs(
-        [p for p in pods if p.collector == "kubectl"], out_dir / "engine" / "kubectl"
-    )
+    kubectl = write_kubectl_logs([p for p in pods if p.collector == "kubectl"], out_dir / "engine" / "kubectl")
     toml = files.write_text(out_dir / "incident.toml", export_toml(dep))
     model_ids = [dep.models[k].gateway_model for k in MODEL_KEYS]
     affected = affected_records(served, None, None, {}, model_ids)

@@ -110,9 +110,7 @@ def rows(
             "model_idx": np.full(n, model_idx, dtype=np.int8),
             "prompt_tokens": np.asarray(prompt, dtype=np.int64),
             "completion_tokens": np.asarray(completion, dtype=np.int64),
-            "cached_tokens": np.zeros(n, dtype=np.int64)
-            if cached is None
-            else np.asarray(cached, dtype=np.int64),
+            "cached_tokens": np.zeros(n, dtype=np.int64) if cached is None else np.asarray(cached, dtype=np.int64),
             "stream": rng.random(n) < 0.72,
             "u_status": np.ones(n),
             "u_ttft_missing": rng.random(n),
@@ -221,9 +219,7 @@ def reporter_rows(rng: np.random.Generator, s: Scenario, w: Window, n: int) -> l
     return out
 
 
-def exploiter_rows(
-    rng: np.random.Generator, s: Scenario, w: Window, plan: AffectedPlan
-) -> list[pd.DataFrame]:
+def exploiter_rows(rng: np.random.Generator, s: Scenario, w: Window, plan: AffectedPlan) -> list[pd.DataFrame]:
     """Deliberate probing: clustered just above the pool, repeated identical prompts, bursts."""
     out: list[pd.DataFrame] = []
     for name, n in plan.exploiters.items():

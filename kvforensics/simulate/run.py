@@ -85,9 +85,7 @@ def request_ids(seed: int, first: int, n: int) -> np.ndarray:
     return np.array(["req-" + hexes[16 * i : 16 * i + 16] for i in range(n)], dtype=object)
 
 
-def served_chunks(
-    s: Scenario, dep: Deployment, incident: pd.DataFrame, background: int
-) -> Iterator[pd.DataFrame]:
+def served_chunks(s: Scenario, dep: Deployment, incident: pd.DataFrame, background: int) -> Iterator[pd.DataFrame]:
     """Hour-ordered chunks of received requests (background + incident), served, with request ids."""
     accounts = build_accounts(s)
     start = to_ms(s.start)
@@ -152,9 +150,7 @@ def write_content(
     rids = served["rid"].to_numpy()[rows]
     order = np.argsort(served["ts_ms"].to_numpy()[rows], kind="stable")
     lines = (
-        json.dumps(
-            {"request_id": rids[i], "prompt": texts[i].prompt, "output": texts[i].output}, sort_keys=True
-        )
+        json.dumps({"request_id": rids[i], "prompt": texts[i].prompt, "output": texts[i].output}, sort_keys=True)
         for i in order
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,8 +176,7 @@ def affected_records(
         rec: dict[str, Any] = {
             "request_id": r["rid"],
             "account_id": r["account"],
-            "ts": pd.Timestamp(int(r["ts_ms"]), unit="ms", tz="UTC").strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-            + "Z",
+            "ts": pd.Timestamp(int(r["ts_ms"]), unit="ms", tz="UTC").strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
             "model": model_ids[int(r["model_idx"])],
             "prompt_tokens": int(r["prompt_tokens"]),
             "pool_tokens": int(r["pool_tokens"]),
@@ -205,9 +200,7 @@ def affected_records(
     return out
 
 
-def with_leaks(
-    records: list[dict[str, Any]], leaked: dict[str, list[tuple[str, str]]]
-) -> list[dict[str, Any]]:
+def with_leaks(records: list[dict[str, Any]], leaked: dict[str, list[tuple[str, str]]]) -> list[dict[str, Any]]:
     """Affected records of the streamed path with the requests their content quotes."""
     for rec in records:
         if rec["request_id"] in leaked:
@@ -325,9 +318,7 @@ def simulate(scenario: Scenario, out_dir: Path) -> SimulationResult:
         leak_rng = np.random.default_rng([s.seed, STREAM_IDS, 4])
         leaked = {local: leaked_sources(sim.reads[local].pages_read, leak_rng) for local in sorted(sim.reads)}
         if s.write_content:
-            content_path = write_content(
-                served, rows, sim, leaked, s, out_dir / "content" / "content.jsonl.gz"
-            )
+            content_path = write_content(served, rows, sim, leaked, s, out_dir / "content" / "content.jsonl.gz")
         gateway.write(with_duplicates(served, s.duplicate_rate, dup_rng))
         request_lines(logs, served, dep, zone, True, log_rng)
         affected = affected_records(served, rows, sim, leaked, model_ids)

@@ -30,10 +30,30 @@ from kvforensics.core.errors import ConfigError
 
 SOURCES_DIR = Path(__file__).parent
 INGEST_PHASES = ("first", "files", "last")  # requests before all, the per-file kinds, content after capacity
-_REQUIRED = {"name", "title", "order", "ingest", "entry", "formats", "default_format", "canonical", "tables",
-             "inputs", "quarantine_fix", "conclusive"}
-_OPTIONAL = {"keys", "refused_elsewhere", "maps_columns", "required", "shares_files", "envelopes", "field_inputs",
-             "no_labels"}
+_REQUIRED = {
+    "name",
+    "title",
+    "order",
+    "ingest",
+    "entry",
+    "formats",
+    "default_format",
+    "canonical",
+    "tables",
+    "inputs",
+    "quarantine_fix",
+    "conclusive",
+}
+_OPTIONAL = {
+    "keys",
+    "refused_elsewhere",
+    "maps_columns",
+    "required",
+    "shares_files",
+    "envelopes",
+    "field_inputs",
+    "no_labels",
+}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -41,27 +61,27 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 class SourceKind:
     """One kind of source, as its ``kind.yml`` declares it."""
 
-    name: str                                   # the value of ``kind`` in the incident file
+    name: str  # the value of ``kind`` in the incident file
     title: str
-    order: int                                  # its place in lists of kinds (messages, limits)
-    ingest: str                                 # one of INGEST_PHASES
-    entry: str                                  # the module ingest calls: ``load(run, source, files)``
+    order: int  # its place in lists of kinds (messages, limits)
+    ingest: str  # one of INGEST_PHASES
+    entry: str  # the module ingest calls: ``load(run, source, files)``
     formats: tuple[str, ...]
-    default_format: str | None                  # None: told from the path's extension
-    canonical: tuple[str, ...]                  # the canonical fields its ``columns`` may map
-    keys: tuple[tuple[str, str], ...]           # (key, what it says): the keys only this kind accepts
+    default_format: str | None  # None: told from the path's extension
+    canonical: tuple[str, ...]  # the canonical fields its ``columns`` may map
+    keys: tuple[tuple[str, str], ...]  # (key, what it says): the keys only this kind accepts
     refused_elsewhere: tuple[tuple[tuple[str, ...], str], ...]  # (keys, what another kind's source is told)
-    maps_columns: bool                          # columns may be paths or expressions, with value maps, null tokens
-    required: str | None                        # why an incident needs a source of this kind (None: it does not)
+    maps_columns: bool  # columns may be paths or expressions, with value maps, null tokens
+    required: str | None  # why an incident needs a source of this kind (None: it does not)
     shares_files: tuple[tuple[str, tuple[str, ...]], ...]  # (its format, kinds whose files it may read too)
-    envelopes: tuple[str, ...]                  # collection envelopes its files may come in
-    tables: tuple[str, ...]                     # the evidence tables it fills
+    envelopes: tuple[str, ...]  # collection envelopes its files may come in
+    tables: tuple[str, ...]  # the evidence tables it fills
     inputs: tuple[tuple[str, tuple[str, ...]], ...]  # (input, the tables holding it) offered to the mechanisms
-    field_inputs: str | None                    # the table whose columns are inputs too (``<kind>.<column>``)
-    no_labels: str | None                       # why its instance template may not name an envelope label
-    quarantine_fix: str                         # what to fix when its records are quarantined beyond the limit
-    conclusive: tuple[str, ...]                 # the conclusiveness reasons it owns
-    path: Path                                  # its folder
+    field_inputs: str | None  # the table whose columns are inputs too (``<kind>.<column>``)
+    no_labels: str | None  # why its instance template may not name an envelope label
+    quarantine_fix: str  # what to fix when its records are quarantined beyond the limit
+    conclusive: tuple[str, ...]  # the conclusiveness reasons it owns
+    path: Path  # its folder
 
     def entry_module(self) -> ModuleType:
         """The module ingest calls for this kind (its readers are imported only then)."""
@@ -90,30 +110,39 @@ def _text(meta: Mapping[str, Any], key: str, where: str, *, optional: bool = Fal
 def _canonical(value: Any, where: str) -> tuple[str, ...]:
     if value is None:
         return ()
-    fields = getattr(canonical_fields, value, None) if isinstance(value, str) and value.startswith("CANONICAL_") else None
+    fields = (
+        getattr(canonical_fields, value, None) if isinstance(value, str) and value.startswith("CANONICAL_") else None
+    )
     if not isinstance(fields, tuple):
-        raise ConfigError(f"canonical {value!r} must name a CANONICAL_..._FIELDS tuple of kvforensics/core/canonical.py, "
-                          "or be null", location=where)
+        raise ConfigError(
+            f"canonical {value!r} must name a CANONICAL_..._FIELDS tuple of kvforensics/core/canonical.py, or be null",
+            location=where,
+        )
     return fields
 
 
 def _keys(meta: Mapping[str, Any], where: str) -> tuple[tuple[str, str], ...]:
     keys = meta.get("keys", {})
-    if not isinstance(keys, Mapping) or not all(isinstance(k, str) and isinstance(d, str) and d.strip()
-                                                for k, d in keys.items()):
-        raise ConfigError("'keys' must map each key only this kind accepts to one line saying what it is",
-                          location=where)
+    if not isinstance(keys, Mapping) or not all(
+        isinstance(k, str) and isinstance(d, str) and d.strip() for k, d in keys.items()
+    ):
+        raise ConfigError(
+            "'keys' must map each key only this kind accepts to one line saying what it is", location=where
+        )
     return tuple((k, " ".join(d.split())) for k, d in keys.items())
 
 
-def _refused(meta: Mapping[str, Any], keys: tuple[tuple[str, str], ...], where: str
-             ) -> tuple[tuple[tuple[str, ...], str], ...]:
+def _refused(
+    meta: Mapping[str, Any], keys: tuple[tuple[str, str], ...], where: str
+) -> tuple[tuple[tuple[str, ...], str], ...]:
     groups = meta.get("refused_elsewhere", [])
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and set(g) == {"keys", "message"}
-                                               for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and set(g) == {"keys", "message"} for g in groups
+    ):
         raise ConfigError("'refused_elsewhere' must be a list of {keys, message}", location=where)
-    out = tuple((_strings(g["keys"], "refused_elsewhere.keys", where), _text(g, "message", where) or "")
-                for g in groups)
+    out = tuple(
+        (_strings(g["keys"], "refused_elsewhere.keys", where), _text(g, "message", where) or "") for g in groups
+    )
     own = {k for k, _ in keys}
     covered = [k for group, _ in out for k in group]
     if sorted(covered) != sorted(own):
@@ -124,8 +153,9 @@ def _refused(meta: Mapping[str, Any], keys: tuple[tuple[str, str], ...], where: 
 def _inputs(meta: Mapping[str, Any], tables: tuple[str, ...], where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     inputs = meta["inputs"]
     if not isinstance(inputs, Mapping) or not all(isinstance(k, str) and _NAME.match(k) for k in inputs):
-        raise ConfigError("'inputs' must map each input it offers the mechanisms to the tables holding it",
-                          location=where)
+        raise ConfigError(
+            "'inputs' must map each input it offers the mechanisms to the tables holding it", location=where
+        )
     out = tuple((name, _strings(held, f"inputs.{name}", where)) for name, held in inputs.items())
     foreign = sorted({t for _, held in out for t in held} - set(tables))
     if foreign:
@@ -160,16 +190,28 @@ def read_kind(folder: Path) -> SourceKind:
     if not isinstance(shares, Mapping) or not set(shares) <= set(formats):
         raise ConfigError("'shares_files' must map formats of the kind to lists of kinds", location=where)
     return SourceKind(
-        name=name, title=_text(meta, "title", where) or "", order=meta["order"], ingest=meta["ingest"],
-        entry=meta["entry"], formats=formats, default_format=default, canonical=_canonical(meta["canonical"], where),
-        keys=keys, refused_elsewhere=_refused(meta, keys, where), maps_columns=meta.get("maps_columns") is True,
+        name=name,
+        title=_text(meta, "title", where) or "",
+        order=meta["order"],
+        ingest=meta["ingest"],
+        entry=meta["entry"],
+        formats=formats,
+        default_format=default,
+        canonical=_canonical(meta["canonical"], where),
+        keys=keys,
+        refused_elsewhere=_refused(meta, keys, where),
+        maps_columns=meta.get("maps_columns") is True,
         required=_text(meta, "required", where, optional=True),
         shares_files=tuple((f, _strings(k, f"shares_files.{f}", where)) for f, k in shares.items()),
-        envelopes=_strings(meta.get("envelopes", []), "envelopes", where), tables=tables,
-        inputs=_inputs(meta, tables, where), field_inputs=field_inputs,
+        envelopes=_strings(meta.get("envelopes", []), "envelopes", where),
+        tables=tables,
+        inputs=_inputs(meta, tables, where),
+        field_inputs=field_inputs,
         no_labels=_text(meta, "no_labels", where, optional=True),
         quarantine_fix=_text(meta, "quarantine_fix", where) or "",
-        conclusive=_strings(meta["conclusive"], "conclusive", where), path=folder)
+        conclusive=_strings(meta["conclusive"], "conclusive", where),
+        path=folder,
+    )
 
 
 @cache
@@ -177,9 +219,12 @@ def load_kinds(directory: Path = SOURCES_DIR) -> tuple[SourceKind, ...]:
     """Every source kind of *directory* (each sub-folder holding a ``kind.yml``), in their order; two kinds
     with one name, order, input or reason, or a kind sharing files with a kind that does not exist, are refused."""
     kinds = tuple(sorted((read_kind(p.parent) for p in sorted(directory.glob("*/kind.yml"))), key=lambda k: k.order))
-    for what, values in (("name", [k.name for k in kinds]), ("order", [k.order for k in kinds]),
-                         ("input", [i for k in kinds for i, _ in k.inputs]),
-                         ("conclusiveness reason", [r for k in kinds for r in k.conclusive])):
+    for what, values in (
+        ("name", [k.name for k in kinds]),
+        ("order", [k.order for k in kinds]),
+        ("input", [i for k in kinds for i, _ in k.inputs]),
+        ("conclusiveness reason", [r for k in kinds for r in k.conclusive]),
+    ):
         twice = sorted({str(v) for v in values if values.count(v) > 1})
         if twice:
             raise ConfigError(f"source kinds declare the same {what} twice: {twice}", location=str(directory))

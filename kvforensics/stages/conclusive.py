@@ -51,7 +51,7 @@ RULE_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "prefill_too_fast": (("ttft_ms", "latency_ms"),),  # time to first token, or end-to-end latency bounding it
 }
 RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
-    "prefill_too_fast": ("cached_tokens", "completion_tokens"),          # taken as 0 when missing
+    "prefill_too_fast": ("cached_tokens", "completion_tokens"),  # taken as 0 when missing
     "prompt_exceeds_kv_pool": ("prefill_instance", "decode_instance"),  # the model's prefill pools then
     # prefix_reuse (its mechanism requires cached_tokens): without an instance the model's instances are
     # read as one shared cache; without a request salt the KV events' salt is compared
@@ -72,21 +72,42 @@ _MAP_FIELD = "map the field in the requests source's columns (or a preset), or c
 # request carries one of them. The reason's message is "<fields> empty for N of its M <requests> in the
 # analysed period, so <consequence>".
 PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
-    {"rule": "prefix_reuse", "fields": ["cached_tokens"], "hits_only": False, "min_share": 0.5, "when_logged": False,
-     "consequence": f"rules {_PREFIX_RULES} cannot tell which of them reused another tenant's prefix-cache "
-                    f"blocks; {_MAP_FIELD} (OpenAI-style usage: prompt_tokens_details.cached_tokens)"},
-    {"rule": "prefix_salt_mismatch", "fields": ["cache_salt", "kv_events.salt"], "hits_only": True, "min_share": 0.0,
-     "when_logged": True,
-     "consequence": "rule prefix_salt_mismatch cannot compare their salts with the storing requests' although "
-                    f"other requests carry one; {_MAP_FIELD}"},
-    {"rule": "prefix_reuse", "fields": ["request_blocks", "kv_events"], "hits_only": True, "min_share": 0.5,
-     "when_logged": False,
-     "consequence": f"rules {_PREFIX_RULES} can flag them from cached_tokens alone, weakly, and name no source; "
-                    "add the content source with prompt_token_ids (or a [prefix_cache] table for blocks of words) "
-                    "or the engines' KV events (kind = \"kv_events\") for that period"},
-    {"rule": "prefix_probing", "fields": ["ttft_ms", "latency_ms"], "hits_only": False, "min_share": 0.0,
-     "when_logged": False,
-     "consequence": f"the prefix-cache probing assessment cannot see the timing read back; {_MAP_FIELD}"},
+    {
+        "rule": "prefix_reuse",
+        "fields": ["cached_tokens"],
+        "hits_only": False,
+        "min_share": 0.5,
+        "when_logged": False,
+        "consequence": f"rules {_PREFIX_RULES} cannot tell which of them reused another tenant's prefix-cache "
+        f"blocks; {_MAP_FIELD} (OpenAI-style usage: prompt_tokens_details.cached_tokens)",
+    },
+    {
+        "rule": "prefix_salt_mismatch",
+        "fields": ["cache_salt", "kv_events.salt"],
+        "hits_only": True,
+        "min_share": 0.0,
+        "when_logged": True,
+        "consequence": "rule prefix_salt_mismatch cannot compare their salts with the storing requests' although "
+        f"other requests carry one; {_MAP_FIELD}",
+    },
+    {
+        "rule": "prefix_reuse",
+        "fields": ["request_blocks", "kv_events"],
+        "hits_only": True,
+        "min_share": 0.5,
+        "when_logged": False,
+        "consequence": f"rules {_PREFIX_RULES} can flag them from cached_tokens alone, weakly, and name no source; "
+        "add the content source with prompt_token_ids (or a [prefix_cache] table for blocks of words) "
+        "or the engines' KV events (kind = \"kv_events\") for that period",
+    },
+    {
+        "rule": "prefix_probing",
+        "fields": ["ttft_ms", "latency_ms"],
+        "hits_only": False,
+        "min_share": 0.0,
+        "when_logged": False,
+        "consequence": f"the prefix-cache probing assessment cannot see the timing read back; {_MAP_FIELD}",
+    },
 )
 
 _REASON = re.compile(r"^--\s*reason:\s*([a-z_]+)\s*$", re.MULTILINE)
@@ -133,9 +154,11 @@ def codes() -> tuple[str, ...]:
     return tuple(c.code for c in checks())
 
 
-def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
-               rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-               max_quarantine_fractions: Mapping[str, float] | None = None) -> dict[str, Any]:
+def parameters(
+    max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
+    rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    max_quarantine_fractions: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """The checks' parameters; *rule_overrides* (the incident's ``[rules.<id>]``) set the tolerance of the
     prompt_tokens comparison as they set the rule's; *max_quarantine_fractions* the quarantine limit of a
     source kind (``[quarantine]``) where it is not *max_quarantine_fraction*."""
@@ -143,17 +166,23 @@ def parameters(max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
     rules = load_rules()
     [rule] = [r for r in rules if r.id == TOKEN_COUNT_RULE]
     tolerance = rule_parameters(rule, (rule_overrides or {}).get(TOKEN_COUNT_RULE))
-    limits = {kind: float((max_quarantine_fractions or {}).get(kind, max_quarantine_fraction))
-              for kind in QUARANTINE_FIXES}
-    return {"max_quarantine_fraction": float(max_quarantine_fraction), "needs": needs,
-            "quarantine_limits": [{"kind": kind, "max_fraction": limits[kind], "fix": QUARANTINE_FIXES[kind]}
-                                  for kind in sorted(limits)],
-            "kv_event_rules": sorted(r.id for r in rules if r.mechanism == KV_EVENT_MECHANISM),
-            "kv_event_mechanism": KV_EVENT_MECHANISM,
-            "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION,
-            "max_prompt_tokens_disagree_fraction": MAX_PROMPT_TOKENS_DISAGREE_FRACTION,
-            "token_min_abs_diff": int(tolerance["min_abs_diff"]), "token_max_rel_diff": float(tolerance["max_rel_diff"]),
-            "prefix_needs": [dict(n) for n in PREFIX_NEEDS]}
+    limits = {
+        kind: float((max_quarantine_fractions or {}).get(kind, max_quarantine_fraction)) for kind in QUARANTINE_FIXES
+    }
+    return {
+        "max_quarantine_fraction": float(max_quarantine_fraction),
+        "needs": needs,
+        "quarantine_limits": [
+            {"kind": kind, "max_fraction": limits[kind], "fix": QUARANTINE_FIXES[kind]} for kind in sorted(limits)
+        ],
+        "kv_event_rules": sorted(r.id for r in rules if r.mechanism == KV_EVENT_MECHANISM),
+        "kv_event_mechanism": KV_EVENT_MECHANISM,
+        "max_cached_tokens_disagree_fraction": MAX_CACHED_TOKENS_DISAGREE_FRACTION,
+        "max_prompt_tokens_disagree_fraction": MAX_PROMPT_TOKENS_DISAGREE_FRACTION,
+        "token_min_abs_diff": int(tolerance["min_abs_diff"]),
+        "token_max_rel_diff": float(tolerance["max_rel_diff"]),
+        "prefix_needs": [dict(n) for n in PREFIX_NEEDS],
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -171,8 +200,9 @@ def _execute(con: duckdb.DuckDBPyConnection, stmt: str, params: dict[str, Any]) 
     return con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
 
 
-def evaluate(con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = None,
-             only: tuple[str, ...] | None = None) -> list[Reason]:
+def evaluate(
+    con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = None, only: tuple[str, ...] | None = None
+) -> list[Reason]:
     """Run the checks (``only`` these codes, else all) on a scoped evidence database."""
     params = params or parameters()
     prelude, all_checks = _script()
@@ -200,13 +230,18 @@ def record(con: duckdb.DuckDBPyConnection, reasons: list[Reason]) -> None:
     """Replace the ``inconclusive_reasons`` table's rows with these."""
     con.execute("DELETE FROM inconclusive_reasons").fetchall()
     for i, r in enumerate(reasons, 1):
-        con.execute("INSERT INTO inconclusive_reasons VALUES ($n, $c, $m, $e)",
-                    {"n": i, "c": r.code, "m": r.message, "e": json.dumps(r.evidence)}).fetchall()
+        con.execute(
+            "INSERT INTO inconclusive_reasons VALUES ($n, $c, $m, $e)",
+            {"n": i, "c": r.code, "m": r.message, "e": json.dumps(r.evidence)},
+        ).fetchall()
 
 
-def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
-         rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
-         max_quarantine_fractions: Mapping[str, float] | None = None) -> list[Reason]:
+def gate(
+    con: duckdb.DuckDBPyConnection,
+    max_quarantine_fraction: float = DEFAULT_MAX_QUARANTINE_FRACTION,
+    rule_overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    max_quarantine_fractions: Mapping[str, float] | None = None,
+) -> list[Reason]:
     """Evaluate every check and record the reasons; empty when the run is conclusive."""
     reasons = evaluate(con, parameters(max_quarantine_fraction, rule_overrides, max_quarantine_fractions))
     record(con, reasons)
@@ -215,5 +250,7 @@ def gate(con: duckdb.DuckDBPyConnection, max_quarantine_fraction: float = DEFAUL
 
 def recorded(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     """The reasons recorded by the last gate, as ``scope.json`` lists them."""
-    return [{"code": c, "message": m, "evidence": json.loads(e) if e else {}}
-            for c, m, e in con.execute("SELECT code, message, evidence FROM inconclusive_reasons ORDER BY n").fetchall()]
+    return [
+        {"code": c, "message": m, "evidence": json.loads(e) if e else {}}
+        for c, m, e in con.execute("SELECT code, message, evidence FROM inconclusive_reasons ORDER BY n").fetchall()
+    ]

@@ -32,8 +32,17 @@ from kvforensics.stages.rulebook import Rule, load_rules, rule_parameters
 if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine
 
-__all__ = ["AFFECTED_TIERS", "Rule", "detect", "evaluate_case", "load_case_tables", "load_rules",
-           "rule_parameters", "run_rule", "select_mechanisms"]
+__all__ = [
+    "AFFECTED_TIERS",
+    "Rule",
+    "detect",
+    "evaluate_case",
+    "load_case_tables",
+    "load_rules",
+    "rule_parameters",
+    "run_rule",
+    "select_mechanisms",
+]
 
 AFFECTED_TIERS = ("confirmed", "probable")
 
@@ -53,15 +62,27 @@ def select_mechanisms(con: duckdb.DuckDBPyConnection, named: Sequence[str] | Non
     chosen = select(named, present, known)
     con.execute("DELETE FROM mechanisms").fetchall()
     for s in chosen:
-        con.execute("INSERT INTO mechanisms VALUES ($id, $title, $named, $selected, $missing)",
-                    {"id": s.mechanism.id, "title": s.mechanism.title, "named": s.named, "selected": s.selected,
-                     "missing": list(s.missing)}).fetchall()
+        con.execute(
+            "INSERT INTO mechanisms VALUES ($id, $title, $named, $selected, $missing)",
+            {
+                "id": s.mechanism.id,
+                "title": s.mechanism.title,
+                "named": s.named,
+                "selected": s.selected,
+                "missing": list(s.missing),
+            },
+        ).fetchall()
     return chosen
 
 
-def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[str, Any]] | None = None,
-           rules: tuple[Rule, ...] | None = None, spark: SparkEngine | None = None,
-           mechanisms: Sequence[str] | None = None) -> pd.DataFrame:
+def detect(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    rules: tuple[Rule, ...] | None = None,
+    spark: SparkEngine | None = None,
+    mechanisms: Sequence[str] | None = None,
+) -> pd.DataFrame:
     """Run the selected mechanisms' rules (*mechanisms*: the incident file's list, None: every mechanism
     whose inputs are present; *rules*: exactly these instead), fit the latency model in between, write
     ``mechanisms``, ``findings`` and ``request_tiers``.
@@ -99,9 +120,13 @@ def detect(con: duckdb.DuckDBPyConnection, *, overrides: Mapping[str, Mapping[st
     return found
 
 
-
-def _findings(con: duckdb.DuckDBPyConnection, rules: Sequence[Rule], overrides: Mapping[str, Mapping[str, Any]],
-              spark: SparkEngine | None, governor: MemoryGovernor) -> pd.DataFrame:
+def _findings(
+    con: duckdb.DuckDBPyConnection,
+    rules: Sequence[Rule],
+    overrides: Mapping[str, Mapping[str, Any]],
+    spark: SparkEngine | None,
+    governor: MemoryGovernor,
+) -> pd.DataFrame:
     """Every rule's flagged requests: the rules that need no latency model, the latency fit (without the
     requests they flagged), then the rules that need it."""
     frames = []
@@ -121,12 +146,18 @@ def _findings(con: duckdb.DuckDBPyConnection, rules: Sequence[Rule], overrides: 
     for rule in [r for r in rules if r.needs_latency_model]:
         governor.tick()
         frames.append(_collect(con, rule, overrides.get(rule.id), spark))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters", "mechanism"])
+    return (
+        pd.concat(frames, ignore_index=True)
+        if frames
+        else pd.DataFrame(
+            columns=["request_id", "strength", "evidence", "rule_id", "rule_version", "parameters", "mechanism"]
+        )
+    )
 
 
-def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None,
-             spark: SparkEngine | None = None) -> pd.DataFrame:
+def _collect(
+    con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str, Any] | None, spark: SparkEngine | None = None
+) -> pd.DataFrame:
     params = rule_parameters(rule, overrides)
     df = spark.run_rule(con, rule, params) if spark is not None else run_rule(con, rule, params)
     df["request_id"] = df["request_id"].astype(str)
@@ -142,8 +173,16 @@ def _collect(con: duckdb.DuckDBPyConnection, rule: Rule, overrides: Mapping[str,
 # --- rule test cases -------------------------------------------------------------------------------
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "requests": {"ts": "2026-08-28T00:00:00Z", "account_id": "acct", "model": "m", "status": 200,
-                 "prompt_tokens": 0, "source": "test", "source_file": "test", "source_line": 0},
+    "requests": {
+        "ts": "2026-08-28T00:00:00Z",
+        "account_id": "acct",
+        "model": "m",
+        "status": 200,
+        "prompt_tokens": 0,
+        "source": "test",
+        "source_file": "test",
+        "source_line": 0,
+    },
     "capacity": {"engine": "sglang", "source": "test", "source_file": "test"},
     "engine_events": {"source": "test", "source_file": "test", "source_line": 0, "detail": ""},
     "latency_model": {"usable": True},

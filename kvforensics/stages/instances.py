@@ -70,20 +70,25 @@ def instances_from_config(raw: Any, where: str) -> InstanceMatching:
     match = raw.get("match")
     if match is not None:
         if not isinstance(match, str):
-            raise ConfigError("match must be a string: a regular expression with a (?P<instance>...) group",
-                              location=f"{where}.match")
+            raise ConfigError(
+                "match must be a string: a regular expression with a (?P<instance>...) group", location=f"{where}.match"
+            )
         try:
             compiled = regex.compile(match)
         except (regex.error, ValueError) as e:
             raise ConfigError(f"match is not a valid regular expression: {e}", location=f"{where}.match") from None
         if "instance" not in compiled.groupindex:
-            raise ConfigError("match needs a named group (?P<instance>...) saying which part names the instance",
-                              location=f"{where}.match")
+            raise ConfigError(
+                "match needs a named group (?P<instance>...) saying which part names the instance",
+                location=f"{where}.match",
+            )
     mapping = raw.get("map", {})
     if not isinstance(mapping, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) and v for k, v in mapping.items()):
-        raise ConfigError('map must be a table of "<gateway name>" = "<engine instance>" strings',
-                          location=f"{where}.map")
+        isinstance(k, str) and isinstance(v, str) and v for k, v in mapping.items()
+    ):
+        raise ConfigError(
+            'map must be a table of "<gateway name>" = "<engine instance>" strings', location=f"{where}.map"
+        )
     handover = raw.get("handover_s", DEFAULT_HANDOVER_S)
     if isinstance(handover, bool) or not isinstance(handover, int | float) or handover < 0:
         raise ConfigError("handover_s must be a number of seconds >= 0", location=f"{where}.handover_s")
@@ -93,6 +98,7 @@ def instances_from_config(raw: Any, where: str) -> InstanceMatching:
 # --------------------------------------------------------------------------------------------
 # Instance names
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class NameMatch:
@@ -107,7 +113,7 @@ def host_of(name: str) -> str:
     host = re.sub(r"^[A-Za-z][A-Za-z0-9+.-]*://", "", name.strip())
     host = host.split("/", 1)[0]
     if host.startswith("[") and "]" in host:  # [IPv6]:port
-        return host[1:host.index("]")].lower()
+        return host[1 : host.index("]")].lower()
     if host.count(":") == 1:
         host = host.split(":", 1)[0]
     return host.lower()
@@ -153,12 +159,18 @@ class _BudgetedPattern:
                 f"match takes more than {self.budget_s:g} s to search the instance names (at {text[:80]!r}): it "
                 "backtracks without end, as nested quantifiers such as '(a+)+' or overlapping alternatives such as "
                 "'(a|aa)+' do; simplify it (e.g. '^(?:https?://)?(?P<instance>[^.:/]+)') or name the pairs in map",
-                location=f"{self.where}.match") from None
+                location=f"{self.where}.match",
+            ) from None
 
 
-def match_instance_names(gateway_names: Iterable[str], engine_instances: Iterable[str],
-                         matching: InstanceMatching, *, where: str = "[instances]",
-                         budget_s: float | None = None) -> list[NameMatch]:
+def match_instance_names(
+    gateway_names: Iterable[str],
+    engine_instances: Iterable[str],
+    matching: InstanceMatching,
+    *,
+    where: str = "[instances]",
+    budget_s: float | None = None,
+) -> list[NameMatch]:
     """Match every gateway instance name to an engine instance (see the module docstring). ``[instances] match``
     searches all the names within ``budget_s`` seconds (default ``MATCH_BUDGET_S``), else a ConfigError located at
     ``{where}.match``."""
@@ -195,16 +207,22 @@ def match_instance_names(gateway_names: Iterable[str], engine_instances: Iterabl
         steps.append(("host", by_host.get(host_of(g), [])))
         for how, candidates in steps:
             if candidates:
-                found = (NameMatch(g, candidates[0], how) if len(candidates) == 1
-                         else NameMatch(g, None, "ambiguous", tuple(candidates)))
+                found = (
+                    NameMatch(g, candidates[0], how)
+                    if len(candidates) == 1
+                    else NameMatch(g, None, "ambiguous", tuple(candidates))
+                )
                 break
         host = host_of(g)
         label = first_label(host)
         fitting = [e for e in by_label.get(label, []) if _same_pod(host_of(e), host)] if label else []
         if found is None and fitting:
             other_pod = any(not _same_pod(h, host) for h in hosts_by_label.get(label or "", ()))
-            found = (NameMatch(g, fitting[0], "first_label") if len(fitting) == 1 and not other_pod
-                     else NameMatch(g, None, "ambiguous", tuple(fitting)))
+            found = (
+                NameMatch(g, fitting[0], "first_label")
+                if len(fitting) == 1 and not other_pod
+                else NameMatch(g, None, "ambiguous", tuple(fitting))
+            )
         out.append(found or NameMatch(g, None, "unmatched"))
     return out
 
@@ -221,6 +239,7 @@ def _index(names: Sequence[str], key: Any) -> dict[str, list[str]]:
 # --------------------------------------------------------------------------------------------
 # Lifetimes
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PlacedStartup:
@@ -265,9 +284,15 @@ def lifetimes(startups: Sequence[PlacedStartup], handover_s: float = DEFAULT_HAN
             s = startups[i]
             nxt = startups[idx[k + 1]] if k + 1 < len(idx) else None
             if s.shutdown_line is not None and (
-                    nxt is None or nxt.ts is None or s.shutdown_ts is None or s.shutdown_ts <= nxt.ts):
-                out[i] = Lifetime(s.shutdown_ts if s.shutdown_ts is not None else nxt.ts if nxt else None,
-                                  "shutdown", s.shutdown_ts, s.file, s.shutdown_line)
+                nxt is None or nxt.ts is None or s.shutdown_ts is None or s.shutdown_ts <= nxt.ts
+            ):
+                out[i] = Lifetime(
+                    s.shutdown_ts if s.shutdown_ts is not None else nxt.ts if nxt else None,
+                    "shutdown",
+                    s.shutdown_ts,
+                    s.file,
+                    s.shutdown_line,
+                )
             elif nxt is not None:
                 out[i] = Lifetime(nxt.ts, "next_startup", nxt.ts, nxt.file, nxt.line)
             else:
@@ -311,15 +336,23 @@ def role_carried_over(file_name: str, line: int) -> str:
     return f"assumed from the previous start-up ({file_name}:{line}): this one logged no server_args"
 
 
-def _log_end(s: PlacedStartup, startups: Sequence[PlacedStartup], last_seen: Mapping[str, datetime],
-             handover: timedelta) -> Lifetime:
+def _log_end(
+    s: PlacedStartup, startups: Sequence[PlacedStartup], last_seen: Mapping[str, datetime], handover: timedelta
+) -> Lifetime:
     last = s.last_ts or s.ts
     if s.ts is None or last is None or s.model is None:
         return Lifetime(None, None)
-    successors = [c for c in startups
-                  if c.instance != s.instance and c.model == s.model and c.role == s.role
-                  and c.ts is not None and c.ts > s.ts and c.ts >= last - handover
-                  and last_seen.get(c.instance, c.ts) > last]
+    successors = [
+        c
+        for c in startups
+        if c.instance != s.instance
+        and c.model == s.model
+        and c.role == s.role
+        and c.ts is not None
+        and c.ts > s.ts
+        and c.ts >= last - handover
+        and last_seen.get(c.instance, c.ts) > last
+    ]
     if not successors:
         return Lifetime(None, None)
     first = min(successors, key=_sort_key)

@@ -30,19 +30,19 @@ from kvforensics.stages.rulebook import load_rules
 MECHANISM = "prefix_reuse"
 
 PROBING_PARAMETERS: dict[str, int | float] = {
-    "probe_max_output_tokens": 4,       # a probe needs a first token back, a few at most
-    "probe_min_requests": 20,           # many short requests: at least this many, and
-    "probe_min_short_share": 0.3,       #   this share of the account's requests
-    "probe_min_cached_fraction": 0.5,   # a long shared prefix: cached_tokens >= this x prompt_tokens, in
-    "probe_min_cached_share": 0.5,      #   this share of the short requests
-    "probe_min_continuations": 5,       # varied: this many different last blocks after one prefix (or lengths)
-    "probe_max_length_step": 4,         # without blocks: consecutive prompt lengths within this many tokens, in
+    "probe_max_output_tokens": 4,  # a probe needs a first token back, a few at most
+    "probe_min_requests": 20,  # many short requests: at least this many, and
+    "probe_min_short_share": 0.3,  #   this share of the account's requests
+    "probe_min_cached_fraction": 0.5,  # a long shared prefix: cached_tokens >= this x prompt_tokens, in
+    "probe_min_cached_share": 0.5,  #   this share of the short requests
+    "probe_min_continuations": 5,  # varied: this many different last blocks after one prefix (or lengths)
+    "probe_max_length_step": 4,  # without blocks: consecutive prompt lengths within this many tokens, in
     "probe_min_small_step_share": 0.5,  #   this share of consecutive short requests
-    "probe_max_gap_seconds": 30,        # read back: next request after the previous first token, within this, in
-    "probe_min_read_back_share": 0.5,   #   this share of consecutive short requests
-    "probe_min_foreign_hits": 3,        # on other tenants' content: this many short requests reused it
-    "probe_min_rises": 2,               # a growing prefix: the prompt grew by more than a length step this often,
-    "probe_min_rising_share": 0.9,      #   and never shrank in this share of consecutive short requests
+    "probe_max_gap_seconds": 30,  # read back: next request after the previous first token, within this, in
+    "probe_min_read_back_share": 0.5,  #   this share of consecutive short requests
+    "probe_min_foreign_hits": 3,  # on other tenants' content: this many short requests reused it
+    "probe_min_rises": 2,  # a growing prefix: the prompt grew by more than a length step this often,
+    "probe_min_rising_share": 0.9,  #   and never shrank in this share of consecutive short requests
 }
 TIERS = ("likely", "possible", "no")
 
@@ -76,22 +76,35 @@ def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
     account classes (every account a customer before scope), request blocks and the prefix_reuse hits
     (none when the evidence has no such table)."""
     requests = "analysed_requests" if _has_table(con, "analysed_requests") else "requests"
-    con.execute(f"CREATE OR REPLACE TEMP VIEW probe_requests AS SELECT request_id, ts, account_id, status, "
-                f"prompt_tokens, completion_tokens, cached_tokens, ttft_ms, latency_ms FROM {requests}")
-    con.execute("CREATE OR REPLACE TEMP VIEW probe_accounts AS "
-                + ("SELECT account_id, account_class FROM account_classes" if _has_table(con, "account_classes")
-                   else "SELECT DISTINCT account_id, 'customer' AS account_class FROM probe_requests"))
-    con.execute("CREATE OR REPLACE TEMP VIEW probe_blocks AS "
-                + ("SELECT request_id, position, block_fp, chain_fp FROM request_blocks"
-                   if _has_table(con, "request_blocks") else
-                   "SELECT CAST(NULL AS VARCHAR) AS request_id, CAST(NULL AS BIGINT) AS position, "
-                   "CAST(NULL AS BIGINT) AS block_fp, CAST(NULL AS BIGINT) AS chain_fp WHERE false"))
+    con.execute(
+        f"CREATE OR REPLACE TEMP VIEW probe_requests AS SELECT request_id, ts, account_id, status, "
+        f"prompt_tokens, completion_tokens, cached_tokens, ttft_ms, latency_ms FROM {requests}"
+    )
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW probe_accounts AS "
+        + (
+            "SELECT account_id, account_class FROM account_classes"
+            if _has_table(con, "account_classes")
+            else "SELECT DISTINCT account_id, 'customer' AS account_class FROM probe_requests"
+        )
+    )
+    con.execute(
+        "CREATE OR REPLACE TEMP VIEW probe_blocks AS "
+        + (
+            "SELECT request_id, position, block_fp, chain_fp FROM request_blocks"
+            if _has_table(con, "request_blocks")
+            else "SELECT CAST(NULL AS VARCHAR) AS request_id, CAST(NULL AS BIGINT) AS position, "
+            "CAST(NULL AS BIGINT) AS block_fp, CAST(NULL AS BIGINT) AS chain_fp WHERE false"
+        )
+    )
     con.execute("CREATE OR REPLACE TEMP TABLE probe_rules (rule_id VARCHAR)")
     rules = [r.id for r in load_rules() if r.mechanism == MECHANISM]
     if rules:
         con.executemany("INSERT INTO probe_rules VALUES (?)", [[r] for r in rules])
-    hits = ["SELECT request_id, CAST(NULL AS VARCHAR) AS source_account FROM findings "
-            "WHERE rule_id IN (SELECT rule_id FROM probe_rules)"]
+    hits = [
+        "SELECT request_id, CAST(NULL AS VARCHAR) AS source_account FROM findings "
+        "WHERE rule_id IN (SELECT rule_id FROM probe_rules)"
+    ]
     if _has_table(con, "prefix_sources"):
         hits.append("SELECT request_id, source_account FROM prefix_sources")
     con.execute("CREATE OR REPLACE TEMP VIEW probe_hits AS " + " UNION ALL ".join(hits))
@@ -110,8 +123,9 @@ def probing_assessment(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]
 
 def probing_selected(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether the investigation runs the prefix_reuse mechanism (the ``mechanisms`` table detect writes)."""
-    return _has_table(con, "mechanisms") and bool(one(
-        con, "SELECT count(*) FROM mechanisms WHERE id = $m AND selected", {"m": MECHANISM})[0])
+    return _has_table(con, "mechanisms") and bool(
+        one(con, "SELECT count(*) FROM mechanisms WHERE id = $m AND selected", {"m": MECHANISM})[0]
+    )
 
 
 def probing_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
@@ -122,12 +136,32 @@ def probing_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     rows = con.execute("""SELECT account_id, account_class, probing, signals, short_requests, cross_tenant_hits, why
                           FROM probing_assessment WHERE probing <> 'no'
                           ORDER BY probing = 'likely' DESC, signals DESC, account_id""").fetchall()
-    accounts = [{"account_id": a, "account_class": c, "probing": t, "signals": n, "short_requests": short,
-                 "cross_tenant_hits": hits, "why": why} for a, c, t, n, short, hits, why in rows]
-    return {"accounts": accounts,
-            "likely_customers": [a["account_id"] for a in accounts
-                                 if a["probing"] == "likely" and a["account_class"] == "customer"]}
+    accounts = [
+        {
+            "account_id": a,
+            "account_class": c,
+            "probing": t,
+            "signals": n,
+            "short_requests": short,
+            "cross_tenant_hits": hits,
+            "why": why,
+        }
+        for a, c, t, n, short, hits, why in rows
+    ]
+    return {
+        "accounts": accounts,
+        "likely_customers": [
+            a["account_id"] for a in accounts if a["probing"] == "likely" and a["account_class"] == "customer"
+        ],
+    }
 
 
-__all__ = ["PROBING_PARAMETERS", "TIERS", "probing_assessment", "probing_inputs", "probing_parameters",
-           "probing_selected", "probing_summary"]
+__all__ = [
+    "PROBING_PARAMETERS",
+    "TIERS",
+    "probing_assessment",
+    "probing_inputs",
+    "probing_parameters",
+    "probing_selected",
+    "probing_summary",
+]

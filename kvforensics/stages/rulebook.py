@@ -34,7 +34,7 @@ class Rule:
     title: str
     severity: str
     description: str
-    sql: str                     # the template rendered for DuckDB
+    sql: str  # the template rendered for DuckDB
     version: str
     parameters: Mapping[str, Any]
     parameter_docs: Mapping[str, str]
@@ -43,16 +43,18 @@ class Rule:
     tests: tuple[Mapping[str, Any], ...] = ()
     needs_latency_model: bool = False
     meta: Mapping[str, Any] = field(default_factory=dict)
-    template: str = ""           # the portable text of <id>.sql (helpers not yet expanded)
-    mechanism: str = ""          # the id of the mechanism whose folder holds the rule
+    template: str = ""  # the portable text of <id>.sql (helpers not yet expanded)
+    mechanism: str = ""  # the id of the mechanism whose folder holds the rule
 
     def used_parameters(self) -> set[str]:
         return set(_PARAM.findall(re.sub(r"--[^\n]*", "", self.sql)))
 
     def _repr_html_(self) -> str:
         params = "".join(f"<li><code>{escape(k)}</code> = {escape(str(v))}</li>" for k, v in self.parameters.items())
-        return (f"<b>{escape(self.id)}</b> ({escape(self.severity)}, version {escape(self.version)}): "
-                f"{escape(self.title)}<ul>{params}</ul>")
+        return (
+            f"<b>{escape(self.id)}</b> ({escape(self.severity)}, version {escape(self.version)}): "
+            f"{escape(self.title)}<ul>{params}</ul>"
+        )
 
 
 @cache
@@ -72,8 +74,11 @@ def load_rules(directory: Path = MECHANISMS_DIR) -> tuple[Rule, ...]:
         for yml in sorted(folder.glob("*.yml")):
             rule = _read_rule(yml, mechanism)
             if rule.id in rules:
-                raise ConfigError(f"rule id {rule.id!r} is used by two mechanisms ({rules[rule.id].mechanism} and "
-                                  f"{mechanism}): rename one", location=str(yml))
+                raise ConfigError(
+                    f"rule id {rule.id!r} is used by two mechanisms ({rules[rule.id].mechanism} and "
+                    f"{mechanism}): rename one",
+                    location=str(yml),
+                )
             rules[rule.id] = rule
     return tuple(sorted(rules.values(), key=lambda r: r.id))
 
@@ -95,13 +100,15 @@ def _read_rule(yml: Path, mechanism: str) -> Rule:
     try:
         meta = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"rule {yml.stem}: not valid YAML ({' '.join(str(e).split())[:200]})",
-                          location=str(yml)) from None
+        raise ConfigError(
+            f"rule {yml.stem}: not valid YAML ({' '.join(str(e).split())[:200]})", location=str(yml)
+        ) from None
     if not isinstance(meta, Mapping):
         raise ConfigError(f"rule {yml.stem}: the file must be a mapping (id, title, severity ...)", location=str(yml))
     if meta.get("id") != yml.stem:
-        raise ConfigError(f"rule {yml.stem}: id {meta.get('id')!r} must be the file's name {yml.stem!r}",
-                          location=str(yml))
+        raise ConfigError(
+            f"rule {yml.stem}: id {meta.get('id')!r} must be the file's name {yml.stem!r}", location=str(yml)
+        )
     if not sql_path.exists():
         raise ConfigError(f"rule {yml.stem} has no {sql_path.name}", location=str(yml))
     text = sql_path.read_text(encoding="utf-8")
@@ -112,13 +119,21 @@ def _read_rule(yml: Path, mechanism: str) -> Rule:
     version = rule_version(yml, sql_path)
     params = meta.get("parameters") or {}
     return Rule(
-        id=str(meta["id"]), title=str(meta.get("title", "")), severity=str(meta.get("severity", "")),
-        description=str(meta.get("description", "")).strip(), sql=duckdb_sql, version=version,
+        id=str(meta["id"]),
+        title=str(meta.get("title", "")),
+        severity=str(meta.get("severity", "")),
+        description=str(meta.get("description", "")).strip(),
+        sql=duckdb_sql,
+        version=version,
         parameters={k: v.get("default") for k, v in params.items()},
         parameter_docs={k: str(v.get("description", "")) for k, v in params.items()},
-        references=tuple(meta.get("references") or ()), false_positives=tuple(meta.get("false_positives") or ()),
-        tests=tuple(meta.get("tests") or ()), needs_latency_model="latency_model" in text, meta=meta,
-        template=text, mechanism=mechanism,
+        references=tuple(meta.get("references") or ()),
+        false_positives=tuple(meta.get("false_positives") or ()),
+        tests=tuple(meta.get("tests") or ()),
+        needs_latency_model="latency_model" in text,
+        meta=meta,
+        template=text,
+        mechanism=mechanism,
     )
 
 
@@ -126,7 +141,8 @@ def rule_parameters(rule: Rule, overrides: Mapping[str, Any] | None = None) -> d
     params = dict(rule.parameters)
     for k, v in (overrides or {}).items():
         if k not in params:
-            raise ConfigError(f"rule '{rule.id}' has no parameter '{k}'; it has {sorted(params)}",
-                              location=f"[rules.{rule.id}]")
+            raise ConfigError(
+                f"rule '{rule.id}' has no parameter '{k}'; it has {sorted(params)}", location=f"[rules.{rule.id}]"
+            )
         params[k] = v
     return params

@@ -31,15 +31,15 @@ if TYPE_CHECKING:
     from kvforensics.engines.spark import SparkEngine
 
 SCOPE_PARAMETERS: dict[str, Any] = {
-    "horizon_factor": 1.5,            # x pool: pages can outlive a pool's worth of writes while held
-    "min_matching_shingles": 1,       # fingerprints (kept 8-word shingles) an output must share with a text to confirm it
-    "max_accounts_per_shingle": 3,    # shingles seen in this many accounts' texts are boilerplate
-    "long_fraction": 0.5,             # long-context request: prompt >= this x the engine limit
-    "near_pool_fraction": 0.02,       # probing: oversize prompts within 2% above the limit
-    "min_oversize": 10,               # deliberate: at least this many oversize prompts, and
-    "burst_per_hour": 10,             #   a burst of this many in an hour, or
-    "repeat_threshold": 5,            #   the same prompt length this often, or most of them near the pool
-    "min_hourly": 10,                 # an empty hour is a log gap when the source's median hour has this many
+    "horizon_factor": 1.5,  # x pool: pages can outlive a pool's worth of writes while held
+    "min_matching_shingles": 1,  # fingerprints (kept 8-word shingles) an output must share with a text to confirm it
+    "max_accounts_per_shingle": 3,  # shingles seen in this many accounts' texts are boilerplate
+    "long_fraction": 0.5,  # long-context request: prompt >= this x the engine limit
+    "near_pool_fraction": 0.02,  # probing: oversize prompts within 2% above the limit
+    "min_oversize": 10,  # deliberate: at least this many oversize prompts, and
+    "burst_per_hour": 10,  #   a burst of this many in an hour, or
+    "repeat_threshold": 5,  #   the same prompt length this often, or most of them near the pool
+    "min_hourly": 10,  # an empty hour is a log gap when the source's median hour has this many
 }
 CLASSES = ("customer", "internal", "reporter")
 
@@ -58,23 +58,33 @@ class ScopeResult:
         from html import escape
 
         s = self.summary
-        warning = "".join(f"<li><code>{escape(r['code'])}</code>: {escape(r['message'])}</li>"
-                          for r in s.get("inconclusive_reasons", []))
-        warning = f"<p><b>INCONCLUSIVE</b>: the evidence cannot support this answer.</p><ul>{warning}</ul>" if warning else ""
-        rows = "".join(f"<tr><td>{escape(c)}</td><td>{v['responses']}</td><td>{v['accounts']}</td></tr>"
-                       for c, v in s["by_account_class"].items())
-        return (f"{warning}<p><b>{s['affected_responses']}</b> affected responses, <b>{s['affected_accounts']}</b> "
-                f"accounts received foreign data; source accounts: {s['source_accounts']['confirmed']} "
-                f"confirmed, {s['source_accounts']['possible']} possible.</p>"
-                f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>")
+        warning = "".join(
+            f"<li><code>{escape(r['code'])}</code>: {escape(r['message'])}</li>"
+            for r in s.get("inconclusive_reasons", [])
+        )
+        warning = (
+            f"<p><b>INCONCLUSIVE</b>: the evidence cannot support this answer.</p><ul>{warning}</ul>" if warning else ""
+        )
+        rows = "".join(
+            f"<tr><td>{escape(c)}</td><td>{v['responses']}</td><td>{v['accounts']}</td></tr>"
+            for c, v in s["by_account_class"].items()
+        )
+        return (
+            f"{warning}<p><b>{s['affected_responses']}</b> affected responses, <b>{s['affected_accounts']}</b> "
+            f"accounts received foreign data; source accounts: {s['source_accounts']['confirmed']} "
+            f"confirmed, {s['source_accounts']['possible']} possible.</p>"
+            f"<table><tr><th>class</th><th>responses</th><th>accounts</th></tr>{rows}</table>"
+        )
 
 
 # prefix_sources (the prefix_reuse attribution; empty unless its rules flagged a response) runs before
 # notifications, which joins every mechanism's confirmed sources in content_matches
 SCOPE_SCRIPTS = ("scope", "prefix_sources", "exploitation", "notifications", "gaps")
 # sql/prefix_sources.sql reads these parameters of the prefix_reuse rules whose findings it attributes
-PREFIX_RULE_PARAMETERS = {"block_hash_collision": ("store_window_s",),
-                          "cross_tenant_store_load": ("load_window_s", "clock_skew_s")}
+PREFIX_RULE_PARAMETERS = {
+    "block_hash_collision": ("store_window_s",),
+    "cross_tenant_store_load": ("load_window_s", "clock_skew_s"),
+}
 
 
 def prefix_rule_parameters(incident: Incident) -> dict[str, Any]:
@@ -89,8 +99,12 @@ def prefix_rule_parameters(incident: Incident) -> dict[str, Any]:
     return out
 
 
-def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
-          overrides: Mapping[str, Any] | None = None, spark: SparkEngine | None = None) -> ScopeResult:
+def scope(
+    con: duckdb.DuckDBPyConnection,
+    incident: Incident,
+    overrides: Mapping[str, Any] | None = None,
+    spark: SparkEngine | None = None,
+) -> ScopeResult:
     params = {**SCOPE_PARAMETERS, **(overrides or {})}
     period = {"start": incident.scope.start, "end": incident.scope.end}
     scripts = [(name, {**params, **period, **prefix_rule_parameters(incident)}) for name in SCOPE_SCRIPTS]
@@ -101,16 +115,19 @@ def scope(con: duckdb.DuckDBPyConnection, incident: Incident,
             run_duckdb_script(con, name, script_params)
     # prefix-cache probing, when the prefix_reuse mechanism is investigated: the incident file's
     # [prefix_cache.probing] thresholds, then the overrides
-    probing = probing_parameters({**incident.probing_parameters,
-                                  **{k: v for k, v in (overrides or {}).items() if k in PROBING_PARAMETERS}})
+    probing = probing_parameters(
+        {**incident.probing_parameters, **{k: v for k, v in (overrides or {}).items() if k in PROBING_PARAMETERS}}
+    )
     if probing_selected(con):
         probing_assessment(con, probing)
         params = {**params, "prefix_probing": probing}
     else:
         con.execute("DROP TABLE IF EXISTS probing_assessment")
     # how the content was fingerprinted (at ingest, [settings] winnow_window) and what that guarantees
-    params = {**params, "content_fingerprints": fingerprint_parameters(incident.winnow_window,
-                                                                        params["min_matching_shingles"])}
+    params = {
+        **params,
+        "content_fingerprints": fingerprint_parameters(incident.winnow_window, params["min_matching_shingles"]),
+    }
     suspects(con, params)
     gate(con, incident.max_quarantine_fraction, incident.rule_parameters, incident.max_quarantine_fractions())
     return ScopeResult(summary=summarise(con, incident, probing, params["min_matching_shingles"]), parameters=params)
@@ -121,32 +138,45 @@ def fingerprint_parameters(window: int, min_matching: int) -> dict[str, int]:
     width, the winnowing window, and the shortest passage an affected output must share with another
     request's text to be sure to be matched (one fingerprint in common) and confirmed (*min_matching* in
     common), when the passage's 8-word shingles are distinct and none of them is boilerplate."""
-    return {"shingle_words": SHINGLE_WORDS, "winnow_window": window, "matched_from_words": guaranteed_words(window),
-            "confirmed_from_words": guaranteed_words(window, min_matching)}
+    return {
+        "shingle_words": SHINGLE_WORDS,
+        "winnow_window": window,
+        "matched_from_words": guaranteed_words(window),
+        "confirmed_from_words": guaranteed_words(window, min_matching),
+    }
 
 
 def content_matching(window: int, min_matching: int, boilerplate_accounts: int) -> dict[str, Any]:
     """scope.json's ``content_matching``: :func:`fingerprint_parameters` and the guarantee in words."""
     params = fingerprint_parameters(window, min_matching)
-    kept = ("every 8-word shingle of a text is fingerprinted" if window == 1 else
-            f"of every {window} consecutive 8-word shingles of a text, the one of least keyed hash is fingerprinted "
-            f"(winnowing, window {window})")
+    kept = (
+        "every 8-word shingle of a text is fingerprinted"
+        if window == 1
+        else f"of every {window} consecutive 8-word shingles of a text, the one of least keyed hash is fingerprinted "
+        f"(winnowing, window {window})"
+    )
     shingles = "one whole 8-word shingle" if min_matching == 1 else f"{min_matching} whole 8-word shingles"
-    return {**params, "min_matching_shingles": min_matching, "guarantee": (
-        f"{kept[0].upper()}{kept[1:]}. Any passage of at least "
-        f"{params['matched_from_words']} words an affected response shares with another request's prompt or output "
-        f"gives them a fingerprint in common, and any passage of at least {params['confirmed_from_words']} words "
-        f"confirms that request's account as a source, unless its shingles repeat or appear in the texts of "
-        f"{boilerplate_accounts} or more accounts (boilerplate). A shorter passage may confirm too; a confirmation "
-        f"always rests on at least {shingles} in common.")}
+    return {
+        **params,
+        "min_matching_shingles": min_matching,
+        "guarantee": (
+            f"{kept[0].upper()}{kept[1:]}. Any passage of at least "
+            f"{params['matched_from_words']} words an affected response shares with another request's prompt or output "
+            f"gives them a fingerprint in common, and any passage of at least {params['confirmed_from_words']} words "
+            f"confirms that request's account as a source, unless its shingles repeat or appear in the texts of "
+            f"{boilerplate_accounts} or more accounts (boilerplate). A shorter passage may confirm too; a confirmation "
+            f"always rests on at least {shingles} in common."
+        ),
+    }
 
 
 def suspects(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> None:
     """Table ``suspected_exploiters`` (``sql/suspects.sql``): customers whose traffic looks deliberate, with why, per
     mechanism; the prefix-cache probing verdict joins it when that assessment ran."""
     run_duckdb_script(con, "suspects", dict(params))
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probing_assessment'"
-                   ).fetchall()[0][0]:
+    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probing_assessment'").fetchall()[
+        0
+    ][0]:
         con.execute("""INSERT INTO suspected_exploiters
                        SELECT account_id, 'prefix_reuse', why FROM probing_assessment
                        WHERE probing = 'likely' AND account_class = 'customer'""").fetchall()
@@ -162,7 +192,8 @@ def _nearest_change(con: duckdb.DuckDBPyConnection, instance: str, model: str | 
            WHERE (instance = $i OR (instance IS NULL AND model = $m))
              AND ts BETWEEN CAST($t AS TIMESTAMPTZ) - INTERVAL 6 HOUR AND CAST($t AS TIMESTAMPTZ) + INTERVAL 1 HOUR
            ORDER BY abs(epoch(ts) - epoch(CAST($t AS TIMESTAMPTZ))), instance NULLS LAST LIMIT 1""",
-        {"i": instance, "m": model, "t": at}).fetchall()
+        {"i": instance, "m": model, "t": at},
+    ).fetchall()
     return rows[0][0] if rows else None
 
 
@@ -178,64 +209,109 @@ def prefix_windows_summary(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any
                      AND EXISTS (SELECT 1 FROM findings f WHERE f.request_id = a.request_id
                                                             AND f.mechanism = 'prefix_reuse')) AS responses
            FROM prefix_windows w WHERE w.path <> 'isolated'
-           ORDER BY w.valid_from NULLS FIRST, w.instance, w.path""").fetchall()
-    return [{"instance": i, "model": m, "path": path, "status": st, "start": iso(f), "end": iso(t),
-             "end_reason": why, "sentence": sentence, "evidence_file": ef, "evidence_line": el, "responses": n}
-            for i, m, path, st, f, t, why, sentence, ef, el, n in rows]
+           ORDER BY w.valid_from NULLS FIRST, w.instance, w.path"""
+    ).fetchall()
+    return [
+        {
+            "instance": i,
+            "model": m,
+            "path": path,
+            "status": st,
+            "start": iso(f),
+            "end": iso(t),
+            "end_reason": why,
+            "sentence": sentence,
+            "evidence_file": ef,
+            "evidence_line": el,
+            "responses": n,
+        }
+        for i, m, path, st, f, t, why, sentence, ef, el, n in rows
+    ]
 
 
-def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
-              probing_params: Mapping[str, Any] | None = None, min_matching: int | None = None) -> dict[str, Any]:
+def summarise(
+    con: duckdb.DuckDBPyConnection,
+    incident: Incident,
+    probing_params: Mapping[str, Any] | None = None,
+    min_matching: int | None = None,
+) -> dict[str, Any]:
     """scope.json's content; *probing_params*: the probing thresholds scope used (default: the incident file's);
     *min_matching*: the fingerprints in common that confirm a source (default: ``SCOPE_PARAMETERS``')."""
     reasons = recorded(con)
     by_class = {c: {"responses": 0, "accounts": 0} for c in CLASSES}
     for cls, responses, accounts in con.execute(
-            "SELECT account_class, count(*), count(DISTINCT account_id) FROM affected_responses GROUP BY 1").fetchall():
+        "SELECT account_class, count(*), count(DISTINCT account_id) FROM affected_responses GROUP BY 1"
+    ).fetchall():
         by_class[cls] = {"responses": responses, "accounts": accounts}
     affected, accounts = one(con, "SELECT count(*), count(DISTINCT account_id) FROM affected_responses")
-    windows = [{"model": m, "first": iso(f), "last": iso(last), "responses": n}
-               for m, f, last, n in con.execute(
-                   "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 1").fetchall()]
-    by_model = {m: n for m, n in con.execute(
-        """SELECT r.model, count(a.request_id) FROM (SELECT DISTINCT model FROM analysed_requests) r
-           LEFT JOIN affected_responses a ON a.model = r.model GROUP BY 1 ORDER BY 1""").fetchall()}
+    windows = [
+        {"model": m, "first": iso(f), "last": iso(last), "responses": n}
+        for m, f, last, n in con.execute(
+            "SELECT model, min(ts), max(ts), count(*) FROM affected_responses GROUP BY 1 ORDER BY 1"
+        ).fetchall()
+    ]
+    by_model = {
+        m: n
+        for m, n in con.execute(
+            """SELECT r.model, count(a.request_id) FROM (SELECT DISTINCT model FROM analysed_requests) r
+           LEFT JOIN affected_responses a ON a.model = r.model GROUP BY 1 ORDER BY 1"""
+        ).fetchall()
+    }
     # "end" is null while the start-up still runs; "end_reason" says what closed it (kvforensics/stages/instances.py)
-    exposure = [{"instance": i, "role": role, "model": m, "start": iso(s), "end": iso(e), "end_reason": why,
-                 "pool_tokens": p, "context_length": c, "engine_version": v}
-                for i, role, m, s, e, why, p, c, v in con.execute(
-                    """SELECT instance, role, model, valid_from, valid_to, end_reason, kv_pool_tokens, context_length,
+    exposure = [
+        {
+            "instance": i,
+            "role": role,
+            "model": m,
+            "start": iso(s),
+            "end": iso(e),
+            "end_reason": why,
+            "pool_tokens": p,
+            "context_length": c,
+            "engine_version": v,
+        }
+        for i, role, m, s, e, why, p, c, v in con.execute(
+            """SELECT instance, role, model, valid_from, valid_to, end_reason, kv_pool_tokens, context_length,
                               engine_version
                        FROM exposure_windows
-                       ORDER BY valid_from NULLS LAST, instance""").fetchall()]
+                       ORDER BY valid_from NULLS LAST, instance"""
+        ).fetchall()
+    ]
     for w in exposure:
         w["opened_by_change"] = _nearest_change(con, w["instance"], w["model"], w["start"])
         w["closed_by_change"] = _nearest_change(con, w["instance"], w["model"], w["end"])
     prefix = prefix_windows_summary(con) if probing_selected(con) else None
-    confirmed, possible = (one(con, "SELECT count(DISTINCT account_id) FROM notifications WHERE role = $r",
-                               {"r": r})[0] for r in ("data_exposed_confirmed", "data_exposed_possible"))
-    tiers = {t: n for t, n in con.execute(
-        "SELECT confidence, count(*) FROM affected_responses GROUP BY 1").fetchall()}
+    confirmed, possible = (
+        one(con, "SELECT count(DISTINCT account_id) FROM notifications WHERE role = $r", {"r": r})[0]
+        for r in ("data_exposed_confirmed", "data_exposed_possible")
+    )
+    tiers = {t: n for t, n in con.execute("SELECT confidence, count(*) FROM affected_responses GROUP BY 1").fetchall()}
     suspects = one(con, "SELECT count(*) FROM suspect_responses")[0]
-    deliberate = [r[0] for r in con.execute(
-        "SELECT DISTINCT account_id FROM suspected_exploiters ORDER BY 1").fetchall()]
+    deliberate = [
+        r[0] for r in con.execute("SELECT DISTINCT account_id FROM suspected_exploiters ORDER BY 1").fetchall()
+    ]
     probing = probing_summary(con)
     if probing is not None:
-        probing["parameters"] = probing_parameters(incident.probing_parameters if probing_params is None
-                                                   else probing_params)
+        probing["parameters"] = probing_parameters(
+            incident.probing_parameters if probing_params is None else probing_params
+        )
     period = one(con, "SELECT min(ts), max(ts), count(*) FROM analysed_requests")
     mechanisms = con.execute("SELECT id, title, selected, missing_inputs FROM mechanisms ORDER BY id").fetchall()
-    gaps = [{"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}
-            for src, inst, a, b, n, d in con.execute(
-                "SELECT source, instance, start, \"end\", requests, description FROM log_gaps ORDER BY start").fetchall()]
+    gaps = [
+        {"source": src, "instance": inst, "start": iso(a), "end": iso(b), "requests": n, "description": d}
+        for src, inst, a, b, n, d in con.execute(
+            "SELECT source, instance, start, \"end\", requests, description FROM log_gaps ORDER BY start"
+        ).fetchall()
+    ]
     return {
         "incident": incident.id,
         "conclusive": not reasons,
         "inconclusive_reasons": reasons,
         # the exposure mechanisms whose rules ran (kvforensics/mechanisms), and the others with the inputs they lack
         "mechanisms": [{"id": i, "title": t} for i, t, chosen, _ in mechanisms if chosen],
-        "mechanisms_not_investigated": [{"id": i, "title": t, "missing_inputs": list(m)}
-                                        for i, t, chosen, m in mechanisms if not chosen],
+        "mechanisms_not_investigated": [
+            {"id": i, "title": t, "missing_inputs": list(m)} for i, t, chosen, m in mechanisms if not chosen
+        ],
         "affected_responses": affected,
         "affected_accounts": accounts,
         "by_account_class": by_class,
@@ -249,15 +325,29 @@ def summarise(con: duckdb.DuckDBPyConnection, incident: Incident,
         **({"prefix_windows": prefix} if prefix is not None else {}),
         "source_accounts": {"confirmed": confirmed, "possible": possible},
         # what the content fingerprints guarantee about the confirmed sources (kvforensics/core/fingerprint.py)
-        **({"content_matching": content_matching(
-            incident.winnow_window, SCOPE_PARAMETERS["min_matching_shingles"] if min_matching is None else min_matching,
-            SCOPE_PARAMETERS["max_accounts_per_shingle"])} if incident.sources_of("content") else {}),
-        "exploitation": {"accounts_looking_deliberate": deliberate,
-                         "conclusion": "signs of deliberate exploitation" if deliberate
-                         else "no sign of deliberate exploitation",
-                         # prefix-cache probing per account (kvforensics/stages/probing.py), when prefix_reuse ran
-                         **({"prefix_probing": probing} if probing else {})},
+        **(
+            {
+                "content_matching": content_matching(
+                    incident.winnow_window,
+                    SCOPE_PARAMETERS["min_matching_shingles"] if min_matching is None else min_matching,
+                    SCOPE_PARAMETERS["max_accounts_per_shingle"],
+                )
+            }
+            if incident.sources_of("content")
+            else {}
+        ),
+        "exploitation": {
+            "accounts_looking_deliberate": deliberate,
+            "conclusion": "signs of deliberate exploitation" if deliberate else "no sign of deliberate exploitation",
+            # prefix-cache probing per account (kvforensics/stages/probing.py), when prefix_reuse ran
+            **({"prefix_probing": probing} if probing else {}),
+        },
         "log_gaps": gaps,
-        "analysed_period": {"first_request": iso(period[0]), "last_request": iso(period[1]), "requests": period[2],
-                            "start": iso(incident.scope.start), "end": iso(incident.scope.end)},
+        "analysed_period": {
+            "first_request": iso(period[0]),
+            "last_request": iso(period[1]),
+            "requests": period[2],
+            "start": iso(incident.scope.start),
+            "end": iso(incident.scope.end),
+        },
     }

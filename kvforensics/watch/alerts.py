@@ -35,9 +35,12 @@ def alert(kind: str, subject: str, detected_at: datetime | None = None, **fields
     if kind not in KINDS:
         raise ValueError(f"unknown alert kind {kind!r}")
     when = detected_at or datetime.now(timezone.utc)
-    return {"kind": kind, "alert_id": f"{kind}:{subject}",
-            **{k: iso(v) if isinstance(v, datetime) else v for k, v in fields.items()},
-            "detected_at": iso(when)}
+    return {
+        "kind": kind,
+        "alert_id": f"{kind}:{subject}",
+        **{k: iso(v) if isinstance(v, datetime) else v for k, v in fields.items()},
+        "detected_at": iso(when),
+    }
 
 
 def line_of(record: dict[str, Any]) -> str:
@@ -61,8 +64,9 @@ class AlertLog:
             try:
                 argv = shlex.split(command)
             except ValueError as e:
-                raise ConfigError(f"--alert-command {command!r} cannot be split into words ({e}): quote it as a "
-                                  "shell would") from None
+                raise ConfigError(
+                    f"--alert-command {command!r} cannot be split into words ({e}): quote it as a shell would"
+                ) from None
             if not argv:
                 raise ConfigError("--alert-command is empty: name a command, e.g. --alert-command 'pager-send'")
         log = cls(path=out_dir / ALERTS_FILE, command=argv, **kwargs)
@@ -120,8 +124,13 @@ class AlertLog:
         """Run the alert command with the batch on its standard input; a failure is said, never fatal."""
         shown = visible_controls(shlex.join(self.command or []))
         try:
-            done = subprocess.run(self.command or [], input=text.encode("utf-8"), capture_output=True,
-                                  timeout=COMMAND_TIMEOUT_S, check=False)
+            done = subprocess.run(
+                self.command or [],
+                input=text.encode("utf-8"),
+                capture_output=True,
+                timeout=COMMAND_TIMEOUT_S,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             self.warn(f"warning: --alert-command {shown} failed: {visible_controls(' '.join(str(e).split()))}")
             return

@@ -64,8 +64,9 @@ class LiveDetection:
         self.watermark = -1  # the requests up to this rowid have been judged
         self.fitted_at = 0  # requests when the latency model was last fitted
         self.judged: set[str] = set()  # rules that have judged every request so far
-        con.execute(f"CREATE OR REPLACE TABLE {_FINDINGS} (request_id VARCHAR, rule_id VARCHAR, strength VARCHAR)"
-                    ).fetchall()
+        con.execute(
+            f"CREATE OR REPLACE TABLE {_FINDINGS} (request_id VARCHAR, rule_id VARCHAR, strength VARCHAR)"
+        ).fetchall()
 
     def close(self) -> None:
         self.cursor.close()
@@ -82,8 +83,14 @@ class LiveDetection:
         selected = {s.mechanism.id for s in select_mechanisms(self.con, self.incident.mechanisms) if s.selected}
         rules = [r for r in self.rules if r.mechanism in selected]
         new_rules = {r.id for r in rules} - self.judged
-        if (top <= self.watermark and not engine_request_ids and not everything and not new_rules
-                and not self._refit_due(total) and all(per_request(r) for r in rules)):
+        if (
+            top <= self.watermark
+            and not engine_request_ids
+            and not everything
+            and not new_rules
+            and not self._refit_due(total)
+            and all(per_request(r) for r in rules)
+        ):
             return _NONE.copy()  # nothing new to judge
         self._shadow(-1 if everything else self.watermark, engine_request_ids)
         judged_whole: set[str] = set()
@@ -97,9 +104,13 @@ class LiveDetection:
         if new_rules & {r.id for r in latency_rules}:
             # a new latency model: its rules judge again the requests another rule flagged (the only ones a weak
             # finding of theirs can make affected); every request, if one of them can find strong evidence
-            flagged = {r for (r,) in self.con.execute(
-                f"SELECT DISTINCT request_id FROM {_FINDINGS} WHERE rule_id NOT IN "
-                f"(SELECT unnest($ids))", {"ids": [r.id for r in latency_rules]}).fetchall()}
+            flagged = {
+                r
+                for (r,) in self.con.execute(
+                    f"SELECT DISTINCT request_id FROM {_FINDINGS} WHERE rule_id NOT IN (SELECT unnest($ids))",
+                    {"ids": [r.id for r in latency_rules]},
+                ).fetchall()
+            }
             self._shadow(-1 if everything else self.watermark, engine_request_ids | flagged)
         for rule in latency_rules:
             whole = not per_request(rule) or (rule.id in new_rules and _can_be_strong(rule))
@@ -116,17 +127,22 @@ class LiveDetection:
         older = "SELECT * FROM {main} LIMIT 0"
         if engine_request_ids and watermark >= 0:
             self.cursor.register("watch_engine_ids", pa.table({"request_id": sorted(engine_request_ids)}))
-            older = (f"SELECT * FROM {main} WHERE rowid <= $w "
-                     "AND request_id IN (SELECT request_id FROM watch_engine_ids)")
+            older = (
+                f"SELECT * FROM {main} WHERE rowid <= $w AND request_id IN (SELECT request_id FROM watch_engine_ids)"
+            )
         try:
-            self.cursor.execute(f"CREATE OR REPLACE TEMP TABLE watch_older AS {older.format(main=main)}",
-                                {"w": watermark} if "$w" in older else None).fetchall()
+            self.cursor.execute(
+                f"CREATE OR REPLACE TEMP TABLE watch_older AS {older.format(main=main)}",
+                {"w": watermark} if "$w" in older else None,
+            ).fetchall()
         finally:
             if engine_request_ids and watermark >= 0:
                 self.cursor.unregister("watch_engine_ids")
         # a view takes no parameters: the watermark is an integer, written in
-        self.cursor.execute(f"CREATE OR REPLACE TEMP VIEW requests AS SELECT * FROM {main} "
-                            f"WHERE rowid > {int(watermark)} UNION ALL SELECT * FROM watch_older").fetchall()
+        self.cursor.execute(
+            f"CREATE OR REPLACE TEMP VIEW requests AS SELECT * FROM {main} "
+            f"WHERE rowid > {int(watermark)} UNION ALL SELECT * FROM watch_older"
+        ).fetchall()
 
     def _run(self, rule: Rule, whole: bool) -> set[str]:
         """Run *rule* on the new rows (or, *whole*, on every request) and keep its findings; the ids it flagged
@@ -137,15 +153,24 @@ class LiveDetection:
         if whole:
             cursor.execute(f"DELETE FROM {_FINDINGS} WHERE rule_id = $watch_rule", {"watch_rule": rule.id}).fetchall()
         else:
-            cursor.execute(f"DELETE FROM {_FINDINGS} WHERE rule_id = $watch_rule AND request_id IN "
-                           "(SELECT request_id FROM requests)", {"watch_rule": rule.id}).fetchall()
-        cursor.execute(f"INSERT INTO {_FINDINGS} SELECT CAST(request_id AS VARCHAR), $watch_rule, "
-                       f"CAST(strength AS VARCHAR) FROM (\n{rule.sql}\n) AS found",
-                       {**args, "watch_rule": rule.id}).fetchall()
+            cursor.execute(
+                f"DELETE FROM {_FINDINGS} WHERE rule_id = $watch_rule AND request_id IN "
+                "(SELECT request_id FROM requests)",
+                {"watch_rule": rule.id},
+            ).fetchall()
+        cursor.execute(
+            f"INSERT INTO {_FINDINGS} SELECT CAST(request_id AS VARCHAR), $watch_rule, "
+            f"CAST(strength AS VARCHAR) FROM (\n{rule.sql}\n) AS found",
+            {**args, "watch_rule": rule.id},
+        ).fetchall()
         if not whole:
             return set()
-        return {r for (r,) in cursor.execute(f"SELECT request_id FROM {_FINDINGS} WHERE rule_id = $watch_rule",
-                                             {"watch_rule": rule.id}).fetchall()}
+        return {
+            r
+            for (r,) in cursor.execute(
+                f"SELECT request_id FROM {_FINDINGS} WHERE rule_id = $watch_rule", {"watch_rule": rule.id}
+            ).fetchall()
+        }
 
     def _refit_due(self, total: int) -> bool:
         if not any(r.needs_latency_model for r in self.rules):
@@ -187,10 +212,19 @@ class LiveDetection:
             found = self.cursor.execute(rows.format(requests="requests")).df()
             # judged by a rule run on every request, not among the new rows: their rows read from the evidence
             if one(self.cursor, "SELECT count(*) FROM watch_affected ANTI JOIN requests USING (request_id)")[0]:
-                found = pd.concat([found, self.cursor.execute(
-                    rows.format(requests=f"(SELECT * FROM \"{self.catalog}\".main.requests SEMI JOIN "
-                                         "(SELECT request_id FROM watch_affected ANTI JOIN requests USING (request_id)) "
-                                         "USING (request_id))")).df()], ignore_index=True)
+                found = pd.concat(
+                    [
+                        found,
+                        self.cursor.execute(
+                            rows.format(
+                                requests=f"(SELECT * FROM \"{self.catalog}\".main.requests SEMI JOIN "
+                                "(SELECT request_id FROM watch_affected ANTI JOIN requests USING (request_id)) "
+                                "USING (request_id))"
+                            )
+                        ).df(),
+                    ],
+                    ignore_index=True,
+                )
         finally:
             self.cursor.unregister("watch_whole_ids")
             self.cursor.unregister("watch_alerted_ids")
@@ -198,8 +232,10 @@ class LiveDetection:
 
 
 # detect's tiers (kvforensics/stages/detect.py): confirmed, probable, possible from the rules' strengths
-TIER = ("CASE WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 AND count(*) >= 2 THEN 'confirmed' "
-        "WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 OR count(*) >= 2 THEN 'probable' ELSE 'possible' END")
+TIER = (
+    "CASE WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 AND count(*) >= 2 THEN 'confirmed' "
+    "WHEN count(*) FILTER (WHERE strength = 'strong') >= 1 OR count(*) >= 2 THEN 'probable' ELSE 'possible' END"
+)
 
 
 def in_period(found: pd.DataFrame, incident: Incident) -> pd.DataFrame:
@@ -218,11 +254,14 @@ _NONE = pd.DataFrame(columns=["request_id", "account_id", "model", "instance", "
 
 def affected_after_detect(con: duckdb.DuckDBPyConnection, incident: Incident) -> pd.DataFrame:
     """The affected requests of ``detect``'s tiers (when watch stops), with the fields an alert gives."""
-    return in_period(con.execute("""
+    return in_period(
+        con.execute("""
         SELECT r.request_id, r.account_id, r.model, coalesce(r.prefill_instance, r.decode_instance) AS instance,
                r.ts, t.confidence, t.rules
         FROM request_tiers t JOIN requests r ON r.request_id = t.request_id
-        WHERE t.confidence IN ('confirmed', 'probable')""").df(), incident)
+        WHERE t.confidence IN ('confirmed', 'probable')""").df(),
+        incident,
+    )
 
 
 __all__: Sequence[str] = ("LiveDetection", "affected_after_detect", "per_request")

@@ -79,8 +79,13 @@ class EngineLogs:
             f.path = Path(new)
             self.files[new] = f
 
-    def read(self, jobs: list[tuple[Source, Increment]], counts: dict[str, Counts], out: EngineRead,
-             meanwhile: Callable[[], None] = lambda: None) -> None:
+    def read(
+        self,
+        jobs: list[tuple[Source, Increment]],
+        counts: dict[str, Counts],
+        out: EngineRead,
+        meanwhile: Callable[[], None] = lambda: None,
+    ) -> None:
         """Parse the increments (side by side, in threads, while *meanwhile* runs: the parse is mostly Arrow and
         DuckDB work), then store them in order. Several increments of one file (a last line read as watch
         stops) are parsed one after the other, each after the prelude the one before it leaves."""
@@ -94,8 +99,9 @@ class EngineLogs:
                 for source, inc in jobs:
                     self._store(self._parse(source, inc, pieces), counts[source.name], out)
                 return
-            with ThreadPoolExecutor(max_workers=min(PARSERS, max(1, len(jobs))),
-                                    thread_name_prefix="kvf-watch-engine") as pool:
+            with ThreadPoolExecutor(
+                max_workers=min(PARSERS, max(1, len(jobs))), thread_name_prefix="kvf-watch-engine"
+            ) as pool:
                 futures = [pool.submit(self._parse, source, inc, pieces) for source, inc in jobs]
                 meanwhile()
                 for (source, _), future in zip(jobs, futures, strict=True):
@@ -120,8 +126,15 @@ class EngineLogs:
         piece = pieces.write(inc, b"".join(raw + b"\n" for _, raw in prelude))
         # a small piece through the parser alone: the column-wise reader pays for its set-up on every piece
         parse = parse_engine_file_columnar if inc.lines >= COLUMNAR_LINES else parse_engine_file
-        parsed = parse(piece, fmt=source.format, instance=lambda labels: source.instance_for(f.path, labels),
-                       tz=source.tz, year=f.year, clock_offset_s=source.clock_offset_s, envelope=source.envelope)
+        parsed = parse(
+            piece,
+            fmt=source.format,
+            instance=lambda labels: source.instance_for(f.path, labels),
+            tz=source.tz,
+            year=f.year,
+            clock_offset_s=source.clock_offset_s,
+            envelope=source.envelope,
+        )
         return _Parsed(f, inc, prelude, parsed)
 
     def _store(self, job: _Parsed, counts: Counts, out: EngineRead) -> None:
@@ -135,14 +148,19 @@ class EngineLogs:
             return prelude[n - 1][0] if n <= lead else inc.first_line + n - lead - 1
 
         events, batches = (_own_rows(t, lead, inc.first_line) for t in (parsed.event_table(), parsed.batch_table()))
-        EvidenceSink(f.source.name, str(f.path)).store(self.con, EngineFileParse(
-            envelope=parsed.envelope, instances={"": EngineLogParse(event_tables=[events], batch_tables=[batches])}))
+        EvidenceSink(f.source.name, str(f.path)).store(
+            self.con,
+            EngineFileParse(
+                envelope=parsed.envelope, instances={"": EngineLogParse(event_tables=[events], batch_tables=[batches])}
+            ),
+        )
         out.request_ids.update(r for r in events.column("request_id").to_pylist() if r is not None)
         quarantined = [q for q in parsed.all_quarantined() if q.line > lead]
         if quarantined:
-            self.con.executemany("INSERT INTO quarantine VALUES (?, ?, ?, ?, ?)",
-                                 [(f.source.name, str(f.path), line_of(q.line), q.reason, printable_raw(q.raw))
-                                  for q in quarantined])
+            self.con.executemany(
+                "INSERT INTO quarantine VALUES (?, ?, ?, ?, ?)",
+                [(f.source.name, str(f.path), line_of(q.line), q.reason, printable_raw(q.raw)) for q in quarantined],
+            )
         counts.read += inc.lines
         counts.quarantined += len(quarantined)
         for s in parsed.startups:
@@ -152,8 +170,11 @@ class EngineLogs:
             if merged == old:
                 continue
             f.startups[s.line] = merged
-            if old is None or merged.shutdown_line != old.shutdown_line or any(
-                    getattr(merged, k.name) != getattr(old, k.name) for k in fields(merged) if k.name not in _LIFE):
+            if (
+                old is None
+                or merged.shutdown_line != old.shutdown_line
+                or any(getattr(merged, k.name) != getattr(old, k.name) for k in fields(merged) if k.name not in _LIFE)
+            ):
                 out.startups_changed = True
             else:
                 out.lives_changed = True
@@ -178,18 +199,23 @@ def _own_rows(table: pa.Table, lead: int, first_line: int) -> pa.Table:
 
 
 def _renumbered(s: StartupRecord, line_of) -> StartupRecord:
-    return replace(s, line=line_of(s.line), pool_source_line=line_of(s.pool_source_line),
-                   last_line=line_of(s.last_line), shutdown_line=line_of(s.shutdown_line),
-                   evidence={k: line_of(v) for k, v in s.evidence.items()})
+    return replace(
+        s,
+        line=line_of(s.line),
+        pool_source_line=line_of(s.pool_source_line),
+        last_line=line_of(s.last_line),
+        shutdown_line=line_of(s.shutdown_line),
+        evidence={k: line_of(v) for k, v in s.evidence.items()},
+    )
 
 
 def _merged(old: StartupRecord, new: StartupRecord) -> StartupRecord:
     """*old* as first read, with what it lacked from *new* and how far its log goes now."""
-    filled: dict[str, Any] = {k.name: getattr(new, k.name) for k in fields(old)
-                              if getattr(old, k.name) is None and k.name not in _LIFE}
+    filled: dict[str, Any] = {
+        k.name: getattr(new, k.name) for k in fields(old) if getattr(old, k.name) is None and k.name not in _LIFE
+    }
     life = {k: getattr(new, k) for k in _LIFE if getattr(new, k) is not None}
-    return replace(old, **filled, **life, flags={**new.flags, **old.flags},
-                   evidence={**new.evidence, **old.evidence})
+    return replace(old, **filled, **life, flags={**new.flags, **old.flags}, evidence={**new.evidence, **old.evidence})
 
 
 def _prelude(f: EngineFile, prelude: list[tuple[int, bytes]], inc: Increment) -> list[tuple[int, bytes]]:

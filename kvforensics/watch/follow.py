@@ -116,8 +116,16 @@ class Poll:
 class Follower:
     """The files of one source. ``read=False`` follows their growth only (a source loaded when watch stops)."""
 
-    def __init__(self, source: str, fmt: str, states: list[FileState] | None = None, *, keep_first_line: bool = False,
-                 read: bool = True, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        source: str,
+        fmt: str,
+        states: list[FileState] | None = None,
+        *,
+        keep_first_line: bool = False,
+        read: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.source, self.fmt, self.read, self.keep_first_line = source, fmt, read, keep_first_line
         self.files: dict[tuple[int, int], FileState] = {}
         self.handles: dict[tuple[int, int], BinaryIO] = {}
@@ -161,8 +169,9 @@ class Follower:
                 self._drop_handle(key)
         if final:
             for state in self.restored:  # a file followed before a restart, not found since
-                found.problems.append(f"{state.path}: followed before watch restarted, no longer found "
-                                      f"(read up to line {state.lines:,})")
+                found.problems.append(
+                    f"{state.path}: followed before watch restarted, no longer found (read up to line {state.lines:,})"
+                )
         if found.grew:
             self.grew_at = looked
         return found
@@ -239,23 +248,26 @@ class Follower:
         if tail:
             self._increment(state, tail, state.lines + 1 + data.count(b"\n"), offset, skip, found, provisional=True)
 
-    def _increment(self, state: FileState, data: bytes, first: int, offset: int, skip: int, found: Poll,
-                   provisional: bool = False) -> None:
+    def _increment(
+        self, state: FileState, data: bytes, first: int, offset: int, skip: int, found: Poll, provisional: bool = False
+    ) -> None:
         header = b""
         if self.keep_first_line:
             if first == 1:  # the piece starts the file: its first line is kept for the pieces after it
-                state.header = data[:data.find(b"\n") + 1] if b"\n" in data else data
+                state.header = data[: data.find(b"\n") + 1] if b"\n" in data else data
             else:
                 header = state.header
         lines = data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
-        found.increments.append(Increment(state, data, first, lines, offset, skip, header=header,
-                                          provisional=provisional))
+        found.increments.append(
+            Increment(state, data, first, lines, offset, skip, header=header, provisional=provisional)
+        )
 
     def _whole(self, state: FileState, size: int, final: bool, found: Poll) -> None:
         if state.offset:
             if size != state.offset and state.key not in self.stable:
-                found.problems.append(f"{state.path}: changed after it was read whole; a batch run reads it as it "
-                                      "is now")
+                found.problems.append(
+                    f"{state.path}: changed after it was read whole; a batch run reads it as it is now"
+                )
                 self.stable[state.key] = size
             return
         if size and (final or self.stable.get(state.key) == size):
@@ -275,8 +287,9 @@ class Follower:
         cut = data.rfind(b"\n") + 1
         return data[:cut], data[cut:] if final else b"", state.offset + cut, 0
 
-    def _members(self, fh: BinaryIO, state: FileState, kind: str, final: bool,
-                 found: Poll) -> tuple[bytes, bytes, int, int] | None:
+    def _members(
+        self, fh: BinaryIO, state: FileState, kind: str, final: bool, found: Poll
+    ) -> tuple[bytes, bytes, int, int] | None:
         """The text of the complete members from ``state.offset``, less the ``state.skip`` bytes already read, cut
         after its last newline; and where the next poll starts (the member that holds the rest, what of it to
         skip)."""
@@ -289,8 +302,10 @@ class Follower:
             try:
                 text = d.decompress(raw[at:])
             except Exception as e:  # noqa: BLE001 - zlib.error / zstd.ZstdError: the member is corrupt
-                state.broken = (f"the {kind} member at byte {state.offset + at:,} cannot be decompressed "
-                                f"({' '.join(str(e).split())[:120]}): the rest of the file is not read")
+                state.broken = (
+                    f"the {kind} member at byte {state.offset + at:,} cannot be decompressed "
+                    f"({' '.join(str(e).split())[:120]}): the rest of the file is not read"
+                )
                 found.problems.append(f"{state.path}: {state.broken}")
                 break
             if not d.eof:
@@ -301,7 +316,7 @@ class Follower:
                 break  # the rest at the next poll
         if not members:
             return None
-        text = b"".join(t for _, t in members)[state.skip:]
+        text = b"".join(t for _, t in members)[state.skip :]
         cut = text.rfind(b"\n") + 1
         # where the text not yet read starts: the member that holds it and how far into its text
         left = cut + state.skip
@@ -328,8 +343,13 @@ def split(increment: Increment, parts: int, at_least: int) -> list[Increment]:
     the loaders to read side by side: a plain file's (a compressed file's place inside a member is not a byte
     of the file), never a provisional one."""
     data = increment.data
-    if (parts < 2 or increment.provisional or increment.whole_file or compression(increment.state.path) != "none"
-            or len(data) < 2 * at_least):
+    if (
+        parts < 2
+        or increment.provisional
+        or increment.whole_file
+        or compression(increment.state.path) != "none"
+        or len(data) < 2 * at_least
+    ):
         return [increment]
     out, start, line = [], 0, increment.first_line
     begin = increment.offset - len(data)  # the byte of the file the increment starts at

@@ -91,8 +91,9 @@ def _move_rows(con: duckdb.DuckDBPyConnection, source: str, pieces: Pieces, piec
     params = {"s": source, "piece": piece, "real": str(pieces.of[piece].path), "shift": pieces.shift(piece)}
     for table, file_col, line_cols in tables:
         lines = ", ".join(f"{c} = {c} + $shift" for c in line_cols)
-        con.execute(f"UPDATE {table} SET {file_col} = $real, {lines} WHERE source = $s AND {file_col} = $piece",
-                    params).fetchall()
+        con.execute(
+            f"UPDATE {table} SET {file_col} = $real, {lines} WHERE source = $s AND {file_col} = $piece", params
+        ).fetchall()
 
 
 def _fix_kept_at(con: duckdb.DuckDBPyConnection, source: str, pieces: Pieces) -> None:
@@ -105,20 +106,33 @@ def _fix_kept_at(con: duckdb.DuckDBPyConnection, source: str, pieces: Pieces) ->
 
     like = {"s": source, "root": f"%{pieces.root}%"}
     for table, column in (("quarantine", "reason"), ("request_conflicts", "kept_at")):
-        rows = con.execute(f"SELECT rowid, {column} FROM {table} WHERE source = $s AND {column} LIKE $root",
-                           like).fetchall()
+        rows = con.execute(
+            f"SELECT rowid, {column} FROM {table} WHERE source = $s AND {column} LIKE $root", like
+        ).fetchall()
         if rows:
             con.executemany(f"UPDATE {table} SET {column} = ? WHERE rowid = ?", [(fixed(t), r) for r, t in rows])
 
 
-_REQUEST_ROWS: Rows = (("requests", "source_file", ("source_line",)), ("quarantine", "file", ("line",)),
-                       ("request_conflicts", "source_file", ("source_line",)))
-_KV_EVENT_ROWS: Rows = (("kv_events", "source_file", ("source_line", "batch")),
-                        ("kv_event_messages", "source_file", ("source_line",)), ("quarantine", "file", ("line",)))
+_REQUEST_ROWS: Rows = (
+    ("requests", "source_file", ("source_line",)),
+    ("quarantine", "file", ("line",)),
+    ("request_conflicts", "source_file", ("source_line",)),
+)
+_KV_EVENT_ROWS: Rows = (
+    ("kv_events", "source_file", ("source_line", "batch")),
+    ("kv_event_messages", "source_file", ("source_line",)),
+    ("quarantine", "file", ("line",)),
+)
 
 
-def load_requests(con: duckdb.DuckDBPyConnection, source: Source, increments: list[Increment], root: Path,
-                  aliases: Mapping[str, str], counts: Counts) -> None:
+def load_requests(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    increments: list[Increment],
+    root: Path,
+    aliases: Mapping[str, str],
+    counts: Counts,
+) -> None:
     """The increments of one requests source, merged as one load (files typed side by side); each file's
     record in ``watch_files`` written in the transaction of its records."""
     pieces = Pieces(root / "requests")
@@ -174,10 +188,12 @@ def _lead(source: Source, inc: Increment) -> bytes:
 def _drop_lead_record(con: duckdb.DuckDBPyConnection, source: str, piece: str, load: FileLoad) -> None:
     """The file's first record, read again at the head of *piece*, taken out of its rows and counts."""
     params = {"s": source, "f": piece}
-    quarantined = con.execute("SELECT count(*) FROM quarantine WHERE source = $s AND file = $f AND line = 1",
-                              params).fetchall()[0][0]
-    inserted = con.execute("SELECT count(*) FROM requests WHERE source = $s AND source_file = $f AND source_line = 1",
-                           params).fetchall()[0][0]
+    quarantined = con.execute(
+        "SELECT count(*) FROM quarantine WHERE source = $s AND file = $f AND line = 1", params
+    ).fetchall()[0][0]
+    inserted = con.execute(
+        "SELECT count(*) FROM requests WHERE source = $s AND source_file = $f AND source_line = 1", params
+    ).fetchall()[0][0]
     for table, file_col, (line_col,) in _REQUEST_ROWS:
         con.execute(f"DELETE FROM {table} WHERE source = $s AND {file_col} = $f AND {line_col} = 1", params).fetchall()
     load.records_read -= 1
@@ -219,17 +235,25 @@ class SideSources:
         self.chains = Chains()
 
     def kv_events(self, source: Source, increments: list[Increment], counts: Counts) -> None:
-        self._pieces(source, increments, counts, lambda s, p: load_kv_events(self.con, s, p, self.key, self.chains),
-                     _KV_EVENT_ROWS)
+        self._pieces(
+            source,
+            increments,
+            counts,
+            lambda s, p: load_kv_events(self.con, s, p, self.key, self.chains),
+            _KV_EVENT_ROWS,
+        )
 
     def content(self, source: Source, increments: list[Increment], counts: Counts) -> None:
         size = block_size(self.con, self.incident.prefix_block_size)
-        self._pieces(source, increments, counts,
-                     lambda s, p: load_content(self.con, s, p, self.key, size, self.incident.prefix_word_blocks),
-                     (("quarantine", "file", ("line",)),))
+        self._pieces(
+            source,
+            increments,
+            counts,
+            lambda s, p: load_content(self.con, s, p, self.key, size, self.incident.prefix_word_blocks),
+            (("quarantine", "file", ("line",)),),
+        )
 
-    def _pieces(self, source: Source, increments: list[Increment], counts: Counts, loader,
-                tables: Rows) -> None:
+    def _pieces(self, source: Source, increments: list[Increment], counts: Counts, loader, tables: Rows) -> None:
         pieces = Pieces(self.root / source.kind)
         try:
             for inc in increments:

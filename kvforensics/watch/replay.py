@@ -125,12 +125,17 @@ def timeline(incident_toml: Path, *, join_requests: str | None = None, plain: bo
             lines = _lines(path)
             if source.kind == "requests":
                 target = join_requests or rel
-                items.extend((t, order, i, target, raw, rid)
-                             for i, (t, raw, rid) in enumerate(_in_file_order(_requests(source, lines))))
+                items.extend(
+                    (t, order, i, target, raw, rid)
+                    for i, (t, raw, rid) in enumerate(_in_file_order(_requests(source, lines)))
+                )
             elif source.kind == "engine_log":
-                items.extend((t, order, i, rel, raw, None)
-                             for i, (t, raw, _) in enumerate(_in_file_order((t, raw, None) for t, raw in
-                                                                            _stamped(incident, lines))))
+                items.extend(
+                    (t, order, i, rel, raw, None)
+                    for i, (t, raw, _) in enumerate(
+                        _in_file_order((t, raw, None) for t, raw in _stamped(incident, lines))
+                    )
+                )
             else:
                 spread.append((order, rel, lines))
     times = [t for t, *_ in items if t > float("-inf")]
@@ -173,8 +178,11 @@ def _requests(source: Source, lines: list[bytes]) -> Iterator[tuple[float, bytes
             yield float("-inf"), raw, None
             continue
         try:
-            record = (dict(zip(columns, next(csv.reader([raw.decode("utf-8")])), strict=False)) if columns
-                      else json.loads(raw))
+            record = (
+                dict(zip(columns, next(csv.reader([raw.decode("utf-8")])), strict=False))
+                if columns
+                else json.loads(raw)
+            )
             t = _time(record.get(ts_key))
             rid = record.get(id_key)
         except (ValueError, AttributeError):

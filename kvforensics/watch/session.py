@@ -54,9 +54,20 @@ MIN_SHARE_RECORDS = 100  # a quarantine share is judged once a source has read t
 WAL_CHECKPOINT = "1GB"  # DuckDB's write-ahead log is checkpointed into the database at this size
 PLACE_EVERY_S = 30.0  # how far the start-ups' logs go is put into capacity at least this often
 # the tables of the sources a batch run re-reads whole, emptied when watch starts and read again as they grow
-_REREAD_TABLES = ("capacity", "engine_events", "prefill_batches", "changes", "content_fingerprints",
-                  "content_stats", "request_blocks", "kv_events", "kv_event_messages", "kv_event_gaps",
-                  "exposure_windows", "prefix_windows")
+_REREAD_TABLES = (
+    "capacity",
+    "engine_events",
+    "prefill_batches",
+    "changes",
+    "content_fingerprints",
+    "content_stats",
+    "request_blocks",
+    "kv_events",
+    "kv_event_messages",
+    "kv_event_gaps",
+    "exposure_windows",
+    "prefix_windows",
+)
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,9 @@ class Watch:
 
     def __init__(self, incident: Incident, out_dir: Path, options: WatchOptions | None = None) -> None:
         self.options = options or WatchOptions()
-        self.inv = Investigation.open(incident, out_dir, progress=False, pdf=False,
-                                      memory_limit=self.options.memory_limit)
+        self.inv = Investigation.open(
+            incident, out_dir, progress=False, pdf=False, memory_limit=self.options.memory_limit
+        )
         try:
             self._start()
         except BaseException:
@@ -101,8 +113,9 @@ class Watch:
     def _start(self) -> None:
         con, out = self.con, self.inv.out_dir
         if not watch_state.exists(con) and one(con, "SELECT count(*) FROM load_report")[0]:
-            raise InputError(f"{out} holds the evidence of a batch run, which watch does not continue: watch into a "
-                             "new --out folder")
+            raise InputError(
+                f"{out} holds the evidence of a batch run, which watch does not continue: watch into a new --out folder"
+            )
         watch_state.create(con)
         # a checkpoint rewrites the table's last row group, which every poll appends to: taken when the log of
         # changes is large, not every few polls (it was half the cost of a poll of 50,000 requests at 2M)
@@ -116,16 +129,23 @@ class Watch:
         con.execute("DELETE FROM quarantine WHERE list_contains($n, source)", {"n": names}).fetchall()
         self.live_content = bool(
             (self.incident.mechanisms and "prefix_reuse" in self.incident.mechanisms)
-            or self.incident.sources_of("kv_events") or self.incident.prefix_block_size
-            or self.incident.prefix_word_blocks or self.incident.prefix_isolation is not None)
+            or self.incident.sources_of("kv_events")
+            or self.incident.prefix_block_size
+            or self.incident.prefix_word_blocks
+            or self.incident.prefix_isolation is not None
+        )
         restored = watch_state.load(con)
         watch_state.undo_provisional(con, restored)
         self.followers: dict[str, Follower] = {}
         for s in self.incident.sources:
             read = s.kind in ("requests", "engine_log", "kv_events") or (s.kind == "content" and self.live_content)
-            self.followers[s.name] = Follower(s.name, s.format, [f for f in restored if f.source == s.name]
-                                              if s.kind == "requests" else None,
-                                              keep_first_line=s.kind == "requests" or s.format == "csv", read=read)
+            self.followers[s.name] = Follower(
+                s.name,
+                s.format,
+                [f for f in restored if f.source == s.name] if s.kind == "requests" else None,
+                keep_first_line=s.kind == "requests" or s.format == "csv",
+                read=read,
+            )
         self.counts = {s.name: Counts() for s in self.incident.sources}
         for f in restored:
             if f.source in self.counts:
@@ -134,8 +154,9 @@ class Watch:
         self.engines = EngineLogs(con, self.incident, self.root)
         self.sides = SideSources(con, self.incident, self.root)
         self.detection = LiveDetection(con, self.incident)
-        self.alerts = AlertLog.open(out, self.options.alert_command, stdout=self.options.stdout or sys.stdout,
-                                    warn=self._say)
+        self.alerts = AlertLog.open(
+            out, self.options.alert_command, stdout=self.options.stdout or sys.stdout, warn=self._say
+        )
         self.placed_at = 0.0
         self.problems: list[str] = []
         self.first_poll = True
@@ -166,13 +187,20 @@ class Watch:
         def requests() -> None:
             for source, found in polls.values():
                 if source.kind == "requests" and found.increments:
-                    load_requests(self.con, source, found.increments, self.root, self.incident.model_aliases,
-                                  self.counts[source.name])
+                    load_requests(
+                        self.con,
+                        source,
+                        found.increments,
+                        self.root,
+                        self.incident.model_aliases,
+                        self.counts[source.name],
+                    )
 
         # the engine logs are parsed while the requests load; then stored (the year of a vLLM log is the
         # first request's when nothing sets it: the first poll loads the requests first)
-        jobs = [(source, inc) for source, found in polls.values() if source.kind == "engine_log"
-                for inc in found.increments]
+        jobs = [
+            (source, inc) for source, found in polls.values() if source.kind == "engine_log" for inc in found.increments
+        ]
         if self.first_poll:
             requests()
             self.engines.read(jobs, self.counts, engine)
@@ -209,10 +237,14 @@ class Watch:
                 params = {"s": source.name, "old": old, "new": state.path}
                 self.con.begin()
                 try:
-                    for table, column in (("requests", "source_file"), ("quarantine", "file"),
-                                          ("request_conflicts", "source_file")):
-                        self.con.execute(f"UPDATE {table} SET {column} = $new WHERE source = $s AND {column} = $old",
-                                         params).fetchall()
+                    for table, column in (
+                        ("requests", "source_file"),
+                        ("quarantine", "file"),
+                        ("request_conflicts", "source_file"),
+                    ):
+                        self.con.execute(
+                            f"UPDATE {table} SET {column} = $new WHERE source = $s AND {column} = $old", params
+                        ).fetchall()
                     watch_state.save(self.con, [state])
                     self.con.commit()
                 except BaseException:
@@ -228,7 +260,9 @@ class Watch:
         an alert per exposed start-up."""
         now = time.monotonic()
         new_names = self._new_gateway_names()
-        if not (engine.startups_changed or new_names or (engine.lives_changed and now - self.placed_at > PLACE_EVERY_S)):
+        if not (
+            engine.startups_changed or new_names or (engine.lives_changed and now - self.placed_at > PLACE_EVERY_S)
+        ):
             if one(self.con, "SELECT count(*) FROM instance_names WHERE engine_instance <> gateway_name")[0]:
                 run_script(self.con, "instance_rename")  # the new requests' gateway names, as ingest renames them
             return []
@@ -248,20 +282,26 @@ class Watch:
         return self.con.execute(
             "SELECT 'c', instance, role, model, valid_from, valid_to, kv_pool_tokens, context_length, NULL FROM capacity "
             "UNION ALL SELECT 'n', gateway_name, engine_instance, NULL, NULL, NULL, NULL, NULL, NULL FROM instance_names "
-            "ORDER BY ALL").fetchall()
+            "ORDER BY ALL"
+        ).fetchall()
 
     def _new_gateway_names(self) -> bool:
         """Whether the requests loaded since the last judgement name an instance the matching has not seen."""
-        return bool(one(self.con, """
+        return bool(
+            one(
+                self.con,
+                """
             SELECT count(*) FROM (SELECT prefill_instance AS n FROM requests WHERE rowid > $w
                                   UNION SELECT decode_instance FROM requests WHERE rowid > $w) names
             WHERE n IS NOT NULL AND n NOT IN (SELECT gateway_name FROM instance_names)
               AND n NOT IN (SELECT engine_instance FROM instance_names WHERE engine_instance IS NOT NULL)""",
-            {"w": self.detection.watermark})[0])
+                {"w": self.detection.watermark},
+            )[0]
+        )
 
     def _alerted_requests(self) -> set[str]:
         prefix = "affected_response:"
-        return {a[len(prefix):] for a in self.alerts.raised if a.startswith(prefix)}
+        return {a[len(prefix) :] for a in self.alerts.raised if a.startswith(prefix)}
 
     def _gaps(self, kv_loaded: bool, now: float) -> list[dict[str, Any]]:
         """Evidence gaps: silent sources (at *now*, when the files were looked at), KV-event sequence gaps,
@@ -270,25 +310,55 @@ class Watch:
         for source in self.incident.sources:
             since = self.followers[source.name].grew_at
             if now - since > self.options.silence:
-                out.append(alert("evidence_gap", f"silent_source:{source.name}:{iso(_utc(since))}",
-                                 gap="silent_source", source=source.name, kind_of_source=source.kind,
-                                 silent_since=_utc(since), silent_s=round(now - since, 1)))
+                out.append(
+                    alert(
+                        "evidence_gap",
+                        f"silent_source:{source.name}:{iso(_utc(since))}",
+                        gap="silent_source",
+                        source=source.name,
+                        kind_of_source=source.kind,
+                        silent_since=_utc(since),
+                        silent_s=round(now - since, 1),
+                    )
+                )
             c = self.counts[source.name]
             limit = self.incident.max_quarantine_fractions()[source.kind]
             if c.read >= MIN_SHARE_RECORDS and c.quarantined > limit * c.read:
-                out.append(alert("evidence_gap", f"quarantine_share:{source.name}", gap="quarantine_share",
-                                 source=source.name, kind_of_source=source.kind, records_read=c.read,
-                                 quarantined=c.quarantined, share=round(c.quarantined / c.read, 4),
-                                 max_share=limit))
+                out.append(
+                    alert(
+                        "evidence_gap",
+                        f"quarantine_share:{source.name}",
+                        gap="quarantine_share",
+                        source=source.name,
+                        kind_of_source=source.kind,
+                        records_read=c.read,
+                        quarantined=c.quarantined,
+                        share=round(c.quarantined / c.read, 4),
+                        max_share=limit,
+                    )
+                )
         if kv_loaded:
             run_script(self.con, "kv_event_gaps")
             for inst, rank, file, before, after, missing, t0, t1, kind in self.con.execute(
-                    "SELECT instance, dp_rank, source_file, seq_before, seq_after, missing, from_ts, to_ts, kind "
-                    "FROM kv_event_gaps WHERE kind = 'gap' OR missing > 0 ORDER BY to_ts").fetchall():
-                out.append(alert("evidence_gap", f"kv_event_sequence:{inst}:{rank}:{before}:{after}:{file}",
-                                 gap="kv_event_sequence", instance=inst, dp_rank=rank, seq_before=before,
-                                 seq_after=after, missing=missing, sequence_break=kind, from_ts=t0, to_ts=t1,
-                                 file=file))
+                "SELECT instance, dp_rank, source_file, seq_before, seq_after, missing, from_ts, to_ts, kind "
+                "FROM kv_event_gaps WHERE kind = 'gap' OR missing > 0 ORDER BY to_ts"
+            ).fetchall():
+                out.append(
+                    alert(
+                        "evidence_gap",
+                        f"kv_event_sequence:{inst}:{rank}:{before}:{after}:{file}",
+                        gap="kv_event_sequence",
+                        instance=inst,
+                        dp_rank=rank,
+                        seq_before=before,
+                        seq_after=after,
+                        missing=missing,
+                        sequence_break=kind,
+                        from_ts=t0,
+                        to_ts=t1,
+                        file=file,
+                    )
+                )
         return out
 
     # --- stopping ---------------------------------------------------------------------------------------
@@ -300,13 +370,18 @@ class Watch:
             live = self._alerted_requests()
             self._settle()
             final = affected_after_detect(self.con, self.incident)
-            self.alerts.raise_new([_affected_alert(r) for r in final.itertuples(index=False)]
-                                  + exposed_startups(self.con))
+            self.alerts.raise_new(
+                [_affected_alert(r) for r in final.itertuples(index=False)] + exposed_startups(self.con)
+            )
             answer = set(final["request_id"])
             requests = one(self.con, "SELECT count(*) FROM requests")[0]
             self.con.execute("CHECKPOINT").fetchall()
-            return StopSummary(requests=requests, alerts=len(self.alerts.raised),
-                               alerted_not_in_answer=sorted(live - answer), problems=list(self.problems))
+            return StopSummary(
+                requests=requests,
+                alerts=len(self.alerts.raised),
+                alerted_not_in_answer=sorted(live - answer),
+                problems=list(self.problems),
+            )
         finally:
             self.close()
 
@@ -354,13 +429,30 @@ class Watch:
                     notes.append("left the source's path while watch followed it (its records are loaded)")
                 if s.broken:
                     notes.append(s.broken)
-                rows.append((source.name, source.kind, s.path, sha, size, s.records_read, s.loaded, s.quarantined,
-                             s.duplicates, "; ".join(notes) or None))
+                rows.append(
+                    (
+                        source.name,
+                        source.kind,
+                        s.path,
+                        sha,
+                        size,
+                        s.records_read,
+                        s.loaded,
+                        s.quarantined,
+                        s.duplicates,
+                        "; ".join(notes) or None,
+                    )
+                )
         self.con.executemany("INSERT INTO load_report VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
     # --- the loop -----------------------------------------------------------------------------------------
-    def run(self, stop: threading.Event | None = None, *, once: bool = False,
-            on_poll: Callable[[list[dict[str, Any]]], None] | None = None) -> StopSummary:
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        once: bool = False,
+        on_poll: Callable[[list[dict[str, Any]]], None] | None = None,
+    ) -> StopSummary:
         """Poll every ``interval`` seconds until *stop* is set (SIGINT and SIGTERM set it when this runs in the
         main thread) or, with *once*, after one poll; then stop and settle."""
         stop = stop or threading.Event()
@@ -407,9 +499,17 @@ def _utc(seconds: float) -> datetime:
 
 def _affected_alert(row: Any) -> dict[str, Any]:
     ts = row.ts.to_pydatetime() if isinstance(row.ts, pd.Timestamp) else row.ts
-    return alert("affected_response", str(row.request_id), request_id=row.request_id, account_id=row.account_id,
-                 model=row.model, instance=None if pd.isna(row.instance) else row.instance, ts=ts,
-                 confidence=row.confidence, rules=row.rules.split(" "))
+    return alert(
+        "affected_response",
+        str(row.request_id),
+        request_id=row.request_id,
+        account_id=row.account_id,
+        model=row.model,
+        instance=None if pd.isna(row.instance) else row.instance,
+        ts=ts,
+        confidence=row.confidence,
+        rules=row.rules.split(" "),
+    )
 
 
 def exposed_startups(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -419,18 +519,47 @@ def exposed_startups(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     undetermined is the audit's and the report's, not an alert)."""
     out = []
     for inst, role, model, engine, version, start, pool, context, sentence, file, line in con.execute(
-            "SELECT instance, role, model, engine, engine_version, valid_from, kv_pool_tokens, context_length, "
-            "sentence, source_file, source_line FROM exposure_windows ORDER BY valid_from NULLS LAST, instance"
-            ).fetchall():
-        out.append(alert("exposed_startup", f"pool_vs_context:{inst}:{file}:{line}", instance=inst, role=role,
-                         model=model, engine=engine, engine_version=version, start=start, check="pool_vs_context",
-                         kv_pool_tokens=pool, context_length=context, verdict=sentence, file=file, line=line))
+        "SELECT instance, role, model, engine, engine_version, valid_from, kv_pool_tokens, context_length, "
+        "sentence, source_file, source_line FROM exposure_windows ORDER BY valid_from NULLS LAST, instance"
+    ).fetchall():
+        out.append(
+            alert(
+                "exposed_startup",
+                f"pool_vs_context:{inst}:{file}:{line}",
+                instance=inst,
+                role=role,
+                model=model,
+                engine=engine,
+                engine_version=version,
+                start=start,
+                check="pool_vs_context",
+                kv_pool_tokens=pool,
+                context_length=context,
+                verdict=sentence,
+                file=file,
+                line=line,
+            )
+        )
     for inst, model, engine, version, start, path, status, sentence, file, line in con.execute(
-            "SELECT instance, model, engine, engine_version, valid_from, path, status, sentence, startup_file, "
-            "startup_line FROM prefix_windows WHERE path <> 'isolated' AND status = 'fail' "
-            "ORDER BY valid_from NULLS LAST, instance"
-            ).fetchall():
-        out.append(alert("exposed_startup", f"prefix_cache:{path}:{inst}:{file}:{line}", instance=inst, model=model,
-                         engine=engine, engine_version=version, start=start, check="prefix_cache", path=path,
-                         status=status, verdict=sentence, file=file, line=line))
+        "SELECT instance, model, engine, engine_version, valid_from, path, status, sentence, startup_file, "
+        "startup_line FROM prefix_windows WHERE path <> 'isolated' AND status = 'fail' "
+        "ORDER BY valid_from NULLS LAST, instance"
+    ).fetchall():
+        out.append(
+            alert(
+                "exposed_startup",
+                f"prefix_cache:{path}:{inst}:{file}:{line}",
+                instance=inst,
+                model=model,
+                engine=engine,
+                engine_version=version,
+                start=start,
+                check="prefix_cache",
+                path=path,
+                status=status,
+                verdict=sentence,
+                file=file,
+                line=line,
+            )
+        )
     return out

@@ -18,11 +18,48 @@ import pyarrow as pa
 from kvforensics.watch.follow import FileState
 
 TABLE = "watch_files"
-_COLUMNS = ("source", "path", "dev", "ino", "head_sha256", "head_bytes", "offset", "skip", "lines", "size",
-            "header", "gone", "broken", "records_read", "loaded", "quarantined", "duplicates", "notes", "provisional")
-_TYPES = (pa.string(), pa.string(), pa.uint64(), pa.uint64(), pa.string(), pa.int64(), pa.int64(), pa.int64(),
-          pa.int64(), pa.int64(), pa.binary(), pa.bool_(), pa.string(), pa.int64(), pa.int64(), pa.int64(), pa.int64(),
-          pa.list_(pa.string()), pa.list_(pa.int64()))
+_COLUMNS = (
+    "source",
+    "path",
+    "dev",
+    "ino",
+    "head_sha256",
+    "head_bytes",
+    "offset",
+    "skip",
+    "lines",
+    "size",
+    "header",
+    "gone",
+    "broken",
+    "records_read",
+    "loaded",
+    "quarantined",
+    "duplicates",
+    "notes",
+    "provisional",
+)
+_TYPES = (
+    pa.string(),
+    pa.string(),
+    pa.uint64(),
+    pa.uint64(),
+    pa.string(),
+    pa.int64(),
+    pa.int64(),
+    pa.int64(),
+    pa.int64(),
+    pa.int64(),
+    pa.binary(),
+    pa.bool_(),
+    pa.string(),
+    pa.int64(),
+    pa.int64(),
+    pa.int64(),
+    pa.int64(),
+    pa.list_(pa.string()),
+    pa.list_(pa.int64()),
+)
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS {TABLE} (
     source VARCHAR NOT NULL, path VARCHAR NOT NULL, dev UBIGINT NOT NULL, ino UBIGINT NOT NULL,
@@ -37,8 +74,11 @@ def create(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def exists(con: duckdb.DuckDBPyConnection) -> bool:
-    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = $t AND schema_name = 'main'",
-                            {"t": TABLE}).fetchall()[0][0])
+    return bool(
+        con.execute(
+            "SELECT count(*) FROM duckdb_tables() WHERE table_name = $t AND schema_name = 'main'", {"t": TABLE}
+        ).fetchall()[0][0]
+    )
 
 
 def load(con: duckdb.DuckDBPyConnection) -> list[FileState]:
@@ -47,22 +87,37 @@ def load(con: duckdb.DuckDBPyConnection) -> list[FileState]:
         return []
     cols = ", ".join(f'"{c}"' for c in _COLUMNS)
     rows = con.execute(f"SELECT {cols} FROM {TABLE} ORDER BY source, path").fetchall()
-    return [FileState(**{**dict(zip(_COLUMNS, r, strict=True)), "header": bytes(r[10] or b""),
-                         "notes": tuple(r[17] or ()), "provisional": None if r[18] is None else tuple(r[18])})
-            for r in rows]
+    return [
+        FileState(
+            **{
+                **dict(zip(_COLUMNS, r, strict=True)),
+                "header": bytes(r[10] or b""),
+                "notes": tuple(r[17] or ()),
+                "provisional": None if r[18] is None else tuple(r[18]),
+            }
+        )
+        for r in rows
+    ]
 
 
 def save(con: duckdb.DuckDBPyConnection, states: Iterable[FileState]) -> None:
     """Write the rows of *states* (replacing their earlier rows), inside the caller's transaction if one is open."""
-    rows = [tuple(getattr(s, c) for c in _COLUMNS[:-2])
-            + (list(s.notes), None if s.provisional is None else list(s.provisional)) for s in states]
+    rows = [
+        tuple(getattr(s, c) for c in _COLUMNS[:-2])
+        + (list(s.notes), None if s.provisional is None else list(s.provisional))
+        for s in states
+    ]
     if not rows:
         return
-    table = pa.table({c: pa.array([r[i] for r in rows], type=t) for i, (c, t) in enumerate(zip(_COLUMNS, _TYPES, strict=True))})
+    table = pa.table(
+        {c: pa.array([r[i] for r in rows], type=t) for i, (c, t) in enumerate(zip(_COLUMNS, _TYPES, strict=True))}
+    )
     con.register("watch_files_rows", table)
     try:
-        con.execute(f"DELETE FROM {TABLE} t USING watch_files_rows r "
-                    "WHERE t.source = r.source AND t.dev = r.dev AND t.ino = r.ino").fetchall()
+        con.execute(
+            f"DELETE FROM {TABLE} t USING watch_files_rows r "
+            "WHERE t.source = r.source AND t.dev = r.dev AND t.ino = r.ino"
+        ).fetchall()
         con.execute(f"INSERT INTO {TABLE} SELECT * FROM watch_files_rows").fetchall()
     finally:
         con.unregister("watch_files_rows")
@@ -79,10 +134,14 @@ def undo_provisional(con: duckdb.DuckDBPyConnection, states: Iterable[FileState]
         for s in undone:
             line, read, loaded, quarantined, duplicates = s.provisional or ()
             params = {"s": s.source, "f": s.path, "l": line}
-            for table, file_col, line_col in (("requests", "source_file", "source_line"), ("quarantine", "file", "line"),
-                                              ("request_conflicts", "source_file", "source_line")):
-                con.execute(f"DELETE FROM {table} WHERE source = $s AND {file_col} = $f AND {line_col} = $l",
-                            params).fetchall()
+            for table, file_col, line_col in (
+                ("requests", "source_file", "source_line"),
+                ("quarantine", "file", "line"),
+                ("request_conflicts", "source_file", "source_line"),
+            ):
+                con.execute(
+                    f"DELETE FROM {table} WHERE source = $s AND {file_col} = $f AND {line_col} = $l", params
+                ).fetchall()
             s.records_read -= read
             s.loaded -= loaded
             s.quarantined -= quarantined

@@ -41,9 +41,18 @@ def refresh(engine: SparkEngine, con: duckdb.DuckDBPyConnection, tables: Iterabl
     engine.push_tables(con, list(tables))
 
 
-def start(engine: SparkEngine, con: duckdb.DuckDBPyConnection, folder: str, checkpoint: str, on_findings: Findings,
-          *, overrides: dict[str, dict[str, Any]] | None = None, rules: Iterable[Rule] | None = None,
-          available_now: bool = False, max_files_per_trigger: int | None = None) -> StreamingQuery:
+def start(
+    engine: SparkEngine,
+    con: duckdb.DuckDBPyConnection,
+    folder: str,
+    checkpoint: str,
+    on_findings: Findings,
+    *,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    rules: Iterable[Rule] | None = None,
+    available_now: bool = False,
+    max_files_per_trigger: int | None = None,
+) -> StreamingQuery:
     """Start the query: the Parquet request files of *folder* as they arrive (progress kept in *checkpoint*),
     each micro-batch judged by the per-request rules; *on_findings* gets each batch's findings
     (``request_id, strength, evidence, rule_id``) and the batch's id. With *available_now*, the files there now

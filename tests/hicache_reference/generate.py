@@ -280,7 +280,13 @@ def plan_deployment(seed: int, pool_tokens: int) -> Deployment:
                 drain = shutdown = None
             rows.append(
                 Startup(
-                    inst, n, start, ready, drain, shutdown, backend,
+                    inst,
+                    n,
+                    start,
+                    ready,
+                    drain,
+                    shutdown,
+                    backend,
                     pid=rng.randrange(60, 400),
                     ip=f"10.42.{rng.randrange(1, 9)}.{rng.randrange(10, 250)}",
                 )
@@ -388,15 +394,35 @@ class Planner:
             if self.rng.random() < 0.25 + 0.75 * math.exp(-(((h - 14) / 5.5) ** 2)):
                 return t
 
-    def add(self, t: float, acct: Account, kind: str, pieces: list[Any], max_tokens: int,
-            completion: int, session: str, **kw: Any) -> Req:
-        r = Req(len(self.reqs), self.rid(), t, acct, kind, pieces, max_tokens, min(completion, max_tokens),
-                session=session, **kw)
+    def add(
+        self,
+        t: float,
+        acct: Account,
+        kind: str,
+        pieces: list[Any],
+        max_tokens: int,
+        completion: int,
+        session: str,
+        **kw: Any,
+    ) -> Req:
+        r = Req(
+            len(self.reqs),
+            self.rid(),
+            t,
+            acct,
+            kind,
+            pieces,
+            max_tokens,
+            min(completion, max_tokens),
+            session=session,
+            **kw,
+        )
         self.reqs.append(r)
         return r
 
-    def send(self, t: float, acct: Account, kind: str, pieces: list[Any], max_tokens: int, completion: int,
-             session: str) -> Req:
+    def send(
+        self, t: float, acct: Account, kind: str, pieces: list[Any], max_tokens: int, completion: int, session: str
+    ) -> Req:
         """One turn as the client sends it, with the account's duplicate sends and retries (ref §4)."""
         if self.rng.random() < acct.retry_p:
             if self.rng.random() < 0.75:  # a duplicate send: the same request again, both answered
@@ -417,11 +443,15 @@ class Planner:
             name = self.account_name()
             has_sys = rng.random() < 0.8
             acct = Account(
-                name, gateway_salt(name), "customer",
+                name,
+                gateway_salt(name),
+                "customer",
                 weight=rng.paretovariate(1.2),
                 system=self.text("system", name, n=rng.randrange(120, 1500)) if has_sys else None,
                 doc_first=rng.random() < 0.6,
-                private_docs=[self.text("private", name, i, n=rng.randrange(1500, 7000)) for i in range(rng.randrange(0, 4))],
+                private_docs=[
+                    self.text("private", name, i, n=rng.randrange(1500, 7000)) for i in range(rng.randrange(0, 4))
+                ],
                 kinds=(rng.uniform(0.3, 0.6), rng.uniform(0.05, 0.4), rng.uniform(0.0, 0.25), rng.uniform(0.05, 0.3)),
                 stickiness=rng.uniform(0.4, 0.9),
             )
@@ -462,16 +492,29 @@ class Planner:
     def plan_keepalive(self) -> None:
         acct = self.by_role("keepalive")[0]
         period = 60.0 * DEFAULT_REQUESTS / self.n  # every minute at the default size
-        prompt = [array("I", [BOS]), system_block(self.text("keepalive", n=170)), user_block(self.text("ping", n=3)),
-                  ASSISTANT_HEADER]
+        prompt = [
+            array("I", [BOS]),
+            system_block(self.text("keepalive", n=170)),
+            user_block(self.text("ping", n=3)),
+            ASSISTANT_HEADER,
+        ]
         t = T0_S + self.rng.uniform(0, period)
         self.special["keep_alive"] = {"account": acct.name, "period_s": period}
         while t < END_S:
             self.add(t + self.rng.uniform(-0.2, 0.2), acct, "keepalive", prompt, 1, 1, "keepalive")
             t += period
 
-    def chat_session(self, acct: Account, t: float, kind: str, head: list[Any], first_user: array,
-                     turns: int, think: tuple[float, float], label: str) -> float:
+    def chat_session(
+        self,
+        acct: Account,
+        t: float,
+        kind: str,
+        head: list[Any],
+        first_user: array,
+        turns: int,
+        think: tuple[float, float],
+        label: str,
+    ) -> float:
         pieces = list(head) + [user_block(first_user), ASSISTANT_HEADER]
         session = f"{acct.name}/{label}/{self.rng.randrange(1 << 30)}"
         for turn in range(turns):
@@ -538,14 +581,21 @@ class Planner:
         doc = letterhead + secret
         victim.private_docs = [doc]
         self.special["victim_doc"] = doc
-        times = [T0_S + 14 * 3600, T0_S + 86400 + 16 * 3600, T0_S + 86400 + 19 * 3600,
-                 T0_S + 2 * 86400 + 9 * 3600, T0_S + 2 * 86400 + 14 * 3600, T0_S + 3 * 86400 + 11 * 3600,
-                 T0_S + 4 * 86400 + 10 * 3600]
+        times = [
+            T0_S + 14 * 3600,
+            T0_S + 86400 + 16 * 3600,
+            T0_S + 86400 + 19 * 3600,
+            T0_S + 2 * 86400 + 9 * 3600,
+            T0_S + 2 * 86400 + 14 * 3600,
+            T0_S + 3 * 86400 + 11 * 3600,
+            T0_S + 4 * 86400 + 10 * 3600,
+        ]
         for t in times:
             t += self.rng.uniform(0, 1800)
             q = self.text("victim-q", t, n=self.rng.randrange(20, 80))
-            self.chat_session(victim, t, "private_doc", [array("I", [BOS])], doc + q, self.rng.randrange(2, 4),
-                              (60, 400), "vdoc")
+            self.chat_session(
+                victim, t, "private_doc", [array("I", [BOS])], doc + q, self.rng.randrange(2, 4), (60, 400), "vdoc"
+            )
 
     def plan_prober_cover(self) -> None:
         prober = self.by_role("prober")[0]
@@ -553,8 +603,9 @@ class Planner:
         for _ in range(8):
             t = self.rng.uniform(T0_S + 2 * 86400, T0_S + 4 * 86400)
             head = [array("I", [BOS]), system_block(prober.system)]
-            self.chat_session(prober, t, "chat", head, self.text("pmsg", t, n=120), self.rng.randrange(1, 3),
-                              (30, 90), "cover")
+            self.chat_session(
+                prober, t, "chat", head, self.text("pmsg", t, n=120), self.rng.randrange(1, 3), (30, 90), "cover"
+            )
 
     def plan_customers(self, budget: int) -> None:
         custs = [a for a in self.accounts if a.role == "customer"]
@@ -597,24 +648,63 @@ def server_args_line(s: Startup) -> str:
     backend = repr(s.backend) if s.backend else "None"
     kv_events = json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"})
     fields = [
-        f"model_path='{MODEL_PATH}'", f"tokenizer_path='{MODEL_PATH}'", "tokenizer_mode='auto'",
-        "skip_tokenizer_init=False", "load_format='auto'", "trust_remote_code=False",
-        f"context_length={CONTEXT_LENGTH}", "is_embedding=False", "revision=None", "model_impl='auto'",
-        "host='0.0.0.0'", "port=30000", "dtype='auto'", "quantization=None", "kv_cache_dtype='auto'",
-        "mem_fraction_static=0.88", "max_running_requests=256", "max_queued_requests=None",
-        "max_total_tokens=None", "chunked_prefill_size=8192", "max_prefill_tokens=16384",
-        "schedule_policy='lpm'", "page_size=64", "device='cuda'", f"tp_size={TP_SIZE}", "pp_size=1",
-        "stream_interval=1", "random_seed=1234", "log_level='info'", "log_requests=False",
-        "log_requests_level=0", "enable_metrics=True", "enable_cache_report=True",
-        f"served_model_name='{MODEL}'", "dp_size=1", "load_balance_method='round_robin'",
-        "dist_init_addr=None", "nnodes=1", "node_rank=0", "attention_backend='fa3'",
-        "enable_dp_attention=False", "disable_radix_cache=False", "enable_hierarchical_cache=True",
-        f"hicache_ratio={HICACHE_RATIO}", "hicache_size=0", "hicache_write_policy='write_through'",
-        "hicache_io_backend='kernel'", "hicache_mem_layout='page_first'",
-        f"hicache_storage_backend={backend}", "hicache_storage_prefetch_policy='best_effort'",
-        "hicache_storage_backend_extra_config=None", "enable_lmcache=False",
-        f"kv_events_config='{kv_events}'", "allow_auto_truncate=False", "disaggregation_mode='null'",
-        "disaggregation_transfer_backend='mooncake'", "disaggregation_bootstrap_port=8998",
+        f"model_path='{MODEL_PATH}'",
+        f"tokenizer_path='{MODEL_PATH}'",
+        "tokenizer_mode='auto'",
+        "skip_tokenizer_init=False",
+        "load_format='auto'",
+        "trust_remote_code=False",
+        f"context_length={CONTEXT_LENGTH}",
+        "is_embedding=False",
+        "revision=None",
+        "model_impl='auto'",
+        "host='0.0.0.0'",
+        "port=30000",
+        "dtype='auto'",
+        "quantization=None",
+        "kv_cache_dtype='auto'",
+        "mem_fraction_static=0.88",
+        "max_running_requests=256",
+        "max_queued_requests=None",
+        "max_total_tokens=None",
+        "chunked_prefill_size=8192",
+        "max_prefill_tokens=16384",
+        "schedule_policy='lpm'",
+        "page_size=64",
+        "device='cuda'",
+        f"tp_size={TP_SIZE}",
+        "pp_size=1",
+        "stream_interval=1",
+        "random_seed=1234",
+        "log_level='info'",
+        "log_requests=False",
+        "log_requests_level=0",
+        "enable_metrics=True",
+        "enable_cache_report=True",
+        f"served_model_name='{MODEL}'",
+        "dp_size=1",
+        "load_balance_method='round_robin'",
+        "dist_init_addr=None",
+        "nnodes=1",
+        "node_rank=0",
+        "attention_backend='fa3'",
+        "enable_dp_attention=False",
+        "disable_radix_cache=False",
+        "enable_hierarchical_cache=True",
+        f"hicache_ratio={HICACHE_RATIO}",
+        "hicache_size=0",
+        "hicache_write_policy='write_through'",
+        "hicache_io_backend='kernel'",
+        "hicache_mem_layout='page_first'",
+        f"hicache_storage_backend={backend}",
+        "hicache_storage_prefetch_policy='best_effort'",
+        "hicache_storage_backend_extra_config=None",
+        "enable_lmcache=False",
+        f"kv_events_config='{kv_events}'",
+        "allow_auto_truncate=False",
+        "disaggregation_mode='null'",
+        "disaggregation_transfer_backend='mooncake'",
+        "disaggregation_bootstrap_port=8998",
     ]
     return f"{log_stamp(s.start)} server_args=ServerArgs({', '.join(fields)})"
 
@@ -628,20 +718,34 @@ def startup_lines(s: Startup, pool: int) -> list[tuple[float, str]]:
     steps = [
         (0.02, "Init torch distributed begin."),
         (0.05, "Load weight begin. avail mem=78.51 GB"),
-        (0.55, f"Load weight end. elapsed={span * 0.5:.2f} s, type=LlamaForCausalLM, avail mem=41.36 GB, mem usage=37.15 GB."),
-        (0.56, f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {pool}, K size: {kv_gb:.2f} GB, V size: {kv_gb:.2f} GB"),
+        (
+            0.55,
+            f"Load weight end. elapsed={span * 0.5:.2f} s, type=LlamaForCausalLM, avail mem=41.36 GB, mem usage=37.15 GB.",
+        ),
+        (
+            0.56,
+            f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {pool}, K size: {kv_gb:.2f} GB, V size: {kv_gb:.2f} GB",
+        ),
         (0.56, f"Memory pool end. avail mem={41.36 - 2 * kv_gb:.2f} GB"),
         (0.58, f"Capture decode CUDA graph begin. backend=full, num_tokens=256, avail mem={41.31 - 2 * kv_gb:.2f} GB"),
-        (0.85, f"Capture decode CUDA graph end. elapsed={span * 0.27:.2f} s, mem usage=0.46 GB, "
-               f"avail mem={40.85 - 2 * kv_gb:.2f} GB."),
+        (
+            0.85,
+            f"Capture decode CUDA graph end. elapsed={span * 0.27:.2f} s, mem usage=0.46 GB, "
+            f"avail mem={40.85 - 2 * kv_gb:.2f} GB.",
+        ),
     ]
     for frac, text in steps:
         for rank in range(TP_SIZE):
             out.append((t + frac * span + rank * 0.01, f"{log_stamp(t + frac * span, rank)} {text}"))
     tl = s.start + 0.9 * span
-    out.append((tl, f"{log_stamp(tl, 0)} max_total_num_tokens={pool}, chunked_prefill_size=8192, "
-                    f"max_prefill_tokens=16384, max_running_requests=256, context_len={CONTEXT_LENGTH}, "
-                    f"available_gpu_mem={40.85 - 2 * kv_gb:.2f} GB"))
+    out.append(
+        (
+            tl,
+            f"{log_stamp(tl, 0)} max_total_num_tokens={pool}, chunked_prefill_size=8192, "
+            f"max_prefill_tokens=16384, max_running_requests=256, context_len={CONTEXT_LENGTH}, "
+            f"available_gpu_mem={40.85 - 2 * kv_gb:.2f} GB",
+        )
+    )
     tu = s.ready - 1
     out.append((tu, f"{log_stamp(tu)} INFO:     Started server process [{s.pid}]"))
     out.append((tu, f"{log_stamp(tu)} INFO:     Waiting for application startup."))
@@ -649,8 +753,14 @@ def startup_lines(s: Startup, pool: int) -> list[tuple[float, str]]:
     out.append((tu, f"{log_stamp(tu)} INFO:     Uvicorn running on http://0.0.0.0:30000 (Press CTRL+C to quit)"))
     out.append((s.ready, f"{log_stamp(s.ready)} The server is fired up and ready to roll!"))
     if s.shutdown is not None:
-        for k, text in enumerate(("INFO:     Shutting down", "INFO:     Waiting for application shutdown.",
-                                  "INFO:     Application shutdown complete.", f"INFO:     Finished server process [{s.pid}]")):
+        for k, text in enumerate(
+            (
+                "INFO:     Shutting down",
+                "INFO:     Waiting for application shutdown.",
+                "INFO:     Application shutdown complete.",
+                f"INFO:     Finished server process [{s.pid}]",
+            )
+        ):
             tt = s.shutdown + k * 0.5
             out.append((tt, f"{log_stamp(tt)} {text}"))
     return out
@@ -659,8 +769,9 @@ def startup_lines(s: Startup, pool: int) -> list[tuple[float, str]]:
 class KvArchive:
     """A ZMQ subscriber's archive: one JSON object per message, the batch positional (ref §1)."""
 
-    def __init__(self, path: Path, instance: str, gaps: list[tuple[float, int]], rng: random.Random,
-                 step_s: float) -> None:
+    def __init__(
+        self, path: Path, instance: str, gaps: list[tuple[float, int]], rng: random.Random, step_s: float
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.raw = path.open("wb")
         self.gz = gzip.GzipFile(filename="", mode="wb", fileobj=self.raw, mtime=0, compresslevel=6)
@@ -705,8 +816,16 @@ class KvArchive:
         if self._gap_left == 0 and self.gaps and ts >= self.gaps[0][0]:
             _, n = self.gaps.pop(0)
             self._gap_left = n
-            self._gap_row = {"instance": self.instance, "rank": 0, "after_seq": seq - 1, "next_seq": seq + n,
-                             "lost_messages": n, "lost_events": 0, "first_lost_ts": iso_us(ts), "last_lost_ts": None}
+            self._gap_row = {
+                "instance": self.instance,
+                "rank": 0,
+                "after_seq": seq - 1,
+                "next_seq": seq + n,
+                "lost_messages": n,
+                "lost_events": 0,
+                "first_lost_ts": iso_us(ts),
+                "last_lost_ts": None,
+            }
             self.lost.append(self._gap_row)
         if self._gap_left > 0 and self._gap_row is not None:
             self._gap_left -= 1
@@ -810,8 +929,15 @@ def stored_events(f: Flight, pages: list[int], medium: str, salt: str | None) ->
     for run in runs(pages):
         first, last = run[0], run[-1]
         parent = f.salted[first - 1] if first > 0 else None
-        ev: list[Any] = ["BlockStored", [f.salted[p] for p in run], parent,
-                         f.tokens[first * PAGE : (last + 1) * PAGE].tolist(), PAGE, None, medium]
+        ev: list[Any] = [
+            "BlockStored",
+            [f.salted[p] for p in run],
+            parent,
+            f.tokens[first * PAGE : (last + 1) * PAGE].tolist(),
+            PAGE,
+            None,
+            medium,
+        ]
         if salt is not None:
             ev.append({"cache_salt": salt})  # salted stores carry a metadata map (#30827): 8 elements
         events.append(ev)
@@ -893,8 +1019,9 @@ class Prober:
 
 
 class Simulation:
-    def __init__(self, seed: int, out: Path, dep: Deployment, planner: Planner, with_content: bool,
-                 step_s: float) -> None:
+    def __init__(
+        self, seed: int, out: Path, dep: Deployment, planner: Planner, with_content: bool, step_s: float
+    ) -> None:
         self.seed = seed
         self.out = out
         self.dep = dep
@@ -903,9 +1030,17 @@ class Simulation:
         self.rng = random.Random(sub_seed(seed, "engines"))
         arch_rng = random.Random(sub_seed(seed, "archive"))
         self.engines = {
-            name: Engine(name, KvArchive(out / "kv-events" / f"{name}.jsonl.gz", name,
-                                         [(t, n) for i, t, n in dep.seq_gaps if i == name], arch_rng, step_s),
-                         dep.pool_tokens)
+            name: Engine(
+                name,
+                KvArchive(
+                    out / "kv-events" / f"{name}.jsonl.gz",
+                    name,
+                    [(t, n) for i, t, n in dep.seq_gaps if i == name],
+                    arch_rng,
+                    step_s,
+                ),
+                dep.pool_tokens,
+            )
             for name in INSTANCES
         }
         self.l3: dict[int, tuple[Req, float, str]] = {}  # token-chain key -> (owner request, written at, instance)
@@ -918,11 +1053,20 @@ class Simulation:
         if with_content:
             (out / "content").mkdir(parents=True, exist_ok=True)
             raw = (out / "content" / "prompts.jsonl.gz").open("wb")
-            self.content = (raw, io.TextIOWrapper(gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0),
-                                                   encoding="utf-8", newline="\n"))
+            self.content = (
+                raw,
+                io.TextIOWrapper(
+                    gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0), encoding="utf-8", newline="\n"
+                ),
+            )
         victim = planner.by_role("victim")[0]
-        self.prober = Prober(seed, planner.by_role("prober")[0], victim, planner.special["victim_doc"],
-                             T0_S + 2 * 86400 + 21 * 3600 + self.rng.uniform(0, 1200))
+        self.prober = Prober(
+            seed,
+            planner.by_role("prober")[0],
+            victim,
+            planner.special["victim_doc"],
+            T0_S + 2 * 86400 + 21 * 3600 + self.rng.uniform(0, 1200),
+        )
         self.internal_names = {a.name for a in planner.accounts if a.internal}
         self.flushed_at: float | None = None
 
@@ -960,13 +1104,20 @@ class Simulation:
             while t < END_S:
                 if self.dep.serving(inst, t):
                     acct = Account("canary", "", "canary")
-                    r = Req(-1, f"canary-{inst}-{int(t)}", t, acct, "canary", [self.canary_prompt], 8, 8,
-                            gateway=False)
+                    r = Req(-1, f"canary-{inst}-{int(t)}", t, acct, "canary", [self.canary_prompt], 8, 8, gateway=False)
                     r.instance = inst
                     self.push(t, SCHED, r)
                 t += 900
-        handlers = {ARRIVE: self.on_arrive, SCHED: self.on_sched, PREFILL: self.on_prefill, BACKUP: self.on_backup,
-                    FINISH: self.on_finish, STARTUP: self.on_startup, FLUSH: self.on_flush, PROBE: self.on_probe}
+        handlers = {
+            ARRIVE: self.on_arrive,
+            SCHED: self.on_sched,
+            PREFILL: self.on_prefill,
+            BACKUP: self.on_backup,
+            FINISH: self.on_finish,
+            STARTUP: self.on_startup,
+            FLUSH: self.on_flush,
+            PROBE: self.on_probe,
+        }
         while self.heap:
             t, _, kind, payload = heapq.heappop(self.heap)
             handlers[kind](t, payload)
@@ -1038,8 +1189,9 @@ class Simulation:
         f = Flight(r, e, e.epoch, tokens, salted, keys, prompt_pages, 0)
         r.prompt_tokens = plen
         if self.content is not None and r.gateway:
-            self.content[1].write(json.dumps({"request_id": r.rid, "prompt_token_ids": prompt.tolist()},
-                                             separators=(",", ":")) + "\n")
+            self.content[1].write(
+                json.dumps({"request_id": r.rid, "prompt_token_ids": prompt.tolist()}, separators=(",", ":")) + "\n"
+            )
         # device + host lookup in the request's namespace; at least one prompt token is computed
         matchable = (plen - 1) // PAGE
         i = 0
@@ -1114,16 +1266,26 @@ class Simulation:
         else:
             r.latency_ms = round((first + decode - r.t) * 1000 + self.rng.uniform(1, 15), 1)
         running = self.rng.randrange(0, 24)
-        e.log.append((t, f"{log_stamp(t, 0)} Prefill batch, #new-seq: 1, #new-token: {new_tokens}, "
-                         f"#cached-token: {r.cached_tokens}, token usage: {len(e.device) / e.dev_cap:.2f}, "
-                         f"#running-req: {running}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
-                         f"input throughput (token/s): {new_tokens / max(prefill, 1e-3):.2f}"))
+        e.log.append(
+            (
+                t,
+                f"{log_stamp(t, 0)} Prefill batch, #new-seq: 1, #new-token: {new_tokens}, "
+                f"#cached-token: {r.cached_tokens}, token usage: {len(e.device) / e.dev_cap:.2f}, "
+                f"#running-req: {running}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
+                f"input throughput (token/s): {new_tokens / max(prefill, 1e-3):.2f}",
+            )
+        )
         f.first_computed = cached_pages
         self.push(t + prefill, PREFILL, f)
         if r.gateway:
             ip = f"10.42.0.{21 + r.idx % 3}"  # the gateway's three pods
-            e.log.append((r.t + r.latency_ms / 1000, f"{log_stamp(r.t + r.latency_ms / 1000)} INFO:     {ip}:"
-                          f"{40000 + r.idx % 20000} - \"POST /v1/chat/completions HTTP/1.1\" 200 OK"))
+            e.log.append(
+                (
+                    r.t + r.latency_ms / 1000,
+                    f"{log_stamp(r.t + r.latency_ms / 1000)} INFO:     {ip}:"
+                    f"{40000 + r.idx % 20000} - \"POST /v1/chat/completions HTTP/1.1\" 200 OK",
+                )
+            )
         if r.kind == "probe":
             self.prober.observe(r)
             self.push(r.t + r.latency_ms / 1000 + self.prober.rng.uniform(0.05, 0.6), PROBE, None)
@@ -1234,13 +1396,17 @@ def gateway_record(r: Req, rng: random.Random) -> dict[str, Any]:
 
 
 def incident_toml(with_content: bool) -> str:
-    content = """
+    content = (
+        """
 [[sources]]
 name = "content"
 kind = "content"
 path = "content/prompts.jsonl.gz"
 format = "jsonl"
-""" if with_content else ""
+"""
+        if with_content
+        else ""
+    )
     return f"""# Written by tests/hicache_reference/generate.py; truth.json is deliberately not referenced.
 [incident]
 id = "hicache-l3-salt-blind"
@@ -1295,12 +1461,15 @@ def window_rows(dep: Deployment) -> dict[str, list[dict[str, Any]]]:
             if s.backend is None:
                 continue
             nxt = rows[k + 1] if k + 1 < len(rows) else None
-            out[inst].append({
-                "start": iso(s.start), "ready": iso(s.ready),
-                "end": iso(nxt.start) if nxt else None,
-                "process_end": iso(s.shutdown) if s.shutdown is not None else None,
-                "storage_backend": s.backend,
-            })
+            out[inst].append(
+                {
+                    "start": iso(s.start),
+                    "ready": iso(s.ready),
+                    "end": iso(nxt.start) if nxt else None,
+                    "process_end": iso(s.shutdown) if s.shutdown is not None else None,
+                    "storage_backend": s.backend,
+                }
+            )
     return out
 
 
@@ -1313,8 +1482,9 @@ def in_window(dep: Deployment, inst: str, t: float) -> bool:
     return False
 
 
-def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n: int,
-                with_content: bool) -> dict[str, Any]:
+def build_truth(
+    sim: Simulation, dep: Deployment, planner: Planner, seed: int, n: int, with_content: bool
+) -> dict[str, Any]:
     reqs = [r for r in sim.reqs if r.gateway]
     affected: list[str] = []
     undelivered: list[str] = []
@@ -1332,23 +1502,38 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
         own = shared = False
         for p, o, wrote_at, wrote_on in r.l3_owners:
             if sim.foreign(o, r):
-                foreign_pages.append({"position": p, "source_account": o.account.name, "source_request_id": o.rid,
-                                      "source_salt": o.account.salt, "written_by": wrote_on,
-                                      "written_at": iso(wrote_at),
-                                      "requester_stored_same_tokens_before": p in r.l3_known})
+                foreign_pages.append(
+                    {
+                        "position": p,
+                        "source_account": o.account.name,
+                        "source_request_id": o.rid,
+                        "source_salt": o.account.salt,
+                        "written_by": wrote_on,
+                        "written_at": iso(wrote_at),
+                        "requester_stored_same_tokens_before": p in r.l3_known,
+                    }
+                )
             elif o.account.salt == r.account.salt:
                 own = True
             else:
                 shared = True
         if foreign_pages:
-            row = {"account": r.account.name, "account_class": "internal" if r.account.internal else "customer",
-                   "ts": iso(r.t), "instance": r.instance, "status": r.status, "cached_tokens": r.cached_tokens,
-                   "prompt_tokens": r.prompt_tokens, "l3_loaded_pages": r.l3_pages,
-                   "foreign_pages": foreign_pages,
-                   "source_accounts": sorted({fp["source_account"] for fp in foreign_pages}),
-                   "kind": r.kind,
-                   "requester_stored_same_tokens_before": all(fp["requester_stored_same_tokens_before"]
-                                                              for fp in foreign_pages)}
+            row = {
+                "account": r.account.name,
+                "account_class": "internal" if r.account.internal else "customer",
+                "ts": iso(r.t),
+                "instance": r.instance,
+                "status": r.status,
+                "cached_tokens": r.cached_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "l3_loaded_pages": r.l3_pages,
+                "foreign_pages": foreign_pages,
+                "source_accounts": sorted({fp["source_account"] for fp in foreign_pages}),
+                "kind": r.kind,
+                "requester_stored_same_tokens_before": all(
+                    fp["requester_stored_same_tokens_before"] for fp in foreign_pages
+                ),
+            }
             sources[r.rid] = row
             affected.append(r.rid)
             recipients.add(r.account.name)
@@ -1387,31 +1572,47 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
     for r in reqs:
         by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
     startups = {
-        inst: [{"start": iso(s.start), "ready": iso(s.ready),
+        inst: [
+            {
+                "start": iso(s.start),
+                "ready": iso(s.ready),
                 "shutdown": iso(s.shutdown) if s.shutdown is not None else None,
-                "storage_backend": s.backend, "endpoint": f"tcp://{s.ip}:5557"} for s in rows]
+                "storage_backend": s.backend,
+                "endpoint": f"tcp://{s.ip}:5557",
+            }
+            for s in rows
+        ]
         for inst, rows in dep.startups.items()
     }
     return {
-        "generator": {"name": "tests/hicache_reference/generate.py", "seed": seed, "requests": n,
-                      "with_content": with_content},
+        "generator": {
+            "name": "tests/hicache_reference/generate.py",
+            "seed": seed,
+            "requests": n,
+            "with_content": with_content,
+        },
         "definitions": {
             "affected_requests": "gateway requests (any status) whose cached_tokens include pages their lookup "
-                                 "loaded from the shared L3 store (device+host miss in their salt, >= 256 tokens "
-                                 "left, backend on the instance's start-up) whose first writer had another salt "
-                                 "and was neither internal nor in a shared namespace (ref 2-3, #26747)",
+            "loaded from the shared L3 store (device+host miss in their salt, >= 256 tokens "
+            "left, backend on the instance's start-up) whose first writer had another salt "
+            "and was neither internal nor in a shared namespace (ref 2-3, #26747)",
             "source_accounts": "the accounts whose requests first computed, backed up and wrote those pages",
             "exposure_windows": "per instance: the start-up with hicache_storage_backend, from its server_args line "
-                                "to the server_args line of the start-up that removed it (process_end: its "
-                                "shutdown line)",
+            "to the server_args line of the start-up that removed it (process_end: its "
+            "shutdown line)",
             "not_affected": "own-namespace device/host hits (also of public text other tenants have cached), "
-                            "L3 loads of own pages, loads of the playground's pages, own-namespace copies of "
-                            "pages an earlier foreign load brought in",
+            "L3 loads of own pages, loads of the playground's pages, own-namespace copies of "
+            "pages an earlier foreign load brought in",
         },
         "deployment": {
-            "model": MODEL, "engine": "sglang", "engine_version": "0.5.18", "instances": list(INSTANCES),
-            "page_size": PAGE, "prefetch_threshold_tokens": PREFETCH_THRESHOLD,
-            "kv_pool_tokens": dep.pool_tokens, "device_pages": dep.pool_tokens // PAGE,
+            "model": MODEL,
+            "engine": "sglang",
+            "engine_version": "0.5.18",
+            "instances": list(INSTANCES),
+            "page_size": PAGE,
+            "prefetch_threshold_tokens": PREFETCH_THRESHOLD,
+            "kv_pool_tokens": dep.pool_tokens,
+            "device_pages": dep.pool_tokens // PAGE,
             "host_pages": int(dep.pool_tokens // PAGE * HICACHE_RATIO),
             "startups": startups,
             "flush": {"instance": dep.flush[0], "ts": iso(dep.flush[1])},
@@ -1441,14 +1642,24 @@ def build_truth(sim: Simulation, dep: Deployment, planner: Planner, seed: int, n
         },
         "keep_alive_period_s": planner.special["keep_alive"]["period_s"],
         "seq_gaps": gaps,
-        "counts": {"gateway_requests": len(reqs), "by_kind": dict(sorted(by_kind.items())),
-                   "affected": len(affected), "recipients": len(recipients), "source_accounts": len(owners)},
+        "counts": {
+            "gateway_requests": len(reqs),
+            "by_kind": dict(sorted(by_kind.items())),
+            "affected": len(affected),
+            "recipients": len(recipients),
+            "source_accounts": len(owners),
+        },
     }
 
 
-def generate(out_dir: str | Path, seed: int = DEFAULT_SEED, requests: int = DEFAULT_REQUESTS,
-             with_content: bool = False, kv_pool_tokens: int | None = None,
-             step_s: float = DEFAULT_STEP_S) -> dict[str, Any]:
+def generate(
+    out_dir: str | Path,
+    seed: int = DEFAULT_SEED,
+    requests: int = DEFAULT_REQUESTS,
+    with_content: bool = False,
+    kv_pool_tokens: int | None = None,
+    step_s: float = DEFAULT_STEP_S,
+) -> dict[str, Any]:
     """Write the incident folder and return the truth (also written to truth.json).
 
     ``requests``: the gateway's requests, about (the prober's probes come on top); ``kv_pool_tokens``:
@@ -1494,11 +1705,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-pool-tokens", type=int, default=None)
     ap.add_argument("--step-s", type=float, default=DEFAULT_STEP_S)
     args = ap.parse_args(argv)
-    truth = generate(args.out_dir, seed=args.seed, requests=args.requests, with_content=args.with_content,
-                     kv_pool_tokens=args.kv_pool_tokens, step_s=args.step_s)
+    truth = generate(
+        args.out_dir,
+        seed=args.seed,
+        requests=args.requests,
+        with_content=args.with_content,
+        kv_pool_tokens=args.kv_pool_tokens,
+        step_s=args.step_s,
+    )
     c = truth["counts"]
-    print(f"{args.out_dir}: {c['gateway_requests']} requests, {c['affected']} affected, "
-          f"{c['recipients']} recipients, {c['source_accounts']} source accounts")
+    print(
+        f"{args.out_dir}: {c['gateway_requests']} requests, {c['affected']} affected, "
+        f"{c['recipients']} recipients, {c['source_accounts']} source accounts"
+    )
     return 0
 
 

@@ -45,7 +45,9 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def pr(found: set[str], truth: set[str]) -> dict[str, Any]:
     tp = len(found & truth)
     return {
-        "found": len(found), "truth": len(truth), "true_positives": tp,
+        "found": len(found),
+        "truth": len(truth),
+        "true_positives": tp,
         "precision": round(tp / len(found), 4) if found else None,
         "recall": round(tp / len(truth), 4) if truth else None,
     }
@@ -119,10 +121,13 @@ def score_affected(found: set[str], truth: dict[str, Any], findings: list[dict[s
         fn[kind] = fn.get(kind, 0) + 1
         fn_known += bool(truth["sources"][rid].get("requester_stored_same_tokens_before"))
     uncounted = {str(f["request_id"]) for f in findings or []} - found
-    return {**pr(found, true), "false_positives_by_class": by_class(found - true, truth),
-            "misses_by_kind": dict(sorted(fn.items())),
-            "misses_requester_stored_same_tokens_before": fn_known,
-            "findings_not_counted_by_class": by_class(uncounted, truth) if findings is not None else None}
+    return {
+        **pr(found, true),
+        "false_positives_by_class": by_class(found - true, truth),
+        "misses_by_kind": dict(sorted(fn.items())),
+        "misses_requester_stored_same_tokens_before": fn_known,
+        "findings_not_counted_by_class": by_class(uncounted, truth) if findings is not None else None,
+    }
 
 
 def score_sources(found: set[str], truth: dict[str, Any], rows: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -137,9 +142,14 @@ def score_sources(found: set[str], truth: dict[str, Any], rows: list[dict[str, A
         pairs_true |= {(rid, a) for a in truth["sources"][rid]["source_accounts"]}
         pairs_found |= {(rid, a) for a in named.get(rid, set())}
     tp = len(pairs_found & pairs_true)
-    return {"available": True, "pairs_found": len(pairs_found), "pairs_true": len(pairs_true), "true_positives": tp,
-            "precision": round(tp / len(pairs_found), 4) if pairs_found else None,
-            "recall": round(tp / len(pairs_true), 4) if pairs_true else None}
+    return {
+        "available": True,
+        "pairs_found": len(pairs_found),
+        "pairs_true": len(pairs_true),
+        "true_positives": tp,
+        "precision": round(tp / len(pairs_found), 4) if pairs_found else None,
+        "recall": round(tp / len(pairs_true), 4) if pairs_true else None,
+    }
 
 
 def score_windows(scope: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any]:
@@ -158,15 +168,20 @@ def score_windows(scope: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any
             w_start = seconds(best.get("start") or best.get("valid_from"))
             w_end = seconds(best.get("end") or best.get("valid_to"))
             per_instance[inst] = {
-                "found": True, "path": best.get("path"),
+                "found": True,
+                "path": best.get("path"),
                 "start_error_s": None if w_start is None or t_start is None else round(w_start - t_start, 1),
                 "end_error_s": None if w_end is None or t_end is None else round(w_end - t_end, 1),
                 "end_error_vs_shutdown_s": None if w_end is None or t_proc is None else round(w_end - t_proc, 1),
             }
     truth_instances = set(truth["exposure_windows"])
     extra = [w for w in reported if w.get("instance") not in truth_instances]
-    return {"reported": True, "windows": len(reported), "per_instance": per_instance,
-            "windows_on_other_instances": len(extra)}
+    return {
+        "reported": True,
+        "windows": len(reported),
+        "per_instance": per_instance,
+        "windows_on_other_instances": len(extra),
+    }
 
 
 def probing_accounts(scope: dict[str, Any]) -> dict[str, str]:
@@ -188,7 +203,9 @@ def score_exploitation(scope: dict[str, Any], truth: dict[str, Any]) -> dict[str
     }
     known = {prober} | {a for accounts in truth["lookalikes"].values() for a in accounts}
     return {
-        "prober": prober, "prober_found": prober in tiers, "prober_tier": tiers.get(prober),
+        "prober": prober,
+        "prober_found": prober in tiers,
+        "prober_tier": tiers.get(prober),
         "lookalikes_flagged": {g: a for g, a in flagged_lookalikes.items() if a},
         "lookalikes_flagged_count": sum(len(a) for a in flagged_lookalikes.values()),
         "other_accounts_flagged": sorted(a for a in tiers if a not in known),
@@ -215,9 +232,12 @@ def score(out_dir: str | Path, truth_path: str | Path) -> dict[str, Any]:
     for row in notes:
         by_role.setdefault(row["role"], set()).add(row["account_id"])
     return {
-        "run": {"outputs": bool(scope), "conclusive": scope.get("conclusive"),
-                "inconclusive_reasons": [r.get("code") for r in scope.get("inconclusive_reasons") or []],
-                "affected_read_from": read_from},
+        "run": {
+            "outputs": bool(scope),
+            "conclusive": scope.get("conclusive"),
+            "inconclusive_reasons": [r.get("code") for r in scope.get("inconclusive_reasons") or []],
+            "affected_read_from": read_from,
+        },
         "affected": score_affected(found, truth, tables.get("findings")),
         "recipients": pr(by_role.get("received_foreign_data", set()), set(truth["recipients"])),
         "source_accounts": pr(by_role.get("data_exposed_confirmed", set()), set(truth["source_accounts"])),

@@ -33,8 +33,4 @@ def server_arg(s: Startup, test: Any) -> tuple[str, str, str | None, int | None]
 
 
 def no_args_note(s: Startup) -> str:
-    return (
-        ""
-        if "server_args" in s.evidence or s.server_info is not None
-        else " (no server_args line in this start-up)"
-    )
+    return "" if "server_args" in s.evidence or s.server_info is not None else " (no server_args line in this start-up)"

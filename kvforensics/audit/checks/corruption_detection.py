@@ -31,10 +31,7 @@ def check_corruption_detection(s: Startup) -> Judged:
         )
         return (
             "fail",
-            (
-                f"corruption detected in this start-up: {listed}; the responses involved may carry "
-                "another request's KV"
-            ),
+            (f"corruption detected in this start-up: {listed}; the responses involved may carry another request's KV"),
             first.first_file,
             first.first_line,
         )
@@ -46,18 +43,14 @@ def check_corruption_detection(s: Startup) -> Judged:
         state = ", ".join(f"{f[0]}={f[1]}" for f in (checksum, canary) if f is not None) or "not logged"
         return (
             "not_applicable",
-            (
-                f"unified server: hand-off checksums do not apply ({state}); no corruption "
-                "reported in this start-up"
-            ),
+            (f"unified server: hand-off checksums do not apply ({state}); no corruption reported in this start-up"),
             file,
             line,
         )
     if checksum is None and canary is None:
         return (
             "unknown",
-            "neither --disaggregation-enable-kv-checksum nor --kv-canary is in the server args"
-            + no_args_note(s),
+            "neither --disaggregation-enable-kv-checksum nor --kv-canary is in the server args" + no_args_note(s),
             file,
             line,
         )

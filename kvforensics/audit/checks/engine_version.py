@@ -124,9 +124,7 @@ def check_engine_version(s: Startup) -> Judged:
     exact = exact_version(s)
     if exact is not None:
         what = f"SGLang {_version_text(s)}"
-        if exact.release[:3] == SGLANG_FIXED_VERSION.release[:3] and (
-            exact.is_prerelease or exact.is_devrelease
-        ):
+        if exact.release[:3] == SGLANG_FIXED_VERSION.release[:3] and (exact.is_prerelease or exact.is_devrelease):
             return (
                 "unknown",
                 (

@@ -91,9 +91,7 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
             False,
         )
     if s.pool is None or s.context is None:
-        missing = " and ".join(
-            x for x, v in (("KV pool size", s.pool), ("context length", s.context)) if v is None
-        )
+        missing = " and ".join(x for x, v in (("KV pool size", s.pool), ("context length", s.context)) if v is None)
         file, line = s.where()
         return (
             "unknown",
@@ -120,7 +118,9 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
         concurrency = s.flags.get("kv_pool_concurrency")
         if concurrency is not None and pool >= ctx:
             logged = to_int(s.flags.get("kv_cache_size_logged"))
-            figure = f" its 'KV cache size' of {thousands(logged)} tokens" if logged is not None else " its token figure"
+            figure = (
+                f" its 'KV cache size' of {thousands(logged)} tokens" if logged is not None else " its token figure"
+            )
             return (
                 "pass",
                 (
@@ -135,10 +135,7 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
             )
         if pool >= ctx:
             derived = (
-                (
-                    " (vLLM V1 token counts are derived; hybrid / sliding-window models may hold fewer "
-                    "physical slots)"
-                )
+                (" (vLLM V1 token counts are derived; hybrid / sliding-window models may hold fewer physical slots)")
                 if s.flags.get("kv_pool_note")
                 else ""
             )
@@ -233,10 +230,7 @@ def check_pool_vs_context(s: Startup) -> tuple[str, str, str | None, int | None,
         )
         return "fail", f"{head}{body}{seen}{note}", *pool_at, True
     if s.role == "decode":
-        body = (
-            f"; this decode node cannot hold every request its prefill peers admit; {fix} on both roles "
-            "of the pair"
-        )
+        body = f"; this decode node cannot hold every request its prefill peers admit; {fix} on both roles of the pair"
         return "fail", f"{head}{body}{seen}{note}", *pool_at, True
     truncate = s.flags.get("allow_auto_truncate", "").lower() in ON or "input_truncated" in s.events
     body = (

@@ -115,8 +115,12 @@ def caching(s: Startup) -> tuple[bool | None, str, str | None, int | None]:
     on, how, file, line = _caching_flags(s)
     hit = s.flags.get("prefix_cache_hit_line", "")
     if on is None and hit.isdigit():
-        return (True, "prefix cache on: a prefill batch line reports #cached-token > 0 (the server args do not say)",
-                s.file, int(hit))
+        return (
+            True,
+            "prefix cache on: a prefill batch line reports #cached-token > 0 (the server args do not say)",
+            s.file,
+            int(hit),
+        )
     if on is False and _v1_engine(s) and (found := _store(s)) is not None:
         # vLLM asks a KV connector for the tokens it already holds whatever enable_prefix_caching says, and
         # hashes the blocks for it (vllm/v1/engine/core.py: "enable_prefix_caching or kv_connector is not None")
@@ -491,23 +495,39 @@ def isolation_paths(s: Startup, manifest: DeploymentManifest | None) -> list[Iso
     if on is None:
         return [("undetermined", "unknown", how, file, line)]
     if manifest is None or manifest.prefix_cache is None or tenants is None:
-        return [("undetermined", "unknown",
-                 f"{how}; whether several tenants share it is not stated ([prefix_cache] tenants)", file, line)]
+        return [
+            (
+                "undetermined",
+                "unknown",
+                f"{how}; whether several tenants share it is not stated ([prefix_cache] tenants)",
+                file,
+                line,
+            )
+        ]
     mfile = manifest.file
     paths: list[IsolationPath] = []
     if salt is None:
-        paths.append(("undetermined", "unknown", "who sets cache_salt is not stated ([prefix_cache] cache_salt)",
-                      mfile, None))
+        paths.append(
+            ("undetermined", "unknown", "who sets cache_salt is not stated ([prefix_cache] cache_salt)", mfile, None)
+        )
     elif salt.value in ("none", "client"):
         if salt.value == "none":
             paths.append(("no_salt", "fail", f"multi-tenant with no cache_salt{_where(salt)}", mfile, salt.line))
         else:
-            paths.append(("client_salt", "fail", f"cache_salt from the client's request body{_where(salt)}",
-                          mfile, salt.line))
+            paths.append(
+                ("client_salt", "fail", f"cache_salt from the client's request body{_where(salt)}", mfile, salt.line)
+            )
         shared = _store(s)  # without a salt of the tenant's own, any store several instances read is shared
         if shared is not None:
-            paths.append(("salt_blind_store", "fail", f"{shared[1].split(':')[0]} shared by the instances, and no "
-                          "salt of the tenant's own keys it", shared[2], shared[3]))
+            paths.append(
+                (
+                    "salt_blind_store",
+                    "fail",
+                    f"{shared[1].split(':')[0]} shared by the instances, and no salt of the tenant's own keys it",
+                    shared[2],
+                    shared[3],
+                )
+            )
     else:
         honoured = engine_honours_salt(s)
         if honoured is not None:

@@ -212,9 +212,7 @@ def target_startups(s: Scenario) -> list[Startup]:
         name = instance_name(s.instance_prefix, "decode", j)
         launch = s.exposure_start - timedelta(minutes=6) + timedelta(minutes=2 * j)
         out.append(
-            Startup(
-                name, "target", "decode", launch, s.decode_pool_tokens, s.context_length, s.tp_size, "launch"
-            )
+            Startup(name, "target", "decode", launch, s.decode_pool_tokens, s.context_length, s.tp_size, "launch")
         )
         restart = s.fix_time + stagger * (s.prefill_instances + j)
         out.append(
@@ -235,9 +233,7 @@ def target_startups(s: Scenario) -> list[Startup]:
 def control_startups(s: Scenario) -> list[Startup]:
     out: list[Startup] = []
     first = s.start - timedelta(days=9, hours=-10)
-    rolling = min(
-        s.start + (s.exposure_start - s.start) / 2 + timedelta(days=6, hours=3), s.end - timedelta(hours=6)
-    )
+    rolling = min(s.start + (s.exposure_start - s.start) / 2 + timedelta(days=6, hours=3), s.end - timedelta(hours=6))
     pools: tuple[tuple[Role, int], ...] = (
         ("prefill", s.control_pool_tokens),
         ("decode", s.control_pool_tokens + 524_288),
@@ -268,9 +264,7 @@ def unified_startups(s: Scenario) -> list[Startup]:
     first = s.start - timedelta(days=20, hours=-8)
     upgrade = s.start + timedelta(days=5, hours=2, minutes=30)
     return [
-        Startup(
-            name, "unified", "unified", first, s.unified_pool_tokens, s.unified_context_length, 8, "launch"
-        ),
+        Startup(name, "unified", "unified", first, s.unified_pool_tokens, s.unified_context_length, 8, "launch"),
         Startup(
             name,
             "unified",

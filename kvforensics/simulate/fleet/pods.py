@@ -169,9 +169,7 @@ def build_pods(dep: Deployment, logs: dict[str, EngineLog], rng: np.random.Gener
         for k, st in enumerate(ups):
             own = [line for line, g in zip(lines, generation_of, strict=True) if g == k]
             successor = ups[k + 1].ts if k + 1 < len(ups) else None
-            end: PodEnd = (
-                "running" if successor is None else ("shutdown" if (index + k) % 2 == 0 else "log_end")
-            )
+            end: PodEnd = "running" if successor is None else ("shutdown" if (index + k) % 2 == 0 else "log_end")
             if end == "shutdown" and successor is not None:
                 sigterm = to_ms(successor) - int(1000 * rng.uniform(*ROLLOUT_GAP_S))
                 own = sorted(own + shutdown_lines(sigterm, own[-1].ts_ms, zone, rng))
@@ -216,11 +214,7 @@ def write_loki_export(pods: list[Pod], path: Path, zone: ZoneInfo) -> Path:
     labels = {pod.name: loki_labels(pod) for pod in pods}
     with path.open("w", encoding="utf-8") as fh:
         for ns, pod, text in entries:
-            fh.write(
-                go_json(
-                    {"labels": labels[pod.name], "line": text, "timestamp": rfc3339_nano(ns, zone, False)}
-                )
-            )
+            fh.write(go_json({"labels": labels[pod.name], "line": text, "timestamp": rfc3339_nano(ns, zone, False)}))
             fh.write("\n")
     return path
 
@@ -232,8 +226,6 @@ def write_kubectl_logs(pods: list[Pod], out_dir: Path) -> list[Path]:
     for pod in pods:
         path = out_dir / f"{pod.name}.log"
         utc = ZoneInfo("UTC")
-        path.write_text(
-            "".join(f"{rfc3339_nano(ns, utc, True)} {text}\n" for ns, text in pod.lines), encoding="utf-8"
-        )
+        path.write_text("".join(f"{rfc3339_nano(ns, utc, True)} {text}\n" for ns, text in pod.lines), encoding="utf-8")
         paths.append(path)
     return paths

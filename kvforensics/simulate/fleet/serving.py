@@ -56,9 +56,7 @@ def timelines(dep: Deployment, model: str, role: str) -> list[InstanceTimeline]:
     return out
 
 
-def route(
-    ts: np.ndarray, u: np.ndarray, lines: list[InstanceTimeline], forced: np.ndarray | None = None
-) -> np.ndarray:
+def route(ts: np.ndarray, u: np.ndarray, lines: list[InstanceTimeline], forced: np.ndarray | None = None) -> np.ndarray:
     """Index of the chosen instance (uniform among those up), -1 when none is up."""
     up = np.column_stack([t.up(ts) for t in lines])
     n_up = up.sum(axis=1)

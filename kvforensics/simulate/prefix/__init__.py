@@ -56,14 +56,29 @@ class PrefixScenario:
     probe: bool = False
 
 
-SCENARIOS = {s.name: s for s in (
-    PrefixScenario("prefix-l3-unsalted", "Tenants' KV blocks shared through an LMCache store that drops the cache salt",
-                   salted=True, l3=True),
-    PrefixScenario("prefix-collision", "Another tenant's KV served after a block-hash collision on vllm-2",
-                   salted=True, weak_bits=20),
-    PrefixScenario("prefix-probe", "Prompt read back by prefix-cache timing on an unsalted shared deployment",
-                   salted=False, probe=True),
-)}
+SCENARIOS = {
+    s.name: s
+    for s in (
+        PrefixScenario(
+            "prefix-l3-unsalted",
+            "Tenants' KV blocks shared through an LMCache store that drops the cache salt",
+            salted=True,
+            l3=True,
+        ),
+        PrefixScenario(
+            "prefix-collision",
+            "Another tenant's KV served after a block-hash collision on vllm-2",
+            salted=True,
+            weak_bits=20,
+        ),
+        PrefixScenario(
+            "prefix-probe",
+            "Prompt read back by prefix-cache timing on an unsalted shared deployment",
+            salted=False,
+            probe=True,
+        ),
+    )
+}
 
 STREAMED_SCENARIOS = {hicache.NAME: hicache.TITLE}
 SCENARIO_NAMES = (*SCENARIOS, *STREAMED_SCENARIOS)
@@ -84,8 +99,9 @@ def tenant_salt(seed: int, account: str) -> str:
     return "ts-" + blake2b(f"{seed}:{account}".encode(), digest_size=8).hexdigest()
 
 
-def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int | None = None,
-                    hash_bits: int | None = None) -> PrefixResult:
+def simulate_prefix(
+    name: str, out: Path, seed: int | None = None, requests: int | None = None, hash_bits: int | None = None
+) -> PrefixResult:
     """Write one prefix-cache incident (``SCENARIOS[name]``) into *out*; the same seed and size give
     the same bytes. *hash_bits* overrides the weak hash's width of ``prefix-collision`` (fewer bits,
     more collisions: a small run still has some)."""
@@ -97,13 +113,16 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     if scenario is None:
         raise ConfigError(f"unknown prefix scenario '{name}'; choose one of {', '.join(SCENARIO_NAMES)}")
     if not 1000 <= requests <= MAX_REQUESTS:
-        raise ConfigError(f"--requests {requests} is out of range for a prefix-cache scenario (held in memory): "
-                          f"use 1000 to {MAX_REQUESTS}")
+        raise ConfigError(
+            f"--requests {requests} is out of range for a prefix-cache scenario (held in memory): "
+            f"use 1000 to {MAX_REQUESTS}"
+        )
     bits = scenario.weak_bits and (hash_bits or scenario.weak_bits)
     if bits is not None and not 8 <= bits <= 63:
         raise ConfigError(f"hash_bits {bits} is out of range; use 8 to 63")
-    dep = serving.Deployment(INSTANCES, CAPACITY_BLOCKS, BLOCK_SIZE, l3=scenario.l3,
-                     weak_instance="vllm-2" if bits else None, weak_bits=bits)
+    dep = serving.Deployment(
+        INSTANCES, CAPACITY_BLOCKS, BLOCK_SIZE, l3=scenario.l3, weak_instance="vllm-2" if bits else None, weak_bits=bits
+    )
     w = build_workload(seed, requests, START, HOURS, INSTANCES, TENANTS, BLOCK_SIZE, scenario.probe)
     accounts = {r.account for r in w.requests}
     salts = {a: tenant_salt(seed, a) for a in sorted(accounts)} if scenario.salted else {}
@@ -113,19 +132,27 @@ def simulate_prefix(name: str, out: Path, seed: int | None = None, requests: int
     files.write_kv_events(out, caches, BLOCK_SIZE)
     files.write_engine_logs(out, dep, START - timedelta(hours=1))
     (out / "deploy.toml").write_text(files.manifest(scenario.salted), encoding="utf-8")
-    (out / "incident.toml").write_text(files.incident_toml(scenario.name, scenario.title, INTERNAL_GLOB, scenario.salted),
-                                       encoding="utf-8")
+    (out / "incident.toml").write_text(
+        files.incident_toml(scenario.name, scenario.title, INTERNAL_GLOB, scenario.salted), encoding="utf-8"
+    )
     truth = files.ground_truth(scenario.name, seed, BLOCK_SIZE, served, w, [PROVIDER_ACCOUNT])
     (out / "ground_truth.json").write_text(json.dumps(truth, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return PrefixResult(out, scenario.name, len(served), len(truth["recipients"]), len(truth["recipient_accounts"]),
-                        len(truth["source_accounts"]))
+    return PrefixResult(
+        out,
+        scenario.name,
+        len(served),
+        len(truth["recipients"]),
+        len(truth["recipient_accounts"]),
+        len(truth["source_accounts"]),
+    )
 
 
 def _simulate_streamed(name: str, out: Path, seed: int, requests: int, hash_bits: int | None) -> PrefixResult:
     if hash_bits is not None:
         raise ConfigError(f"hash_bits applies to prefix-collision only, not {name}")
     if not hicache.MIN_REQUESTS <= requests <= hicache.MAX_REQUESTS:
-        raise ConfigError(f"--requests {requests} is out of range for {name}: use {hicache.MIN_REQUESTS} to "
-                          f"{hicache.MAX_REQUESTS}")
+        raise ConfigError(
+            f"--requests {requests} is out of range for {name}: use {hicache.MIN_REQUESTS} to {hicache.MAX_REQUESTS}"
+        )
     r = hicache.simulate_hicache_l3(out, seed, requests)
     return PrefixResult(r.out_dir, name, r.requests, r.recipients, r.recipient_accounts, r.source_accounts)

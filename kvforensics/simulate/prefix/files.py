@@ -63,9 +63,16 @@ def write_zstd_lines(path: Path, lines: Iterable[str]) -> None:
 def gateway_record(s: Served) -> dict[str, Any]:
     r = s.request
     record: dict[str, Any] = {
-        "request_id": s.request_id, "ts": _iso(r.ts), "account_id": r.account, "model": MODEL,
-        "status": s.status, "prompt_tokens": len(r.tokens), "completion_tokens": len(r.output),
-        "cached_tokens": s.cached_tokens, "ttft_ms": s.ttft_ms, "latency_ms": s.latency_ms,
+        "request_id": s.request_id,
+        "ts": _iso(r.ts),
+        "account_id": r.account,
+        "model": MODEL,
+        "status": s.status,
+        "prompt_tokens": len(r.tokens),
+        "completion_tokens": len(r.output),
+        "cached_tokens": s.cached_tokens,
+        "ttft_ms": s.ttft_ms,
+        "latency_ms": s.latency_ms,
         "prefill_instance": s.instance,
     }
     if s.salt is not None:
@@ -74,12 +81,24 @@ def gateway_record(s: Served) -> dict[str, Any]:
 
 
 def write_requests(out: Path, served: list[Served], w: Workload) -> None:
-    write_gzip_lines(out / "gateway" / "requests.jsonl.gz",
-                     (json.dumps(gateway_record(s), separators=(",", ":")) for s in served))
-    write_zstd_lines(out / "content" / "content.jsonl.zst", (json.dumps({
-        "request_id": s.request_id, "prompt": w.vocabulary.text(list(s.request.tokens)),
-        "output": w.vocabulary.text(list(s.request.output)), "prompt_token_ids": list(s.request.tokens),
-    }, separators=(",", ":")) for s in served))
+    write_gzip_lines(
+        out / "gateway" / "requests.jsonl.gz", (json.dumps(gateway_record(s), separators=(",", ":")) for s in served)
+    )
+    write_zstd_lines(
+        out / "content" / "content.jsonl.zst",
+        (
+            json.dumps(
+                {
+                    "request_id": s.request_id,
+                    "prompt": w.vocabulary.text(list(s.request.tokens)),
+                    "output": w.vocabulary.text(list(s.request.output)),
+                    "prompt_token_ids": list(s.request.tokens),
+                },
+                separators=(",", ":"),
+            )
+            for s in served
+        ),
+    )
 
 
 def kv_event_lines(cache: Cache, block_size: int) -> Iterable[str]:
@@ -100,18 +119,26 @@ def write_kv_events(out: Path, caches: dict[str, Cache], block_size: int) -> Non
 
 def engine_log(instance: str, start: datetime, dep: Deployment, pid: int) -> str:
     """A vLLM start-up in the shape of the audit fixtures."""
+
     def stamp(seconds: int) -> str:
         return (start + timedelta(seconds=seconds)).strftime("%m-%d %H:%M:%S")
 
-    args = [f"'model_tag': '{HF_MODEL}'", f"'model': '{HF_MODEL}'", "'max_model_len': 32768",
-            f"'served_model_name': ['{MODEL}']", "'enable_prefix_caching': True"]
+    args = [
+        f"'model_tag': '{HF_MODEL}'",
+        f"'model': '{HF_MODEL}'",
+        "'max_model_len': 32768",
+        f"'served_model_name': ['{MODEL}']",
+        "'enable_prefix_caching': True",
+    ]
     algo = "builtin" if instance == dep.weak_instance else "sha256"
     args.append(f"'prefix_caching_hash_algo': '{algo}'")
     if dep.l3:
-        args.append("'kv_transfer_config': KVTransferConfig(kv_connector='LMCacheConnectorV1', "
-                    f"engine_id='{instance}', kv_buffer_device='cuda', kv_buffer_size=1000000000.0, "
-                    "kv_role='kv_both', kv_rank=None, kv_parallel_size=1, kv_ip='127.0.0.1', kv_port=14579, "
-                    "kv_connector_extra_config={}, kv_connector_module_path=None)")
+        args.append(
+            "'kv_transfer_config': KVTransferConfig(kv_connector='LMCacheConnectorV1', "
+            f"engine_id='{instance}', kv_buffer_device='cuda', kv_buffer_size=1000000000.0, "
+            "kv_role='kv_both', kv_rank=None, kv_parallel_size=1, kv_ip='127.0.0.1', kv_port=14579, "
+            "kv_connector_extra_config={}, kv_connector_module_path=None)"
+        )
     tokens = dep.capacity_blocks * dep.block_size
     api, core = "(APIServer pid=1)", f"(EngineCore_DP0 pid={pid})"
     lines = [
@@ -141,11 +168,16 @@ def write_engine_logs(out: Path, dep: Deployment, start: datetime) -> None:
 
 
 def manifest(salted: bool) -> str:
-    how = ("the gateway sets cache_salt per tenant, overwriting any value a client sends" if salted
-           else "no cache salt is set: tenants share the prefix cache")
-    return ("# Deployment manifest (kvforensics audit --manifest): several customers share the engines;\n"
-            f"# {how}.\n[prefix_cache]\ntenants = \"multi\"\n"
-            f"cache_salt = \"{'gateway' if salted else 'none'}\"\n")
+    how = (
+        "the gateway sets cache_salt per tenant, overwriting any value a client sends"
+        if salted
+        else "no cache salt is set: tenants share the prefix cache"
+    )
+    return (
+        "# Deployment manifest (kvforensics audit --manifest): several customers share the engines;\n"
+        f"# {how}.\n[prefix_cache]\ntenants = \"multi\"\n"
+        f"cache_salt = \"{'gateway' if salted else 'none'}\"\n"
+    )
 
 
 def incident_toml(name: str, title: str, internal: str, salted: bool) -> str:
@@ -186,8 +218,9 @@ internal_accounts = ["{internal}"]
 """
 
 
-def ground_truth(scenario: str, seed: int, block_size: int, served: list[Served], w: Workload,
-                 internal: list[str]) -> dict[str, Any]:
+def ground_truth(
+    scenario: str, seed: int, block_size: int, served: list[Served], w: Workload, internal: list[str]
+) -> dict[str, Any]:
     recipients = {s.request_id: sorted({src[1] for src in s.sources}) for s in served if s.sources}
     return {
         "scenario": scenario,
@@ -196,9 +229,20 @@ def ground_truth(scenario: str, seed: int, block_size: int, served: list[Served]
         "requests": len(served),
         "internal_accounts": internal,
         "recipients": recipients,
-        "recipient_sources": {s.request_id: [{"source_request_id": rid, "source_account": a,
-                                              "position_from": p0, "position_to": p1, "source_position_from": q}
-                                             for rid, a, p0, p1, q in s.sources] for s in served if s.sources},
+        "recipient_sources": {
+            s.request_id: [
+                {
+                    "source_request_id": rid,
+                    "source_account": a,
+                    "position_from": p0,
+                    "position_to": p1,
+                    "source_position_from": q,
+                }
+                for rid, a, p0, p1, q in s.sources
+            ]
+            for s in served
+            if s.sources
+        },
         "recipient_accounts": sorted({s.request.account for s in served if s.sources}),
         "source_accounts": sorted({a for v in recipients.values() for a in v}),
         "collisions": sorted(s.request_id for s in served if s.collision),

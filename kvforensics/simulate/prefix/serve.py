@@ -86,8 +86,9 @@ class Cache:
         mask = (1 << self.weak_bits) - 1
         return [k & mask for k in strong]
 
-    def store(self, ts: datetime, entries: list[tuple[int, Entry]], parent: int | None,
-              tokens: list[int], salt: str | None) -> None:
+    def store(
+        self, ts: datetime, entries: list[tuple[int, Entry]], parent: int | None, tokens: list[int], salt: str | None
+    ) -> None:
         removed = []
         for _ in range(max(0, len(self.blocks) + len(entries) - self.capacity)):
             removed.append(self.blocks.popitem(last=False)[0])
@@ -95,8 +96,9 @@ class Cache:
             self.events.append(Event(ts, "removed", removed))
         for h, entry in entries:
             self.blocks[h] = entry
-        self.events.append(Event(ts, "stored", [h for h, _ in entries], parent, tokens,
-                                 salt if parent is None else None))
+        self.events.append(
+            Event(ts, "stored", [h for h, _ in entries], parent, tokens, salt if parent is None else None)
+        )
 
 
 @dataclass
@@ -125,11 +127,13 @@ class Deployment:
     weak_bits: int | None = None
 
 
-def serve(requests: list[Request], dep: Deployment, salts: dict[str, str], internal: set[str],
-          seed: int) -> tuple[list[Served], dict[str, Cache]]:
+def serve(
+    requests: list[Request], dep: Deployment, salts: dict[str, str], internal: set[str], seed: int
+) -> tuple[list[Served], dict[str, Cache]]:
     rng = random.Random(seed)
-    caches = {i: Cache(i, dep.capacity_blocks, dep.weak_bits if i == dep.weak_instance else None)
-              for i in dep.instances}
+    caches = {
+        i: Cache(i, dep.capacity_blocks, dep.weak_bits if i == dep.weak_instance else None) for i in dep.instances
+    }
     l3: OrderedDict[int, Entry] = OrderedDict()
     sent_by: dict[int, set[str]] = {}  # content key -> accounts that sent that prefix
     out = []
@@ -137,7 +141,7 @@ def serve(requests: list[Request], dep: Deployment, salts: dict[str, str], inter
         rid = f"req-{n:07d}"
         salt = salts.get(r.account)
         size = dep.block_size
-        blocks = [tuple(r.tokens[i:i + size]) for i in range(0, (len(r.tokens) - 1) // size * size, size)]
+        blocks = [tuple(r.tokens[i : i + size]) for i in range(0, (len(r.tokens) - 1) // size * size, size)]
         contents, c = [], None
         for b in blocks:
             c = chain_hash(c, b, None)
@@ -169,24 +173,25 @@ def serve(requests: list[Request], dep: Deployment, salts: dict[str, str], inter
         _attribute(served, hits, contents, sent_by, internal)
         new = [(keys[j], Entry(rid, r.account, contents[j], j)) for j in range(gpu_hits, len(blocks))]
         if new:
-            cache.store(r.ts, new, keys[gpu_hits - 1] if gpu_hits else None,
-                        [t for b in blocks[gpu_hits:] for t in b], salt)
+            cache.store(
+                r.ts, new, keys[gpu_hits - 1] if gpu_hits else None, [t for b in blocks[gpu_hits:] for t in b], salt
+            )
         for c in contents:
             sent_by.setdefault(c, set()).add(r.account)
         for j in range(len(hits), len(blocks)):  # computed here: the store keeps them
             if dep.l3 and contents[j] not in l3:
                 l3[contents[j]] = Entry(rid, r.account, contents[j], j)
         served.cached_tokens = len(hits) * size
-        served.ttft_ms, served.latency_ms = _latency(rng, len(r.tokens), served.cached_tokens, loaded * size,
-                                                     len(r.output))
+        served.ttft_ms, served.latency_ms = _latency(
+            rng, len(r.tokens), served.cached_tokens, loaded * size, len(r.output)
+        )
         if r.timed_out:
             served.latency_ms = 30_000
         out.append(served)
     return out, caches
 
 
-def _route(rng: random.Random, caches: dict[str, Cache], instances: list[str], account: str,
-           strong: list[int]) -> str:
+def _route(rng: random.Random, caches: dict[str, Cache], instances: list[str], account: str, strong: list[int]) -> str:
     """A KV-aware router: the instance holding the longest prefix of the request (hashes as each
     instance keys them), else the account's home instance; one request in ten goes anywhere (load)."""
     if rng.random() < 0.1:
@@ -204,8 +209,9 @@ def _route(rng: random.Random, caches: dict[str, Cache], instances: list[str], a
     return best
 
 
-def _attribute(served: Served, hits: list[Entry], contents: list[int], sent_by: dict[int, set[str]],
-               internal: set[str]) -> None:
+def _attribute(
+    served: Served, hits: list[Entry], contents: list[int], sent_by: dict[int, set[str]], internal: set[str]
+) -> None:
     account = served.request.account
     for j, entry in enumerate(hits):
         if entry.account == account or entry.account in internal:

@@ -28,8 +28,38 @@ PUBLIC_DOCUMENTS = 40  # public texts (licences, papers, API references) tenants
 PROBE_CANDIDATES = 8  # continuations tried per probed block
 PROBE_KNOWN_BLOCKS = 3  # leading blocks of the victim's document the prober already knows
 PROBE_DEPTH = 8  # blocks the prober tries to read back per victim
-_SYLLABLES = ("ka", "ri", "to", "men", "sa", "lu", "dor", "vi", "ne", "pa", "zu", "gal", "mo", "the", "fin",
-              "ro", "qua", "bel", "tis", "ur", "an", "ex", "ol", "shi", "ven", "dra", "co", "lim", "pe", "yo")
+_SYLLABLES = (
+    "ka",
+    "ri",
+    "to",
+    "men",
+    "sa",
+    "lu",
+    "dor",
+    "vi",
+    "ne",
+    "pa",
+    "zu",
+    "gal",
+    "mo",
+    "the",
+    "fin",
+    "ro",
+    "qua",
+    "bel",
+    "tis",
+    "ur",
+    "an",
+    "ex",
+    "ol",
+    "shi",
+    "ven",
+    "dra",
+    "co",
+    "lim",
+    "pe",
+    "yo",
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +146,16 @@ def _arrival(rng: random.Random, start: datetime, hours: int) -> datetime:
             return start + timedelta(seconds=offset)
 
 
-def build_workload(seed: int, requests: int, start: datetime, hours: int, instances: list[str],
-                   tenants: int, block_size: int, probe: bool) -> Workload:
+def build_workload(
+    seed: int,
+    requests: int,
+    start: datetime,
+    hours: int,
+    instances: list[str],
+    tenants: int,
+    block_size: int,
+    probe: bool,
+) -> Workload:
     rng = random.Random(seed)
     vocab = vocabulary(rng)
     system_prompt = tuple(_tokens(rng, vocab, SYSTEM_PROMPT_TOKENS))
@@ -127,11 +165,21 @@ def build_workload(seed: int, requests: int, start: datetime, hours: int, instan
     people = []
     for rank in range(1, tenants + 1):
         u = rng.random()
-        layout = "provider" if u < 0.4 else f"template:{rng.randrange(TEMPLATES)}" if u < 0.6 else \
-            "public" if u < 0.75 else "plain"
-        docs = public if layout == "public" else \
-            [_tokens(rng, vocab, _length(rng, 80, 24, 320)) for _ in range(rng.randint(1, 3))]
-        people.append(Tenant(_account(rng, taken), rank ** -ACCOUNT_ZIPF_EXPONENT, layout, docs))
+        layout = (
+            "provider"
+            if u < 0.4
+            else f"template:{rng.randrange(TEMPLATES)}"
+            if u < 0.6
+            else "public"
+            if u < 0.75
+            else "plain"
+        )
+        docs = (
+            public
+            if layout == "public"
+            else [_tokens(rng, vocab, _length(rng, 80, 24, 320)) for _ in range(rng.randint(1, 3))]
+        )
+        people.append(Tenant(_account(rng, taken), rank**-ACCOUNT_ZIPF_EXPONENT, layout, docs))
     rng.shuffle(people)  # account names carry no rank
     w = Workload(vocab, people, [], system_prompt)
     w.retriers = [t.account for t in rng.sample(people, 3)]
@@ -141,8 +189,9 @@ def build_workload(seed: int, requests: int, start: datetime, hours: int, instan
     w.evaluators = [evaluator.account]
     if probe:
         w.probers = [_account(rng, taken)]
-        plain = sorted((t for t in people if t.layout == "plain" and t.account not in w.retriers),
-                       key=lambda t: -t.weight)
+        plain = sorted(
+            (t for t in people if t.layout == "plain" and t.account not in w.retriers), key=lambda t: -t.weight
+        )
         w.victims = [t.account for t in plain[:2]]
         need = (PROBE_KNOWN_BLOCKS + PROBE_DEPTH + 1) * block_size
         for t in plain[:2]:  # one long document, used in every chat: warm in the cache
@@ -167,8 +216,14 @@ def _prefix(tenant: Tenant, system_prompt: tuple[int, ...], templates: list[list
     return []
 
 
-def _chat(rng: random.Random, vocab: Vocabulary, tenant: Tenant, system_prompt: tuple[int, ...],
-          templates: list[list[int]], ts: datetime) -> list[Request]:
+def _chat(
+    rng: random.Random,
+    vocab: Vocabulary,
+    tenant: Tenant,
+    system_prompt: tuple[int, ...],
+    templates: list[list[int]],
+    ts: datetime,
+) -> list[Request]:
     """A conversation: each turn's prompt is the previous prompt, its answer and a new question."""
     context = _prefix(tenant, system_prompt, templates) + rng.choice(tenant.documents)
     out = []
@@ -187,27 +242,54 @@ def _chat(rng: random.Random, vocab: Vocabulary, tenant: Tenant, system_prompt: 
     return out
 
 
-def _special(rng: random.Random, w: Workload, evaluator: Tenant, start: datetime, hours: int,
-             instances: list[str], block_size: int) -> int:
+def _special(
+    rng: random.Random,
+    w: Workload,
+    evaluator: Tenant,
+    start: datetime,
+    hours: int,
+    instances: list[str],
+    block_size: int,
+) -> int:
     """Warm-ups, the evaluation harness and the prober; returns how many requests they add."""
     vocab, before = w.vocabulary, len(w.requests)
     for hour in range(hours):
         for instance in instances:
             ts = start + timedelta(hours=hour, seconds=rng.random() * 60)
-            w.requests.append(Request(ts, PROVIDER_ACCOUNT, w.system_prompt + tuple(_tokens(rng, vocab, 6)),
-                                      tuple(_tokens(rng, vocab, 8)), "warmup", instance=instance))
+            w.requests.append(
+                Request(
+                    ts,
+                    PROVIDER_ACCOUNT,
+                    w.system_prompt + tuple(_tokens(rng, vocab, 6)),
+                    tuple(_tokens(rng, vocab, 8)),
+                    "warmup",
+                    instance=instance,
+                )
+            )
     for _ in range(3):  # evaluation runs: one template, many questions, answers of normal length
         ts = _arrival(rng, start, hours)
         for _ in range(150):
             question = _tokens(rng, vocab, _length(rng, 30, 8, 90))
-            w.requests.append(Request(ts, evaluator.account, tuple(evaluator.documents[0] + question),
-                                      tuple(_tokens(rng, vocab, _length(rng, 80, 20, 300))), "eval"))
+            w.requests.append(
+                Request(
+                    ts,
+                    evaluator.account,
+                    tuple(evaluator.documents[0] + question),
+                    tuple(_tokens(rng, vocab, _length(rng, 80, 20, 300))),
+                    "eval",
+                )
+            )
             ts += timedelta(seconds=0.5 + rng.random())
     if w.probers:
         victims = {t.account: t for t in w.tenants if t.account in w.victims}
         for victim in w.victims:
-            _probe(rng, w, victims[victim].documents[0], _arrival(rng, start + timedelta(hours=hours // 4),
-                                                                  hours // 2), block_size)
+            _probe(
+                rng,
+                w,
+                victims[victim].documents[0],
+                _arrival(rng, start + timedelta(hours=hours // 4), hours // 2),
+                block_size,
+            )
     return len(w.requests) - before
 
 
@@ -216,13 +298,13 @@ def _probe(rng: random.Random, w: Workload, document: list[int], ts: datetime, b
     that differ in their last token (tried in vocabulary order), one word asked, one token answered;
     the candidate with a cache hit (a lower TTFT) is kept. Candidates are the real block plus decoys."""
     prober, vocab = w.probers[0], w.vocabulary
-    known = document[:PROBE_KNOWN_BLOCKS * block_size]
+    known = document[: PROBE_KNOWN_BLOCKS * block_size]
     order = sorted(vocab.ids)
     for depth in range(PROBE_DEPTH):
-        block = document[len(known):len(known) + block_size]
+        block = document[len(known) : len(known) + block_size]
         decoys = [t for t in order if t != block[-1]]
         first = rng.randrange(len(decoys) - PROBE_CANDIDATES)
-        lasts = decoys[first:first + PROBE_CANDIDATES - 1]
+        lasts = decoys[first : first + PROBE_CANDIDATES - 1]
         lasts.insert(rng.randrange(PROBE_CANDIDATES), block[-1])
         for last in sorted(lasts):
             candidate = known + block[:-1] + [last] + [order[depth]]

@@ -74,8 +74,7 @@ class ContentStream:
         if len(exploit):
             own = prompts.take(pa.array(exploit)).to_pylist()
             again = [
-                self.repeated.setdefault((account[i], int(tokens[i])), p)
-                for i, p in zip(exploit, own, strict=True)
+                self.repeated.setdefault((account[i], int(tokens[i])), p) for i, p in zip(exploit, own, strict=True)
             ]
             prompts = pc.replace_with_mask(prompts, self._mask(n, exploit), pa.array(again, type=pa.string()))
         affected = rows["affected"].to_numpy().astype(bool)
@@ -132,9 +131,7 @@ class ContentStream:
         for instance in sorted(set(decode[~affected].tolist())):
             mine = np.flatnonzero((decode == instance) & ~affected)
             latest = mine[np.argsort(end[mine], kind="stable")][-RECENT_PER_INSTANCE:]
-            fresh = [
-                Finished(float(end[j]), rid[j], account[j], self._text(prompts, outputs, j)) for j in latest
-            ]
+            fresh = [Finished(float(end[j]), rid[j], account[j], self._text(prompts, outputs, j)) for j in latest]
             merged = sorted(self.recent.get(instance, []) + fresh, key=lambda f: f.end_ms)
             self.recent[instance] = merged[-RECENT_PER_INSTANCE:]
 

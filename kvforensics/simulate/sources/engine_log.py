@@ -127,8 +127,7 @@ def startup_lines(
     for r in ranks:
         at(
             8 + load_s,
-            f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {st.pool_tokens}, "
-            f"KV size: {kv_gb:.2f} GB",
+            f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {st.pool_tokens}, KV size: {kv_gb:.2f} GB",
             r,
         )
     avail = free_gb - weights - kv_gb
@@ -155,15 +154,12 @@ def startup_lines(
 def cuda_graph_lines(version: str, avail_gb: float) -> tuple[str, str]:
     if version == "0.5.15":
         return (
-            "Capture cuda graph begin. This can take up to several minutes. "
-            f"avail mem={avail_gb - 0.3:.2f} GB",
-            "Capture cuda graph end. Time elapsed: 38.41 s. mem usage=2.87 GB. "
-            f"avail mem={avail_gb - 3.2:.2f} GB.",
+            f"Capture cuda graph begin. This can take up to several minutes. avail mem={avail_gb - 0.3:.2f} GB",
+            f"Capture cuda graph end. Time elapsed: 38.41 s. mem usage=2.87 GB. avail mem={avail_gb - 3.2:.2f} GB.",
         )
     return (
         f"Capture decode CUDA graph begin. backend=full, num_tokens=256, avail mem={avail_gb - 0.3:.2f} GB",
-        f"Capture decode CUDA graph end. elapsed=38.41 s, mem usage=2.87 GB, "
-        f"avail mem={avail_gb - 3.2:.2f} GB.",
+        f"Capture decode CUDA graph end. elapsed=38.41 s, mem usage=2.87 GB, avail mem={avail_gb - 3.2:.2f} GB.",
     )
 
 
@@ -255,9 +251,7 @@ def batch_lines(log: EngineLog, st: Startup, until_ms: int, zone: ZoneInfo, rng:
                 f"gen throughput (token/s): {rng.uniform(150, 900):.2f}, #queue-req: 0"
             )
         else:
-            pd_part = (
-                "#bootstrap-req: 0, #inflight-req: 1, #optimistic-req: 0, " if st.role == "prefill" else ""
-            )
+            pd_part = "#bootstrap-req: 0, #inflight-req: 1, #optimistic-req: 0, " if st.role == "prefill" else ""
             text = (
                 f"Prefill batch, #new-seq: 1, #new-token: {rng.integers(200, 16384)}, "
                 f"#cached-token: {rng.integers(0, 8192)}, token usage: {usage:.2f}, "

@@ -115,9 +115,7 @@ def format_timestamps(ts_ms: np.ndarray, s: Scenario) -> pa.Array:
     text = np.datetime_as_string(local.to_numpy().astype("datetime64[ms]"), unit="ms")
     if s.gateway_timestamps == "naive_local":
         return pa.array(np.char.replace(text.astype(str), "T", " "))
-    minutes = ((local.to_numpy() - utc.tz_localize(None).to_numpy()) // np.timedelta64(1, "m")).astype(
-        np.int64
-    )
+    minutes = ((local.to_numpy() - utc.tz_localize(None).to_numpy()) // np.timedelta64(1, "m")).astype(np.int64)
     sign = np.where(minutes < 0, "-", "+")
     offset = np.char.add(
         np.char.add(sign, np.char.zfill((np.abs(minutes) // 60).astype(str), 2)),
@@ -138,9 +136,7 @@ def gateway_table(served: pd.DataFrame, s: Scenario, model_ids: list[str]) -> pa
         "request_id": _strings(served["rid"]),
         "ts": format_timestamps(served["ts_ms"].to_numpy(), s),
         "account_id": _strings(served["account"]),
-        "model": pa.array(
-            np.asarray(model_ids, dtype=object)[served["model_idx"].to_numpy()], type=pa.string()
-        ),
+        "model": pa.array(np.asarray(model_ids, dtype=object)[served["model_idx"].to_numpy()], type=pa.string()),
         "status": pa.array(served["status"].to_numpy().astype(np.int64)),
         "prompt_tokens": pa.array(served["prompt_tokens"].to_numpy().astype(np.int64)),
         "completion_tokens": pa.array(served["completion_tokens"].to_numpy().astype(np.int64)),
@@ -183,9 +179,7 @@ def _string_payloads(lines: pa.ChunkedArray | pa.Array) -> list[bytes]:
     chunks = lines.chunks if isinstance(lines, pa.ChunkedArray) else [lines]
     out = []
     for chunk in chunks:
-        offsets = np.frombuffer(
-            chunk.buffers()[1], dtype=np.int32, count=len(chunk) + 1, offset=chunk.offset * 4
-        )
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32, count=len(chunk) + 1, offset=chunk.offset * 4)
         out.append(chunk.buffers()[2].to_pybytes()[offsets[0] : offsets[-1]])
     return out
 
@@ -236,9 +230,7 @@ class GatewayWriter:
             if self.isal:
                 gz = igzip.IGzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1)
             else:
-                gz = gzip.GzipFile(
-                    filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=self.compresslevel
-                )
+                gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=self.compresslevel)
             self._open[day] = (raw, gz)
             self.paths.append(path)
         self._open[day][1].write(jsonl_bytes(table))  # type: ignore[attr-defined]

@@ -34,9 +34,17 @@ from datetime import datetime, timezone
 
 SHAPES = ("vllm-array", "sglang-archive", "vllm-map")
 # the source columns each shape is read with (incident.toml `columns`)
-COLUMNS = {"vllm-array": {}, "vllm-map": {},
-           "sglang-archive": {"ts": "batch.0", "events": "batch.1", "dp_rank": "batch.2", "instance": "instance",
-                              "seq": "seq"}}
+COLUMNS = {
+    "vllm-array": {},
+    "vllm-map": {},
+    "sglang-archive": {
+        "ts": "batch.0",
+        "events": "batch.1",
+        "dp_rank": "batch.2",
+        "instance": "instance",
+        "seq": "seq",
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,10 @@ def lines(stream: Stream) -> Iterator[str]:
         return rng.getrandbits(64) - (1 << 63 if signed else 0)
 
     cache: OrderedDict[int, None] = OrderedDict()
-    prefixes = [[[rng.randrange(1000, 150_000) for _ in range(block)] for _ in range(rng.randint(2, 12))]
-                for _ in range(stream.tenants)]
+    prefixes = [
+        [[rng.randrange(1000, 150_000) for _ in range(block)] for _ in range(rng.randint(2, 12))]
+        for _ in range(stream.tenants)
+    ]
     prefix_hashes: list[list[int]] = [[] for _ in prefixes]
     ts = 1_790_000_000.0 + stream.seed * 86_400
     seq = 0
@@ -94,8 +104,11 @@ def lines(stream: Stream) -> Iterator[str]:
             i = rng.randrange(len(decoding))
             parent, _, salt = decoding[i]
             h = new_hash()
-            events.extend(_stores(stream.shape, [(h, parent, [rng.randrange(1000, 150_000) for _ in range(block)],
-                                                   0, salt)], block))
+            events.extend(
+                _stores(
+                    stream.shape, [(h, parent, [rng.randrange(1000, 150_000) for _ in range(block)], 0, salt)], block
+                )
+            )
             cache[h] = None
             decoding[i] = (h, block, salt)
             if rng.random() < 0.1:
@@ -106,7 +119,7 @@ def lines(stream: Stream) -> Iterator[str]:
         events.extend(_removals(stream.shape, evicted))
         ts += rng.expovariate(50.0)
         for chunk in range(0, len(events), 4):  # a step's events, at most 4 to a batch
-            yield _damaged(_message(stream, ts, events[chunk:chunk + 4], seq), stream, rng, seq)
+            yield _damaged(_message(stream, ts, events[chunk : chunk + 4], seq), stream, rng, seq)
             seq += 1
             sent += 1
             if sent >= stream.messages:
@@ -126,8 +139,15 @@ def _stores(shape: str, blocks: list[tuple[int, int | None, list[int], int, str 
         extra = [[salt] if i == 0 and first else None for i in range(len(blocks))]
         return [["BlockStored", hashes, parent, tokens, block, None, "GPU", None, extra]]
     if shape == "vllm-map":
-        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-                 "block_size": block, "lora_id": None, "medium": "GPU"}
+        event = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": block,
+            "lora_id": None,
+            "medium": "GPU",
+        }
         if first:
             event["extra_keys"] = [[salt] if i == 0 else None for i in range(len(blocks))]
         return [event]
@@ -157,8 +177,13 @@ def _message(stream: Stream, ts: float, events: list[object], seq: int) -> objec
     if stream.shape == "vllm-array":
         return [ts, events, 0]
     received = datetime.fromtimestamp(ts + 0.002, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    return {"recv_ts": received, "instance": stream.instance, "topic": "kv-events", "seq": seq,
-            "batch": [ts, events, 0]}
+    return {
+        "recv_ts": received,
+        "instance": stream.instance,
+        "topic": "kv-events",
+        "seq": seq,
+        "batch": [ts, events, 0],
+    }
 
 
 def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> str:
@@ -171,7 +196,7 @@ def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> s
     event = events[0] if events else None
     how = rng.randrange(16)
     if how == 0:
-        return text[:rng.randrange(1, len(text))]  # cut short
+        return text[: rng.randrange(1, len(text))]  # cut short
     if how == 1:
         return text.replace(",", ", ", 3) + ","  # not JSON
     if how == 2 and event is not None:
@@ -179,8 +204,11 @@ def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> s
     elif how == 3:
         (batch.__setitem__(0, "yesterday") if isinstance(batch, list) else batch.__setitem__("ts", "yesterday"))
     elif how == 4:
-        (batch.__setitem__(0, "2026-10-11T23:22:53.016+02:00") if isinstance(batch, list) else
-         batch.__setitem__("ts", "2026-10-11T23:22:53.016+02:00"))  # ISO 8601: loaded, by the reference
+        (
+            batch.__setitem__(0, "2026-10-11T23:22:53.016+02:00")
+            if isinstance(batch, list)
+            else batch.__setitem__("ts", "2026-10-11T23:22:53.016+02:00")
+        )  # ISO 8601: loaded, by the reference
     elif how == 5 and isinstance(event, list) and event[0] == "BlockStored":
         event[4] = -event[4]
     elif how == 6 and isinstance(event, list):
@@ -191,11 +219,11 @@ def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> s
     elif how == 8 and isinstance(message, dict) and "seq" in message:
         message["seq"] = seq + rng.randint(2, 5)  # messages lost
     elif how == 9 and isinstance(event, list) and isinstance(event[1], list):
-        event[1] = [base64.b64encode((int(h) & (2 ** 64 - 1)).to_bytes(8, "big")).decode() for h in event[1]]
+        event[1] = [base64.b64encode((int(h) & (2**64 - 1)).to_bytes(8, "big")).decode() for h in event[1]]
     elif how == 10 and isinstance(event, list) and isinstance(event[1], list):
-        event[1] = [f"{int(h) & (2 ** 64 - 1):016x}" for h in event[1]]
+        event[1] = [f"{int(h) & (2**64 - 1):016x}" for h in event[1]]
     elif how == 11 and isinstance(event, list) and isinstance(event[1], list):
-        event[1] = [hex(int(h) & (2 ** 64 - 1)) for h in event[1]]
+        event[1] = [hex(int(h) & (2**64 - 1)) for h in event[1]]
     elif how == 12:
         return text.replace('"GPU"', '"G\\u0050U"', 1)  # an escape: the same text
     elif how == 13:
@@ -203,6 +231,11 @@ def _damaged(message: object, stream: Stream, rng: random.Random, seq: int) -> s
     elif how == 14 and isinstance(message, dict):
         return text[:-1] + ',"seq":' + str(seq + 100) + "}" if "seq" in message else text  # a key twice
     elif how == 15:
-        (batch.__setitem__(2, -1) if isinstance(batch, list) and len(batch) > 2 else
-         batch.__setitem__("data_parallel_rank", 2 ** 40) if isinstance(batch, dict) else None)
+        (
+            batch.__setitem__(2, -1)
+            if isinstance(batch, list) and len(batch) > 2
+            else batch.__setitem__("data_parallel_rank", 2**40)
+            if isinstance(batch, dict)
+            else None
+        )
     return json.dumps(message, separators=(",", ":"))

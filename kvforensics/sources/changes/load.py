@@ -41,8 +41,14 @@ def load_changes(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> 
             elif not rec.get(source.column("description")):
                 problem = "missing required field 'description'"
             else:
-                problem = next((f"field '{source.column(k)}' is not valid Unicode (a lone surrogate escape)"
-                                for k, v in fields.items() if v and lone_surrogate(v)), None)
+                problem = next(
+                    (
+                        f"field '{source.column(k)}' is not valid Unicode (a lone surrogate escape)"
+                        for k, v in fields.items()
+                        if v and lone_surrogate(v)
+                    ),
+                    None,
+                )
         if problem or rec is None:  # the reader gives a reason with every record it cannot give
             load.quarantined += 1
             quarantine.add(line, problem or "unreadable record", printable_raw(raw))
@@ -54,13 +60,21 @@ def load_changes(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> 
     load.loaded = len(rows["line"])
     quarantine.flush()
     if rows["line"]:
-        con.register("changes_batch", pa.table({
-            "ts": pa.array(rows["ts"], type=pa.timestamp("us", tz="UTC")),
-            **{k: pa.array(rows[k], type=pa.string()) for k in TEXT_FIELDS},
-            "line": pa.array(rows["line"], type=pa.int64())}))
+        con.register(
+            "changes_batch",
+            pa.table(
+                {
+                    "ts": pa.array(rows["ts"], type=pa.timestamp("us", tz="UTC")),
+                    **{k: pa.array(rows[k], type=pa.string()) for k in TEXT_FIELDS},
+                    "line": pa.array(rows["line"], type=pa.int64()),
+                }
+            ),
+        )
         try:
-            con.execute("INSERT INTO changes SELECT ts, model, instance, description, details, $s, $f, line "
-                        "FROM changes_batch", {"s": source.name, "f": str(path)}).fetchall()
+            con.execute(
+                "INSERT INTO changes SELECT ts, model, instance, description, details, $s, $f, line FROM changes_batch",
+                {"s": source.name, "f": str(path)},
+            ).fetchall()
         finally:
             con.unregister("changes_batch")
     return load

@@ -93,16 +93,37 @@ def forget_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> N
     con.execute("DELETE FROM quarantine WHERE source = $s AND file = $f", params).fetchall()
 
 
-def record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
-           load: FileLoad) -> InputFile:
+def record(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int], load: FileLoad
+) -> InputFile:
     """The file's row of ``load_report``, written."""
-    rec = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=digest[0], bytes=digest[1],
-                    records_read=load.records_read, loaded=load.loaded, quarantined=load.quarantined,
-                    duplicates=load.duplicates, notes=tuple(load.notes))
-    con.execute("INSERT INTO load_report VALUES ($source, $kind, $file, $sha, $bytes, $read, $loaded, $q, $d, $notes)",
-                {"source": rec.source, "kind": rec.kind, "file": rec.file, "sha": rec.sha256, "bytes": rec.bytes,
-                 "read": rec.records_read, "loaded": rec.loaded, "q": rec.quarantined, "d": rec.duplicates,
-                 "notes": "; ".join(rec.notes) or None}).fetchall()
+    rec = InputFile(
+        source=source.name,
+        kind=source.kind,
+        file=str(path),
+        sha256=digest[0],
+        bytes=digest[1],
+        records_read=load.records_read,
+        loaded=load.loaded,
+        quarantined=load.quarantined,
+        duplicates=load.duplicates,
+        notes=tuple(load.notes),
+    )
+    con.execute(
+        "INSERT INTO load_report VALUES ($source, $kind, $file, $sha, $bytes, $read, $loaded, $q, $d, $notes)",
+        {
+            "source": rec.source,
+            "kind": rec.kind,
+            "file": rec.file,
+            "sha": rec.sha256,
+            "bytes": rec.bytes,
+            "read": rec.records_read,
+            "loaded": rec.loaded,
+            "q": rec.quarantined,
+            "d": rec.duplicates,
+            "notes": "; ".join(rec.notes) or None,
+        },
+    ).fetchall()
     return rec
 
 

@@ -119,12 +119,20 @@ class QuarantineRows:
     def flush(self) -> None:
         if not self._lines:
             return
-        self._con.register("quarantine_batch", pa.table({
-            "line": pa.array(self._lines, type=pa.int64()), "reason": pa.array(self._reasons, type=pa.string()),
-            "raw": pa.array(self._raws, type=pa.string())}))
+        self._con.register(
+            "quarantine_batch",
+            pa.table(
+                {
+                    "line": pa.array(self._lines, type=pa.int64()),
+                    "reason": pa.array(self._reasons, type=pa.string()),
+                    "raw": pa.array(self._raws, type=pa.string()),
+                }
+            ),
+        )
         try:
-            self._con.execute("INSERT INTO quarantine SELECT $s, $f, line, reason, raw FROM quarantine_batch",
-                              self._params).fetchall()
+            self._con.execute(
+                "INSERT INTO quarantine SELECT $s, $f, line, reason, raw FROM quarantine_batch", self._params
+            ).fetchall()
         finally:
             self._con.unregister("quarantine_batch")
         self._lines.clear()

@@ -71,7 +71,7 @@ class Recovering(io.RawIOBase):
             if chunk is None:
                 return 0
             end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
-            self.tail = chunk[end + 1:] if end >= 0 else self.tail + chunk
+            self.tail = chunk[end + 1 :] if end >= 0 else self.tail + chunk
             self._buffer = chunk
         n = min(len(target), len(self._buffer))
         target[:n] = self._buffer[:n]
@@ -128,8 +128,9 @@ class LineStream:
             yield n, raw
         if stream.truncated is not None:
             t = stream.truncated
-            self.stopped = (f"input ends early after line {t.after_line} ({t.describe()}); "
-                            f"later records, if any, are lost")
+            self.stopped = (
+                f"input ends early after line {t.after_line} ({t.describe()}); later records, if any, are lost"
+            )
             if t.partial_tail:
                 self.partial = (t.after_line + 1, t.partial_tail)
 
@@ -165,8 +166,7 @@ class LineStream:
                             yield n, line()
                             pending, digest, size = bytearray(), None, 0
         except (EOFError, OSError, zlib.error) as e:
-            self.stopped = (f"input ends early after line {n} ({type(e).__name__}: {e}); "
-                            f"later records, if any, are lost")
+            self.stopped = f"input ends early after line {n} ({type(e).__name__}: {e}); later records, if any, are lost"
             if pending:
                 self.partial = (n + 1, line())
             return

@@ -15,5 +15,11 @@ from kvforensics.sources.content.prefix_blocks import block_size
 def load(run: IngestRun, source: Source, files: list[Path]) -> list[InputFile]:
     incident = run.incident
     size = block_size(run.con, incident.prefix_block_size)
-    return load_each(run, source, files, lambda path: load_content(
-        run.con, source, path, key_for(incident.id), size, incident.prefix_word_blocks, incident.winnow_window))
+    return load_each(
+        run,
+        source,
+        files,
+        lambda path: load_content(
+            run.con, source, path, key_for(incident.id), size, incident.prefix_word_blocks, incident.winnow_window
+        ),
+    )

@@ -74,10 +74,14 @@ class _TextBatch:
         self.chars += len(text)
 
     def table(self) -> pa.Table:
-        table = pa.table({"request_id": pa.array(self.request_ids, type=pa.string()),
-                          "part": pa.array(self.parts, type=pa.string()),
-                          "text": pa.array(self.texts, type=pa.string()),
-                          "words": pa.array(self.words, type=pa.string())})
+        table = pa.table(
+            {
+                "request_id": pa.array(self.request_ids, type=pa.string()),
+                "part": pa.array(self.parts, type=pa.string()),
+                "text": pa.array(self.texts, type=pa.string()),
+                "words": pa.array(self.words, type=pa.string()),
+            }
+        )
         return pa.Table.from_batches(table.to_batches(max_chunksize=ARROW_ROWS), table.schema)
 
 
@@ -118,9 +122,15 @@ class _Fingerprinter:
             self._governor.close()
 
 
-def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
-                 block_size: int | None = None, word_blocks: bool = False,
-                 window: int = WINNOW_WINDOW) -> FileLoad:
+def load_content(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    key: bytes,
+    block_size: int | None = None,
+    word_blocks: bool = False,
+    window: int = WINNOW_WINDOW,
+) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
     ``content_stats`` under *key*, the shingles winnowing with *window* keeps (core/fingerprint.py); refused
     records (without their text) into ``quarantine``. With a *block_size*, each prompt's
@@ -147,9 +157,18 @@ def load_content(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key
     return load
 
 
-def _read(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad, key: bytes,
-          block_size: int | None, word_blocks: bool, fingerprinter: _Fingerprinter, blocks: BlockRows,
-          cut: dict[str, int]) -> None:
+def _read(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    key: bytes,
+    block_size: int | None,
+    word_blocks: bool,
+    fingerprinter: _Fingerprinter,
+    blocks: BlockRows,
+    cut: dict[str, int],
+) -> None:
     """Read the file's records: texts to *fingerprinter* batch by batch, refused records to the
     quarantine, prompts cut into *blocks*."""
     ids_column = source.column("prompt_token_ids")
@@ -188,8 +207,15 @@ def _read(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
     quarantine.flush()
 
 
-def _cut(blocks: BlockRows, request_id: str, ids: list[int], prompt: str | None, block_size: int, key: bytes,
-         cut: dict[str, int]) -> None:
+def _cut(
+    blocks: BlockRows,
+    request_id: str,
+    ids: list[int],
+    prompt: str | None,
+    block_size: int,
+    key: bytes,
+    cut: dict[str, int],
+) -> None:
     """One prompt's prefix blocks: from its token ids, else (when given) from its words."""
     if ids:
         blocks.add(request_id, prefix_blocks(ids, block_size, key))

@@ -35,8 +35,15 @@ DEFAULT_BLOCK_SIZE = 16
 MAX_BLOCKS = 100_000  # per prompt: a cache keyed on longer prefixes than this is not one we model
 TOKEN_IDS_NOTE = "prompt token ids cut into prefix blocks of {size} (keyed fingerprints; no ids stored)"
 WORDS_NOTE = "prompts without token ids cut into prefix blocks of {size} words (an approximation of token blocks)"
-_SCHEMA = pa.schema([("request_id", pa.string()), ("position", pa.int64()), ("num_tokens", pa.int64()),
-                     ("block_fp", pa.int64()), ("chain_fp", pa.int64())])
+_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("position", pa.int64()),
+        ("num_tokens", pa.int64()),
+        ("block_fp", pa.int64()),
+        ("chain_fp", pa.int64()),
+    ]
+)
 
 
 def word_fingerprint(words: Sequence[str], key: bytes) -> int:
@@ -46,14 +53,13 @@ def word_fingerprint(words: Sequence[str], key: bytes) -> int:
     return int.from_bytes(hmac_digest(key, message, "sha256")[:8], "big") >> 1
 
 
-def prefix_blocks(units: Sequence[int] | Sequence[str], block_size: int, key: bytes
-                  ) -> list[tuple[int, int, int, int]]:
+def prefix_blocks(units: Sequence[int] | Sequence[str], block_size: int, key: bytes) -> list[tuple[int, int, int, int]]:
     """``(position, num_tokens, block_fp, chain_fp)`` of every full block of a prompt given as token ids
     (ints) or words (strings)."""
     out: list[tuple[int, int, int, int]] = []
     parent: int | None = None
     for position in range(min(len(units) // block_size, MAX_BLOCKS)):
-        block = units[position * block_size:(position + 1) * block_size]
+        block = units[position * block_size : (position + 1) * block_size]
         if isinstance(block[0], str):
             fp = word_fingerprint(block, key)  # type: ignore[arg-type]
         else:
@@ -73,8 +79,7 @@ def token_ids(value: object) -> list[int] | None:
             value = json.loads(value)
         except ValueError:
             return None
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                                              for v in value):
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         return None
     return value
 
@@ -84,9 +89,12 @@ def block_size(con: duckdb.DuckDBPyConnection, configured: int | None) -> int:
     KV-cache events, else the smallest page size of the engines' start-ups, else 16."""
     if configured:
         return configured
-    events, pages = one(con, """SELECT (SELECT num_tokens FROM kv_events WHERE kind = 'stored' AND num_tokens > 0
+    events, pages = one(
+        con,
+        """SELECT (SELECT num_tokens FROM kv_events WHERE kind = 'stored' AND num_tokens > 0
                                         GROUP BY num_tokens ORDER BY count(*) DESC, num_tokens LIMIT 1),
-                                       (SELECT min(page_size) FROM capacity WHERE page_size > 0)""")
+                                       (SELECT min(page_size) FROM capacity WHERE page_size > 0)""",
+    )
     return int(events or pages or DEFAULT_BLOCK_SIZE)
 
 

@@ -121,4 +121,3 @@ class DockerSkewCheck:
                 f"(first compared at line {line}): check the source's timezone or clock offset"
             )
         ]
-

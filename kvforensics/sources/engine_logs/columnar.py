@@ -135,20 +135,30 @@ _EXCLUDE = _exclude(SELF_CONTAINED_EXCLUDES)
 # * ascii: character and byte counts agree (so truncating the detail agrees);
 # * input_lens / cached_lens: how often ", input_len=" / ", cached_input_len=" occur in the line. A
 #   line with either twice is left to the parser; with once, only a body that holds it has a count.
-_SHAPE = (r"^\[\d{4}-\d{2}-\d{2} \d{2}:[0-5]\d:[0-5]\d(?:[.,]\d{1,6})?(?: +[^\]\s]+)* *\] ?"
-          r"ReqTimeStats\(rid=[^,=\s)]+(?:, \w+=[^,=)]*)*\)")
+_SHAPE = (
+    r"^\[\d{4}-\d{2}-\d{2} \d{2}:[0-5]\d:[0-5]\d(?:[.,]\d{1,6})?(?: +[^\]\s]+)* *\] ?"
+    r"ReqTimeStats\(rid=[^,=\s)]+(?:, \w+=[^,=)]*)*\)"
+)
 
 
 def _line_checks(column: pa.Array) -> dict[str, pa.Array]:
     candidates = pc.match_substring(column, "ReqTimeStats(")
     if not pc.any(candidates).as_py():
         false = pa.array([False] * len(column), pa.bool_())
-        return {"shaped": false, "excluded": false, "ascii": false, "input_lens": pa.nulls(len(column), pa.int32()),
-                "cached_lens": pa.nulls(len(column), pa.int32())}
-    return {"shaped": pc.match_substring_regex(column, _SHAPE), "excluded": pc.match_substring_regex(column, _EXCLUDE),
-            "ascii": pc.string_is_ascii(column),
-            "input_lens": pc.count_substring(column, ", input_len=").cast(pa.int32()),
-            "cached_lens": pc.count_substring(column, ", cached_input_len=").cast(pa.int32())}
+        return {
+            "shaped": false,
+            "excluded": false,
+            "ascii": false,
+            "input_lens": pa.nulls(len(column), pa.int32()),
+            "cached_lens": pa.nulls(len(column), pa.int32()),
+        }
+    return {
+        "shaped": pc.match_substring_regex(column, _SHAPE),
+        "excluded": pc.match_substring_regex(column, _EXCLUDE),
+        "ascii": pc.string_is_ascii(column),
+        "input_lens": pc.count_substring(column, ", input_len=").cast(pa.int32()),
+        "cached_lens": pc.count_substring(column, ", cached_input_len=").cast(pa.int32()),
+    }
 
 
 # One pass over a batch: the lines DuckDB reads, with their stamp, ranks, rid, input_len and detail.
@@ -204,12 +214,19 @@ def _any_field(keys: tuple[str, ...]) -> str:
     return f"regexp_matches(parts, {_sql_text(', (?:' + '|'.join(_re2_literal(k) for k in keys) + '): ')})"
 
 
-_USAGE = ("CASE WHEN contains(parts, ', token usage: ') THEN " + _field("token usage")
-          + " ELSE " + _field("full token usage") + " END")
+_USAGE = (
+    "CASE WHEN contains(parts, ', token usage: ') THEN "
+    + _field("token usage")
+    + " ELSE "
+    + _field("full token usage")
+    + " END"
+)
 # The role hint the parser would take from the line (sglang.ROLE_HINTS, in their order).
-_HINTS = " ".join(f"WHEN regexp_matches(msg, {_sql_text(pattern.pattern)}) THEN "
-                  f"[{_sql_text(role)}, regexp_extract(msg, {_sql_text(pattern.pattern)}, 0)]"
-                  for pattern, role in ROLE_HINTS)
+_HINTS = " ".join(
+    f"WHEN regexp_matches(msg, {_sql_text(pattern.pattern)}) THEN "
+    f"[{_sql_text(role)}, regexp_extract(msg, {_sql_text(pattern.pattern)}, 0)]"
+    for pattern, role in ROLE_HINTS
+)
 
 # One pass over a batch: the prefill batch lines DuckDB reads (sglang_batches.match_prefill_batch), with
 # their stamp, ranks and counts.
@@ -279,8 +296,9 @@ def parse_engine_file_columnar(
         head = list(itertools.islice(sniffing, SNIFF_LINES))
     found = sniff_envelope(head) if head and envelope == "auto" else envelope
     if not head or found != "none" or engine_format(fmt, [t for _, t, _ in head], path) != "sglang":
-        return parse_engine_file(path, fmt=fmt, instance=instance, tz=tz, year=year,
-                                 clock_offset_s=clock_offset_s, envelope=envelope)
+        return parse_engine_file(
+            path, fmt=fmt, instance=instance, tz=tz, year=year, clock_offset_s=clock_offset_s, envelope=envelope
+        )
     name = instance if isinstance(instance, str) else instance(None)
     parser = SglangParser(name, tz, clock_offset_s)
     stream = open_lines(path)
@@ -374,25 +392,40 @@ def _with_utc(table: pa.Table, schema: pa.Schema) -> pa.Table:
     return table.set_column(i, "ts", ts).select(schema.names).cast(schema)
 
 
-def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: LineBatch, sink: EvidenceSink | None
-                ) -> None:
+def _read_batch(
+    db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: LineBatch, sink: EvidenceSink | None
+) -> None:
     first_number, texts, raws = batch.first, batch.texts, batch.raws
     # in record batches, which DuckDB's threads scan side by side (one chunk is read by one thread)
-    lines = pa.table({"n": pa.arange(first_number, first_number + len(texts)), "line": batch.column,
-                      **_line_checks(batch.column)})
+    lines = pa.table(
+        {"n": pa.arange(first_number, first_number + len(texts)), "line": batch.column, **_line_checks(batch.column)}
+    )
     db.register("batch", pa.Table.from_batches(lines.to_batches(max_chunksize=_SCAN_CHUNK)))
     try:
         db.execute(f"CREATE OR REPLACE TEMP TABLE kvf_self_contained AS {_SELF_CONTAINED_SQL}")
         db.execute(f"CREATE OR REPLACE TEMP TABLE kvf_batch_lines AS {_BATCH_LINES_SQL}")
     finally:
         db.unregister("batch")
-    hours = [h for (h,) in db.execute("SELECT DISTINCT hour FROM kvf_self_contained UNION "
-                                      "SELECT DISTINCT hour FROM kvf_batch_lines").fetchall()]
+    hours = [
+        h
+        for (h,) in db.execute(
+            "SELECT DISTINCT hour FROM kvf_self_contained UNION SELECT DISTINCT hour FROM kvf_batch_lines"
+        ).fetchall()
+    ]
     shifts = [_hour_shift(parser, h) for h in hours]
-    db.register("kvf_hours", pa.table({
-        "hour": pa.array(hours, type=pa.string()), "shift_us": pa.array(shifts, type=pa.int64()),
-        "base_us": pa.array([None if shift is None else _hour_start_us(h) for h, shift in zip(hours, shifts, strict=True)],
-                            type=pa.int64())}))
+    db.register(
+        "kvf_hours",
+        pa.table(
+            {
+                "hour": pa.array(hours, type=pa.string()),
+                "shift_us": pa.array(shifts, type=pa.int64()),
+                "base_us": pa.array(
+                    [None if shift is None else _hour_start_us(h) for h, shift in zip(hours, shifts, strict=True)],
+                    type=pa.int64(),
+                ),
+            }
+        ),
+    )
     try:
         db.execute(_ISLANDS_SQL)
     finally:
@@ -415,14 +448,36 @@ def _read_batch(db: duckdb.DuckDBPyConnection, parser: SglangParser, batch: Line
             if batches.num_rows:
                 parser.out.batch_tables.append(_with_utc(batches, BATCH_COLUMNS))
     i = 0
-    for island, first, last, first_us, last_us, last_stamp, first_stats, hint, hint_line, first_cached, first_plain in runs:
+    for (
+        island,
+        first,
+        last,
+        first_us,
+        last_us,
+        last_stamp,
+        first_stats,
+        hint,
+        hint_line,
+        first_cached,
+        first_plain,
+    ) in runs:
         while i < first - first_number:
             parser.feed(first_number + i, texts[i], raws[i])
             i += 1
-        parser.feed_request_run(RequestRun(
-            first, last, _utc(first_us), _utc(last_us), last_stamp, tuple(ranks.get(island, ())),
-            first_stats_line=first_stats, role_hint=(hint[0], hint_line, hint[1]) if hint else None,
-            first_cached_batch_line=first_cached, first_plain_batch_line=first_plain))
+        parser.feed_request_run(
+            RequestRun(
+                first,
+                last,
+                _utc(first_us),
+                _utc(last_us),
+                last_stamp,
+                tuple(ranks.get(island, ())),
+                first_stats_line=first_stats,
+                role_hint=(hint[0], hint_line, hint[1]) if hint else None,
+                first_cached_batch_line=first_cached,
+                first_plain_batch_line=first_plain,
+            )
+        )
         i = last - first_number + 1
     while i < len(texts):
         parser.feed(first_number + i, texts[i], raws[i])

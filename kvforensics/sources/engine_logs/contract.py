@@ -69,13 +69,19 @@ class StartupRecord:
     shutdown_reason: str | None = None  # e.g. "SIGTERM received", "HTTP server shutting down"
 
 
-def log_end_fields(last_line: int | None, last_ts: datetime | None,
-                   shutdown: tuple[int, datetime | None, str] | None) -> dict[str, Any]:
+def log_end_fields(
+    last_line: int | None, last_ts: datetime | None, shutdown: tuple[int, datetime | None, str] | None
+) -> dict[str, Any]:
     """The :class:`StartupRecord` fields saying how far a start-up's log goes and where it says it stops,
     from a parser's running state (``shutdown``: line, time, what it says)."""
     line, ts, reason = shutdown if shutdown else (None, None, None)
-    return {"last_line": last_line, "last_ts": last_ts, "shutdown_line": line, "shutdown_ts": ts,
-            "shutdown_reason": reason}
+    return {
+        "last_line": last_line,
+        "last_ts": last_ts,
+        "shutdown_line": line,
+        "shutdown_ts": ts,
+        "shutdown_reason": reason,
+    }
 
 
 @dataclass(frozen=True)
@@ -135,29 +141,50 @@ class EngineLogParse:
         """``prefill_batches`` and the rows of ``batch_tables``, in line order."""
         if not self.batch_tables:
             return list(self.prefill_batches)
-        return sorted([*self.prefill_batches, *(b for t in self.batch_tables for b in batches_from_table(t))],
-                      key=lambda b: b.line)
+        return sorted(
+            [*self.prefill_batches, *(b for t in self.batch_tables for b in batches_from_table(t))],
+            key=lambda b: b.line,
+        )
 
     def all_events(self) -> list[EngineEvent]:
         """``events`` and the events of ``event_tables``, in line order."""
         if not self.event_tables:
             return list(self.events)
-        return sorted([*self.events, *(e for t in self.event_tables for e in events_from_table(t))],
-                      key=lambda e: e.line)
+        return sorted(
+            [*self.events, *(e for t in self.event_tables for e in events_from_table(t))], key=lambda e: e.line
+        )
 
 
-EVENT_COLUMNS = pa.schema([
-    ("instance", pa.string()), ("ts", pa.timestamp("us", tz="UTC")), ("kind", pa.string()),
-    ("request_id", pa.string()), ("prompt_tokens", pa.int64()), ("limit_tokens", pa.int64()),
-    ("detail", pa.string()), ("line", pa.int64()), ("cached_tokens", pa.int64()),
-])
+EVENT_COLUMNS = pa.schema(
+    [
+        ("instance", pa.string()),
+        ("ts", pa.timestamp("us", tz="UTC")),
+        ("kind", pa.string()),
+        ("request_id", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("limit_tokens", pa.int64()),
+        ("detail", pa.string()),
+        ("line", pa.int64()),
+        ("cached_tokens", pa.int64()),
+    ]
+)
 """The columns of an event table: :class:`EngineEvent`'s fields."""
 
-BATCH_COLUMNS = pa.schema([
-    ("instance", pa.string()), ("ts", pa.timestamp("us", tz="UTC")), ("line", pa.int64()), ("new_seq", pa.int64()),
-    ("new_token", pa.int64()), ("cached_token", pa.int64()), ("running_req", pa.int64()), ("queue_req", pa.int64()),
-    ("token_usage", pa.float64()), ("role", pa.string()), ("ranks", pa.string()),
-])
+BATCH_COLUMNS = pa.schema(
+    [
+        ("instance", pa.string()),
+        ("ts", pa.timestamp("us", tz="UTC")),
+        ("line", pa.int64()),
+        ("new_seq", pa.int64()),
+        ("new_token", pa.int64()),
+        ("cached_token", pa.int64()),
+        ("running_req", pa.int64()),
+        ("queue_req", pa.int64()),
+        ("token_usage", pa.float64()),
+        ("role", pa.string()),
+        ("ranks", pa.string()),
+    ]
+)
 """The columns of a prefill batch table: :class:`PrefillBatch`'s fields, in its order."""
 
 
@@ -180,14 +207,17 @@ def events_from_table(table: pa.Table) -> list[EngineEvent]:
     """The rows of an event table as :class:`EngineEvent` items (times as UTC datetimes)."""
     columns = [table.column(name).to_pylist() for name in EVENT_COLUMNS.names]
     columns[1] = [None if ts is None else ts.astimezone(UTC) for ts in columns[1]]
-    return [EngineEvent(i, ts, line, kind, rid, prompt, limit, detail, cached)
-            for i, ts, kind, rid, prompt, limit, detail, line, cached in zip(*columns, strict=True)]
+    return [
+        EngineEvent(i, ts, line, kind, rid, prompt, limit, detail, cached)
+        for i, ts, kind, rid, prompt, limit, detail, line, cached in zip(*columns, strict=True)
+    ]
 
 
 def batches_table(batches: list[PrefillBatch]) -> pa.Table:
     """*batches* as a table with :data:`BATCH_COLUMNS`."""
-    return pa.table([pa.array([getattr(b, f.name) for b in batches], type=f.type) for f in BATCH_COLUMNS],
-                    schema=BATCH_COLUMNS)
+    return pa.table(
+        [pa.array([getattr(b, f.name) for b in batches], type=f.type) for f in BATCH_COLUMNS], schema=BATCH_COLUMNS
+    )
 
 
 def batches_from_table(table: pa.Table) -> list[PrefillBatch]:
@@ -218,6 +248,7 @@ def unreadable_reason(raw: bytes, reason: str = "not UTF-8") -> str:
     """Why a line the readers give without text (None) is quarantined: a :class:`LongLine`'s reason, else ``reason``
     (bytes that are not UTF-8)."""
     return raw.reason if isinstance(raw, LongLine) else reason
+
 
 LineParser = Callable[..., EngineLogParse]
 
@@ -314,6 +345,11 @@ class EngineFileParse:
 
     def merged(self) -> EngineLogParse:
         """All instances as one :class:`EngineLogParse` (each record still names its instance)."""
-        return EngineLogParse(startups=self.startups, events=self.events, quarantined=self.all_quarantined(),
-                              lines_read=self.lines_read, notes=self.all_notes(), prefill_batches=self.batches)
-
+        return EngineLogParse(
+            startups=self.startups,
+            events=self.events,
+            quarantined=self.all_quarantined(),
+            lines_read=self.lines_read,
+            notes=self.all_notes(),
+            prefill_batches=self.batches,
+        )

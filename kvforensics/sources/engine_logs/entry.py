@@ -49,8 +49,13 @@ class EngineLogReader:
     file's order (events the parser read, quarantined lines, its load report). A file that fails
     raises when its turn comes; leaving the ``with`` block waits for every parse under way."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, incident: Incident, files: list[tuple[Source, Path]],
-                 digests: Mapping[str, tuple[str, int]] | None) -> None:
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        incident: Incident,
+        files: list[tuple[Source, Path]],
+        digests: Mapping[str, tuple[str, int]] | None,
+    ) -> None:
         self.con, self.incident, self.digests = con, incident, digests or {}
         self.todo = list(files)
         self.workers = max(1, min(4, os.cpu_count() or 1, len(files)))
@@ -95,27 +100,38 @@ class EngineLogReader:
             cursor.close()
             self._fill()
         if derived and any("carry no year" in n for n in parsed.all_notes()):
-            parsed.notes.append(f"the year {year} was taken from the first gateway request (or the file's "
-                                f"modification time); set [settings] year or the source's year to override")
+            parsed.notes.append(
+                f"the year {year} was taken from the first gateway request (or the file's "
+                f"modification time); set [settings] year or the source's year to override"
+            )
         return _store_engine_log(self.con, source, path, digest, parsed), parsed
 
 
-def parse_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, year: int | None,
-                      digest: tuple[str, int] | None):
+def parse_engine_log(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, year: int | None, digest: tuple[str, int] | None
+):
     """One engine log file, which may hold several instances (an export of interleaved pods): its
     SHA-256, and its parse, the lines read column-wise already inserted into ``con``'s tables."""
     from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
 
     digest = digest or file_digest(path)
     parsed = parse_engine_file_columnar(
-        path, fmt=source.format, instance=lambda labels: source.instance_for(path, labels), tz=source.tz,
-        year=year, clock_offset_s=source.clock_offset_s, envelope=source.envelope, con=con,
-        sink=EvidenceSink(source.name, str(path)))
+        path,
+        fmt=source.format,
+        instance=lambda labels: source.instance_for(path, labels),
+        tz=source.tz,
+        year=year,
+        clock_offset_s=source.clock_offset_s,
+        envelope=source.envelope,
+        con=con,
+        sink=EvidenceSink(source.name, str(path)),
+    )
     return digest, parsed
 
 
-def _store_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int],
-                      parsed: Any) -> InputFile:
+def _store_engine_log(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, digest: tuple[str, int], parsed: Any
+) -> InputFile:
     """The rest of a parsed engine log: the parser's events and prefill batches, quarantined lines, and
     one load report for the file's physical lines."""
     from kvforensics.sources.engine_logs.columnar import EvidenceSink
@@ -123,14 +139,20 @@ def _store_engine_log(con: duckdb.DuckDBPyConnection, source: Source, path: Path
     EvidenceSink(source.name, str(path)).store(con, parsed)  # the column-wise rows are in already
     quarantined = parsed.all_quarantined()
     for q in quarantined:
-        con.execute("INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
-                    {"s": source.name, "f": str(path), "l": q.line, "r": q.reason,
-                     "raw": printable_raw(q.raw)}).fetchall()
+        con.execute(
+            "INSERT INTO quarantine VALUES ($s, $f, $l, $r, $raw)",
+            {"s": source.name, "f": str(path), "l": q.line, "r": q.reason, "raw": printable_raw(q.raw)},
+        ).fetchall()
     notes = parsed.all_notes()
     if not parsed.startups:
         notes.append("no engine start-up found: this file gives no KV pool size")
-    load = FileLoad(file=path, records_read=parsed.lines_read, loaded=parsed.lines_read - len(quarantined),
-                    quarantined=len(quarantined), notes=notes)
+    load = FileLoad(
+        file=path,
+        records_read=parsed.lines_read,
+        loaded=parsed.lines_read - len(quarantined),
+        quarantined=len(quarantined),
+        notes=notes,
+    )
     return record(con, source, path, digest, load)
 
 

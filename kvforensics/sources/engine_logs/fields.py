@@ -182,4 +182,3 @@ def _ranks_label(who: list[str]) -> str:
     if len(uniq) > 3:
         return f"{uniq[0]}..{uniq[-1]} ({len(uniq)} reporters)"
     return ",".join(uniq)
-

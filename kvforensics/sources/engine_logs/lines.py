@@ -130,7 +130,7 @@ class LineStream(Iterator[EngineLine]):
             last = chunk.rfind(b"\n")
             if last >= 0:
                 newlines += chunk.count(b"\n")
-                run, run_size = [chunk[last + 1:]], len(chunk) - last - 1
+                run, run_size = [chunk[last + 1 :]], len(chunk) - last - 1
             else:
                 run.append(chunk)
                 run_size += len(chunk)
@@ -139,7 +139,7 @@ class LineStream(Iterator[EngineLine]):
                 continue
             # the current line is too long: pass on its first max_line bytes, hash all of them and read on
             over = run_size - self.max_line
-            yield chunk[:len(chunk) - over]
+            yield chunk[: len(chunk) - over]
             digest = hashlib.sha256()
             for piece in run:
                 digest.update(piece)
@@ -155,7 +155,7 @@ class LineStream(Iterator[EngineLine]):
                 yield chunk
             else:
                 for start in range(0, len(chunk), self.max_line):
-                    yield chunk[start:start + self.max_line]
+                    yield chunk[start : start + self.max_line]
 
     def _long_line(self, number: int, raw: bytes) -> EngineLine:
         """Line *number* as yielded when it was too long to hold: text None, a :class:`LongLine`."""
@@ -243,7 +243,6 @@ class LineStream(Iterator[EngineLine]):
             self.lines_yielded = number
             yield self._long_line(number, pending) if number in self.long_lines else _decode(number, bytes(pending))
 
-
     def batches(self, max_lines: int, max_bytes: int | None = None) -> Iterator[LineBatch]:
         """The same lines as iterating (numbers, text, bytes, truncation), in batches of up to
         *max_lines* lines and *max_bytes* bytes (but at least one line), each also as one Arrow
@@ -270,8 +269,9 @@ class LineStream(Iterator[EngineLine]):
                     done = start = 0
                     # whole batches only: max_lines lines, or lines up to max_bytes with more bytes after them
                     while (take := _take(ends, done, start, max_lines, limit)) and (
-                            take == max_lines or len(data) - start >= limit):
-                        yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done:done + take]))
+                        take == max_lines or len(data) - start >= limit
+                    ):
+                        yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done : done + take]))
                         number += take
                         self.lines_yielded = number
                         done += take
@@ -283,14 +283,14 @@ class LineStream(Iterator[EngineLine]):
             error = e
         self.close()
         ends = np.concatenate(piece_ends) if piece_ends else np.empty(0, dtype=np.int64)
-        pending = bytes(data[int(ends[-1]) + 1:] if len(ends) else data)
+        pending = bytes(data[int(ends[-1]) + 1 :] if len(ends) else data)
         if error is None and pending:  # a last line without a newline is an ordinary line in a complete file
             ends = np.append(ends, len(data))
             data += b"\n"
             pending = b""
         done = start = 0
         while take := _take(ends, done, start, max_lines, limit):
-            yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done:done + take]))
+            yield self._with_long_lines(_line_batch(number + 1, data, start, ends[done : done + take]))
             number += take
             self.lines_yielded = number
             done += take
@@ -328,7 +328,7 @@ class _Slices(Sequence):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        raw = self._data[self._starts[i]:self._starts[i + 1] - 1]
+        raw = self._data[self._starts[i] : self._starts[i + 1] - 1]
         return raw.decode("utf-8") if self._text else bytes(raw)
 
 
@@ -353,8 +353,9 @@ def _line_batch(first: int, data: bytes | bytearray, start: int, ends: np.ndarra
         starts = np.empty(len(ends) + 1, dtype=np.int64)
         starts[0] = start
         starts[1:] = ends + 1
-        whole = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(ends),
-                                                 [None, pa.py_buffer(starts), pa.py_buffer(data)])
+        whole = pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), len(ends), [None, pa.py_buffer(starts), pa.py_buffer(data)]
+        )
         column = pc.binary_slice(whole, 0, -1).view(pa.large_string())
         try:
             column.validate(full=True)  # UTF-8
@@ -363,7 +364,7 @@ def _line_batch(first: int, data: bytes | bytearray, start: int, ends: np.ndarra
         else:
             offsets = starts.tolist()
             return LineBatch(first, _Slices(data, offsets, True), _Slices(data, offsets, False), column)
-    raws = bytes(data[start:stop - 1]).split(b"\n")
+    raws = bytes(data[start : stop - 1]).split(b"\n")
     decoded = _decode_batch(first, raws)
     return LineBatch(first, decoded.texts, decoded.raws, pa.array(decoded.texts, type=pa.large_string()))
 
@@ -472,4 +473,3 @@ def split_outer_prefixes(text: str) -> OuterPrefix:
         process = name if process is None else f"{process}/{name}"
         text = text[p.end() :]
     return OuterPrefix(docker_ts, process, text)
-

@@ -126,7 +126,6 @@ def sniff_format(first_lines: Iterable[str | None]) -> str | None:
     return best
 
 
-
 def parse_engine_log(
     path: Path,
     *,
@@ -145,8 +144,9 @@ def parse_engine_log(
     :func:`parse_engine_file`; the instances of a file in an envelope are merged into one parse
     (each record keeps its instance).
     """
-    return parse_engine_file(path, fmt=fmt, instance=instance, tz=tz, year=year, clock_offset_s=clock_offset_s,
-                             envelope=envelope).merged()
+    return parse_engine_file(
+        path, fmt=fmt, instance=instance, tz=tz, year=year, clock_offset_s=clock_offset_s, envelope=envelope
+    ).merged()
 
 
 def parse_engine_file(
@@ -196,8 +196,14 @@ def parse_engine_file(
                 result = EngineFileParse(envelope="none", instances={name: parse}, lines_read=parse.lines_read)
             else:
                 result = parse_enveloped(
-                    found, lines, fmt=lambda texts: engine_format(fmt, texts, path), parsers=parsers,
-                    namer=namer, tz=tz, year=year, clock_offset_s=clock_offset_s,
+                    found,
+                    lines,
+                    fmt=lambda texts: engine_format(fmt, texts, path),
+                    parsers=parsers,
+                    namer=namer,
+                    tz=tz,
+                    year=year,
+                    clock_offset_s=clock_offset_s,
                 )
                 result.lines_read = stream.lines_yielded
                 if envelope != "auto" and not result.instances and result.quarantined:

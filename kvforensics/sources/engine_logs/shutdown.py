@@ -55,14 +55,23 @@ _LEVEL = re.compile(r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL|FATAL):?\s+)?")
 _SHUTDOWN_LINES: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"SIGTERM received\b"), "SIGTERM received"),
     (re.compile(r"SIGQUIT received\b|Received sigquit from a child process\b"), "a child process failed (SIGQUIT)"),
-    (re.compile(r"(?P<who>Scheduler|TokenizerManager|DetokenizerManager|DataParallelController) hit an exception\b"),
-     "fatal exception"),
-    (re.compile(r"Shutting down FastAPI HTTP server\b|\[shutdown\] API server: shutting down FastAPI HTTP server"),
-     "API server shutting down"),
+    (
+        re.compile(r"(?P<who>Scheduler|TokenizerManager|DetokenizerManager|DataParallelController) hit an exception\b"),
+        "fatal exception",
+    ),
+    (
+        re.compile(r"Shutting down FastAPI HTTP server\b|\[shutdown\] API server: shutting down FastAPI HTTP server"),
+        "API server shutting down",
+    ),
     (re.compile(r"AsyncLLMEngine has failed, terminating server process\b"), "engine failed, server terminated"),
     (re.compile(r"Engine core proc \S+ died unexpectedly\b"), "engine core died"),
-    (re.compile(r"(?:Shutting down|Waiting for application shutdown\.|Application shutdown complete\."
-                r"|Finished server process \[\d+\])\s*$"), "HTTP server shutting down"),
+    (
+        re.compile(
+            r"(?:Shutting down|Waiting for application shutdown\.|Application shutdown complete\."
+            r"|Finished server process \[\d+\])\s*$"
+        ),
+        "HTTP server shutting down",
+    ),
     (re.compile(r"KeyboardInterrupt\s*$"), "KeyboardInterrupt"),
 )
 

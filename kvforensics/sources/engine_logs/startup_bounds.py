@@ -31,7 +31,7 @@ REASON = "impossible start-up value"
 
 
 def _shown(value: int) -> str:
-    text = f"{value:,}" if abs(value) < 10 ** 30 else f"{str(value)[:12]}... ({len(str(abs(value)))} digits)"
+    text = f"{value:,}" if abs(value) < 10**30 else f"{str(value)[:12]}... ({len(str(abs(value)))} digits)"
     return text
 
 
@@ -45,7 +45,9 @@ def refused_values(startup: StartupRecord) -> list[tuple[str, int, int]]:
         if failed and name == "kv_pool_tokens" and value == 0:
             continue
         if value is not None and not 1 <= value <= bound:
-            line = startup.pool_source_line if name == "kv_pool_tokens" else startup.evidence.get(_EVIDENCE.get(name, ""))
+            line = (
+                startup.pool_source_line if name == "kv_pool_tokens" else startup.evidence.get(_EVIDENCE.get(name, ""))
+            )
             refused.append((name, value, line or startup.line))
     return refused
 
@@ -61,11 +63,22 @@ def refuse_impossible_values(parse: EngineFileParse) -> None:
                 for name, value, line in refused:
                     what, bound = BOUNDS[name]
                     said.append(f"{what} {_shown(value)} (line {line})")
-                    instance.quarantined.append(QuarantinedLine(
-                        line, f"{REASON}: {what} {_shown(value)} is outside 1..{bound:,}; the start-up's {what} "
-                              "is unknown", f"{name}={_shown(value)}"))
-                startup = replace(startup, **{name: None for name, _, _ in refused},
-                                  flags={**startup.flags, "refused_values": "; ".join(said),
-                                         "refused_fields": ",".join(name for name, _, _ in refused)})
+                    instance.quarantined.append(
+                        QuarantinedLine(
+                            line,
+                            f"{REASON}: {what} {_shown(value)} is outside 1..{bound:,}; the start-up's {what} "
+                            "is unknown",
+                            f"{name}={_shown(value)}",
+                        )
+                    )
+                startup = replace(
+                    startup,
+                    **{name: None for name, _, _ in refused},
+                    flags={
+                        **startup.flags,
+                        "refused_values": "; ".join(said),
+                        "refused_fields": ",".join(name for name, _, _ in refused),
+                    },
+                )
             checked.append(startup)
         instance.startups[:] = checked

@@ -52,28 +52,42 @@ CANONICAL = """CASE WHEN regexp_full_match({h}, '0|-?[1-9][0-9]*') THEN {h}
     WHEN regexp_full_match({h}, '"([0-9a-fA-F][0-9a-fA-F])+"') THEN lower({h}[2:-2])
     WHEN length({h}) > 2 AND regexp_full_match({h}, '"([A-Za-z0-9+/]{{4}})*([A-Za-z0-9+/]{{2}}==|[A-Za-z0-9+/]{{3}}=)?"')
         THEN lower(hex(from_base64({h}[2:-2]))) END"""
-STORED_MAP = {"type": "JSON", **{name: "JSON" for name in FIELDS["BlockStored"]}, "metadata": "JSON",
-              "cache_salt": "JSON"}
+STORED_MAP = {
+    "type": "JSON",
+    **{name: "JSON" for name in FIELDS["BlockStored"]},
+    "metadata": "JSON",
+    "cache_salt": "JSON",
+}
 # an event map's fields as text (JSON null as NULL)
 MAP_TYPE = "STRUCT(" + ", ".join(f'"{name}" VARCHAR' for name in STORED_MAP) + ")"
 _TS_MIN, _TS_MAX = -62_135_596_800, 253_402_300_799  # 0001-01-01 and 9999-12-31 23:59:59 in epoch seconds
 
 
-def read_bulk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes, chains: Chains,
-              min_lines: int = BULK_MIN_LINES) -> FileLoad | str:
+def read_bulk(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    key: bytes,
+    chains: Chains,
+    min_lines: int = BULK_MIN_LINES,
+) -> FileLoad | str:
     """Load one KV-event file in bulk, or say why the reference must read it whole."""
     batch = _batch_reads(source)
     if isinstance(batch, str):
         return batch
     lines, _ = scan_file(path, {})
     if lines is None:
-        return "DuckDB cannot number its lines as the reference does (a CR or 0x01 byte, a line over 2 MiB, or a " \
-               "stream that does not read to its end)"
+        return (
+            "DuckDB cannot number its lines as the reference does (a CR or 0x01 byte, a line over 2 MiB, or a "
+            "stream that does not read to its end)"
+        )
     if lines < min_lines:
         return f"{lines:,} lines, fewer than the {min_lines:,} from which the bulk reader is faster"
-    lines_sql = ("SELECT ordinality AS line, raw FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
-                 "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false, "
-                 f"compression = '{_compression(path)}') WITH ORDINALITY")
+    lines_sql = (
+        "SELECT ordinality AS line, raw FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
+        "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false, "
+        f"compression = '{_compression(path)}') WITH ORDINALITY"
+    )
     try:  # the whole stream read once before any row is kept: a line DuckDB refuses sends the file to the reference
         numbered = con.execute(f"SELECT count(*) FROM ({lines_sql})", {"file": str(path)}).fetchall()[0][0]
     except duckdb.Error as e:
@@ -97,8 +111,11 @@ def read_bulk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: b
     finally:
         stream.close()
     finish(load, quarantine, None, reader)
-    load.notes.insert(0, "read in bulk by DuckDB" + (f"; {fallback:,} line(s) outside its shapes read by the "
-                                                     "Python reference" if fallback else ""))
+    load.notes.insert(
+        0,
+        "read in bulk by DuckDB"
+        + (f"; {fallback:,} line(s) outside its shapes read by the Python reference" if fallback else ""),
+    )
     return load
 
 
@@ -124,18 +141,42 @@ def _compression(path: Path) -> str:
     return "gzip" if magic[:2] == b"\x1f\x8b" else "zstd" if magic == b"\x28\xb5\x2f\xfd" else "none"
 
 
-def _load_chunk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes, chains: Chains,
-                batch: dict[str, Any], load: FileLoad, reader: LineReader, quarantine: QuarantineRows) -> int:
+def _load_chunk(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    key: bytes,
+    chains: Chains,
+    batch: dict[str, Any],
+    load: FileLoad,
+    reader: LineReader,
+    quarantine: QuarantineRows,
+) -> int:
     """One chunk of lines (``kv_bulk_lines``) loaded: how many of them the reference read."""
     text = sql("kv_events_bulk").replace("{event_checks}", sql("kv_events_bulk_event"))
-    for name, value in {**batch["sql"], "canonical_h": CANONICAL.format(h="h"), "map_type": MAP_TYPE,
-                        "canonical_parent": CANONICAL.format(h="parent_text"),
-                        "fingerprint": Fingerprints.expression("'kv-block:' || ids")}.items():
+    for name, value in {
+        **batch["sql"],
+        "canonical_h": CANONICAL.format(h="h"),
+        "map_type": MAP_TYPE,
+        "canonical_parent": CANONICAL.format(h="parent_text"),
+        "fingerprint": Fingerprints.expression("'kv-block:' || ids"),
+    }.items():
         text = text.replace("{" + name + "}", value)
-    run_script(con, "kv_events_bulk", {
-        **batch["params"], **Fingerprints(key).params, "lenient": LENIENT, "map": json.dumps(STORED_MAP),
-        "instance": reader.default_instance, "offset_us": round(source.clock_offset_s * 1_000_000),
-        "ts_min": _TS_MIN, "ts_max": _TS_MAX}, text=text)
+    run_script(
+        con,
+        "kv_events_bulk",
+        {
+            **batch["params"],
+            **Fingerprints(key).params,
+            "lenient": LENIENT,
+            "map": json.dumps(STORED_MAP),
+            "instance": reader.default_instance,
+            "offset_us": round(source.clock_offset_s * 1_000_000),
+            "ts_min": _TS_MIN,
+            "ts_max": _TS_MAX,
+        },
+        text=text,
+    )
     for tag, shape, events in con.execute("SELECT tag, shape, count(*) FROM kv_bulk_events GROUP BY ALL").fetchall():
         reader.shapes[(tag, shape)] = reader.shapes.get((tag, shape), 0) + events
     read, sequenced = con.execute("SELECT count(*), count(msg_seq) FILTER (seq = 0) FROM kv_bulk_events").fetchall()[0]
@@ -145,8 +186,10 @@ def _load_chunk(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key:
     # the lines the bulk reader left: read by the reference, their blocks added to the bulk ones
     rows = Rows()
     fallback = 0
-    for line, raw in con.execute("SELECT line, raw FROM kv_bulk_lines WHERE raw IS NOT NULL AND line NOT IN "
-                                 "(SELECT line FROM kv_bulk_events WHERE seq = 0) ORDER BY line").fetchall():
+    for line, raw in con.execute(
+        "SELECT line, raw FROM kv_bulk_lines WHERE raw IS NOT NULL AND line NOT IN "
+        "(SELECT line FROM kv_bulk_events WHERE seq = 0) ORDER BY line"
+    ).fetchall():
         got = reader.read(line, raw.encode("utf-8"))
         if got is None:
             continue
@@ -172,30 +215,73 @@ def _add_blocks(rows: list[tuple], message: tuple, events: list[tuple[int, str, 
     instance, dp_rank, msg_seq, ts = message[:4]
     for seq, kind, blocks in events:
         if kind == "cleared":
-            rows.append((line, seq, 0, kind, instance, dp_rank, ts, msg_seq, None, None, None, None, None, None, None,
-                         None))
+            rows.append(
+                (line, seq, 0, kind, instance, dp_rank, ts, msg_seq, None, None, None, None, None, None, None, None)
+            )
         elif kind == "removed":
-            rows.extend((line, seq, i, kind, instance, dp_rank, ts, msg_seq, h, None, None, None, None, None, medium,
-                         group) for i, (h, medium, group) in enumerate(blocks))
+            rows.extend(
+                (line, seq, i, kind, instance, dp_rank, ts, msg_seq, h, None, None, None, None, None, medium, group)
+                for i, (h, medium, group) in enumerate(blocks)
+            )
         else:
-            rows.extend((line, seq, i, kind, instance, dp_rank, ts, msg_seq, h, parent, num_tokens, fp, salt, lora,
-                         medium, group)
-                        for i, (h, parent, num_tokens, fp, salt, lora, medium, group) in enumerate(blocks))
+            rows.extend(
+                (
+                    line,
+                    seq,
+                    i,
+                    kind,
+                    instance,
+                    dp_rank,
+                    ts,
+                    msg_seq,
+                    h,
+                    parent,
+                    num_tokens,
+                    fp,
+                    salt,
+                    lora,
+                    medium,
+                    group,
+                )
+                for i, (h, parent, num_tokens, fp, salt, lora, medium, group) in enumerate(blocks)
+            )
 
 
-_BLOCK_COLUMNS = (("line", pa.int64()), ("seq", pa.int32()), ("i", pa.int64()), ("kind", pa.string()),
-                  ("instance", pa.string()), ("dp_rank", pa.int32()), ("ts", TYPES["ts"]), ("msg_seq", pa.int64()),
-                  ("block_hash", pa.string()), ("parent", pa.string()), ("num_tokens", pa.int64()),
-                  ("block_fp", pa.int64()), ("own_salt", pa.string()), ("lora", pa.string()), ("medium", pa.string()),
-                  ("kv_group", pa.int32()))
-_MESSAGE_COLUMNS = (("instance", pa.string()), ("dp_rank", pa.int32()), ("msg_seq", pa.int64()), ("ts", TYPES["ts"]),
-                    ("events", pa.int64()), ("loaded", pa.int64()), ("line", pa.int64()))
+_BLOCK_COLUMNS = (
+    ("line", pa.int64()),
+    ("seq", pa.int32()),
+    ("i", pa.int64()),
+    ("kind", pa.string()),
+    ("instance", pa.string()),
+    ("dp_rank", pa.int32()),
+    ("ts", TYPES["ts"]),
+    ("msg_seq", pa.int64()),
+    ("block_hash", pa.string()),
+    ("parent", pa.string()),
+    ("num_tokens", pa.int64()),
+    ("block_fp", pa.int64()),
+    ("own_salt", pa.string()),
+    ("lora", pa.string()),
+    ("medium", pa.string()),
+    ("kv_group", pa.int32()),
+)
+_MESSAGE_COLUMNS = (
+    ("instance", pa.string()),
+    ("dp_rank", pa.int32()),
+    ("msg_seq", pa.int64()),
+    ("ts", TYPES["ts"]),
+    ("events", pa.int64()),
+    ("loaded", pa.int64()),
+    ("line", pa.int64()),
+)
 
 
 def _insert_fallback(con: duckdb.DuckDBPyConnection, rows: Rows) -> None:
     """The reference's blocks and messages of the lines it read, beside the bulk reader's."""
-    for table, data, columns in (("kv_bulk_blocks", rows.data, _BLOCK_COLUMNS),
-                                 ("kv_bulk_events", rows.messages, _MESSAGE_COLUMNS)):
+    for table, data, columns in (
+        ("kv_bulk_blocks", rows.data, _BLOCK_COLUMNS),
+        ("kv_bulk_events", rows.messages, _MESSAGE_COLUMNS),
+    ):
         if not data:
             continue
         arrow = pa.Table.from_struct_array(pa.array(data, type=pa.struct(list(columns))))
@@ -204,8 +290,10 @@ def _insert_fallback(con: duckdb.DuckDBPyConnection, rows: Rows) -> None:
             if table == "kv_bulk_blocks":
                 con.execute("INSERT INTO kv_bulk_blocks BY NAME SELECT * FROM kv_bulk_fallback").fetchall()
             else:
-                con.execute("INSERT INTO kv_bulk_events BY NAME SELECT *, 0 AS seq, true AS plain, "
-                            "'fallback' AS kind FROM kv_bulk_fallback").fetchall()
+                con.execute(
+                    "INSERT INTO kv_bulk_events BY NAME SELECT *, 0 AS seq, true AS plain, "
+                    "'fallback' AS kind FROM kv_bulk_fallback"
+                ).fetchall()
         finally:
             con.unregister("kv_bulk_fallback")
 
@@ -262,15 +350,25 @@ def _batch_reads(source: Source) -> dict[str, Any] | str:
     def scalar(part: str) -> str:
         return f"scalars[{at[part]}]" if part in at else "NULL"
 
-    return {"params": params, "sql": {
-        "once": " AND ".join(f"strpos(substr(raw, strpos(raw, '\"' || $k{i} || '\"') + 1), '\"' || $k{i} || '\"') = 0"
-                             for i in range(len(keys))) or "true",
-        "containers": " AND ".join(f"json_type(raw, $c{i}) = 'ARRAY'" for i in range(len(containers))) or "true",
-        "array_ok": "false" if "instance" in mapped or "seq" in mapped else "true",
-        "seq_mapped": "true" if "seq" in mapped else "false",
-        "instance_mapped": "true" if "instance" in mapped else "false",
-        "ts": scalar("ts"), "seq": scalar("seq"), "instance": scalar("instance"),
-        "rank": scalar("dp_rank") if "dp_rank" in mapped else
-                f"CASE WHEN {scalar('dpr')} IS NOT NULL THEN {scalar('dpr')} ELSE {scalar('attn')} END",
-        "events_fields": access.format("from_json(raw, $events_fields)") + "::VARCHAR[][]",
-        "events_texts": access.format("from_json(raw, $events_texts)") + "::VARCHAR[]"}}
+    return {
+        "params": params,
+        "sql": {
+            "once": " AND ".join(
+                f"strpos(substr(raw, strpos(raw, '\"' || $k{i} || '\"') + 1), '\"' || $k{i} || '\"') = 0"
+                for i in range(len(keys))
+            )
+            or "true",
+            "containers": " AND ".join(f"json_type(raw, $c{i}) = 'ARRAY'" for i in range(len(containers))) or "true",
+            "array_ok": "false" if "instance" in mapped or "seq" in mapped else "true",
+            "seq_mapped": "true" if "seq" in mapped else "false",
+            "instance_mapped": "true" if "instance" in mapped else "false",
+            "ts": scalar("ts"),
+            "seq": scalar("seq"),
+            "instance": scalar("instance"),
+            "rank": scalar("dp_rank")
+            if "dp_rank" in mapped
+            else f"CASE WHEN {scalar('dpr')} IS NOT NULL THEN {scalar('dpr')} ELSE {scalar('attn')} END",
+            "events_fields": access.format("from_json(raw, $events_fields)") + "::VARCHAR[][]",
+            "events_texts": access.format("from_json(raw, $events_texts)") + "::VARCHAR[]",
+        },
+    }

@@ -56,8 +56,9 @@ class Chains:
         if self.table is None or self.con is None:
             return
         for instance, block_hash, position, salt, chain in self.con.execute(
-                f"SELECT instance, block_hash, position, salt, chain_fp FROM {self.table} "
-                "QUALIFY row_number() OVER (PARTITION BY instance, block_hash ORDER BY ord DESC) = 1").fetchall():
+            f"SELECT instance, block_hash, position, salt, chain_fp FROM {self.table} "
+            "QUALIFY row_number() OVER (PARTITION BY instance, block_hash ORDER BY ord DESC) = 1"
+        ).fetchall():
             self.known[(instance, block_hash)] = (position, salt, chain)
         self.con.execute(f"DROP TABLE {self.table}").fetchall()
         self.table, self.con = None, None
@@ -68,8 +69,10 @@ class Chains:
             self.settle(self.con)
         if self.table is None:
             self.table, self.con = f"kv_chain_state_{id(self):x}", con
-            con.execute(f"CREATE TEMP TABLE {self.table} (instance VARCHAR, block_hash VARCHAR, ord BIGINT, "
-                        "position BIGINT, salt VARCHAR, chain_fp BIGINT)").fetchall()
+            con.execute(
+                f"CREATE TEMP TABLE {self.table} (instance VARCHAR, block_hash VARCHAR, ord BIGINT, "
+                "position BIGINT, salt VARCHAR, chain_fp BIGINT)"
+            ).fetchall()
         return self.table
 
 
@@ -81,15 +84,14 @@ class Fingerprints:
     def __init__(self, key: bytes) -> None:
         block = key if len(key) <= 64 else hashlib.sha256(key).digest()
         block = block.ljust(64, b"\0")
-        self.params = {"ipad": bytes(b ^ 0x36 for b in block), "opad": bytes(b ^ 0x5c for b in block)}
+        self.params = {"ipad": bytes(b ^ 0x36 for b in block), "opad": bytes(b ^ 0x5C for b in block)}
         self._inner = hashlib.sha256(self.params["ipad"])
         self._outer = hashlib.sha256(self.params["opad"])
 
     @staticmethod
     def expression(message: str) -> str:
         """SQL of the fingerprint of the text *message* (an SQL expression of ASCII text)."""
-        return (f"(('0x' || left(sha256($opad || unhex(sha256($ipad || encode({message})))), 16))::UBIGINT >> 1)"
-                "::BIGINT")
+        return f"(('0x' || left(sha256($opad || unhex(sha256($ipad || encode({message})))), 16))::UBIGINT >> 1)::BIGINT"
 
     def one(self, message: bytes) -> int:
         inner = self._inner.copy()
@@ -105,12 +107,20 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
     ``block_fp``, ``own_salt``), as a table ``row`` (the block's rowid), ``position``, ``salt``, ``chain_fp``;
     their states added to *chains*."""
     table = chains.table_on(con)
-    rows = con.sql(f"SELECT rowid AS row, line, seq, i, instance, block_hash, parent, block_fp, own_salt FROM {blocks} "
-                   "WHERE kind = 'stored'").to_arrow_table()
+    rows = con.sql(
+        f"SELECT rowid AS row, line, seq, i, instance, block_hash, parent, block_fp, own_salt FROM {blocks} "
+        "WHERE kind = 'stored'"
+    ).to_arrow_table()
     n = rows.num_rows
     if n == 0:
-        return pa.table({"row": pa.array([], pa.int64()), "position": pa.array([], pa.int64()),
-                         "salt": pa.array([], pa.string()), "chain_fp": pa.array([], pa.int64())})
+        return pa.table(
+            {
+                "row": pa.array([], pa.int64()),
+                "position": pa.array([], pa.int64()),
+                "salt": pa.array([], pa.string()),
+                "chain_fp": pa.array([], pa.int64()),
+            }
+        )
     rows = rows.take(np.lexsort([rows.column(c).to_numpy() for c in ("i", "seq", "line")]))  # read order
     first = rows.column("i").to_numpy() == 0
     fp_valid = rows.column("block_fp").is_valid().to_numpy(zero_copy_only=False)
@@ -132,7 +142,7 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
     has_parent = rows.column("parent").is_valid().to_numpy(zero_copy_only=False)
     parent = place + parent_index.fill_null(width - 1).to_numpy(zero_copy_only=False).astype(np.int64)
     ords = np.arange(n, dtype=np.int64)
-    if int(place.max()) + width >= (2 ** 62) // (n + 1):
+    if int(place.max()) + width >= (2**62) // (n + 1):
         raise ValueError("too many blocks in one file to follow their chains at once")
     sorted_keys = np.sort(stored * (n + 1) + ords)  # (instance, hash) then read order
     asked = np.nonzero(first & has_parent)[0]
@@ -195,15 +205,29 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
         chain[hashed] = _chain_fps(con, hasher, chain[up[need]], fp[hashed])
         frontier = kids
 
-    salt_array = pa.DictionaryArray.from_arrays(pa.array(salt, mask=salt < 0, type=pa.int32()),
-                                                pa.array(salt_values, pa.string())).cast(pa.string())
-    result = pa.table({"row": rows.column("row"), "position": pa.array(position, mask=~pos_valid), "salt": salt_array,
-                       "chain_fp": pa.array(chain, mask=~chain_valid)})
+    salt_array = pa.DictionaryArray.from_arrays(
+        pa.array(salt, mask=salt < 0, type=pa.int32()), pa.array(salt_values, pa.string())
+    ).cast(pa.string())
+    result = pa.table(
+        {
+            "row": rows.column("row"),
+            "position": pa.array(position, mask=~pos_valid),
+            "salt": salt_array,
+            "chain_fp": pa.array(chain, mask=~chain_valid),
+        }
+    )
     # each (instance, hash)'s last state in this file, for the files after it
     last = n - 1 - np.unique(stored[::-1], return_index=True)[1]
-    states = pa.table({"instance": rows.column("instance").take(last), "block_hash": rows.column("block_hash").take(last),
-                       "ord": pa.array(last + chains.stored), "position": result.column("position").take(last),
-                       "salt": result.column("salt").take(last), "chain_fp": result.column("chain_fp").take(last)})
+    states = pa.table(
+        {
+            "instance": rows.column("instance").take(last),
+            "block_hash": rows.column("block_hash").take(last),
+            "ord": pa.array(last + chains.stored),
+            "position": result.column("position").take(last),
+            "salt": result.column("salt").take(last),
+            "chain_fp": result.column("chain_fp").take(last),
+        }
+    )
     con.register("kv_states", states)
     try:
         con.execute(f"INSERT INTO {table} SELECT * FROM kv_states").fetchall()
@@ -213,15 +237,21 @@ def follow(con: duckdb.DuckDBPyConnection, chains: Chains, blocks: str, key: byt
     return result
 
 
-def _states(con: duckdb.DuckDBPyConnection, chains: Chains, table: str, rows: pa.Table, asked: np.ndarray
-            ) -> list[tuple[int, int | None, str | None, int | None]]:
+def _states(
+    con: duckdb.DuckDBPyConnection, chains: Chains, table: str, rows: pa.Table, asked: np.ndarray
+) -> list[tuple[int, int | None, str | None, int | None]]:
     """(block, its parent's position, cache salt and chain fingerprint) of each first block *asked* (by its place in
     *rows*), whose parent no earlier block of this file stored: its last state in the files before (the bulk reader's
     table, else the reference's dictionary), or unknown."""
     if not len(asked):
         return []
-    wanted = pa.table({"ord": pa.array(asked), "instance": rows.column("instance").take(asked),
-                       "parent": rows.column("parent").take(asked)})
+    wanted = pa.table(
+        {
+            "ord": pa.array(asked),
+            "instance": rows.column("instance").take(asked),
+            "parent": rows.column("parent").take(asked),
+        }
+    )
     con.register("kv_wanted", wanted)
     try:
         found = con.execute(f"""
@@ -230,8 +260,10 @@ def _states(con: duckdb.DuckDBPyConnection, chains: Chains, table: str, rows: pa
             QUALIFY row_number() OVER (PARTITION BY w.ord ORDER BY s.ord DESC NULLS LAST) = 1""").fetchall()
     finally:
         con.unregister("kv_wanted")
-    return [(ord_, position, salt, chain) if seen else (ord_, *chains.known.get((instance, parent), (None, None, None)))
-            for ord_, instance, parent, seen, position, salt, chain in found]
+    return [
+        (ord_, position, salt, chain) if seen else (ord_, *chains.known.get((instance, parent), (None, None, None)))
+        for ord_, instance, parent, seen, position, salt, chain in found
+    ]
 
 
 def _chain_fps(con: duckdb.DuckDBPyConnection, hasher: Fingerprints, parents: Any, fps: np.ndarray) -> np.ndarray:
@@ -249,16 +281,20 @@ def _chain_fps(con: duckdb.DuckDBPyConnection, hasher: Fingerprints, parents: An
                 value = done[(parent, fp)] = hasher.one(f"kv-chain:{'' if parent is None else parent}:{fp}".encode())
             out[i] = value
         return out
-    pairs = pa.table({"i": pa.array(np.arange(len(fps), dtype=np.int64)), "p": pa.array(parent_list, pa.int64()),
-                      "f": pa.array(fps)})
+    pairs = pa.table(
+        {"i": pa.array(np.arange(len(fps), dtype=np.int64)), "p": pa.array(parent_list, pa.int64()), "f": pa.array(fps)}
+    )
     con.register("kv_chain_pairs", pairs)
     try:
         message = "'kv-chain:' || coalesce(p::VARCHAR, '') || ':' || f::VARCHAR"
-        got = con.execute(f"""
+        got = con.execute(
+            f"""
             WITH distinct_pairs AS (SELECT DISTINCT p, f FROM kv_chain_pairs),
                  hashed AS (SELECT p, f, {Fingerprints.expression(message)} AS c FROM distinct_pairs)
             SELECT k.i, h.c FROM kv_chain_pairs k JOIN hashed h ON k.f = h.f AND k.p IS NOT DISTINCT FROM h.p
-            """, hasher.params).fetchnumpy()
+            """,
+            hasher.params,
+        ).fetchnumpy()
     finally:
         con.unregister("kv_chain_pairs")
     out = np.empty(len(fps), dtype=np.int64)

@@ -51,8 +51,15 @@ from kvforensics.sources.kv_events.reference import FIELDS, block_fingerprint, c
 __all__ = ["FIELDS", "Chains", "block_fingerprint", "canonical_hash", "load_kv_events"]
 
 
-def load_kv_events(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
-                   chains: Chains | None = None, *, bulk_from: int = BULK_MIN_LINES) -> FileLoad:
+def load_kv_events(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    key: bytes,
+    chains: Chains | None = None,
+    *,
+    bulk_from: int = BULK_MIN_LINES,
+) -> FileLoad:
     """Load one KV-event file into ``kv_events`` and its messages into ``kv_event_messages``: a record
     is an event (a line that cannot be read as a batch counts as one); every event loaded or quarantined
     with its reason, token ids never kept. In bulk when the file has *bulk_from* lines or more and DuckDB

@@ -35,32 +35,78 @@ from kvforensics.sources.kv_events.chains import Chains
 KINDS = {"BlockStored": "stored", "BlockRemoved": "removed", "AllBlocksCleared": "cleared"}
 # each event's fields in wire order (after the tag), and how many every version carries
 FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
 REQUIRED = {"BlockStored": 5, "BlockRemoved": 1, "AllBlocksCleared": 0}
 # the fields an event map must name: the others have defaults, which msgspec's omit_defaults leaves out
-MAP_REQUIRED = {"BlockStored": ("block_hashes", "token_ids", "block_size"), "BlockRemoved": ("block_hashes",),
-                "AllBlocksCleared": ()}
+MAP_REQUIRED = {
+    "BlockStored": ("block_hashes", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
 _LORA_NAME = FIELDS["BlockStored"].index("lora_name")
-INT32 = 2 ** 31  # dp_rank and group_idx are INTEGER columns
-INT64 = 2 ** 63  # msg_seq is a BIGINT column (the publisher's 8-byte sequence number)
+INT32 = 2**31  # dp_rank and group_idx are INTEGER columns
+INT64 = 2**63  # msg_seq is a BIGINT column (the publisher's 8-byte sequence number)
 FLUSH_ROWS = 500_000  # block rows per insert
 NOTE = "token ids fingerprinted per block (keyed HMAC); none stored"
 _HEX = re.compile(r"[0-9a-fA-F]+")
 # the columns of a block row, in the order _chain_rows builds them, and of a message row
-COLUMNS = ("instance", "dp_rank", "ts", "batch", "seq", "msg_seq", "kind", "block_hash", "parent_block_hash",
-           "position", "num_tokens", "block_fp", "chain_fp", "lora", "medium", "salt", "kv_group", "line")
+COLUMNS = (
+    "instance",
+    "dp_rank",
+    "ts",
+    "batch",
+    "seq",
+    "msg_seq",
+    "kind",
+    "block_hash",
+    "parent_block_hash",
+    "position",
+    "num_tokens",
+    "block_fp",
+    "chain_fp",
+    "lora",
+    "medium",
+    "salt",
+    "kv_group",
+    "line",
+)
 MESSAGE_COLUMNS = ("instance", "dp_rank", "msg_seq", "ts", "events", "loaded", "message", "line")
-TYPES = {"dp_rank": pa.int32(), "ts": pa.timestamp("us", tz="UTC"), "batch": pa.int64(), "seq": pa.int32(),
-         "msg_seq": pa.int64(), "position": pa.int64(), "num_tokens": pa.int64(), "block_fp": pa.int64(),
-         "chain_fp": pa.int64(), "kv_group": pa.int32(), "line": pa.int64(), "events": pa.int64(),
-         "loaded": pa.int64(), "message": pa.int64()}
+TYPES = {
+    "dp_rank": pa.int32(),
+    "ts": pa.timestamp("us", tz="UTC"),
+    "batch": pa.int64(),
+    "seq": pa.int32(),
+    "msg_seq": pa.int64(),
+    "position": pa.int64(),
+    "num_tokens": pa.int64(),
+    "block_fp": pa.int64(),
+    "chain_fp": pa.int64(),
+    "kv_group": pa.int32(),
+    "line": pa.int64(),
+    "events": pa.int64(),
+    "loaded": pa.int64(),
+    "message": pa.int64(),
+}
 
-_STRUCTS = {table: pa.struct([(c, TYPES.get(c, pa.string())) for c in columns])
-            for table, columns in (("kv_events", COLUMNS), ("kv_event_messages", MESSAGE_COLUMNS))}
+_STRUCTS = {
+    table: pa.struct([(c, TYPES.get(c, pa.string())) for c in columns])
+    for table, columns in (("kv_events", COLUMNS), ("kv_event_messages", MESSAGE_COLUMNS))
+}
 Steps = tuple[tuple[str, int | None], ...]  # a dotted key: each step a key, and the index it is if a number
 # a stored block before its chain is followed: hash, parent hash, token count, block_fp, the cache salt the
 # event gives it (None: inherited from its parent), lora, medium, kv_group
@@ -106,10 +152,15 @@ class Keys:
     def of(cls, source: Source) -> Keys:
         names = {f: source.column(f) for f in ("ts", "events", "dp_rank", "instance", "seq")}
         mapped = source.columns
-        return cls(ts=steps(names["ts"]), events=steps(names["events"]),
-                   dp_rank=steps(names["dp_rank"]) if "dp_rank" in mapped else None,
-                   instance=steps(names["instance"]) if "instance" in mapped else None,
-                   seq=steps(names["seq"]), names=names, seq_mapped="seq" in mapped)
+        return cls(
+            ts=steps(names["ts"]),
+            events=steps(names["events"]),
+            dp_rank=steps(names["dp_rank"]) if "dp_rank" in mapped else None,
+            instance=steps(names["instance"]) if "instance" in mapped else None,
+            seq=steps(names["seq"]),
+            names=names,
+            seq_mapped="seq" in mapped,
+        )
 
 
 @dataclass
@@ -126,8 +177,9 @@ class Rows:
     def flush(self, con: duckdb.DuckDBPyConnection, source: Source, path: Path) -> None:
         for table, rows in (("kv_events", self.data), ("kv_event_messages", self.messages)):
             if rows:
-                insert_rows(con, table, pa.Table.from_struct_array(pa.array(rows, type=_STRUCTS[table])),
-                            source, path)  # tuples converted in C++
+                insert_rows(
+                    con, table, pa.Table.from_struct_array(pa.array(rows, type=_STRUCTS[table])), source, path
+                )  # tuples converted in C++
         self.data, self.messages = [], []
 
 
@@ -136,8 +188,11 @@ def insert_rows(con: duckdb.DuckDBPyConnection, table: str, arrow: pa.Table, sou
     name = f"{table}_batch"
     con.register(name, arrow)
     try:
-        con.execute(f"INSERT INTO {table} BY NAME SELECT * EXCLUDE (line), line AS source_line, "
-                    f"$s AS source, $f AS source_file FROM {name}", {"s": source.name, "f": str(path)}).fetchall()
+        con.execute(
+            f"INSERT INTO {table} BY NAME SELECT * EXCLUDE (line), line AS source_line, "
+            f"$s AS source, $f AS source_file FROM {name}",
+            {"s": source.name, "f": str(path)},
+        ).fetchall()
     finally:
         con.unregister(name)
 
@@ -173,8 +228,9 @@ class LineReader:
             return None
         got = LineRead()
         try:
-            instance, dp_rank, ts, msg_seq, events, problem = _batch(rawb, self.source, self.keys,
-                                                                     self.default_instance)
+            instance, dp_rank, ts, msg_seq, events, problem = _batch(
+                rawb, self.source, self.keys, self.default_instance
+            )
         except Refused as e:  # the whole line: its text may hold token ids, so none of it is kept
             got.records = 1
             got.refused.append((str(e), None))
@@ -201,16 +257,24 @@ class LineReader:
         """The shapes of the events seen and the messages that carried a sequence number."""
         notes = []
         if self.shapes:
-            notes.append("event shapes seen: " + ", ".join(_shape(tag, n, count) for (tag, n), count in sorted(
-                self.shapes.items(), key=lambda s: (list(FIELDS).index(s[0][0]), s[0][1] == 0, s[0][1]))))
+            notes.append(
+                "event shapes seen: "
+                + ", ".join(
+                    _shape(tag, n, count)
+                    for (tag, n), count in sorted(
+                        self.shapes.items(), key=lambda s: (list(FIELDS).index(s[0][0]), s[0][1] == 0, s[0][1])
+                    )
+                )
+            )
         if self.sequenced:
-            notes.append(f"publisher sequence numbers (key '{self.keys.names['seq']}') read for "
-                         f"{self.sequenced:,} message(s): lost messages and restarts in kv_event_gaps")
+            notes.append(
+                f"publisher sequence numbers (key '{self.keys.names['seq']}') read for "
+                f"{self.sequenced:,} message(s): lost messages and restarts in kv_event_gaps"
+            )
         return notes
 
 
-def read_reference(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes,
-                   chains: Chains) -> FileLoad:
+def read_reference(con: duckdb.DuckDBPyConnection, source: Source, path: Path, key: bytes, chains: Chains) -> FileLoad:
     """Load one KV-event file line by line into ``kv_events`` and its messages into ``kv_event_messages``,
     each chain followed in read order: every event loaded or quarantined with its reason."""
     chains.settle(con)
@@ -262,9 +326,14 @@ def finish(load: FileLoad, quarantine: QuarantineRows, stream: LineStream | None
     load.notes.append(NOTE)
 
 
-def _chain_rows(rows: list[tuple], known: dict[tuple[str, str], tuple[int | None, str | None, int | None]],
-                key: bytes, kind: str, blocks: list[Any], head: tuple[str, int | None, datetime | None, int, int,
-                                                                    int | None]) -> None:
+def _chain_rows(
+    rows: list[tuple],
+    known: dict[tuple[str, str], tuple[int | None, str | None, int | None]],
+    key: bytes,
+    kind: str,
+    blocks: list[Any],
+    head: tuple[str, int | None, datetime | None, int, int, int | None],
+) -> None:
     """The event's rows, each stored block's position, cache salt and chain fingerprint followed from its
     parent's (in *known*, by instance and hash); ``head`` (instance, dp_rank, ts, batch, seq, msg_seq)."""
     line = head[3]
@@ -272,12 +341,15 @@ def _chain_rows(rows: list[tuple], known: dict[tuple[str, str], tuple[int | None
         rows.append((*head, kind, None, None, None, None, None, None, None, None, None, None, line))
         return
     if kind == "removed":
-        rows.extend((*head, kind, h, None, None, None, None, None, None, medium, None, group, line)
-                    for h, medium, group in blocks)
+        rows.extend(
+            (*head, kind, h, None, None, None, None, None, None, medium, None, group, line)
+            for h, medium, group in blocks
+        )
         return
     instance, parent = head[0], blocks[0][1]
-    position, chain_salt, chain = (0, None, None) if parent is None else known.get((instance, parent),
-                                                                                   (None, None, None))
+    position, chain_salt, chain = (
+        (0, None, None) if parent is None else known.get((instance, parent), (None, None, None))
+    )
     if parent is not None and position is not None:
         position += 1
     for h, parent, num_tokens, fp, salt, lora, medium, group in blocks:
@@ -293,8 +365,9 @@ def _shape(tag: str, n: int, count: int) -> str:
     return f"{tag} {'map' if n == 0 else f'array of {n}'} ({count:,})"
 
 
-def _batch(rawb: bytes, source: Source, keys: Keys, default_instance: str
-           ) -> tuple[str, int | None, datetime | None, int | None, list | None, str | None]:
+def _batch(
+    rawb: bytes, source: Source, keys: Keys, default_instance: str
+) -> tuple[str, int | None, datetime | None, int | None, list | None, str | None]:
     """(instance, dp_rank, ts, msg_seq, events, the problem every event of the batch shares or None) of a
     message: dp_rank, ts and msg_seq None when absent or unreadable (the problem says which), events None
     when they are not a list (the problem says so). Refused when the line is no batch of a known instance."""
@@ -309,23 +382,31 @@ def _batch(rawb: bytes, source: Source, keys: Keys, default_instance: str
         if len(batch) not in (2, 3):
             raise Refused(f"a batch array has {len(batch)} items; expected [ts, events] or [ts, events, dp_rank]")
         if keys.instance is not None:
-            raise Refused(f"the batch is an array, so it has no key '{keys.names['instance']}' naming the instance "
-                          "(columns.instance)")
+            raise Refused(
+                f"the batch is an array, so it has no key '{keys.names['instance']}' naming the instance "
+                "(columns.instance)"
+            )
         if keys.seq_mapped:
-            raise Refused(f"the batch is an array, so it has no key '{keys.names['seq']}' holding the publisher's "
-                          "sequence number (columns.seq)")
+            raise Refused(
+                f"the batch is an array, so it has no key '{keys.names['seq']}' holding the publisher's "
+                "sequence number (columns.seq)"
+            )
         ts_raw, events, rank = batch[0], batch[1], batch[2] if len(batch) == 3 else None
         instance, seq_raw = default_instance, None
         where = ""
     elif type(batch) is dict:
         ts_raw, events = get(batch, keys.ts), get(batch, keys.events)
-        rank = get(batch, keys.dp_rank) if keys.dp_rank is not None else \
-            batch.get("data_parallel_rank", batch.get("attn_dp_rank"))
+        rank = (
+            get(batch, keys.dp_rank)
+            if keys.dp_rank is not None
+            else batch.get("data_parallel_rank", batch.get("attn_dp_rank"))
+        )
         if keys.instance is not None:
             instance = get(batch, keys.instance)
             if not isinstance(instance, str) or not instance:
-                raise Refused(f"no instance: key '{keys.names['instance']}' (columns.instance) is missing or not a "
-                              "string")
+                raise Refused(
+                    f"no instance: key '{keys.names['instance']}' (columns.instance) is missing or not a string"
+                )
         else:
             instance = default_instance
         seq_raw = get(batch, keys.seq)
@@ -412,8 +493,9 @@ def _event(event: Any, shapes: dict[tuple[str, int], int]) -> tuple[str, list[An
     if type(event) is dict:
         tag = event.get("type")
         if tag not in FIELDS:
-            raise Refused(f"unknown event tag {_shown(tag)}" if tag is not None
-                          else "an event object needs its tag in \"type\"")
+            raise Refused(
+                f"unknown event tag {_shown(tag)}" if tag is not None else "an event object needs its tag in \"type\""
+            )
         shape = (tag, 0)
         shapes[shape] = shapes.get(shape, 0) + 1
         missing = [n for n in MAP_REQUIRED[tag] if n not in event]
@@ -443,8 +525,7 @@ def _blocks(tag: str, v: list[Any], salt: Any, salt_name: str, key: bytes) -> li
         medium, group = _optional(v[1], str, "medium"), _group(v[2])
         return [(h, medium, group) for h in hashes]
     parent_raw, tokens, size, lora_id, medium, lora_name, extra, group, spec_kind, window = v[1:]
-    parent = None if parent_raw is None else str(parent_raw) if type(parent_raw) is int else \
-        canonical_hash(parent_raw)
+    parent = None if parent_raw is None else str(parent_raw) if type(parent_raw) is int else canonical_hash(parent_raw)
     if type(size) is not int:
         raise Refused(f"block_size {_shown(size)} is not an integer")
     if size <= 0:
@@ -466,19 +547,21 @@ def _blocks(tag: str, v: list[Any], salt: Any, salt_name: str, key: bytes) -> li
     salt = salt or None
     if medium is not None and type(medium) is not str:
         raise Refused(f"medium {_shown(medium)} is not a string")
-    if lora_name is not None or group is not None or extra is not None or spec_kind is not None \
-            or window is not None:  # vLLM's later fields (SGLang has none of them)
+    if (
+        lora_name is not None or group is not None or extra is not None or spec_kind is not None or window is not None
+    ):  # vLLM's later fields (SGLang has none of them)
         _optional(lora_name, str, "lora_name")
         group = _group(group)
-        if extra is not None and (type(extra) is not list or len(extra) != n
-                                  or not all(e is None or type(e) is list for e in extra)):
+        if extra is not None and (
+            type(extra) is not list or len(extra) != n or not all(e is None or type(e) is list for e in extra)
+        ):
             raise Refused(f"extra_keys must be a list of {n} lists or nulls, one per block")
         _optional(spec_kind, str, "kv_cache_spec_kind")
         _optional(window, int, "kv_cache_spec_sliding_window")
     lora = lora_name if lora_name is not None else None if lora_id is None else str(lora_id)
     blocks: list[StoredBlock] = []
     for i, h in enumerate(hashes):
-        block = tokens if n == 1 else tokens[i * size:(i + 1) * size]
+        block = tokens if n == 1 else tokens[i * size : (i + 1) * size]
         own = salt or (_vllm_salt(extra[i], lora_name) if extra is not None and extra[i] else None) or None
         fp = None if not block else ids_fingerprint(ids, key) if n == 1 else block_fingerprint(block, key)
         blocks.append((h, parent, len(block) or None, fp, own, lora, medium, group))
@@ -509,19 +592,31 @@ def _optional(value: Any, kind: type, name: str) -> Any:
 
 
 def _type(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _shown(value: Any) -> str:
     """A value as the quarantine may show it: lists (token ids, hashes) only by their length."""
+
     def redact(v: Any) -> Any:
         if isinstance(v, list):
-            return f"<list of {len(v)}>" if not (v and isinstance(v[0], str) and v[0] in FIELDS) else \
-                [v[0], *(redact(x) for x in v[1:])]
+            return (
+                f"<list of {len(v)}>"
+                if not (v and isinstance(v[0], str) and v[0] in FIELDS)
+                else [v[0], *(redact(x) for x in v[1:])]
+            )
         if isinstance(v, dict):
             return {k: redact(x) for k, x in v.items()}
         if isinstance(v, float) and not math.isfinite(v):
             return str(v)
         return v
+
     return json.dumps(redact(value), ensure_ascii=False)[:200]

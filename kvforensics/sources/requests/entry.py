@@ -18,14 +18,25 @@ def load(run: IngestRun, source: Source, files: list[Path]) -> list[InputFile]:
     todo: list[Path] = []
     for path in files:
         taken = digest(path, run.digests)
-        seen = con.execute("SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
-                           "WHERE source = $s AND sha256 = $h", {"s": source.name, "h": taken[0]}).fetchall()
+        seen = con.execute(
+            "SELECT records_read, loaded, quarantined, duplicates, notes FROM load_report "
+            "WHERE source = $s AND sha256 = $h",
+            {"s": source.name, "h": taken[0]},
+        ).fetchall()
         if seen:
             r = seen[0]
-            records[path] = InputFile(source=source.name, kind=source.kind, file=str(path), sha256=taken[0],
-                                      bytes=taken[1], records_read=r[0], loaded=r[1], quarantined=r[2],
-                                      duplicates=r[3],
-                                      notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])))
+            records[path] = InputFile(
+                source=source.name,
+                kind=source.kind,
+                file=str(path),
+                sha256=taken[0],
+                bytes=taken[1],
+                records_read=r[0],
+                loaded=r[1],
+                quarantined=r[2],
+                duplicates=r[3],
+                notes=tuple(filter(None, [r[4], "already loaded (same SHA-256): not read again"])),
+            )
         elif taken[1] == 0:
             records[path] = record(con, source, path, taken, FileLoad(file=path, notes=["empty file"]))
         else:
@@ -37,6 +48,13 @@ def load(run: IngestRun, source: Source, files: list[Path]) -> list[InputFile]:
             load.notes.append("empty file")
         records[load.file] = record(con, source, load.file, digests[load.file], load)
 
-    load_requests_files(con, source, todo, tick=run.tick, on_file=lambda p: run.on_file(f"{source.name}: {p.name}"),
-                        on_merged=merged, model_aliases=run.incident.model_aliases)
+    load_requests_files(
+        con,
+        source,
+        todo,
+        tick=run.tick,
+        on_file=lambda p: run.on_file(f"{source.name}: {p.name}"),
+        on_merged=merged,
+        model_aliases=run.incident.model_aliases,
+    )
     return [records[path] for path in files]

@@ -63,9 +63,12 @@ def require_mapped_keys(source: Source, path: Path, keys: set[str], whole: bool)
             if whole:
                 notes.append(f"{canonical} left empty: no record of {path.name} has key '{col}' (columns.{canonical})")
             continue
-        raise InputError(f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
-                         f"records have keys {shown}. Map it in the incident file: columns = {{ {canonical} = "
-                         "\"<key>\" }", location=where)
+        raise InputError(
+            f"required field '{canonical}' is missing (mapped to key '{col}'): no record has it; the "
+            f"records have keys {shown}. Map it in the incident file: columns = {{ {canonical} = "
+            "\"<key>\" }",
+            location=where,
+        )
     return notes + check_expression_columns(source, path, lambda name: name not in absent, top)
 
 
@@ -79,7 +82,7 @@ def _json_key_in_file(path: Path, key: str) -> bool:
             while chunk := fh.read(CHUNK):
                 if needle in tail + chunk:  # the chunk with the last bytes before it: a name cut between chunks
                     return True
-                tail = chunk[-len(needle):]
+                tail = chunk[-len(needle) :]
     except Exception:  # noqa: BLE001 - truncated or corrupt: the line reader says so per record
         return True
     return False
@@ -145,8 +148,12 @@ def late_needles(source: Source, keys: set[str], chosen: Mapping[str, str | None
     sampled = {k.rsplit(".", 1)[-1] for k in keys}
     needles = {}
     for canonical in CANONICAL_REQUEST_FIELDS:
-        if canonical in REQUIRED_REQUEST_FIELDS or chosen.get(canonical) is not None or canonical in source.columns \
-                or canonical in source.expressions:
+        if (
+            canonical in REQUIRED_REQUEST_FIELDS
+            or chosen.get(canonical) is not None
+            or canonical in source.columns
+            or canonical in source.expressions
+        ):
             continue
         names = {n.rsplit(".", 1)[-1] for n in candidate_names(source, canonical)} - sampled
         if names:

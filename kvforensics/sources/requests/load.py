@@ -50,18 +50,24 @@ KEEP_BATCH_TABLES = False
 CONFLICT = "duplicate request_id with conflicting values%"
 
 
-def load_requests_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, *,
-                       tick: Callable[[int], None] = lambda n: None) -> FileLoad:
+def load_requests_file(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, *, tick: Callable[[int], None] = lambda n: None
+) -> FileLoad:
     """Stage, type, validate and load one requests file; quarantine what cannot be loaded."""
     (load,) = load_requests_files(con, source, [path], tick=tick)
     return load
 
 
-def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: Iterable[Path], *,
-                        tick: Callable[[int], None] = lambda n: None,
-                        on_file: Callable[[Path], None] = lambda path: None,
-                        on_merged: Callable[[FileLoad], None] = lambda load: None,
-                        model_aliases: Mapping[str, str] | None = None) -> list[FileLoad]:
+def load_requests_files(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    paths: Iterable[Path],
+    *,
+    tick: Callable[[int], None] = lambda n: None,
+    on_file: Callable[[Path], None] = lambda path: None,
+    on_merged: Callable[[FileLoad], None] = lambda load: None,
+    model_aliases: Mapping[str, str] | None = None,
+) -> list[FileLoad]:
     """Load the files of one source, in order: each file is read and typed (one streaming pass where
     DuckDB can read it), then a batch of files is merged into ``requests`` at once: duplicates
     resolved against everything loaded before, conflicts and refused records quarantined.
@@ -114,30 +120,47 @@ def load_requests_files(con: duckdb.DuckDBPyConnection, source: Source, paths: I
     return loads
 
 
-def _apply_model_aliases(con: duckdb.DuckDBPyConnection, file_no: int, aliases: Mapping[str, str],
-                         load: FileLoad) -> None:
+def _apply_model_aliases(
+    con: duckdb.DuckDBPyConnection, file_no: int, aliases: Mapping[str, str], load: FileLoad
+) -> None:
     """Engine model names -> gateway model ids (exact name first, else case-insensitive), before the
     merge, so the records compare with the gateway's own and match the capacity of their model."""
     exact = list(aliases.items())
     lowered = {k.lower(): v for k, v in reversed(exact)}
     con.execute("CREATE OR REPLACE TEMP TABLE alias_map (engine VARCHAR, gateway VARCHAR, exact BOOLEAN)").fetchall()
-    con.executemany("INSERT INTO alias_map VALUES (?, ?, ?)",
-                    [(k, v, True) for k, v in exact] + [(k, v, False) for k, v in lowered.items()])
-    renamed = con.execute("""
+    con.executemany(
+        "INSERT INTO alias_map VALUES (?, ?, ?)",
+        [(k, v, True) for k, v in exact] + [(k, v, False) for k, v in lowered.items()],
+    )
+    renamed = con.execute(
+        """
         UPDATE kvf_batch.typed_all AS t SET model = m.gateway
         FROM (SELECT DISTINCT ON (t2.model) t2.model AS engine, a.gateway
               FROM (SELECT DISTINCT model FROM kvf_batch.typed_all WHERE file_no = $n) t2
               JOIN alias_map a ON (a.exact AND a.engine = t2.model) OR (NOT a.exact AND a.engine = lower(t2.model))
               ORDER BY t2.model, a.exact DESC) m
-        WHERE t.file_no = $n AND t.model = m.engine AND t.model <> m.gateway""", {"n": file_no}).fetchall()
+        WHERE t.file_no = $n AND t.model = m.engine AND t.model <> m.gateway""",
+        {"n": file_no},
+    ).fetchall()
     con.execute("DROP TABLE alias_map").fetchall()
     if renamed and renamed[0][0]:
-        load.notes.append(f"{renamed[0][0]} record(s) named the model the engine's way; renamed to the gateway's "
-                          "model id through [models] aliases")
+        load.notes.append(
+            f"{renamed[0][0]} record(s) named the model the engine's way; renamed to the gateway's "
+            "model id through [models] aliases"
+        )
 
 
-_SIZE_UNITS = {"bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS = {
+    "bytes": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def _batch_rows(con: duckdb.DuckDBPyConnection) -> int:
@@ -159,13 +182,21 @@ def _typing_workers(con: duckdb.DuckDBPyConnection) -> int:
     return max(1, min(int(threads), 4))
 
 
-def _merge_batch(con: duckdb.DuckDBPyConnection, source: Source, batch: list[tuple[int, FileLoad, Path, bool]],
-                 on_merged: Callable[[FileLoad], None]) -> None:
+def _merge_batch(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    batch: list[tuple[int, FileLoad, Path, bool]],
+    on_merged: Callable[[FileLoad], None],
+) -> None:
     con.begin()
     try:
         run_script(con, "requests_merge", {"source": source.name})
-        counts = {r[0]: r[1:] for r in con.execute(
-            "SELECT file_no, records_read, loaded, quarantined, duplicates, naive FROM merge_counts").fetchall()}
+        counts = {
+            r[0]: r[1:]
+            for r in con.execute(
+                "SELECT file_no, records_read, loaded, quarantined, duplicates, naive FROM merge_counts"
+            ).fetchall()
+        }
         for file_no, load, _, _ in batch:
             read, loaded, quarantined, duplicates, naive = counts[file_no]
             if read != load.records_read:
@@ -173,8 +204,9 @@ def _merge_batch(con: duckdb.DuckDBPyConnection, source: Source, batch: list[tup
             load.loaded, load.quarantined, load.duplicates = loaded, quarantined, duplicates
             if naive:
                 load.notes.append(f"{naive} timestamp(s) without offset read as {source.timezone}")
-        conflicted = {r[0] for r in con.execute(
-            "SELECT DISTINCT file_no FROM repeated WHERE outcome = 'conflict'").fetchall()}
+        conflicted = {
+            r[0] for r in con.execute("SELECT DISTINCT file_no FROM repeated WHERE outcome = 'conflict'").fetchall()
+        }
         for file_no, _, path, fast in batch:
             if file_no in conflicted:
                 _fill_conflict_raw(con, source, path, fast)
@@ -211,5 +243,6 @@ def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Pat
               WHERE c.outcome = 'conflict' AND c.file = $path) c
           ON c.line = q.line AND c.reason = q.reason AND c.nth = q.nth) m
         WHERE quarantine.rowid = m.rid"""
-    con.execute(query, parameters_for(query, {**params, "source": source.name, "path": str(path),
-                                              "conflict": CONFLICT})).fetchall()
+    con.execute(
+        query, parameters_for(query, {**params, "source": source.name, "path": str(path), "conflict": CONFLICT})
+    ).fetchall()

@@ -59,10 +59,16 @@ FUNCTIONS: dict[str, tuple[tuple[str | None, ...], Callable[..., str]]] = {
     "greatest": ((None,), lambda *xs: f"greatest({', '.join(xs)})"),
 }
 _ARITHMETIC = {"+", "-", "*", "/", "%"}
-_COMPARISONS = {"COMPARE_EQUAL": "=", "COMPARE_NOTEQUAL": "<>", "COMPARE_LESSTHAN": "<",
-                "COMPARE_GREATERTHAN": ">", "COMPARE_LESSTHANOREQUALTO": "<=",
-                "COMPARE_GREATERTHANOREQUALTO": ">=", "COMPARE_DISTINCT_FROM": "IS DISTINCT FROM",
-                "COMPARE_NOT_DISTINCT_FROM": "IS NOT DISTINCT FROM"}
+_COMPARISONS = {
+    "COMPARE_EQUAL": "=",
+    "COMPARE_NOTEQUAL": "<>",
+    "COMPARE_LESSTHAN": "<",
+    "COMPARE_GREATERTHAN": ">",
+    "COMPARE_LESSTHANOREQUALTO": "<=",
+    "COMPARE_GREATERTHANOREQUALTO": ">=",
+    "COMPARE_DISTINCT_FROM": "IS DISTINCT FROM",
+    "COMPARE_NOT_DISTINCT_FROM": "IS NOT DISTINCT FROM",
+}
 _CASTS = {"DOUBLE": NUMBER, "FLOAT": NUMBER, "BIGINT": NUMBER, "INTEGER": NUMBER, "VARCHAR": TEXT}
 _NUMBER_LITERAL = re.compile(r"-?[0-9]+(\.[0-9]*)?([eE][-+]?[0-9]+)?")
 
@@ -117,10 +123,17 @@ def parse_expression(text: str) -> Expression:
         raise ExpressionError(f"not a valid expression ({parsed.get('error_message', 'syntax error')})")
     statements = parsed.get("statements", [])
     node = statements[0]["node"] if len(statements) == 1 else {}
-    if (node.get("type") != "SELECT_NODE" or len(node.get("select_list", [])) != 1
-            or node.get("from_table", {}).get("type") != "EMPTY" or node.get("modifiers")
-            or node.get("where_clause") or node.get("group_expressions") or node.get("having")
-            or node.get("qualify") or node.get("cte_map", {}).get("map")):
+    if (
+        node.get("type") != "SELECT_NODE"
+        or len(node.get("select_list", [])) != 1
+        or node.get("from_table", {}).get("type") != "EMPTY"
+        or node.get("modifiers")
+        or node.get("where_clause")
+        or node.get("group_expressions")
+        or node.get("having")
+        or node.get("qualify")
+        or node.get("cte_map", {}).get("map")
+    ):
         raise ExpressionError("must be one expression over the source's columns (no query, list or clause)")
     tree = node["select_list"][0]
     refs: list[str] = []
@@ -164,12 +177,16 @@ def read_as(text_sql: str, kind: str) -> str:
         return f"TRY_CAST({text_sql} AS DOUBLE)"
     if kind == TIMESTAMP:
         n = f"TRY_CAST({text_sql} AS DOUBLE)"
-        seconds = (f"CASE WHEN abs({n}) >= 1e17 THEN {n} / 1e9 WHEN abs({n}) >= 1e14 THEN {n} / 1e6 "
-                   f"WHEN abs({n}) >= 1e11 THEN {n} / 1e3 ELSE {n} END")
-        return (f"CASE WHEN regexp_full_match({text_sql}, '-?[0-9]+(\\.[0-9]+)?') THEN "
-                f"CASE WHEN abs({seconds}) < 1e11 THEN to_timestamp({seconds}) END "
-                f"WHEN regexp_matches({text_sql}, {_OFFSET}) THEN TRY_CAST({text_sql} AS TIMESTAMPTZ) "
-                f"ELSE timezone($tz, TRY_CAST({text_sql} AS TIMESTAMP)) END")
+        seconds = (
+            f"CASE WHEN abs({n}) >= 1e17 THEN {n} / 1e9 WHEN abs({n}) >= 1e14 THEN {n} / 1e6 "
+            f"WHEN abs({n}) >= 1e11 THEN {n} / 1e3 ELSE {n} END"
+        )
+        return (
+            f"CASE WHEN regexp_full_match({text_sql}, '-?[0-9]+(\\.[0-9]+)?') THEN "
+            f"CASE WHEN abs({seconds}) < 1e11 THEN to_timestamp({seconds}) END "
+            f"WHEN regexp_matches({text_sql}, {_OFFSET}) THEN TRY_CAST({text_sql} AS TIMESTAMPTZ) "
+            f"ELSE timezone($tz, TRY_CAST({text_sql} AS TIMESTAMP)) END"
+        )
     return text_sql
 
 
@@ -183,8 +200,7 @@ def bind_literal(params: dict[str, str], text: str, kind: str) -> str:
 class _Renderer:
     """Renders a parse tree as SQL, refusing every node it does not know."""
 
-    def __init__(self, refs: list[str], value: Callable[[int, str], str],
-                 literal: Callable[[str, str], str]) -> None:
+    def __init__(self, refs: list[str], value: Callable[[int, str], str], literal: Callable[[str, str], str]) -> None:
         self.refs = refs
         self.value = value
         self.literal = literal
@@ -215,16 +231,24 @@ class _Renderer:
             return "(" + op.join(self.render(c, BOOLEAN) for c in node["children"]) + ")"
         if cls == "CASE":
             kind = NUMBER if _numeric(node) else kind
-            checks = " ".join(f"WHEN {self.render(c['when_expr'], BOOLEAN)} THEN {self.render(c['then_expr'], kind)}"
-                              for c in node["case_checks"])
+            checks = " ".join(
+                f"WHEN {self.render(c['when_expr'], BOOLEAN)} THEN {self.render(c['then_expr'], kind)}"
+                for c in node["case_checks"]
+            )
             return f"(CASE {checks} ELSE {self.render(node['else_expr'], kind)} END)"
         if cls == "CAST":
             target = node["type_expr"].get("type_name", "").upper()
             if target not in _CASTS or node["type_expr"].get("children"):
                 raise ExpressionError(f"CAST to {target or 'that type'} is not supported; use one of {sorted(_CASTS)}")
             return f"TRY_CAST({self.render(node['child'], _CASTS[target])} AS {target})"
-        what = {"SUBQUERY": "a subquery", "STAR": "*", "PARAMETER": "a parameter", "LAMBDA": "a lambda or ->",
-                "WINDOW": "a window function", "COLLATE": "COLLATE"}.get(str(cls), str(cls).lower())
+        what = {
+            "SUBQUERY": "a subquery",
+            "STAR": "*",
+            "PARAMETER": "a parameter",
+            "LAMBDA": "a lambda or ->",
+            "WINDOW": "a window function",
+            "COLLATE": "COLLATE",
+        }.get(str(cls), str(cls).lower())
         raise ExpressionError(f"{what} is not allowed in a column expression")
 
     def constant(self, literal: dict[str, str], kind: str) -> str:
@@ -244,8 +268,13 @@ class _Renderer:
     def function(self, node: dict[str, Any], kind: str) -> str:
         name = node["function_name"].lower()
         args = [a["expression"] for a in node.get("arguments", [])]
-        if node.get("schema") or node.get("catalog") or node.get("distinct") or node.get("filter") \
-                or node.get("order_bys", {}).get("orders"):
+        if (
+            node.get("schema")
+            or node.get("catalog")
+            or node.get("distinct")
+            or node.get("filter")
+            or node.get("order_bys", {}).get("orders")
+        ):
             raise ExpressionError(f"{name}(...) may not be qualified, DISTINCT, FILTERed or ordered")
         if node.get("is_operator"):
             if name in _ARITHMETIC:
@@ -256,8 +285,9 @@ class _Renderer:
                 return f"({f' {op} '.join(self.render(a, TEXT) for a in args)})"
             raise ExpressionError(f"operator {name} is not supported")
         if name not in FUNCTIONS:
-            raise ExpressionError(f"function {name}() is not allowed; allowed: {', '.join(sorted(FUNCTIONS))}, "
-                                  "coalesce, CASE, CAST")
+            raise ExpressionError(
+                f"function {name}() is not allowed; allowed: {', '.join(sorted(FUNCTIONS))}, coalesce, CASE, CAST"
+            )
         kinds, expand = FUNCTIONS[name]
         if None in kinds and any(_numeric(a) for a in args):
             kind = NUMBER  # nullif / least / greatest beside a number compare numbers
@@ -299,8 +329,9 @@ def _gives_value(node: dict[str, Any], present: Callable[[str], bool]) -> bool:
     if cls == "CAST":
         return _gives_value(node["child"], present)
     if cls == "CASE":
-        return any(_gives_value(b, present) for b in [*(c["then_expr"] for c in node["case_checks"]),
-                                                         node["else_expr"]])
+        return any(
+            _gives_value(b, present) for b in [*(c["then_expr"] for c in node["case_checks"]), node["else_expr"]]
+        )
     if cls == "OPERATOR" and node.get("type") == "OPERATOR_COALESCE":
         return any(_gives_value(c, present) for c in node.get("children", []))
     if cls == "FUNCTION":
@@ -336,34 +367,43 @@ def _numeric(node: dict[str, Any]) -> bool:
 EXPRESSION_FORMATS = ("jsonl", "csv", "parquet", "otlp_json")
 
 
-def source_mapping(raw: Mapping[str, Any], columns: Mapping[str, str], fmt: str, where: str
-                   ) -> tuple[dict[str, dict[str, str]], tuple[str, ...], dict[str, Expression]]:
+def source_mapping(
+    raw: Mapping[str, Any], columns: Mapping[str, str], fmt: str, where: str
+) -> tuple[dict[str, dict[str, str]], tuple[str, ...], dict[str, Expression]]:
     """The value maps, null tokens and parsed expressions of a ``requests`` source's table, checked
     (syntax, allowed functions, types); a problem is a ConfigError naming the key."""
     values_raw = raw.get("values", {})
     if not isinstance(values_raw, Mapping) or not all(isinstance(m, Mapping) for m in values_raw.values()):
-        raise ConfigError("values must be a table of canonical field = { source value = canonical value }",
-                          location=where)
+        raise ConfigError(
+            "values must be a table of canonical field = { source value = canonical value }", location=where
+        )
     values: dict[str, dict[str, str]] = {}
     for canonical, table in values_raw.items():
         if canonical not in CANONICAL_REQUEST_FIELDS:
-            raise ConfigError(f"values maps unknown canonical field {canonical!r}; canonical fields are "
-                              f"{list(CANONICAL_REQUEST_FIELDS)}", location=where)
+            raise ConfigError(
+                f"values maps unknown canonical field {canonical!r}; canonical fields are "
+                f"{list(CANONICAL_REQUEST_FIELDS)}",
+                location=where,
+            )
         bad = [k for k, v in table.items() if not isinstance(v, (str, int, float)) or isinstance(v, bool)]
         if bad:
             raise ConfigError(f"values.{canonical}: {bad[0]!r} must map to a text or a number", location=where)
         values[canonical] = {str(k): _value_text(v) for k, v in table.items()}
     tokens = raw.get("null_tokens", [])
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        raise ConfigError("null_tokens must be a list of texts, e.g. null_tokens = [\"\", \"null\", \"-\"]",
-                          location=where)
+        raise ConfigError(
+            "null_tokens must be a list of texts, e.g. null_tokens = [\"\", \"null\", \"-\"]", location=where
+        )
     expressions: dict[str, Expression] = {}
     for canonical, entry in columns.items():
         if not is_expression(entry):
             continue
         if fmt not in EXPRESSION_FORMATS:
-            raise ConfigError(f"columns.{canonical}: expressions need format {', '.join(EXPRESSION_FORMATS)}; "
-                              f"format {fmt!r} maps its own records (name a field or path instead)", location=where)
+            raise ConfigError(
+                f"columns.{canonical}: expressions need format {', '.join(EXPRESSION_FORMATS)}; "
+                f"format {fmt!r} maps its own records (name a field or path instead)",
+                location=where,
+            )
         try:
             expressions[canonical] = parse_expression(entry)
             check_types(expressions[canonical], str(raw.get("timezone", "UTC")))

@@ -129,26 +129,52 @@ NOT_MODEL_CALLS = frozenset({"invoke_agent", "create_agent", "execute_tool"})
 # CHAIN, TOOL, AGENT, RETRIEVER, ..., are steps around them)
 OPENINFERENCE_MODEL_CALLS = frozenset({"LLM", "EMBEDDING"})
 # attributes that carry prompt or output text (GenAI, OpenLLMetry and OpenInference names)
-CONTENT_ATTRIBUTES = frozenset({"gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
-                                "gen_ai.tool.call.arguments", "gen_ai.tool.call.result", "gen_ai.tool.definitions",
-                                "gen_ai.prompt", "gen_ai.completion", "input.value", "output.value", "llm.prompts"})
-CONTENT_PREFIXES = ("gen_ai.prompt.", "gen_ai.completion.", "llm.input_messages.", "llm.output_messages.",
-                    "llm.prompt_template.")
+CONTENT_ATTRIBUTES = frozenset(
+    {
+        "gen_ai.input.messages",
+        "gen_ai.output.messages",
+        "gen_ai.system_instructions",
+        "gen_ai.tool.call.arguments",
+        "gen_ai.tool.call.result",
+        "gen_ai.tool.definitions",
+        "gen_ai.prompt",
+        "gen_ai.completion",
+        "input.value",
+        "output.value",
+        "llm.prompts",
+    }
+)
+CONTENT_PREFIXES = (
+    "gen_ai.prompt.",
+    "gen_ai.completion.",
+    "llm.input_messages.",
+    "llm.output_messages.",
+    "llm.prompt_template.",
+)
 # the derived values: each the first attribute of its list that the span has (GenAI names, their
 # older spellings, then OpenInference's)
 FALLBACKS: dict[str, tuple[str, ...]] = {
     "otlp.account_id": ("tenant.id", "enduser.id", "user.id"),
     "otlp.model": ("gen_ai.request.model", "gen_ai.response.model", "llm.request.model_name", "llm.model_name"),
     "otlp.input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens", "llm.token_count.prompt"),
-    "otlp.output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens",
-                           "llm.token_count.completion"),
-    "otlp.cache_read_input_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
-                                     "llm.token_count.prompt_details.cache_read"),
+    "otlp.output_tokens": (
+        "gen_ai.usage.output_tokens",
+        "gen_ai.usage.completion_tokens",
+        "llm.token_count.completion",
+    ),
+    "otlp.cache_read_input_tokens": (
+        "gen_ai.usage.cache_read.input_tokens",
+        "gen_ai.usage.cache_read_input_tokens",
+        "llm.token_count.prompt_details.cache_read",
+    ),
 }
 REQUEST_ID_ATTRIBUTES = ("gen_ai.response.id", "gen_ai.request.id")
 HTTP_STATUS_ATTRIBUTES = ("http.response.status_code", "http.status_code")
-TTFT_SECONDS_ATTRIBUTES = ("gen_ai.response.time_to_first_chunk", "gen_ai.latency.time_to_first_token",
-                           "gen_ai.response.time_to_first_token")
+TTFT_SECONDS_ATTRIBUTES = (
+    "gen_ai.response.time_to_first_chunk",
+    "gen_ai.latency.time_to_first_token",
+    "gen_ai.response.time_to_first_token",
+)
 FIRST_TOKEN_EVENTS = frozenset({"first_token", "first_chunk", "gen_ai.first_token", "gen_ai.first_chunk"})
 SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")
 STATUS_CODES = ("UNSET", "OK", "ERROR")
@@ -157,12 +183,17 @@ STATUS_HTTP = {"UNSET": 200, "OK": 200, "ERROR": 500}
 # The typing step's reasons for a missing field, in the words of a span (only where the field is
 # mapped to the derived value that says where it was looked for).
 MISSING_REASONS = {
-    "account_id": ("otlp.account_id", "no account on the span (none of the attributes "
-                   + ", ".join(FALLBACKS["otlp.account_id"])
-                   + "); map the attribute that names the customer: columns.account_id = \"<attribute>\""),
+    "account_id": (
+        "otlp.account_id",
+        "no account on the span (none of the attributes "
+        + ", ".join(FALLBACKS["otlp.account_id"])
+        + "); map the attribute that names the customer: columns.account_id = \"<attribute>\"",
+    ),
     "model": ("otlp.model", "no model on the span (none of the attributes " + ", ".join(FALLBACKS["otlp.model"]) + ")"),
-    "prompt_tokens": ("otlp.input_tokens", "no input token count on the span (none of the attributes "
-                      + ", ".join(FALLBACKS["otlp.input_tokens"]) + ")"),
+    "prompt_tokens": (
+        "otlp.input_tokens",
+        "no input token count on the span (none of the attributes " + ", ".join(FALLBACKS["otlp.input_tokens"]) + ")",
+    ),
     "ts": ("otlp.start_time", "span has no startTimeUnixNano"),
 }
 
@@ -216,8 +247,9 @@ class TraceExportReader:
             self.notes.append(f"{blank} blank line(s) skipped")
         if stream.truncated is not None:
             t = stream.truncated
-            self.notes.append(f"input ends early after line {t.after_line} ({t.describe()}); "
-                              "later records, if any, are lost")
+            self.notes.append(
+                f"input ends early after line {t.after_line} ({t.describe()}); later records, if any, are lost"
+            )
         self._closing_notes()
 
     def _document_or_lines(self, numbered: list[tuple[int, str | None, bytes]]) -> Iterator[SpanRecord]:
@@ -227,8 +259,10 @@ class TraceExportReader:
             try:
                 document, opened_at = decode_with_offsets(whole)
             except ValueError as e:
-                self.notes.append(f"line {first} opens a JSON value that the line does not close, and the file is "
-                                  f"not one JSON document either ({e}); each line read as an export of its own")
+                self.notes.append(
+                    f"line {first} opens a JSON value that the line does not close, and the file is "
+                    f"not one JSON document either ({e}); each line read as an export of its own"
+                )
             else:
                 self.notes.append("read as one JSON document; a record's line is where its span opens")
                 line_at = line_numbers(whole, first)
@@ -257,15 +291,16 @@ class TraceExportReader:
             return
         yield from self._export_records(export, n, "", lambda obj, default: default)
 
-    def _export_records(self, export: object, n: int, where: str,
-                        line_of: Callable[[object, int], int]) -> Iterator[SpanRecord]:
+    def _export_records(
+        self, export: object, n: int, where: str, line_of: Callable[[object, int], int]
+    ) -> Iterator[SpanRecord]:
         if not isinstance(export, dict):
             yield _problem(n, where.rstrip(".") or "line", "not a JSON object", export)
             return
         if "resourceSpans" not in export and "resource_spans" not in export:
             other = next((k for k in ("resourceMetrics", "resourceLogs", "resourceProfiles") if k in export), None)
             if other is not None:
-                self.skipped[f"export(s) of {other[len('resource'):].lower()}, not traces,"] += 1
+                self.skipped[f"export(s) of {other[len('resource') :].lower()}, not traces,"] += 1
                 return
             yield _problem(n, where.rstrip(".") or "line", "not an OTLP/JSON trace export (no resourceSpans)", export)
             return
@@ -277,8 +312,15 @@ class TraceExportReader:
         for i, resource_spans in resources:
             at = f"{where}resourceSpans[{i}]"
             try:
-                resource = {key: _without_content(key, value) for key, value in attribute_map(json_object(
-                    member(json_object(resource_spans, "resourceSpans entry"), "resource", None) or {}, "resource")).items()}
+                resource = {
+                    key: _without_content(key, value)
+                    for key, value in attribute_map(
+                        json_object(
+                            member(json_object(resource_spans, "resourceSpans entry"), "resource", None) or {},
+                            "resource",
+                        )
+                    ).items()
+                }
                 scopes = list(repeated(resource_spans, ("scopeSpans", "scope_spans")))
             except SpanProblem as e:
                 yield _problem(line_of(resource_spans, n), at, str(e), resource_spans)
@@ -286,7 +328,9 @@ class TraceExportReader:
             for j, scope_spans in scopes:
                 sat = f"{at}.scopeSpans[{j}]"
                 try:
-                    scope = json_object(member(json_object(scope_spans, "scopeSpans entry"), "scope", None) or {}, "scope")
+                    scope = json_object(
+                        member(json_object(scope_spans, "scopeSpans entry"), "scope", None) or {}, "scope"
+                    )
                     spans = list(repeated(scope_spans, ("spans",)))
                 except SpanProblem as e:
                     yield _problem(line_of(scope_spans, n), sat, str(e), scope_spans)
@@ -296,8 +340,9 @@ class TraceExportReader:
                     if record is not None:
                         yield record
 
-    def _span_record(self, span: object, at: str, resource: Mapping[str, Any], scope: Mapping[str, Any],
-                     line: int) -> SpanRecord | None:
+    def _span_record(
+        self, span: object, at: str, resource: Mapping[str, Any], scope: Mapping[str, Any], line: int
+    ) -> SpanRecord | None:
         try:
             attributes = attribute_map(json_object(span, "span"))
             openinference = attributes.get("openinference.span.kind")
@@ -321,8 +366,11 @@ class TraceExportReader:
             trace_id = self._hex_id(member(span, "traceId", None, "trace_id"), 16, "traceId")
             span_id = self._hex_id(member(span, "spanId", None, "span_id"), 8, "spanId")
         except SpanProblem as e:
-            ids = {k: span.get(k) for k in ("traceId", "spanId", "name")
-                   if isinstance(span, dict) and isinstance(span.get(k), str)}
+            ids = {
+                k: span.get(k)
+                for k in ("traceId", "spanId", "name")
+                if isinstance(span, dict) and isinstance(span.get(k), str)
+            }
             return SpanRecord(line, json_text({"otlp.location": at, **ids}), str(e))
         record = self._derived(span, at, trace_id, span_id, attributes, scope)
         for key, value in attributes.items():
@@ -341,12 +389,23 @@ class TraceExportReader:
         nesting = None
         if request_id != span_id and isinstance(request_id, (str, int)) and not isinstance(request_id, bool):
             start = unix_nanos(record["otlp.start_time_unix_nano"])
-            nesting = (trace_id, str(request_id), span_id,
-                       start if isinstance(start, int) and 0 <= start < 2**63 else None)
+            nesting = (
+                trace_id,
+                str(request_id),
+                span_id,
+                start if isinstance(start, int) and 0 <= start < 2**63 else None,
+            )
         return SpanRecord(line, raw, nesting=nesting)
 
-    def _derived(self, span: Mapping[str, Any], at: str, trace_id: str, span_id: str,
-                 attributes: Mapping[str, Any], scope: Mapping[str, Any]) -> dict[str, Any]:
+    def _derived(
+        self,
+        span: Mapping[str, Any],
+        at: str,
+        trace_id: str,
+        span_id: str,
+        attributes: Mapping[str, Any],
+        scope: Mapping[str, Any],
+    ) -> dict[str, Any]:
         """The ``otlp.*`` values of a span (None where the span has no such value)."""
         status = member(span, "status", None)
         if not isinstance(status, dict):
@@ -367,7 +426,9 @@ class TraceExportReader:
             "otlp.start_time_unix_nano": str(start) if isinstance(start, int) else start,
             "otlp.account_id": _first(attributes, FALLBACKS["otlp.account_id"]),
             "otlp.model": _first(attributes, FALLBACKS["otlp.model"]),
-            "otlp.http_status": _first(attributes, HTTP_STATUS_ATTRIBUTES, STATUS_HTTP.get(status_code or "UNSET", 200)),
+            "otlp.http_status": _first(
+                attributes, HTTP_STATUS_ATTRIBUTES, STATUS_HTTP.get(status_code or "UNSET", 200)
+            ),
             "otlp.input_tokens": _first(attributes, FALLBACKS["otlp.input_tokens"]),
             "otlp.output_tokens": _first(attributes, FALLBACKS["otlp.output_tokens"]),
             "otlp.cache_read_input_tokens": _first(attributes, FALLBACKS["otlp.cache_read_input_tokens"]),
@@ -411,8 +472,10 @@ class TraceExportReader:
         if self.base64_ids:
             self.notes.append("span ids in base64 (protobuf's default JSON mapping, not OTLP/JSON's hex) read as hex")
         if not self.spans and self.skipped:
-            self.notes.append("no span of this file is a model call (every span was skipped, as counted above): "
-                              "no request was read from it")
+            self.notes.append(
+                "no span of this file is a model call (every span was skipped, as counted above): "
+                "no request was read from it"
+            )
 
 
 def _problem(line: int, at: str, reason: str, part: object) -> SpanRecord:
@@ -457,8 +520,11 @@ def _ttft_ms(span: Mapping[str, Any], attributes: Mapping[str, Any], start: obje
     events = span.get("events") or []
     if not isinstance(start, int) or not isinstance(events, list):
         return None
-    times = [unix_nanos(member(e, "timeUnixNano", None, "time_unix_nano")) for e in events
-             if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"] in FIRST_TOKEN_EVENTS]
+    times = [
+        unix_nanos(member(e, "timeUnixNano", None, "time_unix_nano"))
+        for e in events
+        if isinstance(e, dict) and isinstance(e.get("name"), str) and e["name"] in FIRST_TOKEN_EVENTS
+    ]
     times = [t for t in times if isinstance(t, int) and t >= start]
     return (min(times) - start) / 1e6 if times else None
 
@@ -508,26 +574,49 @@ def _check_expression_refs(source: Source, path: Path, refs: Iterable[str], keys
             raise unknown_column(source, path, ref, keys)
 
 
-def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-          tick: Callable[[int], None], fast: bool = True) -> Staged:
+def stage(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    tick: Callable[[int], None],
+    fast: bool = True,
+) -> Staged:
     """Stage one OTLP/JSON file: one record per GenAI span (and per unreadable part), each
     flattened to JSON, then every canonical field extracted by the JSON loader's SQL."""
     import pyarrow as pa
 
     mapped = replace(source, columns={**preset_columns(), **source.columns})
     reader = TraceExportReader(path)
-    con.execute("CREATE OR REPLACE TEMP TABLE otlp_records (line BIGINT, raw VARCHAR, problem VARCHAR, trace_id VARCHAR, "
-                "request_id VARCHAR, span_id VARCHAR, start BIGINT)").fetchall()
-    schema = pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string()), ("trace_id", pa.string()),
-                        ("request_id", pa.string()), ("span_id", pa.string()), ("start", pa.int64())])
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE otlp_records (line BIGINT, raw VARCHAR, problem VARCHAR, trace_id VARCHAR, "
+        "request_id VARCHAR, span_id VARCHAR, start BIGINT)"
+    ).fetchall()
+    schema = pa.schema(
+        [
+            ("line", pa.int64()),
+            ("raw", pa.string()),
+            ("problem", pa.string()),
+            ("trace_id", pa.string()),
+            ("request_id", pa.string()),
+            ("span_id", pa.string()),
+            ("start", pa.int64()),
+        ]
+    )
     batch: list[SpanRecord] = []
 
     def flush() -> None:
         if batch:
             nesting = [r.nesting or (None, None, None, None) for r in batch]
-            columns = [[r.line for r in batch], [r.raw for r in batch], [r.problem for r in batch],
-                       *(list(values) for values in zip(*nesting, strict=True))]
-            table = pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)
+            columns = [
+                [r.line for r in batch],
+                [r.raw for r in batch],
+                [r.problem for r in batch],
+                *(list(values) for values in zip(*nesting, strict=True)),
+            ]
+            table = pa.Table.from_arrays(
+                [pa.array(c, type=f.type) for c, f in zip(columns, schema, strict=True)], schema=schema
+            )
             con.register("otlp_batch", table)
             con.execute("INSERT INTO otlp_records SELECT * FROM otlp_batch").fetchall()
             con.unregister("otlp_batch")
@@ -547,13 +636,18 @@ def stage(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: File
     flush()
     nested = con.execute(NESTED_SPANS).fetchall()[0][0]
     if nested:
-        reader.notes.append(f"{nested} GenAI span(s) inside another span of the same request and trace skipped "
-                            "(e.g. the engine's own span under the gateway's): the outermost span is the request")
+        reader.notes.append(
+            f"{nested} GenAI span(s) inside another span of the same request and trace skipped "
+            "(e.g. the engine's own span under the gateway's): the outermost span is the request"
+        )
     chosen = choose_columns(mapped, reader.keys)
     relation, params = json_fields_relation(mapped, chosen, "SELECT line, raw, problem FROM otlp_records", None)
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE otlp_records").fetchall()
     load.notes.extend(reader.notes)
-    rewrites = {f"missing required field '{canonical}'": reason
-                for canonical, (derived, reason) in MISSING_REASONS.items() if mapped.columns.get(canonical) == derived}
+    rewrites = {
+        f"missing required field '{canonical}'": reason
+        for canonical, (derived, reason) in MISSING_REASONS.items()
+        if mapped.columns.get(canonical) == derived
+    }
     return python_staged(rewrites)

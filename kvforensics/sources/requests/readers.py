@@ -74,21 +74,32 @@ JSON_READERS: tuple[str, ...] = ("text", "json")
 CR_ONLY = "old Mac line ends (CR only): read as lines split at each CR"
 
 
-def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                 tick: Callable[[int], None], fast: bool = True) -> Staged:
+def _stage_jsonl(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    tick: Callable[[int], None],
+    fast: bool = True,
+) -> Staged:
     if sglang_requests.recognises(path):
         load.notes.append("recognised as SGLang --log-requests JSON; read as format = \"sglang_requests\"")
         load.format = sglang_requests.FORMAT
         return _stage_sglang_requests(con, source, path, load, tick, fast)
     if otlp.recognises(path):
         if source.preset not in (None, "otlp"):  # its columns name another export's keys: no span has them
-            raise ConfigError(f"{path.name} is an OpenTelemetry OTLP/JSON trace export, which preset "
-                              f"'{source.preset}' does not map: use preset = \"otlp\" for these files",
-                              location=f"{source.incident_file}: source '{source.name}'" if source.incident_file
-                              else f"source '{source.name}'")
+            raise ConfigError(
+                f"{path.name} is an OpenTelemetry OTLP/JSON trace export, which preset "
+                f"'{source.preset}' does not map: use preset = \"otlp\" for these files",
+                location=f"{source.incident_file}: source '{source.name}'"
+                if source.incident_file
+                else f"source '{source.name}'",
+            )
         load.format = otlp.FORMAT
-        load.notes.append("recognised as an OpenTelemetry OTLP/JSON trace export; read as format = \"otlp_json\" "
-                          "(the otlp mapping, with the source's own columns over it)")
+        load.notes.append(
+            "recognised as an OpenTelemetry OTLP/JSON trace export; read as format = \"otlp_json\" "
+            "(the otlp mapping, with the source's own columns over it)"
+        )
         return otlp.stage(con, source, path, load, tick, fast)
     keys, whole = sample_json_keys(path)
     chosen = choose_columns(source, keys)
@@ -98,16 +109,20 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         keys, whole = sample_json_keys(path, None)
         chosen = choose_columns(source, keys)
         if mapped := [f for f in late if chosen.get(f) is not None]:
-            load.notes.append(f"{', '.join(f'{f} <- {chosen[f]}' for f in mapped)}: first logged after the first "
-                              f"{SAMPLE_RECORDS:,} records (the keys of every record were read to map it)")
+            load.notes.append(
+                f"{', '.join(f'{f} <- {chosen[f]}' for f in mapped)}: first logged after the first "
+                f"{SAMPLE_RECORDS:,} records (the keys of every record were read to map it)"
+            )
     load.notes.extend(require_mapped_keys(source, path, keys, whole))
     finish_reason = None
     if chosen["status"] is None and "status" not in source.expressions:
         finish_reason = next((k for k in FINISH_REASON_KEYS if k in keys), None)
     load.notes.extend(mapping_notes(source, chosen))
     if finish_reason is not None:
-        load.notes.append(f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
-                          "or 500 without one; otherwise 200), as the records have no status column")
+        load.notes.append(
+            f"status derived from {finish_reason} (the engine's view: abort -> its status_code, "
+            "or 500 without one; otherwise 200), as the records have no status column"
+        )
     if fast and FAST_STAGING:
         staged = _stage_jsonl_in_duckdb(source, path, chosen, finish_reason, lines)
         if staged is not None:
@@ -148,15 +163,17 @@ def _stage_jsonl(con: duckdb.DuckDBPyConnection, source: Source, path: Path, loa
         load.notes.append(CR_ONLY)
     # Extract every field from the JSON in SQL; paths are parameters, never spliced into the query.
     con.execute("ALTER TABLE staging_requests RENAME TO python_lines").fetchall()
-    relation, params = json_fields_relation(source, chosen, "SELECT line, raw, problem FROM python_lines",
-                                            finish_reason)
+    relation, params = json_fields_relation(
+        source, chosen, "SELECT line, raw, problem FROM python_lines", finish_reason
+    )
     con.execute(f"CREATE OR REPLACE TEMP TABLE staging_requests AS {relation}", params).fetchall()
     con.execute("DROP TABLE python_lines").fetchall()
     return python_staged()
 
 
-def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str | None],
-                           finish_reason: str | None, lines: int | None) -> Staged | None:
+def _stage_jsonl_in_duckdb(
+    source: Source, path: Path, chosen: Mapping[str, str | None], finish_reason: str | None, lines: int | None
+) -> Staged | None:
     """Stage a JSONL file with DuckDB's own readers. None when DuckDB cannot read the file as clean
     text (a CR or 0x01 byte, a truncated or unreadable stream): the Python reader then takes the
     file, line by line, and quarantines what it must.
@@ -171,9 +188,11 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
     *lines*: the file's physical lines, None when DuckDB cannot number them (see ``scan_file``)."""
     if lines is None:
         return None
-    reader = ("SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
-              "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
-              "auto_detect = false, strict_mode = false) WITH ORDINALITY")
+    reader = (
+        "SELECT ordinality AS line, raw, CAST(NULL AS VARCHAR) AS problem FROM read_csv($file, "
+        "columns = {'raw': 'VARCHAR'}, header = false, delim = chr(1), quote = '', escape = '', "
+        "auto_detect = false, strict_mode = false) WITH ORDINALITY"
+    )
     relation, params = json_fields_relation(source, chosen, reader, finish_reason)
 
     def by_lines() -> Staged:
@@ -186,13 +205,29 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
     raw_lines = f"(SELECT line, raw FROM ({reader}))"
 
     def as_json(then: Callable[[], Staged]) -> Staged:
-        return Staged(_json_columns_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "JSON")},
-                      raw_relation=raw_lines, lines=lines, ticked=False, exact_lines=True, retry=then, reader="duckdb-json")
+        return Staged(
+            _json_columns_relation(source, chosen, keys),
+            {"file": str(path), "columns": dict.fromkeys(keys, "JSON")},
+            raw_relation=raw_lines,
+            lines=lines,
+            ticked=False,
+            exact_lines=True,
+            retry=then,
+            reader="duckdb-json",
+        )
 
     def as_text(then: Callable[[], Staged]) -> Staged:
-        return Staged(_json_text_relation(source, chosen, keys), {"file": str(path), "columns": dict.fromkeys(keys, "VARCHAR")},
-                      raw_relation=raw_lines, lines=lines, ticked=False, exact_lines=True, clean_only=True, retry=then,
-                      reader="duckdb-json-text")
+        return Staged(
+            _json_text_relation(source, chosen, keys),
+            {"file": str(path), "columns": dict.fromkeys(keys, "VARCHAR")},
+            raw_relation=raw_lines,
+            lines=lines,
+            ticked=False,
+            exact_lines=True,
+            clean_only=True,
+            retry=then,
+            reader="duckdb-json-text",
+        )
 
     staged: Callable[[], Staged] = by_lines
     for way in reversed(JSON_READERS):
@@ -207,8 +242,10 @@ def _stage_jsonl_in_duckdb(source: Source, path: Path, chosen: Mapping[str, str 
 # start like a number ('-', '.', '/' or a digit) before the regular expression runs.
 _TEXT_FIELDS = ("request_id", "account_id", "model", "prefill_instance", "decode_instance", "cache_salt")
 _NUMBER_FIELDS = ("status", "prompt_tokens", "completion_tokens", "cached_tokens", "ttft_ms", "latency_ms")
-_AMBIGUOUS_TEXT = ("starts_with({k}, '{{') OR starts_with({k}, '[') OR {k} IN ('true', 'false') "
-                   "OR ({k} >= '-' AND {k} < ':' AND regexp_full_match({k}, '-?[0-9][0-9.]*[eE][-+]?[0-9]+'))")
+_AMBIGUOUS_TEXT = (
+    "starts_with({k}, '{{') OR starts_with({k}, '[') OR {k} IN ('true', 'false') "
+    "OR ({k} >= '-' AND {k} < ':' AND regexp_full_match({k}, '-?[0-9][0-9.]*[eE][-+]?[0-9]+'))"
+)
 
 
 def _positional_names(keys: list[str]) -> list[str]:
@@ -230,15 +267,24 @@ def _json_text_relation(source: Source, chosen: Mapping[str, str | None], keys: 
     ``_AMBIGUOUS_TEXT``) is refused, and a file with any refused record is staged again by the JSON
     reader, which names every reason exactly."""
     names = _positional_names(keys)
-    text_keys = dict.fromkeys(k for canonical, _, k in _keyed_fields(chosen, keys)
-                              if (canonical in _TEXT_FIELDS or canonical not in CANONICAL_REQUEST_FIELDS) and k)
+    text_keys = dict.fromkeys(
+        k
+        for canonical, _, k in _keyed_fields(chosen, keys)
+        if (canonical in _TEXT_FIELDS or canonical not in CANONICAL_REQUEST_FIELDS) and k
+    )
     ambiguous = " OR ".join(f"({_AMBIGUOUS_TEXT.format(k=k)})" for k in text_keys) or "false"
-    fields = [f"{in_milliseconds(source, canonical, col, k)} AS {canonical}_raw" if k is not None
-              else f"CAST(NULL AS VARCHAR) AS {canonical}_raw" for canonical, col, k in _keyed_fields(chosen, keys)]
-    return (f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, "
-            f"CASE WHEN coalesce({ambiguous}, false) THEN 'value of ambiguous JSON type' END AS problem, "
-            f"{', '.join(fields)} FROM read_json($file, format = 'newline_delimited', columns = $columns) "
-            f"WITH ORDINALITY AS j({', '.join(names)}, line))")
+    fields = [
+        f"{in_milliseconds(source, canonical, col, k)} AS {canonical}_raw"
+        if k is not None
+        else f"CAST(NULL AS VARCHAR) AS {canonical}_raw"
+        for canonical, col, k in _keyed_fields(chosen, keys)
+    ]
+    return (
+        f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, "
+        f"CASE WHEN coalesce({ambiguous}, false) THEN 'value of ambiguous JSON type' END AS problem, "
+        f"{', '.join(fields)} FROM read_json($file, format = 'newline_delimited', columns = $columns) "
+        f"WITH ORDINALITY AS j({', '.join(names)}, line))"
+    )
 
 
 def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], keys: list[str]) -> str:
@@ -254,19 +300,26 @@ def _json_columns_relation(source: Source, chosen: Mapping[str, str | None], key
         # k is the value as serialised JSON, so its first character tells its type: only strings
         # need unescaping, numbers are their own text (json_extract_string would return the same)
         for first, kind in (("{", "object"), ("[", "array"), ("t", "boolean"), ("f", "boolean")):
-            wrong_type.append(f"WHEN starts_with({k}, '{first}') "
-                              f"THEN {wrong_type_reason(canonical)} || '{kind}'")
+            wrong_type.append(f"WHEN starts_with({k}, '{first}') THEN {wrong_type_reason(canonical)} || '{kind}'")
         expr = f"CASE WHEN starts_with({k}, '\"') THEN json_extract_string({k}, '$') ELSE CAST({k} AS VARCHAR) END"
         expr = in_milliseconds(source, canonical, col, expr)
         fields.append(f"CASE WHEN problem IS NULL THEN {expr} END AS {canonical}_raw")
     problem = f"CASE {' '.join(wrong_type)} END"
-    return (f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, problem, {', '.join(fields)} FROM "
-            f"(SELECT *, {problem} AS problem FROM read_json($file, format = 'newline_delimited', "
-            f"columns = $columns) WITH ORDINALITY AS j({', '.join(names)}, line)))")
+    return (
+        f"(SELECT line, CAST(NULL AS VARCHAR) AS raw, problem, {', '.join(fields)} FROM "
+        f"(SELECT *, {problem} AS problem FROM read_json($file, format = 'newline_delimited', "
+        f"columns = $columns) WITH ORDINALITY AS j({', '.join(names)}, line)))"
+    )
 
 
-def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-               tick: Callable[[int], None], fast: bool = True) -> Staged:
+def _stage_csv(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    tick: Callable[[int], None],
+    fast: bool = True,
+) -> Staged:
     stager = Stager(con)
     csv.field_size_limit(sys.maxsize)  # a cell of any length (the default stops the file at 128 KiB)
     # every byte of a truncated gzip/zstd file is read (gzip's own reader drops what it decompressed
@@ -316,8 +369,9 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
                     tick(len(cols["line"]))
                     cols = {k: [] for k in cols}
         except (EOFError, OSError, csv.Error, zlib.error, zstandard.ZstdError) as e:
-            load.notes.append(f"input ends early after line {last_line} ({type(e).__name__}: {e}); "
-                              f"later records, if any, are lost")
+            load.notes.append(
+                f"input ends early after line {last_line} ({type(e).__name__}: {e}); later records, if any, are lost"
+            )
             if not isinstance(e, csv.Error) and raw.tail:
                 cols["line"].append(last_line + 1)
                 cols["raw"].append(printable_raw(raw.tail))
@@ -330,8 +384,14 @@ def _stage_csv(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load:
     return replace(python_staged(), cells=cells)
 
 
-def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                   tick: Callable[[int], None], fast: bool = True) -> Staged:
+def _stage_parquet(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    tick: Callable[[int], None],
+    fast: bool = True,
+) -> Staged:
     import pyarrow.parquet as pq
 
     try:
@@ -350,14 +410,18 @@ def _stage_parquet(con: duckdb.DuckDBPyConnection, source: Source, path: Path, l
     offset = 0
     for batch in pf.iter_batches(batch_size=BATCH, columns=sorted(set(wanted.values()))):
         n = batch.num_rows
-        cols: dict[str, list] = {"line": list(range(offset + 1, offset + n + 1)), "raw": [None] * n,
-                                 "problem": [None] * n}
+        cols: dict[str, list] = {
+            "line": list(range(offset + 1, offset + n + 1)),
+            "raw": [None] * n,
+            "problem": [None] * n,
+        }
         for c, col in wanted.items():
             arr = batch.column(col)
             if pa.types.is_timestamp(arr.type):
                 values = [None if v is None else v.isoformat() for v in arr.to_pylist()]
-            elif c in cells and (pa.types.is_struct(arr.type) or pa.types.is_map(arr.type)
-                                 or pa.types.is_list(arr.type)):
+            elif c in cells and (
+                pa.types.is_struct(arr.type) or pa.types.is_map(arr.type) or pa.types.is_list(arr.type)
+            ):
                 values = [None if v is None else json.dumps(v, default=str) for v in arr.to_pylist()]
             else:
                 values = [None if v is None else str(v) for v in arr.to_pylist()]
@@ -377,8 +441,9 @@ def _quote_identifier(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str, str], keys: list[str],
-                             cells: Mapping[str, str]) -> Staged:
+def _stage_parquet_in_duckdb(
+    path: Path, schema: pa.Schema, wanted: Mapping[str, str], keys: list[str], cells: Mapping[str, str]
+) -> Staged:
     """Stage a Parquet file as one DuckDB scan: values as text (timestamps as ISO-8601, with 'Z' when
     the column carries a zone; a nested column a path reads into as JSON), the line being the row
     number. The raw record (the mapped columns as JSON) is built only for the records the typing
@@ -406,16 +471,25 @@ def _stage_parquet_in_duckdb(path: Path, schema: pa.Schema, wanted: Mapping[str,
             value = f"CAST({ident} AS VARCHAR)"
         exprs.append(f"{value} AS {canonical}_raw")
     raw_fields = ", ".join(f"'{c}': {_quote_identifier(col)}" for c, col in wanted.items())
-    relation = (f"(SELECT file_row_number + 1 AS line, CAST(NULL AS VARCHAR) AS raw, CAST(NULL AS VARCHAR) AS problem, "
-                f"{', '.join(exprs)} FROM read_parquet($file, file_row_number = true))")
-    raw = (f"(SELECT file_row_number + 1 AS line, CAST(to_json({{{raw_fields}}}) AS VARCHAR) AS raw "
-           f"FROM read_parquet($file, file_row_number = true))")
-    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False, reader="duckdb-parquet",
-                  cells=cells)
+    relation = (
+        f"(SELECT file_row_number + 1 AS line, CAST(NULL AS VARCHAR) AS raw, CAST(NULL AS VARCHAR) AS problem, "
+        f"{', '.join(exprs)} FROM read_parquet($file, file_row_number = true))"
+    )
+    raw = (
+        f"(SELECT file_row_number + 1 AS line, CAST(to_json({{{raw_fields}}}) AS VARCHAR) AS raw "
+        f"FROM read_parquet($file, file_row_number = true))"
+    )
+    return Staged(relation, {"file": str(path)}, raw_relation=raw, ticked=False, reader="duckdb-parquet", cells=cells)
 
 
-def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad,
-                           tick: Callable[[int], None], fast: bool = True) -> Staged:
+def _stage_sglang_requests(
+    con: duckdb.DuckDBPyConnection,
+    source: Source,
+    path: Path,
+    load: FileLoad,
+    tick: Callable[[int], None],
+    fast: bool = True,
+) -> Staged:
     """SGLang --log-requests output (text or JSON): one staged record per request."""
     stager = Stager(con)
     reader = sglang_requests.RequestLogReader(source, path)
@@ -438,5 +512,10 @@ def _stage_sglang_requests(con: duckdb.DuckDBPyConnection, source: Source, path:
 
 StagerFn = Callable[[duckdb.DuckDBPyConnection, Source, Path, FileLoad, Callable[[int], None], bool], Staged]
 # format -> stager
-STAGERS: dict[str, StagerFn] = {"jsonl": _stage_jsonl, "csv": _stage_csv, "parquet": _stage_parquet,
-                                sglang_requests.FORMAT: _stage_sglang_requests, otlp.FORMAT: otlp.stage}
+STAGERS: dict[str, StagerFn] = {
+    "jsonl": _stage_jsonl,
+    "csv": _stage_csv,
+    "parquet": _stage_parquet,
+    sglang_requests.FORMAT: _stage_sglang_requests,
+    otlp.FORMAT: otlp.stage,
+}

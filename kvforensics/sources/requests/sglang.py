@@ -83,8 +83,10 @@ RAW_LIMIT = 2000
 # to supply it.
 NO_ACCOUNT = "no account id in the request log (map one with columns.account_id)"
 NO_MODEL = "no model in the request log (set model = \"<gateway model id>\" on the source)"
-NO_TS = ("no receive time in the request log (no request_received_ts, no Receive line and no "
-         "stamped Finish line with e2e_latency)")
+NO_TS = (
+    "no receive time in the request log (no request_received_ts, no Receive line and no "
+    "stamped Finish line with e2e_latency)"
+)
 NO_STATUS = "no finish_reason in the Finish line, so no status"
 NO_ID = "no request id in the request-log line (neither meta_info.id nor rid)"
 
@@ -94,8 +96,12 @@ _ENVELOPE = re.compile(
 _LONG_STRING = re.compile(r"'[^'\\]{40,}(?:\\.[^'\\]*)*'|\"[^\"\\]{40,}(?:\\.[^\"\\]*)*\"")
 _HTTP_CODE = re.compile(r"\b([1-5]\d\d)\b")
 _JSON_EVENT = re.compile(r'"event"\s*:\s*"request\.')
-_TEXT_KINDS = (("Receive OpenAI: obj=", "openai"), ("Receive: obj=", "receive"), ("Finish: obj=", "finish"),
-               ("in=", "legacy"))
+_TEXT_KINDS = (
+    ("Receive OpenAI: obj=", "openai"),
+    ("Receive: obj=", "receive"),
+    ("Finish: obj=", "finish"),
+    ("in=", "legacy"),
+)
 _SNIFF_LINES = 200
 
 
@@ -149,7 +155,7 @@ def _envelope(text: str) -> tuple[str | None, str]:
     if m:
         frac = m["frac"]
         stamp = f"{m['date']}T{m['time']}" + (f".{frac.ljust(6, '0')}" if frac else "")
-        return stamp, rest[m.end():]
+        return stamp, rest[m.end() :]
     if outer.docker_ts is not None:
         return outer.docker_ts.isoformat(), rest
     return None, rest
@@ -171,8 +177,16 @@ def _text_event(kind: str, line: int, ts: str | None, body: str) -> _Event:
     obj = ReprDump.parse(parts.get("obj", ""))
     headers = ReprDump.parse(parts["headers"]) if "headers" in parts else None
     out = ReprDump.parse(parts["out"]) if "out" in parts else None
-    return _Event(kind="finish" if kind == "legacy" else kind, line=line, ts=ts, fmt="text",
-                  rid=value_at(obj, "rid"), obj=obj, headers=headers, out=out)
+    return _Event(
+        kind="finish" if kind == "legacy" else kind,
+        line=line,
+        ts=ts,
+        fmt="text",
+        rid=value_at(obj, "rid"),
+        obj=obj,
+        headers=headers,
+        out=out,
+    )
 
 
 def _json_event(line: int, env_ts: str | None, body: str) -> _Event | None:
@@ -180,8 +194,14 @@ def _json_event(line: int, env_ts: str | None, body: str) -> _Event | None:
         data = json.loads(body)
     except (ValueError, RecursionError):
         if _JSON_EVENT.search(body):
-            return _Event(kind="bad", line=line, ts=env_ts, problem="malformed JSON request-log line",
-                          raw=_redacted(body), fmt="JSON")
+            return _Event(
+                kind="bad",
+                line=line,
+                ts=env_ts,
+                problem="malformed JSON request-log line",
+                raw=_redacted(body),
+                fmt="JSON",
+            )
         return None
     if not isinstance(data, dict):
         return None
@@ -199,8 +219,9 @@ def _json_event(line: int, env_ts: str | None, body: str) -> _Event | None:
     rid = data.get("rid")
     if rid is None:
         rid = value_at(obj, "rid")
-    return _Event(kind=kind, line=line, ts=ts, rid=rid, obj=obj, headers=data.get("headers"),
-                  out=data.get("out"), fmt="JSON")
+    return _Event(
+        kind=kind, line=line, ts=ts, rid=rid, obj=obj, headers=data.get("headers"), out=data.get("out"), fmt="JSON"
+    )
 
 
 def read_line(line: int, text: str) -> _Event | None:
@@ -215,7 +236,7 @@ def read_line(line: int, text: str) -> _Event | None:
                 return _Event(kind="openai", line=line, ts=ts)
             if kind == "legacy" and ", out=" not in body:
                 return None
-            return _text_event(kind, line, ts, body[len(prefix):])
+            return _text_event(kind, line, ts, body[len(prefix) :])
     if "server_args=" in body:
         return _server_args_event(line, body)
     return None
@@ -223,7 +244,7 @@ def read_line(line: int, text: str) -> _Event | None:
 
 def _server_args_event(line: int, body: str) -> _Event | None:
     at = body.find("server_args=")
-    dump = ReprDump.parse(body[at + len("server_args="):])
+    dump = ReprDump.parse(body[at + len("server_args=") :])
     if dump is None:
         return None
     return _Event(kind="server_args", line=line, ts=None, obj=dump)
@@ -388,10 +409,12 @@ class RequestLogReader:
             for p in queue:
                 self._count("orphan")
                 yield StagedRequest(
-                    line=p.line, raw=json.dumps({"line": "Receive", "rid": rid}, ensure_ascii=False)[:RAW_LIMIT],
+                    line=p.line,
+                    raw=json.dumps({"line": "Receive", "rid": rid}, ensure_ascii=False)[:RAW_LIMIT],
                     problem="Receive line without a Finish line in this file (the client disconnected, the "
-                            "request was still running when the log ends, or it finished in a later file)",
-                    values={})
+                    "request was still running when the log ends, or it finished in a later file)",
+                    values={},
+                )
         self._pending.clear()
         if stream.stopped:
             self.notes.append(stream.stopped)
@@ -442,8 +465,14 @@ class RequestLogReader:
                 del self._pending[rid_text]
             self._count("matched")
         headers = event.headers if event.headers is not None else (pending.headers if pending else None)
-        root: dict[str, object] = {"rid": rid, "obj": event.obj, "headers": headers, "out": event.out,
-                                   "meta_info": meta, "timestamp": event.ts}
+        root: dict[str, object] = {
+            "rid": rid,
+            "obj": event.obj,
+            "headers": headers,
+            "out": event.out,
+            "meta_info": meta,
+            "timestamp": event.ts,
+        }
         columns = self.source.columns
         values: dict[str, str | None] = {}
         problem = None
@@ -490,27 +519,44 @@ class RequestLogReader:
             if abort_default:
                 self._count("abort_default")
 
-        for canonical, key in (("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens"),
-                               ("cached_tokens", "cached_tokens")):
-            values[canonical] = _text(self._lookup(root, columns[canonical]) if canonical in columns
-                                      else value_at(meta, key))
-        values["latency_ms"] = (_text(self._lookup(root, columns["latency_ms"])) if "latency_ms" in columns
-                                else _seconds_to_ms(value_at(meta, "e2e_latency")))
-        values["ttft_ms"] = (_text(self._lookup(root, columns["ttft_ms"])) if "ttft_ms" in columns
-                             else _seconds_to_ms(value_at(meta, "first_token_latency")))
+        for canonical, key in (
+            ("prompt_tokens", "prompt_tokens"),
+            ("completion_tokens", "completion_tokens"),
+            ("cached_tokens", "cached_tokens"),
+        ):
+            values[canonical] = _text(
+                self._lookup(root, columns[canonical]) if canonical in columns else value_at(meta, key)
+            )
+        values["latency_ms"] = (
+            _text(self._lookup(root, columns["latency_ms"]))
+            if "latency_ms" in columns
+            else _seconds_to_ms(value_at(meta, "e2e_latency"))
+        )
+        values["ttft_ms"] = (
+            _text(self._lookup(root, columns["ttft_ms"]))
+            if "ttft_ms" in columns
+            else _seconds_to_ms(value_at(meta, "first_token_latency"))
+        )
         for canonical in ("prefill_instance", "decode_instance"):
             values[canonical] = _text(self._lookup(root, columns[canonical])) if canonical in columns else None
 
-        summary = {"line": "Finish", "rid": plain_summary(rid), "receive_line": pending.line if pending else None,
-                   "headers": plain_summary(headers), "meta_info": plain_summary(meta)}
+        summary = {
+            "line": "Finish",
+            "rid": plain_summary(rid),
+            "receive_line": pending.line if pending else None,
+            "headers": plain_summary(headers),
+            "meta_info": plain_summary(meta),
+        }
         raw = json.dumps(summary, ensure_ascii=False, default=str)
         if len(raw) > RAW_LIMIT:
             raw = raw[:RAW_LIMIT] + f"... [{len(raw) - RAW_LIMIT} more chars]"
         return StagedRequest(line=event.line, raw=raw, problem=problem, values=values)
 
     def _received_ts(self, meta: object, event: _Event, pending: _Pending | None) -> str | None:
-        for value, key in ((value_at(meta, "request_received_ts"), "ts_metrics"),
-                           (value_at(event.obj, "received_time"), "ts_obj")):
+        for value, key in (
+            (value_at(meta, "request_received_ts"), "ts_metrics"),
+            (value_at(event.obj, "received_time"), "ts_obj"),
+        ):
             n = _number(value)
             if n is not None and n > 0:
                 self._count(key)
@@ -532,35 +578,52 @@ class RequestLogReader:
         c = self.counts.get
         notes = []
         kinds = " and ".join(sorted(self._formats)) or "no"
-        notes.append(f"read as SGLang --log-requests output ({kinds} format): {c('finish', 0)} finished "
-                     f"request(s), {c('matched', 0)} matched to their Receive line")
+        notes.append(
+            f"read as SGLang --log-requests output ({kinds} format): {c('finish', 0)} finished "
+            f"request(s), {c('matched', 0)} matched to their Receive line"
+        )
         if any(c(k) for k in ("ts_metrics", "ts_obj", "ts_receive", "ts_derived", "ts_finish")):
-            parts = [f"{c(k)} from {what}" for k, what in (
-                ("ts_metrics", "meta_info.request_received_ts"), ("ts_obj", "obj.received_time"),
-                ("ts_receive", "the Receive line"), ("ts_derived", "the Finish line time minus e2e_latency"),
-                ("ts_finish", "the Finish line time (no e2e_latency logged: later than the receive time by the "
-                              "request's duration)"))
-                if c(k)]
+            parts = [
+                f"{c(k)} from {what}"
+                for k, what in (
+                    ("ts_metrics", "meta_info.request_received_ts"),
+                    ("ts_obj", "obj.received_time"),
+                    ("ts_receive", "the Receive line"),
+                    ("ts_derived", "the Finish line time minus e2e_latency"),
+                    (
+                        "ts_finish",
+                        "the Finish line time (no e2e_latency logged: later than the receive time by the "
+                        "request's duration)",
+                    ),
+                )
+                if c(k)
+            ]
             notes.append("receive times: " + ", ".join(parts))
         if c("no_account"):
             notes.append(
                 f"{c('no_account')} request(s) without an account id quarantined: SGLang logs only whitelisted "
                 f"headers ({ROUTING_KEY_HEADER} plus SGLANG_LOG_REQUEST_HEADERS); map the one that carries the "
-                "account with columns = { account_id = \"headers.<name>\" }")
+                "account with columns = { account_id = \"headers.<name>\" }"
+            )
         elif c("finish") and "account_id" not in self.source.columns:
-            notes.append(f"account_id read from the router's routing key (the {ROUTING_KEY_HEADER} header, else "
-                         "obj.routing_key): check that your router sets it to the account")
+            notes.append(
+                f"account_id read from the router's routing key (the {ROUTING_KEY_HEADER} header, else "
+                "obj.routing_key): check that your router sets it to the account"
+            )
         if c("model_setting"):
             notes.append(f"model set from the source's model setting ({self.source.model})")
         if c("model_served"):
-            notes.append(f"model for {c('model_served')} request(s) from this file's server_args "
-                         f"(served model '{self.served_model}'), an engine name: set the source's model to the "
-                         "gateway's model id if they differ")
+            notes.append(
+                f"model for {c('model_served')} request(s) from this file's server_args "
+                f"(served model '{self.served_model}'), an engine name: set the source's model to the "
+                "gateway's model id if they differ"
+            )
         if c("finish") and "status" not in self.source.columns:
             notes.append(
                 "status is the engine's view (finish_reason abort -> its status_code, otherwise 200), not the "
                 f"HTTP status a gateway in front may have returned; {c('abort', 0)} abort(s)"
-                + (f", {c('abort_default')} without a status_code read as 500" if c("abort_default") else ""))
+                + (f", {c('abort_default')} without a status_code read as 500" if c("abort_default") else "")
+            )
         if c("orphan"):
             notes.append(f"{c('orphan')} Receive line(s) without a Finish line quarantined")
         if c("openai"):
@@ -588,5 +651,6 @@ def reason_rewrites(source: Source) -> dict[str, str]:
     if "prompt_tokens" in source.columns:
         rewrites["missing required field 'prompt_tokens'"] = (
             f"no prompt_tokens in the request log (columns.prompt_tokens = '{source.columns['prompt_tokens']}' "
-            "is absent)")
+            "is absent)"
+        )
     return rewrites

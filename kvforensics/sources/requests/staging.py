@@ -28,29 +28,66 @@ BATCH = 100_000
 # --log-requests JSON (`out.meta_info`), common OpenAI-style exports.
 KNOWN_ALIASES: dict[str, tuple[str, ...]] = {
     "request_id": ("gen_ai.response.id", "rid", "id", "out.meta_info.id", "meta_info.id", "requestId"),
-    "ts": ("timestamp", "time", "start_time", "received_at", "created_at", "@timestamp",
-           "request_received_ts", "meta_info.request_received_ts", "out.meta_info.request_received_ts"),
+    "ts": (
+        "timestamp",
+        "time",
+        "start_time",
+        "received_at",
+        "created_at",
+        "@timestamp",
+        "request_received_ts",
+        "meta_info.request_received_ts",
+        "out.meta_info.request_received_ts",
+    ),
     "account_id": ("account", "customer_id", "tenant_id", "user", "enduser.id"),
     "model": ("gen_ai.request.model", "gen_ai.response.model", "model_name", "model_id"),
     "status": ("http.response.status_code", "status_code", "http_status"),
-    "prompt_tokens": ("gen_ai.usage.input_tokens", "usage.prompt_tokens", "out.meta_info.prompt_tokens",
-                      "meta_info.prompt_tokens", "input_tokens"),
-    "completion_tokens": ("gen_ai.usage.output_tokens", "usage.completion_tokens",
-                          "out.meta_info.completion_tokens", "meta_info.completion_tokens", "output_tokens"),
-    "cached_tokens": ("gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_read_input_tokens",
-                      "usage.prompt_tokens_details.cached_tokens", "out.meta_info.cached_tokens",
-                      "meta_info.cached_tokens"),
-    "ttft_ms": ("time_to_first_token_ms", "ttft", "first_token_latency", "meta_info.first_token_latency",
-                "out.meta_info.first_token_latency"),
-    "latency_ms": ("duration_ms", "e2e_latency_ms", "elapsed_ms", "e2e_latency", "meta_info.e2e_latency",
-                   "out.meta_info.e2e_latency"),
+    "prompt_tokens": (
+        "gen_ai.usage.input_tokens",
+        "usage.prompt_tokens",
+        "out.meta_info.prompt_tokens",
+        "meta_info.prompt_tokens",
+        "input_tokens",
+    ),
+    "completion_tokens": (
+        "gen_ai.usage.output_tokens",
+        "usage.completion_tokens",
+        "out.meta_info.completion_tokens",
+        "meta_info.completion_tokens",
+        "output_tokens",
+    ),
+    "cached_tokens": (
+        "gen_ai.usage.cache_read.input_tokens",
+        "gen_ai.usage.cache_read_input_tokens",
+        "usage.prompt_tokens_details.cached_tokens",
+        "out.meta_info.cached_tokens",
+        "meta_info.cached_tokens",
+    ),
+    "ttft_ms": (
+        "time_to_first_token_ms",
+        "ttft",
+        "first_token_latency",
+        "meta_info.first_token_latency",
+        "out.meta_info.first_token_latency",
+    ),
+    "latency_ms": (
+        "duration_ms",
+        "e2e_latency_ms",
+        "elapsed_ms",
+        "e2e_latency",
+        "meta_info.e2e_latency",
+        "out.meta_info.e2e_latency",
+    ),
     "prefill_instance": ("prefill_node", "prefill_host"),
     "decode_instance": ("decode_node", "decode_host"),
     "cache_salt": ("extra_key",),  # SGLang's name for it
 }
 # Aliases whose values are seconds (SGLang meta_info); the canonical fields are milliseconds.
-SECONDS_ALIASES = frozenset(f"{prefix}{name}" for prefix in ("", "meta_info.", "out.meta_info.")
-                            for name in ("e2e_latency", "first_token_latency"))
+SECONDS_ALIASES = frozenset(
+    f"{prefix}{name}"
+    for prefix in ("", "meta_info.", "out.meta_info.")
+    for name in ("e2e_latency", "first_token_latency")
+)
 # Where an SGLang-shaped record keeps its finish reason, from which a status is derived when the
 # record has no status column (the engine's view: abort -> its status_code or 500, otherwise 200).
 FINISH_REASON_KEYS = ("finish_reason", "meta_info.finish_reason", "out.meta_info.finish_reason")
@@ -94,8 +131,10 @@ def python_staged(rewrites: Mapping[str, str] | None = None) -> Staged:
 
 
 def _staging_schema(keys: Iterable[str] = CANONICAL_REQUEST_FIELDS) -> pa.Schema:
-    return pa.schema([("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())]
-                     + [(f"{k}_raw", pa.string()) for k in keys])
+    return pa.schema(
+        [("line", pa.int64()), ("raw", pa.string()), ("problem", pa.string())]
+        + [(f"{k}_raw", pa.string()) for k in keys]
+    )
 
 
 class Stager:
@@ -104,8 +143,11 @@ class Stager:
     def __init__(self, con: duckdb.DuckDBPyConnection, keys: Iterable[str] = CANONICAL_REQUEST_FIELDS) -> None:
         self.con = con
         self.schema = _staging_schema(keys)
-        con.execute("CREATE OR REPLACE TEMP TABLE staging_requests (line BIGINT, raw VARCHAR, problem VARCHAR"
-                    + "".join(f", {c} VARCHAR" for c in self.schema.names[3:]) + ")")
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE staging_requests (line BIGINT, raw VARCHAR, problem VARCHAR"
+            + "".join(f", {c} VARCHAR" for c in self.schema.names[3:])
+            + ")"
+        )
 
     def add(self, columns: dict[str, list]) -> None:
         n = len(columns["line"])
@@ -162,16 +204,20 @@ def choose_columns(source: Source, present: set[str]) -> dict[str, str | None]:
     return chosen
 
 
-def unknown_column(source: Source, path: Path, refs: str | Sequence[str], have: Iterable[str],
-                   canonical: str | None = None) -> ConfigError:
+def unknown_column(
+    source: Source, path: Path, refs: str | Sequence[str], have: Iterable[str], canonical: str | None = None
+) -> ConfigError:
     """The configuration error for columns an expression reads that the file does not have."""
     refs = [refs] if isinstance(refs, str) else list(refs)
     names = sorted(have)
     shown = ", ".join(names[:30]) + (f" ... ({len(names)} in all)" if len(names) > 30 else "")
     where = f"{source.incident_file}: source '{source.name}'" if source.incident_file else f"source '{source.name}'"
     what = f"column {refs[0]!r} is" if len(refs) == 1 else f"columns {', '.join(map(repr, refs))} are"
-    return ConfigError(f"columns.{canonical or _ref_field(source, refs[0])}: {what} not in {path.name} "
-                       f"(it has: {shown or 'no columns'})", location=where)
+    return ConfigError(
+        f"columns.{canonical or _ref_field(source, refs[0])}: {what} not in {path.name} "
+        f"(it has: {shown or 'no columns'})",
+        location=where,
+    )
 
 
 def preset_optional(source: Source, canonical: str) -> bool:
@@ -186,12 +232,15 @@ def preset_optional(source: Source, canonical: str) -> bool:
 
 def preset_gap(source: Source, canonical: str, names: Sequence[str], path: Path) -> str:
     """The note for a field :func:`preset_optional` leaves empty."""
-    return (f"{canonical} left empty: preset '{source.preset}' reads it from {', '.join(map(repr, names))}, "
-            f"which {path.name} does not have")
+    return (
+        f"{canonical} left empty: preset '{source.preset}' reads it from {', '.join(map(repr, names))}, "
+        f"which {path.name} does not have"
+    )
 
 
-def check_expression_columns(source: Source, path: Path, present: Callable[[str], bool],
-                             have: Iterable[str]) -> list[str]:
+def check_expression_columns(
+    source: Source, path: Path, present: Callable[[str], bool], have: Iterable[str]
+) -> list[str]:
     """Each expression against the columns (or JSON keys) a file has: one that can give no value
     without those it lacks (a column it computes with, or every alternative of a ``coalesce``) is a
     ConfigError naming them; an alternative the file lacks is no error (a preset may read two shapes
@@ -222,8 +271,9 @@ def _cell_column(name: str, header: Iterable[str]) -> tuple[str, str | None] | N
     return None
 
 
-def split_cells(source: Source, path: Path, chosen: Mapping[str, str | None], header: list[str]
-                ) -> tuple[dict[str, str | None], dict[str, str]]:
+def split_cells(
+    source: Source, path: Path, chosen: Mapping[str, str | None], header: list[str]
+) -> tuple[dict[str, str | None], dict[str, str]]:
     """The columns a CSV/Parquet stager reads (a path's column) and the JSON paths into their cells,
     per staged key (a column the file lacks is read as NULL: :func:`require_header` has checked it)."""
     columns: dict[str, str | None] = {}
@@ -241,11 +291,16 @@ def split_cells(source: Source, path: Path, chosen: Mapping[str, str | None], he
 
 def mapping_notes(source: Source, chosen: dict[str, str | None]) -> list[str]:
     notes = []
-    recognised = {c: col for c, col in chosen.items()
-                  if col is not None and c in CANONICAL_REQUEST_FIELDS and c not in source.columns and col != c}
+    recognised = {
+        c: col
+        for c, col in chosen.items()
+        if col is not None and c in CANONICAL_REQUEST_FIELDS and c not in source.columns and col != c
+    }
     if recognised:
-        notes.append("columns recognised without a mapping: "
-                     + ", ".join(f"{c} <- {col}" for c, col in sorted(recognised.items())))
+        notes.append(
+            "columns recognised without a mapping: "
+            + ", ".join(f"{c} <- {col}" for c, col in sorted(recognised.items()))
+        )
     return notes
 
 
@@ -264,14 +319,17 @@ def require_header(source: Source, path: Path, header: Iterable[str], chosen: di
             raise InputError(
                 f"required field '{canonical}' is missing ({hint}); the file has columns "
                 f"{sorted(have)}. Map it in the incident file: columns = {{ {canonical} = \"<column>\" }}",
-                location=f"source '{source.name}': {path}")
+                location=f"source '{source.name}': {path}",
+            )
     for canonical, col in source.columns.items():
         if canonical not in source.expressions and _cell_column(col, have) is None:
             if preset_optional(source, canonical):
                 notes.append(preset_gap(source, canonical, [col], path))
                 continue
-            raise InputError(f"columns maps '{canonical}' to '{col}', which the file does not have; "
-                             f"it has {sorted(have)}", location=f"source '{source.name}': {path}")
+            raise InputError(
+                f"columns maps '{canonical}' to '{col}', which the file does not have; it has {sorted(have)}",
+                location=f"source '{source.name}': {path}",
+            )
     return notes + check_expression_columns(source, path, lambda name: _cell_column(name, have) is not None, have)
 
 
@@ -283,8 +341,7 @@ def in_milliseconds(source: Source, canonical: str, column: str | None, expr: st
     return expr
 
 
-def _field_expressions(source: Source, chosen: Mapping[str, str | None]
-                       ) -> tuple[list[str], list[str], dict[str, str]]:
+def _field_expressions(source: Source, chosen: Mapping[str, str | None]) -> tuple[list[str], list[str], dict[str, str]]:
     """JSON paths, the wrong-type checks and the value of each canonical field, over the lists
     ``t`` (json_type) and ``v`` (json_extract_string) of one parse of the record."""
     paths: list[str] = []
@@ -297,8 +354,9 @@ def _field_expressions(source: Source, chosen: Mapping[str, str | None]
         paths.extend(_json_paths(col))
         numbers = range(first, len(paths) + 1)
         types = "coalesce(" + ", ".join(f"t[{i}]" for i in numbers) + ")"
-        wrong_type.append(f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') "
-                          f"THEN {wrong_type_reason(canonical)} || lower({types})")
+        wrong_type.append(
+            f"WHEN {types} IN ('OBJECT', 'ARRAY', 'BOOLEAN') THEN {wrong_type_reason(canonical)} || lower({types})"
+        )
         expr = "coalesce(" + ", ".join(f"v[{i}]" for i in numbers) + ")"
         expr = in_milliseconds(source, canonical, col, expr)
         values[canonical] = expr
@@ -322,8 +380,9 @@ def wrong_type_reason(key: str) -> str:
     return f"'{what} must be a string or a number, not a JSON '"
 
 
-def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines_sql: str,
-                         finish_reason: str | None) -> tuple[str, dict[str, Any]]:
+def json_fields_relation(
+    source: Source, chosen: Mapping[str, str | None], lines_sql: str, finish_reason: str | None
+) -> tuple[str, dict[str, Any]]:
     """The staged relation over a relation of ``line, raw, problem``: each record parsed once for all
     fields (json_type / json_extract_string over the list of paths); blank lines dropped. Returns the
     query and its parameters (the JSON paths: never spliced into the text)."""
@@ -333,8 +392,12 @@ def json_fields_relation(source: Source, chosen: Mapping[str, str | None], lines
         base = json_path(finish_reason)
         values["status"] = _STATUS_FROM_FINISH_REASON
         params.update(fr=base, fr_type=base + '."type"', fr_code=base + '."status_code"')
-    fields = ", ".join(f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw" if c in values
-                       else f"CAST(NULL AS VARCHAR) AS {c}_raw" for c in chosen)
+    fields = ", ".join(
+        f"CASE WHEN problem IS NULL THEN {values[c]} END AS {c}_raw"
+        if c in values
+        else f"CAST(NULL AS VARCHAR) AS {c}_raw"
+        for c in chosen
+    )
     type_check = f"CASE {' '.join(wrong_type)} END" if wrong_type else "CAST(NULL AS VARCHAR)"
     query = f"""
         WITH lines AS ({lines_sql}),

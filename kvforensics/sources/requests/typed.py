@@ -33,8 +33,10 @@ TYPED_ALL = """CREATE OR REPLACE TABLE kvf_batch.typed_all (
     completion_tokens BIGINT, cached_tokens BIGINT, ttft_ms DOUBLE, latency_ms DOUBLE,
     prefill_instance VARCHAR, decode_instance VARCHAR, cache_salt VARCHAR, id_hash UBIGINT)"""
 MISSING = "UPDATE kvf_batch.typed_all SET reason = reason || ' (column ' || $col || ')' WHERE file_no = $n AND reason = $missing"
-MISSING_FROM_EXPRESSION = ("UPDATE kvf_batch.typed_all SET reason = reason || ' (columns.' || $field || ' = ' || $expr "
-                           "|| ' gave NULL)' WHERE file_no = $n AND reason = $missing")
+MISSING_FROM_EXPRESSION = (
+    "UPDATE kvf_batch.typed_all SET reason = reason || ' (columns.' || $field || ' = ' || $expr "
+    "|| ' gave NULL)' WHERE file_no = $n AND reason = $missing"
+)
 
 
 def new_batch(con: duckdb.DuckDBPyConnection) -> None:
@@ -45,8 +47,9 @@ def new_batch(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("CREATE OR REPLACE TABLE kvf_batch.load_files (file_no INTEGER, file VARCHAR)").fetchall()
 
 
-def type_file_on_cursor(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int,
-                        tick: Callable[[int], None]) -> tuple[FileLoad, bool]:
+def type_file_on_cursor(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int, tick: Callable[[int], None]
+) -> tuple[FileLoad, bool]:
     cur = con.cursor()
     try:
         cur.execute("SET TimeZone = 'UTC'").fetchall()
@@ -55,8 +58,9 @@ def type_file_on_cursor(con: duckdb.DuckDBPyConnection, source: Source, path: Pa
         cur.close()
 
 
-def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int,
-               tick: Callable[[int], None]) -> tuple[FileLoad, bool]:
+def _type_file(
+    con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_no: int, tick: Callable[[int], None]
+) -> tuple[FileLoad, bool]:
     """Stage and type one file into ``typed_all``; a DuckDB reader that fails on the file (bytes
     that are not UTF-8, an unreadable Parquet page) hands it to the Python reader. Also returns
     whether the DuckDB reader was kept."""
@@ -72,8 +76,7 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
         # what DuckDB's readers raise on bad input; UnicodeDecodeError when DuckDB's message about it
         # quotes the input cut inside a multi-byte character and Python cannot decode the message;
         # NotImplementedException when a line is longer than the line reader's buffer (tens of MB)
-        except (duckdb.InvalidInputException, duckdb.IOException, duckdb.NotImplementedException,
-                UnicodeDecodeError):
+        except (duckdb.InvalidInputException, duckdb.IOException, duckdb.NotImplementedException, UnicodeDecodeError):
             if not fast:
                 raise
         con.execute("DELETE FROM kvf_batch.typed_all WHERE file_no = $n", n).fetchall()
@@ -98,19 +101,31 @@ def _type_file(con: duckdb.DuckDBPyConnection, source: Source, path: Path, file_
 def _type_staged(con: duckdb.DuckDBPyConnection, source: Source, staged: Staged, file_no: int) -> None:
     relation, mapping_params = mapped_relation(source, staged)
     text = sql("requests_typed").replace("{staging}", relation)
-    params = {**staged.params, **mapping_params, "file_no": file_no, "tz": source.timezone,
-              "offset_s": source.clock_offset_s, "ambiguous": source.ambiguous,
-              "dst_days": dst_days(source.timezone)}
+    params = {
+        **staged.params,
+        **mapping_params,
+        "file_no": file_no,
+        "tz": source.timezone,
+        "offset_s": source.clock_offset_s,
+        "ambiguous": source.ambiguous,
+        "dst_days": dst_days(source.timezone),
+    }
     run_script(con, "requests_typed", params, text=text)
     n = {"n": file_no}
     for before, after in staged.rewrites.items():
-        con.execute("UPDATE kvf_batch.typed_all SET reason = $after WHERE file_no = $n AND reason = $before",
-                    {**n, "before": before, "after": after}).fetchall()
+        con.execute(
+            "UPDATE kvf_batch.typed_all SET reason = $after WHERE file_no = $n AND reason = $before",
+            {**n, "before": before, "after": after},
+        ).fetchall()
     _explain_missing(con, source, file_no)
-    if staged.raw_relation is not None and one(
-            con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n AND reason IS NOT NULL", n)[0]:
-        query = (f"UPDATE kvf_batch.typed_all SET raw = left(r.raw, 2000) FROM {staged.raw_relation} r "
-                 "WHERE kvf_batch.typed_all.file_no = $n AND kvf_batch.typed_all.reason IS NOT NULL AND kvf_batch.typed_all.line = r.line")
+    if (
+        staged.raw_relation is not None
+        and one(con, "SELECT count(*) FROM kvf_batch.typed_all WHERE file_no = $n AND reason IS NOT NULL", n)[0]
+    ):
+        query = (
+            f"UPDATE kvf_batch.typed_all SET raw = left(r.raw, 2000) FROM {staged.raw_relation} r "
+            "WHERE kvf_batch.typed_all.file_no = $n AND kvf_batch.typed_all.reason IS NOT NULL AND kvf_batch.typed_all.line = r.line"
+        )
         con.execute(query, parameters_for(query, {**staged.params, **n})).fetchall()
 
 
@@ -134,8 +149,11 @@ def mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any]
     tokens = param(list(source.null_tokens)) if source.null_tokens else None
 
     def nulled(value: str) -> str:
-        return f"CASE WHEN list_contains({tokens}, trim(CAST({value} AS VARCHAR))) THEN NULL ELSE {value} END" \
-            if tokens else value
+        return (
+            f"CASE WHEN list_contains({tokens}, trim(CAST({value} AS VARCHAR))) THEN NULL ELSE {value} END"
+            if tokens
+            else value
+        )
 
     refs = expression_refs(source)
     keys = [*CANONICAL_REQUEST_FIELDS, *(f"x{i}" for i in range(len(refs)))]
@@ -143,10 +161,14 @@ def mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any]
     for key in keys:
         value = nulled(f"{key}_raw")
         if key in staged.cells:
-            cell_problems.append(f"WHEN {value} IS NOT NULL AND NOT json_valid({value}) "
-                                 f"THEN {param(f'{_field_label(key, refs)}: the cell holds no JSON: ')} "
-                                 f"|| left(CAST({value} AS VARCHAR), 40)")
-            value = nulled(f"CASE WHEN json_valid({value}) THEN json_extract_string({value}, {param(staged.cells[key])}) END")
+            cell_problems.append(
+                f"WHEN {value} IS NOT NULL AND NOT json_valid({value}) "
+                f"THEN {param(f'{_field_label(key, refs)}: the cell holds no JSON: ')} "
+                f"|| left(CAST({value} AS VARCHAR), 40)"
+            )
+            value = nulled(
+                f"CASE WHEN json_valid({value}) THEN json_extract_string({value}, {param(staged.cells[key])}) END"
+            )
         inner.append(f"{value} AS {key}_v")
     problem = f"coalesce(problem, CASE {' '.join(cell_problems)} END)" if cell_problems else "problem"
     computed, fields, read_problems = [], [], []
@@ -154,31 +176,41 @@ def mapped_relation(source: Source, staged: Staged) -> tuple[str, dict[str, Any]
         expression = source.expressions.get(canonical)
         if expression is not None:
             slots = [f"x{refs.index(ref)}_v" for ref in expression.refs]
-            computed.append("CAST((" + expression.sql(lambda i, kind, slots=slots: read_as(slots[i], kind),
-                                                       functools.partial(bind_literal, params))
-                            + f") AS VARCHAR) AS {canonical}_e")
+            computed.append(
+                "CAST(("
+                + expression.sql(
+                    lambda i, kind, slots=slots: read_as(slots[i], kind), functools.partial(bind_literal, params)
+                )
+                + f") AS VARCHAR) AS {canonical}_e"
+            )
             # a value that does not convert matters where the expression then gives nothing (not in
             # a CASE branch not taken, or beside a coalesce fallback that gave a value)
             for i, kind in expression.uses:
                 if kind in (NUMBER, TIMESTAMP):
                     what = f"columns.{canonical}: {expression.refs[i]} is not a {kind}: '"
-                    read_problems.append(f"WHEN {canonical}_e IS NULL AND {slots[i]} IS NOT NULL AND "
-                                         f"{read_as(slots[i], kind)} IS NULL "
-                                         f"THEN {param(what)} || left({slots[i]}, 40) || {param(chr(39))}")
+                    read_problems.append(
+                        f"WHEN {canonical}_e IS NULL AND {slots[i]} IS NOT NULL AND "
+                        f"{read_as(slots[i], kind)} IS NULL "
+                        f"THEN {param(what)} || left({slots[i]}, 40) || {param(chr(39))}"
+                    )
         else:
             computed.append(f"{canonical}_v AS {canonical}_e")
         value = f"{canonical}_e"
         if canonical in source.values:
             table = source.values[canonical]
             text = f"CAST({value} AS VARCHAR)"
-            value = (f"coalesce(list_extract({param(list(table.values()))}, "
-                     f"list_position({param(list(table))}, trim({text}))), {text})")
+            value = (
+                f"coalesce(list_extract({param(list(table.values()))}, "
+                f"list_position({param(list(table))}, trim({text}))), {text})"
+            )
         fields.append(f"{value} AS {canonical}_raw")
     problem_out = f"coalesce(problem, CASE {' '.join(read_problems)} END)" if read_problems else "problem"
     refs_v = "".join(f", x{i}_v" for i in range(len(refs)))
-    relation = (f"(SELECT line, raw, {problem_out} AS problem, {', '.join(fields)} FROM "
-                f"(SELECT line, raw, problem{refs_v}, {', '.join(computed)} FROM "
-                f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation})))")
+    relation = (
+        f"(SELECT line, raw, {problem_out} AS problem, {', '.join(fields)} FROM "
+        f"(SELECT line, raw, problem{refs_v}, {', '.join(computed)} FROM "
+        f"(SELECT line, raw, {problem} AS problem, {', '.join(inner)} FROM {staged.relation})))"
+    )
     return relation, params
 
 
@@ -193,8 +225,10 @@ def _explain_missing(con: duckdb.DuckDBPyConnection, source: Source, file_no: in
         col = source.columns.get(canonical)
         missing = f"missing required field '{canonical}'"
         if canonical in source.expressions:
-            con.execute(MISSING_FROM_EXPRESSION, {"field": canonical, "expr": source.expressions[canonical].text,
-                                                  "n": file_no, "missing": missing}).fetchall()
+            con.execute(
+                MISSING_FROM_EXPRESSION,
+                {"field": canonical, "expr": source.expressions[canonical].text, "n": file_no, "missing": missing},
+            ).fetchall()
         elif col:
             con.execute(MISSING, {"col": col, "n": file_no, "missing": missing}).fetchall()
 
@@ -204,25 +238,30 @@ def _reader_kept(con: duckdb.DuckDBPyConnection, staged: Staged, file_no: int) -
     number them exactly, none refused where the reader cannot tell why."""
     if not staged.exact_lines and not staged.clean_only:
         return True
-    records, refused = one(con, "SELECT count(*), count(reason) FROM kvf_batch.typed_all WHERE file_no = $n",
-                           {"n": file_no})
+    records, refused = one(
+        con, "SELECT count(*), count(reason) FROM kvf_batch.typed_all WHERE file_no = $n", {"n": file_no}
+    )
     return (not staged.exact_lines or records == staged.lines) and (not staged.clean_only or refused == 0)
 
 
 def _dst_notes(con: duckdb.DuckDBPyConnection, source: Source, file_no: int) -> list[str]:
     """What the source's ``ambiguous`` setting did to local times a daylight-saving change makes
     ambiguous (the repeated hour) or nonexistent (the skipped hour)."""
-    rows = con.execute("SELECT ts_dst, reason IS NULL, count(*), min(line) FROM kvf_batch.typed_all "
-                       "WHERE file_no = $n AND ts_dst IS NOT NULL GROUP BY ALL ORDER BY ALL",
-                       {"n": file_no}).fetchall()
+    rows = con.execute(
+        "SELECT ts_dst, reason IS NULL, count(*), min(line) FROM kvf_batch.typed_all "
+        "WHERE file_no = $n AND ts_dst IS NOT NULL GROUP BY ALL ORDER BY ALL",
+        {"n": file_no},
+    ).fetchall()
     notes = []
     for kind, kept, count, line in rows:
         what = f"{count} local time(s) {kind} in {source.timezone} (first at line {line})"
         if not kept:
             notes.append(f"{what}: quarantined (ambiguous = \"{source.ambiguous}\")")
         elif source.ambiguous != "reject":
-            notes.append(f"{what}: read as the {source.ambiguous} of the two UTC instants they may mean "
-                         f"(ambiguous = \"{source.ambiguous}\")")
+            notes.append(
+                f"{what}: read as the {source.ambiguous} of the two UTC instants they may mean "
+                f"(ambiguous = \"{source.ambiguous}\")"
+            )
     return notes
 
 

@@ -102,8 +102,9 @@ def timeline(seed: int, start: float, hours: int) -> Timeline:
         stops: list[float | None] = [launches[1] - 6, launches[2] - 6, None]
         for n, (launched, stop) in enumerate(zip(launches, stops, strict=True)):
             ready = launched + 140 + rng.random() * 30
-            startups.append(Startup(name, n, launched, ready, ready + 30, stop, storage=n == 1,
-                                    pid=1000 + rng.randrange(60000)))
+            startups.append(
+                Startup(name, n, launched, ready, ready + 30, stop, storage=n == 1, pid=1000 + rng.randrange(60000))
+            )
     return Timeline(tuple(startups), (Flush("sglang-2", start + 20 * 3600 + 900),), end)
 
 
@@ -113,7 +114,7 @@ def _stamp(ts: float) -> str:
 
 def server_args(s: Startup) -> str:
     backend = "'mooncake'" if s.storage else "None"
-    events = ('\'{"publisher": "zmq", "endpoint": "tcp://*:%d", "topic": "kv-events"}\'' % KV_EVENTS_PORT)
+    events = '\'{"publisher": "zmq", "endpoint": "tcp://*:%d", "topic": "kv-events"}\'' % KV_EVENTS_PORT
     return (
         f"server_args=ServerArgs(model_path='{HF_MODEL}', tokenizer_path='{HF_MODEL}', tokenizer_mode='auto', "
         "skip_tokenizer_init=False, load_format='auto', trust_remote_code=False, "
@@ -143,20 +144,31 @@ def engine_log(startups: list[Startup], flushes: list[Flush], end: float) -> str
     for s in startups:
         probe = s.ready + 3 + rng.random() * 27
         while probe < (s.stop if s.stop is not None else end):
-            lines.append((probe, f"INFO:     10.0.3.1:{40000 + rng.randrange(20000)} - \"GET /health HTTP/1.1\" 200 OK"))
+            lines.append(
+                (probe, f"INFO:     10.0.3.1:{40000 + rng.randrange(20000)} - \"GET /health HTTP/1.1\" 200 OK")
+            )
             probe += 30
         t = s.launched
-        pool_gb = DEVICE_TOKENS * 32 * 8 * 128 * 2 / 2 ** 30  # K (and V): layers x kv heads x head dim x bf16
+        pool_gb = DEVICE_TOKENS * 32 * 8 * 128 * 2 / 2**30  # K (and V): layers x kv heads x head dim x bf16
         lines += [
             (t, server_args(s)),
             (t + 6, "Load weight begin. avail mem=21.98 GB"),
-            (t + 52, f"Load weight end. elapsed={44 + rng.random() * 4:.2f} s, type=LlamaForCausalLM, "
-                     "avail mem=6.82 GB, mem usage=15.16 GB."),
-            (t + 53, f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {DEVICE_TOKENS}, "
-                     f"K size: {pool_gb:.2f} GB, V size: {pool_gb:.2f} GB"),
+            (
+                t + 52,
+                f"Load weight end. elapsed={44 + rng.random() * 4:.2f} s, type=LlamaForCausalLM, "
+                "avail mem=6.82 GB, mem usage=15.16 GB.",
+            ),
+            (
+                t + 53,
+                f"KV Cache is allocated. dtype: torch.bfloat16, #tokens: {DEVICE_TOKENS}, "
+                f"K size: {pool_gb:.2f} GB, V size: {pool_gb:.2f} GB",
+            ),
             (t + 53, f"Memory pool end. avail mem={6.82 - 2 * pool_gb:.2f} GB"),
-            (s.ready - 4, f"max_total_num_tokens={DEVICE_TOKENS}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
-                          f"max_running_requests=2049, context_len={CONTEXT_LENGTH}, available_gpu_mem=0.71 GB"),
+            (
+                s.ready - 4,
+                f"max_total_num_tokens={DEVICE_TOKENS}, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+                f"max_running_requests=2049, context_len={CONTEXT_LENGTH}, available_gpu_mem=0.71 GB",
+            ),
             (s.ready - 2, f"INFO:     Started server process [{s.pid}]"),
             (s.ready - 2, "INFO:     Waiting for application startup."),
             (s.ready - 2, "INFO:     Application startup complete."),
@@ -175,7 +187,9 @@ def engine_log(startups: list[Startup], flushes: list[Flush], end: float) -> str
                 (s.stop + 2, f"INFO:     Finished server process [{s.pid}]"),
             ]
     for f in flushes:
-        lines += [(f.ts, "Cache flushed successfully!"),
-                  (f.ts, "INFO:     10.0.3.17:51844 - \"POST /flush_cache HTTP/1.1\" 200 OK")]
+        lines += [
+            (f.ts, "Cache flushed successfully!"),
+            (f.ts, "INFO:     10.0.3.17:51844 - \"POST /flush_cache HTTP/1.1\" 200 OK"),
+        ]
     lines.sort(key=lambda x: x[0])
     return "".join(f"{_stamp(ts)} {text}\n" for ts, text in lines)

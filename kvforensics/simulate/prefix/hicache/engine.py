@@ -52,7 +52,6 @@ _PAGE_BYTES = PAGE_SIZE * 4  # uint32 token ids
 assert array("I").itemsize == 4
 
 
-
 class Publisher(Protocol):
     """Where an instance's KV events go: a ZMQ publisher, numbering its messages from 0 per process."""
 
@@ -107,7 +106,7 @@ def _extend(tokens: array, digest: bytes, out: list[int], pages: int, signed: bo
         data = view.cast("B")
         for i in range(len(out), pages):
             h = sha(digest)
-            h.update(data[i * _PAGE_BYTES:(i + 1) * _PAGE_BYTES])
+            h.update(data[i * _PAGE_BYTES : (i + 1) * _PAGE_BYTES])
             digest = h.digest()
             out.append(int.from_bytes(digest[:8], "big", signed=signed))
     return digest
@@ -252,8 +251,15 @@ class Instance:
             gone.append(k)
         return gone
 
-    def store_device(self, ts: float, salt: str, salted: list[int], tokens: array, first: int, last: int,
-                     ) -> list[int]:
+    def store_device(
+        self,
+        ts: float,
+        salt: str,
+        salted: list[int],
+        tokens: array,
+        first: int,
+        last: int,
+    ) -> list[int]:
         """Pages *first*..*last*-1 of a request placed on the device (computed, or loaded from host): the
         ones not there yet are stored, as runs of chained pages (``BlockStored(GPU)``), after the evictions
         they need. Returns the pages that had no host copy (to back up)."""
@@ -273,8 +279,14 @@ class Instance:
         self.emit(ts, events)
         return fresh
 
-    def store_host(self, ts: float, salt: str, salted: list[int], tokens: array, positions: list[int],
-                   ) -> None:
+    def store_host(
+        self,
+        ts: float,
+        salt: str,
+        salted: list[int],
+        tokens: array,
+        positions: list[int],
+    ) -> None:
         """Pages that reached host memory (a write-through backup, or a prefetch from the store):
         ``BlockStored(CPU_PINNED)``. A backed-up page stays on the device; a prefetched one waits on host."""
         device, host = self.device, self.host_only
@@ -299,8 +311,17 @@ def _stored(positions: list[int], salted: list[int], tokens: array, salt: str, m
             prev = i
             continue
         if run_start >= 0:
-            events.append(["BlockStored", salted[run_start:prev + 1], salted[run_start - 1] if run_start else None,
-                           tokens[run_start * PAGE_SIZE:(prev + 1) * PAGE_SIZE].tolist(), PAGE_SIZE, None, medium,
-                           {"cache_salt": salt}])
+            events.append(
+                [
+                    "BlockStored",
+                    salted[run_start : prev + 1],
+                    salted[run_start - 1] if run_start else None,
+                    tokens[run_start * PAGE_SIZE : (prev + 1) * PAGE_SIZE].tolist(),
+                    PAGE_SIZE,
+                    None,
+                    medium,
+                    {"cache_salt": salt},
+                ]
+            )
         run_start = prev = i
     return events

@@ -54,8 +54,10 @@ def event_json(event: list[Any]) -> str:
         return json.dumps(event, separators=(",", ":"))
     _, hashes, parent, ids, size, _, medium, meta = event
     text = _ID_TEXT.__getitem__
-    return (f'["BlockStored",[{",".join(map(str, hashes))}],{"null" if parent is None else parent},'
-            f'[{",".join(map(text, ids))}],{size},null,"{medium}",{{"cache_salt":"{meta["cache_salt"]}"}}]')
+    return (
+        f'["BlockStored",[{",".join(map(str, hashes))}],{"null" if parent is None else parent},'
+        f'[{",".join(map(text, ids))}],{size},null,"{medium}",{{"cache_salt":"{meta["cache_salt"]}"}}]'
+    )
 
 
 class GzipLines:
@@ -125,8 +127,7 @@ class EventArchive:
             return
         self._recv = max(self._recv, ts + 0.0008 + (self.messages % 7) * 0.0003)
         batch = ",".join(map(event_json, events))
-        self.writer.write(f'{{"recv_ts":"{iso_ms(self._recv)}",{self._head}{self.seq},'
-                          f'"batch":[{ts:.6f},[{batch}],0]}}')
+        self.writer.write(f'{{"recv_ts":"{iso_ms(self._recv)}",{self._head}{self.seq},"batch":[{ts:.6f},[{batch}],0]}}')
         self.seq += 1
         self.messages += 1
 
@@ -153,13 +154,15 @@ class RequestFiles:
             f'"cache_salt":"{salt}","upstream":"{s.instance}","status":{s.status},"max_tokens":{r.max_tokens},'
             f'"ttft_ms":{s.ttft_ms},"latency_ms":{s.latency_ms},"usage":{{"prompt_tokens":{r.prompt},'
             f'"completion_tokens":{completion},"total_tokens":{r.prompt + completion},'
-            f'"prompt_tokens_details":{{"cached_tokens":{s.cached_tokens}}}}}}}')
-        prompt = r.tokens[:r.prompt]
-        output = r.tokens[r.prompt:r.prompt + completion]
+            f'"prompt_tokens_details":{{"cached_tokens":{s.cached_tokens}}}}}}}'
+        )
+        prompt = r.tokens[: r.prompt]
+        output = r.tokens[r.prompt : r.prompt + completion]
         word, ident = self._word, self._id
         self.content.write(
             f'{{"request_id":"{s.request_id}","prompt":"{" ".join(map(word, prompt))}",'
-            f'"output":"{" ".join(map(word, output))}","prompt_token_ids":[{",".join(map(ident, prompt))}]}}')
+            f'"output":"{" ".join(map(word, output))}","prompt_token_ids":[{",".join(map(ident, prompt))}]}}'
+        )
 
     def close(self) -> None:
         self.gateway.close()
@@ -172,14 +175,17 @@ def write_engine_logs(out: Path, timeline: Timeline, log_text: Any) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "sglang.log").write_text(
             log_text(timeline.of(name), [f for f in timeline.flushes if f.instance == name], timeline.end),
-            encoding="utf-8")
+            encoding="utf-8",
+        )
 
 
 def manifest() -> str:
-    return ("# Deployment manifest (kvforensics audit --manifest): several customers share the engines;\n"
-            "# the gateway sets cache_salt per tenant, overwriting any value a client sends. SGLang's logs\n"
-            "# name no version: the build is stated here.\n"
-            f"[prefix_cache]\ntenants = \"multi\"\ncache_salt = \"gateway\"\nengine_version = \"{ENGINE_VERSION}\"\n")
+    return (
+        "# Deployment manifest (kvforensics audit --manifest): several customers share the engines;\n"
+        "# the gateway sets cache_salt per tenant, overwriting any value a client sends. SGLang's logs\n"
+        "# name no version: the build is stated here.\n"
+        f"[prefix_cache]\ntenants = \"multi\"\ncache_salt = \"gateway\"\nengine_version = \"{ENGINE_VERSION}\"\n"
+    )
 
 
 def incident_toml(name: str, title: str) -> str:
@@ -226,8 +232,9 @@ shared_namespaces = ["{PLAYGROUND_SALT}"]
 """
 
 
-def ground_truth(name: str, seed: int, served: int, truth: Truth, accounts: Accounts, timeline: Timeline,
-                 store: dict[str, int]) -> dict[str, Any]:
+def ground_truth(
+    name: str, seed: int, served: int, truth: Truth, accounts: Accounts, timeline: Timeline, store: dict[str, int]
+) -> dict[str, Any]:
     recipients = {rid: sorted({src[1] for src in sources}) for rid, (_, _, _, _, sources) in truth.recipients.items()}
     return {
         "scenario": name,
@@ -240,22 +247,44 @@ def ground_truth(name: str, seed: int, served: int, truth: Truth, accounts: Acco
         "playground_accounts": accounts.playground,
         "recipients": recipients,
         "recipient_sources": {
-            rid: [{"source_request_id": s[0], "source_account": s[1], "source_salt": s[2], "source_instance": s[3],
-                   "position_from": s[4], "position_to": s[5], "source_position_from": s[4]} for s in sources]
-            for rid, (_, _, _, _, sources) in truth.recipients.items()},
-        "recipient_loads": {rid: {"instance": inst, "ts": iso_ms(ts), "pages_loaded": pages}
-                            for rid, (_, inst, ts, pages, _) in truth.recipients.items()},
+            rid: [
+                {
+                    "source_request_id": s[0],
+                    "source_account": s[1],
+                    "source_salt": s[2],
+                    "source_instance": s[3],
+                    "position_from": s[4],
+                    "position_to": s[5],
+                    "source_position_from": s[4],
+                }
+                for s in sources
+            ]
+            for rid, (_, _, _, _, sources) in truth.recipients.items()
+        },
+        "recipient_loads": {
+            rid: {"instance": inst, "ts": iso_ms(ts), "pages_loaded": pages}
+            for rid, (_, inst, ts, pages, _) in truth.recipients.items()
+        },
         "recipient_accounts": sorted({v[0] for v in truth.recipients.values()}),
         "source_accounts": sorted({a for v in recipients.values() for a in v}),
         "collisions": [],
         "probers": accounts.probers,
         "probe_victims": accounts.victims,
-        "benign_lookalikes": {"evaluation_harness": accounts.evaluators, "retrying_clients": sorted(accounts.retriers),
-                              "keepalive_pings": accounts.pingers, "autocomplete": sorted(accounts.autocomplete)},
-        "exposure_windows": {inst: [{"start": iso_ms(a), "end": iso_ms(b)} for a, b in windows]
-                             for inst, windows in sorted(timeline.store_windows().items())},
+        "benign_lookalikes": {
+            "evaluation_harness": accounts.evaluators,
+            "retrying_clients": sorted(accounts.retriers),
+            "keepalive_pings": accounts.pingers,
+            "autocomplete": sorted(accounts.autocomplete),
+        },
+        "exposure_windows": {
+            inst: [{"start": iso_ms(a), "end": iso_ms(b)} for a, b in windows]
+            for inst, windows in sorted(timeline.store_windows().items())
+        },
         "flushes": [{"instance": f.instance, "ts": iso_ms(f.ts)} for f in timeline.flushes],
-        "store_loads": {"requests": truth.requests_loading, "pages": truth.loaded_pages,
-                        "prefetches_cut_short": truth.prefetches_cut},
+        "store_loads": {
+            "requests": truth.requests_loading,
+            "pages": truth.loaded_pages,
+            "prefetches_cut_short": truth.prefetches_cut,
+        },
         "store": store,
     }

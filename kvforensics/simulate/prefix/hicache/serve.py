@@ -74,20 +74,30 @@ class Truth:
     shared: frozenset[str]
     # request id -> (account, instance, ts, pages loaded, [(source request, source account, source salt,
     # source instance, first position, last position)])
-    recipients: dict[str, tuple[str, str, float, int, list[tuple[str, str, str, str, int, int]]]] = \
-        field(default_factory=dict)
-    loaded_pages: dict[str, int] = field(default_factory=lambda: {"foreign": 0, "own": 0, "shared_namespace": 0,
-                                                                 "internal": 0})
+    recipients: dict[str, tuple[str, str, float, int, list[tuple[str, str, str, str, int, int]]]] = field(
+        default_factory=dict
+    )
+    loaded_pages: dict[str, int] = field(
+        default_factory=lambda: {"foreign": 0, "own": 0, "shared_namespace": 0, "internal": 0}
+    )
     requests_loading: int = 0
     prefetches_cut: int = 0
 
-    def record(self, request_id: str, r: Request, instance: str, ts: float, first: int,
-               pages: list[StoredPage]) -> None:
+    def record(
+        self, request_id: str, r: Request, instance: str, ts: float, first: int, pages: list[StoredPage]
+    ) -> None:
         sources: list[tuple[str, str, str, str, int, int]] = []
         self.requests_loading += 1
         for i, p in enumerate(pages, start=first):
-            kind = ("own" if p.salt == r.salt else "shared_namespace" if p.salt in self.shared
-                    else "internal" if p.account in self.internal else "foreign")
+            kind = (
+                "own"
+                if p.salt == r.salt
+                else "shared_namespace"
+                if p.salt in self.shared
+                else "internal"
+                if p.account in self.internal
+                else "foreign"
+            )
             self.loaded_pages[kind] += 1
             if kind != "foreign":
                 continue
@@ -103,8 +113,16 @@ class Truth:
 class Server:
     """The deployment at work: instances, the shared store, the gateway's router and the action heap."""
 
-    def __init__(self, seed: int, timeline: Timeline, instances: dict[str, Instance], store: SharedStore,
-                 traffic: Traffic, log: Callable[[Served], None], truth: Truth) -> None:
+    def __init__(
+        self,
+        seed: int,
+        timeline: Timeline,
+        instances: dict[str, Instance],
+        store: SharedStore,
+        traffic: Traffic,
+        log: Callable[[Served], None],
+        truth: Truth,
+    ) -> None:
         self.rng = random.Random(f"hicache-l3:{seed}:serve")
         self.timeline, self.instances, self.store = timeline, instances, store
         self.names = list(instances)
@@ -186,7 +204,7 @@ class Server:
                     break
                 fetched.append(page)
             if len(fetched) > 1 and rng.random() < PREFETCH_CUT_SHARE:
-                fetched = fetched[:rng.randrange(1, len(fetched))]
+                fetched = fetched[: rng.randrange(1, len(fetched))]
                 self.truth.prefetches_cut += 1
         loaded = len(fetched)
         if loaded:
@@ -208,29 +226,33 @@ class Server:
         if loaded:
             self._at(t0 + prefetch / 1000, self._prefetched, inst, epoch, r, salted, matched, loaded)
         if matched > on_device or loaded:
-            self._at(t0 + (queue + prefetch + load) / 1000, self._loaded, inst, epoch, r, salted, on_device,
-                     matched + loaded)
+            self._at(
+                t0 + (queue + prefetch + load) / 1000, self._loaded, inst, epoch, r, salted, on_device, matched + loaded
+            )
         self._at(t0 + ttft / 1000, self._prefilled, inst, epoch, r, salted, matched + loaded, full)
         self._at(t0 + latency / 1000, self._finished, inst, epoch, r, salted, full, total)
         self.log(Served(r, request_id, name, 504 if r.timed_out else 200, cached, round(ttft), round(latency)))
         if r.observe is not None:
             r.observe(r, cached, t0 + ttft / 1000)
 
-    def _prefetched(self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int,
-                    count: int) -> None:
+    def _prefetched(
+        self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int, count: int
+    ) -> None:
         if inst.epoch != epoch:
             return
         positions = list(range(first, first + count))
         inst.store_host(ts, r.salt, salted, r.tokens, positions)
-        inst.lock(salted[first:first + count])
+        inst.lock(salted[first : first + count])
 
-    def _loaded(self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int,
-                last: int) -> None:
+    def _loaded(
+        self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int, last: int
+    ) -> None:
         if inst.epoch == epoch:
             inst.store_device(ts, r.salt, salted, r.tokens, first, last)
 
-    def _prefilled(self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int,
-                   last: int) -> None:
+    def _prefilled(
+        self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], first: int, last: int
+    ) -> None:
         if inst.epoch != epoch:
             return
         inst.lock(salted[first:last])
@@ -238,8 +260,9 @@ class Server:
         if fresh:
             self._at(ts + 0.005 + 0.03 * self.rng.random(), self._backed_up, inst, epoch, r, salted, fresh)
 
-    def _finished(self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], full: int,
-                  total: int) -> None:
+    def _finished(
+        self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], full: int, total: int
+    ) -> None:
         if inst.epoch != epoch:
             return
         if total > full:
@@ -248,8 +271,9 @@ class Server:
                 self._at(ts + 0.005 + 0.03 * self.rng.random(), self._backed_up, inst, epoch, r, salted, fresh)
         inst.unlock(salted[:full])
 
-    def _backed_up(self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int],
-                   positions: list[int]) -> None:
+    def _backed_up(
+        self, ts: float, inst: Instance, epoch: int, r: Request, salted: list[int], positions: list[int]
+    ) -> None:
         """Write-through: the host copies are done; with the store, the pages are written to it too."""
         if inst.epoch != epoch:
             return

@@ -119,8 +119,16 @@ def _length(rng: random.Random, median: float, lo: int, hi: int) -> int:
 class Traffic:
     """Requests in arrival order (:meth:`pop`), with the prober fed back its responses."""
 
-    def __init__(self, seed: int, requests: int, start: float, hours: int, start_hour: int,
-                 warmups: list[tuple[float, str]], probe_window: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        seed: int,
+        requests: int,
+        start: float,
+        hours: int,
+        start_hour: int,
+        warmups: list[tuple[float, str]],
+        probe_window: tuple[float, float],
+    ) -> None:
         self.seed, self.total = seed, requests
         rng = random.Random(f"hicache-l3:{seed}:content")
         self.rng = rng
@@ -175,8 +183,15 @@ class Traffic:
     def _tokens(self, n: int) -> tuple[int, ...]:
         return tuple(self.rng.choices(self.ids, k=n))
 
-    def _tenant(self, account: str, weight: float, layout: str, prefix: tuple[int, ...],
-                documents: list[tuple[int, ...]], salt: str | None = None) -> Tenant:
+    def _tenant(
+        self,
+        account: str,
+        weight: float,
+        layout: str,
+        prefix: tuple[int, ...],
+        documents: list[tuple[int, ...]],
+        salt: str | None = None,
+    ) -> Tenant:
         salt = salt or tenant_salt(self.seed, account)
         return Tenant(account, salt, salt_seed(salt), weight, layout, prefix, documents)
 
@@ -190,11 +205,15 @@ class Traffic:
         for rank in range(1, TENANTS + 1):
             u = rng.random()
             layout = "provider" if u < 0.35 else "template" if u < 0.55 else "public" if u < 0.72 else "plain"
-            prefix = (self.system_prompt if layout == "provider" else
-                      rng.choice(templates) if layout == "template" else ())
-            docs = public if layout == "public" else \
-                [self._tokens(_length(rng, 500, 96, 1800)) for _ in range(rng.randint(1, 3))]
-            tenants.append(self._tenant(self._account(rng), rank ** -ACCOUNT_ZIPF_EXPONENT, layout, prefix, docs))
+            prefix = (
+                self.system_prompt if layout == "provider" else rng.choice(templates) if layout == "template" else ()
+            )
+            docs = (
+                public
+                if layout == "public"
+                else [self._tokens(_length(rng, 500, 96, 1800)) for _ in range(rng.randint(1, 3))]
+            )
+            tenants.append(self._tenant(self._account(rng), rank**-ACCOUNT_ZIPF_EXPONENT, layout, prefix, docs))
         rng.shuffle(tenants)  # account names carry no rank
         candidates = [t for t in tenants if t.layout in ("plain", "template")]
         for t in rng.sample(candidates[3:], 3):  # autocomplete clients: their own code buffers
@@ -211,9 +230,17 @@ class Traffic:
         self.victim_document = victim.documents[0]
         self.accounts.victims.append(victim.account)
         # public playground users share one namespace; some paste public documents
-        users = [self._tenant(self._account(rng), (rank + 6) ** -ACCOUNT_ZIPF_EXPONENT, "playground",
-                              self.playground_prompt, public, salt=PLAYGROUND_SALT)
-                 for rank in range(1, PLAYGROUND_USERS + 1)]
+        users = [
+            self._tenant(
+                self._account(rng),
+                (rank + 6) ** -ACCOUNT_ZIPF_EXPONENT,
+                "playground",
+                self.playground_prompt,
+                public,
+                salt=PLAYGROUND_SALT,
+            )
+            for rank in range(1, PLAYGROUND_USERS + 1)
+        ]
         self.accounts.playground = sorted(u.account for u in users)
         self.tenants = tenants + users
         total = sum(t.weight for t in self.tenants)
@@ -222,11 +249,13 @@ class Traffic:
             acc += t.weight / total
             cum.append(acc)
         self._tenant_cum = cum
-        self.harnesses = [self._tenant(self._account(rng), 0.0, "eval", self._tokens(EVAL_TEMPLATE_TOKENS), [])
-                          for _ in range(2)]
+        self.harnesses = [
+            self._tenant(self._account(rng), 0.0, "eval", self._tokens(EVAL_TEMPLATE_TOKENS), []) for _ in range(2)
+        ]
         self.accounts.evaluators = [h.account for h in self.harnesses]
-        self.pingers = [self._tenant(self._account(rng), 0.0, "ping", self._tokens(PING_PROMPT_TOKENS), [])
-                        for _ in range(2)]
+        self.pingers = [
+            self._tenant(self._account(rng), 0.0, "ping", self._tokens(PING_PROMPT_TOKENS), []) for _ in range(2)
+        ]
         self.accounts.pingers = [p.account for p in self.pingers]
         self.provider = self._tenant(PROVIDER_ACCOUNT, 0.0, "provider", self.system_prompt, [])
         self.prober = self._tenant(self._account(rng), 0.0, "probe", (), [])
@@ -319,8 +348,11 @@ class Traffic:
     def _start_session(self, ts: float) -> None:
         self._started += 1
         tenant, _, detail = self._shape(self._shapes)
-        session = self._autocomplete(tenant, ts, detail[0]) if tenant.layout == "autocomplete" else \
-            self._chat(tenant, ts, detail)
+        session = (
+            self._autocomplete(tenant, ts, detail[0])
+            if tenant.layout == "autocomplete"
+            else self._chat(tenant, ts, detail)
+        )
         self._advance(session)
         self._schedule_next_session()
 
@@ -365,8 +397,18 @@ class Traffic:
         p = self.provider
         for ts, instance in at:
             tokens = array("I", p.prefix + self._tokens(6) + self._tokens(8))
-            yield Request(ts, p.account, p.salt, tokens, len(tokens) - 8, 8, 8, "warmup",
-                          Chains(tokens, p.salt, p.seed), instance=instance)
+            yield Request(
+                ts,
+                p.account,
+                p.salt,
+                tokens,
+                len(tokens) - 8,
+                8,
+                8,
+                "warmup",
+                Chains(tokens, p.salt, p.seed),
+                instance=instance,
+            )
 
     def _evaluation(self, h: Tenant, ts: float, items: int) -> Iterator[Request]:
         rng = self.rng
@@ -402,7 +444,7 @@ class Prober:
 
     def _new_round(self) -> None:
         rng, doc = self.rng, self.document
-        page = doc[self.known * PAGE_SIZE:(self.known + 1) * PAGE_SIZE]
+        page = doc[self.known * PAGE_SIZE : (self.known + 1) * PAGE_SIZE]
         spots = sorted(rng.sample(range(PAGE_SIZE), PROBE_GUESSED_TOKENS))
         candidates = {page}
         while len(candidates) < PROBE_CANDIDATES:
@@ -415,9 +457,21 @@ class Prober:
     def _request(self, ts: float) -> Request:
         candidate = self._round.pop(0)
         t = self.tenant
-        tokens = array("I", self.document[:self.known * PAGE_SIZE] + candidate + self.tail + (self.rng.choice(self.traffic.ids),))
-        return Request(ts, t.account, t.salt, tokens, len(tokens) - 1, 1, 1, "probe", Chains(tokens, t.salt, t.seed),
-                       observe=self.observe)
+        tokens = array(
+            "I", self.document[: self.known * PAGE_SIZE] + candidate + self.tail + (self.rng.choice(self.traffic.ids),)
+        )
+        return Request(
+            ts,
+            t.account,
+            t.salt,
+            tokens,
+            len(tokens) - 1,
+            1,
+            1,
+            "probe",
+            Chains(tokens, t.salt, t.seed),
+            observe=self.observe,
+        )
 
     def first(self) -> Request:
         self._new_round()

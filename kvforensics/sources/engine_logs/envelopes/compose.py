@@ -46,8 +46,10 @@ PREFIX = re.compile(r"^" + _COLOUR + r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,254}
 _STAMP = re.compile(RFC3339.pattern + r" ")
 _REPLICA = re.compile(r"^(?P<service>.+?)[-_]\d+$")
 # compose's own lines (pkg/compose/printer.go, the formatter's Status: "\r\x1b[K<name> <message>")
-STATUS = re.compile(r"^(?:\r|\x1b\[[0-9;]*[A-Za-z])*(?:Attaching to |Aborting on container exit|Gracefully stopping"
-                    r"|[A-Za-z0-9][A-Za-z0-9_.-]* exited with code -?\d+)")
+STATUS = re.compile(
+    r"^(?:\r|\x1b\[[0-9;]*[A-Za-z])*(?:Attaching to |Aborting on container exit|Gracefully stopping"
+    r"|[A-Za-z0-9][A-Za-z0-9_.-]* exited with code -?\d+)"
+)
 NOT_A_LINE = "not a docker compose log line (<container> | <line>) and no line before it to continue"
 STATUS_LINE = "docker compose's own status line, not a container's output"
 
@@ -81,13 +83,13 @@ def read_compose(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
         labels = containers.get(name)
         if labels is None:
             labels = containers[name] = labels_of(name)
-        rest = text[m.end():]
+        rest = text[m.end() :]
         ns = None
         stamp = _STAMP.match(rest)
         if stamp is not None:
             try:
                 ns = match_ns(stamp)
-                rest = rest[stamp.end():]
+                rest = rest[stamp.end() :]
             except (ValueError, OverflowError):  # not a time after all: the line keeps it
                 ns = None
         last = EnvelopeRecord(number, ns, labels, rest[:-1] if rest.endswith("\r") else rest, b"")

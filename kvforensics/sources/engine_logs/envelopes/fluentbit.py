@@ -62,8 +62,11 @@ class FluentBitRecord:
 def is_record(obj: object) -> bool:
     """Whether a JSON value is a Fluent Bit record: an engine line under ``log`` or ``message`` with
     Fluent Bit's ``date`` or its ``kubernetes`` metadata."""
-    return (isinstance(obj, dict) and any(isinstance(obj.get(k), str) for k in MESSAGE_KEYS)
-            and ("date" in obj or isinstance(obj.get("kubernetes"), dict)))
+    return (
+        isinstance(obj, dict)
+        and any(isinstance(obj.get(k), str) for k in MESSAGE_KEYS)
+        and ("date" in obj or isinstance(obj.get("kubernetes"), dict))
+    )
 
 
 def out_file_line(text: str) -> tuple[str, int, Any]:
@@ -75,7 +78,7 @@ def out_file_line(text: str) -> tuple[str, int, Any]:
         raise ValueError("an out_file line cut short (no closing ']')")
     ns = int(m["sec"]) * 1_000_000_000 + int((m["frac"] or "0").ljust(9, "0"))
     try:
-        record = json.loads(text[m.end():text.rstrip().rindex("]")])
+        record = json.loads(text[m.end() : text.rstrip().rindex("]")])
     except (ValueError, RecursionError) as e:
         raise ValueError(f"malformed out_file record ({getattr(e, 'msg', type(e).__name__)})") from None
     return m["tag"], ns, record
@@ -110,7 +113,7 @@ def date_ns(value: Any) -> int:
         if value != value or value < 0 or value >= 1e19:
             raise ValueError(f"'date' {value!r} is out of range")
         digits = len(str(int(value)))
-        scale = 10 ** 9 if digits <= 11 else 10 ** 6 if digits <= 14 else 10 ** 3 if digits <= 17 else 1
+        scale = 10**9 if digits <= 11 else 10**6 if digits <= 14 else 10**3 if digits <= 17 else 1
         if isinstance(value, int):
             return value * scale
         return round(value * scale / 1000) * 1000  # a double holds about microseconds, no finer

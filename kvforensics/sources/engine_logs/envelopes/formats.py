@@ -61,8 +61,18 @@ from kvforensics.sources.engine_logs.envelopes.records import (
 from kvforensics.sources.engine_logs.envelopes.syslog import header as syslog_header
 from kvforensics.sources.engine_logs.envelopes.syslog import read_syslog
 
-ENVELOPES = ("kubectl", "cri", "docker", "loki", "cloudwatch", "journald", "fluentbit", "syslog", "compose",
-             "docker_logs")
+ENVELOPES = (
+    "kubectl",
+    "cri",
+    "docker",
+    "loki",
+    "cloudwatch",
+    "journald",
+    "fluentbit",
+    "syslog",
+    "compose",
+    "docker_logs",
+)
 """Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
 
 ENVELOPE_CLOCKS = {
@@ -84,6 +94,7 @@ _NO_LABELS: Mapping[str, str] = {}
 # --------------------------------------------------------------------------------------------
 # Clocks
 # --------------------------------------------------------------------------------------------
+
 
 def _loki_ns(value: Any) -> int:
     """Loki timestamps: nanoseconds (string or number) or RFC 3339 (logcli prints local time)."""
@@ -143,9 +154,16 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
         if found and len(found) * 2 >= len(texts):
             return max(found, key=found.count)  # ties: the kind met first
         joined = "\n".join(t for _, t, _ in head if t)
-        for key, kind in (('"__REALTIME_TIMESTAMP"', "journald"), ('"kubernetes"', "fluentbit"), ('"resultType"', "loki"), ('"result"', "loki"),
-                          ('"logStreamName"', "cloudwatch"), ('"events"', "cloudwatch"), ('"ingestionTime"',
-                          "cloudwatch"), ('"stream"', "docker")):
+        for key, kind in (
+            ('"__REALTIME_TIMESTAMP"', "journald"),
+            ('"kubernetes"', "fluentbit"),
+            ('"resultType"', "loki"),
+            ('"result"', "loki"),
+            ('"logStreamName"', "cloudwatch"),
+            ('"events"', "cloudwatch"),
+            ('"ingestionTime"', "cloudwatch"),
+            ('"stream"', "docker"),
+        ):
             if key in joined:
                 return kind
         return "none"
@@ -194,7 +212,7 @@ def _read_kubectl(lines: Iterable[EngineLine], what: str = "kubectl") -> Iterato
         except (ValueError, OverflowError):
             yield quarantine(number, f"bad {what} --timestamps prefix '{m.group(0).strip()}'", raw)
             continue
-        yield EnvelopeRecord(number, ns, _NO_LABELS, text[m.end():], b"")
+        yield EnvelopeRecord(number, ns, _NO_LABELS, text[m.end() :], b"")
 
 
 def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
@@ -217,7 +235,7 @@ def _read_cri(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
             continue
         stream = m["stream"]
         labels = streams.setdefault(stream, {"stream": stream})
-        joined = partials.add(stream, number, ns, labels, text[m.end():], m["tag"] == "F")
+        joined = partials.add(stream, number, ns, labels, text[m.end() :], m["tag"] == "F")
         if joined is not None:
             yield EnvelopeRecord(joined[0], joined[1], joined[2], joined[3], b"")
     for line, ns, labels, piece in partials.rest():
@@ -251,8 +269,9 @@ class _JsonRecords:
             cached = self.label_cache[key] = dict(key)
         return cached
 
-    def records(self, obj: Any, line: int, raw: str, positions: Callable[[str, int], list[int]]
-                ) -> Iterator[EnvelopeItem]:
+    def records(
+        self, obj: Any, line: int, raw: str, positions: Callable[[str, int], list[int]]
+    ) -> Iterator[EnvelopeItem]:
         kind = json_kind(obj)
         if kind is None:
             if isinstance(obj, list):
@@ -282,8 +301,9 @@ class _JsonRecords:
         if joined is not None:
             yield from split_message(*joined)
 
-    def _loki(self, obj: dict[str, Any], line: int, raw: str,
-              positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
+    def _loki(
+        self, obj: dict[str, Any], line: int, raw: str, positions: Callable[[str, int], list[int]]
+    ) -> Iterator[EnvelopeItem]:
         if "line" in obj:  # logcli --output=jsonl
             labels = obj.get("labels") or {}
             if not isinstance(labels, dict) or not isinstance(obj["line"], str):
@@ -312,8 +332,9 @@ class _JsonRecords:
                     continue
                 yield from split_message(at, ns, labels, message)
 
-    def _cloudwatch(self, obj: dict[str, Any], line: int, raw: str,
-                    positions: Callable[[str, int], list[int]]) -> Iterator[EnvelopeItem]:
+    def _cloudwatch(
+        self, obj: dict[str, Any], line: int, raw: str, positions: Callable[[str, int], list[int]]
+    ) -> Iterator[EnvelopeItem]:
         if "message" not in obj:  # a filter-log-events / get-log-events response
             events = obj["events"]
             lines = positions("cloudwatch", len(events))
@@ -333,12 +354,16 @@ class _JsonRecords:
 
     def _journald(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
         ns = epoch_ns(obj["__REALTIME_TIMESTAMP"], 1_000, "__REALTIME_TIMESTAMP")
-        labels = self.labels((k, v) for k, v in obj.items()
-                             if isinstance(v, str) and k != "MESSAGE" and not k.startswith("__"))
+        labels = self.labels(
+            (k, v) for k, v in obj.items() if isinstance(v, str) and k != "MESSAGE" and not k.startswith("__")
+        )
         message = obj.get("MESSAGE")
         if message is None:
-            yield quarantine(line, "MESSAGE is null: journalctl leaves out fields over 4096 bytes "
-                                    "(export with journalctl --all -o json)", raw)
+            yield quarantine(
+                line,
+                "MESSAGE is null: journalctl leaves out fields over 4096 bytes (export with journalctl --all -o json)",
+                raw,
+            )
             return
         if isinstance(message, list) and all(isinstance(b, int) and 0 <= b < 256 for b in message):
             data = bytes(message)  # not UTF-8 text: an array of byte values
@@ -443,8 +468,11 @@ def _read_json_document(lines: list[EngineLine], envelope: str) -> Iterator[Enve
                 if kind == "element":
                     offsets = _element_starts(doc, start)
                 else:
-                    offsets = [o for m in _RECORD_ARRAYS[kind].finditer(doc, start, stop)
-                               for o in _element_starts(doc, m.end() - 1)]
+                    offsets = [
+                        o
+                        for m in _RECORD_ARRAYS[kind].finditer(doc, start, stop)
+                        for o in _element_starts(doc, m.end() - 1)
+                    ]
             except (ValueError, RecursionError):
                 offsets = []
             if len(offsets) != n:  # not where we looked: every record is placed at its document's start
@@ -495,5 +523,3 @@ READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
 def read_envelope(envelope: str, lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
     """The records of a file in *envelope* (one of :data:`ENVELOPES`), in file order."""
     return READERS[envelope](lines)
-
-

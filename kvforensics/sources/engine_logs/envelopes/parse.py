@@ -57,8 +57,18 @@ __all__ = [
 # and are never used.
 NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "loki": (
-        "pod", "pod_name", "k8s_pod_name", "container", "container_name", "k8s_container_name",
-        "instance", "host", "hostname", "service_name", "job", "filename",
+        "pod",
+        "pod_name",
+        "k8s_pod_name",
+        "container",
+        "container_name",
+        "k8s_container_name",
+        "instance",
+        "host",
+        "hostname",
+        "service_name",
+        "job",
+        "filename",
     ),
     "cloudwatch": ("logGroupName", "logStreamName"),
     "journald": ("CONTAINER_NAME", "_HOSTNAME", "_SYSTEMD_UNIT", "SYSLOG_IDENTIFIER"),
@@ -68,7 +78,6 @@ NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     # a service's replicas (qwen3-1, qwen3-2) are engines of their own: the container tells them apart
     "compose": ("service", "container"),
 }
-
 
 
 def instance_key(envelope: str, label_sets: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
@@ -98,8 +107,11 @@ def instance_key(envelope: str, label_sets: Sequence[Mapping[str, str]]) -> tupl
 CLOCK_DISAGREEMENT_S = 300.0
 _LINE_REF = re.compile(r"\bline (\d+)")
 # Parser notes about lines without a time of their own: in an envelope every line has the envelope's.
-_UNTIMED_NOTES = ("without a timestamp of their own", "carry no timestamp; left empty",
-                  "their timestamps are left empty")
+_UNTIMED_NOTES = (
+    "without a timestamp of their own",
+    "carry no timestamp; left empty",
+    "their timestamps are left empty",
+)
 
 
 def parse_enveloped(
@@ -141,8 +153,13 @@ def parse_enveloped(
         clock = [_shifted(r.ts_ns, offset) for r in ordered]
         first = next((c for c in clock if c is not None), None)
         feed = ((seq, r.text, r.raw or (r.text or "").encode()) for seq, r in enumerate(ordered, start=1))
-        parse = parser(feed, instance=name, tz=tz, year=year if year is not None or first is None
-                       else first.astimezone(tz).year, clock_offset_s=clock_offset_s)
+        parse = parser(
+            feed,
+            instance=name,
+            tz=tz,
+            year=year if year is not None or first is None else first.astimezone(tz).year,
+            clock_offset_s=clock_offset_s,
+        )
         result.instances[name] = _to_file_lines(parse, origin, clock, check)
     result.notes.extend(check.notes())
     result.warnings.extend(check.notes())
@@ -153,8 +170,11 @@ def _in_clock_order(group: list[EnvelopeRecord]) -> list[EnvelopeRecord]:
     """Records sorted by the envelope's clock, stably; a record without one stays after the one before
     it. An export that is mostly newest first is turned round first, so that records with the same
     clock keep the order they were written in."""
-    steps = [b.ts_ns - a.ts_ns for a, b in itertools.pairwise(group)
-             if a.ts_ns is not None and b.ts_ns is not None and a.ts_ns != b.ts_ns]
+    steps = [
+        b.ts_ns - a.ts_ns
+        for a, b in itertools.pairwise(group)
+        if a.ts_ns is not None and b.ts_ns is not None and a.ts_ns != b.ts_ns
+    ]
     if sum(1 for d in steps if d < 0) * 2 > len(steps):
         group = group[::-1]
     keys = []
@@ -179,8 +199,9 @@ def _shifted(ns: int | None, offset: timedelta) -> datetime | None:
         return None
 
 
-def _instance_names(envelope: str, records: list[EnvelopeRecord], namer: InstanceNamer,
-                    result: EngineFileParse) -> dict[int, str]:
+def _instance_names(
+    envelope: str, records: list[EnvelopeRecord], namer: InstanceNamer, result: EngineFileParse
+) -> dict[int, str]:
     """The instance of each distinct label set (by identity: readers share one mapping per set)."""
     label_sets = {id(r.labels): r.labels for r in records}
     own = namer(None)
@@ -250,14 +271,19 @@ def _remap_plan(cls: type) -> RemapPlan:
     if plan is None:
         names = [f.name for f in fields(cls)]
         line_fields = tuple(n for n in names if n == "line" or n.endswith("_line"))
-        ts_fields = tuple((n, line) for n in names if n == "ts" or n.endswith("_ts")
-                          if (line := "line" if n == "ts" else f"{n[:-3]}_line") in names)
+        ts_fields = tuple(
+            (n, line)
+            for n in names
+            if n == "ts" or n.endswith("_ts")
+            if (line := "line" if n == "ts" else f"{n[:-3]}_line") in names
+        )
         plan = _PLANS[cls] = (line_fields, ts_fields, "evidence" in names, "flags" in names)
     return plan
 
 
-def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetime | None],
-                   check: _ClockCheck) -> EngineLogParse:
+def _to_file_lines(
+    parse: EngineLogParse, origin: list[int], clock: list[datetime | None], check: _ClockCheck
+) -> EngineLogParse:
     """Map a parse of an instance's records (numbered 1..n in clock order) back to the file: line
     numbers become physical lines, and every time becomes the envelope's clock of its line (the
     engine's own stamp is compared with it; a start-up keeps it in ``flags['engine_stamp_utc']``)."""
@@ -287,8 +313,9 @@ def _to_file_lines(parse: EngineLogParse, origin: list[int], clock: list[datetim
             changes["evidence"] = {k: file_line(v) if type(v) is int else v for k, v in rec.evidence.items()}
         if has_flags and any(k.endswith("_line") for k in rec.flags):  # a flag naming a line (prefix_cache_hit_line)
             flags = changes.get("flags", rec.flags)
-            changes["flags"] = {k: str(file_line(int(v))) if k.endswith("_line") and v.isdigit() else v
-                                for k, v in flags.items()}
+            changes["flags"] = {
+                k: str(file_line(int(v))) if k.endswith("_line") and v.isdigit() else v for k, v in flags.items()
+            }
         return replace(rec, **changes)
 
     parse.startups = [remap(s) for s in parse.startups]

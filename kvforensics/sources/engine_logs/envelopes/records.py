@@ -107,8 +107,9 @@ class Partials:
     def __init__(self) -> None:
         self.open: dict[str, tuple[int, int | None, Mapping[str, str], list[str]]] = {}
 
-    def add(self, stream: str, line: int, ns: int | None, labels: Mapping[str, str], piece: str,
-            last: bool) -> tuple[int, int | None, Mapping[str, str], str] | None:
+    def add(
+        self, stream: str, line: int, ns: int | None, labels: Mapping[str, str], piece: str, last: bool
+    ) -> tuple[int, int | None, Mapping[str, str], str] | None:
         held = self.open.get(stream)
         if held is None:
             if last:

@@ -33,8 +33,9 @@ from kvforensics.sources.engine_logs.envelopes.records import (
 _TAG = r" (?P<host>[A-Za-z0-9][A-Za-z0-9._:%-]{0,254}) (?P<program>[^\s\[\]:]{1,128})(?:\[(?P<pid>[^\s\]]{1,32})\])?: "
 FILE_FORMAT = re.compile(r"^(?P<ts>" + RFC3339.pattern + r")" + _TAG)
 """The header of ``RSYSLOG_FileFormat``."""
-TRADITIONAL = re.compile(r"^(?P<bsd>(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d{2}:\d{2}:\d{2})"
-                         + _TAG)
+TRADITIONAL = re.compile(
+    r"^(?P<bsd>(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d{2}:\d{2}:\d{2})" + _TAG
+)
 """The header of ``RSYSLOG_TraditionalFileFormat`` (BSD time)."""
 
 
@@ -65,5 +66,5 @@ def read_syslog(lines: Iterable[EngineLine]) -> Iterator[EnvelopeItem]:
         labels = origins.get(key)
         if labels is None:
             labels = origins[key] = {"host": key[0], "program": key[1], **({"pid": key[2]} if key[2] else {})}
-        message = text[m.end():]
+        message = text[m.end() :]
         yield EnvelopeRecord(number, ns, labels, message[:-1] if message.endswith("\r") else message, b"")

@@ -78,18 +78,27 @@ def match_prefill_batch(msg: str) -> BatchMatch | BatchRefusal | None:
     head = _HEAD.match(msg)
     if head is None:
         return None
-    fields = batch_fields(msg[head.end():])
+    fields = batch_fields(msg[head.end() :])
     counts = [_count(fields.get(k)) for k in REQUIRED]
     if any(c is None for c in counts):
-        return BatchRefusal("prefill batch line without a readable " + ", ".join(
-            k for k, c in zip(REQUIRED, counts, strict=True) if c is None))
+        return BatchRefusal(
+            "prefill batch line without a readable "
+            + ", ".join(k for k, c in zip(REQUIRED, counts, strict=True) if c is None)
+        )
     new_seq, new_token, cached_token = (int(c) for c in counts)  # type: ignore[arg-type]
     usage = fields.get("token usage", fields.get("full token usage"))
-    role = ("prefill" if any(k in fields for k in PREFILL_FIELDS)
-            else "decode" if any(k in fields for k in DECODE_FIELDS) else None)
+    role = (
+        "prefill"
+        if any(k in fields for k in PREFILL_FIELDS)
+        else "decode"
+        if any(k in fields for k in DECODE_FIELDS)
+        else None
+    )
     running = _count(fields.get("#running-req"))
     return BatchMatch(
-        new_seq=new_seq, new_token=new_token, cached_token=cached_token,
+        new_seq=new_seq,
+        new_token=new_token,
+        cached_token=cached_token,
         running_req=running if running is not None else _count(head["mixed"]),
         queue_req=_count(fields.get("#queue-req")),
         token_usage=float(usage) if usage is not None and _USAGE.fullmatch(usage) else None,

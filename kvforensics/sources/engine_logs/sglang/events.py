@@ -41,9 +41,7 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
     _EventRule(
         "abort_input_too_long",
         ("Input length (",),
-        re.compile(
-            r"Input length \((?P<n>\d+) tokens\) exceeds the maximum allowed length \((?P<m>\d+) tokens\)"
-        ),
+        re.compile(r"Input length \((?P<n>\d+) tokens\) exceeds the maximum allowed length \((?P<m>\d+) tokens\)"),
         "n",
         "m",
     ),
@@ -58,9 +56,7 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
     _EventRule(
         "abort_input_too_long",
         ("Multimodal prompt is too long",),
-        re.compile(
-            r"Multimodal prompt is too long after expanding multimodal tokens\..*?=> (?P<n>\d+) >= (?P<m>\d+)"
-        ),
+        re.compile(r"Multimodal prompt is too long after expanding multimodal tokens\..*?=> (?P<n>\d+) >= (?P<m>\d+)"),
         "n",
         "m",
     ),
@@ -77,9 +73,7 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
     _EventRule(
         "abort_input_too_long",
         ("longer than the model's context length",),
-        re.compile(
-            r"The input \((?P<n>\d+) tokens\) is longer than the model's context length \((?P<m>\d+) tokens\)"
-        ),
+        re.compile(r"The input \((?P<n>\d+) tokens\) is longer than the model's context length \((?P<m>\d+) tokens\)"),
         "n",
         "m",
     ),
@@ -106,9 +100,7 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
     _EventRule(
         "abort_other",
         ("requires too many SWA KV tokens",),
-        re.compile(
-            r"Request (?P<rid>\S+) requires too many SWA KV tokens for decode preallocation: \d+ > (?P<m>\d+)"
-        ),
+        re.compile(r"Request (?P<rid>\S+) requires too many SWA KV tokens for decode preallocation: \d+ > (?P<m>\d+)"),
         None,
         "m",
         "rid",
@@ -180,13 +172,13 @@ _EVENT_RULES: tuple[_EventRule, ...] = (
 )
 _REQ_TIME_STATS_NEEDLES = ("ReqTimeStats(", "Req Time Stats(")
 _GENERIC_ABORT_NEEDLES = ("bort", "BORT")
-OTHER_EVENT_NEEDLES = tuple(dict.fromkeys(
-    [n for rule in _EVENT_RULES for n in rule.needles] + [*_GENERIC_ABORT_NEEDLES, "Req Time Stats("]))
+OTHER_EVENT_NEEDLES = tuple(
+    dict.fromkeys([n for rule in _EVENT_RULES for n in rule.needles] + [*_GENERIC_ABORT_NEEDLES, "Req Time Stats("])
+)
 """Texts of every event line other than the new ``ReqTimeStats(...)`` one."""
 EVENT_NEEDLES = tuple(
     dict.fromkeys(
-        [n for rule in _EVENT_RULES for n in rule.needles]
-        + [*_REQ_TIME_STATS_NEEDLES, *_GENERIC_ABORT_NEEDLES]
+        [n for rule in _EVENT_RULES for n in rule.needles] + [*_REQ_TIME_STATS_NEEDLES, *_GENERIC_ABORT_NEEDLES]
     )
 )
 _GENERIC_ABORT = re.compile(r"(?i)\babort|FINISH_ABORT")
@@ -194,7 +186,6 @@ _REQ_TIME_STATS_NEW = re.compile(r"ReqTimeStats\((?P<body>[^)]*)\)")
 _REQ_TIME_STATS_OLD = re.compile(
     r"Req Time Stats\(rid=(?P<rid>[^,]*),(?: bootstrap_room=[^,]*,)? input len=(?P<n>\d+), output len=(?P<out>\d+)"
 )
-
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,18 @@ from kvforensics.sources.engine_logs.sglang.startup import ENGINE, SglangStartup
 from kvforensics.sources.engine_logs.sglang.versions import VERSION_LINES
 from kvforensics.sources.engine_logs.shutdown import SHUTDOWN_NEEDLES, shutdown_reason
 
-__all__ = ["BATCH_LINE_EXCLUDES", "ENGINE", "LINE_SIGNATURE", "ROLE_HINTS", "ROLE_HINT_NEEDLES", "SELF_CONTAINED_EXCLUDES",
-           "RequestRun", "SglangParser", "parse_lines", "rank_tags"]
+__all__ = [
+    "BATCH_LINE_EXCLUDES",
+    "ENGINE",
+    "LINE_SIGNATURE",
+    "ROLE_HINTS",
+    "ROLE_HINT_NEEDLES",
+    "SELF_CONTAINED_EXCLUDES",
+    "RequestRun",
+    "SglangParser",
+    "parse_lines",
+    "rank_tags",
+]
 
 # ---------------------------------------------------------------------------------------------
 # Envelopes
@@ -59,14 +69,10 @@ _STAMP_ENV = re.compile(
 )
 _GPU_ENV = re.compile(r"^\[gpu=(?P<gpu>\d+)\] ?")
 # looks like a stamped line ("[2026-08-2x ...", "[12:3x:00 TP0]") but is not one of the envelopes
-_LOOSE_ENV = re.compile(
-    r"^\[\s*(?:\d{2,4}[-/.]\w{1,3}[-/.]\w{1,3}|\d{1,2}:\w{1,2}(?::\w{1,2})?)[^\]]{0,60}\]?"
-)
+_LOOSE_ENV = re.compile(r"^\[\s*(?:\d{2,4}[-/.]\w{1,3}[-/.]\w{1,3}|\d{1,2}:\w{1,2}(?::\w{1,2})?)[^\]]{0,60}\]?")
 _RANK_TAG = re.compile(r"\b(DP|PP|ATTN_CP|MOE_DP|TP|EP)(\d+)\b")
 # lines that start a record of their own, so cannot continue a wrapped server_args dump
-_NOT_A_CONTINUATION = re.compile(
-    r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]|Traceback |\[|sglang version)"
-)
+_NOT_A_CONTINUATION = re.compile(r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]|Traceback |\[|sglang version)")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,8 +186,17 @@ class RequestRun:
 # time and ranks last seen; a prefill batch line may also carry a role hint (ROLE_HINT_NEEDLES), which
 # a run hands over (RequestRun.role_hint). The columnar reader (engine_columnar.py) reads only such lines.
 _LINE_EXCLUDES = (
-    *_STARTUP_NEEDLES, *SHUTDOWN_NEEDLES, *OTHER_EVENT_NEEDLES,
-    "server_args=", "fired up", "lang", "LANG", '"event": "request.', "\x00", "\x1b", "\r",
+    *_STARTUP_NEEDLES,
+    *SHUTDOWN_NEEDLES,
+    *OTHER_EVENT_NEEDLES,
+    "server_args=",
+    "fired up",
+    "lang",
+    "LANG",
+    '"event": "request.',
+    "\x00",
+    "\x1b",
+    "\r",
 )
 SELF_CONTAINED_EXCLUDES = tuple(dict.fromkeys((*_LINE_EXCLUDES, *ROLE_HINT_NEEDLES)))
 BATCH_LINE_EXCLUDES = tuple(dict.fromkeys((*_LINE_EXCLUDES, "ReqTimeStats(")))
@@ -267,9 +282,7 @@ class SglangParser:
         if g:
             if docker_ts is None:
                 self.gpu_lines += 1
-            return _Line(
-                number, docker_ts, f"gpu={g['gpu']}", int(g["gpu"]), None, None, rest[g.end() :], "gpu"
-            )
+            return _Line(number, docker_ts, f"gpu={g['gpu']}", int(g["gpu"]), None, None, rest[g.end() :], "gpu")
         loose = _LOOSE_ENV.match(rest)
         if loose:
             self._quarantine(number, f"unrecognised line prefix '{loose.group(0)[:60]}'", raw)
@@ -313,7 +326,11 @@ class SglangParser:
                     if hint:
                         st.role_hint = (role, line.number, hint.group(0))
                         break
-            elif st.plain_batch_line is None and msg.startswith(_BATCH_HEADS) and not contains_any(msg, ROLE_HINT_NEEDLES):
+            elif (
+                st.plain_batch_line is None
+                and msg.startswith(_BATCH_HEADS)
+                and not contains_any(msg, ROLE_HINT_NEEDLES)
+            ):
                 st.plain_batch_line = line.number  # a batch line without the PD queue counts: a unified server
         if "lang" in msg or "LANG" in msg:
             self._version_line(line)
@@ -361,12 +378,7 @@ class SglangParser:
         assert self.args_continuation is not None
         st, parts, first = self.args_continuation
         rest = split_outer_prefixes(text).rest
-        if (
-            _STAMP_ENV.match(rest)
-            or _GPU_ENV.match(rest)
-            or _NOT_A_CONTINUATION.match(rest)
-            or number - first > 50
-        ):
+        if _STAMP_ENV.match(rest) or _GPU_ENV.match(rest) or _NOT_A_CONTINUATION.match(rest) or number - first > 50:
             add_note(
                 st.notes,
                 f"server_args dump at line {first} is cut off; fields after the cut were not read",
@@ -391,9 +403,7 @@ class SglangParser:
             if restart and line.rank in st.summary:
                 # the same rank starts loading again after it already printed its pool summary,
                 # and no "fired up" line came in between: the previous start-up never finished
-                add_note(
-                    st.notes, f"ended without a 'fired up' line (next start-up begins at line {line.number})"
-                )
+                add_note(st.notes, f"ended without a 'fired up' line (next start-up begins at line {line.number})")
                 st = self._new_startup(line)
         if st.ts is None and line.ts is not None:
             st.ts = line.ts
@@ -429,7 +439,6 @@ class SglangParser:
             self.args_continuation = None
         self.out.startups.append(startup_record(self.current, instance=self.instance, notes=self.out.notes))
         self.current = None
-
 
     def _event(self, line: _Line) -> None:
         msg = line.msg
@@ -476,10 +485,21 @@ class SglangParser:
             return
         if found.cached_token > 0 and self.current is not None and self.current.cached_batch_line is None:
             self.current.cached_batch_line = line.number
-        self.out.prefill_batches.append(PrefillBatch(
-            instance=self.instance, ts=line.ts, line=line.number, new_seq=found.new_seq, new_token=found.new_token,
-            cached_token=found.cached_token, running_req=found.running_req, queue_req=found.queue_req,
-            token_usage=found.token_usage, role=found.role, ranks=line.rank))
+        self.out.prefill_batches.append(
+            PrefillBatch(
+                instance=self.instance,
+                ts=line.ts,
+                line=line.number,
+                new_seq=found.new_seq,
+                new_token=found.new_token,
+                cached_token=found.cached_token,
+                running_req=found.running_req,
+                queue_req=found.queue_req,
+                token_usage=found.token_usage,
+                role=found.role,
+                ranks=line.rank,
+            )
+        )
 
     def _duplicate_across_ranks(self, kind: str, line: _Line) -> bool:
         """Every TP rank of one replica sees the same requests in the same order, and older builds
@@ -541,8 +561,9 @@ class SglangParser:
                 notes,
                 f"{self.dedup_dropped} copies of rid-less error lines printed by several TP ranks were counted once",
             )
-        add_reading_notes(notes, inherited_ts=self.inherited_ts, nul_lines=self.nul_lines, clock=self.clock,
-                          skew=self.skew)
+        add_reading_notes(
+            notes, inherited_ts=self.inherited_ts, nul_lines=self.nul_lines, clock=self.clock, skew=self.skew
+        )
         return self.out
 
 
@@ -563,5 +584,3 @@ def parse_lines(
     for number, text, raw in lines:
         parser.feed(number, text, raw)
     return parser.finish()
-
-

@@ -19,9 +19,7 @@ from collections.abc import Mapping
 # keys left out of a record's summary for the quarantine (large per-token arrays)
 _META_SKIP = ("logprobs", "hidden_states", "routed_experts", "output_ids", "embedding")
 # quoted strings (skipped whole), number-only lists (skipped whole: token ids), brackets and commas
-_TOKENS = re.compile(
-    r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|\[[-+0-9eE., ]*\]|[()\[\]{},]"
-)
+_TOKENS = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"|\[[-+0-9eE., ]*\]|[()\[\]{},]")
 _STRING = re.compile(r"'[^'\\]*(?:\\.[^'\\]*)*'|\"[^\"\\]*(?:\\.[^\"\\]*)*\"")
 _CALL = re.compile(r"[A-Za-z_][\w.]*\(")
 _NAME = re.compile(r"[A-Za-z_]\w*")
@@ -93,8 +91,14 @@ def top_level_items_by_token(text: str, start: int) -> tuple[list[tuple[int, int
 
 _INT = re.compile(r"-?\d{1,4000}")
 _FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
-_WORDS: dict[str, object] = {"None": None, "True": True, "False": False, "inf": math.inf, "-inf": -math.inf,
-                             "nan": math.nan}
+_WORDS: dict[str, object] = {
+    "None": None,
+    "True": True,
+    "False": False,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "nan": math.nan,
+}
 
 
 def _literal(text: str, *, fallback: bool = True) -> object:
@@ -180,7 +184,7 @@ class ReprDump:
             key_match = _STRING.match(item)
             if key_match:
                 key: object = _literal(key_match.group())
-                rest = item[key_match.end():].lstrip()
+                rest = item[key_match.end() :].lstrip()
                 if not rest.startswith(":"):
                     return
                 value = rest[1:]
@@ -242,12 +246,17 @@ def plain_summary(node: object, depth: int = 0) -> object:
     Text dumps are not parsed for this: their values are shown as written, long ones elided.
     """
     if isinstance(node, ReprDump):
-        return {k: (v if len(v) <= 200 else f"<{len(v)} chars>") for k, v in node.items.items()
-                if not any(s in k for s in _META_SKIP)}
+        return {
+            k: (v if len(v) <= 200 else f"<{len(v)} chars>")
+            for k, v in node.items.items()
+            if not any(s in k for s in _META_SKIP)
+        }
     if isinstance(node, Mapping):
         if depth > 2:
             return "{...}"
-        return {str(k): plain_summary(v, depth + 1) for k, v in node.items() if not any(s in str(k) for s in _META_SKIP)}
+        return {
+            str(k): plain_summary(v, depth + 1) for k, v in node.items() if not any(s in str(k) for s in _META_SKIP)
+        }
     if isinstance(node, (list, tuple)):
         return f"[{len(node)} items]"
     if isinstance(node, str) and len(node) > 200:

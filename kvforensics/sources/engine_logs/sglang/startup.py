@@ -21,12 +21,12 @@ UNKNOWN_ROLE = "unknown"  # a start-up whose log shows neither server_args nor a
 
 _SUMMARY = re.compile(r"\bmax_total_num_tokens=(?P<tokens>\d+)")
 _KEY_VALUES = re.compile(r"\b(\w+)=([^,\s]+)")
-_KV_ALLOC_BODY = r"KV Cache (?P<state>is allocated|VA upper bound)\.\s*(?:dtype: (?P<dtype>[^,]+),\s*)?(?:#tokens: (?P<tokens>\d+))?"
+_KV_ALLOC_BODY = (
+    r"KV Cache (?P<state>is allocated|VA upper bound)\.\s*(?:dtype: (?P<dtype>[^,]+),\s*)?(?:#tokens: (?P<tokens>\d+))?"
+)
 # "{cache_name} is allocated": cache_name is "KV Cache" or "{allocation_label} KV Cache"; the label
 # is only read when the message starts with it (an unknown outer prefix must not pass for a label)
-_KV_ALLOC_LABELLED = re.compile(
-    r"^(?:(?P<label>[A-Za-z][\w\-]*(?: [A-Za-z][\w\-]*){0,2}) )?" + _KV_ALLOC_BODY
-)
+_KV_ALLOC_LABELLED = re.compile(r"^(?:(?P<label>[A-Za-z][\w\-]*(?: [A-Za-z][\w\-]*){0,2}) )?" + _KV_ALLOC_BODY)
 _KV_ALLOC = re.compile(_KV_ALLOC_BODY)
 _POST_CAPTURE_ALLOC = re.compile(
     r"Post-capture KV sizing: KV cache allocated\. dtype: (?P<dtype>[^,]+), #tokens: (?P<tokens>\d+)"
@@ -201,8 +201,10 @@ def startup_record(st: SglangStartup, *, instance: str, notes: list[str]) -> Sta
         role = "unified"
         evidence["role"] = st.plain_batch_line
         flags["role_source"] = "inferred from a batch line without the PD queue counts"
-        note(f"role unified inferred from the batch line at line {st.plain_batch_line}, which has none of the "
-             "PD queue counts a prefill or decode server logs (no server_args line)")
+        note(
+            f"role unified inferred from the batch line at line {st.plain_batch_line}, which has none of the "
+            "PD queue counts a prefill or decode server logs (no server_args line)"
+        )
     elif st.server_args_line is None:
         role = UNKNOWN_ROLE  # no line says: the audit and the capacity table both say so
         flags["role_source"] = "default (no server_args line)"
@@ -353,6 +355,7 @@ def startup_record(st: SglangStartup, *, instance: str, notes: list[str]) -> Sta
         **log_end_fields(st.last_line, st.last_ts, st.shutdown),
     )
 
+
 def _context_length(st: SglangStartup, args: dict[str, object]) -> tuple[int | None, int | None]:
     for line_no, values in sorted(st.summary.values(), key=lambda v: v[0], reverse=True):
         ctx = as_int(values.get("context_len"))
@@ -362,6 +365,7 @@ def _context_length(st: SglangStartup, args: dict[str, object]) -> tuple[int | N
     if ctx is not None:
         return ctx, st.server_args_line
     return None, None
+
 
 def _version(
     st: SglangStartup, flags: dict[str, str], evidence: dict[str, int], note: Callable[[str], None]
@@ -374,9 +378,7 @@ def _version(
         if labels:
             flags["version_format_clues"] = "; ".join(labels)
         if spec is not None and not satisfies(version, spec):
-            note(
-                f"logged version {version} does not match the format clues ({spec}: {'; '.join(labels)})"
-            )
+            note(f"logged version {version} does not match the format clues ({spec}: {'; '.join(labels)})")
         return version, "log"
     if spec is None:
         if labels:
@@ -386,5 +388,6 @@ def _version(
     flags["engine_version_spec"] = spec
     flags["version_evidence"] = "; ".join(labels)
     return f"{spec} (inferred: {'; '.join(labels)})", "inferred from format"
+
 
 # -- events -------------------------------------------------------------------------------

@@ -13,9 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 VERSION_LINES = (
-    re.compile(
-        r"\bsglang version:\s*v?(?P<v>\d+\.\d+(?:\.\d+)?(?:\.post\d+|rc\d+|\.dev\d+)?)", re.IGNORECASE
-    ),
+    re.compile(r"\bsglang version:\s*v?(?P<v>\d+\.\d+(?:\.\d+)?(?:\.post\d+|rc\d+|\.dev\d+)?)", re.IGNORECASE),
     re.compile(r"^\s*sglang:\s*(?P<v>\d+\.\d+\.\d+(?:\.post\d+|rc\d+|\.dev\d+)?)\s*$"),  # check_env
     re.compile(r"\bsglang(?:==|-)v?(?P<v>\d+\.\d+\.\d+(?:\.post\d+|rc\d+|\.dev\d+)?)(?=[/\s.'\")]|$)"),
 )
@@ -42,9 +40,7 @@ _CLUES: dict[str, _Clue] = {
     "time_only_envelope": _Clue("[HH:MM:SS TPn] envelope", high=(0, 3, 6)),
     "tp_tag_on_tp1": _Clue("TP0 suffix on a tp_size=1 server", high=(0, 4, 6), high_inclusive=True),
     "summary_no_chunked": _Clue("max_total_num_tokens line without chunked_prefill_size", high=(0, 4, 3)),
-    "summary_no_avail": _Clue(
-        "max_total_num_tokens line without available_gpu_mem", low=(0, 3, 6), high=(0, 4, 10)
-    ),
+    "summary_no_avail": _Clue("max_total_num_tokens line without available_gpu_mem", low=(0, 3, 6), high=(0, 4, 10)),
     "summary_avail": _Clue("available_gpu_mem in the max_total_num_tokens line", low=(0, 4, 6)),
     "kv_no_tokens": _Clue("KV Cache line without #tokens", low=(0, 3, 6), high=(0, 4, 4)),
     "kv_tokens_no_dtype": _Clue("KV Cache line with #tokens but no dtype", low=(0, 4, 3), high=(0, 5, 15)),
@@ -72,9 +68,7 @@ def infer_version(clues: Iterable[str]) -> tuple[str | None, list[str]]:
         labels.append(c.label)
         if c.low is not None and (low is None or c.low > low or (c.low == low and not c.low_inclusive)):
             low, low_inc = c.low, c.low_inclusive
-        if c.high is not None and (
-            high is None or c.high < high or (c.high == high and not c.high_inclusive)
-        ):
+        if c.high is not None and (high is None or c.high < high or (c.high == high and not c.high_inclusive)):
             high, high_inc = c.high, c.high_inclusive
     if not labels:
         return None, labels

@@ -19,9 +19,7 @@ ENV = re.compile(
     r"(?:[.,](?P<frac>\d{1,6}))?\s+(?:\[(?P<loc>[^\]]*)\]|(?P<loc2>[^\s\]]+:\d+)\])\s?"
 )
 # a level word followed by something stamp-like that is not a valid envelope
-LOOSE_ENV = re.compile(
-    rf"^(?:{LEVELS}) +(?P<stamp>\w{{1,2}}[-/]\w{{1,2}} +\w{{1,2}}:\w{{1,2}}(?::\w{{1,2}})?)"
-)
+LOOSE_ENV = re.compile(rf"^(?:{LEVELS}) +(?P<stamp>\w{{1,2}}[-/]\w{{1,2}} +\w{{1,2}}:\w{{1,2}}(?::\w{{1,2}})?)")
 
 # start-up lines
 VERSION_API = re.compile(r"vLLM API server version (?P<v>\S+)")
@@ -48,9 +46,7 @@ OTHER_STARTUP = re.compile(
     r"Starting to load model|Loading model weights took|Model loading took|Memory profiling|"
     r"Available KV cache memory|the rest of the memory reserved for KV Cache"
 )
-READY = re.compile(
-    r"Application startup complete|Starting vLLM (?:API )?server (?:\d+ )?on|Uvicorn running on"
-)
+READY = re.compile(r"Application startup complete|Starting vLLM (?:API )?server (?:\d+ )?on|Uvicorn running on")
 # literals one of which is in every start-up line above (the banner is caught by its non-ASCII blocks)
 STARTUP_NEEDLES = (
     "Application startup complete",

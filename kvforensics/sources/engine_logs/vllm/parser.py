@@ -71,6 +71,7 @@ from kvforensics.sources.engine_logs.vllm.startup import ENGINE, VllmStartup, st
 
 __all__ = ["ENGINE", "parse_lines"]
 
+
 @dataclass
 class _Line:
     number: int
@@ -78,7 +79,6 @@ class _Line:
     process: str  # outer (Name pid=N) prefix without the pid; "" for the driver / API server
     msg: str
     envelope: str  # "vllm" | "none"
-
 
 
 class _YearTracker:
@@ -115,9 +115,7 @@ class _YearTracker:
             return []
         out = [f"vLLM timestamps carry no year: {self.initial} assumed ({self.source})"]
         for line, year in self.rollovers:
-            out.append(
-                f"vLLM timestamps roll over from December to January at line {line}: {year} from there on"
-            )
+            out.append(f"vLLM timestamps roll over from December to January at line {line}: {year} from there on")
         return out
 
 
@@ -230,8 +228,12 @@ class _VllmParser:
 
     def _begin(self, line: _Line, marker: str | None) -> VllmStartup:
         st = self.current
-        if (st is None or st.ready_line is not None or st.shutdown is not None
-                or (marker is not None and marker in st.markers)):
+        if (
+            st is None
+            or st.ready_line is not None
+            or st.shutdown is not None
+            or (marker is not None and marker in st.markers)
+        ):
             if st is not None and st.ready_line is None and st.shutdown is None:
                 add_note(st.notes, f"did not become ready (next start-up begins at line {line.number})")
             self._finish_current()
@@ -400,7 +402,6 @@ class _VllmParser:
             self.out.startups.append(startup_record(self.current, instance=self.instance, notes=self.out.notes))
             self.current = None
 
-
     # -- events -------------------------------------------------------------------------------
 
     def _emit(self, line: _Line, kind: str, rid: str | None, prompt: int | None, limit: int | None) -> None:
@@ -430,9 +431,7 @@ class _VllmParser:
             limit = int(m["m"])
             if m["n"] is not None:  # messages + completion: too long only if the messages alone are
                 prompt = int(m["n"])
-                self._emit(
-                    line, "abort_input_too_long" if prompt > limit else "abort_other", None, prompt, limit
-                )
+                self._emit(line, "abort_input_too_long" if prompt > limit else "abort_other", None, prompt, limit)
             else:
                 self._emit(line, "abort_input_too_long", None, int(m["t"]), limit)
             return
@@ -459,8 +458,9 @@ class _VllmParser:
                 f"{self.unyeared_lines} vLLM line(s) carry no year and no year was given: their timestamps are "
                 "left empty (give the incident year)",
             )
-        add_reading_notes(notes, inherited_ts=self.inherited_ts, nul_lines=self.nul_lines, clock=self.clock,
-                          skew=self.skew)
+        add_reading_notes(
+            notes, inherited_ts=self.inherited_ts, nul_lines=self.nul_lines, clock=self.clock, skew=self.skew
+        )
         return self.out
 
 

@@ -46,7 +46,6 @@ _EVIDENCE_KEYS = ("enable_prefix_caching", "prefix_caching_hash_algo", "kv_trans
 class VllmStartup:
     """What the lines of one start-up said so far (the parser decides which lines belong to it)."""
 
-
     line: int
     ts: datetime | None
     markers: set[str] = field(default_factory=set)
@@ -73,7 +72,6 @@ class VllmStartup:
     last_line: int | None = None
     last_ts: datetime | None = None
     shutdown: tuple[int, datetime | None, str] | None = None  # line, time, what it says
-
 
 
 def _derived_token_figure(st: VllmStartup, logged: int, context_length: int | None) -> tuple[int, float, int] | None:
@@ -205,22 +203,16 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
         evidence["page_size"] = bs_line
     else:
         block_size = DEFAULT_BLOCK_SIZE
-        flags["block_size_source"] = (
-            f"default (not logged; vLLM's CUDA default block_size is {DEFAULT_BLOCK_SIZE})"
-        )
+        flags["block_size_source"] = f"default (not logged; vLLM's CUDA default block_size is {DEFAULT_BLOCK_SIZE})"
         if st.blocks:
-            note(
-                f"block_size not logged; the CUDA default of {DEFAULT_BLOCK_SIZE} is used to turn blocks into tokens"
-            )
+            note(f"block_size not logged; the CUDA default of {DEFAULT_BLOCK_SIZE} is used to turn blocks into tokens")
 
     # KV pool: vLLM prints the size once per worker, often all from one process (0.8.x prints it
     # before unify_kv_cache_configs() shrinks every worker to the minimum): every line counts
     pool = PoolReports()
     for line_no, process, blocks, device in st.blocks:
         source = f"# {device} blocks x block_size {block_size}"
-        pool.add(
-            PoolReport(line_no, process or "engine", blocks * block_size, source), group=str(line_no)
-        )
+        pool.add(PoolReport(line_no, process or "engine", blocks * block_size, source), group=str(line_no))
     for line_no, process, tokens, device in st.kv_tokens:
         pool.add(
             PoolReport(line_no, process or "engine", tokens, f"{device} KV cache size"),
@@ -252,8 +244,7 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
         evidence["kv_pool_tokens"] = line_no
         flags["kv_pool_source"] = "approximate: max_model_len x maximum concurrency (2 decimals)"
         note(f"no KV cache size line; pool approximated as {max_len} x {ratio} from line {line_no}")
-    if best is not None and st.refusal is None and (
-            derived := _derived_token_figure(st, best.tokens, context_length)):
+    if best is not None and st.refusal is None and (derived := _derived_token_figure(st, best.tokens, context_length)):
         max_len, ratio, line_no = derived
         kv_pool_tokens, pool_line = int(max_len * ratio), line_no
         evidence["kv_pool_tokens"] = line_no
@@ -275,9 +266,7 @@ def startup_record(st: VllmStartup, *, instance: str, notes: list[str]) -> Start
     if st.available_kv_gib is not None:
         flags["available_kv_cache_gib"] = st.available_kv_gib
     if dp_size is not None and dp_size > 1 and kv_pool_tokens is not None:
-        flags["kv_pool_scope"] = (
-            f"per engine (data_parallel_size={dp_size}); one request can use at most this"
-        )
+        flags["kv_pool_scope"] = f"per engine (data_parallel_size={dp_size}); one request can use at most this"
 
     return StartupRecord(
         instance=instance,

@@ -23,8 +23,7 @@ _BY_FIELD = ("columns", "values")
 
 def available() -> list[str]:
     """The names of the shipped presets."""
-    return sorted(p.name[: -len(".toml")] for p in resources.files(__package__).iterdir()
-                  if p.name.endswith(".toml"))
+    return sorted(p.name[: -len(".toml")] for p in resources.files(__package__).iterdir() if p.name.endswith(".toml"))
 
 
 def load_preset(name: str, where: str = "") -> dict[str, Any]:
