@@ -145,7 +145,7 @@ def test_batches_do_not_change_the_result(tmp_path, monkeypatch):
 def test_an_error_while_fingerprinting_in_the_background_is_raised(tmp_path, monkeypatch):
     rows = [{"request_id": f"r{i}", "prompt": f"words of text number {i}", "output": "ok"} for i in range(20)]
     monkeypatch.setattr(content_loader, "BATCH_CHARS", 50)
-    monkeypatch.setattr(content_loader, "SHINGLE_WORDS", "not a width")  # the script's $width is refused
+    monkeypatch.setattr(content_loader, "fingerprint_script", lambda width, window: "SELECT 'not a width'::INTEGER")
     with pytest.raises(duckdb.ConversionException, match="not a width"):
         load_texts(tmp_path, rows)
 
@@ -160,7 +160,9 @@ def test_a_reading_error_is_the_one_raised_over_a_batch_in_flight(tmp_path, monk
 
     monkeypatch.setattr(content_loader, "read_records", failing)
     monkeypatch.setattr(content_loader, "BATCH_CHARS", 40)
-    monkeypatch.setattr(content_loader, "SHINGLE_WORDS", "not a width")  # every batch fails as well
+    monkeypatch.setattr(  # every batch fails as well
+        content_loader, "fingerprint_script", lambda width, window: "SELECT 'not a width'::INTEGER"
+    )
     with pytest.raises(InputError, match="the input stops here"):
         load_texts(tmp_path, rows)
 

@@ -328,10 +328,10 @@ def test_load_kv_events_reads_in_bulk_from_a_size_and_says_which_reader(tmp_path
 
 def test_a_file_read_in_chunks_gives_the_same_rows(tmp_path, monkeypatch):
     """Chains, message numbers, sequence breaks, shapes and counts run on from one chunk of lines to the next."""
-    import kvforensics.sources.kv_events.bulk as bulk
+    import kvforensics.sources.common.bulk_lines as bulk_lines
 
-    monkeypatch.setattr(bulk, "CHUNK_LINES", 70)
-    monkeypatch.setattr(bulk, "SLICE_LINES", 16)
+    monkeypatch.setattr(bulk_lines, "CHUNK_LINES", 70)
+    monkeypatch.setattr(bulk_lines, "SLICE_LINES", 16)
     path = write(
         tmp_path, "engine-0.jsonl", list(lines(Stream("sglang-archive", 400, seed=8, capacity=200, damage=0.05)))
     )

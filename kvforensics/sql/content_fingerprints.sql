@@ -2,14 +2,16 @@
 -- gives, one row per distinct fingerprint of each text. kvforensics/sources/content/load.py registers
 -- content_batch (request_id, part, and either text: an ASCII text, or words: the lower-cased words
 -- of any other text joined by single spaces), in many small Arrow batches that DuckDB's threads
--- take in parallel.
+-- take in parallel; the bulk reader (sources/content/bulk.py) gives it as a view.
 -- Words: [a-z0-9_]+ runs of the lower-cased text (Python's \w+ on ASCII, lower-cased). Shingles:
--- every run of $width consecutive words joined by a space; a text of fewer words is one shingle.
+-- every run of $width consecutive words joined by a space ({shingle}: concat_ws of the $width words,
+-- written out by load.fingerprint_script); a text of fewer words is one shingle.
 -- Winnowing ($window, fingerprint.winnow): each shingle's cheap keyed hash is the first 64 bits of
 -- MD5($select || shingle) ($select: fingerprint.selection_key); of every window of $window consecutive
 -- shingles the one of least hash is kept, the rightmost of equal ones (its position: the window's last
--- one less the least's position in the reversed window, less one); a text of fewer shingles than
--- $window is one window. $window = 1 keeps every shingle.
+-- one less the least's position in the reversed window, less one; for a whole window,
+-- {rightmost_min} says the same with comparisons written out, which is cheaper); a text of fewer
+-- shingles than $window is one window. $window = 1 keeps every shingle.
 -- Fingerprint of a kept shingle: HMAC-SHA256 = SHA256($outer || SHA256($inner || shingle)) ($inner,
 -- $outer: the key blocks of fingerprint.hmac_blocks), its first 64 bits big-endian, shifted right by one.
 -- The distinct fingerprints of each text are one list of its row (list_distinct, text by text):
@@ -25,8 +27,7 @@ WITH words AS (
 ), shingles AS (
     SELECT request_id, part,
            CASE WHEN len(w) >= $width
-                THEN list_transform(range(1, len(w) - $width + 2),
-                                    lambda i: array_to_string(w[i:i + $width - 1], ' '))
+                THEN list_transform(range(1, len(w) - $width + 2), lambda i: {shingle})
                 WHEN len(w) > 0 THEN [array_to_string(w, ' ')]
                 ELSE [] END AS s
     FROM words
@@ -40,10 +41,12 @@ WITH words AS (
     SELECT request_id, part,
            CASE WHEN $window = 1 THEN s
                 ELSE list_transform(
-                         list_distinct(list_transform(
-                             range(1, len(h) - span + 2),
-                             lambda i: i + span - list_position(list_reverse(h[i:i + span - 1]),
-                                                                list_min(h[i:i + span - 1])))),
+                         list_distinct(CASE WHEN len(h) >= $window
+                             THEN list_transform(range(1, len(h) - $window + 2), lambda i: {rightmost_min})
+                             ELSE list_transform(
+                                 range(1, len(h) - span + 2),
+                                 lambda i: i + span - list_position(list_reverse(h[i:i + span - 1]),
+                                                                    list_min(h[i:i + span - 1]))) END),
                          lambda p: s[p]) END AS s
     FROM ordered
 )

@@ -70,19 +70,23 @@ def _jsonl_records(path: Path, load: FileLoad) -> Iterator[Record]:
         if text is None:
             yield n, printable_raw(rawb), None, unreadable_reason(rawb)
             continue
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            yield n, text, None, "malformed JSON"
-            continue
-        if not isinstance(obj, dict):
-            yield n, text, None, "not a JSON object"
-            continue
-        yield n, text, obj, None
+        obj, problem = jsonl_record(text)
+        yield n, text, obj, problem
     if stream.partial is not None:
         yield stream.partial[0], printable_raw(stream.partial[1]), None, INCOMPLETE_RECORD
     if stream.stopped:
         load.notes.append(stream.stopped)
+
+
+def jsonl_record(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One JSONL line's record, or the reason it is none (the line is not blank)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None, "malformed JSON"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    return obj, None
 
 
 def lone_surrogate(value: str) -> bool:

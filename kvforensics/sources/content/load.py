@@ -19,6 +19,7 @@ Between batches, DuckDB's memory limit is lowered by what the process holds outs
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from kvforensics.config import Source
-from kvforensics.core.db import MemoryGovernor, run_script
+from kvforensics.core.db import MemoryGovernor, run_script, sql
 from kvforensics.core.fingerprint import (
     SHINGLE_WORDS,
     WINNOW_WINDOW,
@@ -37,6 +38,7 @@ from kvforensics.core.fingerprint import (
 )
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
+from kvforensics.sources.content.bulk import BULK_MIN_LINES, bulk_refusal, read_bulk
 from kvforensics.sources.content.prefix_blocks import (
     TOKEN_IDS_NOTE,
     WORDS_NOTE,
@@ -49,6 +51,7 @@ PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early
 NOTE = "text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
+EXPLICIT_WINDOW = 8  # windows up to this many shingles have their least hash found by comparisons written out
 ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
 
 
@@ -130,81 +133,122 @@ def load_content(
     block_size: int | None = None,
     word_blocks: bool = False,
     window: int = WINNOW_WINDOW,
+    bulk_from: int = BULK_MIN_LINES,
 ) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
     ``content_stats`` under *key*, the shingles winnowing with *window* keeps (core/fingerprint.py); refused
     records (without their text) into ``quarantine``. With a *block_size*, each prompt's
     ``prompt_token_ids`` (or, with *word_blocks*, its words when it has none) are cut into prefix-cache
-    blocks in ``request_blocks`` (sources/content/prefix_blocks.py)."""
-    load = FileLoad(file=path)
-    blocks = BlockRows()
-    cut = {"ids": 0, "words": 0}
+    blocks in ``request_blocks`` (sources/content/prefix_blocks.py). A JSONL file of *bulk_from* lines or more
+    is read in bulk by DuckDB where it can be (sources/content/bulk.py), else by the Python reader here."""
+    load = FileLoad(file=path, reader="python")
     inner, outer = hmac_blocks(key)
     params = {"inner": inner, "outer": outer, "select": selection_key(key), "width": SHINGLE_WORDS, "window": window}
-    fingerprinter = _Fingerprinter(con, params)
-    try:
-        _read(con, source, path, load, key, block_size, word_blocks, fingerprinter, blocks, cut)
-    except BaseException:
-        fingerprinter.close(failed=True)
-        raise
-    fingerprinter.close()
-    blocks.flush(con)
+    records = _Records(con, source, path, load, key, block_size, word_blocks)
+    refusal = bulk_refusal(source, block_size)
+    if refusal is None:
+        refusal = read_bulk(
+            con,
+            source,
+            path,
+            load,
+            records.take,
+            records.add_text,
+            lambda: fingerprint_texts(con, params),
+            lambda: records.flush(params),
+            bulk_from,
+        )
+    if refusal is not None:
+        fingerprinter = _Fingerprinter(con, params)
+        try:
+            _read(source, path, load, fingerprinter, records)
+        except BaseException:
+            fingerprinter.close(failed=True)
+            raise
+        fingerprinter.close()
+        load.notes.insert(0, f"read by the Python reader: {refusal}")
+    records.quarantine.flush()
+    records.blocks.flush(con)
     load.notes.append(NOTE.format(window=window))
-    if cut["ids"]:
+    if records.cut["ids"]:
         load.notes.append(TOKEN_IDS_NOTE.format(size=block_size))
-    if cut["words"]:
+    if records.cut["words"]:
         load.notes.append(WORDS_NOTE.format(size=block_size))
     return load
 
 
-def _read(
-    con: duckdb.DuckDBPyConnection,
-    source: Source,
-    path: Path,
-    load: FileLoad,
-    key: bytes,
-    block_size: int | None,
-    word_blocks: bool,
-    fingerprinter: _Fingerprinter,
-    blocks: BlockRows,
-    cut: dict[str, int],
-) -> None:
-    """Read the file's records: texts to *fingerprinter* batch by batch, refused records to the
-    quarantine, prompts cut into *blocks*."""
-    ids_column = source.column("prompt_token_ids")
-    quarantine = QuarantineRows(con, source, path)
-    batch = _TextBatch()
-    id_column = source.column("request_id")
-    columns = [(part, source.column(part)) for part in PARTS]
-    for line, _raw, rec, problem in read_records(source, path, load):
-        load.records_read += 1
-        rid = rec.get(id_column) if rec else None
-        ids = token_ids(rec.get(ids_column)) if rec else []
+class _Records:
+    """What each record of a content file gives, as the Python reader reads it: its texts to :attr:`batch`, its
+    prompt cut into :attr:`blocks`, or the record (without its text) to :attr:`quarantine`."""
+
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        source: Source,
+        path: Path,
+        load: FileLoad,
+        key: bytes,
+        block_size: int | None,
+        word_blocks: bool,
+    ) -> None:
+        self.con = con
+        self.load = load
+        self.key = key
+        self.block_size = block_size
+        self.word_blocks = word_blocks
+        self.quarantine = QuarantineRows(con, source, path)
+        self.batch = _TextBatch()
+        self.blocks = BlockRows()
+        self.cut = {"ids": 0, "words": 0}
+        self.ids_column = source.column("prompt_token_ids")
+        self.id_column = source.column("request_id")
+        self.columns = [(part, source.column(part)) for part in PARTS]
+
+    def take(self, line: int, rec: dict | None, problem: str | None) -> None:
+        """One record (or the reason there is none) of the file."""
+        self.load.records_read += 1
+        rid = rec.get(self.id_column) if rec else None
+        ids = token_ids(rec.get(self.ids_column)) if rec else []
         if problem is None and not rid:
             problem = "missing required field 'request_id'"
         elif problem is None and ids is None:
-            problem = f"{ids_column} is not a list of non-negative integer token ids"
+            problem = f"{self.ids_column} is not a list of non-negative integer token ids"
         elif problem is None and lone_surrogate(str(rid)):
             problem = "request_id is not valid Unicode (a lone surrogate escape)"
         if problem or rec is None:
-            load.quarantined += 1
-            quarantine.add(line, problem or "unreadable record", None)  # never the content's text
-            continue
-        load.loaded += 1
-        for part, column in columns:
+            self.load.quarantined += 1
+            self.quarantine.add(line, problem or "unreadable record", None)  # never the content's text
+            return
+        self.load.loaded += 1
+        for part, column in self.columns:
             text = rendered_text(rec.get(column))  # a chat-messages array as its texts
             if text:
-                batch.add(str(rid), part, text)
-        if block_size:
-            words = rendered_text(rec.get(columns[0][1])) if word_blocks and not ids else None
-            _cut(blocks, str(rid), ids or [], words, block_size, key, cut)
-            if len(blocks) >= BLOCK_ROWS:
-                blocks.flush(con)
-        if batch.chars >= BATCH_CHARS:
-            fingerprinter.submit(batch)
-            batch = _TextBatch()
-    fingerprinter.submit(batch)
-    quarantine.flush()
+                self.add_text(str(rid), part, text)
+        if self.block_size:
+            words = rendered_text(rec.get(self.columns[0][1])) if self.word_blocks and not ids else None
+            _cut(self.blocks, str(rid), ids or [], words, self.block_size, self.key, self.cut)
+            if len(self.blocks) >= BLOCK_ROWS:
+                self.blocks.flush(self.con)
+
+    def add_text(self, request_id: str, part: str, text: str) -> None:
+        self.batch.add(request_id, part, text)
+
+    def flush(self, params: dict[str, object]) -> None:
+        """Fingerprint the texts gathered so far, here and now (the bulk reader's own thread)."""
+        if self.batch.texts:
+            _fingerprint(self.con, self.batch.table(), params)
+        self.batch = _TextBatch()
+
+
+def _read(source: Source, path: Path, load: FileLoad, fingerprinter: _Fingerprinter, records: _Records) -> None:
+    """Read the file's records in Python: texts to *fingerprinter* batch by batch."""
+    for line, _raw, rec, problem in read_records(source, path, load):
+        records.take(line, rec, problem)
+        if records.batch.chars >= BATCH_CHARS:
+            fingerprinter.submit(records.batch)
+            records.batch = _TextBatch()
+    fingerprinter.submit(records.batch)
+    records.batch = _TextBatch()
 
 
 def _cut(
@@ -228,6 +272,30 @@ def _cut(
 def _fingerprint(con: duckdb.DuckDBPyConnection, table: pa.Table, params: dict[str, object]) -> None:
     con.register("content_batch", table)
     try:
-        run_script(con, "content_fingerprints", params)
+        fingerprint_texts(con, params)
     finally:
         con.unregister("content_batch")
+
+
+def fingerprint_texts(con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> None:
+    """Run sql/content_fingerprints.sql on ``content_batch`` with *params* (``width`` and ``window`` among them)."""
+    run_script(
+        con, "content_fingerprints", params, text=fingerprint_script(int(params["width"]), int(params["window"]))
+    )
+
+
+@functools.cache
+def fingerprint_script(width: int, window: int) -> str:
+    """sql/content_fingerprints.sql with its shingle of *width* words and the rightmost least hash of a window of
+    *window* written out (comparisons DuckDB runs faster than list slices; the same values)."""
+    shingle = "concat_ws(' ', " + ", ".join(f"w[i + {k}]" for k in range(width)) + ")"
+    arms = [
+        "WHEN " + " AND ".join(f"h[i + {j}] <= h[i + {k}]" for k in range(j)) + f" THEN i + {j}"
+        for j in range(window - 1, 0, -1)
+    ]
+    rightmost_min = f"CASE {' '.join(arms)} ELSE i END" if arms else "i"
+    if window > EXPLICIT_WINDOW:  # the comparisons grow as the window's square: list slices beyond
+        rightmost_min = (
+            "i + $window - list_position(list_reverse(h[i:i + $window - 1]), list_min(h[i:i + $window - 1]))"
+        )
+    return sql("content_fingerprints").replace("{shingle}", shingle).replace("{rightmost_min}", rightmost_min)

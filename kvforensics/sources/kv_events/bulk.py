@@ -22,7 +22,6 @@ reader read the file, and how many lines of it the reference read.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,13 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.core.db import run_script, sql
+from kvforensics.sources.common.bulk_lines import numbered_lines
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.records import QuarantineRows
-from kvforensics.sources.common.textio import scan_file
 from kvforensics.sources.kv_events.chains import Chains, Fingerprints, follow
 from kvforensics.sources.kv_events.reference import FIELDS, TYPES, LineReader, Rows, count, finish
 
 BULK_MIN_LINES = 2_000  # smaller files are read by the reference
-# lines are read a chunk at a time (the chains, the message numbers and the notes run on from chunk to chunk), in
-# slices DuckDB's threads read side by side
-CHUNK_LINES, CHUNK_BYTES, SLICE_LINES = 500_000, 128 << 20, 16_384
 READER = "duckdb-bulk"
 # what DuckDB's JSON reader accepts and Python's does not, or Python refuses for its size (ints over 4300 digits)
 LENIENT = r",\s*[\]}]|[\[:,]\s*[-+]?(?i:nan|inf)|[0-9]{400}"
@@ -75,41 +71,21 @@ def read_bulk(
     batch = _batch_reads(source)
     if isinstance(batch, str):
         return batch
-    lines, _ = scan_file(path, {})
-    if lines is None:
-        return (
-            "DuckDB cannot number its lines as the reference does (a CR or 0x01 byte, a line over 2 MiB, or a "
-            "stream that does not read to its end)"
-        )
-    if lines < min_lines:
-        return f"{lines:,} lines, fewer than the {min_lines:,} from which the bulk reader is faster"
-    lines_sql = (
-        "SELECT ordinality AS line, raw FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
-        "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false, "
-        f"compression = '{_compression(path)}') WITH ORDINALITY"
-    )
-    try:  # the whole stream read once before any row is kept: a line DuckDB refuses sends the file to the reference
-        numbered = con.execute(f"SELECT count(*) FROM ({lines_sql})", {"file": str(path)}).fetchall()[0][0]
-    except duckdb.Error as e:
-        return f"DuckDB's line reader refused it ({str(e).splitlines()[0][:120]})"
-    if numbered != lines:
-        return f"DuckDB's line reader numbered {numbered:,} lines where the file has {lines:,}"
+    lines = numbered_lines(con, path, min_lines)
+    if isinstance(lines, str):
+        return lines
     load = FileLoad(file=path, reader=READER)
     reader = LineReader(source, path, key)
     quarantine = QuarantineRows(con, source, path)
     fallback = 0
-    stream = con.cursor()
-    try:
-        for chunk in _chunks(stream.sql(lines_sql, params={"file": str(path)}).to_arrow_reader(SLICE_LINES)):
-            con.register("kv_bulk_lines", chunk)
-            try:
-                fallback += _load_chunk(con, source, path, key, chains, batch, load, reader, quarantine)
-            finally:
-                con.unregister("kv_bulk_lines")
-                for table in ("kv_bulk_events", "kv_bulk_blocks"):
-                    con.execute(f"DROP TABLE IF EXISTS {table}").fetchall()
-    finally:
-        stream.close()
+    for chunk in lines.chunks():
+        con.register("kv_bulk_lines", chunk)
+        try:
+            fallback += _load_chunk(con, source, path, key, chains, batch, load, reader, quarantine)
+        finally:
+            con.unregister("kv_bulk_lines")
+            for table in ("kv_bulk_events", "kv_bulk_blocks"):
+                con.execute(f"DROP TABLE IF EXISTS {table}").fetchall()
     finish(load, quarantine, None, reader)
     load.notes.insert(
         0,
@@ -117,28 +93,6 @@ def read_bulk(
         + (f"; {fallback:,} line(s) outside its shapes read by the Python reference" if fallback else ""),
     )
     return load
-
-
-def _chunks(batches: pa.RecordBatchReader) -> Iterator[pa.Table]:
-    """The file's lines a chunk at a time (``CHUNK_LINES`` lines or ``CHUNK_BYTES`` of text), each chunk in slices
-    of ``SLICE_LINES`` that DuckDB's threads read side by side."""
-    held: list[pa.RecordBatch] = []
-    size = count = 0
-    for b in batches:
-        held.append(b)
-        count += b.num_rows
-        size += b.column(1).nbytes
-        if count >= CHUNK_LINES or size >= CHUNK_BYTES:
-            yield pa.Table.from_batches(held)
-            held, size, count = [], 0, 0
-    if held:
-        yield pa.Table.from_batches(held)
-
-
-def _compression(path: Path) -> str:
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    return "gzip" if magic[:2] == b"\x1f\x8b" else "zstd" if magic == b"\x28\xb5\x2f\xfd" else "none"
 
 
 def _load_chunk(

@@ -1,0 +1,92 @@
+"""A file's lines as DuckDB reads them, numbered as the Python readers number them: what the bulk readers
+(KV events, content) take their lines from, a chunk at a time.
+
+DuckDB's CSV reader, told that a line is one field delimited by 0x01 with no quoting, gives each physical line
+as it is. It numbers them as :class:`~kvforensics.sources.common.textio.LineStream` does only when nothing in
+the file makes the two disagree, which :func:`numbered_lines` checks before any row is kept: no CR or 0x01 byte
+and no line over DuckDB's line size (:func:`~kvforensics.sources.common.textio.scan_file`), a stream that reads
+to its end, bytes that are UTF-8 (DuckDB refuses others), no byte-order mark (DuckDB drops it, Python keeps it)
+and as many lines read by DuckDB as the file has. A file that fails any of these is the Python reader's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from kvforensics.sources.common.textio import open_binary, scan_file
+
+# lines are read a chunk at a time (CHUNK_LINES lines or CHUNK_BYTES of text), in slices DuckDB's threads read
+# side by side
+CHUNK_LINES, CHUNK_BYTES, SLICE_LINES = 500_000, 128 << 20, 16_384
+_BOM = b"\xef\xbb\xbf"
+_LINES_SQL = (
+    "SELECT ordinality AS line, raw FROM read_csv($file, columns = {'raw': 'VARCHAR'}, header = false, "
+    "delim = chr(1), quote = '', escape = '', auto_detect = false, strict_mode = false, "
+    "compression = '{compression}') WITH ORDINALITY"
+)
+
+
+class NumberedLines:
+    """The lines of one file DuckDB can number (from :func:`numbered_lines`): :meth:`chunks` reads them."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, path: Path, lines: int, query: str) -> None:
+        self.path = path
+        self.lines = lines
+        self._con = con
+        self._query = query
+
+    def chunks(self) -> Iterator[pa.Table]:
+        """The file's ``(line, raw)`` rows a chunk at a time, each chunk in slices of ``SLICE_LINES`` (Arrow record
+        batches) that DuckDB's threads read side by side; read on a cursor of its own."""
+        stream = self._con.cursor()
+        try:
+            batches = stream.sql(self._query, params={"file": str(self.path)}).to_arrow_reader(SLICE_LINES)
+            held: list[pa.RecordBatch] = []
+            size = count = 0
+            for b in batches:
+                held.append(b)
+                count += b.num_rows
+                size += b.column(1).nbytes
+                if count >= CHUNK_LINES or size >= CHUNK_BYTES:
+                    yield pa.Table.from_batches(held)
+                    held, size, count = [], 0, 0
+            if held:
+                yield pa.Table.from_batches(held)
+        finally:
+            stream.close()
+
+
+def numbered_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -> NumberedLines | str:
+    """The file's lines as DuckDB numbers them, or why they are the Python reader's: something in the file
+    DuckDB would number or read differently, or fewer lines than *min_lines* (below which DuckDB's fixed cost per
+    file is more than Python's)."""
+    lines, _ = scan_file(path, {})
+    if lines is None:
+        return (
+            "DuckDB cannot number its lines as the reference does (a CR or 0x01 byte, a line over 2 MiB, or a "
+            "stream that does not read to its end)"
+        )
+    if lines < min_lines:
+        return f"{lines:,} lines, fewer than the {min_lines:,} from which the bulk reader is faster"
+    with open_binary(path) as fh:
+        if fh.read(len(_BOM)) == _BOM:
+            return "the file starts with a byte-order mark, which DuckDB's line reader drops"
+    query = _LINES_SQL.replace("{compression}", compression(path))
+    try:  # the whole stream read once before any row is kept: a line DuckDB refuses sends the file to the reference
+        numbered = con.execute(f"SELECT count(*) FROM ({query})", {"file": str(path)}).fetchall()[0][0]
+    except duckdb.Error as e:
+        return f"DuckDB's line reader refused it ({str(e).splitlines()[0][:120]})"
+    if numbered != lines:
+        return f"DuckDB's line reader numbered {numbered:,} lines where the file has {lines:,}"
+    return NumberedLines(con, path, lines, query)
+
+
+def compression(path: Path) -> str:
+    """DuckDB's name for the file's compression, from its magic bytes."""
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    return "gzip" if magic[:2] == b"\x1f\x8b" else "zstd" if magic == b"\x28\xb5\x2f\xfd" else "none"
