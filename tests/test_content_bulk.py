@@ -24,6 +24,7 @@ TABLES = {
     "content_fingerprints": "SELECT request_id, part, fp FROM content_fingerprints ORDER BY ALL",
     "content_stats": "SELECT * FROM content_stats ORDER BY ALL",
     "quarantine": "SELECT source, line, reason, raw FROM quarantine ORDER BY ALL",
+    "request_blocks": "SELECT * FROM request_blocks ORDER BY ALL",
 }
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 
@@ -51,9 +52,9 @@ format = "jsonl"
     return src
 
 
-def read(src, path: Path, bulk_from: int, window: int = 3):
+def read(src, path: Path, bulk_from: int, window: int = 3, block_size: int | None = 16):
     con = connect()
-    load = load_content(con, src, path, KEY, window=window, bulk_from=bulk_from)
+    load = load_content(con, src, path, KEY, block_size, window=window, bulk_from=bulk_from)
     return load, {table: con.execute(query).fetchall() for table, query in TABLES.items()}
 
 
@@ -101,7 +102,7 @@ def lines_of_every_shape(rng: random.Random) -> list[str]:
         json.dumps({"request_id": True, "prompt": t()}),
         json.dumps({"request_id": "num-prompt", "prompt": 42, "output": t()}),
         json.dumps({"request_id": "obj-prompt", "prompt": {"text": t()}}),
-        json.dumps({"request_id": "ids", "prompt": t(), "prompt_token_ids": [1, 2, 3]}),
+        json.dumps({"request_id": "ids", "prompt": t(), "prompt_token_ids": list(range(40))}),
         json.dumps({"request_id": "bad-ids", "prompt": t(), "prompt_token_ids": [1, -2]}),
         json.dumps({"request_id": "extra", "prompt": t(), "model": "m", "usage": {"prompt": "nested"}}),
         '{"request_id": "dup-id", "request_id": "dup-id-2", "prompt": "%s"}' % t(),
@@ -151,6 +152,15 @@ def test_every_shape_the_reference_judges_is_read_alike(tmp_path, compress):
     fallback = int(load.notes[0].split("; ")[1].split()[0])
     assert 0 < fallback < load.records_read / 2
     assert rows["quarantine"] and all(raw is None for *_, raw in rows["quarantine"])  # never the text
+    assert rows["request_blocks"]  # the prompt with token ids, cut by the reference
+
+
+def test_prompts_cut_into_word_blocks_are_the_references(tmp_path):
+    path = write(tmp_path / "content.jsonl", lines_of_every_shape(random.Random(4)))
+    src = source(tmp_path)
+    con = connect()
+    load = load_content(con, src, path, KEY, 4, word_blocks=True, bulk_from=0)
+    assert load.reader == "python" and "word_blocks" in load.notes[0]
 
 
 def test_mapped_keys_and_windows_agree(tmp_path):

@@ -7,9 +7,9 @@ The bulk reader takes a line only when its text leaves nothing to judge (sql/con
 is); a text that is not ASCII is tokenised by Python (:func:`kvforensics.core.fingerprint.shingle_words`, since
 DuckDB's lower-casing and word characters are not Python's beyond ASCII) and fingerprinted with the rest. A file
 goes to the reference whole when DuckDB cannot number its lines as the reference does
-(:func:`kvforensics.sources.common.bulk_lines.numbered_lines`), when it is small (``BULK_MIN_LINES``), when its
-prompts are cut into prefix-cache blocks (that is Python's), or when a key it reads holds a quote or a
-backslash. The load notes say which reader read the file, and how many of its lines the reference read.
+(:func:`kvforensics.sources.common.bulk_lines.numbered_lines`), when it is small (``BULK_MIN_LINES``), when every
+prompt is cut into prefix-cache blocks of words (that is Python's; a record with token ids, whose prompt is cut from
+them, is the reference's line by line), or when a key it reads holds a quote or a backslash. The load notes say which reader read the file, and how many of its lines the reference read.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ _BLANK = " \t\n\r\x0b\x0c"  # what bytes.strip() strips: a line of only these is
 TakeRecord = Callable[[int, "dict | None", "str | None"], None]
 
 
-def bulk_refusal(source: Source, block_size: int | None) -> str | None:
-    """Why a content source's files cannot be read in bulk at all, or None."""
+def bulk_refusal(source: Source, word_blocks: bool) -> str | None:
+    """Why a content source's files cannot be read in bulk at all, or None. A record with token ids is the
+    reference's (its prompt is cut into prefix-cache blocks from them); with *word_blocks* every prompt is cut."""
     if source.format != "jsonl":
         return f"format {source.format!r}"
-    if block_size:
-        return "its prompts are cut into prefix-cache blocks"
+    if word_blocks:
+        return "every prompt is cut into prefix-cache blocks of words ([prefix_cache] word_blocks)"
     for part in ("request_id", "prompt", "output", "prompt_token_ids"):
         name = source.column(part)
         if '"' in name or "\\" in name:

@@ -145,7 +145,7 @@ def load_content(
     inner, outer = hmac_blocks(key)
     params = {"inner": inner, "outer": outer, "select": selection_key(key), "width": SHINGLE_WORDS, "window": window}
     records = _Records(con, source, path, load, key, block_size, word_blocks)
-    refusal = bulk_refusal(source, block_size)
+    refusal = bulk_refusal(source, word_blocks)
     if refusal is None:
         refusal = read_bulk(
             con,
