@@ -313,7 +313,8 @@ def _rederive_from_evidence(
 ) -> list[str]:
     """Detection, scope, CSVs and notices re-run on a scratch copy of the evidence database, compared."""
     from kvforensics.evidence.outputs import write_manifest, write_tables
-    from kvforensics.report.render import render_pages, write_notices
+    from kvforensics.report.notices import write_notices
+    from kvforensics.report.render import render_pages
     from kvforensics.stages.detect import detect
     from kvforensics.stages.scope import scope
 

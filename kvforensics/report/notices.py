@@ -27,6 +27,7 @@ Who gets which notice (``notice_type``, the folder under ``notices/``):
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -319,6 +320,10 @@ def incident_facts(con: duckdb.DuckDBPyConnection, incident: Incident) -> Incide
 
 
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
+# from this many notices on, their HTML pages are written by a worker process while the report's pages are drawn
+# (converting the Markdown is ~4 ms a notice, all of it Python); below it the process start costs more than it saves
+HTML_WORKER_FROM = 200
+_HTML_CHUNK = 64  # notices a worker's task converts
 
 
 def markdown_to_html(markdown: str, title: str) -> str:
@@ -328,9 +333,76 @@ def markdown_to_html(markdown: str, title: str) -> str:
     return page.render(title=title, body=Markup(_MARKDOWN.render(markdown)))
 
 
+def write_html_pages(jobs: list[tuple[str, str, str]]) -> None:
+    """Each (path, Markdown, title): the notice's HTML page written at path (what a worker process runs)."""
+    for path, markdown, title in jobs:
+        Path(path).write_text(markdown_to_html(markdown, title), encoding="utf-8")
+
+
+class PendingNotices:
+    """Notices whose Markdown is written and whose HTML pages may still be being written by a worker process:
+    :meth:`wait` returns once every page is written (one the worker could not write is written here)."""
+
+    def __init__(self, written: list[Path], jobs: list[tuple[str, str, str]], *, worker: bool) -> None:
+        self.written = written
+        self._jobs: list[list[tuple[str, str, str]]] = [
+            jobs[at : at + _HTML_CHUNK] for at in range(0, len(jobs), _HTML_CHUNK)
+        ]
+        self._pool: Any = None
+        self._futures: list[Any] = []
+        if worker and len(jobs) >= HTML_WORKER_FROM and _cores() > 1:
+            try:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                # spawn: the worker shares nothing with this process (its DuckDB threads, its locks)
+                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self._futures = [self._pool.submit(write_html_pages, chunk) for chunk in self._jobs]
+            except (OSError, RuntimeError, ImportError):  # no process to be had: written here at wait()
+                self._close()
+
+    def wait(self) -> list[Path]:
+        """Every HTML page written; the notices' Markdown paths."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            if not self._futures:
+                for chunk in self._jobs:
+                    write_html_pages(chunk)
+                return self.written
+            for chunk, future in zip(self._jobs, self._futures, strict=True):
+                try:
+                    future.result()
+                except BrokenProcessPool:  # the worker died (killed, out of memory): its share written here
+                    write_html_pages(chunk)
+            return self.written
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool, self._futures = None, []
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> list[Path]:
     """One notice per account (Markdown, and HTML beside it) with only that account's facts: customers, the provider's
     own accounts, the reporter, and the suspected exploiters' review notices for trust and safety, kept apart."""
+    return start_notices(con, incident, out_dir, worker=False).wait()
+
+
+def start_notices(
+    con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, worker: bool = True
+) -> PendingNotices:
+    """:func:`write_notices`, its HTML pages left to a worker process when there are many (``worker``): the caller
+    goes on with other work and calls ``wait()`` on what this returns. The files are the same either way."""
     env = template_env(False)
     letter, review = env.get_template("notice.md.j2"), env.get_template("notice_review.md.j2")
     rows = notice_rows(con)
@@ -345,7 +417,8 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
     roles_by_account: dict[object, list[dict]] = {}
     for rec in _records(rows):
         roles_by_account.setdefault(rec["account_id"], []).append(rec)
-    written = []
+    written: list[Path] = []
+    jobs: list[tuple[str, str, str]] = []
     for account_id in sorted(roles_by_account):
         roles = roles_by_account[account_id]
         cls = str(roles[0]["account_class"])
@@ -371,8 +444,6 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
         )
         markdown = (review if kind == "trust_and_safety" else letter).render(**context)
         path.write_text(markdown, encoding="utf-8")
-        path.with_suffix(".html").write_text(
-            markdown_to_html(markdown, f"{incident.title}: notice for account {account_id}"), encoding="utf-8"
-        )
+        jobs.append((str(path.with_suffix(".html")), markdown, f"{incident.title}: notice for account {account_id}"))
         written.append(path)
-    return written
+    return PendingNotices(written, jobs, worker=worker)

@@ -24,7 +24,7 @@ from kvforensics.report import charts
 from kvforensics.report.data import ReportData, build, money_frames, version_notes
 from kvforensics.report.embed import chart_box, live_charts
 from kvforensics.report.missing import missing_inputs
-from kvforensics.report.notices import write_notices
+from kvforensics.report.notices import start_notices
 from kvforensics.report.story import incident_story
 from kvforensics.report.templating import template_env
 from kvforensics.report.views import account_frames, exposure_period, timeline_frames
@@ -146,9 +146,13 @@ def build_context(
 
 
 def render_report(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> Path:
-    """Write report.html, report.md and notices/; returns the HTML path."""
-    render_pages(con, incident, out_dir)
-    write_notices(con, incident, out_dir)
+    """Write report.html, report.md and notices/; returns the HTML path. The notices come first: with many of them
+    a worker process writes their HTML pages while this one draws the report's."""
+    notices = start_notices(con, incident, out_dir)
+    try:
+        render_pages(con, incident, out_dir)
+    finally:
+        notices.wait()
     return out_dir / "report.html"
 
 

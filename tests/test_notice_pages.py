@@ -1,0 +1,109 @@
+"""The notices' HTML pages written by a worker process while the report's pages are drawn: the same files as written
+in the process, and every page still written when the worker is lost."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+
+from kvforensics.config import load_incident
+from kvforensics.core.db import connect
+from kvforensics.report import notices
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def in_process(sample_run, sample_incident, tmp_path_factory):
+    """The sample's notices written without a worker, and what to write them again from."""
+    incident = load_incident(sample_incident)
+    out = tmp_path_factory.mktemp("notices-in-process")
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        written = notices.write_notices(con, incident, out)
+    finally:
+        con.close()
+    assert len(written) > 2 * notices._HTML_CHUNK // 4  # several chunks once the chunk is made smaller below
+    return incident, out, written
+
+
+def test_a_worker_process_writes_the_same_pages(in_process, sample_run, tmp_path, monkeypatch):
+    incident, expected, written = in_process
+    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
+    monkeypatch.setattr(notices, "_HTML_CHUNK", 16)
+    monkeypatch.setattr(notices, "_cores", lambda: 2)
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        pending = notices.start_notices(con, incident, tmp_path)
+        assert pending._pool is not None and len(pending._futures) == -(-len(written) // 16)
+        got = pending.wait()
+    finally:
+        con.close()
+    assert [p.relative_to(tmp_path) for p in got] == [p.relative_to(expected) for p in written]
+    assert files(tmp_path) == files(expected)
+    assert pending._pool is None  # shut down
+
+
+def test_below_the_threshold_or_on_one_core_no_process_is_started(in_process, sample_run, tmp_path, monkeypatch):
+    incident, expected, written = in_process
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        monkeypatch.setattr(notices, "HTML_WORKER_FROM", len(written) + 1)
+        small = notices.start_notices(con, incident, tmp_path / "a")
+        monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
+        monkeypatch.setattr(notices, "_cores", lambda: 1)
+        one_core = notices.start_notices(con, incident, tmp_path / "b")
+    finally:
+        con.close()
+    assert small._pool is None and one_core._pool is None
+    small.wait(), one_core.wait()
+    assert files(tmp_path / "a") == files(expected) == files(tmp_path / "b")
+
+
+class _LostWorker(concurrent.futures.Executor):
+    """A pool whose worker died before doing anything (killed, out of memory)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def submit(self, fn, /, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_exception(BrokenProcessPool("a child process terminated abruptly"))
+        return future
+
+
+def test_pages_a_lost_worker_did_not_write_are_written_here(in_process, sample_run, tmp_path, monkeypatch):
+    incident, expected, _ = in_process
+    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
+    monkeypatch.setattr(notices, "_cores", lambda: 2)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _LostWorker)
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        pending = notices.start_notices(con, incident, tmp_path)
+    finally:
+        con.close()
+    assert isinstance(pending._pool, _LostWorker)
+    pending.wait()
+    assert files(tmp_path) == files(expected)
+
+
+def test_a_worker_that_fails_fails_the_report(in_process, sample_run, tmp_path, monkeypatch):
+    incident, expected, written = in_process
+    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
+    monkeypatch.setattr(notices, "_cores", lambda: 2)
+    # the worker cannot write one page: a folder stands where it goes
+    (tmp_path / written[-1].relative_to(expected).with_suffix(".html")).mkdir(parents=True)
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        pending = notices.start_notices(con, incident, tmp_path)
+    finally:
+        con.close()
+    assert pending._pool is not None
+    with pytest.raises(IsADirectoryError):
+        pending.wait()
+    assert pending._pool is None
