@@ -61,14 +61,38 @@ WITH internal AS (
     -- hits no block fingerprint explains: the request has no blocks, or no earlier request sent its reused prefix
     SELECT h.* FROM hits h
     WHERE NOT EXISTS (SELECT 1 FROM explained x WHERE x.request_id = h.request_id)
+), earlier_own AS (
+    -- per account, model and arrival time, the longest prompt the account sent on the model strictly before
+    -- it: the running maximum over the earlier arrival times (one row per time, so requests that arrived
+    -- together are not each other's "before"); a correlated NOT EXISTS on the time was quadratic in the
+    -- account's requests
+    SELECT account_id, model, ts,
+           max(longest) OVER (PARTITION BY account_id, model ORDER BY ts NULLS LAST
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS longest_before
+    FROM (SELECT account_id, model, ts, max(prompt_tokens) AS longest
+          FROM requests WHERE ts IS NOT NULL GROUP BY account_id, model, ts) t
+), internal_times AS (
+    -- per model, the internal accounts' longest prompt at each time, beside the unexplained hits' times
+    SELECT o.model, o.ts, max(o.prompt_tokens) AS longest
+    FROM requests o JOIN internal i ON i.account_id = o.account_id
+    WHERE o.ts IS NOT NULL GROUP BY o.model, o.ts
+    UNION ALL
+    SELECT model, ts, NULL AS longest FROM unexplained WHERE ts IS NOT NULL
+), earlier_internal AS (
+    -- per model and time, the longest prompt an internal account sent on the model strictly before it
+    SELECT model, ts,
+           max(longest) OVER (PARTITION BY model ORDER BY ts NULLS LAST
+                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS longest_before
+    FROM (SELECT model, ts, max(longest) AS longest FROM internal_times GROUP BY model, ts) t
 ), first_time AS (
+    -- a hit whose account never sent a prompt that long on the model before, and that no internal account
+    -- could have stored (no internal prompt that long on the model before it)
     SELECT u.request_id, u.account_id, u.model, u.cached_tokens
     FROM unexplained u
-    WHERE NOT EXISTS (SELECT 1 FROM requests o
-                      WHERE o.account_id = u.account_id AND o.model = u.model AND o.ts < u.ts
-                        AND o.prompt_tokens >= u.cached_tokens AND o.request_id <> u.request_id)
-      AND NOT EXISTS (SELECT 1 FROM requests o JOIN internal i ON i.account_id = o.account_id
-                      WHERE o.model = u.model AND o.ts < u.ts AND o.prompt_tokens >= u.cached_tokens)
+    LEFT JOIN earlier_own e ON e.account_id = u.account_id AND e.model = u.model AND e.ts = u.ts
+    LEFT JOIN earlier_internal n ON n.model = u.model AND n.ts = u.ts
+    WHERE NOT coalesce(e.longest_before >= u.cached_tokens, false)
+      AND NOT coalesce(n.longest_before >= u.cached_tokens, false)
 ), lengths AS (
     SELECT model, cached_tokens, count(DISTINCT account_id) AS accounts FROM first_time GROUP BY model, cached_tokens
 ), weak AS (
