@@ -54,7 +54,8 @@ def _stage(stage: str, incident: Path, out: Path, memory_limit: str) -> dict[str
     ] + (["--no-pdf"] if stage == "report" else [])
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    code = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True).returncode
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    code = done.returncode
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     # ru_maxrss of the children is the largest of them so far: a stage's own peak only when it is the largest
@@ -64,6 +65,8 @@ def _stage(stage: str, incident: Path, out: Path, memory_limit: str) -> dict[str
         "seconds": round(seconds, 2),
         "peak_rss_mb": round(peak / 1024, 1),
         "peak_is_this_stage": peak > before,
+        # a failed stage's one-line message (what the CLI says to do), so a result shows why it stopped
+        **({"error": (done.stderr.strip().splitlines() or [""])[-1]} if code not in (0, 3) else {}),
     }
 
 
@@ -78,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     data = args.workdir / f"n{args.requests}-seed{args.seed}"
     out = args.workdir / f"out-n{args.requests}-seed{args.seed}"
     start = time.perf_counter()
-    if not (data / "truth.json").exists():
+    reused = (data / "truth.json").exists()  # an incident generated before (same size and seed) is read again
+    if not reused:
         generate.generate(data, seed=args.seed, requests=args.requests)
-    generated = round(time.perf_counter() - start, 1)
+    generated = round(time.perf_counter() - start, 1) if not reused else None
     if out.exists():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     steps = [_stage(s, data / "incident.toml", out, args.memory_limit) for s in STAGES]

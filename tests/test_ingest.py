@@ -758,6 +758,30 @@ def test_the_memory_governor_takes_what_the_process_holds_outside_duckdb_off_its
         assert _setting(unlimited) == before and governor.outside == 0
 
 
+def test_a_statement_that_runs_out_of_memory_under_the_governors_lowered_limit_runs_again_under_the_configured_one(
+    tmp_path,
+) -> None:
+    """What the allocators keep of memory DuckDB freed counts as held outside it, so a lowered limit can be too
+    low for a statement that fits the configured one (at 1M requests a KV-event rule failed at half the limit,
+    after the rule before it had left 1.5 GB in the RSS): it runs again under the configured limit. Under the
+    configured limit itself, running out of memory is an error as before."""
+    from kvforensics.core.db import MemoryGovernor, size_bytes
+
+    con = connect(tmp_path / "evidence.duckdb", memory_limit="1GB")
+    con.execute("SET temp_directory = ''").fetchall()  # nothing spills: the statement needs its memory
+    configured = _setting(con)
+    big = "SELECT count(*) FROM (SELECT DISTINCT range AS x FROM range(4000000))"
+    with MemoryGovernor(con, every_s=3600) as governor:
+        con.execute(f"SET memory_limit = '{size_bytes('16MB')}B'").fetchall()
+        with pytest.raises(duckdb.OutOfMemoryException):  # not lowered by the governor: no second run
+            governor.run(lambda: con.execute(big).fetchall())
+        governor.outside = size_bytes("1GB")  # as a measurement that took most of the limit for Python
+        governor._lowered, governor._changed = True, True
+        assert governor.run(lambda: con.execute(big).fetchall()) == [(4_000_000,)]
+        assert _setting(con) == configured and not governor._lowered
+    assert _setting(con) == configured
+
+
 def test_a_connection_opened_without_a_limit_has_the_bounded_default(tmp_path, monkeypatch) -> None:
     """Without --memory-limit or [settings] memory_limit, DuckDB's own default (80% of the machine) would let
     a run grow to 20 GB of RSS: the limit is the smaller of 4 GB and half the memory, and the governor holds it."""

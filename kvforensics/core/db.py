@@ -5,16 +5,19 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import duckdb
 
 # Without --memory-limit or [settings] memory_limit, a connection's limit is the smaller of this and half the
 # memory the process may use (DuckDB's own default, 80% of the machine, let a run grow to 20 GB of RSS)
 DEFAULT_MEMORY_CAP = "4GB"
+
+T = TypeVar("T")
 
 
 def connect(
@@ -108,7 +111,12 @@ class MemoryGovernor:
     *every_s* seconds (the RSS, from /proc/self/statm, less ``duckdb_memory()``) and sets DuckDB's limit
     to the configured one less it, never below half; the configured limit is restored on exit. Without a
     configured limit, without /proc, or while :func:`memory_set_aside` is in force on the connection,
-    nothing changes."""
+    nothing changes.
+
+    The measure cannot tell what the process holds from what its allocators keep of memory DuckDB freed (a
+    large sort or join leaves it in the RSS for a while), so a lowered limit can be too low for a statement that
+    runs within the configured one: :meth:`run` runs a statement again under the configured limit when it ran out
+    of memory under a lowered one."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, every_s: float = 5.0) -> None:
         self.con, self.every_s = con, every_s
@@ -116,6 +124,7 @@ class MemoryGovernor:
         self.outside = 0  # bytes outside DuckDB's buffers at the last measurement
         self._next = 0.0
         self._changed = False
+        self._lowered = False  # DuckDB's limit is below the configured one now
 
     def __enter__(self) -> MemoryGovernor:
         return self
@@ -125,7 +134,7 @@ class MemoryGovernor:
 
     def close(self) -> None:
         if self._changed:
-            self._changed = False
+            self._changed = self._lowered = False
             self._set(self.limit)
 
     def tick(self) -> None:
@@ -140,7 +149,22 @@ class MemoryGovernor:
             return  # the caller's own measure is in force
         held = self.con.execute("SELECT coalesce(sum(memory_usage_bytes), 0) FROM duckdb_memory()").fetchall()[0][0]
         self.outside = max(0, rss - int(held))
-        self._changed = self._set(max(self.limit - self.outside, self.limit // 2)) or self._changed
+        target = max(self.limit - self.outside, self.limit // 2)
+        if self._set(target):
+            self._changed, self._lowered = True, target < self.limit
+
+    def run(self, statement: Callable[[], T]) -> T:
+        """``statement()`` (one statement that leaves nothing behind when it fails: a query, or a DDL statement
+        DuckDB rolls back); when it runs out of memory under a lowered limit, the configured limit is set again
+        (until the next measurement) and it runs once more."""
+        try:
+            return statement()
+        except duckdb.OutOfMemoryException:
+            if not self._lowered or self.limit is None or not self._set(self.limit):
+                raise
+        self._lowered = False
+        self._next = time.monotonic() + self.every_s
+        return statement()
 
     def _set(self, nbytes: int | None) -> bool:
         try:

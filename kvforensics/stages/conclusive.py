@@ -200,6 +200,11 @@ def _execute(con: duckdb.DuckDBPyConnection, stmt: str, params: dict[str, Any]) 
     return con.execute(stmt, {k: v for k, v in params.items() if k in used} or None)
 
 
+def _described(cur: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
+    """A query's column names and rows."""
+    return [d[0] for d in cur.description], cur.fetchall()
+
+
 def evaluate(
     con: duckdb.DuckDBPyConnection, params: dict[str, Any] | None = None, only: tuple[str, ...] | None = None
 ) -> list[Reason]:
@@ -210,16 +215,15 @@ def evaluate(
     with MemoryGovernor(con) as governor:  # the checks join the whole period's requests: a long script
         for stmt in prelude:
             governor.tick()
-            _execute(con, stmt, params).fetchall()
+            governor.run(lambda stmt=stmt: _execute(con, stmt, params).fetchall())
         for check in all_checks:
             if only is not None and check.code not in only:
                 continue
             if check.code == "rule_field_missing" and not (params.get("needs") and params.get("prefix_needs")):
                 continue
             governor.tick()
-            cur = _execute(con, check.sql, params)
-            names = [d[0] for d in cur.description]
-            for row in cur.fetchall():
+            names, rows = governor.run(lambda check=check: _described(_execute(con, check.sql, params)))
+            for row in rows:
                 rec = dict(zip(names, row, strict=True))
                 message = str(rec.pop("message") or check.code)
                 reasons.append(Reason(check.code, message, {k: _plain(v) for k, v in rec.items()}))

@@ -133,7 +133,7 @@ def _findings(
     con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
     for rule in [r for r in rules if not r.needs_latency_model]:
         governor.tick()
-        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
+        frames.append(governor.run(lambda rule=rule: _collect(con, rule, overrides.get(rule.id), spark)))
     if frames:
         ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
         con.register("flagged_ids", ids)
@@ -145,7 +145,7 @@ def _findings(
         spark.push_tables(con, ["latency_model"])
     for rule in [r for r in rules if r.needs_latency_model]:
         governor.tick()
-        frames.append(_collect(con, rule, overrides.get(rule.id), spark))
+        frames.append(governor.run(lambda rule=rule: _collect(con, rule, overrides.get(rule.id), spark)))
     return (
         pd.concat(frames, ignore_index=True)
         if frames
