@@ -155,8 +155,9 @@ class MemoryGovernor:
 
     def run(self, statement: Callable[[], T]) -> T:
         """``statement()`` (one statement that leaves nothing behind when it fails: a query, or a DDL statement
-        DuckDB rolls back); when it runs out of memory under a lowered limit, the configured limit is set again
-        (until the next measurement) and it runs once more."""
+        DuckDB rolls back) after a :meth:`tick`; when it runs out of memory under a lowered limit, the configured
+        limit is set again (until the next measurement) and it runs once more."""
+        self.tick()
         try:
             return statement()
         except duckdb.OutOfMemoryException:

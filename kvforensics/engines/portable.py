@@ -388,6 +388,5 @@ def run_duckdb_script(con: duckdb.DuckDBPyConnection, name: str, params: dict | 
             missing = used - set(params)
             if missing:
                 raise KeyError(f"sql/{name}.sql needs parameter(s) {sorted(missing)}")
-            governor.tick()
             args = {k: v for k, v in params.items() if k in used} or None
             governor.run(lambda stmt=stmt, args=args: con.execute(render(stmt.text, "duckdb"), args).fetchall())

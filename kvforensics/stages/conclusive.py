@@ -214,14 +214,12 @@ def evaluate(
     reasons: list[Reason] = []
     with MemoryGovernor(con) as governor:  # the checks join the whole period's requests: a long script
         for stmt in prelude:
-            governor.tick()
             governor.run(lambda stmt=stmt: _execute(con, stmt, params).fetchall())
         for check in all_checks:
             if only is not None and check.code not in only:
                 continue
             if check.code == "rule_field_missing" and not (params.get("needs") and params.get("prefix_needs")):
                 continue
-            governor.tick()
             names, rows = governor.run(lambda check=check: _described(_execute(con, check.sql, params)))
             for row in rows:
                 rec = dict(zip(names, row, strict=True))

@@ -132,7 +132,6 @@ def _findings(
     frames = []
     con.execute("CREATE OR REPLACE TEMP TABLE flagged_before_latency (request_id VARCHAR)").fetchall()
     for rule in [r for r in rules if not r.needs_latency_model]:
-        governor.tick()
         frames.append(governor.run(lambda rule=rule: _collect(con, rule, overrides.get(rule.id), spark)))
     if frames:
         ids = pd.DataFrame({"request_id": pd.concat([f["request_id"] for f in frames]).astype(str).unique()})
@@ -144,7 +143,6 @@ def _findings(
     if spark is not None:
         spark.push_tables(con, ["latency_model"])
     for rule in [r for r in rules if r.needs_latency_model]:
-        governor.tick()
         frames.append(governor.run(lambda rule=rule: _collect(con, rule, overrides.get(rule.id), spark)))
     return (
         pd.concat(frames, ignore_index=True)
