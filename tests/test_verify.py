@@ -12,6 +12,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pytest
 from conftest import write_mini
 
@@ -350,7 +351,7 @@ def test_a_table_digest_depends_on_its_rows_never_on_their_order_or_a_sums_last_
         ("b", "2026-08-28T11:00:00+02:00", None, None),
         ("c", None, float("inf"), []),
     ]
-    for method in ("rows-v1", "rows-v2", "rows-v3"):
+    for method in ("rows-v1", "rows-v2", "rows-v3", "rows-v4"):
         base = _digest_of(rows, method)
         assert base["rows"] == 3
         assert _digest_of(rows[::-1], method) == base
@@ -454,6 +455,108 @@ def test_a_row_repeated_2_to_the_16_times_does_not_vanish_from_a_rows_v3_digest(
     assert digests["a"]["sha256"] != digests["b"]["sha256"]
 
 
+def _rows_v4_reference(columns: list[tuple[str, str]], rows: list[tuple]) -> str:
+    """rows-v4 as its definition reads, in Python: canonical values (integers, or bytes), the rows sorted by
+    them column by column (nulls last), per column a stream of values and one of nulls or lengths."""
+
+    def canonical(value, kind):
+        if value is None:
+            return None
+        if kind == "int":
+            return int(value)
+        if isinstance(value, float):
+            return (f"{value:.12g}" if np.isfinite(value) else str(value)).encode()
+        return value if isinstance(value, bytes) else str(value).encode()
+
+    kinds = [kind for _, kind in columns]
+    values = sorted(
+        (tuple(canonical(v, k) for v, k in zip(row, kinds, strict=True)) for row in rows),
+        key=lambda r: tuple((v is None, v if v is not None else 0) for v in r),
+    )
+    h = hashlib.sha256(b"kvforensics rows-v4 sorted columns SHA-256\n" + json.dumps([c for c, _ in columns]).encode())
+    h.update(b"\n" + json.dumps(kinds).encode() + b"\n" + len(values).to_bytes(8, "little"))
+    for j, kind in enumerate(kinds):
+        column = [row[j] for row in values]
+        if kind == "int":
+            data = b"".join((v or 0).to_bytes(8, "little", signed=True) for v in column)
+            shape = bytes(v is not None for v in column)
+        else:
+            data = b"".join(v for v in column if v is not None)
+            shape = b"".join((-1 if v is None else len(v)).to_bytes(8, "little", signed=True) for v in column)
+        h.update(hashlib.sha256(data).digest() + hashlib.sha256(shape).digest())
+    return h.hexdigest()
+
+
+def test_a_rows_v4_digest_is_the_sorted_tables_columns_hashed_whatever_the_batches(monkeypatch) -> None:
+    import kvforensics.evidence.digests as digests
+
+    rows = [
+        (f"r{i % 23}", i % 5 == 0, None if i % 7 == 0 else i - 30, f"2026-08-28T10:00:{i % 60:02d}Z", i / 7)
+        for i in range(60)
+    ]
+    rows += [rows[3]] * 5  # duplicates count
+    rows += [
+        ("", None, None, None, None),
+        (None, True, 2**62, None, float("nan")),
+        ("é\u2028", False, -(2**62), None, 0.1),
+    ]
+    rows += [("ab", None, 1, None, None), ("a", None, 1, None, None)]  # a prefix sorts first, bytewise
+    con = connect(memory_limit="1GB")
+    con.execute("CREATE TABLE t (id VARCHAR, ok BOOLEAN, n BIGINT, ts TIMESTAMPTZ, ms DOUBLE)")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?, ?, ?)", rows)
+    canonical_rows = con.execute("SELECT id, ok, n, epoch_us(ts), ms FROM t").fetchall()
+    expected = _rows_v4_reference(
+        [("id", "bytes"), ("ok", "int"), ("n", "int"), ("ts", "int"), ("ms", "bytes")], canonical_rows
+    )
+    for batch_bytes, min_rows in ((1, 1), (100, 1), (1000, 16), (32 * 2**20, 16)):
+        monkeypatch.setattr(digests, "_V4_BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(digests, "_V4_MIN_ROWS", min_rows)
+        assert table_digests(con, "rows-v4")["t"] == {"rows": len(rows), "sha256": expected}, batch_bytes
+    # the same strings split otherwise across rows, or a null for an empty string: another digest
+    for name, values in (("a", [("ab",), ("c",)]), ("b", [("a",), ("bc",)]), ("c", [("",)]), ("d", [(None,)])):
+        con.execute(f"CREATE TABLE {name} (v VARCHAR)")
+        con.executemany(f"INSERT INTO {name} VALUES (?)", values)
+    digests_now = table_digests(con, "rows-v4")
+    assert len({digests_now[n]["sha256"] for n in "abcd"}) == 4
+    con.execute("CREATE TABLE empty (id VARCHAR)")
+    assert digests_now.get("empty") is None and table_digests(con, "rows-v4")["empty"]["rows"] == 0
+
+
+def test_a_rows_v4_table_sorted_by_a_first_column_that_only_looked_unique_is_sorted_again_by_every_column() -> None:
+    from kvforensics.evidence.digests import _first_column_unique, _ties
+
+    con = connect(memory_limit="1GB")
+    con.execute("CREATE TABLE u AS SELECT 'u' || lpad(i::VARCHAR, 5, '0') AS id, 3000 - i AS n FROM range(3000) t(i)")
+    con.execute("INSERT INTO u VALUES ('u01500', -1), ('u01500', 9999), (NULL, 5), (NULL, 4)")
+    assert _first_column_unique(con, "u", "id")
+    expected = _rows_v4_reference([("id", "bytes"), ("n", "int")], con.execute("SELECT * FROM u").fetchall())
+    assert table_digests(con, "rows-v4")["u"] == {"rows": 3004, "sha256": expected}
+    # ties within a batch, across batches, and of nulls; none in distinct values
+    assert _ties(pa.array(["a", "b", "b"]), "x") == (True, "b")
+    assert _ties(pa.array(["b", "c"]), "b") == (True, "c")
+    assert _ties(pa.array([1, None, None]), 0) == (True, None)
+    assert _ties(pa.chunked_array([pa.array(["a"]), pa.array(["b", None])]), None) == (False, None)
+    assert _ties(pa.array([], pa.string()), "z") == (False, "z")
+
+
+def test_a_rows_v4_column_with_bytes_behind_a_null_hashes_as_its_values_say() -> None:
+    """Arrow lets a null slot keep bytes (its offsets need not be equal); rows-v4 hashes values, never those."""
+    from kvforensics.evidence.digests import _hash_column
+
+    def streams(array: pa.Array) -> tuple[str, str]:
+        values, shape = hashlib.sha256(), hashlib.sha256()
+        _hash_column(array, "bytes", values, shape)
+        return values.hexdigest(), shape.hexdigest()
+
+    clean = pa.array(["ab", None, "c"])
+    offsets = np.array([0, 2, 5, 6], dtype=np.int32).tobytes()
+    dirty = pa.Array.from_buffers(
+        pa.string(), 3, [pa.py_buffer(bytes([0b101])), pa.py_buffer(offsets), pa.py_buffer(b"abXYZc")], null_count=1
+    )
+    assert dirty.to_pylist() == clean.to_pylist()
+    assert streams(dirty) == streams(clean) == streams(pa.chunked_array([clean.slice(0, 1), clean.slice(1)]))
+
+
 def _record_tables(out: Path, method: str) -> None:
     """The manifest of a folder with its tables digested by *method*, as a run writing that method records them."""
     from kvforensics.evidence.digests import TABLE_DIGEST_CONSTRUCTIONS
@@ -469,12 +572,12 @@ def _record_tables(out: Path, method: str) -> None:
     )
 
 
-@pytest.mark.parametrize("method", ["rows-v2", "rows-v3"])
+@pytest.mark.parametrize("method", ["rows-v2", "rows-v3", "rows-v4"])
 def test_a_manifest_of_either_digest_verifies_and_a_row_changed_deleted_or_duplicated_is_caught(
     out: Path, method: str
 ) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["table_digest"] == "rows-v2" and "SHA-256" in manifest["table_digest_construction"]
+    assert manifest["table_digest"] == "rows-v4" and "SHA-256" in manifest["table_digest_construction"]
     _record_tables(out, method)
     assert verify(out) == []
     pristine = out.parent / "pristine.duckdb"

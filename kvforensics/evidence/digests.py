@@ -17,11 +17,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvforensics.core.db import memory_set_aside
 from kvforensics.sources.common.textio import file_digest
@@ -39,10 +40,13 @@ _FLOAT_DIGITS = 12  # floats are hashed to 12 significant digits: parallel sums 
 # digits) and the table as the SHA-256 of its column names and its rows' hashes in sorted order, so the
 # database does the work on every core; "rows-v3" sums the same row hashes, expanded to LtHash lanes, in
 # one pass without a sort (``_table_digest_v3``); "rows-v1" (manifests without `table_digest`) renders
-# every row in Python, in the table's sorted order. `kvforensics run` writes rows-v2: rows-v3 takes about
-# 30 times as long on two cores (benchmarks/README.md, 2026-12-05); verify checks all three.
-TABLE_DIGEST = "rows-v2"
-TABLE_DIGESTS = ("rows-v1", TABLE_DIGEST, "rows-v3")
+# every row in Python, in the table's sorted order; "rows-v4" sorts the rows themselves in the database
+# (their canonical values, column by column) and hashes the sorted table column-wise with the CPU's
+# SHA-256, no hash per row (``_table_digest_v4``). `kvforensics run` writes rows-v4: about a third of
+# rows-v2's time at 1M requests, where rows-v3 takes about 30 times rows-v2's (benchmarks/README.md);
+# verify checks all four.
+TABLE_DIGEST = "rows-v4"
+TABLE_DIGESTS = ("rows-v1", "rows-v2", "rows-v3", TABLE_DIGEST)
 # what each method is and what it resists, as the manifest states it (`table_digest_construction`)
 TABLE_DIGEST_CONSTRUCTIONS = {
     "rows-v1": "SHA-256 of the column names and of every row rendered as JSON, in sorted order: "
@@ -53,6 +57,9 @@ TABLE_DIGEST_CONSTRUCTIONS = {
     "of each row's SHA-256, summed exactly in 64 bits, then SHA-256 with the column names; at least "
     "200 bits against multiset collisions by its authors' estimate (random oracle model), 128 bits "
     "overall (the rows' SHA-256)",
+    "rows-v4": "SHA-256 of the column names, their canonical types, the row count and, per column, the SHA-256 "
+    "of its values and of its lengths and nulls, the rows in ascending order of their canonical values: "
+    "128-bit collision resistance (SHA-256)",
 }
 _HASH_BATCH = 1_000_000
 _HASH_BYTES = 32  # a row hash, as sorted and as written to the bucket files
@@ -88,6 +95,9 @@ def table_digests(
     if method == "rows-v3":
         with memory_set_aside(con, V3_MEMORY):
             return {name: _table_digest_v3(con, name) for name in names}
+    if method == "rows-v4":
+        with memory_set_aside(con, V4_MEMORY):
+            return {name: _table_digest_v4(con, name) for name in names}
     with (
         memory_set_aside(con, DIGEST_MEMORY),
         _Buckets(_spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets,
@@ -174,6 +184,169 @@ def _table_digest_v3(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any
     h = hashlib.sha256(_V3_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
     h.update(lanes.astype("<u8").tobytes())
     return {"rows": rows, "sha256": h.hexdigest()}
+
+
+# rows-v4: the table sorted by the database, hashed column by column. Each column is read as a canonical
+# value (``_canonical_v4``): an integer (booleans, integers up to 64 bits signed or 32 unsigned, timestamps
+# and dates as epoch microseconds) or a byte string (text, blobs, floats to 12 significant digits, JSON,
+# anything else as its JSON text). The rows are sorted by those values, column by column in the table's
+# order, ascending, nulls last (a total order of the values alone: equal keys are equal rows). Each column
+# has two SHA-256 streams: its values (an integer as 8 little-endian bytes, 0 for a null; a string's bytes)
+# and its shape (a null flag a row for integers; a string's length as 8 bytes, -1 for a null). The two
+# streams give back the column's values, the values give back the sorted rows, and the sorted rows are
+# the table as a multiset: a collision of the digest is a collision of SHA-256.
+_V4_DOMAIN = b"kvforensics rows-v4 sorted columns SHA-256\n"
+_V4_BATCH_BYTES = 32 * 2**20  # the canonical values an Arrow batch holds at most (its longest row assumed)
+_V4_MAX_ROWS = 1 << 20
+_V4_MIN_ROWS = 16  # rows above a 32nd of the memory limit are quarantined as their hash: half the limit at most
+V4_MEMORY = 3 * _V4_BATCH_BYTES  # the batch, a null-filled copy of a column and its lengths
+_V4_INTEGERS = frozenset(("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER"))
+
+
+class _Canonical(NamedTuple):
+    """A column as rows-v4 reads it: its canonical value (SQL), ``"int"`` (BIGINT) or ``"bytes"``, and the
+    SQL of the value's length in bytes (None: at most ``_V4_FIXED_WIDTH``)."""
+
+    sql: str
+    kind: str
+    width: str | None
+
+
+_V4_FIXED_WIDTH = 32  # an integer's 8 bytes and null flag; a float's text (%.12g, inf, nan) and its length
+
+
+def _canonical_v4(column: str, data_type: str) -> _Canonical:
+    """A column's canonical value for rows-v4 (see above)."""
+    if data_type in _V4_INTEGERS:
+        return _Canonical(f"CAST({column} AS BIGINT)", "int", None)
+    if data_type.startswith("TIMESTAMP") or data_type == "DATE":
+        return _Canonical(f"epoch_us({column})", "int", None)
+    if data_type in ("DOUBLE", "FLOAT", "REAL"):
+        return _Canonical(_canonical_sql(column, data_type), "bytes", None)
+    if data_type == "BLOB":
+        return _Canonical(column, "bytes", f"octet_length({column})")
+    text = column if data_type == "VARCHAR" else f"CAST({column} AS VARCHAR)" if data_type == "JSON" else None
+    text = text or f"CAST(to_json({column}) AS VARCHAR)"
+    return _Canonical(text, "bytes", f"strlen({text})")
+
+
+def _table_digest_v4(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
+    """rows-v4 of one table: its canonical values sorted by the database (which spills to disk beyond its
+    memory limit), read in Arrow batches of bounded size and hashed column-wise. When the first column
+    looks unique (its approximate distinct count), the database sorts by it alone, which is the same order
+    as long as no two rows tie on it; the first tie read starts the table again with every column."""
+    columns = con.execute(
+        """SELECT column_name, data_type FROM information_schema.columns
+           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
+           ORDER BY ordinal_position""",
+        {"t": name},
+    ).fetchall()
+    canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
+    kinds = [c.kind for c in canonical]
+    h = hashlib.sha256(_V4_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
+    if not canonical:
+        rows = con.execute(f"SELECT count(*) FROM {_quoted(name)}").fetchall()[0][0]
+        h.update(json.dumps(kinds).encode() + b"\n" + rows.to_bytes(8, "little"))
+        return {"rows": rows, "sha256": h.hexdigest()}
+    batch_rows = _v4_batch_rows(con, name, canonical)
+    values = ", ".join(f"{c.sql} AS c{j}" for j, c in enumerate(canonical))
+    every = ", ".join(f"c{j} ASC NULLS LAST" for j in range(len(canonical)))
+    streams: list[tuple[Any, Any]] = []
+    rows = 0
+    for order in (["c0 ASC NULLS LAST"] if _first_column_unique(con, name, canonical[0].sql) else []) + [every]:
+        streams = [(hashlib.sha256(), hashlib.sha256()) for _ in canonical]
+        rows, ties, last = 0, order == every, _NOTHING
+        for batch in con.sql(f"SELECT {values} FROM {_quoted(name)} ORDER BY {order}").to_arrow_reader(batch_rows):
+            if not ties:
+                tied, last = _ties(batch.column(0), last)
+                if tied:
+                    break
+            for (values_hash, shape_hash), kind, column in zip(streams, kinds, batch.columns, strict=True):
+                _hash_column(column, kind, values_hash, shape_hash)
+            rows += batch.num_rows
+        else:
+            break
+    h.update(json.dumps(kinds).encode() + b"\n" + rows.to_bytes(8, "little"))
+    for values_hash, shape_hash in streams:
+        h.update(values_hash.digest() + shape_hash.digest())
+    return {"rows": rows, "sha256": h.hexdigest()}
+
+
+_NOTHING = object()  # no row read yet
+
+
+def _first_column_unique(con: duckdb.DuckDBPyConnection, name: str, first: str) -> bool:
+    """Whether a table's first canonical column looks unique: its approximate distinct count (HyperLogLog,
+    a hash of every value) at least 90% of its rows. Only a guess: the rows read are checked for ties."""
+    total, distinct = con.execute(f"SELECT count(*), approx_count_distinct({first}) FROM {_quoted(name)}").fetchall()[0]
+    return total > 1 and distinct >= total * 0.9
+
+
+def _ties(column: pa.Array | pa.ChunkedArray, before: Any) -> tuple[bool, Any]:
+    """Whether two neighbouring values of a sorted column are equal (two nulls too), the value before the
+    column (``_NOTHING`` at the start) included; and the column's last value."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    n = len(column)
+    if n == 0:
+        return False, before
+    first, last = column[0].as_py(), column[n - 1].as_py()
+    if before is not _NOTHING and before == first:
+        return True, last
+    if n > 1:
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        if (~valid[1:] & ~valid[:-1]).any() or pc.any(pc.equal(column.slice(1), column.slice(0, n - 1))).as_py():
+            return True, last
+    return False, last
+
+
+def _v4_batch_rows(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical]) -> int:
+    """Rows an Arrow batch of rows-v4 may hold: ``_V4_BATCH_BYTES`` over the table's widest row."""
+    widths = [f"coalesce({c.width}, 0)" for c in canonical if c.width is not None]
+    widest = con.execute(f"SELECT max({' + '.join(widths)}) FROM {_quoted(name)}").fetchall()[0][0] if widths else 0
+    per_row = _V4_FIXED_WIDTH * len(canonical) + int(widest or 0)
+    return max(_V4_MIN_ROWS, min(_V4_MAX_ROWS, _V4_BATCH_BYTES // per_row))
+
+
+def _hash_column(column: pa.Array, kind: str, values_hash: Any, shape_hash: Any) -> None:
+    """One batch of a column into its two rows-v4 streams (see above)."""
+    if isinstance(column, pa.ChunkedArray):
+        for chunk in column.chunks:
+            _hash_column(chunk, kind, values_hash, shape_hash)
+        return
+    n = len(column)
+    if n == 0:
+        return
+    valid = np.ones(n, dtype=bool) if column.null_count == 0 else column.is_valid().to_numpy(zero_copy_only=False)
+    if kind == "int":
+        filled = column if column.null_count == 0 else column.fill_null(0)
+        values_hash.update(np.ascontiguousarray(filled.to_numpy(zero_copy_only=False), dtype="<i8").tobytes())
+        shape_hash.update(valid.view(np.uint8).tobytes())
+        return
+    if pa.types.is_string_view(column.type) or pa.types.is_binary_view(column.type):
+        column = column.cast(pa.large_binary())
+    large = pa.types.is_large_binary(column.type) or pa.types.is_large_string(column.type)
+    _, offsets, data = column.buffers()[:3]
+    ends = np.frombuffer(offsets, dtype=np.int64 if large else np.int32, count=column.offset + n + 1)[column.offset :]
+    lengths = np.diff(ends).astype("<i8")
+    if not valid.all():
+        if lengths[~valid].any():  # a null slot that holds bytes: hash the valid values only
+            binary = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+            column = column.fill_null(b"" if binary else "")
+            _hash_column(column, kind, values_hash, _Discard())
+        else:
+            values_hash.update(memoryview(data)[int(ends[0]) : int(ends[-1])] if data is not None else b"")
+        lengths[~valid] = -1
+    elif data is not None:
+        values_hash.update(memoryview(data)[int(ends[0]) : int(ends[-1])])
+    shape_hash.update(lengths.tobytes())
+
+
+class _Discard:
+    """A hash stream that takes nothing (the shape of a column hashed again with its nulls filled)."""
+
+    def update(self, data: bytes) -> None:
+        pass
 
 
 class _Buckets:

@@ -8,7 +8,8 @@
   report or notices, and its manifest lists none);
 * re-hashes every input against the manifest's ``inputs``;
 * hashes every table of the evidence database (its rows as a multiset, by the method the manifest's
-  ``table_digest`` names: rows-v2 sorted, rows-v3 summed as LtHash; not the file's bytes, which change on open)
+  ``table_digest`` names: rows-v4 the sorted table hashed column-wise, rows-v2 sorted row hashes, rows-v3 row
+  hashes summed as LtHash; not the file's bytes, which change on open)
   against the manifest's ``tables``;
 * re-runs detection and scope on a scratch copy of the evidence database and compares every table they write,
   every figure of scope.json, every row of the CSVs and every notice with what the folder holds, and re-renders
