@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
-import hmac
 import itertools
 import json
 import sys
@@ -44,7 +43,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
-from kvforensics.core.fingerprint import SHINGLE_WORDS, key_for, selection_key
+from kvforensics.core.fingerprint import SHINGLE_WORDS, fingerprint_key, key_for
 from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
 from kvforensics.sources.engine_logs.parse import parse_engine_log
 from kvforensics.stages.ingest import resolve_model
@@ -202,31 +201,25 @@ def open_text(path: Path):
     return path.open(encoding="utf-8", errors="replace")
 
 
-def shingle_fingerprints(words: list[str], key: bytes, select: bytes, window: int) -> tuple[set[int], int]:
-    """core/fingerprint.py's keyed fingerprints of one text's lower-cased words (winnowing with *window* under
-    the selection key *select*), and its number of shingles."""
+def shingle_fingerprints(words: list[str], keyed: bytes, window: int) -> tuple[set[int], int]:
+    """core/fingerprint.py's keyed fingerprints of one text's lower-cased words (SHA-256 under the fingerprint
+    key *keyed*, winnowing with *window* by the fingerprints), and its number of shingles."""
     if len(words) < SHINGLE_WORDS:
         shingles = [" ".join(words)] if words else []
     else:
         shingles = [" ".join(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
-    if window > 1 and shingles:
-        order = [int.from_bytes(hashlib.md5(select + s.encode("utf-8")).digest()[:8], "big") for s in shingles]
-        span = min(window, len(order))
-        kept = {min(range(i, i + span), key=lambda j: (order[j], -j)) for i in range(len(order) - span + 1)}
-        chosen = [shingles[j] for j in kept]
-    else:
-        chosen = shingles
-    return (
-        {int.from_bytes(hmac.digest(key, s.encode("utf-8"), "sha256")[:8], "big") >> 1 for s in chosen},
-        len(shingles),
-    )
+    fps = [int.from_bytes(hashlib.sha256(keyed + s.encode("utf-8")).digest()[:8], "big") >> 1 for s in shingles]
+    if window > 1 and fps:
+        span = min(window, len(fps))
+        kept = {min(range(i, i + span), key=lambda j: (fps[j], -j)) for i in range(len(fps) - span + 1)}
+        return {fps[j] for j in kept}, len(shingles)
+    return set(fps), len(shingles)
 
 
 def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int, int]:
     """Per content file: (record, part, fingerprint) rows, the record as its row number in the file; the
     records read and the shingles seen."""
-    key = key_for(incident.id)
-    select = selection_key(key)
+    keyed = fingerprint_key(key_for(incident.id))
     out = []
     records = shingles = 0
     for source in incident.sources_of("content"):
@@ -237,7 +230,7 @@ def content_fingerprints(incident: Incident) -> tuple[list[pd.DataFrame], int, i
                     if source.column(part) not in df.columns:
                         continue
                     words = df[source.column(part)].dropna().astype(str).str.lower().str.findall(r"\w+")
-                    kept = [shingle_fingerprints(w, key, select, incident.winnow_window) for w in words]
+                    kept = [shingle_fingerprints(w, keyed, incident.winnow_window) for w in words]
                     fps = [f for f, _ in kept]
                     shingles += sum(n for _, n in kept)
                     counts = np.fromiter(map(len, fps), dtype=np.int64, count=len(fps))

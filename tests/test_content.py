@@ -3,6 +3,7 @@ are quarantined in batches, and no content text reaches the database."""
 
 from __future__ import annotations
 
+import hmac
 import json
 from itertools import islice
 from pathlib import Path
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from kvforensics.config import load_incident
 from kvforensics.core.db import connect
 from kvforensics.core.errors import InputError
-from kvforensics.core.fingerprint import WINNOW_WINDOW, fingerprints, hmac_blocks
+from kvforensics.core.fingerprint import WINNOW_WINDOW, fingerprint_key, fingerprints
 from kvforensics.sources.changes.load import load_changes
 from kvforensics.sources.common import records
 from kvforensics.sources.content import load as content_loader
@@ -109,16 +110,15 @@ def test_bulk_fingerprints_equal_the_reference(tmp_path, texts, window):
 
 
 @pytest.mark.parametrize("key", [b"k", bytes(range(64)), bytes(range(100))])
-def test_keys_of_any_length_give_the_hmac(tmp_path, key):
+def test_keys_of_any_length_give_the_keyed_fingerprints(tmp_path, key):
     text = "one two three four five six seven eight nine ten eleven"
     con, _ = load_texts(tmp_path, [{"request_id": "a", "prompt": text, "output": "Short answer, sir."}], key)
     assert stored(con, "a", "prompt") == fingerprints(text, key)
     assert stored(con, "a", "output") == fingerprints("Short answer, sir.", key)
-    inner, outer = hmac_blocks(key)
-    assert (
-        len(inner) == len(outer) == 64
-        and bytes(a ^ b for a, b in zip(inner, outer, strict=True)) == bytes([0x36 ^ 0x5C]) * 64
-    )
+    keyed = fingerprint_key(key)
+    assert len(keyed) == 64 and keyed == hmac.new(
+        key, b"kvforensics shingle fingerprint v2", "sha256"
+    ).digest() + bytes(32)
 
 
 def test_batches_do_not_change_the_result(tmp_path, monkeypatch):

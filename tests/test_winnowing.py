@@ -21,10 +21,10 @@ from kvforensics.core.errors import ConfigError
 from kvforensics.core.fingerprint import (
     SHINGLE_WORDS,
     WINNOW_WINDOW,
+    fingerprint_key,
     fingerprints,
     guaranteed_words,
-    selection_hash,
-    selection_key,
+    shingle_fingerprint,
     shingles,
     winnow,
 )
@@ -97,8 +97,8 @@ def test_what_winnowing_keeps_of_a_text():
         assert kept <= every
         # at least one in every window of consecutive shingles, so at least ceil(33 / window)
         assert -(-33 // window) <= len(kept) < 33
-    select = selection_key(key)
-    hashes = [selection_hash(s, select) for s in shingles(text)]
+    keyed = fingerprint_key(key)
+    hashes = [shingle_fingerprint(s, keyed) for s in shingles(text)]
     assert len(fingerprints(text, key, window=3)) == len(winnow(hashes, 3))
     # a text of fewer shingles than the window keeps one; one without words none
     assert len(fingerprints("only a few words here, eight or nine of them", key, window=5)) == 1
@@ -147,6 +147,6 @@ def test_the_ingest_fingerprints_with_the_incident_files_window(tmp_path, monkey
     assert con.execute("SELECT shingles FROM content_stats").fetchall() == [(len(stored),)]
     notes = [n for f in result.files if f.kind == "content" for n in f.notes]
     assert (
-        f"text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored"
+        f"text fingerprinted (keyed SHA-256 of the word shingles winnowing keeps, window {window}); no text stored"
         in notes
     )

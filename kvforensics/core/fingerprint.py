@@ -1,29 +1,30 @@
 """Keyed fingerprints of text: what lets us match leaked content without keeping the content.
 
-Text is split into lower-cased word shingles (``SHINGLE_WORDS`` consecutive words). Not every shingle
-is kept: winnowing (Schleimer, Wilkerson and Aiken, "Winnowing: local algorithms for document
-fingerprinting", SIGMOD 2003, the method behind MOSS) orders the shingles by a cheap keyed hash and
-keeps, of every window of ``w`` consecutive shingles, the one with the least (the rightmost of equal
-ones); a text of fewer than ``w`` shingles is one window. Each kept shingle is reduced to a 63-bit
-integer with HMAC-SHA256 under a per-investigation key. The guarantee: two texts that share a run of
-at least ``w + SHINGLE_WORDS - 1`` words share at least one fingerprint, since the first window of
-``w`` shingles inside that run is the same window in both and keeps the same shingle; a run of
-``m * w + SHINGLE_WORDS - 1`` words gives at least ``m`` (:func:`guaranteed_words`). A fingerprint is
-still one whole 8-word shingle, so ``m`` shared fingerprints are ``m`` shared shingles, as before.
-``w = 1`` keeps every shingle.
+Text is split into lower-cased word shingles (``SHINGLE_WORDS`` consecutive words). Each shingle is
+reduced to a 63-bit integer under a per-investigation key: the first 64 bits, big-endian, shifted right
+by one, of SHA-256 over a 64-byte fingerprint key (:func:`fingerprint_key`, derived from the
+investigation's key: one whole SHA-256 block) followed by the shingle. Not every shingle is kept:
+winnowing (Schleimer, Wilkerson and Aiken, "Winnowing: local algorithms for document fingerprinting",
+SIGMOD 2003, the method behind MOSS) keeps, of every window of ``w`` consecutive shingles, the one of
+least fingerprint (the rightmost of equal ones); a text of fewer than ``w`` shingles is one window.
+As in MOSS, the fingerprint is also the order winnowing selects by, so each shingle is hashed once.
+The guarantee: two texts that share a run of at least ``w + SHINGLE_WORDS - 1`` words share at least
+one fingerprint, since the first window of ``w`` shingles inside that run is the same window in both
+and keeps the same shingle; a run of ``m * w + SHINGLE_WORDS - 1`` words gives at least ``m``
+(:func:`guaranteed_words`). A fingerprint is still one whole 8-word shingle, so ``m`` shared
+fingerprints are ``m`` shared shingles. ``w = 1`` keeps every shingle.
 
-The cheap hash is the first 64 bits of MD5 over a 16-byte key derived from the investigation's key
-(:func:`selection_key`) followed by the shingle: it only orders the shingles of a text and is never
-stored; what is stored is the HMAC, so a kept fingerprint can no more be tested against guesses
-without the key than before. Without the key the fingerprints cannot be brute-forced back to text by
-dictionary, and no raw text is ever stored. The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is
-generated once per investigation and kept in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key``
-(never in the outputs).
+Why a keyed SHA-256 and not HMAC: a secret-prefix hash is open to length extension only to someone
+who sees the whole digest (the extension starts from SHA-256's full 256-bit state), and 63 of its 256
+bits are all that is ever stored; so, as with HMAC, a fingerprint cannot be tested against guessed
+text without the key, and the fingerprints cannot be brute-forced back to text by dictionary. No raw
+text is ever stored. HMAC would cost two SHA-256 calls a shingle where DuckDB's per-call cost
+dominates. The key comes from ``KVFORENSICS_HMAC_KEY`` (hex) or is generated once per investigation
+and kept in ``$XDG_STATE_HOME/kvforensics/keys/<incident>.key`` (never in the outputs).
 
 :func:`fingerprints` is the reference. The content loader (kvforensics/sources/content/load.py) computes
-the same values in bulk with DuckDB (sql/content_fingerprints.sql): the selection hash with DuckDB's
-``md5`` and HMAC-SHA256 composed from its ``sha256`` and the key blocks of :func:`hmac_blocks`, over
-the words of an ASCII text tokenised in SQL (``[a-z0-9_]+`` of the lower-cased text, which is exactly
+the same values in bulk with DuckDB (sql/content_fingerprints.sql, with DuckDB's ``sha256``), over the
+words of an ASCII text tokenised in SQL (``[a-z0-9_]+`` of the lower-cased text, which is exactly
 ``\\w+`` on ASCII) or, for any other text, over the words :func:`shingle_words` gives.
 """
 
@@ -45,7 +46,7 @@ SHINGLE_WORDS = 8
 #: common (the scope's threshold when every shingle was kept) needed.
 WINNOW_WINDOW = 3
 MAX_WINNOW_WINDOW = 64
-_SELECTION_LABEL = b"kvforensics winnowing selection v1"
+_FINGERPRINT_LABEL = b"kvforensics shingle fingerprint v2"
 _WORD = re.compile(r"\w+", re.UNICODE)
 _SHA256_BLOCK = 64
 
@@ -80,25 +81,17 @@ def shingle_words(text: str) -> str:
     return " ".join(w.lower() for w in _WORD.findall(text))
 
 
-def hmac_blocks(key: bytes) -> tuple[bytes, bytes]:
-    """The inner and outer key blocks of HMAC-SHA256 (RFC 2104): the key (hashed first when longer
-    than SHA-256's 64-byte block) padded with zeros to 64 bytes, XOR 0x36 and XOR 0x5c. An HMAC is
-    SHA256(outer || SHA256(inner || message)). As secret as the key: passed to DuckDB as query
-    parameters, never stored."""
-    block = (hashlib.sha256(key).digest() if len(key) > _SHA256_BLOCK else key).ljust(_SHA256_BLOCK, b"\0")
-    return bytes(b ^ 0x36 for b in block), bytes(b ^ 0x5C for b in block)
+def fingerprint_key(key: bytes) -> bytes:
+    """The 64-byte key that prefixes every shingle: HMAC-SHA256 of a fixed label under the investigation's
+    key, padded with zeros to SHA-256's block. As secret as the key: passed to DuckDB as a query
+    parameter, never stored."""
+    return hmac.new(key, _FINGERPRINT_LABEL, hashlib.sha256).digest().ljust(_SHA256_BLOCK, b"\0")
 
 
-def selection_key(key: bytes) -> bytes:
-    """The 16-byte key of the cheap hash that orders a text's shingles for winnowing: derived from the
-    investigation's key (HMAC-SHA256 of a fixed label, first 16 bytes), so the choice of shingles is keyed
-    too. As secret as the key: passed to DuckDB as a query parameter, never stored."""
-    return hmac.new(key, _SELECTION_LABEL, hashlib.sha256).digest()[:16]
-
-
-def selection_hash(shingle: str, select: bytes) -> int:
-    """The cheap keyed hash of a shingle: the first 64 bits of MD5(select || shingle), big-endian."""
-    return int.from_bytes(hashlib.md5(select + shingle.encode("utf-8")).digest()[:8], "big")
+def shingle_fingerprint(shingle: str, keyed: bytes) -> int:
+    """The 63-bit fingerprint of a shingle under a :func:`fingerprint_key`: the first 64 bits of
+    SHA-256(keyed || shingle), big-endian, shifted right by one."""
+    return int.from_bytes(hashlib.sha256(keyed + shingle.encode("utf-8")).digest()[:8], "big") >> 1
 
 
 def winnow(hashes: Sequence[int], window: int) -> list[int]:
@@ -127,13 +120,9 @@ def guaranteed_words(window: int, shared: int = 1, width: int = SHINGLE_WORDS) -
 def fingerprints(text: str, key: bytes, width: int = SHINGLE_WORDS, window: int = WINNOW_WINDOW) -> set[int]:
     """Distinct keyed 63-bit fingerprints of the text's word shingles that winnowing with *window* keeps
     (``window = 1``: every shingle)."""
-    texts = shingles(text, width)
-    select = selection_key(key)
-    out = set()
-    for i in winnow([selection_hash(s, select) for s in texts], window):
-        digest = hmac.new(key, texts[i].encode("utf-8"), hashlib.sha256).digest()
-        out.add(int.from_bytes(digest[:8], "big") >> 1)
-    return out
+    keyed = fingerprint_key(key)
+    hashes = [shingle_fingerprint(s, keyed) for s in shingles(text, width)]
+    return {hashes[i] for i in winnow(hashes, window)}
 
 
 def rendered_text(value: Any) -> str | None:

@@ -6,14 +6,13 @@
 -- Words: [a-z0-9_]+ runs of the lower-cased text (Python's \w+ on ASCII, lower-cased). Shingles:
 -- every run of $width consecutive words joined by a space ({shingle}: concat_ws of the $width words,
 -- written out by load.fingerprint_script); a text of fewer words is one shingle.
--- Winnowing ($window, fingerprint.winnow): each shingle's cheap keyed hash is the first 64 bits of
--- MD5($select || shingle) ($select: fingerprint.selection_key); of every window of $window consecutive
--- shingles the one of least hash is kept, the rightmost of equal ones (its position: the window's last
--- one less the least's position in the reversed window, less one; for a whole window,
--- {rightmost_min} says the same with comparisons written out, which is cheaper); a text of fewer
--- shingles than $window is one window. $window = 1 keeps every shingle.
--- Fingerprint of a kept shingle: HMAC-SHA256 = SHA256($outer || SHA256($inner || shingle)) ($inner,
--- $outer: the key blocks of fingerprint.hmac_blocks), its first 64 bits big-endian, shifted right by one.
+-- Fingerprint of a shingle (fingerprint.shingle_fingerprint): SHA256($key || shingle) ($key:
+-- fingerprint.fingerprint_key, one 64-byte block), its first 64 bits big-endian, shifted right by one.
+-- Winnowing ($window, fingerprint.winnow), by the fingerprints themselves: of every window of $window
+-- consecutive shingles the one of least fingerprint is kept, the rightmost of equal ones (its position:
+-- the window's last one less the least's position in the reversed window, less one; for a whole
+-- window, {rightmost_min} says the same with comparisons written out, which is cheaper); a text of
+-- fewer shingles than $window is one window. $window = 1 keeps every shingle.
 -- The distinct fingerprints of each text are one list of its row (list_distinct, text by text):
 -- no hash aggregate over the batch and no join back to the texts.
 -- Only fingerprints are kept: the texts stay in the registered batch, which is never stored.
@@ -32,14 +31,13 @@ WITH words AS (
                 ELSE [] END AS s
     FROM words
 ), ordered AS (
-    SELECT request_id, part, s,
-           CASE WHEN $window = 1 THEN []
-                ELSE list_transform(s, lambda x: ('0x' || left(md5($select || encode(x)), 16))::UBIGINT) END AS h,
+    SELECT request_id, part,
+           list_transform(s, lambda x: ((('0x' || left(sha256($key || encode(x)), 16))::UBIGINT >> 1)::BIGINT)) AS h,
            least(len(s), $window) AS span
     FROM shingles
 ), kept AS (
     SELECT request_id, part,
-           CASE WHEN $window = 1 THEN s
+           CASE WHEN $window = 1 THEN h
                 ELSE list_transform(
                          list_distinct(CASE WHEN len(h) >= $window
                              THEN list_transform(range(1, len(h) - $window + 2), lambda i: {rightmost_min})
@@ -47,12 +45,10 @@ WITH words AS (
                                  range(1, len(h) - span + 2),
                                  lambda i: i + span - list_position(list_reverse(h[i:i + span - 1]),
                                                                     list_min(h[i:i + span - 1]))) END),
-                         lambda p: s[p]) END AS s
+                         lambda p: h[p]) END AS h
     FROM ordered
 )
-SELECT request_id, part,
-       list_distinct(list_transform(s, lambda x: (('0x' || left(sha256($outer || unhex(sha256($inner || encode(x)))),
-                                                                16))::UBIGINT >> 1)::BIGINT)) AS fps
+SELECT request_id, part, list_distinct(h) AS fps
 FROM kept;
 
 INSERT INTO content_fingerprints SELECT request_id, part, unnest(fps) FROM content_batch_fp;

@@ -31,9 +31,8 @@ from kvforensics.core.db import MemoryGovernor, run_script, sql
 from kvforensics.core.fingerprint import (
     SHINGLE_WORDS,
     WINNOW_WINDOW,
-    hmac_blocks,
+    fingerprint_key,
     rendered_text,
-    selection_key,
     shingle_words,
 )
 from kvforensics.sources.common.load_report import FileLoad
@@ -49,7 +48,7 @@ from kvforensics.sources.content.prefix_blocks import (
 
 PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early
-NOTE = "text fingerprinted (keyed HMAC of the word shingles winnowing keeps, window {window}); no text stored"
+NOTE = "text fingerprinted (keyed SHA-256 of the word shingles winnowing keeps, window {window}); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
 EXPLICIT_WINDOW = 8  # windows up to this many shingles have their least hash found by comparisons written out
 ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
@@ -142,8 +141,7 @@ def load_content(
     blocks in ``request_blocks`` (sources/content/prefix_blocks.py). A JSONL file of *bulk_from* lines or more
     is read in bulk by DuckDB where it can be (sources/content/bulk.py), else by the Python reader here."""
     load = FileLoad(file=path, reader="python")
-    inner, outer = hmac_blocks(key)
-    params = {"inner": inner, "outer": outer, "select": selection_key(key), "width": SHINGLE_WORDS, "window": window}
+    params = {"key": fingerprint_key(key), "width": SHINGLE_WORDS, "window": window}
     records = _Records(con, source, path, load, key, block_size, word_blocks)
     refusal = bulk_refusal(source, word_blocks)
     if refusal is None:
