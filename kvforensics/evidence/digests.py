@@ -13,9 +13,11 @@ import hashlib
 import itertools
 import json
 import math
+import queue
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -96,8 +98,7 @@ def table_digests(
         with memory_set_aside(con, V3_MEMORY):
             return {name: _table_digest_v3(con, name) for name in names}
     if method == "rows-v4":
-        with memory_set_aside(con, V4_MEMORY):
-            return {name: _table_digest_v4(con, name) for name in names}
+        return _digests_v4(con, names)
     with (
         memory_set_aside(con, DIGEST_MEMORY),
         _Buckets(_spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets,
@@ -201,6 +202,45 @@ _V4_MAX_ROWS = 1 << 20
 _V4_MIN_ROWS = 16  # rows above a 32nd of the memory limit are quarantined as their hash: half the limit at most
 V4_MEMORY = 3 * _V4_BATCH_BYTES  # the batch, a null-filled copy of a column and its lengths
 _V4_INTEGERS = frozenset(("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER"))
+
+
+_V4_WORKERS = 2  # tables digested at once (at most DuckDB's threads): one sorts while another is hashed
+
+
+def _digests_v4(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, dict[str, Any]]:
+    """rows-v4 of every table, the largest first, two at a time on cursors of the connection: while DuckDB
+    sorts one table on its threads, Python hashes another's columns (hashlib and DuckDB both work
+    without the GIL). The digests do not depend on it."""
+    threads = int(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
+    workers = max(1, min(_V4_WORKERS, threads, len(names)))
+    with memory_set_aside(con, V4_MEMORY * workers):
+        if workers == 1:
+            return {name: _table_digest_v4(con, name) for name in names}
+        sizes = dict(
+            con.execute(
+                "SELECT table_name, estimated_size FROM duckdb_tables() "
+                "WHERE database_name = current_database() AND schema_name = 'main'"
+            ).fetchall()
+        )
+        cursors: queue.SimpleQueue[duckdb.DuckDBPyConnection] = queue.SimpleQueue()
+        opened = [con.cursor() for _ in range(workers)]
+        for cursor in opened:
+            cursors.put(cursor)
+
+        def digest(name: str) -> dict[str, Any]:
+            cursor = cursors.get()
+            try:
+                return _table_digest_v4(cursor, name)
+            finally:
+                cursors.put(cursor)
+
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                done = {n: pool.submit(digest, n) for n in sorted(names, key=lambda n: -(sizes.get(n) or 0))}
+                return {name: done[name].result() for name in names}
+        finally:
+            for cursor in opened:
+                cursor.close()
 
 
 class _Canonical(NamedTuple):

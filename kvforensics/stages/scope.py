@@ -152,7 +152,7 @@ def content_matching(window: int, min_matching: int, boilerplate_accounts: int) 
     kept = (
         "every 8-word shingle of a text is fingerprinted"
         if window == 1
-        else f"of every {window} consecutive 8-word shingles of a text, the one of least keyed hash is fingerprinted "
+        else f"of every {window} consecutive 8-word shingles of a text, the one of least keyed fingerprint is kept "
         f"(winnowing, window {window})"
     )
     shingles = "one whole 8-word shingle" if min_matching == 1 else f"{min_matching} whole 8-word shingles"
