@@ -9,9 +9,9 @@
 -- Fingerprint of a shingle (fingerprint.shingle_fingerprint): SHA256($key || shingle) ($key:
 -- fingerprint.fingerprint_key, one 64-byte block), its first 64 bits big-endian, shifted right by one.
 -- Winnowing ($window, fingerprint.winnow), by the fingerprints themselves: of every window of $window
--- consecutive shingles the one of least fingerprint is kept, the rightmost of equal ones (its position:
--- the window's last one less the least's position in the reversed window, less one; for a whole
--- window, {rightmost_min} says the same with comparisons written out, which is cheaper); a text of
+-- consecutive shingles the one of least fingerprint is kept (fingerprint.winnow keeps the rightmost of
+-- equal ones: the same value); so the fingerprints kept are the windows' least values ({window_min}:
+-- least() of the window's values written out, or list_min of its slice for a wide window); a text of
 -- fewer shingles than $window is one window. $window = 1 keeps every shingle.
 -- The distinct fingerprints of each text are one list of its row (list_distinct, text by text):
 -- no hash aggregate over the batch and no join back to the texts.
@@ -30,26 +30,18 @@ WITH words AS (
                 WHEN len(w) > 0 THEN [array_to_string(w, ' ')]
                 ELSE [] END AS s
     FROM words
-), ordered AS (
+), hashed AS (
     SELECT request_id, part,
-           list_transform(s, lambda x: ((('0x' || left(sha256($key || encode(x)), 16))::UBIGINT >> 1)::BIGINT)) AS h,
-           least(len(s), $window) AS span
+           list_transform(s, lambda x: ((('0x' || left(sha256($key || encode(x)), 16))::UBIGINT >> 1)::BIGINT)) AS h
     FROM shingles
-), kept AS (
-    SELECT request_id, part,
-           CASE WHEN $window = 1 THEN h
-                ELSE list_transform(
-                         list_distinct(CASE WHEN len(h) >= $window
-                             THEN list_transform(range(1, len(h) - $window + 2), lambda i: {rightmost_min})
-                             ELSE list_transform(
-                                 range(1, len(h) - span + 2),
-                                 lambda i: i + span - list_position(list_reverse(h[i:i + span - 1]),
-                                                                    list_min(h[i:i + span - 1]))) END),
-                         lambda p: h[p]) END AS h
-    FROM ordered
 )
-SELECT request_id, part, list_distinct(h) AS fps
-FROM kept;
+SELECT request_id, part,
+       list_distinct(CASE WHEN $window = 1 THEN h
+                          WHEN len(h) >= $window
+                          THEN list_transform(range(1, len(h) - $window + 2), lambda i: {window_min})
+                          WHEN len(h) > 0 THEN [list_min(h)]
+                          ELSE [] END) AS fps
+FROM hashed;
 
 INSERT INTO content_fingerprints SELECT request_id, part, unnest(fps) FROM content_batch_fp;
 

@@ -50,7 +50,7 @@ PARTS = ("prompt", "output")
 BATCH_CHARS = 4 << 20  # text characters per DuckDB batch: enough to amortise; small, so reading overlaps early
 NOTE = "text fingerprinted (keyed SHA-256 of the word shingles winnowing keeps, window {window}); no text stored"
 BLOCK_ROWS = 500_000  # request_blocks rows per insert
-EXPLICIT_WINDOW = 8  # windows up to this many shingles have their least hash found by comparisons written out
+EXPLICIT_WINDOW = 8  # windows up to this many shingles have their least value taken by least() of them written out
 ARROW_ROWS = 2048  # texts per Arrow record batch: the unit DuckDB's threads take in parallel
 
 
@@ -284,16 +284,10 @@ def fingerprint_texts(con: duckdb.DuckDBPyConnection, params: dict[str, object])
 
 @functools.cache
 def fingerprint_script(width: int, window: int) -> str:
-    """sql/content_fingerprints.sql with its shingle of *width* words and the rightmost least hash of a window of
-    *window* written out (comparisons DuckDB runs faster than list slices; the same values)."""
+    """sql/content_fingerprints.sql with its shingle of *width* words and the least value of a window of *window*
+    written out (``least`` of the window's values, which DuckDB runs faster than a list slice; the same values)."""
     shingle = "concat_ws(' ', " + ", ".join(f"w[i + {k}]" for k in range(width)) + ")"
-    arms = [
-        "WHEN " + " AND ".join(f"h[i + {j}] <= h[i + {k}]" for k in range(j)) + f" THEN i + {j}"
-        for j in range(window - 1, 0, -1)
-    ]
-    rightmost_min = f"CASE {' '.join(arms)} ELSE i END" if arms else "i"
-    if window > EXPLICIT_WINDOW:  # the comparisons grow as the window's square: list slices beyond
-        rightmost_min = (
-            "i + $window - list_position(list_reverse(h[i:i + $window - 1]), list_min(h[i:i + $window - 1]))"
-        )
-    return sql("content_fingerprints").replace("{shingle}", shingle).replace("{rightmost_min}", rightmost_min)
+    window_min = "least(" + ", ".join(f"h[i + {j}]" for j in range(window)) + ")"
+    if window > EXPLICIT_WINDOW:  # a long argument list: a list slice beyond
+        window_min = "list_min(h[i:i + $window - 1])"
+    return sql("content_fingerprints").replace("{shingle}", shingle).replace("{window_min}", window_min)
