@@ -609,3 +609,30 @@ def test_the_rows_of_a_table_written_again_in_another_order_still_verify_under_r
     con.close()
     assert sorted(after) == sorted(before) and after != before  # the same rows, stored in another order
     assert verify(out) == []
+
+
+def test_a_run_whose_largest_table_could_not_be_sorted_on_the_free_disk_records_rows_v2_and_verifies(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """rows-v4 sorts each table in the database, which spills beyond its memory limit; when the largest
+    tables' sort could need more than two thirds of the free disk, a run records rows-v2 (which hashes in
+    passes) instead of failing at the end."""
+    import collections
+
+    import kvforensics.evidence.digests as digests
+
+    con = connect(memory_limit="16MB")
+    con.execute("CREATE TABLE big AS SELECT 'request-' || i::VARCHAR AS id, i AS n FROM range(200000) t(i)")
+    assert digests.run_method(con) == "rows-v4"
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(digests.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 10**5, 10**5))
+    assert digests.run_method(con) == "rows-v2"
+    con.execute("SET VARIABLE kvf_memory_limit = 10000000000")  # it would be sorted in memory: rows-v4
+    assert digests.run_method(con) == "rows-v4"
+    monkeypatch.setattr(digests, "_v4_row_bytes", lambda con, name: 10**12)  # any limit, any disk
+    incident = write_mini(tmp_path / "mini")
+    run(incident, tmp_path / "out", progress=False, pdf=False)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["table_digest"] == "rows-v2" and "sorted order" in manifest["table_digest_construction"]
+    monkeypatch.undo()
+    assert verify(tmp_path / "out") == []

@@ -106,6 +106,42 @@ def table_digests(
         return {name: _table_digest_v2(con, name, buckets, rows_per_pass) for name in names}
 
 
+def run_method(con: duckdb.DuckDBPyConnection) -> str:
+    """The digest a run records: rows-v4, unless sorting the largest table could need more disk than two
+    thirds of what is free where DuckDB spills (its sort holds the table again, about twice its canonical
+    values, when they outgrow the memory limit); then rows-v2, whose bucket files take 32 bytes a row and
+    which hashes a table in passes when even those do not fit."""
+    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
+    spill = _spill_folder(con)
+    folder = next((p for p in (spill, *spill.parents) if p.exists()), Path.cwd())
+    room = shutil.disk_usage(folder).free * 2 // 3
+    for name, rows in con.execute(
+        "SELECT table_name, estimated_size FROM duckdb_tables() "
+        "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY estimated_size DESC LIMIT 3"
+    ).fetchall():
+        needed = 2 * (rows or 0) * _v4_row_bytes(con, name)
+        if needed > room and (limit is None or needed > int(limit)):
+            return "rows-v2"
+    return TABLE_DIGEST
+
+
+def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str) -> int:
+    """About how many bytes a row's canonical values take (text lengths from a sample of 10,000 rows)."""
+    columns = con.execute(
+        """SELECT column_name, data_type FROM information_schema.columns
+           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t""",
+        {"t": name},
+    ).fetchall()
+    canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
+    widths = [f"coalesce({c.width}, 0)" for c in canonical if c.width is not None]
+    mean = (
+        con.execute(f"SELECT avg({' + '.join(widths)}) FROM {_quoted(name)} USING SAMPLE 10000 ROWS").fetchall()[0][0]
+        if widths
+        else 0
+    )
+    return _V4_FIXED_WIDTH * len(canonical) + int(mean or 0)
+
+
 def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'  # a name from the catalog, quoted
 

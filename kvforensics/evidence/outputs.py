@@ -20,9 +20,9 @@ from kvforensics.config import Incident
 from kvforensics.core.escaping import csv_cell
 from kvforensics.core.source_paths import outside_files
 from kvforensics.evidence.digests import (
-    TABLE_DIGEST,
     TABLE_DIGEST_CONSTRUCTIONS,
     output_digests,
+    run_method,
     table_digests,
 )
 from kvforensics.sources.common.textio import file_digest
@@ -215,6 +215,7 @@ def write_manifest(
             }
         )
     digest, size = file_digest(incident.path)
+    method = run_method(con)  # rows-v4, or rows-v2 when its sort could run out of disk
     manifest = {
         "tool": {
             "name": "kvforensics",
@@ -253,9 +254,9 @@ def write_manifest(
         "csv_cells": "raw" if raw_csv else "neutralised",  # formula starts (escaping.csv_cell)
         # what `kvforensics verify` re-hashes: every output file, every table of the evidence database
         "outputs": output_digests(out),
-        "tables": table_digests(con),
-        "table_digest": TABLE_DIGEST,  # how `tables` was taken (kvforensics/evidence/digests.py)
-        "table_digest_construction": TABLE_DIGEST_CONSTRUCTIONS[TABLE_DIGEST],  # and what it resists
+        "tables": table_digests(con, method),
+        "table_digest": method,  # how `tables` was taken (kvforensics/evidence/digests.py)
+        "table_digest_construction": TABLE_DIGEST_CONSTRUCTIONS[method],  # and what it resists
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
