@@ -3,6 +3,8 @@
 Output files are hashed byte for byte; the evidence database is hashed per table (its column names and
 its rows as a multiset: in a canonical order, or summed order-independently), because the file's bytes
 change whenever it is opened.
+
+Size: four digest methods that verify must keep checking, each beside the canonical forms it shares.
 """
 
 from __future__ import annotations
