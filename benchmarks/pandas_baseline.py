@@ -43,7 +43,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from kvforensics.config import Incident, Source, load_incident
-from kvforensics.core.fingerprint import SHINGLE_WORDS, fingerprint_key, key_for
+from kvforensics.core.fingerprint import SHINGLE_WORDS, fingerprint_key, key_for, shingle_fingerprint
 from kvforensics.sources.engine_logs.columnar import EvidenceSink, parse_engine_file_columnar
 from kvforensics.sources.engine_logs.parse import parse_engine_log
 from kvforensics.stages.ingest import resolve_model
@@ -208,7 +208,7 @@ def shingle_fingerprints(words: list[str], keyed: bytes, window: int) -> tuple[s
         shingles = [" ".join(words)] if words else []
     else:
         shingles = [" ".join(words[i : i + SHINGLE_WORDS]) for i in range(len(words) - SHINGLE_WORDS + 1)]
-    fps = [int.from_bytes(hashlib.sha256(keyed + s.encode("utf-8")).digest()[:8], "big") >> 1 for s in shingles]
+    fps = [shingle_fingerprint(s, keyed) for s in shingles]
     if window > 1 and fps:
         span = min(window, len(fps))
         kept = {min(range(i, i + span), key=lambda j: (fps[j], -j)) for i in range(len(fps) - span + 1)}

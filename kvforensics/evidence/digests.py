@@ -114,14 +114,9 @@ def run_method(con: duckdb.DuckDBPyConnection) -> str:
     values, when they outgrow the memory limit); then rows-v2, whose bucket files take 32 bytes a row and
     which hashes a table in passes when even those do not fit."""
     limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
-    spill = _spill_folder(con)
-    folder = next((p for p in (spill, *spill.parents) if p.exists()), Path.cwd())
-    room = shutil.disk_usage(folder).free * 2 // 3
-    for name, rows in con.execute(
-        "SELECT table_name, estimated_size FROM duckdb_tables() "
-        "WHERE database_name = current_database() AND schema_name = 'main' ORDER BY estimated_size DESC LIMIT 3"
-    ).fetchall():
-        needed = 2 * (rows or 0) * _v4_row_bytes(con, name)
+    room = _spill_disk_free(con) * 2 // 3
+    for name, rows in sorted(_table_sizes(con).items(), key=lambda t: -t[1])[:3]:
+        needed = 2 * rows * _v4_row_bytes(con, name)
         if needed > room and (limit is None or needed > int(limit)):
             return "rows-v2"
     return TABLE_DIGEST
@@ -129,19 +124,48 @@ def run_method(con: duckdb.DuckDBPyConnection) -> str:
 
 def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str) -> int:
     """About how many bytes a row's canonical values take (text lengths from a sample of 10,000 rows)."""
-    columns = con.execute(
-        """SELECT column_name, data_type FROM information_schema.columns
-           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t""",
-        {"t": name},
-    ).fetchall()
+    columns = _columns(con, name)
     canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
-    widths = [f"coalesce({c.width}, 0)" for c in canonical if c.width is not None]
+    widths = _widths_sql(canonical)
     mean = (
-        con.execute(f"SELECT avg({' + '.join(widths)}) FROM {_quoted(name)} USING SAMPLE 10000 ROWS").fetchall()[0][0]
+        con.execute(f"SELECT avg({widths}) FROM {_quoted(name)} USING SAMPLE 10000 ROWS").fetchall()[0][0]
         if widths
         else 0
     )
     return _V4_FIXED_WIDTH * len(canonical) + int(mean or 0)
+
+
+def _columns(con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[str, str]]:
+    """A table's columns (name, type), in their order."""
+    return con.execute(
+        """SELECT column_name, data_type FROM information_schema.columns
+           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
+           ORDER BY ordinal_position""",
+        {"t": name},
+    ).fetchall()
+
+
+def _table_sizes(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Every table's row count as DuckDB estimates it (its catalog, no scan)."""
+    return {
+        name: rows or 0
+        for name, rows in con.execute(
+            "SELECT table_name, estimated_size FROM duckdb_tables() "
+            "WHERE database_name = current_database() AND schema_name = 'main'"
+        ).fetchall()
+    }
+
+
+def _spill_disk_free(con: duckdb.DuckDBPyConnection) -> int:
+    """Free bytes on the disk of DuckDB's temp directory (or of its nearest existing parent)."""
+    spill = _spill_folder(con)
+    folder = next((p for p in (spill, *spill.parents) if p.exists()), Path.cwd())
+    return shutil.disk_usage(folder).free
+
+
+def _widths_sql(canonical: list[_Canonical]) -> str:
+    """SQL of the bytes a row's measured (text) canonical values take; empty when none is measured."""
+    return " + ".join(f"coalesce({c.width}, 0)" for c in canonical if c.width is not None)
 
 
 def _quoted(name: str) -> str:
@@ -183,12 +207,7 @@ def _table_digest_v2(
 def _row_hashes(con: duckdb.DuckDBPyConnection, name: str) -> tuple[list[tuple[str, str]], str]:
     """A table's columns (name, type) and the query of its rows' hashes (``h``: the SHA-256 of the row as
     a JSON array of its canonical values, 32 bytes), which rows-v2 sorts and rows-v3 sums."""
-    columns = con.execute(
-        """SELECT column_name, data_type FROM information_schema.columns
-           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
-           ORDER BY ordinal_position""",
-        {"t": name},
-    ).fetchall()
+    columns = _columns(con, name)
     values = ", ".join(_canonical_sql(_quoted(c), t) for c, t in columns) or "NULL"
     return columns, f"SELECT unhex(sha256(json_array({values}))) AS h FROM {_quoted(name)}"
 
@@ -254,12 +273,7 @@ def _digests_v4(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, d
     with memory_set_aside(con, V4_MEMORY * workers):
         if workers == 1:
             return {name: _table_digest_v4(con, name) for name in names}
-        sizes = dict(
-            con.execute(
-                "SELECT table_name, estimated_size FROM duckdb_tables() "
-                "WHERE database_name = current_database() AND schema_name = 'main'"
-            ).fetchall()
-        )
+        sizes = _table_sizes(con)
         cursors: queue.SimpleQueue[duckdb.DuckDBPyConnection] = queue.SimpleQueue()
         opened = [con.cursor() for _ in range(workers)]
         for cursor in opened:
@@ -313,12 +327,7 @@ def _table_digest_v4(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any
     memory limit), read in Arrow batches of bounded size and hashed column-wise. When the first column
     looks unique (its approximate distinct count), the database sorts by it alone, which is the same order
     as long as no two rows tie on it; the first tie read starts the table again with every column."""
-    columns = con.execute(
-        """SELECT column_name, data_type FROM information_schema.columns
-           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
-           ORDER BY ordinal_position""",
-        {"t": name},
-    ).fetchall()
+    columns = _columns(con, name)
     canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
     kinds = [c.kind for c in canonical]
     h = hashlib.sha256(_V4_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
@@ -380,8 +389,8 @@ def _ties(column: pa.Array | pa.ChunkedArray, before: Any) -> tuple[bool, Any]:
 
 def _v4_batch_rows(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical]) -> int:
     """Rows an Arrow batch of rows-v4 may hold: ``_V4_BATCH_BYTES`` over the table's widest row."""
-    widths = [f"coalesce({c.width}, 0)" for c in canonical if c.width is not None]
-    widest = con.execute(f"SELECT max({' + '.join(widths)}) FROM {_quoted(name)}").fetchall()[0][0] if widths else 0
+    widths = _widths_sql(canonical)
+    widest = con.execute(f"SELECT max({widths}) FROM {_quoted(name)}").fetchall()[0][0] if widths else 0
     per_row = _V4_FIXED_WIDTH * len(canonical) + int(widest or 0)
     return max(_V4_MIN_ROWS, min(_V4_MAX_ROWS, _V4_BATCH_BYTES // per_row))
 
@@ -537,9 +546,7 @@ def _spill_folder(con: duckdb.DuckDBPyConnection) -> Path:
 def _rows_per_pass(con: duckdb.DuckDBPyConnection) -> int:
     """How many row hashes one pass may write: two thirds of the free disk of DuckDB's temp directory
     (a bucket split again holds its hashes twice for a while; nothing else of the digest spills)."""
-    spill = _spill_folder(con)
-    folder = next((p for p in (spill, *spill.parents) if p.exists()), Path.cwd())
-    return max(_MIN_ROWS_PER_PASS, shutil.disk_usage(folder).free * 2 // 3 // _HASH_BYTES)
+    return max(_MIN_ROWS_PER_PASS, _spill_disk_free(con) * 2 // 3 // _HASH_BYTES)
 
 
 def _rows_of(column: pa.Array) -> np.ndarray:
