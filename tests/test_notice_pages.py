@@ -107,3 +107,46 @@ def test_a_worker_that_fails_fails_the_report(in_process, sample_run, tmp_path, 
     with pytest.raises(IsADirectoryError):
         pending.wait()
     assert pending._pool is None
+
+
+def _env(cache):
+    from jinja2 import Environment, FileSystemLoader
+
+    from kvforensics.report.templating import TEMPLATES
+
+    return Environment(loader=FileSystemLoader(TEMPLATES), bytecode_cache=cache, trim_blocks=True, lstrip_blocks=True)
+
+
+def test_compiled_templates_are_kept_and_a_broken_cache_is_only_slower(tmp_path, monkeypatch):
+    """The report's templates compiled once are read back by the next run (no compiling), render the same, and a
+    cache file that is damaged, or a cache folder that cannot be written, still renders the same."""
+    from jinja2 import Environment
+    from jinja2.bccache import bc_magic
+
+    from kvforensics.report.templating import _TemplateCache
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    fresh = _env(_TemplateCache(str(folder))).get_template("notice.html.j2")
+    expected = fresh.render(title="t <b>", body="x")
+    assert len(list(folder.iterdir())) == 1
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    with monkeypatch.context() as m:
+        m.setattr(Environment, "_compile", no_compiling)
+        assert (
+            _env(_TemplateCache(str(folder))).get_template("notice.html.j2").render(title="t <b>", body="x") == expected
+        )
+
+    for damage in (b"", b"\x00garbage", bc_magic + b"\x00" * 7, bc_magic + b"\xff" * 80):
+        for cached in folder.iterdir():
+            cached.write_bytes(damage)
+        assert (
+            _env(_TemplateCache(str(folder))).get_template("notice.html.j2").render(title="t <b>", body="x") == expected
+        )
+
+    gone = tmp_path / "not-a-folder"
+    gone.write_text("a file where the cache folder should be")
+    assert _env(_TemplateCache(str(gone))).get_template("notice.html.j2").render(title="t <b>", body="x") == expected

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 from conftest import INCIDENT, mini_requests, write_mini
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from kvforensics.cli import main
+from kvforensics.core import escaping
 from kvforensics.core.escaping import csv_cell, markdown_text, visible_controls
 
 FORMULA_ACCOUNT = '=HYPERLINK("http://evil.example","x")'
@@ -205,3 +208,22 @@ def test_markdown_text_keeps_comparisons_and_ampersands_readable():
         assert (
             unescape(re.search("<td>(.*)</td>", _html(f"| x |\n| --- |\n| {markdown_text(text)} |\n")).group(1)) == text
         )
+
+
+def _markdown_every_rule(value: object) -> str:
+    """markdown_text without its shortcut: every rule applied to every text."""
+    text = visible_controls(str(value))
+    text = escaping._MD_ENTITY.sub("&amp;", text)
+    text = escaping._MD_TAG_START.sub("&lt;", text)
+    text = escaping._MD_SPECIAL.sub(r"\\\1", text)
+    text = re.sub(r"^(\s*)>", r"\1\\>", text)
+    text = escaping._MD_AUTOLINK.sub(r"\\\1", text)
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("aZ09 -_/()'\"=+\\`*[]!#|~{}<>&:.@;\r\n\t\x00\x1b\x85\ufffe\ud800w"))))
+def test_markdown_text_shortcut_changes_nothing(text):
+    """A text written as it is (none of the characters a rule acts on) is what every rule would have made of it."""
+    assert markdown_text(text) == _markdown_every_rule(text)
+    assert markdown_text(f"acct-{len(text)}") == _markdown_every_rule(f"acct-{len(text)}")

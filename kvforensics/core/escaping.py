@@ -93,10 +93,17 @@ _MD_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 _MD_AUTOLINK = re.compile(r"(?i)(:(?=//)|(?<=www)\.|(?<=[\w.+-])@)")
 
 
+# A character one of the rules below could act on; a text without any is written as it is (most ids and numbers).
+_MD_ANY = re.compile(r"[\\`*\[\]!#|~{}_<>&:.@\r\n]|" + UNSAFE.pattern)
+
+
 def markdown_text(value: Any) -> str:
     """Untrusted text for a Markdown line or table cell: it renders as the literal text, never as a link, image,
     emphasis, code or HTML. Line breaks become spaces so a value stays in its table cell or heading."""
-    text = visible_controls(str(value))
+    text = str(value)
+    if _MD_ANY.search(text) is None:
+        return text
+    text = visible_controls(text)
     text = _MD_ENTITY.sub("&amp;", text)
     text = _MD_TAG_START.sub("&lt;", text)
     text = _MD_SPECIAL.sub(r"\\\1", text)
