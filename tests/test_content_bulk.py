@@ -254,3 +254,83 @@ def test_any_lines_are_read_alike(tmp_path, lines):
     bulk, bulk_rows = read(src, path, 0)
     assert bulk_rows == ref_rows
     assert (bulk.records_read, bulk.loaded, bulk.quarantined) == (ref.records_read, ref.loaded, ref.quarantined)
+
+
+def test_lines_checked_before_the_read_give_the_same_rows_and_the_same_refusals(tmp_path):
+    """The checks of a file's lines begun ahead (LineChecks, as ingest begins them while other sources load) give
+    what the checks made at the read give: the same rows for a file read in bulk, the same reason for one left."""
+    from kvforensics.sources.common.bulk_lines import LineChecks
+
+    rng = random.Random(5)
+    good = [json.dumps({"request_id": f"r{i}", "prompt": text(rng, 20)}) for i in range(60)]
+    files = {
+        "every.jsonl.gz": write(tmp_path / "every.jsonl.gz", lines_of_every_shape(random.Random(6)), True),
+        "cr.jsonl": write(tmp_path / "cr.jsonl", [good[0] + "\r", *good[1:]]),
+        "bom.jsonl": write(tmp_path / "bom.jsonl", ["\ufeff" + good[0], *good[1:]]),
+    }
+    for name, path in files.items():
+        src = source(tmp_path, name=name)
+        now, now_rows = read(src, path, 0)
+        con = connect()
+        with LineChecks(con, [path], 0) as checks:
+            ahead = load_content(con, src, path, KEY, 16, bulk_from=0, checked=checks.get(path))
+            assert checks.get(tmp_path / "other.jsonl") is None
+        assert (ahead.reader, ahead.notes, ahead.records_read, ahead.quarantined) == (
+            now.reader,
+            now.notes,
+            now.records_read,
+            now.quarantined,
+        ), name
+        assert {t: con.execute(q).fetchall() for t, q in TABLES.items()} == now_rows, name
+    assert now.reader == "python" and "byte-order mark" in now.notes[0]
+
+
+def test_checks_begun_for_an_ingest_that_fails_end_with_it(tmp_path):
+    """An ingest that fails while a file's lines are being checked stops the check and closes its connection."""
+    from kvforensics.sources.common.bulk_lines import LineChecks
+
+    rng = random.Random(8)
+    path = write(
+        tmp_path / "big.jsonl.gz",
+        [json.dumps({"request_id": f"r{i}", "prompt": text(rng, 30)}) for i in range(20_000)],
+        True,
+    )
+    con = connect()
+    with pytest.raises(RuntimeError, match="failed elsewhere"), LineChecks(con, [path], 0) as checks:
+        raise RuntimeError("failed elsewhere")
+    assert checks.get(path).done()
+    with pytest.raises(Exception, match="closed"):
+        checks._cursor.execute("SELECT 1")
+
+
+def test_ingest_begins_the_content_files_line_checks_on_their_own_thread(tmp_path, monkeypatch, sample_incident):
+    """The sample ingested with its content file read in bulk: the file's lines were checked on the checks' own
+    thread (begun when the ingest starts), and the fingerprints are the ones a check made at the read gives."""
+    import threading
+
+    from kvforensics.investigation import Investigation
+    from kvforensics.sources.common import bulk_lines
+    from kvforensics.sources.content import entry
+
+    events: list[tuple[str, str]] = []
+    check = bulk_lines.check_lines
+
+    def recording_check(con, path, min_lines):
+        events.append(("check", threading.current_thread().name))
+        return check(con, path, min_lines)
+
+    monkeypatch.setattr(entry, "BULK_MIN_LINES", 0)
+    monkeypatch.setattr(content_loader, "BULK_MIN_LINES", 0)
+    monkeypatch.setattr(bulk_lines, "check_lines", recording_check)
+    inv = Investigation.open(sample_incident, tmp_path / "out")
+    inv.ingest()
+    checks = [name for what, name in events if what == "check"]
+    assert checks and all(name.startswith("kvf-line-checks") for name in checks), events
+    notes = inv.con.execute("SELECT notes FROM load_report WHERE kind = 'content'").fetchall()
+    assert notes and all("read in bulk by DuckDB" in n[0] for n in notes), notes
+    fingerprints_ahead = inv.con.execute(TABLES["content_fingerprints"]).fetchall()
+    inv.con.close()
+    monkeypatch.setattr(entry, "begin", None)  # no checks begun: each made at its file's read
+    again = Investigation.open(sample_incident, tmp_path / "again")
+    again.ingest()
+    assert again.con.execute(TABLES["content_fingerprints"]).fetchall() == fingerprints_ahead

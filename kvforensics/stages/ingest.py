@@ -61,6 +61,34 @@ def ingest(
     run = IngestRun(con, incident, tick, on_file, digests or {}, result)
     kinds = load_kinds()
     planned = {k.name: [(s, f) for s, f in plan if s.kind == k.name] for k in kinds}
+    with ExitStack() as begun:  # what a kind's entry begins before any source is read (its `begin`), ended last
+        for kind in kinds:
+            begin = getattr(kind.entry_module(), "begin", None)
+            for source, files in planned[kind.name] if begin is not None else ():
+                begun.enter_context(begin(run, source, files))
+        _load_sources(run, kinds, planned, plan)
+    _find_kv_event_gaps(con, result)
+    _build_capacity(con, incident, run.startups, result)
+    for kind in (k for k in kinds if k.ingest == "last"):
+        for source, files in planned[kind.name]:
+            result.files.extend(kind.entry_module().load(run, source, files))
+    _match_instance_names(con, incident, result)
+    _match_instance_names(con, incident, result)
+    _fill_cached_tokens(con, result)
+    _check_models(con, result)
+    _write_account_patterns(con, incident)
+    con.execute("DELETE FROM ingest_notes").fetchall()
+    for kind, notes in (("warning", result.warnings), ("assumption", result.assumptions)):
+        for note in notes:
+            con.execute("INSERT INTO ingest_notes VALUES ($k, $n)", {"k": kind, "n": note}).fetchall()
+    if strict:
+        _enforce_strict(con, result)
+    return result
+
+
+def _load_sources(run: IngestRun, kinds: list[Any], planned: dict[str, list[tuple[Source, list[Path]]]], plan) -> None:
+    """The kinds read first (requests), then those read file by file, in the incident's order (content last)."""
+    con, result = run.con, run.result
     # Requests first: engine model names are matched against the gateway's model ids.
     restore_gateway_values(con)
     for kind in (k for k in kinds if k.ingest == "first"):
@@ -80,22 +108,6 @@ def ingest(
             kind = kinds_by_name()[source.kind]
             if kind in by_file:
                 result.files.extend(kind.entry_module().load(run, source, files))
-    _find_kv_event_gaps(con, result)
-    _build_capacity(con, incident, run.startups, result)
-    for kind in (k for k in kinds if k.ingest == "last"):
-        for source, files in planned[kind.name]:
-            result.files.extend(kind.entry_module().load(run, source, files))
-    _match_instance_names(con, incident, result)
-    _fill_cached_tokens(con, result)
-    _check_models(con, result)
-    _write_account_patterns(con, incident)
-    con.execute("DELETE FROM ingest_notes").fetchall()
-    for kind, notes in (("warning", result.warnings), ("assumption", result.assumptions)):
-        for note in notes:
-            con.execute("INSERT INTO ingest_notes VALUES ($k, $n)", {"k": kind, "n": note}).fetchall()
-    if strict:
-        _enforce_strict(con, result)
-    return result
 
 
 def restore_gateway_values(con: duckdb.DuckDBPyConnection) -> None:

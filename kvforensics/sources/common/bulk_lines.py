@@ -12,6 +12,7 @@ and as many lines read by DuckDB as the file has. A file that fails any of these
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import duckdb
@@ -60,10 +61,22 @@ class NumberedLines:
             stream.close()
 
 
-def numbered_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -> NumberedLines | str:
+def numbered_lines(
+    con: duckdb.DuckDBPyConnection, path: Path, min_lines: int, checked: Future[tuple[int, str] | str] | None = None
+) -> NumberedLines | str:
     """The file's lines as DuckDB numbers them, or why they are the Python reader's: something in the file
     DuckDB would number or read differently, or fewer lines than *min_lines* (below which DuckDB's fixed cost per
-    file is more than Python's)."""
+    file is more than Python's). *checked*: :func:`check_lines` of the file begun before (:class:`LineChecks`)."""
+    found = checked.result() if checked is not None else check_lines(con, path, min_lines)
+    if isinstance(found, str):
+        return found
+    lines, query = found
+    return NumberedLines(con, path, lines, query)
+
+
+def check_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -> tuple[int, str] | str:
+    """What :func:`numbered_lines` checks before any row is kept: the file's line count and the query of its lines,
+    or why the Python reader must read it. Reads the whole file twice (Python's scan, DuckDB's count), one core each."""
     lines, _ = scan_file(path, {})
     if lines is None:
         return (
@@ -82,7 +95,31 @@ def numbered_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -
         return f"DuckDB's line reader refused it ({str(e).splitlines()[0][:120]})"
     if numbered != lines:
         return f"DuckDB's line reader numbered {numbered:,} lines where the file has {lines:,}"
-    return NumberedLines(con, path, lines, query)
+    return lines, query
+
+
+class LineChecks:
+    """:func:`check_lines` of files a bulk reader will read, begun on a thread of their own while other sources load
+    (their two passes over a compressed file use one core each, which those sources leave free at times); a
+    file's bulk read then waits for its check only. Leaving the block waits for the checks begun."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection, paths: list[Path], min_lines: int) -> None:
+        self._cursor = con.cursor()  # the checks' own connection to the database, made here on the caller's thread
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvf-line-checks")
+        self._checks = {path: self._pool.submit(check_lines, self._cursor, path, min_lines) for path in paths}
+
+    def __enter__(self) -> LineChecks:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is not None:  # the ingest failed: a count under way is stopped, those not begun are not
+            self._cursor.interrupt()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._cursor.close()
+
+    def get(self, path: Path) -> Future[tuple[int, str] | str] | None:
+        """The check of *path*, or None when none was begun."""
+        return self._checks.get(path)
 
 
 def compression(path: Path) -> str:

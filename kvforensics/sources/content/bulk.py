@@ -15,6 +15,7 @@ them, is the reference's line by line), or when a key it reads holds a quote or 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import duckdb
@@ -59,12 +60,14 @@ def read_bulk(
     fingerprint: Callable[[], None],
     flush: Callable[[], None],
     min_lines: int = BULK_MIN_LINES,
+    checked: Future[tuple[int, str] | str] | None = None,
 ) -> str | None:
     """Read one content file in bulk into *load*, or say why the reference must read it whole (nothing read
     then). The records DuckDB takes are fingerprinted by sql/content_fingerprints.sql on the view
     ``content_batch`` (*fingerprint* runs it); their texts that are not ASCII go to *add_text*; every other
-    line to *take*, as the reference reads it; *flush* fingerprints what those two gathered, chunk by chunk."""
-    lines = numbered_lines(con, path, min_lines)
+    line to *take*, as the reference reads it; *flush* fingerprints what those two gathered, chunk by chunk.
+    *checked*: the check of the file's lines begun before (:class:`~kvforensics.sources.common.bulk_lines.LineChecks`)."""
+    lines = numbered_lines(con, path, min_lines, checked)
     if isinstance(lines, str):
         return lines
     keys = {part: source.column(part) for part in ("request_id", "prompt", "output")}

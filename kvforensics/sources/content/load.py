@@ -133,13 +133,15 @@ def load_content(
     word_blocks: bool = False,
     window: int = WINNOW_WINDOW,
     bulk_from: int = BULK_MIN_LINES,
+    checked: Future[tuple[int, str] | str] | None = None,
 ) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
     ``content_stats`` under *key*, the shingles winnowing with *window* keeps (core/fingerprint.py); refused
     records (without their text) into ``quarantine``. With a *block_size*, each prompt's
     ``prompt_token_ids`` (or, with *word_blocks*, its words when it has none) are cut into prefix-cache
     blocks in ``request_blocks`` (sources/content/prefix_blocks.py). A JSONL file of *bulk_from* lines or more
-    is read in bulk by DuckDB where it can be (sources/content/bulk.py), else by the Python reader here."""
+    is read in bulk by DuckDB where it can be (sources/content/bulk.py), else by the Python reader here; *checked*: the
+    check of its lines the bulk reader makes, begun before (sources/common/bulk_lines.py, LineChecks)."""
     load = FileLoad(file=path, reader="python")
     params = {"key": fingerprint_key(key), "width": SHINGLE_WORDS, "window": window}
     records = _Records(con, source, path, load, key, block_size, word_blocks)
@@ -155,6 +157,7 @@ def load_content(
             lambda: fingerprint_texts(con, params),
             lambda: records.flush(params),
             bulk_from,
+            checked,
         )
     if refusal is not None:
         fingerprinter = _Fingerprinter(con, params)
