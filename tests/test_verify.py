@@ -636,3 +636,48 @@ def test_a_run_whose_largest_table_could_not_be_sorted_on_the_free_disk_records_
     assert manifest["table_digest"] == "rows-v2" and "sorted order" in manifest["table_digest_construction"]
     monkeypatch.undo()
     assert verify(tmp_path / "out") == []
+
+
+def test_a_rows_v4_table_sorted_as_groups_has_the_digest_of_its_rows_sorted_one_by_one(monkeypatch) -> None:
+    """A table whose other columns repeat is sorted as groups of its last column (content_fingerprints' shape):
+    nulls in the keys and in the lists, duplicate rows, groups longer than a hashing slice and slices of one row
+    give the digest of the definition, and the digest of the row-by-row sort."""
+    import kvforensics.evidence.digests as digests
+
+    con = connect(memory_limit="1GB")
+    con.execute(
+        "CREATE TABLE g AS SELECT 'r' || (i % 37)::VARCHAR AS request_id, "
+        "CASE WHEN i % 3 = 0 THEN 'output' WHEN i % 11 = 0 THEN NULL ELSE 'prompt' END AS part, "
+        "CASE WHEN i % 13 = 0 THEN NULL ELSE (i * 7919) % 503 - 250 END AS fp FROM range(4000) t(i)"
+    )
+    con.execute(
+        "INSERT INTO g VALUES (NULL, 'prompt', 5), (NULL, NULL, NULL), ('r1', 'prompt', 5), ('r1', 'prompt', 5)"
+    )
+    columns = [("request_id", "bytes"), ("part", "bytes"), ("fp", "int")]
+    expected = _rows_v4_reference(columns, con.execute("SELECT * FROM g").fetchall())
+    seen: dict[str, list[float | None]] = {}
+    grouped = digests._grouped
+
+    def recording(con, name, canonical):
+        seen.setdefault(name, []).append(grouped(con, name, canonical))
+        return seen[name][-1]
+
+    monkeypatch.setattr(digests, "_grouped", recording)
+    monkeypatch.setattr(digests, "_GROUPED_MIN_ROWS", 100)
+    for max_rows in (1, 7, 1 << 20):
+        monkeypatch.setattr(digests, "_V4_MAX_ROWS", max_rows)
+        assert table_digests(con, "rows-v4")["g"] == {"rows": 4004, "sha256": expected}, max_rows
+    assert len(seen["g"]) == 3 and all(s is not None for s in seen["g"])  # each digest above went through groups
+    monkeypatch.setattr(digests, "_GROUPED_MIN_ROWS", 10**9)
+    seen.clear()
+    assert table_digests(con, "rows-v4")["g"] == {"rows": 4004, "sha256": expected}
+    assert seen["g"] == [None]
+    # a table whose last column is not an integer, or whose rows hardly repeat, is sorted row by row
+    monkeypatch.setattr(digests, "_GROUPED_MIN_ROWS", 100)
+    con.execute("CREATE TABLE u AS SELECT i AS n, (i * 2)::VARCHAR AS s FROM range(1000) t(i)")
+    con.execute("CREATE TABLE v AS SELECT i AS n, i * 2 AS m FROM range(1000) t(i)")
+    seen.clear()
+    assert table_digests(con, "rows-v4")["v"]["sha256"] == _rows_v4_reference(
+        [("n", "int"), ("m", "int")], con.execute("SELECT * FROM v").fetchall()
+    )
+    assert seen["u"] == [None] and seen["v"] == [None]
