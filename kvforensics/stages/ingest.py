@@ -73,7 +73,6 @@ def ingest(
         for source, files in planned[kind.name]:
             result.files.extend(kind.entry_module().load(run, source, files))
     _match_instance_names(con, incident, result)
-    _match_instance_names(con, incident, result)
     _fill_cached_tokens(con, result)
     _check_models(con, result)
     _write_account_patterns(con, incident)
