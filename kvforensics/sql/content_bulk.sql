@@ -16,7 +16,8 @@ WITH candidates AS (
       AND strpos(raw, '"' || $ids_key || '"') = 0
       AND {once}
       AND json_valid(raw)
-), extracted AS (
+), extracted AS MATERIALIZED (
+    -- materialized: each record is parsed here once; inlined, the optimizer parsed it again for every use of v below
     SELECT line, json_type(raw) = 'OBJECT' AS object, json_extract(raw, [$id_path, $prompt_path, $output_path]) AS v
     FROM candidates
 ), typed AS (
