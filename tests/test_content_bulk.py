@@ -256,10 +256,17 @@ def test_any_lines_are_read_alike(tmp_path, lines):
     assert (bulk.records_read, bulk.loaded, bulk.quarantined) == (ref.records_read, ref.loaded, ref.quarantined)
 
 
-def test_lines_checked_before_the_read_give_the_same_rows_and_the_same_refusals(tmp_path):
-    """The checks of a file's lines begun ahead (LineChecks, as ingest begins them while other sources load) give
-    what the checks made at the read give: the same rows for a file read in bulk, the same reason for one left."""
+@pytest.mark.parametrize("chunk_lines", [None, 7])
+def test_lines_checked_before_the_read_give_the_same_rows_and_the_same_refusals(tmp_path, monkeypatch, chunk_lines):
+    """The checks of a file's lines begun ahead (LineChecks, as ingest begins them while other sources load, the
+    first file's first chunk read ahead too) give what the checks made at the read give: the same rows for a file
+    read in bulk, whole or in chunks after the one read ahead, and the same reason for one left."""
+    from kvforensics.sources.common import bulk_lines
     from kvforensics.sources.common.bulk_lines import LineChecks
+
+    if chunk_lines:
+        monkeypatch.setattr(bulk_lines, "CHUNK_LINES", chunk_lines)
+        monkeypatch.setattr(bulk_lines, "SLICE_LINES", 3)
 
     rng = random.Random(5)
     good = [json.dumps({"request_id": f"r{i}", "prompt": text(rng, 20)}) for i in range(60)]
@@ -273,6 +280,11 @@ def test_lines_checked_before_the_read_give_the_same_rows_and_the_same_refusals(
         now, now_rows = read(src, path, 0)
         con = connect()
         with LineChecks(con, [path], 0) as checks:
+            found = checks.get(path).result()
+            if not isinstance(found, str):  # the first chunk read ahead is the first the read would take
+                read_now = next(bulk_lines.numbered_lines(connect(), path, 0).chunks())
+                assert found.first is not None and found.first.equals(read_now)
+                assert found.first.num_rows < found.lines if chunk_lines else found.first.num_rows == found.lines
             ahead = load_content(con, src, path, KEY, 16, bulk_from=0, checked=checks.get(path))
             assert checks.get(tmp_path / "other.jsonl") is None
         assert (ahead.reader, ahead.notes, ahead.records_read, ahead.quarantined) == (
@@ -315,9 +327,9 @@ def test_ingest_begins_the_content_files_line_checks_on_their_own_thread(tmp_pat
     events: list[tuple[str, str]] = []
     check = bulk_lines.check_lines
 
-    def recording_check(con, path, min_lines):
+    def recording_check(*args):
         events.append(("check", threading.current_thread().name))
-        return check(con, path, min_lines)
+        return check(*args)
 
     monkeypatch.setattr(entry, "BULK_MIN_LINES", 0)
     monkeypatch.setattr(content_loader, "BULK_MIN_LINES", 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import duckdb
 import pyarrow as pa
@@ -34,35 +35,60 @@ _LINES_SQL = (
 class NumberedLines:
     """The lines of one file DuckDB can number (from :func:`numbered_lines`): :meth:`chunks` reads them."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, path: Path, lines: int, query: str) -> None:
+    def __init__(
+        self, con: duckdb.DuckDBPyConnection, path: Path, lines: int, query: str, first: pa.Table | None = None
+    ) -> None:
         self.path = path
         self.lines = lines
         self._con = con
         self._query = query
+        self._first = first  # the first chunk, read ahead by the checks (LineChecks)
 
     def chunks(self) -> Iterator[pa.Table]:
         """The file's ``(line, raw)`` rows a chunk at a time, each chunk in slices of ``SLICE_LINES`` (Arrow record
-        batches) that DuckDB's threads read side by side; read on a cursor of its own."""
+        batches) that DuckDB's threads read side by side; read on a cursor of its own. A first chunk read ahead
+        comes first; the rest is read from the line after it."""
+        after = 0
+        if self._first is not None:
+            first, self._first = self._first, None
+            after = first.num_rows  # lines 1 to after
+            yield first
+            if after >= self.lines:
+                return
+        query = self._query if not after else f"SELECT * FROM ({self._query}) WHERE line > {int(after)}"
         stream = self._con.cursor()
         try:
-            batches = stream.sql(self._query, params={"file": str(self.path)}).to_arrow_reader(SLICE_LINES)
-            held: list[pa.RecordBatch] = []
-            size = count = 0
-            for b in batches:
-                held.append(b)
-                count += b.num_rows
-                size += b.column(1).nbytes
-                if count >= CHUNK_LINES or size >= CHUNK_BYTES:
-                    yield pa.Table.from_batches(held)
-                    held, size, count = [], 0, 0
-            if held:
-                yield pa.Table.from_batches(held)
+            yield from _chunked(stream.sql(query, params={"file": str(self.path)}).to_arrow_reader(SLICE_LINES))
         finally:
             stream.close()
 
 
+def _chunked(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
+    """Record batches of ``(line, raw)`` gathered into chunks of ``CHUNK_LINES`` lines or ``CHUNK_BYTES`` of text."""
+    held: list[pa.RecordBatch] = []
+    size = count = 0
+    for b in batches:
+        held.append(b)
+        count += b.num_rows
+        size += b.column(1).nbytes
+        if count >= CHUNK_LINES or size >= CHUNK_BYTES:
+            yield pa.Table.from_batches(held)
+            held, size, count = [], 0, 0
+    if held:
+        yield pa.Table.from_batches(held)
+
+
+class CheckedLines(NamedTuple):
+    """What :func:`check_lines` found in a file DuckDB can number: its lines, their query, and the first chunk when
+    it was read ahead."""
+
+    lines: int
+    query: str
+    first: pa.Table | None = None
+
+
 def numbered_lines(
-    con: duckdb.DuckDBPyConnection, path: Path, min_lines: int, checked: Future[tuple[int, str] | str] | None = None
+    con: duckdb.DuckDBPyConnection, path: Path, min_lines: int, checked: Future[CheckedLines | str] | None = None
 ) -> NumberedLines | str:
     """The file's lines as DuckDB numbers them, or why they are the Python reader's: something in the file
     DuckDB would number or read differently, or fewer lines than *min_lines* (below which DuckDB's fixed cost per
@@ -70,13 +96,15 @@ def numbered_lines(
     found = checked.result() if checked is not None else check_lines(con, path, min_lines)
     if isinstance(found, str):
         return found
-    lines, query = found
-    return NumberedLines(con, path, lines, query)
+    return NumberedLines(con, path, found.lines, found.query, found.first)
 
 
-def check_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -> tuple[int, str] | str:
+def check_lines(
+    con: duckdb.DuckDBPyConnection, path: Path, min_lines: int, read_first: bool = False
+) -> CheckedLines | str:
     """What :func:`numbered_lines` checks before any row is kept: the file's line count and the query of its lines,
-    or why the Python reader must read it. Reads the whole file twice (Python's scan, DuckDB's count), one core each."""
+    or why the Python reader must read it. Reads the whole file twice (Python's scan, DuckDB's count), one core each;
+    with *read_first*, the first chunk of its lines is read too and kept."""
     lines, _ = scan_file(path, {})
     if lines is None:
         return (
@@ -89,24 +117,35 @@ def check_lines(con: duckdb.DuckDBPyConnection, path: Path, min_lines: int) -> t
         if fh.read(len(_BOM)) == _BOM:
             return "the file starts with a byte-order mark, which DuckDB's line reader drops"
     query = _LINES_SQL.replace("{compression}", compression(path))
+    first = None
     try:  # the whole stream read once before any row is kept: a line DuckDB refuses sends the file to the reference
         numbered = con.execute(f"SELECT count(*) FROM ({query})", {"file": str(path)}).fetchall()[0][0]
+        if read_first and numbered == lines:
+            reader = con.sql(query, params={"file": str(path)}).to_arrow_reader(SLICE_LINES)
+            try:
+                first = next(_chunked(reader), None)
+            finally:
+                reader.close()
     except duckdb.Error as e:
         return f"DuckDB's line reader refused it ({str(e).splitlines()[0][:120]})"
     if numbered != lines:
         return f"DuckDB's line reader numbered {numbered:,} lines where the file has {lines:,}"
-    return lines, query
+    return CheckedLines(lines, query, first)
 
 
 class LineChecks:
     """:func:`check_lines` of files a bulk reader will read, begun on a thread of their own while other sources load
-    (their two passes over a compressed file use one core each, which those sources leave free at times); a
-    file's bulk read then waits for its check only. Leaving the block waits for the checks begun."""
+    (their passes over a compressed file use one core each, which those sources leave free at times), the first
+    file's first chunk of lines read ahead too; a file's bulk read then waits for its check only. Leaving the block
+    waits for the checks begun."""
 
     def __init__(self, con: duckdb.DuckDBPyConnection, paths: list[Path], min_lines: int) -> None:
         self._cursor = con.cursor()  # the checks' own connection to the database, made here on the caller's thread
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvf-line-checks")
-        self._checks = {path: self._pool.submit(check_lines, self._cursor, path, min_lines) for path in paths}
+        self._checks = {
+            path: self._pool.submit(check_lines, self._cursor, path, min_lines, at == 0)
+            for at, path in enumerate(paths)
+        }
 
     def __enter__(self) -> LineChecks:
         return self
@@ -117,7 +156,7 @@ class LineChecks:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._cursor.close()
 
-    def get(self, path: Path) -> Future[tuple[int, str] | str] | None:
+    def get(self, path: Path) -> Future[CheckedLines | str] | None:
         """The check of *path*, or None when none was begun."""
         return self._checks.get(path)
 

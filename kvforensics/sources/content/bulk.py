@@ -22,7 +22,7 @@ import duckdb
 
 from kvforensics.config import Source
 from kvforensics.core.db import run_script, sql
-from kvforensics.sources.common.bulk_lines import numbered_lines
+from kvforensics.sources.common.bulk_lines import CheckedLines, numbered_lines
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.records import jsonl_record
 
@@ -60,7 +60,7 @@ def read_bulk(
     fingerprint: Callable[[], None],
     flush: Callable[[], None],
     min_lines: int = BULK_MIN_LINES,
-    checked: Future[tuple[int, str] | str] | None = None,
+    checked: Future[CheckedLines | str] | None = None,
 ) -> str | None:
     """Read one content file in bulk into *load*, or say why the reference must read it whole (nothing read
     then). The records DuckDB takes are fingerprinted by sql/content_fingerprints.sql on the view

@@ -35,6 +35,7 @@ from kvforensics.core.fingerprint import (
     rendered_text,
     shingle_words,
 )
+from kvforensics.sources.common.bulk_lines import CheckedLines
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.records import QuarantineRows, lone_surrogate, read_records
 from kvforensics.sources.content.bulk import BULK_MIN_LINES, bulk_refusal, read_bulk
@@ -133,7 +134,7 @@ def load_content(
     word_blocks: bool = False,
     window: int = WINNOW_WINDOW,
     bulk_from: int = BULK_MIN_LINES,
-    checked: Future[tuple[int, str] | str] | None = None,
+    checked: Future[CheckedLines | str] | None = None,
 ) -> FileLoad:
     """Fingerprint the prompts and outputs of one content file into ``content_fingerprints`` and
     ``content_stats`` under *key*, the shingles winnowing with *window* keeps (core/fingerprint.py); refused
