@@ -222,8 +222,15 @@ def _markdown_every_rule(value: object) -> str:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("aZ09 -_/()'\"=+\\`*[]!#|~{}<>&:.@;\r\n\t\x00\x1b\x85\ufffe\ud800w"))))
+@given(st.text(alphabet=st.sampled_from(list("aZ09 -_/()'\"=+\\`*[]!#|~{}<>&:.@;\r\n\t\x00\x1b\x85\ufffe\ud800wW"))))
 def test_markdown_text_shortcut_changes_nothing(text):
     """A text written as it is (none of the characters a rule acts on) is what every rule would have made of it."""
     assert markdown_text(text) == _markdown_every_rule(text)
     assert markdown_text(f"acct-{len(text)}") == _markdown_every_rule(f"acct-{len(text)}")
+
+
+@pytest.mark.parametrize(
+    "text", ["WWW.example", "www.x", "a@b", "@cf/x", "http://x", "x:y", "a.b", "2026-08-27T17:15:16Z", "  > q", "a_b"]
+)
+def test_markdown_text_shortcut_changes_nothing_on_links_and_times(text):
+    assert markdown_text(text) == _markdown_every_rule(text)

@@ -40,7 +40,7 @@ def visible_controls(text: str) -> str:
     character (except TAB, LF, CR), surrogate and non-character written as a visible escape, ``\\xNN`` (``\\x00``,
     ``\\x1b``, ``\\x85``), ``\\uNNNN`` (``\\ud800``, ``\\uffff``) or ``\\UNNNNNNNN``. The one helper every
     output applies to untrusted text; :func:`visible_controls_in` applies it inside a chart's spec."""
-    return UNSAFE.sub(_escape, text)
+    return text if UNSAFE.search(text) is None else UNSAFE.sub(_escape, text)
 
 
 def visible_controls_in(value: Any) -> Any:
@@ -94,7 +94,7 @@ _MD_AUTOLINK = re.compile(r"(?i)(:(?=//)|(?<=www)\.|(?<=[\w.+-])@)")
 
 
 # A character one of the rules below could act on; a text without any is written as it is (most ids and numbers).
-_MD_ANY = re.compile(r"[\\`*\[\]!#|~{}_<>&:.@\r\n]|" + UNSAFE.pattern)
+_MD_ANY = re.compile(_MD_AUTOLINK.pattern + r"|[\\`*\[\]!#|~{}_<>&\r\n]|" + UNSAFE.pattern)
 
 
 def markdown_text(value: Any) -> str:
