@@ -223,6 +223,36 @@ def test_the_engines_fill_cached_tokens_the_gateway_lacks_and_say_so(tmp_path: P
     assert cached(con)["a"] == (256, "engine_request")
 
 
+def test_an_instance_whose_lines_for_a_request_disagree_fills_nothing(tmp_path: Path) -> None:
+    """Two ReqTimeStats lines of one request on one instance (a retried prefill) are the engine's count only when
+    they agree on both input_len and cached_input_len: a request whose lines disagree on either keeps no count."""
+    retried = (
+        "[2026-08-28 09:07:01] ReqTimeStats(rid=j, bootstrap_room=5, input_len=800, cached_input_len=128, output_len=1, "
+        "attempts=1, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+        "[2026-08-28 09:07:02] ReqTimeStats(rid=j, bootstrap_room=5, input_len=800, cached_input_len=128, output_len=1, "
+        "attempts=2, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+        "[2026-08-28 09:08:01] ReqTimeStats(rid=k, bootstrap_room=6, input_len=800, cached_input_len=128, output_len=1, "
+        "attempts=1, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+        "[2026-08-28 09:08:02] ReqTimeStats(rid=k, bootstrap_room=6, input_len=800, cached_input_len=0, output_len=1, "
+        "attempts=2, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+        "[2026-08-28 09:08:31] ReqTimeStats(rid=l, bootstrap_room=7, input_len=800, cached_input_len=64, output_len=1, "
+        "attempts=1, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+        "[2026-08-28 09:08:32] ReqTimeStats(rid=l, bootstrap_room=7, input_len=900, cached_input_len=64, output_len=1, "
+        "attempts=2, type=prefill): queue_duration=1.00ms, forward_duration=10.00ms\n"
+    )
+    rows = [request("j", 7, 800, None), request("k", 8, 800, None), request("l", 8, 800, None, second="30")]
+    path = write_incident(tmp_path, rows)
+    log = tmp_path / "engine" / "p0.log"
+    log.write_text(log.read_text() + retried)
+    con = connect()
+    ingest(con, load_incident(path))
+    assert {rid: got for rid, got in cached(con).items() if rid in "jkl"} == {
+        "j": (128, "engine_request"),  # two lines that agree
+        "k": (None, None),  # cached_input_len 128, then 0
+        "l": (None, None),  # input_len 800, then 900
+    }
+
+
 def test_engine_counts_make_the_prefix_mechanisms_input_present(tmp_path: Path) -> None:
     con = connect()
     ingest(con, load_incident(write_incident(tmp_path, [r for r in REQUESTS if r.get("cached_tokens") is None])))
