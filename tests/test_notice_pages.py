@@ -92,6 +92,47 @@ def test_pages_a_lost_worker_did_not_write_are_written_here(in_process, sample_r
     assert files(tmp_path) == files(expected)
 
 
+class _BusyWorker(concurrent.futures.Executor):
+    """A pool whose worker never gets to the tasks (busy with the first, slow to start): each stays pending, so it
+    can be cancelled; one not taken fails after a while rather than hang the test."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.futures: list[concurrent.futures.Future] = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        import threading
+
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        timer = threading.Timer(60, lambda: future.done() or future.set_exception(TimeoutError("never taken")))
+        timer.daemon = True
+        timer.start()
+        self.futures.append(future)
+        return future
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        pass
+
+
+def test_tasks_the_worker_has_not_begun_are_written_here(in_process, sample_run, tmp_path, monkeypatch):
+    """Waiting, the report's process takes every task the worker has not begun (the last first) and writes it."""
+    incident, expected, _ = in_process
+    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
+    monkeypatch.setattr(notices, "_HTML_CHUNK", 16)
+    monkeypatch.setattr(notices, "_cores", lambda: 2)
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _BusyWorker)
+    con = connect(sample_run / "evidence.duckdb", read_only=True)
+    try:
+        pending = notices.start_notices(con, incident, tmp_path)
+    finally:
+        con.close()
+    pool = pending._pool
+    assert isinstance(pool, _BusyWorker) and len(pool.futures) == 1 + len(pending._futures)  # the first readies it
+    assert not any(tmp_path.rglob("*.md"))  # nothing written before the wait: the worker has it all
+    pending.wait()
+    assert all(f.cancelled() for f in pool.futures[1:])
+    assert files(tmp_path) == files(expected)
+
+
 def test_a_worker_that_fails_fails_the_report(in_process, sample_run, tmp_path, monkeypatch):
     incident, expected, written = in_process
     monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)

@@ -320,10 +320,11 @@ def incident_facts(con: duckdb.DuckDBPyConnection, incident: Incident) -> Incide
 
 
 _MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
-# from this many notices on, their HTML pages are written by a worker process while the report's pages are drawn
-# (converting the Markdown is ~4 ms a notice, all of it Python); below it the process start costs more than it saves
+# from this many notices on, they are written by a worker process while the report's pages are drawn (rendering and
+# converting the Markdown is ~5 ms a notice, all of it Python); below it the process start costs more than it saves
 HTML_WORKER_FROM = 200
-_HTML_CHUNK = 64  # notices a worker's task converts
+_HTML_CHUNK = 32  # notices a worker's task writes
+_NOTICE_TEMPLATES = {"letter": "notice.md.j2", "review": "notice_review.md.j2"}
 
 
 def markdown_to_html(markdown: str, title: str) -> str:
@@ -333,48 +334,62 @@ def markdown_to_html(markdown: str, title: str) -> str:
     return page.render(title=title, body=Markup(_MARKDOWN.render(markdown)))
 
 
-def write_html_pages(jobs: list[tuple[str, str, str]]) -> None:
-    """Each (path, Markdown, title): the notice's HTML page written at path (what a worker process runs)."""
-    for path, markdown, title in jobs:
-        Path(path).write_text(markdown_to_html(markdown, title), encoding="utf-8")
+NoticeJob = tuple[str, str, Mapping[str, Any], str]  # the Markdown's path, its template, its facts, the page's title
+
+
+def write_notice_files(jobs: list[NoticeJob]) -> None:
+    """Each notice's Markdown, rendered from its template and facts, and its HTML page beside it (what a worker
+    process runs, and this one for what the worker has not begun)."""
+    env = template_env(False)
+    for path, template, context, title in jobs:
+        markdown = env.get_template(_NOTICE_TEMPLATES[template]).render(**context)
+        Path(path).write_text(markdown, encoding="utf-8")
+        Path(path).with_suffix(".html").write_text(markdown_to_html(markdown, title), encoding="utf-8")
+
+
+def _ready() -> None:
+    """A worker's first task: its imports and compiled templates made while the notices' facts are still read."""
+    template_env(False).get_template(_NOTICE_TEMPLATES["letter"])
+    template_env(True).get_template("notice.html.j2")
 
 
 class PendingNotices:
-    """Notices whose Markdown is written and whose HTML pages may still be being written by a worker process:
-    :meth:`wait` returns once every page is written (one the worker could not write is written here)."""
+    """Notices being written, by a worker process when there are many: :meth:`wait` returns once every notice is
+    written. Waiting, this process takes the tasks the worker has not begun, the last first, and writes one the worker
+    could not (it died) itself."""
 
-    def __init__(self, written: list[Path], jobs: list[tuple[str, str, str]], *, worker: bool) -> None:
+    def __init__(self, written: list[Path], pool: Any = None) -> None:
         self.written = written
-        self._jobs: list[list[tuple[str, str, str]]] = [
-            jobs[at : at + _HTML_CHUNK] for at in range(0, len(jobs), _HTML_CHUNK)
-        ]
-        self._pool: Any = None
+        self._pool = pool
+        self._jobs: list[list[NoticeJob]] = []
         self._futures: list[Any] = []
-        if worker and len(jobs) >= HTML_WORKER_FROM and _cores() > 1:
-            try:
-                import multiprocessing
-                from concurrent.futures import ProcessPoolExecutor
 
-                # spawn: the worker shares nothing with this process (its DuckDB threads, its locks)
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                self._futures = [self._pool.submit(write_html_pages, chunk) for chunk in self._jobs]
-            except (OSError, RuntimeError, ImportError):  # no process to be had: written here at wait()
+    def submit(self, jobs: list[NoticeJob]) -> None:
+        """The notices to write, in tasks of ``_HTML_CHUNK`` for the worker when there is one."""
+        self._jobs = [jobs[at : at + _HTML_CHUNK] for at in range(0, len(jobs), _HTML_CHUNK)]
+        if self._pool is not None:
+            try:
+                self._futures = [self._pool.submit(write_notice_files, chunk) for chunk in self._jobs]
+            except (OSError, RuntimeError):  # no process to be had: written here at wait()
                 self._close()
 
     def wait(self) -> list[Path]:
-        """Every HTML page written; the notices' Markdown paths."""
+        """Every notice written; their Markdown paths."""
         from concurrent.futures.process import BrokenProcessPool
 
         try:
             if not self._futures:
                 for chunk in self._jobs:
-                    write_html_pages(chunk)
+                    write_notice_files(chunk)
                 return self.written
-            for chunk, future in zip(self._jobs, self._futures, strict=True):
+            tasks = list(zip(self._jobs, self._futures, strict=True))
+            while tasks and tasks[-1][1].cancel():  # not begun by the worker: written here, the last first
+                write_notice_files(tasks.pop()[0])
+            for chunk, future in tasks:
                 try:
                     future.result()
                 except BrokenProcessPool:  # the worker died (killed, out of memory): its share written here
-                    write_html_pages(chunk)
+                    write_notice_files(chunk)
             return self.written
         finally:
             self._close()
@@ -401,11 +416,13 @@ def write_notices(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: P
 def start_notices(
     con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path, *, worker: bool = True
 ) -> PendingNotices:
-    """:func:`write_notices`, its HTML pages left to a worker process when there are many (``worker``): the caller
-    goes on with other work and calls ``wait()`` on what this returns. The files are the same either way."""
-    env = template_env(False)
-    letter, review = env.get_template("notice.md.j2"), env.get_template("notice_review.md.j2")
+    """:func:`write_notices`, left to a worker process when there are many (``worker``): the caller goes on with
+    other work and calls ``wait()`` on what this returns. The files are the same either way."""
     rows = notice_rows(con)
+    roles_by_account: dict[object, list[dict]] = {}
+    for rec in _records(rows):
+        roles_by_account.setdefault(rec["account_id"], []).append(rec)
+    pending = PendingNotices([], _worker() if worker and len(roles_by_account) >= HTML_WORKER_FROM else None)
     facts = incident_facts(con, incident)
     mechanisms = load_mechanisms()
     by_id = {m.id: m for m in mechanisms}
@@ -414,11 +431,7 @@ def start_notices(
     exposed = _exposed(con, mechanisms)
     possible = _possible(con)
     suspects = suspected_accounts(con)
-    roles_by_account: dict[object, list[dict]] = {}
-    for rec in _records(rows):
-        roles_by_account.setdefault(rec["account_id"], []).append(rec)
-    written: list[Path] = []
-    jobs: list[tuple[str, str, str]] = []
+    jobs: list[NoticeJob] = []
     for account_id in sorted(roles_by_account):
         roles = roles_by_account[account_id]
         cls = str(roles[0]["account_class"])
@@ -442,8 +455,25 @@ def start_notices(
             possible_bases=got.bases,
             suspected=[(by_id[m].title if m in by_id else m, why) for m, why in suspected],
         )
-        markdown = (review if kind == "trust_and_safety" else letter).render(**context)
-        path.write_text(markdown, encoding="utf-8")
-        jobs.append((str(path.with_suffix(".html")), markdown, f"{incident.title}: notice for account {account_id}"))
-        written.append(path)
-    return PendingNotices(written, jobs, worker=worker)
+        template = "review" if kind == "trust_and_safety" else "letter"
+        jobs.append((str(path), template, context, f"{incident.title}: notice for account {account_id}"))
+        pending.written.append(path)
+    pending.submit(jobs)
+    return pending
+
+
+def _worker() -> Any:
+    """A process to write the notices in, started now (its imports made while the facts are read), or None on one
+    core or where no process can be started."""
+    if _cores() < 2:
+        return None
+    try:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn: the worker shares nothing with this process (its DuckDB threads, its locks)
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        pool.submit(_ready)
+        return pool
+    except (OSError, RuntimeError, ImportError):
+        return None
