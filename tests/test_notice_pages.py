@@ -32,18 +32,27 @@ def in_process(sample_run, sample_incident, tmp_path_factory):
     return incident, out, written
 
 
-def test_a_worker_process_writes_the_same_pages(in_process, sample_run, tmp_path, monkeypatch):
-    incident, expected, written = in_process
+def _started(incident, sample_run, out: Path, monkeypatch, pool=None, chunk: int | None = None):
+    """The sample's notices begun with a worker (``pool``: the executor class standing in for the process pool),
+    as start_notices leaves them before the wait."""
     monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
-    monkeypatch.setattr(notices, "_HTML_CHUNK", 16)
     monkeypatch.setattr(notices, "_cores", lambda: 2)
+    if chunk is not None:
+        monkeypatch.setattr(notices, "_HTML_CHUNK", chunk)
+    if pool is not None:
+        monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", pool)
     con = connect(sample_run / "evidence.duckdb", read_only=True)
     try:
-        pending = notices.start_notices(con, incident, tmp_path)
-        assert pending._pool is not None and len(pending._futures) == -(-len(written) // 16)
-        got = pending.wait()
+        return notices.start_notices(con, incident, out)
     finally:
         con.close()
+
+
+def test_a_worker_process_writes_the_same_pages(in_process, sample_run, tmp_path, monkeypatch):
+    incident, expected, written = in_process
+    pending = _started(incident, sample_run, tmp_path, monkeypatch, chunk=16)
+    assert pending._pool is not None and len(pending._futures) == -(-len(written) // 16)
+    got = pending.wait()
     assert [p.relative_to(tmp_path) for p in got] == [p.relative_to(expected) for p in written]
     assert files(tmp_path) == files(expected)
     assert pending._pool is None  # shut down
@@ -79,14 +88,7 @@ class _LostWorker(concurrent.futures.Executor):
 
 def test_pages_a_lost_worker_did_not_write_are_written_here(in_process, sample_run, tmp_path, monkeypatch):
     incident, expected, _ = in_process
-    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
-    monkeypatch.setattr(notices, "_cores", lambda: 2)
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _LostWorker)
-    con = connect(sample_run / "evidence.duckdb", read_only=True)
-    try:
-        pending = notices.start_notices(con, incident, tmp_path)
-    finally:
-        con.close()
+    pending = _started(incident, sample_run, tmp_path, monkeypatch, _LostWorker)
     assert isinstance(pending._pool, _LostWorker)
     pending.wait()
     assert files(tmp_path) == files(expected)
@@ -116,15 +118,7 @@ class _BusyWorker(concurrent.futures.Executor):
 def test_tasks_the_worker_has_not_begun_are_written_here(in_process, sample_run, tmp_path, monkeypatch):
     """Waiting, the report's process takes every task the worker has not begun (the last first) and writes it."""
     incident, expected, _ = in_process
-    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
-    monkeypatch.setattr(notices, "_HTML_CHUNK", 16)
-    monkeypatch.setattr(notices, "_cores", lambda: 2)
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", _BusyWorker)
-    con = connect(sample_run / "evidence.duckdb", read_only=True)
-    try:
-        pending = notices.start_notices(con, incident, tmp_path)
-    finally:
-        con.close()
+    pending = _started(incident, sample_run, tmp_path, monkeypatch, _BusyWorker, chunk=16)
     pool = pending._pool
     assert isinstance(pool, _BusyWorker) and len(pool.futures) == 1 + len(pending._futures)  # the first readies it
     assert not any(tmp_path.rglob("*.md"))  # nothing written before the wait: the worker has it all
@@ -135,15 +129,9 @@ def test_tasks_the_worker_has_not_begun_are_written_here(in_process, sample_run,
 
 def test_a_worker_that_fails_fails_the_report(in_process, sample_run, tmp_path, monkeypatch):
     incident, expected, written = in_process
-    monkeypatch.setattr(notices, "HTML_WORKER_FROM", 1)
-    monkeypatch.setattr(notices, "_cores", lambda: 2)
     # the worker cannot write one page: a folder stands where it goes
     (tmp_path / written[-1].relative_to(expected).with_suffix(".html")).mkdir(parents=True)
-    con = connect(sample_run / "evidence.duckdb", read_only=True)
-    try:
-        pending = notices.start_notices(con, incident, tmp_path)
-    finally:
-        con.close()
+    pending = _started(incident, sample_run, tmp_path, monkeypatch)
     assert pending._pool is not None
     with pytest.raises(IsADirectoryError):
         pending.wait()

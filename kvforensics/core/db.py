@@ -84,7 +84,7 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
     set by :func:`connect` (DuckDB's limit counts its own buffers only). Without such a limit, or on
     another connection, nothing changes. DuckDB keeps at least half the limit. While it is in force,
     :class:`MemoryGovernor` on the same connection leaves the limit alone."""
-    limit = _configured_limit(con)
+    limit = configured_limit(con)
     if limit is None or nbytes <= 0:
         yield
         return
@@ -97,7 +97,7 @@ def memory_set_aside(con: duckdb.DuckDBPyConnection, nbytes: int) -> Iterator[No
         con.execute(f"SET memory_limit = '{limit}B'").fetchall()
 
 
-def _configured_limit(con: duckdb.DuckDBPyConnection) -> int | None:
+def configured_limit(con: duckdb.DuckDBPyConnection) -> int | None:
     """The memory_limit :func:`connect` set, in bytes (from a validated size: safe to inline), or None."""
     limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
     return int(limit) if limit else None
@@ -120,7 +120,7 @@ class MemoryGovernor:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, every_s: float = 5.0) -> None:
         self.con, self.every_s = con, every_s
-        self.limit = _configured_limit(con)
+        self.limit = configured_limit(con)
         self.outside = 0  # bytes outside DuckDB's buffers at the last measurement
         self._next = 0.0
         self._changed = False

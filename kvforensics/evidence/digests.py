@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvforensics.core.db import memory_set_aside
+from kvforensics.core.db import configured_limit, memory_set_aside
 from kvforensics.sources.common.textio import file_digest
 
 CSV_OUTPUTS = ("affected_requests.csv", "notifications.csv", "possible_responses.csv", "quarantine.csv")
@@ -113,11 +113,11 @@ def run_method(con: duckdb.DuckDBPyConnection) -> str:
     thirds of what is free where DuckDB spills (its sort holds the table again, about twice its canonical
     values, when they outgrow the memory limit); then rows-v2, whose bucket files take 32 bytes a row and
     which hashes a table in passes when even those do not fit."""
-    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
+    limit = configured_limit(con)
     room = _spill_disk_free(con) * 2 // 3
     for name, rows in sorted(_table_sizes(con).items(), key=lambda t: -t[1])[:3]:
         needed = 2 * rows * _v4_row_bytes(con, name)
-        if needed > room and (limit is None or needed > int(limit)):
+        if needed > room and (limit is None or needed > limit):
             return "rows-v2"
     return TABLE_DIGEST
 
@@ -385,8 +385,8 @@ def _grouped(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonic
     ).fetchall()[0]
     if total < _GROUPED_MIN_ROWS or groups > total * _GROUPED_SHARE:
         return None
-    limit = con.execute("SELECT getvariable('kvf_memory_limit')").fetchall()[0][0]
-    if limit is not None and 2 * total * _v4_row_bytes(con, name) > int(limit):
+    limit = configured_limit(con)
+    if limit is not None and 2 * total * _v4_row_bytes(con, name) > limit:
         return None
     return max(groups, 1) / total
 

@@ -85,7 +85,12 @@ def ingest(
     return result
 
 
-def _load_sources(run: IngestRun, kinds: list[Any], planned: dict[str, list[tuple[Source, list[Path]]]], plan) -> None:
+def _load_sources(
+    run: IngestRun,
+    kinds: list[Any],
+    planned: dict[str, list[tuple[Source, list[Path]]]],
+    plan: list[tuple[Source, list[Path]]],
+) -> None:
     """The kinds read first (requests), then those read file by file, in the incident's order (content last)."""
     con, result = run.con, run.result
     # Requests first: engine model names are matched against the gateway's model ids.
