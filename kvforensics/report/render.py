@@ -96,8 +96,10 @@ def build_context(
             live_specs[f"chart-{key}"] = visible_controls_in(live.to_dict(validate=False))
     scripts = live_charts(live_specs) if live_specs else None
     from kvforensics.audit import audit_database
+    from kvforensics.audit.isolation import incident_manifest
 
-    audit = audit_database(con)
+    # the incident file's [prefix_cache] facts are the audit's as they are the prefix-cache windows' (check 6)
+    audit = audit_database(con, manifest=incident_manifest(incident))
     from kvforensics.config.hardware import physical_bounds, spec_from_config
 
     specs = {m: spec_from_config(m, raw) for m, raw in incident.hardware.items()}
