@@ -698,6 +698,7 @@ def test_json_frame_markdown_html_and_terminal() -> None:
         "startups": 4,
         "instances": 2,
         "exposed_startups": 2,
+        "shared_cache_startups": 0,
         # check 6 (prefix cache) is unknown on each start-up: the manifest has no [prefix_cache] table
         "verdicts": {"pass": 7, "fail": 6, "unknown": 7 + 4, "not_applicable": 0},
     }

@@ -78,7 +78,12 @@ def test_a_pod_shut_down_in_a_rollout_is_exposed_until_its_sigterm_and_not_now(t
     )
 
     doc = json.loads(report.to_json())
-    assert doc["now"] == {"exposed": False, "exposed_startups": 0, "answer": report.now()}
+    assert doc["now"] == {
+        "exposed": False,
+        "exposed_startups": 0,
+        "shared_cache_startups": 0,
+        "answer": report.now(),
+    }
     assert [(w["end"], w["end_reason"], w["end_line"]) for w in doc["exposure_windows"]] == [
         ("2026-08-20T15:01:00Z", "shutdown", 10)
     ]

@@ -252,3 +252,33 @@ def test_an_inferred_version_is_said_once_with_its_basis_even_with_braces_in_it(
     assert version_notes(capacity) == ["sglang >0.5.9,<0.5.20 on p0, p1, from server_args={...}"]
     assert engine_label("sglang", ">0.5.9,<0.5.20 (inferred: server_args={...})") == "sglang >0.5.9,<0.5.20 (inferred)"
     assert engine_label("vllm", None) == "vllm, version unknown"
+
+
+def test_a_missing_input_weakens_only_the_rules_of_the_mechanisms_investigated(tmp_path: Path) -> None:
+    """Engine logs without per-request lines: under stale_pages the note names the rules left to agree; a
+    prefix_reuse investigation reads no engine line and no timing, so neither note is written for it."""
+    from kvforensics.config import load_incident
+    from kvforensics.core.db import connect
+    from kvforensics.report.missing import missing_inputs
+
+    con = connect()
+    con.execute(
+        "INSERT INTO capacity (instance, role, engine, source, source_file) VALUES ('d-0', 'decode', 'sglang', 'e', 'f')"
+    )
+    con.execute("CREATE TABLE analysed_requests (model VARCHAR, status INTEGER, ttft_ms DOUBLE, latency_ms DOUBLE)")
+    con.execute("INSERT INTO analysed_requests VALUES ('m', 200, NULL, NULL)")
+    incident = load_incident(write_mini(tmp_path / "data", mini_requests(), INCIDENT))
+
+    def notes(investigated: set[str] | None) -> dict[str, str]:
+        return {m.section: m.meaning for m in missing_inputs(con, incident, investigated)}
+
+    stale = notes({"stale_pages"})
+    assert stale["engine_events"].startswith(
+        "the rules that read them found nothing to judge, so a response is confirmed only where the other rules "
+        "(prefill_too_fast, prompt_exceeds_kv_pool) agree."
+    )
+    assert "latency" in stale
+    prefix = notes({"prefix_reuse"})
+    assert "engine_events" not in prefix and "latency" not in prefix
+    assert {"content", "changes", "audit"} <= set(prefix)
+    assert notes(None).keys() == stale.keys()

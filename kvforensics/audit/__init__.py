@@ -23,7 +23,7 @@ The package is laid out by stage, in the order the work is done:
   ``engine_events``), :func:`audit_parses` and :func:`audit_startups` (already parsed).
 
 A check-1 ``fail`` is **exposed** on a prefill or decode role, or where the role is unknown: the
-deploy gate fails closed. **Exposed now** (:attr:`AuditReport.exposed_now`, :meth:`AuditReport.now`)
+deploy gate fails closed. A check-6 ``fail`` (a prefix cache shared across tenants) is exposed too. **Exposed now** (:attr:`AuditReport.exposed_now`, :meth:`AuditReport.now`)
 counts only exposed start-ups still in force; one that shut down, restarted or was retired is listed
 with its window and how it ended. :attr:`AuditReport.exit_code` is 1 when anything is exposed in the
 audited period (now or before), 0 when clean (unknowns alone do not fail; they are listed) and 2

@@ -95,7 +95,11 @@ def _judge(startups: list[Startup], manifest: DeploymentManifest | None) -> list
                 check_load_balancer(s, manifest),
                 check_prefix_cache(s, manifest),
             ]
-        verdicts += [_verdict(s, check, *judged) for check, judged in enumerate(others, start=2)]
+        # a check-6 fail is an exposure too: a prefix cache one tenant's request can read another's KV from
+        verdicts += [
+            _verdict(s, check, *judged, exposed=check == 6 and judged[0] == "fail")
+            for check, judged in enumerate(others, start=2)
+        ]
     return verdicts
 
 

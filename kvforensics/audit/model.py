@@ -42,10 +42,10 @@ class Verdict:
     model: str | None
     startup_from: datetime | None  # UTC; None when the start-up carries no timestamp
     startup_to: datetime | None  # when it ended (see end_reason); None while still in force
-    check: int  # 1..5, see CHECKS
+    check: int  # 1..6, see CHECKS
     check_name: str
     status: str  # pass | fail | unknown | not_applicable
-    exposed: bool
+    exposed: bool  # a check-1 fail on a role that serves beyond its pool, or a check-6 fail (a shared prefix cache)
     detail: str
     evidence_file: str | None
     evidence_line: int | None

@@ -1,5 +1,8 @@
 """The result of one audit: its verdicts, the exposure windows, the answer for now and the exit code.
 
+A deployment is exposed by either mechanism the audit checks: a start-up that serves prompts beyond its KV
+pool (check 1, the stale-pages exposure windows) or one whose prefix cache is shared across tenants (a
+check-6 fail: no salt, a salt the client sets, an engine or store that drops it, a forgeable block hash).
 :attr:`AuditReport.exit_code` is 1 when anything is exposed in the audited period (now or before), 0
 when clean (unknowns alone do not fail; they are listed) and 2 when nothing could be audited;
 :attr:`AuditReport.exit_code_now` is 1 only while an exposed start-up is still in force.
@@ -35,12 +38,18 @@ class AuditReport:
 
     @property
     def exposed(self) -> bool:
+        """Exposed in the audited period: a check-1 exposure or a prefix cache shared across tenants."""
         return any(v.exposed for v in self.verdicts)
 
     @property
     def exposed_now(self) -> bool:
         """Exposed by a start-up still in force (not shut down, restarted or retired)."""
-        return any(w.in_force for w in self.exposure_windows)
+        return any(w.in_force for w in self.exposure_windows) or any(v.in_force for v in self.shared_caches)
+
+    @property
+    def shared_caches(self) -> list[Verdict]:
+        """The check-6 fails: start-ups whose prefix cache one tenant's request can read another's KV from."""
+        return [v for v in self.verdicts if v.check == 6 and v.exposed]
 
     @property
     def exit_code(self) -> int:
@@ -84,7 +93,7 @@ class AuditReport:
                 v.in_force,
             )
             for v in self.verdicts
-            if v.exposed
+            if v.exposed and v.check == 1
         ]
 
     def summary(self) -> dict[str, Any]:
@@ -95,6 +104,7 @@ class AuditReport:
             "startups": self.startups,
             "instances": len({v.instance for v in self.verdicts}),
             "exposed_startups": len(self.exposure_windows),
+            "shared_cache_startups": len(self.shared_caches),
             "verdicts": counts,
         }
 
@@ -126,6 +136,7 @@ class AuditReport:
             "now": {
                 "exposed": self.exposed_now,
                 "exposed_startups": sum(w.in_force for w in self.exposure_windows),
+                "shared_cache_startups": sum(v.in_force for v in self.shared_caches),
                 "answer": self.now(),
             },
             "notes": self.notes,
@@ -138,39 +149,59 @@ class AuditReport:
         if self.exit_code == 2:
             return "Nothing audited: no engine start-up found in the inputs."
         c = s["verdicts"]
-        state = (
-            f"EXPOSED: {s['exposed_startups']} start-up(s) serve prompts beyond their KV pool"
-            if self.exposed
-            else "Not exposed"
-        )
-        failing = self.by_status("fail")
-        shared = len({(v.instance, v.startup_file, v.startup_line) for v in failing if v.check == 6})
-        prefix = f" Prefix-cache isolation fails on {shared} start-up(s) (check 6)." if shared else ""
+        found = []
+        if s["exposed_startups"]:
+            found.append(f"{s['exposed_startups']} start-up(s) serve prompts beyond their KV pool")
+        if s["shared_cache_startups"]:
+            found.append(f"prefix-cache isolation fails on {s['shared_cache_startups']} start-up(s) (check 6)")
+        state = "EXPOSED: " + "; ".join(found) if found else "Not exposed"
         # the counts are of verdicts, one per check and start-up: said so, or "34 fail" reads as 34 failures
         checks = len({v.check for v in self.verdicts})
         return (
             f"{state}. {s['startups']} start-up(s) of {s['instances']} instance(s) x {checks} checks = "
             f"{len(self.verdicts)} verdicts: {c['pass']} pass, {c['fail']} fail, {c['unknown']} unknown (the "
-            f"evidence cannot tell), {c['not_applicable']} not applicable.{prefix}"
+            f"evidence cannot tell), {c['not_applicable']} not applicable."
         )
 
     def now(self) -> str:
-        """Is any deployment exposed now? Only exposed start-ups still in force count."""
+        """Is any deployment exposed now? Only exposed start-ups still in force count: beyond their KV pool
+        (check 1) or sharing their prefix cache across tenants (check 6)."""
         windows = self.exposure_windows
         live = sorted({w.instance for w in windows if w.in_force})
+        shared = self.shared_caches
+        shared_live = sorted({v.instance for v in shared if v.in_force})
+        found = []
         if live:
-            return (
-                f"EXPOSED NOW: {sum(w.in_force for w in windows)} start-up(s) still in force serve prompts "
-                f"beyond their KV pool ({', '.join(live)})."
+            found.append(
+                f"{sum(w.in_force for w in windows)} start-up(s) still in force serve prompts beyond their KV pool "
+                f"({', '.join(live)})"
             )
-        if not windows:
-            return "Not exposed now: no start-up serves prompts beyond its KV pool."
+        if shared_live:
+            found.append(
+                f"{sum(v.in_force for v in shared)} start-up(s) still in force share their prefix cache across "
+                f"tenants (check 6: {', '.join(shared_live)})"
+            )
+        if found:
+            return "EXPOSED NOW: " + "; ".join(found) + "."
+        ends = {(w.instance, w.start): w.end_reason for w in windows}
+        ends.update({(v.instance, v.startup_from): v.end_reason for v in shared})
         ended: dict[str, int] = {}
-        for w in windows:
-            how = END_SUMMARY.get(w.end_reason or "", "ended")
+        for reason in ends.values():
+            how = END_SUMMARY.get(reason or "", "ended")
             ended[how] = ended.get(how, 0) + 1
+        if not ended:
+            return "Not exposed now: no start-up serves prompts beyond its KV pool" + (
+                "." if not any(v.check == 6 for v in self.verdicts) else self._isolation_tail()
+            )
         how_ended = ", ".join(f"{n} {how}" for how, n in ended.items())
         return f"Not exposed now: every exposed start-up has ended ({how_ended})."
+
+    def _isolation_tail(self) -> str:
+        """What check 6 says when it fails nowhere: passed everywhere, or how many start-ups it could not judge."""
+        unknown = sum(1 for v in self.verdicts if v.check == 6 and v.status == "unknown")
+        if unknown:
+            return f"; prefix-cache isolation is unknown on {unknown} start-up(s) (check 6)."
+        return " or shares its prefix cache across tenants."
 
     def to_markdown(self) -> str:
         return markdown(self.verdicts, **self._page())

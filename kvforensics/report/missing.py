@@ -10,6 +10,7 @@ canonical tables its SQL reads (``capacity``, ``engine_events``, ``latency_model
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import duckdb
@@ -43,9 +44,13 @@ def _names(sources: list) -> str:
     return ", ".join(s.name for s in sources)
 
 
-def missing_inputs(con: duckdb.DuckDBPyConnection, incident: Incident) -> list[MissingInput]:
-    """Every input of the investigation that is absent or empty, in the order the report's sections come."""
-    rules = load_rules()
+def missing_inputs(
+    con: duckdb.DuckDBPyConnection, incident: Incident, investigated: Collection[str] | None = None
+) -> list[MissingInput]:
+    """Every input of the investigation that is absent or empty, in the order the report's sections come. What an
+    absence weakens is said of the rules of the *investigated* mechanisms (ids; None: every mechanism's): an input
+    none of them reads weakens no finding and is not listed (the engine logs' start-ups and the changes are)."""
+    rules = [r for r in load_rules() if investigated is None or r.mechanism in investigated]
     found: list[MissingInput] = []
     engine_sources = incident.sources_of("engine_log")
     startups = _count(con, "SELECT count(*) FROM capacity")
@@ -65,14 +70,15 @@ def missing_inputs(con: duckdb.DuckDBPyConnection, incident: Incident) -> list[M
                 tuple(r.id for r in rules if reads_table(r, "capacity") or reads_table(r, "engine_events")),
             )
         )
-    elif _count(con, "SELECT count(*) FROM engine_events") == 0:
+    elif any(reads_table(r, "engine_events") for r in rules) and _count(con, "SELECT count(*) FROM engine_events") == 0:
+        others = [r.id for r in rules if not reads_table(r, "engine_events")]
         found.append(
             MissingInput(
                 "engine_events",
                 "the engine logs hold no per-request line (scheduler aborts, KV transfer failures, request statistics)",
-                "the rules that read them found nothing to judge, so a response is confirmed only where the pool rule and "
-                "the latency rule agree. If the engines logged requests (SGLang --log-requests, vLLM request logging), "
-                "add those logs",
+                "the rules that read them found nothing to judge, so a response is confirmed only where the other rules "
+                + (f"({', '.join(others)}) " if others else "")
+                + "agree. If the engines logged requests (SGLang --log-requests, vLLM request logging), add those logs",
                 tuple(r.id for r in rules if reads_table(r, "engine_events")),
             )
         )
@@ -107,8 +113,8 @@ def missing_inputs(con: duckdb.DuckDBPyConnection, incident: Incident) -> list[M
         found.append(
             MissingInput(
                 "audit",
-                "the audit reads the engine logs only: a deployment manifest and /get_server_info dumps are not inputs of "
-                "a run",
+                "the audit reads the engine logs and the incident file's [prefix_cache] only: the rest of a deployment "
+                "manifest and /get_server_info dumps are not inputs of a run",
                 "check 5 (the load balancer does not abort before the first token) stays unknown here, and the engine "
                 "version is the one the log shows or implies. Run kvforensics audit --incident <incident.toml> "
                 "--manifest <deployment manifest> --server-info <dump.json> to answer them",
@@ -121,6 +127,8 @@ def _latency(con: duckdb.DuckDBPyConnection, rules: list[Rule]) -> list[MissingI
     """Missing timings: the fields ``RULE_FIELDS`` names absent from every successful request, or models left
     without a usable latency model."""
     timed = [r for r in rules if reads_table(r, "latency_model") or r.id in RULE_FIELDS]
+    if not timed:
+        return []
     ttft, latency = con.execute(
         "SELECT count(ttft_ms), count(latency_ms) FROM analysed_requests WHERE status BETWEEN 200 AND 299"
     ).fetchall()[0]
