@@ -1,5 +1,5 @@
 """Engine logs in their collection envelopes: kubectl, CRI, Docker json-file, Loki, CloudWatch, journald,
-Fluent Bit, syslog, docker compose, docker logs --timestamps.
+Fluent Bit, syslog, docker compose, docker logs --timestamps, Vector.
 
 The fixtures in ``tests/fixtures/envelopes`` hold SGLang and vLLM fixture lines in each collector's documented
 format (README.md there cites the documentation; make_fixtures.py writes them).
@@ -8,6 +8,7 @@ format (README.md there cites the documentation; make_fixtures.py writes them).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -60,6 +61,31 @@ def file_lines(name: str) -> list[str]:
     return (FIXTURES / name).read_bytes().decode("utf-8").removesuffix("\n").split("\n")
 
 
+def labelled(name: str, instance: str) -> EngineFileParse:
+    """A fixture read with an instance template over its envelope labels; every line read once."""
+    source = Source(
+        name="e", kind="engine_log", path="", format="auto", timezone="UTC", base_dir=FIXTURES, instance=instance
+    )
+    p = parse(name, instance=lambda labels: source.instance_for(FIXTURES / name, labels))
+    every_line_once(p, name)
+    return p
+
+
+def same_events_as_the_glm53_pods(p: EngineFileParse, name: str, mark: Callable[[str], str]) -> None:
+    """The two glm53 pods' events of an export are their plain logs', each pointing at a record of its own pod
+    (one holding *mark(pod)*)."""
+    for pod, plain_name in (
+        ("glm53-prefill-0", "sglang-0.5.15-pd-prefill-tp8.log"),
+        ("glm53-decode-0", "sglang-0.5.15-pd-decode-tp8.log"),
+    ):
+        got = p.instances[pod]
+        assert [(e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
+            (e.kind, e.request_id, e.prompt_tokens) for e in plain(plain_name).events
+        ], pod
+        for e in got.events:
+            assert mark(pod) in file_lines(name)[e.line - 1]
+
+
 def every_line_once(p: EngineFileParse, name: str) -> None:
     """The file's physical lines are all read, and a quarantined line is quarantined once."""
     assert p.lines_read == len(file_lines(name))
@@ -89,6 +115,8 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
         ("compose-vllm-2-services.log", "compose"),
         ("compose-up-timestamps-2-replicas.log", "compose"),
         ("docker-logs-timestamps-gemma.log", "docker_logs"),
+        ("vector-file-2-engines.jsonl", "vector"),
+        ("vector-kubernetes-logs-qwen3.jsonl", "vector"),
     ],
 )
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
@@ -261,16 +289,7 @@ def test_fluent_bit_file_output_with_two_pods_gives_each_pod_its_capacity_and_ev
     # the clock is Fluent Bit's event time, to the nanosecond; the start-up points at its first piece
     assert (by["glm53-prefill-0"].line, by["glm53-prefill-0"].ts) == (1, utc(2026, 8, 26, 21, 10, 0, 1123))
     assert "logtag" in file_lines(FLUENTBIT)[by["glm53-decode-0"].line - 1]
-    for pod, name in (
-        ("glm53-prefill-0", "sglang-0.5.15-pd-prefill-tp8.log"),
-        ("glm53-decode-0", "sglang-0.5.15-pd-decode-tp8.log"),
-    ):
-        got = p.instances[pod]
-        assert [(e.kind, e.request_id, e.prompt_tokens) for e in got.events] == [
-            (e.kind, e.request_id, e.prompt_tokens) for e in plain(name).events
-        ], pod
-        for e in got.events:  # each event points at its own pod's record
-            assert f'"pod_name":"{pod}"' in file_lines(FLUENTBIT)[e.line - 1]
+    same_events_as_the_glm53_pods(p, FLUENTBIT, lambda pod: f'"pod_name":"{pod}"')
     [q] = p.all_quarantined()
     assert (q.line, q.reason) == (50, "bad fluentbit record: an out_file line cut short (no closing ']')")
     assert q.raw == file_lines(FLUENTBIT)[49]
@@ -278,17 +297,7 @@ def test_fluent_bit_file_output_with_two_pods_gives_each_pod_its_capacity_and_ev
 
 def test_fluent_bit_json_lines_name_the_instance_from_the_pod_label() -> None:
     name = "fluentbit-json-lines-qwen3.jsonl"
-    source = Source(
-        name="e",
-        kind="engine_log",
-        path="",
-        format="auto",
-        timezone="UTC",
-        base_dir=FIXTURES,
-        instance="{label:namespace_name}/{label:pod_name}",
-    )
-    p = parse(name, instance=lambda labels: source.instance_for(FIXTURES / name, labels))
-    every_line_once(p, name)
+    p = labelled(name, "{label:namespace_name}/{label:pod_name}")
     [s] = p.startups
     [want] = plain("sglang-0.5.4-pd-prefill.log").startups
     assert (s.instance, capacity(s)) == ("inference/qwen3-prefill-0", capacity(want))
@@ -596,6 +605,61 @@ year = 2026
         ("llama", "unified", 426800, 32768, utc(2026, 5, 19, 9, 0, 0)),
         ("qwen3", "prefill", 190800, 180000, utc(2026, 5, 19, 8, 0, 1)),
     ]
+
+
+# --- Vector ------------------------------------------------------------------------------------
+
+VECTOR_FILE = "vector-file-2-engines.jsonl"
+
+
+def test_vector_file_source_tells_two_engines_apart_by_file_and_its_timestamp_is_the_clock() -> None:
+    """Vector's file source writes CloudWatch's keys too (message, timestamp): it is read as Vector's (an ISO
+    time, not an epoch count), each file an instance named as {stem} would name it."""
+    p = parse(VECTOR_FILE)
+    every_line_once(p, VECTOR_FILE)
+    assert p.envelope == "vector"
+    assert sorted(p.instances) == ["glm53-decode-0", "glm53-prefill-0"]
+    assert "told apart by file_stem" in p.notes[1]
+    by = {s.instance: s for s in p.startups}
+    [prefill] = plain("sglang-0.5.15-pd-prefill-tp8.log").startups
+    [decode] = plain("sglang-0.5.15-pd-decode-tp8.log").startups
+    assert capacity(by["glm53-prefill-0"]) == capacity(prefill)
+    assert capacity(by["glm53-decode-0"]) == capacity(decode)
+    assert by["glm53-prefill-0"].ts == utc(2026, 8, 26, 21, 10, 0, 1123)  # the event's RFC 3339 time
+    same_events_as_the_glm53_pods(p, VECTOR_FILE, lambda pod: f"/{pod}.log")
+    [q] = p.all_quarantined()
+    assert q.line == 26 and q.reason.startswith("malformed JSON")
+
+
+def test_vector_kubernetes_logs_name_the_instance_from_the_pod() -> None:
+    p = labelled("vector-kubernetes-logs-qwen3.jsonl", "{label:pod_namespace}/{label:pod_name}")
+    [s] = p.startups
+    [want] = plain("sglang-0.5.4-pd-prefill.log").startups
+    assert (s.instance, capacity(s)) == ("inference/qwen3-prefill-0", capacity(want))
+    assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)
+    assert p.all_quarantined() == []
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        ('{"message":"x","source_type":"file","timestamp":1787000000000}', "'timestamp' is not an RFC 3339 text"),
+        ('{"message":["x"],"source_type":"file","timestamp":"2026-08-26T21:10:00Z"}', "'message' is not a string"),
+        ('{"message":"x","source_type":"file","timestamp":"yesterday"}', "bad vector record"),
+    ],
+)
+def test_a_vector_event_that_cannot_be_read_is_quarantined_with_its_reason(
+    tmp_path: Path, event: str, reason: str
+) -> None:
+    lines = file_lines(VECTOR_FILE)
+    lines.insert(3, event)
+    path = tmp_path / "vector.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    p = parse_engine_file(path, fmt="auto", instance="x", tz=UTC_ZONE, envelope="auto")
+    assert p.envelope == "vector"
+    got = [q for q in p.all_quarantined() if q.line == 4]
+    assert len(got) == 1 and reason in got[0].reason
+    assert len(p.startups) == 2
 
 
 # --- CloudWatch ---------------------------------------------------------------------------------

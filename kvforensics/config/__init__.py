@@ -167,10 +167,7 @@ class Source:
         """The instance *file* (or a record of it with envelope *labels*) belongs to. ``{label:NAME}``
         is the record's label NAME (KeyError if it has none), or the file's stem without labels."""
         name = file.name
-        stem = name
-        for suffix in (".gz", ".zst", ".log", ".txt", ".jsonl", ".json"):
-            if stem.endswith(suffix):
-                stem = stem[: -len(suffix)]
+        stem = file_stem(name)
         return self.instance.format(stem=stem, name=name, parent=file.parent.name, label=_InstanceLabels(labels, stem))
 
     def column(self, canonical: str) -> str:
@@ -482,6 +479,14 @@ def _refuse_keys_of_other_kinds(raw: Mapping[str, Any], declared: SourceKind, wh
         for keys, message in other.refused_elsewhere:
             if set(raw) & set(keys):
                 raise ConfigError(message, location=where)
+
+
+def file_stem(name: str) -> str:
+    """A log file's name without its extensions (``{stem}``): ``decode-0.log.gz`` is ``decode-0``."""
+    for suffix in (".gz", ".zst", ".log", ".txt", ".jsonl", ".json"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name
 
 
 class _InstanceLabels:

@@ -25,6 +25,11 @@ syslog      rsyslog / syslog-ng files: ``<time> <host> <program>[<pid>]: <line>`
             :mod:`kvforensics.sources.engine_logs.envelopes.syslog`
 compose     ``docker compose logs [-t]``: ``<container> | [<RFC3339Nano> ]<line>``: see
             :mod:`kvforensics.sources.engine_logs.envelopes.compose`
+vector      Vector's JSON encoding of a log event (a ``file`` sink or ``console`` sink with
+            ``encoding.codec = "json"``): ``{"message": ..., "source_type": "file" | "kubernetes_logs" |
+            "docker_logs" ..., "timestamp": "<RFC 3339>", "file"/"host"/"kubernetes"/"container_name" ...}``
+            (the fields of the sources' documented output, vectordotdev/vector
+            ``website/cue/reference/components/sources/*.cue``)
 =========== ====================================================================================
 
 This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
@@ -43,6 +48,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from kvforensics.config import file_stem
 from kvforensics.sources.engine_logs.contract import EngineLine, unreadable_reason
 from kvforensics.sources.engine_logs.envelopes.compose import PREFIX as COMPOSE_PREFIX
 from kvforensics.sources.engine_logs.envelopes.compose import read_compose
@@ -72,6 +78,7 @@ ENVELOPES = (
     "syslog",
     "compose",
     "docker_logs",
+    "vector",
 )
 """Every envelope this module reads; a source's ``envelope`` may also be ``auto`` or ``none``."""
 
@@ -86,6 +93,7 @@ ENVELOPE_CLOCKS = {
     "syslog": "syslog header time",
     "compose": "docker compose --timestamps time",
     "docker_logs": "docker logs --timestamps prefix",
+    "vector": "Vector event timestamp",
 }
 
 _NO_LABELS: Mapping[str, str] = {}
@@ -116,6 +124,10 @@ def json_kind(obj: object) -> str | None:
     """Which envelope a JSON value belongs to, from its keys; None if none."""
     if not isinstance(obj, dict):
         return None
+    # before Fluent Bit's and CloudWatch's: Vector's kubernetes_logs events carry a "kubernetes" map too, and
+    # every Vector event a "message" and a "timestamp"; "source_type" is Vector's own
+    if isinstance(obj.get("source_type"), str) and "message" in obj and "timestamp" in obj:
+        return "vector"
     if is_record(obj):  # before Docker's: the docker parser's records keep its "log" and "time"
         return "fluentbit"
     if "log" in obj and "time" in obj:
@@ -352,6 +364,24 @@ class _JsonRecords:
         labels = self.labels((k, v) for k, v in obj.items() if k in ("logStreamName", "logGroupName"))
         yield from split_message(line, ns, labels, message)
 
+    def _vector(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
+        """A Vector log event: ``message`` the line (lines, when a multiline config joined them), ``timestamp``
+        RFC 3339 (chrono's, ``Z``), the other text fields and the ``kubernetes`` map's the labels, and ``file_stem``:
+        the name of ``file`` without its extensions."""
+        message, stamp = obj["message"], obj["timestamp"]
+        if not isinstance(message, str):
+            raise ValueError("'message' is not a string")
+        if not isinstance(stamp, str):
+            raise ValueError("'timestamp' is not an RFC 3339 text")
+        pairs = [(k, v) for k, v in obj.items() if isinstance(v, str) and k not in ("message", "timestamp")]
+        if isinstance(obj.get("file"), str):  # the file source's path; its name as {stem} reads a file's
+            pairs.append(("file_stem", file_stem(obj["file"].rsplit("/", 1)[-1])))
+        kubernetes = obj.get("kubernetes")
+        if isinstance(kubernetes, dict):
+            own = {k for k, _ in pairs}
+            pairs += [(k, v) for k, v in kubernetes.items() if isinstance(v, str) and k not in own]
+        yield from split_message(line, rfc3339_ns(stamp), self.labels(pairs), message)
+
     def _journald(self, obj: dict[str, Any], line: int, raw: str, positions: Any) -> Iterator[EnvelopeItem]:
         ns = epoch_ns(obj["__REALTIME_TIMESTAMP"], 1_000, "__REALTIME_TIMESTAMP")
         labels = self.labels(
@@ -517,6 +547,7 @@ READERS: dict[str, Callable[[Iterable[EngineLine]], Iterator[EnvelopeItem]]] = {
     "syslog": read_syslog,
     "compose": read_compose,
     "docker_logs": lambda lines: _read_kubectl(lines, "docker logs"),
+    "vector": lambda lines: _read_json(lines, "vector"),
 }
 
 

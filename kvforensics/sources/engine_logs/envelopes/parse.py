@@ -77,6 +77,8 @@ NATURAL_LABELS: dict[str, tuple[str, ...]] = {
     "syslog": ("host", "program"),
     # a service's replicas (qwen3-1, qwen3-2) are engines of their own: the container tells them apart
     "compose": ("service", "container"),
+    # Vector: kubernetes_logs's pod and container, docker_logs's container, the file source's host and file
+    "vector": ("pod_name", "container_name", "host", "file_stem", "file"),
 }
 
 
