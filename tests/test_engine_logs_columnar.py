@@ -322,7 +322,7 @@ def _write(path: Path, lines: list[str | bytes], compression: str, newline: byte
     path.write_bytes(data)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lines=generated_log(),
     batch_lines=st.sampled_from([2, 5, 1000]),

@@ -30,6 +30,8 @@ FAST = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# the three readers side by side cost a second or so an example: half as many
+READERS_SIDE_BY_SIDE = settings(FAST, max_examples=max(1, FAST.max_examples // 2))
 COMPRESSION_MAGIC = (b"\x1f\x8b", b"\x28\xb5\x2f\xfd")  # gzip, zstd: recognised whatever the file name
 SGLANG_FIXTURES = Path(__file__).parent / "fixtures" / "sglang_requests"
 SGLANG_LINES = sorted({line for f in SGLANG_FIXTURES.glob("*.log") for line in f.read_text().splitlines()})
@@ -333,7 +335,7 @@ def test_sglang_request_log_never_crashes_and_accounts_for_every_request(lines, 
     )
 
 
-@FAST
+@READERS_SIDE_BY_SIDE
 @given(
     garbage=st.lists(garbage_records(), max_size=12),
     n_valid=st.integers(0, 4),
@@ -412,7 +414,7 @@ def loose_valid_records(draw: st.DrawFn, index: int) -> dict:
     return rec
 
 
-@FAST
+@READERS_SIDE_BY_SIDE
 @given(data=st.data(), n=st.integers(1, 6), ts_style=st.sampled_from(["iso", "epoch_ms", "offset"]))
 def test_the_jsonl_readers_agree_on_loose_valid_records(data, n, ts_style):
     """Records that all load (or collide as duplicate ids) but spell their values loosely: the text

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from kvforensics.cli import main
 
-EXAMPLES = int(os.environ.get("KVF_EXAMPLES", 12))
+EXAMPLES = int(os.environ.get("KVF_EXAMPLES", 8))
 WHOLE_RUNS = settings(
     max_examples=EXAMPLES,
     deadline=None,

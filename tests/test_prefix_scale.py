@@ -242,8 +242,8 @@ def test_random_tables_give_the_reference_rows():
 
 # --- the simulated incidents ----------------------------------------------------------------------------------
 
-SIMULATED = [pytest.param(name, None, 3000, id=f"{name}-3000") for name in sorted(SCENARIOS)] + [
-    pytest.param("prefix-l3-unsalted", 4, 4000, id="prefix-l3-unsalted-seed4-4000")
+SIMULATED = [pytest.param(name, None, 1500, id=f"{name}-1500") for name in sorted(SCENARIOS)] + [
+    pytest.param("prefix-l3-unsalted", 4, 2000, id="prefix-l3-unsalted-seed4-2000")
 ]
 
 
