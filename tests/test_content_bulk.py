@@ -346,3 +346,37 @@ def test_ingest_begins_the_content_files_line_checks_on_their_own_thread(tmp_pat
     again = Investigation.open(sample_incident, tmp_path / "again")
     again.ingest()
     assert again.con.execute(TABLES["content_fingerprints"]).fetchall() == fingerprints_ahead
+
+
+@pytest.mark.parametrize(
+    ("last", "cut"),
+    [
+        ('{"request_id": "r9", "prompt": "a b c', True),  # inside a string
+        ('{"request_id": "r9", "prompt_tokens": 12', True),  # before a delimiter
+        ('{"request_id": "r9", "ok": tr', True),  # inside a literal
+        ('{"request_id": "r9", "prompt":', True),  # before a value
+        ('{"request_id": "r9" "prompt": "x"}', False),  # a mistake in a complete line
+        ('{"request_id": "r9", "prompt": "x"}}', False),
+        ("not json at all", False),
+    ],
+)
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_file_whose_last_record_is_cut_short_says_it_ends_early(tmp_path, last, cut, compress):
+    """A content file cut inside its last record and then written whole (a copy stopped mid-file, then gzipped):
+    no stream ends early, but the last line's JSON stops before the record does. Both readers say the file ends
+    early there (the conclusiveness gate's truncated_file: inconclusive); a complete line with a mistake in it
+    is only quarantined. The last line has no line end, as a cut file has none."""
+    lines = lines_of_every_shape(random.Random(5))
+    data = ("".join(line + "\n" for line in lines) + last).encode("utf-8", "surrogatepass")
+    path = tmp_path / ("content.jsonl.gz" if compress else "content.jsonl")
+    path.write_bytes(gzip.compress(data) if compress else data)
+    bulk, _ = assert_agree(tmp_path, path)
+    assert bulk.reader == "duckdb-bulk"
+    ends = [n for n in bulk.notes if "ends early" in n]
+    if cut:
+        assert ends == [
+            f"input ends early after line {len(lines)} (its last line, {len(lines) + 1}, is a record cut short: its "
+            "JSON stops before the record does, so the file was cut there); later records, if any, are lost"
+        ]
+    else:
+        assert ends == []

@@ -72,6 +72,34 @@ def test_truncated_gzip_quarantines_its_partial_last_record(tmp_path):
     assert any("input ends early" in n and "quarantined" in n for n in r.notes)
 
 
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("rows", [30, 3000])  # DuckDB's readers, and the Python reader for a small file
+def test_a_file_cut_inside_its_last_record_and_written_whole_ends_early(tmp_path, compress, rows):
+    """A gateway file copied up to the middle of a record, then compressed whole: no stream ends early, but its
+    last line stops inside its JSON. The load says the file ends early there (truncated_file: inconclusive);
+    the same line with a mistake inside it, or a cut line before the last, is only quarantined."""
+    lines = [rec(f"r{i}") for i in range(rows)]
+    for last, cut in ((lines[-1][:50], True), (lines[-1].replace(",", "", 1), False)):
+        text = "\n".join([*lines[:-1], last])
+        data = gzip.compress(text.encode(), mtime=0) if compress else text.encode()
+        _, r, quarantined = load(tmp_path, "cut.jsonl.gz" if compress else "cut.jsonl", data)
+        assert [row[:2] for row in quarantined] == [(rows, "malformed JSON")]
+        ends = [n for n in r.notes if "ends early" in n]
+        assert ends == (
+            [
+                f"input ends early after line {rows - 1} (its last line, {rows}, is a record cut short: "
+                "its JSON stops before the record does, so the file was cut there); later records, if any, "
+                "are lost"
+            ]
+            if cut
+            else []
+        )
+    text = "\n".join([*lines[:5], lines[5][:50], *lines[6:]])
+    _, r, quarantined = load(tmp_path, "mid.jsonl", text.encode())
+    assert [row[:2] for row in quarantined] == [(6, "malformed JSON")]
+    assert not any("ends early" in n for n in r.notes)
+
+
 def test_cr_only_line_ends_are_lines(tmp_path):
     lines = [rec(f"r{i}") for i in range(200)]
     lines[99] = "{not json"

@@ -63,19 +63,68 @@ def _csv_records(path: Path, load: FileLoad) -> Iterator[Record]:
 
 def _jsonl_records(path: Path, load: FileLoad) -> Iterator[Record]:
     stream = LineStream(path)
+    last: tuple[int, str, str | None] | None = None
     for n, rawb in stream:
         if not rawb.strip():
             continue
         text = decode_line(rawb)
         if text is None:
             yield n, printable_raw(rawb), None, unreadable_reason(rawb)
+            last = None
             continue
         obj, problem = jsonl_record(text)
         yield n, text, obj, problem
+        last = (n, text, problem)
     if stream.partial is not None:
         yield stream.partial[0], printable_raw(stream.partial[1]), None, INCOMPLETE_RECORD
     if stream.stopped:
         load.notes.append(stream.stopped)
+    elif last is not None and last[0] == stream.lines and last[2] is not None and cut_short(last[1]):
+        load.notes.append(cut_note(last[0]))
+
+
+def json_error(text: str) -> tuple[str, json.JSONDecodeError | None]:
+    """A line that starts a JSON object or array, stripped, and why it does not parse (None: it does, or it is
+    not one: then the text is empty)."""
+    stripped = text.strip()
+    if not stripped.startswith(("{", "[")):
+        return "", None
+    try:
+        json.loads(stripped)
+    except json.JSONDecodeError as e:
+        return stripped, e
+    except (ValueError, RecursionError):
+        return "", None
+    return stripped, None
+
+
+def opens_document(text: str) -> bool:
+    """Whether a line is the start of a JSON value that goes on past the line's end (a pretty-printed
+    document), rather than a complete value or a malformed line."""
+    stripped, e = json_error(text)
+    return e is not None and e.pos >= len(stripped)
+
+
+def cut_short(text: str) -> bool:
+    """Whether a line that is not JSON stops inside a JSON object or array: the parser ran out of text wanting
+    more (a missing value, delimiter or bracket at the end, an unterminated string, a literal's beginning).
+    The last line of a file that is cut short (a copy interrupted, a file recompressed after it was cut) is such
+    a line; a complete line with a mistake in it is not."""
+    stripped, e = json_error(text)
+    if e is None:
+        return False
+    if e.msg.startswith("Unterminated string") or e.pos >= len(stripped):
+        return True
+    rest = stripped[e.pos :]
+    return e.msg == "Expecting value" and any(word.startswith(rest) for word in ("true", "false", "null"))
+
+
+def cut_note(line: int) -> str:
+    """The load note of a file whose last line is a record cut short (the conclusiveness gate's truncated_file)."""
+    return (
+        f"input ends early after line {line - 1} (its last line, {line}, is a record cut short: its JSON stops "
+        "before the record does, so the file was cut there); later records, if any, are lost"
+    )
 
 
 def jsonl_record(text: str) -> tuple[dict[str, Any] | None, str | None]:

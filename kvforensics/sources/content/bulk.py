@@ -24,7 +24,7 @@ from kvforensics.config import Source
 from kvforensics.core.db import run_script, sql
 from kvforensics.sources.common.bulk_lines import CheckedLines, numbered_lines
 from kvforensics.sources.common.load_report import FileLoad
-from kvforensics.sources.common.records import jsonl_record
+from kvforensics.sources.common.records import cut_note, cut_short, jsonl_record
 
 BULK_MIN_LINES = 2_000  # smaller files are read by the reference
 READER = "duckdb-bulk"
@@ -85,6 +85,7 @@ def read_bulk(
     text = sql("content_bulk").replace("{once}", once)
     load.reader = READER
     fallback = 0
+    last: tuple[int, str, str | None] | None = None  # the last line the reference read
     for chunk in lines.chunks():
         con.register("content_bulk_lines", chunk)
         try:
@@ -107,12 +108,15 @@ def read_bulk(
                 fallback += 1
                 record, problem = jsonl_record(raw)
                 take(line, record, problem)
+                last = (line, raw, problem)
             flush()
         finally:
             con.unregister("content_bulk_lines")
             con.execute("DROP VIEW IF EXISTS content_batch").fetchall()
             for table in ("content_bulk", "content_bulk_texts"):
                 con.execute(f"DROP TABLE IF EXISTS {table}").fetchall()
+    if last is not None and last[0] == lines.lines and last[2] is not None and cut_short(last[1]):
+        load.notes.append(cut_note(last[0]))
     load.notes.insert(
         0,
         "read in bulk by DuckDB"

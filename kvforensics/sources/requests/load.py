@@ -24,6 +24,7 @@ import duckdb
 from kvforensics.config import Source
 from kvforensics.core.db import one, run_script
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import cut_note, cut_short
 from kvforensics.sources.requests import otlp
 from kvforensics.sources.requests import sglang as sglang_requests
 from kvforensics.sources.requests.readers import STAGERS
@@ -210,12 +211,31 @@ def _merge_batch(
         for file_no, _, path, fast in batch:
             if file_no in conflicted:
                 _fill_conflict_raw(con, source, path, fast)
-        for _, load, _, _ in batch:
+        for _, load, path, _ in batch:
+            _note_cut_last_record(con, source, path, load)
             on_merged(load)
         con.commit()
     except BaseException:
         con.rollback()
         raise
+
+
+def _note_cut_last_record(con: duckdb.DuckDBPyConnection, source: Source, path: Path, load: FileLoad) -> None:
+    """A JSONL file whose last record is malformed JSON that stops before the record does was cut there (a copy
+    stopped mid-file, then compressed whole): its load says it ends early, as a stream that ends early does. The
+    kept raw text (its first 2,000 characters) is judged only when it is the whole line."""
+    if load.format not in ("", "jsonl") or any("ends early" in n for n in load.notes):
+        return
+    rows = con.execute(
+        """SELECT line, raw FROM quarantine
+           WHERE source = $s AND file = $f AND reason = 'malformed JSON' AND length(raw) < 2000
+             AND line = (SELECT max(line) FROM (
+                 SELECT max(line) AS line FROM quarantine WHERE source = $s AND file = $f
+                 UNION ALL SELECT max(source_line) FROM requests WHERE source = $s AND source_file = $f))""",
+        {"s": source.name, "f": str(path)},
+    ).fetchall()
+    if rows and rows[0][1] is not None and cut_short(rows[0][1]):
+        load.notes.append(cut_note(rows[0][0]))
 
 
 def _fill_conflict_raw(con: duckdb.DuckDBPyConnection, source: Source, path: Path, fast: bool) -> None:

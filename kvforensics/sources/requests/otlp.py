@@ -89,6 +89,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvforensics.config import Source
 from kvforensics.core.errors import InputError
 from kvforensics.sources.common.load_report import FileLoad
+from kvforensics.sources.common.records import opens_document
 from kvforensics.sources.engine_logs.contract import unreadable_reason
 from kvforensics.sources.engine_logs.lines import open_lines
 from kvforensics.sources.requests.otlp_encoding import (
@@ -101,7 +102,6 @@ from kvforensics.sources.requests.otlp_encoding import (
     json_text,
     line_numbers,
     member,
-    opens_document,
     repeated,
     unix_nanos,
 )

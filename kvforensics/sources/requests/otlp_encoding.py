@@ -59,19 +59,6 @@ def json_object(value: object, what: str = "") -> dict[str, Any]:
     return value
 
 
-def opens_document(text: str) -> bool:
-    """Whether a line is the start of a JSON value that goes on past the line's end (a pretty-printed
-    document), rather than a complete value or a malformed line."""
-    stripped = text.strip()
-    if not stripped.startswith(("{", "[")):
-        return False
-    try:
-        json.loads(stripped)
-    except json.JSONDecodeError as e:
-        return e.pos >= len(stripped)
-    return False
-
-
 def member(obj: Mapping[str, Any], key: str, default: Any, snake: str | None = None) -> Any:
     """A field by its lowerCamelCase JSON name, or by its protobuf name (receivers accept both)."""
     if key in obj:
