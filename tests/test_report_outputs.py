@@ -254,12 +254,11 @@ def test_an_inferred_version_is_said_once_with_its_basis_even_with_braces_in_it(
     assert engine_label("vllm", None) == "vllm, version unknown"
 
 
-def test_a_missing_input_weakens_only_the_rules_of_the_mechanisms_investigated(tmp_path: Path) -> None:
-    """Engine logs without per-request lines: under stale_pages the note names the rules left to agree; a
-    prefix_reuse investigation reads no engine line and no timing, so neither note is written for it."""
+def one_startup_evidence(tmp_path: Path):  # noqa: ANN201 - (connection, incident)
+    """An evidence database with one decode start-up, engine logs without a per-request line and one successful
+    request without timings; the mini incident."""
     from kvforensics.config import load_incident
     from kvforensics.core.db import connect
-    from kvforensics.report.missing import missing_inputs
 
     con = connect()
     con.execute(
@@ -267,7 +266,15 @@ def test_a_missing_input_weakens_only_the_rules_of_the_mechanisms_investigated(t
     )
     con.execute("CREATE TABLE analysed_requests (model VARCHAR, status INTEGER, ttft_ms DOUBLE, latency_ms DOUBLE)")
     con.execute("INSERT INTO analysed_requests VALUES ('m', 200, NULL, NULL)")
-    incident = load_incident(write_mini(tmp_path / "data", mini_requests(), INCIDENT))
+    return con, load_incident(write_mini(tmp_path / "data", mini_requests(), INCIDENT))
+
+
+def test_a_missing_input_weakens_only_the_rules_of_the_mechanisms_investigated(tmp_path: Path) -> None:
+    """Engine logs without per-request lines: under stale_pages the note names the rules left to agree; a
+    prefix_reuse investigation reads no engine line and no timing, so neither note is written for it."""
+    from kvforensics.report.missing import missing_inputs
+
+    con, incident = one_startup_evidence(tmp_path)
 
     def notes(investigated: set[str] | None) -> dict[str, str]:
         return {m.section: m.meaning for m in missing_inputs(con, incident, investigated)}
@@ -282,3 +289,26 @@ def test_a_missing_input_weakens_only_the_rules_of_the_mechanisms_investigated(t
     assert "engine_events" not in prefix and "latency" not in prefix
     assert {"content", "changes", "audit"} <= set(prefix)
     assert notes(None).keys() == stale.keys()
+
+
+def test_the_audit_note_says_check_5_is_unknown_only_where_it_is(tmp_path: Path) -> None:
+    from kvforensics.audit import AuditReport, audit_paths
+    from kvforensics.report.missing import missing_inputs
+
+    con, incident = one_startup_evidence(tmp_path)
+    pd = audit_paths([Path(__file__).parent / "fixtures" / "engine_logs" / "sglang-0.5.15-pd-decode-tp8.log"])
+    unknown = sum(1 for v in pd.verdicts if v.check == 5 and v.status == "unknown")
+    assert unknown == 1
+
+    def note(audit: AuditReport) -> str:
+        (m,) = [m for m in missing_inputs(con, incident, None, audit) if m.section == "audit"]
+        return m.meaning
+
+    assert note(pd).startswith(
+        "check 5 (the load balancer does not abort before the first token) stays unknown on 1 start-up(s) here, and "
+        "the engine version is the one the log shows or implies."
+    )
+    # a unified deployment: check 5 is not applicable, and the note does not say it is unknown
+    unified = AuditReport([v for v in pd.verdicts if v.check != 5])
+    assert note(unified).startswith("the engine version is the one the log shows or implies.")
+    assert "check 5" not in note(unified)

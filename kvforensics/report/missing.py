@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import duckdb
 
+from kvforensics.audit import AuditReport
 from kvforensics.config import Incident
 from kvforensics.stages.conclusive import RULE_FIELDS
 from kvforensics.stages.detect import Rule, load_rules
@@ -45,11 +46,15 @@ def _names(sources: list) -> str:
 
 
 def missing_inputs(
-    con: duckdb.DuckDBPyConnection, incident: Incident, investigated: Collection[str] | None = None
+    con: duckdb.DuckDBPyConnection,
+    incident: Incident,
+    investigated: Collection[str] | None = None,
+    audit: AuditReport | None = None,
 ) -> list[MissingInput]:
     """Every input of the investigation that is absent or empty, in the order the report's sections come. What an
     absence weakens is said of the rules of the *investigated* mechanisms (ids; None: every mechanism's): an input
-    none of them reads weakens no finding and is not listed (the engine logs' start-ups and the changes are)."""
+    none of them reads weakens no finding and is not listed (the engine logs' start-ups and the changes are).
+    *audit*: the report's audit, whose check-5 verdicts say whether the load balancer's setting is still unknown."""
     rules = [r for r in load_rules() if investigated is None or r.mechanism in investigated]
     found: list[MissingInput] = []
     engine_sources = incident.sources_of("engine_log")
@@ -110,14 +115,24 @@ def missing_inputs(
             )
         )
     if startups:
+        unknown = None if audit is None else sum(1 for v in audit.verdicts if v.check == 5 and v.status == "unknown")
+        lb = (
+            "check 5 (the load balancer does not abort before the first token) stays unknown here, and "
+            if unknown is None
+            else f"check 5 (the load balancer does not abort before the first token) stays unknown on {unknown:,} "
+            "start-up(s) here, and "
+            if unknown
+            else ""
+        )
         found.append(
             MissingInput(
                 "audit",
                 "the audit reads the engine logs and the incident file's [prefix_cache] only: the rest of a deployment "
                 "manifest and /get_server_info dumps are not inputs of a run",
-                "check 5 (the load balancer does not abort before the first token) stays unknown here, and the engine "
-                "version is the one the log shows or implies. Run kvforensics audit --incident <incident.toml> "
-                "--manifest <deployment manifest> --server-info <dump.json> to answer them",
+                f"{lb}the engine version is the one the log shows or implies"
+                + (" or the incident file's [prefix_cache] declares" if incident.prefix_isolation is not None else "")
+                + ". Run kvforensics audit --incident <incident.toml> --manifest <deployment manifest> --server-info "
+                "<dump.json> to answer " + ("them" if lb else "it"),
             )
         )
     return found

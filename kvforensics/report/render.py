@@ -133,7 +133,7 @@ def build_context(
         "audit_html": Markup(audit.to_html()),
         "audit_md": audit.to_markdown(),
         "audited": audit.exit_code != 2,  # 2: no start-up to audit
-        "missing": missing_inputs(con, incident, {m["id"] for m in s.get("mechanisms", [])}),
+        "missing": missing_inputs(con, incident, {m["id"] for m in s.get("mechanisms", [])}, audit),
         # the mechanisms investigated, with their report wording (kvforensics/mechanisms/<id>/mechanism.yml)
         "mechanisms": [known[m["id"]] for m in s.get("mechanisms", []) if m["id"] in known],
         "not_investigated": s.get("mechanisms_not_investigated", []),
