@@ -41,15 +41,15 @@ def _run(incident: Path, out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def judged(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any]]:
+def judged(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any], Path]:
     root = tmp_path_factory.mktemp("hicache")
     truth = generate.generate(root / "incident", seed=15, requests=4000)
     code = _run(root / "incident" / "incident.toml", root / "out")
-    return code, score.score(root / "out", root / "incident" / "truth.json"), truth
+    return code, score.score(root / "out", root / "incident" / "truth.json"), truth, root / "out"
 
 
 def test_the_archive_as_the_subscriber_wrote_it_loads(judged, tmp_path_factory):
-    code, result, truth = judged
+    code, result, truth, _ = judged
     assert result["run"]["outputs"] and code == 0 and result["run"]["conclusive"], result["run"]
     assert truth["counts"]["affected"] > 50  # a size at which the scores mean something
 
@@ -73,6 +73,21 @@ def test_the_prober_is_found_and_no_look_alike_is_flagged(judged):
     exploitation = judged[1]["exploitation"]
     assert exploitation["prober_found"] and exploitation["prober_tier"] == "likely"
     assert exploitation["lookalikes_flagged_count"] == 0 and exploitation["other_accounts_flagged"] == []
+
+
+def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_shared_cache_exposed(judged):
+    """Both mechanisms are investigated; only prefix_reuse's rules flag responses, and each section says so. The
+    start-ups whose shared L3 store drops the salt fail check 6: the audit's headline calls them exposed."""
+    _, result, truth, out = judged
+    md = (out / "report.md").read_text(encoding="utf-8")
+    sections = md.split("\n### ")
+    stale = next(x for x in sections if x.startswith("Stale KV pages"))
+    prefix = next(x for x in sections if x.startswith("Prefix-cache blocks reused across tenants"))
+    assert "**In this evidence:** its rules flagged no affected response." in stale
+    affected = json.loads((out / "scope.json").read_text(encoding="utf-8"))["affected_responses"]
+    assert f"**In this evidence:** its rules flagged {affected:,} affected responses." in prefix
+    failing = len(truth["exposure_windows"])
+    assert f"**EXPOSED: prefix-cache isolation fails on {failing} start-up(s) (check 6)." in md
 
 
 def test_the_lost_messages_are_found(judged):

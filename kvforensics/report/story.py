@@ -41,6 +41,8 @@ class Story:
     measures: tuple[str, ...]  # declared in [notice]
     ended: tuple[str, ...]  # derived: how each exposure window ended, or that it had not
     operator_checks: tuple[str, ...]  # derived: the audit checks that fail
+    # derived: per mechanism investigated (its id), what its rules found in this evidence
+    found: dict[str, str]
     possible_bases: tuple[str, ...]
     notice_missing: tuple[str, ...]
     provider: str | None
@@ -125,6 +127,25 @@ def _findings(con: duckdb.DuckDBPyConnection, rules: list[dict[str, Any]]) -> st
         return ""
     parts = [f"{r['id']} {r['flagged_affected']:,} ({r['title'][:1].lower()}{r['title'][1:]})" for r in counted]
     return "Rules that flagged the affected responses: " + "; ".join(parts) + "."
+
+
+def _found(con: duckdb.DuckDBPyConnection, mechanisms: list[Any]) -> dict[str, str]:
+    """Per mechanism investigated: how many affected responses its rules flagged (a finding without a mechanism
+    is a stale_pages rule's, as _nature reads them), or that they flagged none."""
+    counts = dict(
+        con.execute(
+            """SELECT coalesce(f.mechanism, 'stale_pages'), count(DISTINCT a.request_id) FROM findings f
+               JOIN affected_responses a USING (request_id) GROUP BY 1"""
+        ).fetchall()
+    )
+    return {
+        m.id: (
+            f"its rules flagged {plural(counts[m.id], 'affected response')}."
+            if counts.get(m.id)
+            else "its rules flagged no affected response."
+        )
+        for m in mechanisms
+    }
 
 
 def _nature(con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[Any]) -> str:
@@ -243,6 +264,7 @@ def incident_story(
         measures=facts.measures,
         ended=facts.ended,
         operator_checks=_operator_checks(audit) if audit.verdicts else (),
+        found=_found(con, mechanisms),
         possible_bases=_possible_bases(con),
         notice_missing=facts.missing,
         provider=facts.provider,
