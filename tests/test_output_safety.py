@@ -24,6 +24,7 @@ FORMULA_ACCOUNT = '=HYPERLINK("http://evil.example","x")'
 PHISHING_ACCOUNT = "[Verify your account](https://evil.example/login)"
 LINK_MODEL = "[m](javascript:alert(7))"
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+BIDI_ACCOUNT = "acct-6\u202etxt.exe\u2066\u200f"
 
 
 def _evil_incident(root: Path) -> Path:
@@ -36,6 +37,8 @@ def _evil_incident(root: Path) -> Path:
             r["account_id"] = PHISHING_ACCOUNT
         elif r["account_id"] == "acct-5":
             r["account_id"] = "@SUM(1+1)*cmd|' /C calc'!A0"
+        elif r["account_id"] == "acct-6":  # shows as "acct-6exe.txt" where bidi controls act (Trojan Source)
+            r["account_id"] = BIDI_ACCOUNT
         if r["rid"] == "r119":  # acct-0's last request before the leak: a request id in notifications.csv
             r["rid"] = "+r119"
     incident = INCIDENT.replace('"@cf/zai-org/glm-5.3"', json.dumps(LINK_MODEL))
@@ -107,6 +110,21 @@ def test_every_text_file_is_utf8_without_control_bytes(runs):
         for path in files:
             text = path.read_bytes().decode("utf-8")  # raises when not UTF-8
             assert visible_controls(text) == text, path.name
+
+
+def test_bidirectional_controls_of_an_account_id_are_shown_not_obeyed(runs):
+    """Every file written shows the account id's bidi controls as escapes (none holds one: the test above); the
+    id itself is written, escaped, in the report, the notices' headings and the CSVs."""
+    shown = "acct-6\\u202etxt.exe\\u2066\\u200f"
+    for out in runs.values():
+        assert shown in (out / "notifications.csv").read_text(encoding="utf-8")
+        headings = [
+            line
+            for p in (out / "notices").rglob("*.md")
+            for line in p.read_text(encoding="utf-8").splitlines()
+            if line.startswith("# Notice to account acct-6")
+        ]
+        assert headings and all("\u202e" not in line and "u202e" in line for line in headings)
 
 
 def test_evidence_database_keeps_the_raw_line(runs):

@@ -18,9 +18,13 @@ from kvforensics.core.timestamps import iso
 # controls (NUL makes a text file binary to every tool; ESC starts terminal sequences), the surrogates (not text:
 # UTF-8 cannot encode a lone one) and the non-characters U+FDD0..U+FDEF and U+xxFFFE/U+xxFFFF. XML 1.0 (SVG, the
 # charts vl-convert draws) forbids the controls, surrogates and U+FFFE/U+FFFF outright, and vl-convert aborts the
-# process on them; HTML calls them parse errors; a PDF or a file name carries them invisibly.
+# process on them; HTML calls them parse errors; a PDF or a file name carries them invisibly. Also the Unicode
+# bidirectional controls (U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069): invisible, they reorder the text
+# around them as it is displayed, so an account id holding U+202E shows another id than it is in a notice, a table
+# or a spreadsheet ("Trojan Source", CVE-2021-42574; Unicode UAX #9).
 UNSAFE = re.compile(
     "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufdd0-\ufdef\ufffe\uffff"
+    "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
     + "".join(f"{chr(plane << 16 | 0xFFFE)}{chr(plane << 16 | 0xFFFF)}" for plane in range(1, 17))
     + "]"
 )
@@ -37,7 +41,7 @@ def _escape(match: re.Match[str]) -> str:
 
 def visible_controls(text: str) -> str:
     """``text`` safe for every renderer (SVG and XML, HTML, Markdown, PDF, CSV, the console): each control
-    character (except TAB, LF, CR), surrogate and non-character written as a visible escape, ``\\xNN`` (``\\x00``,
+    character (except TAB, LF, CR), bidirectional control, surrogate and non-character written as a visible escape, ``\\xNN`` (``\\x00``,
     ``\\x1b``, ``\\x85``), ``\\uNNNN`` (``\\ud800``, ``\\uffff``) or ``\\UNNNNNNNN``. The one helper every
     output applies to untrusted text; :func:`visible_controls_in` applies it inside a chart's spec."""
     return text if UNSAFE.search(text) is None else UNSAFE.sub(_escape, text)
