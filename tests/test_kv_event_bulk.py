@@ -347,3 +347,43 @@ def rows_of(path: Path, columns: dict[str, str]) -> list[tuple]:
     con = connect()
     read_bulk(con, source(path.parent.parent, columns), path, KEY, Chains(), 0)
     return con.execute("SELECT * FROM kv_events").fetchall()
+
+
+def test_ingest_begins_the_kv_event_files_line_checks_on_their_own_thread(tmp_path, monkeypatch):
+    """A simulated prefix-cache incident ingested: its KV-event files' lines were checked on the checks' own thread
+    (begun when the ingest starts, while the gateway files load), read in bulk, and the rows are the ones checks
+    made at each file's read give."""
+    import threading
+
+    from kvforensics.investigation import Investigation
+    from kvforensics.simulate.prefix import simulate_prefix
+    from kvforensics.sources.common import bulk_lines
+    from kvforensics.sources.kv_events import bulk, entry
+
+    simulate_prefix("prefix-l3-unsalted", tmp_path / "incident", seed=3, requests=1000)
+    incident = tmp_path / "incident" / "incident.toml"
+    threads: list[str] = []  # where the KV-event files' lines were checked (the content file's are too)
+    check = bulk_lines.check_lines
+    kv_files = {str(p) for p in (tmp_path / "incident" / "kv-events").iterdir()}
+
+    def recording_check(con, path, *args):
+        if str(path) in kv_files:
+            threads.append(threading.current_thread().name)
+        return check(con, path, *args)
+
+    monkeypatch.setattr(entry, "BULK_MIN_LINES", 0)
+    monkeypatch.setattr(bulk, "BULK_MIN_LINES", 0)
+    monkeypatch.setattr(bulk_lines, "check_lines", recording_check)
+    inv = Investigation.open(incident, tmp_path / "out")
+    inv.ingest()
+    assert threads and all(name.startswith("kvf-line-checks") for name in threads), threads
+    notes = inv.con.execute("SELECT notes FROM load_report WHERE kind = 'kv_events'").fetchall()
+    assert notes and all(n[0].startswith("read in bulk by DuckDB") for n in notes), notes
+    ahead = rows(inv.con)
+    inv.con.close()
+    monkeypatch.setattr(entry, "begin", None)  # no checks begun: each made at its file's read
+    threads.clear()
+    again = Investigation.open(incident, tmp_path / "again")
+    again.ingest()
+    assert threads and not any(name.startswith("kvf-line-checks") for name in threads)
+    assert rows(again.con) == ahead and ahead["kv_events"]

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import duckdb
 import pyarrow as pa
 
 from kvforensics.sources.common.textio import open_binary, scan_file
+
+if TYPE_CHECKING:
+    from kvforensics.config import Source
+    from kvforensics.sources.common.load_report import IngestRun
 
 # lines are read a chunk at a time (CHUNK_LINES lines or CHUNK_BYTES of text), in slices DuckDB's threads read
 # side by side
@@ -159,6 +164,27 @@ class LineChecks:
     def get(self, path: Path) -> Future[CheckedLines | str] | None:
         """The check of *path*, or None when none was begun."""
         return self._checks.get(path)
+
+
+@contextmanager
+def checks_begun(
+    run: IngestRun, source: Source, files: list[Path], min_lines: int, refusal: str | None
+) -> Iterator[None]:
+    """A bulk reader's source kind's ``begin``: the checks of the source's files' lines begun on a thread of their
+    own for the length of the ingest (none when *refusal* says why its files are not read in bulk);
+    :func:`begun_check` gives each file's at its read."""
+    if refusal is not None:
+        yield
+        return
+    with LineChecks(run.con, files, min_lines) as checks:
+        run.state[f"{__name__}:{source.name}"] = checks
+        yield
+
+
+def begun_check(run: IngestRun, source: Source, path: Path) -> Future[CheckedLines | str] | None:
+    """The check of *path* :func:`checks_begun` began, or None."""
+    checks: LineChecks | None = run.state.get(f"{__name__}:{source.name}")
+    return checks.get(path) if checks is not None else None
 
 
 def compression(path: Path) -> str:

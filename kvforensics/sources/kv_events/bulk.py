@@ -22,6 +22,7 @@ reader read the file, and how many lines of it the reference read.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ import pyarrow as pa
 
 from kvforensics.config import Source
 from kvforensics.core.db import run_script, sql
-from kvforensics.sources.common.bulk_lines import numbered_lines
+from kvforensics.sources.common.bulk_lines import CheckedLines, numbered_lines
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.common.records import QuarantineRows
 from kvforensics.sources.kv_events.chains import Chains, Fingerprints, follow
@@ -66,12 +67,14 @@ def read_bulk(
     key: bytes,
     chains: Chains,
     min_lines: int = BULK_MIN_LINES,
+    checked: Future[CheckedLines | str] | None = None,
 ) -> FileLoad | str:
-    """Load one KV-event file in bulk, or say why the reference must read it whole."""
+    """Load one KV-event file in bulk, or say why the reference must read it whole. *checked*: the check of the
+    file's lines begun before (:class:`~kvforensics.sources.common.bulk_lines.LineChecks`)."""
     batch = _batch_reads(source)
     if isinstance(batch, str):
         return batch
-    lines = numbered_lines(con, path, min_lines)
+    lines = numbered_lines(con, path, min_lines, checked)
     if isinstance(lines, str):
         return lines
     load = FileLoad(file=path, reader=READER)
@@ -250,6 +253,13 @@ def _insert_fallback(con: duckdb.DuckDBPyConnection, rows: Rows) -> None:
                 ).fetchall()
         finally:
             con.unregister("kv_bulk_fallback")
+
+
+def bulk_refusal(source: Source) -> str | None:
+    """Why no file of *source* can be read in bulk (its ``columns`` name a key the bulk reader does not follow),
+    or None."""
+    found = _batch_reads(source)
+    return found if isinstance(found, str) else None
 
 
 def _batch_reads(source: Source) -> dict[str, Any] | str:

@@ -38,11 +38,13 @@ and hands every line it does not take, and every file it cannot number line for 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import duckdb
 
 from kvforensics.config import Source
+from kvforensics.sources.common.bulk_lines import CheckedLines
 from kvforensics.sources.common.load_report import FileLoad
 from kvforensics.sources.kv_events.bulk import BULK_MIN_LINES, read_bulk
 from kvforensics.sources.kv_events.chains import Chains
@@ -59,13 +61,15 @@ def load_kv_events(
     chains: Chains | None = None,
     *,
     bulk_from: int = BULK_MIN_LINES,
+    checked: Future[CheckedLines | str] | None = None,
 ) -> FileLoad:
     """Load one KV-event file into ``kv_events`` and its messages into ``kv_event_messages``: a record
     is an event (a line that cannot be read as a batch counts as one); every event loaded or quarantined
     with its reason, token ids never kept. In bulk when the file has *bulk_from* lines or more and DuckDB
-    can read it, else by the reference."""
+    can read it, else by the reference. *checked*: the check of the file's lines begun before
+    (:class:`~kvforensics.sources.common.bulk_lines.LineChecks`)."""
     chains = chains if chains is not None else Chains()
-    load = read_bulk(con, source, path, key, chains, bulk_from)
+    load = read_bulk(con, source, path, key, chains, bulk_from, checked)
     if isinstance(load, FileLoad):
         return load
     reference = read_reference(con, source, path, key, chains)
