@@ -163,7 +163,7 @@ def load_requests(
         stored.append(load)
 
     try:
-        load_requests_files(con, source, paths, on_merged=merged, model_aliases=aliases)
+        load_requests_files(con, source, paths, on_merged=merged, model_aliases=aliases, growing=True)
     finally:
         pieces.remove()
     for inc in increments:

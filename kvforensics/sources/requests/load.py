@@ -68,6 +68,7 @@ def load_requests_files(
     on_file: Callable[[Path], None] = lambda path: None,
     on_merged: Callable[[FileLoad], None] = lambda load: None,
     model_aliases: Mapping[str, str] | None = None,
+    growing: bool = False,
 ) -> list[FileLoad]:
     """Load the files of one source, in order: each file is read and typed (one streaming pass where
     DuckDB can read it), then a batch of files is merged into ``requests`` at once: duplicates
@@ -75,7 +76,9 @@ def load_requests_files(
     ``on_merged`` is called for every file of a batch inside the batch's transaction (the ingest
     records its load report there), so a batch lands whole or not at all. ``model_aliases`` (the
     incident's ``[models] aliases``: engine model name -> gateway model id) rename the models of
-    request logs written by an engine, which name models the engine's way."""
+    request logs written by an engine, which name models the engine's way. ``growing``: the files are pieces of
+    files still being written (``kvforensics watch``), whose last line may be one not yet finished: it is not
+    taken for the mark of a file cut short."""
     loads: list[FileLoad] = []
     batch: list[tuple[int, FileLoad, Path, bool]] = []
     rows = 0
@@ -110,11 +113,11 @@ def load_requests_files(
             if rows >= batch_rows:
                 while in_flight:  # files already being typed belong to this batch
                     finish()
-                _merge_batch(con, source, batch, on_merged)
+                _merge_batch(con, source, batch, on_merged, growing)
                 batch, rows, numbered = [], 0, 0
                 new_batch(con)
     if batch:
-        _merge_batch(con, source, batch, on_merged)
+        _merge_batch(con, source, batch, on_merged, growing)
     if not KEEP_BATCH_TABLES:
         for name in ("kvf_batch.typed_all", "kvf_batch.load_files", "repeated_ids", "repeated", "merge_counts"):
             con.execute(f"DROP TABLE IF EXISTS {name}").fetchall()
@@ -188,6 +191,7 @@ def _merge_batch(
     source: Source,
     batch: list[tuple[int, FileLoad, Path, bool]],
     on_merged: Callable[[FileLoad], None],
+    growing: bool = False,
 ) -> None:
     con.begin()
     try:
@@ -212,7 +216,8 @@ def _merge_batch(
             if file_no in conflicted:
                 _fill_conflict_raw(con, source, path, fast)
         for _, load, path, _ in batch:
-            _note_cut_last_record(con, source, path, load)
+            if not growing:
+                _note_cut_last_record(con, source, path, load)
             on_merged(load)
         con.commit()
     except BaseException:
