@@ -174,6 +174,31 @@ def test_requests_from_a_spark_table(spark, tmp_path):
         inv.close()
 
 
+def test_the_store_load_rule_cases_hold_on_spark(spark):
+    """The prefix_reuse rule with a recursive CTE runs on Spark too: its YAML cases with chains of loaded
+    pages flag the same requests there (UNION ALL, which is all Spark's recursion accepts)."""
+    import kvforensics
+    from kvforensics.core.db import connect
+    from kvforensics.engines.spark import CANONICAL_TABLES, SparkEngine
+    from kvforensics.stages.detect import load_case_tables
+    from kvforensics.stages.rulebook import load_rules
+
+    engine = SparkEngine(spark)
+    checked = 0
+    rules = load_rules(Path(kvforensics.__file__).parent / "mechanisms" / "prefix_reuse" / "rules")
+    for rule in [r for r in rules if r.id == "cross_tenant_store_load"]:
+        # the cases whose loads are chains of pages (the recursion has parents to follow)
+        for case in [c for c in rule.tests if any("parent_block_hash" in e for e in c["tables"]["kv_events"])]:
+            con = connect()
+            load_case_tables(con, case["tables"])
+            tables = [t for (t,) in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+            engine.push_tables(con, [t for t in tables if t in CANONICAL_TABLES])
+            flagged = engine.run_rule(con, rule, rule.parameters)
+            assert sorted(flagged["request_id"]) == sorted(case["expect"]), (rule.id, case["name"])
+            checked += 1
+    assert checked >= 2
+
+
 def engine_arrow(con: duckdb.DuckDBPyConnection):
     return con.sql("SELECT * FROM requests").to_arrow_table()
 

@@ -508,9 +508,9 @@ SELECT format('prefix_reuse: the KV events show {:,} load(s) of {:,} page(s) ano
               || '(instances {}, from {} to {}) that no request of the loading namespace explains: a response received '
               || 'another tenant''s pages and the run cannot say which; map requests.cache_salt and the instance in the '
               || 'gateway source, add the gateway log of that period, or check the clocks (clock_offset_s)',
-              count(DISTINCT (instance, ts, salt)), count(*), gate_names(list(DISTINCT instance ORDER BY instance)),
+              count(DISTINCT (instance, ts, salt, leaf)), count(*), gate_names(list(DISTINCT instance ORDER BY instance)),
               gate_ts(min(ts)), gate_ts(max(ts))) AS message,
-       count(DISTINCT (instance, ts, salt)) AS loads, count(*) AS pages
+       count(DISTINCT (instance, ts, salt, leaf)) AS loads, count(*) AS pages
 FROM prefix_store_loads
 WHERE request_id IS NULL
 HAVING count(*) > 0;

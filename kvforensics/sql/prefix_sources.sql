@@ -23,12 +23,14 @@
 -- (request_id NULL: no request of the loading namespace arrived near the load, which the gate reports as
 -- prefix_store_loads_unmatched).
 CREATE OR REPLACE TABLE prefix_store_loads AS
-WITH internal AS (
+WITH RECURSIVE internal AS (
     SELECT account_id FROM account_classes WHERE account_class = 'internal'
 ), {{ fragment('prefix_store_loads') }}
-SELECT f.instance, f.ts, f.salt, f.position, f.num_tokens, f.owner_salt, f.owner_instance, f.written, c.request_id
+SELECT f.instance, f.ts, f.salt, f.leaf, f.position, f.num_tokens, f.owner_salt, f.owner_instance, f.written,
+       c.request_id
 FROM foreign_pages f
-LEFT JOIN load_requests c ON c.instance = f.instance AND c.ts = f.ts AND c.salt = f.salt AND c.nearest = 1;
+LEFT JOIN load_requests c ON c.instance = f.instance AND c.ts = f.ts AND c.salt = f.salt AND c.leaf = f.leaf
+                         AND c.nearest = 1;
 
 CREATE OR REPLACE TABLE prefix_sources AS
 WITH flagged AS (

@@ -2,16 +2,22 @@
 -- CTEs shared by the cross_tenant_store_load rule and sql/prefix_sources.sql, included with
 -- {{ fragment('prefix_store_loads') }}. The method is the rule's (its SQL file's header).
 -- Reads the CTE internal (account_id) of the query that includes it: the provider's own accounts.
+-- The including query's WITH must be WITH RECURSIVE (load_paths follows the loaded pages' parents).
 -- Parameters: $load_window_s, $clock_skew_s.
+-- A load is one chain of pages: the pages one namespace loaded at one moment on one instance, from a page
+-- no other of them is the parent of (its leaf) up through their parent hashes. Two requests of one
+-- namespace whose loads an engine publishes in one batch (one scheduler step) are two loads, each matched
+-- to its own request; a prefix two of them share counts in both.
 -- Defines, among others:
---   foreign_pages (instance, ts, salt, position, num_tokens, chain_fp, owner_salt, owner_instance, written):
---     each page loaded from the store whose content another namespace wrote first (owner_salt, on
---     owner_instance at written);
---   load_requests (instance, ts, salt, pages, last_position, tokens, owners, request_id, cached_tokens,
---     nearest): the requests of the loading namespace near each load; nearest = 1 on the one it served.
+--   foreign_pages (instance, ts, salt, leaf, position, num_tokens, chain_fp, owner_salt, owner_instance,
+--     written): each page of each load whose content another namespace wrote first to the store
+--     (owner_salt, on owner_instance at written);
+--   load_requests (instance, ts, salt, leaf, pages, last_position, tokens, owners, request_id,
+--     cached_tokens, nearest): the requests of the loading namespace near each load; nearest = 1 on the
+--     one it served.
 ordered AS (
     -- every event of an instance in publication order
-    SELECT instance, ts, kind, block_hash, medium, salt, position, num_tokens, chain_fp,
+    SELECT instance, ts, kind, block_hash, parent_block_hash, medium, salt, position, num_tokens, chain_fp,
            row_number() OVER (PARTITION BY instance ORDER BY ts NULLS LAST, batch NULLS LAST, seq NULLS LAST,
                                                          block_hash NULLS LAST) AS ord
     FROM kv_events
@@ -56,12 +62,35 @@ ordered AS (
     FROM placed p
     LEFT JOIN ordered d ON d.instance = p.instance AND d.ord = p.prev_device
     LEFT JOIN ordered h ON h.instance = p.instance AND h.ord = p.prev_host
-), loads AS (
+), load_pages AS (
     -- host stores of pages held nowhere: read from the shared store
-    SELECT instance, ts, salt, position, num_tokens, chain_fp, model
+    SELECT instance, ts, salt, block_hash, parent_block_hash, position, num_tokens, chain_fp, model
     FROM held
     WHERE kind = 'stored' AND medium = 'CPU_PINNED' AND on_device = 0 AND in_host = 0
       AND chain_fp IS NOT NULL AND salt IS NOT NULL
+), load_links AS (
+    SELECT DISTINCT instance, ts, salt, block_hash, parent_block_hash, position FROM load_pages
+), load_paths AS (
+    -- each load's leaf (a page no other page of the moment names as its parent), then its parents among
+    -- the pages loaded at that moment, a position down at each step (so a cycle of colliding hashes ends;
+    -- a loaded page's position is known: its chain_fp is)
+    SELECT l.instance, l.ts, l.salt, l.block_hash AS leaf, l.block_hash, l.parent_block_hash, l.position
+    FROM load_links l
+    WHERE NOT EXISTS (SELECT 1 FROM load_links c
+                      WHERE c.instance = l.instance AND c.ts = l.ts AND c.salt = l.salt
+                        AND c.parent_block_hash = l.block_hash AND c.position = l.position + 1)
+    UNION ALL
+    SELECT p.instance, p.ts, p.salt, p.leaf, l.block_hash, l.parent_block_hash, l.position
+    FROM load_paths p
+    JOIN load_links l ON l.instance = p.instance AND l.ts = p.ts AND l.salt = p.salt
+                     AND l.block_hash = p.parent_block_hash AND l.position = p.position - 1
+), loads AS (
+    -- each loaded page once per load it is on (a page without a position is a load of its own)
+    SELECT DISTINCT l.instance, l.ts, l.salt, coalesce(p.leaf, l.block_hash) AS leaf, l.position, l.num_tokens,
+           l.chain_fp, l.model
+    FROM load_pages l
+    LEFT JOIN load_paths p ON p.instance = l.instance AND p.ts = l.ts AND p.salt = l.salt
+                          AND p.block_hash = l.block_hash
 ), writes AS (
     -- pages the namespace computed (a device store of a page not in host memory) or backed up (a host
     -- store of a page on the device), on instances whose start-up had a shared store: pages put in the
@@ -82,9 +111,9 @@ ordered AS (
 ), owners AS (
     -- per loaded page, the namespace that wrote it first before the load: the store keeps the first write
     -- of a key (it checks that a key exists before it sets it), so that namespace's KV is what was read
-    SELECT l.instance, l.ts, l.salt, l.position, l.num_tokens, l.chain_fp, f.salt AS owner_salt, f.ts AS written,
-           f.instance AS owner_instance,
-           row_number() OVER (PARTITION BY l.instance, l.ts, l.salt, l.chain_fp
+    SELECT l.instance, l.ts, l.salt, l.leaf, l.position, l.num_tokens, l.chain_fp, f.salt AS owner_salt,
+           f.ts AS written, f.instance AS owner_instance,
+           row_number() OVER (PARTITION BY l.instance, l.ts, l.salt, l.leaf, l.chain_fp
                               ORDER BY f.ts NULLS LAST, f.salt NULLS LAST) AS first
     FROM loads l
     JOIN first_writes f ON f.chain_fp = l.chain_fp AND f.ts < l.ts
@@ -98,16 +127,27 @@ ordered AS (
     WHERE o.first = 1 AND o.owner_salt IS NOT NULL AND o.owner_salt <> o.salt
       AND NOT EXISTS (SELECT 1 FROM prefix_shared_namespaces n WHERE {{ glob_match(o.owner_salt, n.pattern) }})
       AND (a.account_id IS NULL OR a.account_id NOT IN (SELECT account_id FROM internal))
+), load_extents AS (
+    -- what each load put in host memory, foreign or not: the request it served had at least those tokens
+    -- cached, and exactly the tokens up to its last page when the load ended its cached prefix
+    SELECT instance, ts, salt, leaf, sum(num_tokens) AS loaded_tokens,
+           (max(position) + 1) * max(num_tokens) AS prefix_tokens
+    FROM loads GROUP BY instance, ts, salt, leaf
 ), load_groups AS (
-    -- the pages one namespace loaded at one moment on one instance
-    SELECT instance, ts, salt, count(*) AS pages, max(position) AS last_position,
-           sum(num_tokens) AS tokens, count(DISTINCT owner_salt) AS owners
-    FROM foreign_pages GROUP BY instance, ts, salt
+    -- the foreign pages of each load
+    SELECT f.instance, f.ts, f.salt, f.leaf, count(*) AS pages, max(f.position) AS last_position,
+           sum(f.num_tokens) AS tokens, count(DISTINCT f.owner_salt) AS owners,
+           any_value(e.loaded_tokens) AS loaded_tokens, any_value(e.prefix_tokens) AS prefix_tokens
+    FROM foreign_pages f
+    JOIN load_extents e ON e.instance = f.instance AND e.ts = f.ts AND e.salt = f.salt AND e.leaf = f.leaf
+    GROUP BY f.instance, f.ts, f.salt, f.leaf
 ), load_requests AS (
     SELECT g.*, r.request_id, r.cached_tokens,
-           row_number() OVER (PARTITION BY g.instance, g.ts, g.salt
-                              -- the last to arrive before the load, else (clocks apart) the first after it
-                              ORDER BY CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
+           row_number() OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf
+                              -- a request whose cached prefix ends with the load, then the last to arrive
+                              -- before the load, else (clocks apart) the first after it
+                              ORDER BY CASE WHEN r.cached_tokens = g.prefix_tokens THEN 0 ELSE 1 END,
+                                       CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
                                        abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
                                        r.request_id NULLS LAST) AS nearest
     FROM load_groups g
@@ -115,5 +155,5 @@ ordered AS (
     JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt
                    AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
                    AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
-                   AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.tokens)
+                   AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.loaded_tokens)
 )

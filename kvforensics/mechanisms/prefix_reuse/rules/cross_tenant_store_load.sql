@@ -14,12 +14,15 @@
 --     checks that a key exists before it sets it). The load is foreign when that namespace is not the
 --     requester's, is not a shared namespace ([prefix_cache] shared_namespaces) and its account is not
 --     one of the provider's internal accounts;
---   * the response is the request of the loading namespace on that instance whose arrival is nearest
---     the load, from $load_window_s before the load to $clock_skew_s after it, with cached_tokens
---     covering the loaded pages, or none logged (a client that disconnected gets no usage); requests.cache_salt
---     names the namespace.
+--   * a load is one chain of the pages one namespace loaded at one moment on one instance (a page no
+--     other of them names as its parent, and its parents among them): an engine that publishes two
+--     requests' loads in one batch (one scheduler step) shows two loads;
+--   * the response is a request of the loading namespace on that instance, from $load_window_s before the
+--     load to $clock_skew_s after it, with cached_tokens covering every page of the load, or none logged (a
+--     client that disconnected gets no usage): the one whose cached_tokens end exactly with the load's last
+--     page, else the one whose arrival is nearest the load; requests.cache_salt names the namespace.
 -- Output: request_id, strength ('strong'), evidence (JSON). One row per request.
-WITH internal AS (
+WITH RECURSIVE internal AS (
     SELECT DISTINCT a.account_id
     FROM (SELECT DISTINCT account_id FROM requests) a
     JOIN account_patterns p ON {{ glob_match(a.account_id, p.pattern) }}
