@@ -85,12 +85,11 @@ ordered AS (
     JOIN load_links l ON l.instance = p.instance AND l.ts = p.ts AND l.salt = p.salt
                      AND l.block_hash = p.parent_block_hash AND l.position = p.position - 1
 ), loads AS (
-    -- each loaded page once per load it is on (a page without a position is a load of its own)
-    SELECT DISTINCT l.instance, l.ts, l.salt, coalesce(p.leaf, l.block_hash) AS leaf, l.position, l.num_tokens,
-           l.chain_fp, l.model
+    -- each loaded page once per load it is on (every page is on one: the top of its chain is a leaf, and a
+    -- page without a position is a leaf of its own)
+    SELECT DISTINCT l.instance, l.ts, l.salt, p.leaf, l.position, l.num_tokens, l.chain_fp, l.model
     FROM load_pages l
-    LEFT JOIN load_paths p ON p.instance = l.instance AND p.ts = l.ts AND p.salt = l.salt
-                          AND p.block_hash = l.block_hash
+    JOIN load_paths p ON p.instance = l.instance AND p.ts = l.ts AND p.salt = l.salt AND p.block_hash = l.block_hash
 ), writes AS (
     -- pages the namespace computed (a device store of a page not in host memory) or backed up (a host
     -- store of a page on the device), on instances whose start-up had a shared store: pages put in the
