@@ -85,7 +85,19 @@ def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_share
     prefix = next(x for x in sections if x.startswith("Prefix-cache blocks reused across tenants"))
     assert "**In this evidence:** its rules flagged no affected response." in stale
     affected = json.loads((out / "scope.json").read_text(encoding="utf-8"))["affected_responses"]
-    assert f"**In this evidence:** its rules flagged {affected:,} affected responses." in prefix
+    # what the rules found, in their own words: every affected response loaded another tenant's pages from the
+    # salt-blind store; the breach is stated as that, not as the mechanism's list of every way it can arise
+    store_load = (
+        "pages another tenant wrote, loaded from a shared KV store that drops the cache salt "
+        f"({affected:,} responses, rule cross_tenant_store_load)"
+    )
+    assert f"**In this evidence:** its rules flagged {affected:,} affected responses: {store_load}" in prefix
+    nature = next(x for x in sections if x.startswith("Nature of the breach"))
+    assert f"Prefix-cache blocks reused across tenants: {store_load}" in nature
+    assert "collision" not in nature and "Stale KV pages" not in nature
+    # no start-up fails check 1: the stale-pages window table says so rather than calling the deployment exposed
+    windows = next(x for x in sections if x.startswith("Exposure windows"))
+    assert "No start-up in this evidence fails audit check 1" in windows and "was exposed in" not in windows
     failing = len(truth["exposure_windows"])
     assert f"**EXPOSED: prefix-cache isolation fails on {failing} start-up(s) (check 6)." in md
 

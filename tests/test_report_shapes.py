@@ -82,6 +82,10 @@ def test_no_statement_of_the_report_or_the_notices_contradicts_the_evidence(shap
     windows = {w[0] for w in ev["windows"]}
     table = [line for line in section(md, "### Exposure windows").splitlines() if line.startswith("| ")][2:]
     assert {line.split(" | ")[0][2:] for line in table} == (windows or {"none"})
+    # the sentence above the table is true of it: exposed windows are claimed only when there are some
+    above = section(md, "### Exposure windows")
+    assert ("No start-up in this evidence fails audit check 1" in above) == (not windows)
+    assert ("was exposed in" in above) == bool(windows)
     assert {w["instance"] for w in scope["exposure_windows"]} == windows
     check1 = [line for line in md.splitlines() if "| 1. KV pool vs context length |" in line]
     assert {line.split(" | ")[0][2:] for line in check1 if "| FAIL" in line} == windows

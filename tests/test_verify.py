@@ -255,20 +255,23 @@ def test_a_signed_manifest_verifies_and_an_edit_of_it_is_caught(tmp_path: Path, 
     assert (out / "manifest.json.sig").read_text().startswith("-----BEGIN SSH SIGNATURE-----")
     assert main(["verify", str(out), "--allowed-signers", str(signers)]) == 0
     assert "manifest signature holds" in capsys.readouterr().out
-    assert main(["verify", str(out), "--allowed-signers", str(signers), "--identity", "ir-lead@example.com"]) == 0
+    # the signature and the hashes alone, nothing re-derived
+    args = ["--allowed-signers", str(signers), "--identity", "ir-lead@example.com", "--hashes-only"]
+    assert main(["verify", str(out), *args]) == 0
+    assert "manifest signature holds; inputs, outputs and evidence tables unchanged" in capsys.readouterr().out
 
-    problems = verify(out, allowed_signers=other)  # signed by a key this file does not allow
+    problems = verify(out, allowed_signers=other, rederive=False)  # signed by a key this file does not allow
     assert len(problems) == 1 and problems[0].startswith("manifest.json: the signature does not hold"), problems
 
     # an edit of a field verify cannot re-derive: only the signature sees it
     edit_json(out / "manifest.json", lambda m: m["run"].update(finished="2026-01-01T00:00:00Z"))
-    assert main(["verify", str(out), "--allowed-signers", str(signers)]) == 1
+    assert main(["verify", str(out), "--allowed-signers", str(signers), "--hashes-only"]) == 1
     printed = capsys.readouterr().out
     assert "manifest.json: the signature does not hold for 'ir-lead@example.com'" in printed
     assert verify(out) == []  # unsigned checks alone cannot see an edit of a field they do not re-derive
 
     (out / "manifest.json.sig").unlink()
-    assert verify(out, allowed_signers=signers) == [
+    assert verify(out, allowed_signers=signers, rederive=False) == [
         "manifest.json.sig is missing: the manifest is not signed (run with --sign-key)"
     ]
 
@@ -379,9 +382,9 @@ def test_a_manifest_of_an_earlier_version_is_checked_with_the_digests_it_recorde
     con.execute("DELETE FROM findings WHERE rowid = (SELECT min(rowid) FROM findings)")
     con.execute("CHECKPOINT")
     con.close()
-    assert any("findings" in p for p in verify(out))
+    assert any("findings" in p for p in verify(out, rederive=False))
     edit_json(out / "manifest.json", lambda m: m.update(table_digest="rows-v9"))
-    assert any("table_digest" in p for p in verify(out))
+    assert any("table_digest" in p for p in verify(out, rederive=False))
 
 
 def test_an_edited_report_with_its_hash_fixed_in_an_unsigned_manifest_is_caught(out: Path, capsys) -> None:
@@ -404,6 +407,9 @@ def test_an_edited_report_with_its_hash_fixed_in_an_unsigned_manifest_is_caught(
         "note: manifest.json.sig was not checked: the folder is signed, but who signed it is only checked with "
         "--allowed-signers (and --identity)"
     ) in printed
+    # the hashes alone cannot see it (the manifest was edited to match): what --hashes-only says it does not do
+    assert main(["verify", str(out), "--hashes-only"]) == 0
+    assert "nothing re-derived" in capsys.readouterr().out
 
 
 def _lthash_reference(con: duckdb.DuckDBPyConnection, table: str, columns: list[str], values: str) -> str:
@@ -592,7 +598,8 @@ def test_a_manifest_of_either_digest_verifies_and_a_row_changed_deleted_or_dupli
         con.execute(tamper)
         con.execute("CHECKPOINT")
         con.close()
-        findings = [p for p in verify(out) if "table findings" in p]
+        # the table's digest is what catches it: the hashes alone, nothing re-derived
+        findings = [p for p in verify(out, rederive=False) if "table findings" in p]
         assert any("the manifest records" in p for p in findings), (method, tamper, findings)
 
 
@@ -608,7 +615,7 @@ def test_the_rows_of_a_table_written_again_in_another_order_still_verify_under_r
     after = con.execute("SELECT * FROM findings").fetchall()
     con.close()
     assert sorted(after) == sorted(before) and after != before  # the same rows, stored in another order
-    assert verify(out) == []
+    assert verify(out, rederive=False) == []
 
 
 def test_a_run_whose_largest_table_could_not_be_sorted_on_the_free_disk_records_rows_v2_and_verifies(

@@ -11,6 +11,15 @@ import yaml
 
 from kvforensics.core.errors import ConfigError
 
+# libyaml's safe loader where PyYAML was built with it (the wheels are): the same documents, about ten times faster
+# than the pure-Python one, which every run paid for its rules and mechanisms
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(text: str) -> Any:
+    """A YAML document of the toolkit's own files, read safely (no Python objects)."""
+    return yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 - a safe loader
+
 
 def read_declaration(
     path: Path, what: str, required: set[str], optional: set[str] | None = None, *, word: str = "key"
@@ -19,7 +28,7 @@ def read_declaration(
     declares, for the message; *word*: what its keys are called there)."""
     where = str(path)
     try:
-        meta = yaml.safe_load(path.read_text(encoding="utf-8"))
+        meta = load_yaml(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read the {what}: {' '.join(str(e).split())[:200]}", location=where) from None
     if not isinstance(meta, Mapping):

@@ -321,6 +321,7 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
             "parameters": r.parameters,
             "flagged": rule_counts.get(r.id, 0),
             "flagged_affected": affected_counts.get(r.id, 0),
+            "mechanism": r.mechanism,
         }
         for r in load_rules()
     ]

@@ -44,6 +44,8 @@ class Story:
     # derived: per mechanism investigated (its id), what its rules found in this evidence
     found: dict[str, str]
     possible_bases: tuple[str, ...]
+    # derived: the sentence above the exposure-window table (check 1), true of the windows the table lists
+    windows_note: str
     notice_missing: tuple[str, ...]
     provider: str | None
     contact: str | None
@@ -129,26 +131,54 @@ def _findings(con: duckdb.DuckDBPyConnection, rules: list[dict[str, Any]]) -> st
     return "Rules that flagged the affected responses: " + "; ".join(parts) + "."
 
 
-def _found(con: duckdb.DuckDBPyConnection, mechanisms: list[Any]) -> dict[str, str]:
-    """Per mechanism investigated: how many affected responses its rules flagged (a finding without a mechanism
-    is a stale_pages rule's, as _nature reads them), or that they flagged none."""
+def _rule_phrases(rules: list[dict[str, Any]], mechanism: str) -> str:
+    """What a mechanism's rules flagged among the affected responses, each rule in its own words with its count."""
+    counted = [r for r in rules if r.get("mechanism") == mechanism and r["flagged_affected"]]
+    return "; ".join(
+        f"{r['title'][:1].lower()}{r['title'][1:]} ({plural(r['flagged_affected'], 'response')}, rule {r['id']})"
+        for r in sorted(counted, key=lambda r: (-r["flagged_affected"], r["id"]))
+    )
+
+
+def _found(con: duckdb.DuckDBPyConnection, mechanisms: list[Any], rules: list[dict[str, Any]]) -> dict[str, str]:
+    """Per mechanism investigated: how many affected responses its rules flagged and what each rule found (a
+    finding without a mechanism is a stale_pages rule's, as _nature reads them), or that they flagged none."""
     counts = dict(
         con.execute(
             """SELECT coalesce(f.mechanism, 'stale_pages'), count(DISTINCT a.request_id) FROM findings f
                JOIN affected_responses a USING (request_id) GROUP BY 1"""
         ).fetchall()
     )
-    return {
-        m.id: (
-            f"its rules flagged {plural(counts[m.id], 'affected response')}."
-            if counts.get(m.id)
-            else "its rules flagged no affected response."
+    out = {}
+    for m in mechanisms:
+        if not counts.get(m.id):
+            out[m.id] = "its rules flagged no affected response."
+            continue
+        phrases = _rule_phrases(rules, m.id)
+        out[m.id] = f"its rules flagged {plural(counts[m.id], 'affected response')}" + (
+            f": {phrases}." if phrases else "."
         )
-        for m in mechanisms
-    }
+    return out
 
 
-def _nature(con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[Any]) -> str:
+def _windows_note(s: dict[str, Any]) -> str:
+    """The sentence above the check-1 exposure-window table: what the windows are, when there are any."""
+    windows = s.get("exposure_windows") or []
+    if not windows:
+        return (
+            "No start-up in this evidence fails audit check 1 (a KV pool below the context length on a role that "
+            "serves a prompt past it): no window of this kind is shown."
+        )
+    return (
+        "Start-ups whose audit check 1 fails: a KV pool below the context length on a role that serves a prompt "
+        f"past it. The deployment was exposed in {'this window' if len(windows) == 1 else 'these windows'} whether "
+        "or not a request hit it."
+    )
+
+
+def _nature(
+    con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[Any], rules: list[dict[str, Any]]
+) -> str:
     n = s["affected_responses"]
     if n:
         first = min(w["first"] for w in s["windows"])
@@ -160,7 +190,13 @@ def _nature(con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[
                JOIN affected_responses a USING (request_id)"""
             ).fetchall()
         }
-        how = " ".join(m.summary.strip() for m in mechanisms if m.id in flagged)
+        # what the evidence shows of each mechanism found, in its rules' words; the mechanism's summary (which
+        # lists every way it can arise) stays in "How the data was exposed"
+        how = " ".join(
+            f"{m.title}: {phrase}." if (phrase := _rule_phrases(rules, m.id)) else f"{m.title}."
+            for m in mechanisms
+            if m.id in flagged
+        )
         return (
             f"A confidentiality breach: {plural(n, 'response')} sent to {plural(s['affected_accounts'], 'account')} "
             f"{prose_span(first, last)} may carry other accounts' data. {how}"
@@ -257,15 +293,16 @@ def incident_story(
 ) -> Story:
     facts = incident_facts(con, incident)
     return Story(
-        nature=_nature(con, s, mechanisms),
+        nature=_nature(con, s, mechanisms, rules),
         deployment=_deployment(con, {m.id for m in mechanisms}, audit),
         findings=_findings(con, rules),
         consequences=_consequences(s),
         measures=facts.measures,
         ended=facts.ended,
         operator_checks=_operator_checks(audit) if audit.verdicts else (),
-        found=_found(con, mechanisms),
+        found=_found(con, mechanisms, rules),
         possible_bases=_possible_bases(con),
+        windows_note=_windows_note(s),
         notice_missing=facts.missing,
         provider=facts.provider,
         contact=facts.contact,

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from kvforensics.core.db import sql
+from kvforensics.core.declarations import load_yaml
 from kvforensics.core.errors import ConfigError
 from kvforensics.engines.portable import EngineError, render
 from kvforensics.mechanisms import MECHANISMS_DIR, load_mechanisms
@@ -98,7 +99,7 @@ def rule_version(yml: Path, sql_path: Path) -> str:
 def _read_rule(yml: Path, mechanism: str) -> Rule:
     sql_path = yml.with_suffix(".sql")
     try:
-        meta = yaml.safe_load(yml.read_text(encoding="utf-8")) or {}
+        meta = load_yaml(yml.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise ConfigError(
             f"rule {yml.stem}: not valid YAML ({' '.join(str(e).split())[:200]})", location=str(yml)
