@@ -134,6 +134,22 @@ def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp
     assert "prefix_store_loads_unmatched" in reasons
 
 
+def test_a_gateway_that_logs_cached_tokens_for_half_the_requests_cannot_say_which_received_a_load(tmp_path):
+    """Every other successful record without usage (streamed responses without stream_options.include_usage):
+    the mechanism's share check passes (half have cached_tokens), but a load given to the request nearest in time
+    could as well have served one beside it that logs none, so the recipients are not known."""
+    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
+        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+        for i, r in enumerate(records):
+            if i % 2:
+                (r.get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
+        path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
+    reasons = json.loads((tmp_path / "out" / "scope.json").read_text())["inconclusive_reasons"]
+    assert [r["code"] for r in reasons] == ["prefix_store_loads_ambiguous"], reasons
+
+
 def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(tmp_path):
     """Builds before sgl-project/sglang#22894 publish only the device store of a page loaded from the store
     (reference section 2): the loads leave no signature, and "none affected" must not be the answer."""

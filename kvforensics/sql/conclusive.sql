@@ -515,6 +515,23 @@ FROM prefix_store_loads
 WHERE request_id IS NULL
 HAVING count(*) > 0;
 
+-- reason: prefix_store_loads_ambiguous
+-- a load from a shared store of pages another namespace wrote was given to the request of the loading namespace
+-- nearest in time, but another successful request of that namespace near it logs no cached_tokens (a streamed
+-- response without usage): nothing shows which of them received the foreign pages, so the recipients (and the
+-- notices) may name the wrong account
+SELECT format('prefix_reuse: {:,} load(s) of pages another namespace wrote to a shared store (instances {}, from {} '
+              || 'to {}) could have served either of two or more requests of the loading namespace: the run took '
+              || 'the nearest in time, but a successful request near each logs no cached_tokens and may be the '
+              || 'one; map cached_tokens for every successful request (streamed responses: '
+              || 'stream_options.include_usage)',
+              count(*), gate_names(list(DISTINCT instance ORDER BY instance)), gate_ts(min(ts)),
+              gate_ts(max(ts))) AS message,
+       count(*) AS loads
+FROM (SELECT DISTINCT instance, ts, salt, leaf, unsized FROM prefix_store_loads
+      WHERE request_id IS NOT NULL AND matched_by = 'arrival' AND candidates > 1 AND unsized > 0)
+HAVING count(*) > 0;
+
 -- reason: admission_contradicted
 -- successful responses whose prompt is longer than the KV pool of the unified start-up that served them (the
 -- request names it as its prefill or decode instance; a request naming none, when every start-up of its model then

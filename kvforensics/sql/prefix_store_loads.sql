@@ -13,8 +13,9 @@
 --     written): each page of each load whose content another namespace wrote first to the store
 --     (owner_salt, on owner_instance at written);
 --   load_requests (instance, ts, salt, leaf, pages, last_position, tokens, owners, request_id,
---     cached_tokens, nearest): the requests of the loading namespace near each load; nearest = 1 on the
---     one it served.
+--     cached_tokens, candidates, unsized, nearest): the requests of the loading namespace near each load
+--     (candidates: how many; unsized: the successful ones among them without cached_tokens); nearest = 1
+--     on the one it served.
 ordered AS (
     -- every event of an instance in publication order
     SELECT instance, ts, kind, block_hash, parent_block_hash, medium, salt, position, num_tokens, chain_fp,
@@ -142,6 +143,11 @@ ordered AS (
     GROUP BY f.instance, f.ts, f.salt, f.leaf
 ), load_requests AS (
     SELECT g.*, r.request_id, r.cached_tokens,
+           -- the candidates, and the successful ones with no cached_tokens (a streamed response without usage):
+           -- when the pick is by arrival, such a one could as well be the response the load served
+           count(*) OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS candidates,
+           sum(CASE WHEN r.cached_tokens IS NULL AND r.status BETWEEN 200 AND 299 THEN 1 ELSE 0 END)
+               OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS unsized,
            row_number() OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf
                               -- a request whose cached prefix ends with the load, then the last to arrive
                               -- before the load, else (clocks apart) the first after it
