@@ -390,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--hashes-only",
         action="store_true",
-        help="check the hashes and headline figures only; re-derive nothing (seconds, where a full verify takes "
-        "about as long as the run)",
+        help="check the hashes and headline figures only; re-derive nothing (a fraction of the time of a full "
+        "verify, which runs the investigation again)",
     )
     v.set_defaults(func=cmd_verify)
     w = sub.add_parser(
