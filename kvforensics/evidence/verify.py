@@ -183,8 +183,8 @@ def verify(
 ) -> list[str]:
     """Problems found (empty when the folder checks out). ``rederive=False`` (``verify --hashes-only``) checks the
     signature, the inputs', outputs' and tables' hashes and the headline figures against the evidence, but neither
-    re-derives the figures from the evidence nor ingests the inputs again: seconds on a folder whose re-derivation
-    takes as long as its run, and enough to show nothing changed since a signed manifest was written."""
+    re-derives the figures from the evidence nor ingests the inputs again (which a full verify does, taking longer
+    than the run): enough to show nothing changed since a signed manifest was written."""
     out_dir = Path(out_dir)
     manifest, scope_json = _read_json(out_dir, MANIFEST), _read_json(out_dir, "scope.json")
     db = out_dir / EVIDENCE

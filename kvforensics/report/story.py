@@ -122,12 +122,17 @@ def _stale_windows(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _as_phrase(title: str) -> str:
+    """A rule's title inside a sentence: its first letter lower-cased."""
+    return title[:1].lower() + title[1:]
+
+
 def _findings(con: duckdb.DuckDBPyConnection, rules: list[dict[str, Any]]) -> str:
     """Which rules flagged the affected responses, in numbers."""
     counted = [r for r in rules if r["flagged_affected"]]
     if not counted:
         return ""
-    parts = [f"{r['id']} {r['flagged_affected']:,} ({r['title'][:1].lower()}{r['title'][1:]})" for r in counted]
+    parts = [f"{r['id']} {r['flagged_affected']:,} ({_as_phrase(r['title'])})" for r in counted]
     return "Rules that flagged the affected responses: " + "; ".join(parts) + "."
 
 
@@ -135,7 +140,7 @@ def _rule_phrases(rules: list[dict[str, Any]], mechanism: str) -> str:
     """What a mechanism's rules flagged among the affected responses, each rule in its own words with its count."""
     counted = [r for r in rules if r.get("mechanism") == mechanism and r["flagged_affected"]]
     return "; ".join(
-        f"{r['title'][:1].lower()}{r['title'][1:]} ({plural(r['flagged_affected'], 'response')}, rule {r['id']})"
+        f"{_as_phrase(r['title'])} ({plural(r['flagged_affected'], 'response')}, rule {r['id']})"
         for r in sorted(counted, key=lambda r: (-r["flagged_affected"], r["id"]))
     )
 

@@ -528,7 +528,7 @@ SELECT format('prefix_reuse: {:,} load(s) of pages another namespace wrote to a 
               count(*), gate_names(list(DISTINCT instance ORDER BY instance)), gate_ts(min(ts)),
               gate_ts(max(ts))) AS message,
        count(*) AS loads
-FROM (SELECT DISTINCT instance, ts, salt, leaf, unsized FROM prefix_store_loads
+FROM (SELECT DISTINCT instance, ts, salt, leaf FROM prefix_store_loads
       WHERE request_id IS NOT NULL AND matched_by = 'arrival' AND candidates > 1 AND unsized > 0)
 HAVING count(*) > 0;
 

@@ -28,11 +28,7 @@ WITH RECURSIVE internal AS (
     SELECT account_id FROM account_classes WHERE account_class = 'internal'
 ), {{ fragment('prefix_store_loads') }}
 SELECT f.instance, f.ts, f.salt, f.leaf, f.position, f.num_tokens, f.owner_salt, f.owner_instance, f.written,
-       c.request_id,
-       -- how the response was picked: its cached_tokens end with the load ('prefix_end'), else nearest in time
-       CASE WHEN c.request_id IS NULL THEN NULL
-            WHEN c.cached_tokens = c.prefix_tokens THEN 'prefix_end' ELSE 'arrival' END AS matched_by,
-       c.candidates, c.unsized
+       c.request_id, c.matched_by, c.candidates, c.unsized
 FROM foreign_pages f
 LEFT JOIN load_requests c ON c.instance = f.instance AND c.ts = f.ts AND c.salt = f.salt AND c.leaf = f.leaf
                          AND c.nearest = 1;

@@ -13,9 +13,9 @@
 --     written): each page of each load whose content another namespace wrote first to the store
 --     (owner_salt, on owner_instance at written);
 --   load_requests (instance, ts, salt, leaf, pages, last_position, tokens, owners, request_id,
---     cached_tokens, candidates, unsized, nearest): the requests of the loading namespace near each load
---     (candidates: how many; unsized: the successful ones among them without cached_tokens); nearest = 1
---     on the one it served.
+--     cached_tokens, matched_by, candidates, unsized, nearest): the requests of the loading namespace near
+--     each load (matched_by: 'prefix_end' or 'arrival'; candidates: how many; unsized: the successful ones
+--     among them without cached_tokens); nearest = 1 on the one it served.
 ordered AS (
     -- every event of an instance in publication order
     SELECT instance, ts, kind, block_hash, parent_block_hash, medium, salt, position, num_tokens, chain_fp,
@@ -143,6 +143,8 @@ ordered AS (
     GROUP BY f.instance, f.ts, f.salt, f.leaf
 ), load_requests AS (
     SELECT g.*, r.request_id, r.cached_tokens,
+           -- how a response would be picked: its cached_tokens end with the load, else by arrival (the order below)
+           CASE WHEN r.cached_tokens = g.prefix_tokens THEN 'prefix_end' ELSE 'arrival' END AS matched_by,
            -- the candidates, and the successful ones with no cached_tokens (a streamed response without usage):
            -- when the pick is by arrival, such a one could as well be the response the load served
            count(*) OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS candidates,
