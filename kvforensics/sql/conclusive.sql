@@ -557,12 +557,19 @@ WITH unified AS (
     JOIN unified u ON u.instance IN (r.prefill_instance, r.decode_instance)
                   AND r.ts >= u.valid_from AND (u.valid_to IS NULL OR r.ts < u.valid_to)
     WHERE r.status BETWEEN 200 AND 299 AND r.prompt_tokens > u.kv_pool_tokens
+), unified_floor AS (
+    -- a request naming no instance is judged only when its prompt is longer than every pool in force, all of them
+    -- unified start-ups' pools: so it is longer than the least unified pool of its model (an exact pre-filter)
+    SELECT model, min(kv_pool_tokens) AS least_pool FROM capacity
+    WHERE role = 'unified' AND kv_pool_tokens IS NOT NULL AND NOT coalesce(startup_refused, false)
+    GROUP BY model
 ), unnamed AS (
     SELECT r.request_id, r.ts, r.model, r.prompt_tokens,
            '(any server of the model)' AS instance, any_value(c.engine) AS engine,
            any_value(c.engine_version) AS engine_version, max(c.kv_pool_tokens) AS kv_pool_tokens,
            max(c.context_length) AS context_length
     FROM analysed_requests r
+    JOIN unified_floor f ON f.model = r.model AND r.prompt_tokens > f.least_pool
     JOIN capacity c ON c.model = r.model AND c.valid_from <= r.ts AND (c.valid_to IS NULL OR r.ts < c.valid_to)
                    AND NOT coalesce(c.startup_refused, false)
     WHERE r.status BETWEEN 200 AND 299 AND r.prefill_instance IS NULL AND r.decode_instance IS NULL
@@ -631,10 +638,15 @@ WITH per_window AS (
     WHERE r.status BETWEEN 200 AND 299
     GROUP BY w.instance, w.valid_from
 ), judged AS (
-    SELECT p.*, coalesce(lm.usable, false) AND p.timed > 0 AS by_latency, lm.reason AS latency_reason,
-           EXISTS (SELECT 1 FROM engine_events e JOIN requests q ON q.request_id = e.request_id
-                   WHERE e.instance = p.instance) AS by_events
+    SELECT p.*, coalesce(lm.usable, false) AND p.timed > 0 AS by_latency, lm.reason AS latency_reason
     FROM per_window p LEFT JOIN latency_model lm ON lm.model = p.model
+), unjudged AS (
+    -- the engine-event rules are asked last, and only of the windows neither other rule judges: their lines joined to
+    -- the gateway's request ids are a join of two large tables
+    SELECT j.* FROM judged j
+    WHERE j.by_pool = 0 AND NOT j.by_latency
+      AND NOT EXISTS (SELECT 1 FROM engine_events e JOIN requests q ON q.request_id = e.request_id
+                      WHERE e.instance = j.instance)
 )
 SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {:,}) from {} to {}: no rule can judge any '
               || 'of its {:,} successful request(s), so "none affected" there is not shown: prompt_exceeds_kv_pool {}; '
@@ -653,8 +665,7 @@ SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {
                         || 'add requests with timings' END) AS message,
        instance, role, model, valid_from AS start, valid_to AS "end", pool_tokens, context_length, successful,
        by_pool, timed, latency_reason
-FROM judged
-WHERE by_pool = 0 AND NOT by_latency AND NOT by_events
+FROM unjudged
 ORDER BY valid_from, instance;
 
 -- reason: startup_value_refused
