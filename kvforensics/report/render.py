@@ -6,6 +6,7 @@ report.html is one offline file: static SVG charts, and the timeline and per-acc
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime, timezone
@@ -44,15 +45,22 @@ def scope_parameter_rows(parameters: Any, prefix: str = "") -> list[tuple[str, s
 def chart_svg(chart: Any, key: str) -> str:
     """A chart as inline SVG (no JavaScript, no network), its element ids (clip paths) prefixed with ``key``:
     ids are page-wide, and the live charts Vega draws name theirs ``clip1``, ``clip2``... too."""
-    import vl_convert as vlc
-
     # untrusted text (ids, model names) with characters XML forbids would abort the process inside vl-convert
-    svg = vlc.vegalite_to_svg(visible_controls_in(chart.to_dict(validate=False)))
+    svg = _drawn(json.dumps(visible_controls_in(chart.to_dict(validate=False))))
     prefix = "svg-" + re.sub(r"[^A-Za-z0-9_-]+", "-", key) + "-"
     # Vega numbers its ids with a counter that lives as long as the process: renumbered in order of first
     # appearance, so the same inputs give the same bytes whatever was drawn before
     renamed = {old: re.sub(r"\d+$", "", old) + str(n) for n, old in enumerate(dict.fromkeys(_SVG_ID.findall(svg)), 1)}
     return _SVG_REF.sub(lambda m: f"{m.group(1)}{prefix}{renamed.get(m.group(2), m.group(2))}", svg)
+
+
+@functools.lru_cache(maxsize=16)
+def _drawn(spec: str) -> str:
+    """The SVG vl-convert draws of a Vega-Lite spec (JSON): a function of the spec alone, so a spec drawn again in the
+    same process (``kvforensics verify`` renders the report it checks twice) is drawn once."""
+    import vl_convert as vlc
+
+    return vlc.vegalite_to_svg(spec)
 
 
 _SVG_ID = re.compile(r'\bid="([^"]+)"')
