@@ -52,6 +52,7 @@ def evidence(out: Path) -> dict:
             "prefix_paths": {i for (i,) in q("SELECT DISTINCT instance FROM prefix_windows WHERE path <> 'isolated'")},
             "suspects": {a for (a,) in q("SELECT DISTINCT account_id FROM suspected_exploiters")},
             "mechanisms": {m for (m,) in q("SELECT id FROM mechanisms WHERE selected")},
+            "flagging": {r for (r,) in q("SELECT DISTINCT rule_id FROM findings JOIN affected_responses USING (request_id)")},
         }
     finally:
         con.close()
@@ -100,6 +101,11 @@ def test_no_statement_of_the_report_or_the_notices_contradicts_the_evidence(shap
     named = set(re.findall(r"\bon ([\w.-]+(?:, [\w.-]+)*(?: and [\w.-]+)?) \(", deployment))
     instances = {i for group in named for i in re.split(r", | and ", group)}
     assert instances <= windows | ev["prefix_paths"]
+    # what the rules flagged is stated once, in the mechanisms' "In this evidence" lines, each rule with its count
+    exposed = section(md, "## How the data was exposed")
+    for rule in ev["flagging"]:
+        assert len(re.findall(rf"\(\d[\d,]* responses?, rule {rule}\)", exposed)) == 1, rule
+        assert len(re.findall(rf"\b{rule}\b", exposed)) == 1, rule
     if "stale_pages" in ev["mechanisms"] and not windows:
         assert "No start-up's KV pool was below its context length" in deployment
     # measures: what the evidence shows about the windows' ends, never a restart that did not happen

@@ -36,7 +36,6 @@ class Story:
 
     nature: str
     deployment: tuple[str, ...]
-    findings: str
     consequences: tuple[str, ...]
     measures: tuple[str, ...]  # declared in [notice]
     ended: tuple[str, ...]  # derived: how each exposure window ended, or that it had not
@@ -125,15 +124,6 @@ def _stale_windows(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
 def _as_phrase(title: str) -> str:
     """A rule's title inside a sentence: its first letter lower-cased."""
     return title[:1].lower() + title[1:]
-
-
-def _findings(con: duckdb.DuckDBPyConnection, rules: list[dict[str, Any]]) -> str:
-    """Which rules flagged the affected responses, in numbers."""
-    counted = [r for r in rules if r["flagged_affected"]]
-    if not counted:
-        return ""
-    parts = [f"{r['id']} {r['flagged_affected']:,} ({_as_phrase(r['title'])})" for r in counted]
-    return "Rules that flagged the affected responses: " + "; ".join(parts) + "."
 
 
 def _rule_phrases(rules: list[dict[str, Any]], mechanism: str) -> str:
@@ -300,7 +290,6 @@ def incident_story(
     return Story(
         nature=_nature(con, s, mechanisms, rules),
         deployment=_deployment(con, {m.id for m in mechanisms}, audit),
-        findings=_findings(con, rules),
         consequences=_consequences(s),
         measures=facts.measures,
         ended=facts.ended,
