@@ -52,7 +52,9 @@ def evidence(out: Path) -> dict:
             "prefix_paths": {i for (i,) in q("SELECT DISTINCT instance FROM prefix_windows WHERE path <> 'isolated'")},
             "suspects": {a for (a,) in q("SELECT DISTINCT account_id FROM suspected_exploiters")},
             "mechanisms": {m for (m,) in q("SELECT id FROM mechanisms WHERE selected")},
-            "flagging": {r for (r,) in q("SELECT DISTINCT rule_id FROM findings JOIN affected_responses USING (request_id)")},
+            "flagging": {
+                r for (r,) in q("SELECT DISTINCT rule_id FROM findings JOIN affected_responses USING (request_id)")
+            },
         }
     finally:
         con.close()
