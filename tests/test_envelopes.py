@@ -117,6 +117,7 @@ def every_line_once(p: EngineFileParse, name: str) -> None:
         ("docker-logs-timestamps-gemma.log", "docker_logs"),
         ("vector-file-2-engines.jsonl", "vector"),
         ("vector-kubernetes-logs-qwen3.jsonl", "vector"),
+        ("vector-log-namespace-glm53-decode-0.jsonl", "vector"),
     ],
 )
 def test_each_envelope_is_recognised_from_the_first_lines(name: str, envelope: str) -> None:
@@ -638,6 +639,26 @@ def test_vector_kubernetes_logs_name_the_instance_from_the_pod() -> None:
     assert (s.instance, capacity(s)) == ("inference/qwen3-prefill-0", capacity(want))
     assert s.ts == utc(2026, 8, 26, 21, 15, 0, 1123)
     assert p.all_quarantined() == []
+
+
+def test_vector_with_log_namespacing_writes_each_line_as_a_json_string_and_the_engine_stamps_are_the_clock() -> None:
+    """Under ``schema.log_namespace = true`` Vector's JSON codec writes an event's message alone: each line is read
+    back from its JSON string (escapes undone) and keeps the engine's own stamp, as the plain log would."""
+    name = "vector-log-namespace-glm53-decode-0.jsonl"
+    p = parse(name)
+    every_line_once(p, name)
+    assert p.envelope == "vector" and p.all_quarantined() == []
+    want = plain("sglang-0.5.15-pd-decode-tp8.log")
+    [s] = p.startups
+    assert (s.instance, capacity(s), s.ts) == (
+        "vector-log-namespace-glm53-decode-0",
+        capacity(want.startups[0]),
+        want.startups[0].ts,
+    )
+    got = p.instances["vector-log-namespace-glm53-decode-0"].events
+    assert [(e.kind, e.ts, e.request_id, e.prompt_tokens) for e in got] == [
+        (e.kind, e.ts, e.request_id, e.prompt_tokens) for e in want.events
+    ]
 
 
 @pytest.mark.parametrize(

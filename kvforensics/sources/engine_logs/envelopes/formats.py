@@ -29,7 +29,10 @@ vector      Vector's JSON encoding of a log event (a ``file`` sink or ``console`
             ``encoding.codec = "json"``): ``{"message": ..., "source_type": "file" | "kubernetes_logs" |
             "docker_logs" ..., "timestamp": "<RFC 3339>", "file"/"host"/"kubernetes"/"container_name" ...}``
             (the fields of the sources' documented output, vectordotdev/vector
-            ``website/cue/reference/components/sources/*.cue``)
+            ``website/cue/reference/components/sources/*.cue``); with log namespacing
+            (``schema.log_namespace = true``) an event is its message alone, so each line is a JSON
+            string (``"<line>"``; vector.dev/guides/level-up/log_namespace) and the engine's own
+            stamps are the only clock
 =========== ====================================================================================
 
 This module reads the envelope only: :func:`sniff_envelope` recognises it from a file's first
@@ -155,13 +158,16 @@ def sniff_envelope(head: Sequence[EngineLine]) -> str:
     if not texts:
         return "none"
     first = texts[0].lstrip()
-    if first.startswith(("{", "[")):
+    if first.startswith(("{", "[", '"')):
         kinds = []
         for t in texts:
             try:
-                kinds.append(json_kind(json.loads(t)))
+                value = json.loads(t)
             except (ValueError, RecursionError):
                 kinds.append(None)
+                continue
+            # a JSON string a line: Vector's JSON encoding of an event under log namespacing (its message alone)
+            kinds.append("vector" if isinstance(value, str) else json_kind(value))
         found = [k for k in kinds if k]
         if found and len(found) * 2 >= len(texts):
             return max(found, key=found.count)  # ties: the kind met first
@@ -284,6 +290,9 @@ class _JsonRecords:
     def records(
         self, obj: Any, line: int, raw: str, positions: Callable[[str, int], list[int]]
     ) -> Iterator[EnvelopeItem]:
+        if isinstance(obj, str) and self.envelope == "vector":  # an event of a log namespace: its message alone,
+            yield from split_message(line, None, _NO_LABELS, obj)  # without a clock or labels of Vector's
+            return
         kind = json_kind(obj)
         if kind is None:
             if isinstance(obj, list):
@@ -527,7 +536,7 @@ def _read_json(lines: Iterable[EngineLine], envelope: str) -> Iterator[EnvelopeI
     one_per_line = False
     if first is not None:
         try:
-            one_per_line = isinstance(json.loads(first), dict)
+            one_per_line = isinstance(json.loads(first), (dict, str))
         except (ValueError, RecursionError):
             one_per_line = False
     if one_per_line:
