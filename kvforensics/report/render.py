@@ -57,7 +57,7 @@ def chart_svg(chart: Any, key: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _drawn(spec: str) -> str:
     """The SVG vl-convert draws of a Vega-Lite spec (JSON): a function of the spec alone, so a spec drawn again in the
-    same process (``kvforensics verify`` renders the report it checks twice) is drawn once."""
+    same process (a verify after the run that wrote the report, the same evidence reported again) is drawn once."""
     import vl_convert as vlc
 
     return vlc.vegalite_to_svg(spec)
