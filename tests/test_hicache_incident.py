@@ -100,6 +100,12 @@ def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_share
     assert "No start-up in this evidence fails audit check 1" in windows and "was exposed in" not in windows
     failing = len(truth["exposure_windows"])
     assert f"**EXPOSED: prefix-cache isolation fails on {failing} start-up(s) (check 6)." in md
+    # no content source: the sources the store's page owners confirm are not called unconfirmed by the missing-input note
+    rows = (out / "notifications.csv").read_text(encoding="utf-8").splitlines()
+    confirmed = sum(1 for row in rows if ",data_exposed_confirmed," in row)
+    assert confirmed > 0
+    assert f"the {confirmed:,} account(s) notified as confirmed sources rest on other evidence" in md
+    assert "none as confirmed" not in md
 
 
 def test_the_lost_messages_are_found(judged):

@@ -90,6 +90,12 @@ def missing_inputs(
     found += _latency(con, rules)
     if _count(con, "SELECT count(*) FROM content_fingerprints") == 0:
         content = incident.sources_of("content")
+        # sources confirmed without text: who stored the prefix-cache blocks a response reused (notifications.sql)
+        confirmed = (
+            _count(con, "SELECT count(*) FROM notifications WHERE role = 'data_exposed_confirmed'")
+            if _count(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'notifications'")
+            else 0
+        )
         found.append(
             MissingInput(
                 "content",
@@ -99,9 +105,17 @@ def missing_inputs(
                     if content
                     else "the incident file names no content source"
                 ),
-                "no exposure can be confirmed or ruled out by matching text: every account whose data could have been "
-                "read by an affected response is notified as possibly exposed, none as confirmed. A content source "
-                "(prompts and outputs, fingerprinted as they are read, never stored) confirms exposures",
+                "no exposure can be confirmed or ruled out by matching text: "
+                + (
+                    f"the {confirmed:,} account(s) notified as confirmed sources rest on other evidence (who stored "
+                    "the prefix-cache blocks a response reused); every other account whose data could have been read "
+                    "by an affected response is notified as possibly exposed. "
+                    if confirmed
+                    else "every account whose data could have been read by an affected response is notified as "
+                    "possibly exposed, none as confirmed. "
+                )
+                + "A content source (prompts and outputs, fingerprinted as they are read, never stored) confirms "
+                "exposures",
             )
         )
     if _count(con, "SELECT count(*) FROM changes") == 0:
