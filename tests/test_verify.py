@@ -529,12 +529,14 @@ def test_a_rows_v4_digest_is_the_sorted_tables_columns_hashed_whatever_the_batch
 
 
 def test_a_rows_v4_table_sorted_by_a_first_column_that_only_looked_unique_is_sorted_again_by_every_column() -> None:
-    from kvforensics.evidence.digests import _first_column_unique, _ties
+    from kvforensics.evidence.digests import _canonical_v4, _first_column_unique, _profile, _ties
 
     con = connect(memory_limit="1GB")
     con.execute("CREATE TABLE u AS SELECT 'u' || lpad(i::VARCHAR, 5, '0') AS id, 3000 - i AS n FROM range(3000) t(i)")
     con.execute("INSERT INTO u VALUES ('u01500', -1), ('u01500', 9999), (NULL, 5), (NULL, 4)")
-    assert _first_column_unique(con, "u", "id")
+    profile = _profile(con, "u", [_canonical_v4('"id"', "VARCHAR"), _canonical_v4('"n"', "BIGINT")])
+    assert profile.rows == 3004 and profile.widest == 6 and profile.groups is not None
+    assert _first_column_unique(profile)  # only looked unique: two rows share an id, two have none
     expected = _rows_v4_reference([("id", "bytes"), ("n", "int")], con.execute("SELECT * FROM u").fetchall())
     assert table_digests(con, "rows-v4")["u"] == {"rows": 3004, "sha256": expected}
     # ties within a batch, across batches, and of nulls; none in distinct values
@@ -665,8 +667,8 @@ def test_a_rows_v4_table_sorted_as_groups_has_the_digest_of_its_rows_sorted_one_
     seen: dict[str, list[float | None]] = {}
     grouped = digests._grouped
 
-    def recording(con, name, canonical):
-        seen.setdefault(name, []).append(grouped(con, name, canonical))
+    def recording(con, name, canonical, profile):
+        seen.setdefault(name, []).append(grouped(con, name, canonical, profile))
         return seen[name][-1]
 
     monkeypatch.setattr(digests, "_grouped", recording)

@@ -87,20 +87,15 @@ def table_digests(
     a time; the digests depend on neither)."""
     if method not in TABLE_DIGESTS:
         raise ValueError(f"unknown table digest {method!r}; known: {', '.join(TABLE_DIGESTS)}")
-    names = [
-        r[0]
-        for r in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_catalog = current_database() "
-            "AND table_schema = 'main' AND table_type = 'BASE TABLE' ORDER BY table_name"
-        ).fetchall()
-    ]
+    catalog = _catalog(con)
+    names = sorted(catalog)
     if method == "rows-v1":
         return {name: _table_digest_v1(con, name) for name in names}
     if method == "rows-v3":
         with memory_set_aside(con, V3_MEMORY):
             return {name: _table_digest_v3(con, name) for name in names}
     if method == "rows-v4":
-        return _digests_v4(con, names)
+        return _digests_v4(con, catalog)
     with (
         memory_set_aside(con, DIGEST_MEMORY),
         _Buckets(_spill_folder(con), rows_per_bucket or _BUCKET_BYTES // _HASH_BYTES) as buckets,
@@ -122,10 +117,10 @@ def run_method(con: duckdb.DuckDBPyConnection) -> str:
     return TABLE_DIGEST
 
 
-def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str) -> int:
+def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical] | None = None) -> int:
     """About how many bytes a row's canonical values take (text lengths from a sample of 10,000 rows)."""
-    columns = _columns(con, name)
-    canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
+    if canonical is None:
+        canonical = [_canonical_v4(_quoted(c), t) for c, t in _columns(con, name)]
     widths = _widths_sql(canonical)
     mean = (
         con.execute(f"SELECT avg({widths}) FROM {_quoted(name)} USING SAMPLE 10000 ROWS").fetchall()[0][0]
@@ -138,11 +133,25 @@ def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str) -> int:
 def _columns(con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[str, str]]:
     """A table's columns (name, type), in their order."""
     return con.execute(
-        """SELECT column_name, data_type FROM information_schema.columns
-           WHERE table_catalog = current_database() AND table_schema = 'main' AND table_name = $t
-           ORDER BY ordinal_position""",
+        """SELECT column_name, data_type FROM duckdb_columns()
+           WHERE database_name = current_database() AND schema_name = 'main' AND table_name = $t
+           ORDER BY column_index""",
         {"t": name},
     ).fetchall()
+
+
+def _catalog(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str]]]:
+    """Every table of the database's main schema (no view) and its columns (name, type) in their order, read
+    from the catalog at once (the same names and types as information_schema gives, a query a table slower)."""
+    catalog: dict[str, list[tuple[str, str]]] = {}
+    for table, column, data_type in con.execute(
+        """SELECT c.table_name, c.column_name, c.data_type FROM duckdb_columns() AS c JOIN duckdb_tables() AS t
+           ON c.database_name = t.database_name AND c.schema_name = t.schema_name AND c.table_name = t.table_name
+           WHERE c.database_name = current_database() AND c.schema_name = 'main'
+           ORDER BY c.table_name, c.column_index"""
+    ).fetchall():
+        catalog.setdefault(table, []).append((column, data_type))
+    return catalog
 
 
 def _table_sizes(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -264,15 +273,16 @@ _V4_INTEGERS = frozenset(("BOOLEAN", "TINYINT", "SMALLINT", "INTEGER", "BIGINT",
 _V4_WORKERS = 2  # tables digested at once (at most DuckDB's threads): one sorts while another is hashed
 
 
-def _digests_v4(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, dict[str, Any]]:
-    """rows-v4 of every table, the largest first, two at a time on cursors of the connection: while DuckDB
-    sorts one table on its threads, Python hashes another's columns (hashlib and DuckDB both work
-    without the GIL). The digests do not depend on it."""
+def _digests_v4(con: duckdb.DuckDBPyConnection, catalog: dict[str, list[tuple[str, str]]]) -> dict[str, dict[str, Any]]:
+    """rows-v4 of every table of *catalog* (its columns), the largest first, two at a time on cursors of the
+    connection: while DuckDB sorts one table on its threads, Python hashes another's columns (hashlib and DuckDB
+    both work without the GIL). The digests do not depend on it."""
+    names = sorted(catalog)
     threads = int(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
     workers = max(1, min(_V4_WORKERS, threads, len(names)))
     with memory_set_aside(con, V4_MEMORY * workers):
         if workers == 1:
-            return {name: _table_digest_v4(con, name) for name in names}
+            return {name: _table_digest_v4(con, name, catalog[name]) for name in names}
         sizes = _table_sizes(con)
         cursors: queue.SimpleQueue[duckdb.DuckDBPyConnection] = queue.SimpleQueue()
         opened = [con.cursor() for _ in range(workers)]
@@ -282,7 +292,7 @@ def _digests_v4(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, d
         def digest(name: str) -> dict[str, Any]:
             cursor = cursors.get()
             try:
-                return _table_digest_v4(cursor, name)
+                return _table_digest_v4(cursor, name, catalog[name])
             finally:
                 cursors.put(cursor)
 
@@ -322,12 +332,15 @@ def _canonical_v4(column: str, data_type: str) -> _Canonical:
     return _Canonical(text, "bytes", f"strlen({text})")
 
 
-def _table_digest_v4(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any]:
-    """rows-v4 of one table: its canonical values sorted by the database (which spills to disk beyond its
-    memory limit), read in Arrow batches of bounded size and hashed column-wise. When the first column
-    looks unique (its approximate distinct count), the database sorts by it alone, which is the same order
-    as long as no two rows tie on it; the first tie read starts the table again with every column."""
-    columns = _columns(con, name)
+def _table_digest_v4(
+    con: duckdb.DuckDBPyConnection, name: str, columns: list[tuple[str, str]] | None = None
+) -> dict[str, Any]:
+    """rows-v4 of one table (its *columns*, name and type, when the caller read them): its canonical values sorted
+    by the database (which spills to disk beyond its memory limit), read in Arrow batches of bounded size and hashed
+    column-wise. When the first column looks unique (its approximate distinct count), the database sorts by it
+    alone, which is the same order as long as no two rows tie on it; the first tie read starts the table again with
+    every column."""
+    columns = _columns(con, name) if columns is None else columns
     canonical = [_canonical_v4(_quoted(c), t) for c, t in columns]
     kinds = [c.kind for c in canonical]
     h = hashlib.sha256(_V4_DOMAIN + json.dumps([c for c, _ in columns]).encode() + b"\n")
@@ -335,18 +348,17 @@ def _table_digest_v4(con: duckdb.DuckDBPyConnection, name: str) -> dict[str, Any
         rows = con.execute(f"SELECT count(*) FROM {_quoted(name)}").fetchall()[0][0]
         h.update(json.dumps(kinds).encode() + b"\n" + rows.to_bytes(8, "little"))
         return {"rows": rows, "sha256": h.hexdigest()}
-    batch_rows = _v4_batch_rows(con, name, canonical)
+    profile = _profile(con, name, canonical)
+    batch_rows = _v4_batch_rows(canonical, profile)
     values = ", ".join(f"{c.sql} AS c{j}" for j, c in enumerate(canonical))
     every = ", ".join(f"c{j} ASC NULLS LAST" for j in range(len(canonical)))
     streams: list[tuple[Any, Any]] = []
     rows = 0
-    groups = _grouped(con, name, canonical)
+    groups = _grouped(con, name, canonical, profile)
     if groups is not None:
         streams, rows = _hash_grouped(con, name, values, kinds, batch_rows, groups)
     for order in (
-        []
-        if groups is not None
-        else (["c0 ASC NULLS LAST"] if _first_column_unique(con, name, canonical[0].sql) else []) + [every]
+        [] if groups is not None else (["c0 ASC NULLS LAST"] if _first_column_unique(profile) else []) + [every]
     ):
         streams = [(hashlib.sha256(), hashlib.sha256()) for _ in canonical]
         rows, ties, last = 0, order == every, _NOTHING
@@ -371,22 +383,38 @@ _GROUPED_MIN_ROWS = 100_000  # a smaller table is sorted row by row: cheap eithe
 _GROUPED_SHARE = 0.5  # groups per row at most (their approximate count) for a table to be sorted as groups
 
 
-def _grouped(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical]) -> float | None:
+class _Profile(NamedTuple):
+    """What rows-v4 needs to know of a table before it sorts it, from one scan (``_profile``)."""
+
+    rows: int
+    widest: int  # bytes of the widest row's measured (text) canonical values
+    first_distinct: int  # the first canonical column's approximate distinct count (HyperLogLog)
+    groups: int | None  # approximate distinct keys (every column but the last), when the last is an integer
+
+
+def _profile(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical]) -> _Profile:
+    """A table's row count, widest row, and approximate distinct counts, in one scan."""
+    widths = _widths_sql(canonical)
+    grouping = len(canonical) >= 2 and canonical[-1].kind == "int"
+    keys = ", ".join(c.sql for c in canonical[:-1])
+    rows, widest, first, groups = con.execute(
+        f"SELECT count(*), {f'max({widths})' if widths else '0'}, approx_count_distinct({canonical[0].sql}), "
+        f"{f'approx_count_distinct(hash({keys}))' if grouping else 'NULL'} FROM {_quoted(name)}"
+    ).fetchall()[0]
+    return _Profile(rows, int(widest or 0), first, groups)
+
+
+def _grouped(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical], profile: _Profile) -> float | None:
     """Groups per row when a table is sorted faster as groups than row by row, else None: its last column an integer
     and its other columns' values repeated (``content_fingerprints``: a text's request and part, then each of its
     fingerprints), and the table small enough to be grouped in memory (twice its canonical values within DuckDB's
     memory limit; a larger table is sorted row by row, which spills). The rows come out in the same order, so the
     digest is the same either way."""
-    if len(canonical) < 2 or canonical[-1].kind != "int":
-        return None
-    keys = ", ".join(c.sql for c in canonical[:-1])
-    total, groups = con.execute(
-        f"SELECT count(*), approx_count_distinct(hash({keys})) FROM {_quoted(name)}"
-    ).fetchall()[0]
-    if total < _GROUPED_MIN_ROWS or groups > total * _GROUPED_SHARE:
+    total, groups = profile.rows, profile.groups
+    if groups is None or total < _GROUPED_MIN_ROWS or groups > total * _GROUPED_SHARE:
         return None
     limit = configured_limit(con)
-    if limit is not None and 2 * total * _v4_row_bytes(con, name) > limit:
+    if limit is not None and 2 * total * _v4_row_bytes(con, name, canonical) > limit:
         return None
     return max(groups, 1) / total
 
@@ -425,11 +453,10 @@ def _hash_grouped(
     return streams, rows
 
 
-def _first_column_unique(con: duckdb.DuckDBPyConnection, name: str, first: str) -> bool:
+def _first_column_unique(profile: _Profile) -> bool:
     """Whether a table's first canonical column looks unique: its approximate distinct count (HyperLogLog,
     a hash of every value) at least 90% of its rows. Only a guess: the rows read are checked for ties."""
-    total, distinct = con.execute(f"SELECT count(*), approx_count_distinct({first}) FROM {_quoted(name)}").fetchall()[0]
-    return total > 1 and distinct >= total * 0.9
+    return profile.rows > 1 and profile.first_distinct >= profile.rows * 0.9
 
 
 def _ties(column: pa.Array | pa.ChunkedArray, before: Any) -> tuple[bool, Any]:
@@ -450,11 +477,9 @@ def _ties(column: pa.Array | pa.ChunkedArray, before: Any) -> tuple[bool, Any]:
     return False, last
 
 
-def _v4_batch_rows(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Canonical]) -> int:
+def _v4_batch_rows(canonical: list[_Canonical], profile: _Profile) -> int:
     """Rows an Arrow batch of rows-v4 may hold: ``_V4_BATCH_BYTES`` over the table's widest row."""
-    widths = _widths_sql(canonical)
-    widest = con.execute(f"SELECT max({widths}) FROM {_quoted(name)}").fetchall()[0][0] if widths else 0
-    per_row = _V4_FIXED_WIDTH * len(canonical) + int(widest or 0)
+    per_row = _V4_FIXED_WIDTH * len(canonical) + profile.widest
     return max(_V4_MIN_ROWS, min(_V4_MAX_ROWS, _V4_BATCH_BYTES // per_row))
 
 
