@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["readers_agree"] = len(digests) == 1
         runs[shape] = entry
         print_shape(shape, entry)
+    args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / f"{dt.date.today().isoformat()}-{args.messages}-kv-events.json"
     path.write_text(
         json.dumps(
