@@ -8,7 +8,6 @@ import gzip
 import hashlib
 import json
 import struct
-import time
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -307,8 +306,8 @@ PAGE = 64
 class HicacheIncident:
     """One prefix-hicache-l3 folder read back: the gateway log, content, archived KV messages, truth."""
 
-    def __init__(self, folder: Path, seconds: float) -> None:
-        self.folder, self.seconds = folder, seconds  # how long the simulation took
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
         self.truth = json.loads((folder / "ground_truth.json").read_text())
         self.requests = {r["id"]: r for r in read_lines(folder / "gateway" / "requests.jsonl.gz")}
         self.content = {c["request_id"]: c for c in read_lines(folder / "content" / "content.jsonl.zst")}
@@ -327,17 +326,15 @@ class HicacheIncident:
 @pytest.fixture(scope="module")
 def hicache(tmp_path_factory: pytest.TempPathFactory) -> HicacheIncident:
     folder = tmp_path_factory.mktemp(HICACHE)
-    started = time.perf_counter()
     simulate_prefix(HICACHE, folder, seed=3, requests=HICACHE_SMALL)
-    return HicacheIncident(folder, time.perf_counter() - started)
+    return HicacheIncident(folder)
 
 
 def _iso_epoch(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def test_hicache_same_seed_same_bytes_and_a_few_seconds(tmp_path: Path, hicache: HicacheIncident) -> None:
-    assert hicache.seconds < 15, hicache.seconds  # ~2 s on 2 shared cores
+def test_hicache_same_seed_same_bytes(tmp_path: Path, hicache: HicacheIncident) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, seed in ((a, 3), (b, 4)):
         assert (
