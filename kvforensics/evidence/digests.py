@@ -132,25 +132,22 @@ def _v4_row_bytes(con: duckdb.DuckDBPyConnection, name: str, canonical: list[_Ca
 
 def _columns(con: duckdb.DuckDBPyConnection, name: str) -> list[tuple[str, str]]:
     """A table's columns (name, type), in their order."""
-    return con.execute(
-        """SELECT column_name, data_type FROM duckdb_columns()
-           WHERE database_name = current_database() AND schema_name = 'main' AND table_name = $t
-           ORDER BY column_index""",
-        {"t": name},
-    ).fetchall()
+    return _catalog(con, name).get(name, [])
 
 
-def _catalog(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str]]]:
-    """Every table of the database's main schema (no view) and its columns (name, type) in their order, read
-    from the catalog at once (the same names and types as information_schema gives, a query a table slower)."""
+def _catalog(con: duckdb.DuckDBPyConnection, table: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """Every table of the database's main schema (no view), or the one named *table*, and its columns (name, type)
+    in their order, read from the catalog at once (the same names and types as information_schema gives, a query a
+    table slower)."""
     catalog: dict[str, list[tuple[str, str]]] = {}
-    for table, column, data_type in con.execute(
+    for name, column, data_type in con.execute(
         """SELECT c.table_name, c.column_name, c.data_type FROM duckdb_columns() AS c JOIN duckdb_tables() AS t
            ON c.database_name = t.database_name AND c.schema_name = t.schema_name AND c.table_name = t.table_name
-           WHERE c.database_name = current_database() AND c.schema_name = 'main'
-           ORDER BY c.table_name, c.column_index"""
+           WHERE c.database_name = current_database() AND c.schema_name = 'main' AND ($t IS NULL OR c.table_name = $t)
+           ORDER BY c.table_name, c.column_index""",
+        {"t": table},
     ).fetchall():
-        catalog.setdefault(table, []).append((column, data_type))
+        catalog.setdefault(name, []).append((column, data_type))
     return catalog
 
 
