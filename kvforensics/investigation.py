@@ -17,7 +17,7 @@ from rich.markup import escape
 from kvforensics.audit.exposure import write_exposure_windows
 from kvforensics.audit.isolation import write_prefix_windows
 from kvforensics.config import Incident, load_incident
-from kvforensics.core.db import connect
+from kvforensics.core.db import connect, has_table
 from kvforensics.core.errors import ConfigError, InputError
 from kvforensics.core.progress import record_progress, stage
 from kvforensics.evidence.digests import CSV_OUTPUTS
@@ -210,11 +210,7 @@ class Investigation:
         if stage_name == "report":
             return (self.out_dir / "report.html").is_file()
         table = self._STAGE_TABLES[stage_name]
-        present = self.db_path.is_file() and bool(
-            self.con.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name = $t", {"t": table}
-            ).fetchone()[0]
-        )
+        present = self.db_path.is_file() and has_table(self.con, table)
         if present and table == "load_report":
             present = bool(self.con.execute("SELECT count(*) FROM load_report").fetchone()[0])
         return present

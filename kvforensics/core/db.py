@@ -251,6 +251,12 @@ def parameters_used(statement: str) -> set[str]:
     return set(re.findall(r"\$([A-Za-z_][A-Za-z0-9_]*)", code))
 
 
+def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    """Whether a table (or view) of that name exists: a stage's output, absent from a database that stage has not run
+    on."""
+    return bool(one(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = $n", {"n": name})[0])
+
+
 def one(con: duckdb.DuckDBPyConnection, query: str, params: dict | list | None = None) -> tuple:
     """The single row a query returns (fetching it completely, as DuckDB 2 requires)."""
     rows = con.execute(query, params).fetchall() if params is not None else con.execute(query).fetchall()

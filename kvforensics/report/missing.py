@@ -17,6 +17,7 @@ import duckdb
 
 from kvforensics.audit import AuditReport
 from kvforensics.config import Incident
+from kvforensics.core.db import has_table
 from kvforensics.stages.conclusive import RULE_FIELDS
 from kvforensics.stages.detect import Rule, load_rules
 
@@ -93,7 +94,7 @@ def missing_inputs(
         # sources confirmed without text: who stored the prefix-cache blocks a response reused (notifications.sql)
         confirmed = (
             _count(con, "SELECT count(*) FROM notifications WHERE role = 'data_exposed_confirmed'")
-            if _count(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = 'notifications'")
+            if has_table(con, "notifications")
             else 0
         )
         found.append(

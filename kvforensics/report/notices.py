@@ -40,6 +40,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 from kvforensics.config import Incident
+from kvforensics.core.db import has_table
 from kvforensics.mechanisms import Mechanism, load_mechanisms
 from kvforensics.report.templating import template_env
 
@@ -81,9 +82,7 @@ def suspected_accounts(con: duckdb.DuckDBPyConnection) -> dict[Any, list[tuple[s
     """Per suspected account, (mechanism, why) for each mechanism whose pattern it has (table ``suspected_exploiters``,
     empty in an evidence database scoped before it existed)."""
     out: dict[Any, list[tuple[str, str]]] = {}
-    if not con.execute(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'suspected_exploiters'"
-    ).fetchall()[0][0]:
+    if not has_table(con, "suspected_exploiters"):
         return out
     for account, mechanism, why in con.execute(
         "SELECT account_id, mechanism, why FROM suspected_exploiters ORDER BY 1, 2"
@@ -286,9 +285,7 @@ def _exposure_ends(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
             lines.append(f"Model server {instance} was shut down on {prose_time(to)}.")
         else:
             lines.append(f"Model server {instance} was replaced on {prose_time(to)}.")
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'").fetchall()[0][
-        0
-    ]:
+    if has_table(con, "prefix_windows"):
         (open_paths,) = con.execute("""SELECT count(DISTINCT instance) FROM prefix_windows
                                        WHERE path NOT IN ('isolated', 'undetermined') AND valid_to IS NULL
                                          AND EXISTS (SELECT 1 FROM findings f WHERE f.mechanism = 'prefix_reuse')""").fetchone()

@@ -13,6 +13,7 @@ from typing import Any
 import duckdb
 
 from kvforensics.config import Incident
+from kvforensics.core.db import has_table
 from kvforensics.report.data import engine_label
 from kvforensics.report.notices import incident_facts
 from kvforensics.report.templating import plural, prose_span, prose_time, words
@@ -84,9 +85,7 @@ def _unexposed_notes(audit: Any) -> tuple[str, ...]:
 
 
 def _prefix_paths(con: duckdb.DuckDBPyConnection) -> tuple[str, ...]:
-    if not con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prefix_windows'").fetchall()[
-        0
-    ][0]:
+    if not has_table(con, "prefix_windows"):
         return ()
     rows = con.execute("""
         SELECT model, engine, engine_version, sentence, list(DISTINCT instance ORDER BY instance), min(valid_from),

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import duckdb
 import pandas as pd
 
-from kvforensics.core.db import one
+from kvforensics.core.db import has_table, one
 from kvforensics.core.errors import ConfigError
 from kvforensics.engines.portable import run_duckdb_script
 from kvforensics.stages.rulebook import load_rules
@@ -67,15 +67,11 @@ def probing_parameters(overrides: Mapping[str, Any] | None = None) -> dict[str, 
     return params
 
 
-def _has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(one(con, "SELECT count(*) FROM information_schema.tables WHERE table_name = $n", {"n": name})[0])
-
-
 def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
     """The script's inputs as temporary views: the analysed requests (all requests before scope has run),
     account classes (every account a customer before scope), request blocks and the prefix_reuse hits
     (none when the evidence has no such table)."""
-    requests = "analysed_requests" if _has_table(con, "analysed_requests") else "requests"
+    requests = "analysed_requests" if has_table(con, "analysed_requests") else "requests"
     con.execute(
         f"CREATE OR REPLACE TEMP VIEW probe_requests AS SELECT request_id, ts, account_id, status, "
         f"prompt_tokens, completion_tokens, cached_tokens, ttft_ms, latency_ms FROM {requests}"
@@ -84,7 +80,7 @@ def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
         "CREATE OR REPLACE TEMP VIEW probe_accounts AS "
         + (
             "SELECT account_id, account_class FROM account_classes"
-            if _has_table(con, "account_classes")
+            if has_table(con, "account_classes")
             else "SELECT DISTINCT account_id, 'customer' AS account_class FROM probe_requests"
         )
     )
@@ -92,7 +88,7 @@ def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
         "CREATE OR REPLACE TEMP VIEW probe_blocks AS "
         + (
             "SELECT request_id, position, block_fp, chain_fp FROM request_blocks"
-            if _has_table(con, "request_blocks")
+            if has_table(con, "request_blocks")
             else "SELECT CAST(NULL AS VARCHAR) AS request_id, CAST(NULL AS BIGINT) AS position, "
             "CAST(NULL AS BIGINT) AS block_fp, CAST(NULL AS BIGINT) AS chain_fp WHERE false"
         )
@@ -105,7 +101,7 @@ def probing_inputs(con: duckdb.DuckDBPyConnection) -> None:
         "SELECT request_id, CAST(NULL AS VARCHAR) AS source_account FROM findings "
         "WHERE rule_id IN (SELECT rule_id FROM probe_rules)"
     ]
-    if _has_table(con, "prefix_sources"):
+    if has_table(con, "prefix_sources"):
         hits.append("SELECT request_id, source_account FROM prefix_sources")
     con.execute("CREATE OR REPLACE TEMP VIEW probe_hits AS " + " UNION ALL ".join(hits))
 
@@ -123,7 +119,7 @@ def probing_assessment(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]
 
 def probing_selected(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether the investigation runs the prefix_reuse mechanism (the ``mechanisms`` table detect writes)."""
-    return _has_table(con, "mechanisms") and bool(
+    return has_table(con, "mechanisms") and bool(
         one(con, "SELECT count(*) FROM mechanisms WHERE id = $m AND selected", {"m": MECHANISM})[0]
     )
 
@@ -131,7 +127,7 @@ def probing_selected(con: duckdb.DuckDBPyConnection) -> bool:
 def probing_summary(con: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     """For ``scope.json``: the accounts probing likely or possibly, with their class, signals and why,
     and the customers among the likely ones (deliberate exploitation); None when the assessment did not run."""
-    if not _has_table(con, "probing_assessment"):
+    if not has_table(con, "probing_assessment"):
         return None
     rows = con.execute("""SELECT account_id, account_class, probing, signals, short_requests, cross_tenant_hits, why
                           FROM probing_assessment WHERE probing <> 'no'

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import duckdb
 
 from kvforensics.config import Incident
-from kvforensics.core.db import one
+from kvforensics.core.db import has_table, one
 from kvforensics.core.fingerprint import SHINGLE_WORDS, guaranteed_words
 from kvforensics.core.timestamps import iso
 from kvforensics.engines.portable import run_duckdb_script
@@ -174,9 +174,7 @@ def suspects(con: duckdb.DuckDBPyConnection, params: Mapping[str, Any]) -> None:
     """Table ``suspected_exploiters`` (``sql/suspects.sql``): customers whose traffic looks deliberate, with why, per
     mechanism; the prefix-cache probing verdict joins it when that assessment ran."""
     run_duckdb_script(con, "suspects", dict(params))
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'probing_assessment'").fetchall()[
-        0
-    ][0]:
+    if has_table(con, "probing_assessment"):
         con.execute("""INSERT INTO suspected_exploiters
                        SELECT account_id, 'prefix_reuse', why FROM probing_assessment
                        WHERE probing = 'likely' AND account_class = 'customer'""").fetchall()
