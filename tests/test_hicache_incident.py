@@ -106,6 +106,9 @@ def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_share
     assert confirmed > 0
     assert f"the {confirmed:,} account(s) notified as confirmed sources rest on other evidence" in md
     assert "none as confirmed" not in md
+    # nor does the consequences list say their text was found in responses: no text was compared
+    assert f"prefix-cache blocks stored from the requests of {confirmed:,} account" in md
+    assert "was found in responses sent to other accounts" not in md
 
 
 def test_the_lost_messages_are_found(judged):

@@ -206,7 +206,19 @@ def _nature(
     )
 
 
-def _consequences(s: dict[str, Any]) -> tuple[str, ...]:
+def _confirmed_by_text(con: duckdb.DuckDBPyConnection, confirmed: int) -> int:
+    """Of the *confirmed* source accounts, those whose text a response to another account repeated (basis
+    'output_shingles'); the others are confirmed by the prefix-cache blocks a response reused (sql/notifications.sql).
+    All of them where the evidence has no content_matches table to tell."""
+    if not has_table(con, "content_matches"):
+        return confirmed
+    return con.execute(
+        "SELECT count(DISTINCT source_account_id) FROM content_matches "
+        "WHERE confirmed AND basis = 'output_shingles' AND source_account_id <> recipient_account_id"
+    ).fetchall()[0][0]
+
+
+def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[str, ...]:
     if not s["affected_responses"]:
         return ()
     src = s["source_accounts"]
@@ -214,10 +226,17 @@ def _consequences(s: dict[str, Any]) -> tuple[str, ...]:
         f"{plural(s['affected_accounts'], 'account')} received responses that may contain fragments of other "
         "accounts' prompts or generated text, possibly personal data or confidential information."
     ]
-    if src["confirmed"]:
+    by_text = min(_confirmed_by_text(con, src["confirmed"]), src["confirmed"])
+    if by_text:
         lines.append(
-            f"The text of {plural(src['confirmed'], 'account')} was found in responses sent to other "
+            f"The text of {plural(by_text, 'account')} was found in responses sent to other "
             "accounts: it was disclosed to them."
+        )
+    if src["confirmed"] > by_text:
+        lines.append(
+            f"Responses sent to other accounts were computed on prefix-cache blocks stored from the requests of "
+            f"{plural(src['confirmed'] - by_text, 'more account' if by_text else 'account')}: those responses were "
+            "conditioned on their text, which was disclosed to that extent."
         )
     if src["possible"]:
         lines.append(
@@ -289,7 +308,7 @@ def incident_story(
     return Story(
         nature=_nature(con, s, mechanisms, rules),
         deployment=_deployment(con, {m.id for m in mechanisms}, audit),
-        consequences=_consequences(s),
+        consequences=_consequences(con, s),
         measures=facts.measures,
         ended=facts.ended,
         operator_checks=_operator_checks(audit) if audit.verdicts else (),
