@@ -1,7 +1,7 @@
 """KV-event files read by the Python reference and by the bulk reader: events per second, each in its own process.
 
     .venv/bin/python benchmarks/kv_events.py [--messages 1000000] [--shapes vllm-array,sglang-archive,vllm-map]
-                                            [--threads 1,2] [--readers reference,bulk] [--memory-limit 2GB]
+                                            [--threads 1,2] [--readers reference,bulk,floor] [--memory-limit 2GB]
                                             [--workdir /tmp/kvf-bench]
 
 Each shape's archive is one instance's file written by ``kvforensics.simulate.sources.kv_event_streams`` (seed 7, reused
@@ -10,7 +10,10 @@ by ``kvforensics.sources.kv_events.load`` into an in-memory evidence database wi
 ``memory_limit`` set, the reference by ``kv_event_reference.read_reference``. Reported: wall seconds (the load
 only), the process's CPU seconds, its peak RSS, the CPU other processes used meanwhile (a figure above 10% of
 the wall marks the step ``*``: noise), events and block rows, and events per second. The two readers' tables
-are compared (a digest of kv_events, kv_event_messages, kv_event_gaps and the quarantine each).
+are compared (a digest of kv_events, kv_event_messages, kv_event_gaps and the quarantine each). The ``floor``
+reader (vllm-array only, ``sql/floor_kv_events.sql``) does the least work any reader of such a file must do to
+load what kvforensics loads: parse, cut the blocks, fingerprint each block and its chain link with the keyed HMAC,
+write the rows; no checks, no chain followed. Its events per second bound what a reader on this stack can reach.
 Results: ``benchmarks/results/<date>-<messages>-kv-events.json``.
 """
 
@@ -72,6 +75,8 @@ path = "gateway.jsonl"
 
 def step(args: argparse.Namespace) -> int:
     """One reader over one archive, in this process: the load timed, the tables digested."""
+    if args.step == "floor":
+        return floor(args)
     from kvforensics.config import load_incident
     from kvforensics.core.db import connect, run_script
     from kvforensics.sources.kv_events.chains import Chains
@@ -123,17 +128,56 @@ def step(args: argparse.Namespace) -> int:
     return 0
 
 
+def floor(args: argparse.Namespace) -> int:
+    """The floor (``sql/floor_kv_events.sql``) over one vllm-array archive, in this process: no checks, no reference,
+    no chains followed; its rows are not the evidence's, so no digest is compared."""
+    import duckdb
+
+    from kvforensics.core.db import run_script
+    from kvforensics.sources.kv_events.chains import Fingerprints
+
+    (path,) = sorted((args.incident.parent / "events").glob("*.jsonl"))
+    con = duckdb.connect(config={"memory_limit": args.memory_limit, "threads": args.threads})
+    text = (Path(__file__).parent / "sql" / "floor_kv_events.sql").read_text(encoding="utf-8")
+    cpu, start = time.process_time(), time.perf_counter()
+    run_script(con, "floor_kv_events", {"file": str(path), **Fingerprints(b"k" * 32).params}, text=text)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    events = con.execute(
+        "SELECT sum(json_array_length(raw, '$[1]')) FROM read_csv($f, columns = {'raw': 'VARCHAR'}, header = false, "
+        "delim = chr(1), quote = '', escape = '', auto_detect = false)",
+        {"f": str(path)},
+    ).fetchall()[0][0]
+    rows, stored = con.execute("SELECT count(*), count(block_fp) FROM floor_kv_rows").fetchall()[0]
+    args.report.write_text(
+        json.dumps(
+            {
+                "seconds": round(seconds, 3),
+                "cpu_s_inside": round(cpu, 3),
+                "events": int(events),
+                "loaded": int(events),
+                "quarantined": 0,
+                "rows": rows,
+                "stored_blocks": stored,
+                "reader_notes": ["the floor: parse, cut, fingerprint and write, no checks (sql/floor_kv_events.sql)"],
+                "tables_sha256": None,
+                "peak_rss_mb_inside": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000, help="messages (lines) per archive")
     ap.add_argument("--shapes", default="vllm-array,sglang-archive,vllm-map")
     ap.add_argument("--threads", default="1,2", help="DuckDB threads, a comma list")
-    ap.add_argument("--readers", default="reference,bulk")
+    ap.add_argument("--readers", default="reference,bulk,floor")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--memory-limit", default="2GB")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/kvf-bench"))
     ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
-    ap.add_argument("--step", choices=("reference", "bulk"), help=argparse.SUPPRESS)
+    ap.add_argument("--step", choices=("reference", "bulk", "floor"), help=argparse.SUPPRESS)
     ap.add_argument("--incident", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -149,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         size = sum(p.stat().st_size for p in (incident.parent / "events").glob("*.jsonl"))
         entry: dict[str, Any] = {"bytes": size, "generate_s": round(time.perf_counter() - start, 1), "steps": []}
         for reader in args.readers.split(","):
-            for threads in args.threads.split(",") if reader == "bulk" else args.threads.split(",")[-1:]:
+            if reader == "floor" and shape != "vllm-array":
+                continue  # the floor's SQL reads the array form only
+            for threads in args.threads.split(",") if reader != "reference" else args.threads.split(",")[-1:]:
                 report = args.workdir / "reports" / f"kv-events-{shape}-{reader}-t{threads}.json"
                 report.parent.mkdir(parents=True, exist_ok=True)
                 m = run_measured(
@@ -188,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                         "noisy": m.other_cpu_s is not None and m.other_cpu_s > max(1.0, 0.1 * m.wall_s),
                     }
                 )
-        digests = {s["tables_sha256"] for s in entry["steps"]}
+        digests = {s["tables_sha256"] for s in entry["steps"] if s["reader"] != "floor"}
         entry["readers_agree"] = len(digests) == 1
         runs[shape] = entry
         print_shape(shape, entry)
