@@ -550,7 +550,9 @@ def test_python_literals_are_read_safely_by_threads_side_by_side() -> None:
     """Engine logs are parsed in threads at once. CPython 3.11's ast.literal_eval, called from two
     threads with garbage collections in between, raises SystemError ("AST constructor recursion depth
     mismatch"): a server_args line was quarantined that way. The collector is made to run often here
-    (cycles with finalizers, threshold 1), which makes the bare call fail within a few hundred tries."""
+    (cycles with finalizers, threshold 1), which makes the bare call fail within a few hundred tries. What the
+    process held before is frozen (``gc.freeze``), so each collection walks the test's objects only: the bare call
+    fails as often, and the test takes seconds, not the tens of seconds a test worker's heap took."""
     import gc
     import sys
     import threading
@@ -577,6 +579,8 @@ def test_python_literals_are_read_safely_by_threads_side_by_side() -> None:
                 failures.append(e)
 
     interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    gc.collect()
+    gc.freeze()
     sys.setswitchinterval(1e-6)
     gc.set_threshold(1, 1, 1)
     try:
@@ -588,4 +592,5 @@ def test_python_literals_are_read_safely_by_threads_side_by_side() -> None:
     finally:
         sys.setswitchinterval(interval)
         gc.set_threshold(*thresholds)
+        gc.unfreeze()
     assert failures == []
