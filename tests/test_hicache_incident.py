@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,19 @@ def test_the_lost_messages_are_found(judged):
     assert gaps["available"] and gaps["precision"] == 1.0 and gaps["recall"] == 1.0
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A 2,000-request incident (seed 15), generated once for the tests that each change a copy of it."""
+    root = tmp_path_factory.mktemp("hicache-small") / "incident"
+    generate.generate(root, seed=15, requests=2000)
+    return root
+
+
+def _copy(small: Path, tmp_path: Path) -> Path:
+    shutil.copytree(small, tmp_path / "incident")
+    return tmp_path / "incident"
+
+
 def test_with_the_prompts_token_ids_the_answer_is_the_same(tmp_path):
     """The content source cuts prompts into blocks: the content-based rules run too, and must not turn a
     tenant's hits in its own salted cache into findings (nor any hit into a "collision")."""
@@ -128,9 +142,9 @@ def test_with_the_prompts_token_ids_the_answer_is_the_same(tmp_path):
     assert rules["exploitation"]["accounts_looking_deliberate"] == [result["exploitation"]["prober"]]
 
 
-def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp_path):
+def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(small, tmp_path):
     """The loads are in the events but no request of the loading namespace can be named: inconclusive."""
-    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    _copy(small, tmp_path)
     for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
         lines = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
         path.write_bytes(
@@ -143,11 +157,11 @@ def test_a_gateway_that_does_not_log_the_salt_makes_the_loads_unattributable(tmp
     assert "prefix_store_loads_unmatched" in reasons
 
 
-def test_a_gateway_that_logs_cached_tokens_for_half_the_requests_cannot_say_which_received_a_load(tmp_path):
+def test_a_gateway_that_logs_cached_tokens_for_half_the_requests_cannot_say_which_received_a_load(small, tmp_path):
     """Every other successful record without usage (streamed responses without stream_options.include_usage):
     the mechanism's share check passes (half have cached_tokens), but a load given to the request nearest in time
     could as well have served one beside it that logs none, so the recipients are not known."""
-    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    _copy(small, tmp_path)
     for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
         records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
         for i, r in enumerate(records):
@@ -159,10 +173,10 @@ def test_a_gateway_that_logs_cached_tokens_for_half_the_requests_cannot_say_whic
     assert [r["code"] for r in reasons] == ["prefix_store_loads_ambiguous"], reasons
 
 
-def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(tmp_path):
+def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(small, tmp_path):
     """Builds before sgl-project/sglang#22894 publish only the device store of a page loaded from the store
     (reference section 2): the loads leave no signature, and "none affected" must not be the answer."""
-    generate.generate(tmp_path / "incident", seed=15, requests=2000)
+    _copy(small, tmp_path)
     for path in (tmp_path / "incident" / "kv-events").glob("*.jsonl.gz"):
         records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
         for r in records:
