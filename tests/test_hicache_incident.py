@@ -11,48 +11,31 @@ harnesses were named as exploiters and no exposure window was reported."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from reference_judges import (
+    assert_conclusive_at_size,
+    assert_prober_found_alone,
+    assert_windows_within_a_minute,
+    judge,
+)
+from reference_judges import judged as judge_incident
+from reference_judges import run as _run
 
-from kvforensics.cli import main
-
-HERE = Path(__file__).parent / "hicache_reference"
-
-
-def _module(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"hicache_reference_{name}", HERE / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-generate, score = _module("generate"), _module("score")
-
-
-def _run(incident: Path, out: Path) -> int:
-    return main(["run", str(incident), "--out", str(out), "--quiet", "--no-pdf"])
+generate, score = judge("hicache_reference")
 
 
 @pytest.fixture(scope="module")
 def judged(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any], Path]:
-    root = tmp_path_factory.mktemp("hicache")
-    truth = generate.generate(root / "incident", seed=15, requests=4000)
-    code = _run(root / "incident" / "incident.toml", root / "out")
-    return code, score.score(root / "out", root / "incident" / "truth.json"), truth, root / "out"
+    return judge_incident(generate, score, tmp_path_factory.mktemp("hicache"), seed=15, requests=4000)
 
 
 def test_the_archive_as_the_subscriber_wrote_it_loads(judged, tmp_path_factory):
-    code, result, truth, _ = judged
-    assert result["run"]["outputs"] and code == 0 and result["run"]["conclusive"], result["run"]
-    assert truth["counts"]["affected"] > 50  # a size at which the scores mean something
+    assert_conclusive_at_size(judged)
 
 
 @pytest.mark.parametrize("what", ["affected", "recipients", "source_accounts", "sources"])
@@ -62,18 +45,11 @@ def test_responses_recipients_and_sources_are_right(judged, what):
 
 
 def test_each_instance_has_its_window_within_a_minute(judged):
-    windows = judged[1]["windows"]
-    assert windows["reported"] and windows["windows_on_other_instances"] == 0
-    assert set(windows["per_instance"]) == set(judged[2]["exposure_windows"])
-    for instance, w in windows["per_instance"].items():
-        assert w["found"] and w["path"] == "salt_blind_store", instance
-        assert abs(w["start_error_s"]) <= 60 and abs(w["end_error_s"]) <= 60, (instance, w)
+    assert_windows_within_a_minute(judged[1], judged[2])
 
 
 def test_the_prober_is_found_and_no_look_alike_is_flagged(judged):
-    exploitation = judged[1]["exploitation"]
-    assert exploitation["prober_found"] and exploitation["prober_tier"] == "likely"
-    assert exploitation["lookalikes_flagged_count"] == 0 and exploitation["other_accounts_flagged"] == []
+    assert_prober_found_alone(judged[1])
 
 
 def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_shared_cache_exposed(judged):
@@ -173,15 +149,56 @@ def test_a_gateway_that_logs_cached_tokens_for_half_the_requests_cannot_say_whic
     assert [r["code"] for r in reasons] == ["prefix_store_loads_ambiguous"], reasons
 
 
-def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(small, tmp_path):
-    """Builds before sgl-project/sglang#22894 publish only the device store of a page loaded from the store
-    (reference section 2): the loads leave no signature, and "none affected" must not be the answer."""
-    _copy(small, tmp_path)
-    for path in (tmp_path / "incident" / "kv-events").glob("*.jsonl.gz"):
+def _rewrite_events(incident: Path, keep: Any) -> None:
+    """Each KV-event archive of *incident* with only the events *keep(event, on_device)* accepts, in order:
+    *on_device* the hashes the instance holds on its device just before the event (stored on the GPU since its
+    publisher's start, seq 0, and its last clear, not removed since)."""
+    for path in (incident / "kv-events").glob("*.jsonl.gz"):
         records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+        on_device: set[Any] = set()
         for r in records:
-            r["batch"][1] = [e for e in r["batch"][1] if not (e[0] == "BlockStored" and e[6] == "CPU_PINNED")]
+            if r["seq"] == 0:
+                on_device = set()
+            kept = []
+            for e in r["batch"][1]:
+                if keep(e, on_device):
+                    kept.append(e)
+                if e[0] == "AllBlocksCleared":
+                    on_device = set()
+                elif e[0] == "BlockStored" and e[6] == "GPU":
+                    on_device.update(e[1])
+                elif e[0] == "BlockRemoved" and e[2] == "GPU":
+                    on_device.difference_update(e[1])
+            r["batch"][1] = kept
         path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
-    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
+
+
+def test_a_build_that_publishes_no_host_store_for_a_load_is_inconclusive(small, tmp_path):
+    """Builds before sgl-project/sglang#22894 publish the host store of a page's write-through backup but only the
+    device store of a page loaded from the store (reference section 2): the loads leave no signature, and "none
+    affected" must not be the answer."""
+    incident = _copy(small, tmp_path)
+    dropped = []
+
+    def backups_only(event: list[Any], on_device: set[Any]) -> bool:
+        load = event[0] == "BlockStored" and event[6] == "CPU_PINNED" and not set(event[1]) <= on_device
+        dropped.append(load)
+        return not load
+
+    _rewrite_events(incident, backups_only)
+    assert sum(dropped) > 20 and len(dropped) - sum(dropped) > 1000  # loads gone, backups and the rest kept
+    assert _run(incident / "incident.toml", tmp_path / "out") == 3
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())
     assert "prefix_window_unseen" in [r["code"] for r in scope["inconclusive_reasons"]]
+
+
+def test_a_build_that_publishes_no_host_store_at_all_shows_its_loads_by_their_cached_tokens(small, tmp_path):
+    """Without any host store (no write-through backup published either, as vLLM publishes none), a load from the
+    store is a device store of pages the instance held nowhere, which the request it served had cached: read so,
+    the answer is the one the host stores give."""
+    incident = _copy(small, tmp_path)
+    _rewrite_events(incident, lambda event, _: not (event[0] == "BlockStored" and event[6] == "CPU_PINNED"))
+    assert _run(incident / "incident.toml", tmp_path / "out") == 0
+    result = score.score(tmp_path / "out", incident / "truth.json")
+    for what in ("affected", "recipients", "source_accounts", "sources"):
+        assert result[what]["precision"] == 1.0 and result[what]["recall"] == 1.0, (what, result[what])

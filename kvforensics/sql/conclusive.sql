@@ -466,7 +466,8 @@ HAVING count(*) > 0;
 -- reason: prefix_window_unseen
 -- a start-up with a store whose keys drop the salt, served cache hits, and published pages whose content
 -- another namespace had stored first, but no response counted as affected by prefix_reuse falls in it: the reuse through the store
--- left no signature this run can read (a build that publishes no host store for a load, events lost), so
+-- left no signature this run can read (a build that publishes host stores for its backups but none for a load,
+-- events lost), so
 -- "none affected" there is not shown
 WITH windows AS (
     SELECT DISTINCT instance, valid_from, valid_to FROM prefix_windows WHERE path = 'salt_blind_store'
@@ -492,11 +493,37 @@ WITH windows AS (
 )
 SELECT format('prefix_reuse: {:,} start-up(s) with a store that drops the cache salt ({}) served cache hits and '
               || 'published {:,} page(s) another namespace had stored first, yet no response there is flagged: '
-              || 'the loads from the store left no signature in the KV events (a build that publishes no host '
-              || 'store for a load, or lost events); check the engine build and the event archive',
+              || 'the loads from the store left no signature in the KV events (a build that publishes host stores '
+              || 'for its backups but none for a load, or lost events); check the engine build and the event archive',
               count(*), gate_names(list(instance ORDER BY instance)), sum(pages)) AS message,
        count(*) AS startups, sum(pages) AS pages
 FROM silent
+HAVING count(*) > 0;
+
+-- reason: prefix_window_without_events
+-- a start-up with a store whose keys drop the salt served cache hits, but the KV-event archive holds no event of
+-- its instance from that start-up while it holds other instances' events: its loads from the store, the only
+-- signature of a reuse there, cannot be read (an archive file missing, a subscriber not connected to it)
+WITH windows AS (
+    SELECT DISTINCT instance, valid_from, valid_to FROM prefix_windows WHERE path = 'salt_blind_store'
+), unseen AS (
+    SELECT w.instance, w.valid_from,
+           (SELECT count(*) FROM analysed_requests r
+            WHERE r.prefill_instance = w.instance AND r.cached_tokens > 0
+              AND (w.valid_from IS NULL OR r.ts >= w.valid_from) AND (w.valid_to IS NULL OR r.ts < w.valid_to)) AS hits
+    FROM windows w
+    WHERE EXISTS (SELECT 1 FROM kv_events)
+      AND NOT EXISTS (SELECT 1 FROM kv_events e
+                      WHERE e.instance = w.instance
+                        AND (w.valid_from IS NULL OR e.ts >= w.valid_from) AND (w.valid_to IS NULL OR e.ts < w.valid_to))
+)
+SELECT format('prefix_reuse: {:,} start-up(s) with a store that drops the cache salt ({}) served {:,} cache hit(s), '
+              || 'but the KV events hold nothing of their instances then: loads from the store there cannot be '
+              || 'read, so "none affected" there is not shown; add those instances'' KV-event archives',
+              count(*), gate_names(list(instance ORDER BY instance)), sum(hits)) AS message,
+       count(*) AS startups, sum(hits) AS hits
+FROM unseen
+WHERE hits > 0
 HAVING count(*) > 0;
 
 -- reason: prefix_store_loads_unmatched

@@ -8,6 +8,13 @@
 -- no other of them is the parent of (its leaf) up through their parent hashes. Two requests of one
 -- namespace whose loads an engine publishes in one batch (one scheduler step) are two loads, each matched
 -- to its own request; a prefix two of them share counts in both.
+-- An engine that publishes no host store (vLLM: a KV connector's load, LMCache's, is cached with the blocks
+-- the step computed, in one device store of the requester's namespace, vllm/v1/core/block_pool.py
+-- cache_full_blocks; LMCache publishes its saves, never its loads) shows a load as a device store of pages the
+-- instance held nowhere: one event, loaded and computed pages alike. Its loaded pages are those the request it
+-- served had cached (its cached_tokens cover them): tokens served from a cache the instance did not hold. Such
+-- an event's pages are a load only on an instance whose events hold no host store (CPU_PINNED), so HiCache's
+-- computed pages (a device store, then its backup) never are.
 -- Defines, among others:
 --   foreign_pages (instance, ts, salt, leaf, position, num_tokens, chain_fp, owner_salt, owner_instance,
 --     written): each page of each load whose content another namespace wrote first to the store
@@ -19,6 +26,7 @@
 ordered AS (
     -- every event of an instance in publication order
     SELECT instance, ts, kind, block_hash, parent_block_hash, medium, salt, position, num_tokens, chain_fp,
+           source_file, batch, seq,
            row_number() OVER (PARTITION BY instance ORDER BY ts NULLS LAST, batch NULLS LAST, seq NULLS LAST,
                                                          block_hash NULLS LAST) AS ord
     FROM kv_events
@@ -69,6 +77,73 @@ ordered AS (
     FROM held
     WHERE kind = 'stored' AND medium = 'CPU_PINNED' AND on_device = 0 AND in_host = 0
       AND chain_fp IS NOT NULL AND salt IS NOT NULL
+), host_publishers AS (
+    -- instances whose engine publishes host stores: a load from the store shows there as one
+    SELECT DISTINCT instance FROM kv_events WHERE medium = 'CPU_PINNED'
+), device_pages AS (
+    -- elsewhere, device stores of pages held nowhere while a store whose keys drop the salt was in force (or no
+    -- start-up says): computed, or loaded from the store; each event's pages in chain order
+    SELECT instance, ts, salt, source_file, batch, seq, block_hash, position, num_tokens, chain_fp, model,
+           row_number() OVER (PARTITION BY instance, ts, salt, source_file, batch, seq
+                              ORDER BY position DESC NULLS LAST, block_hash NULLS LAST) AS from_end
+    FROM held
+    WHERE kind = 'stored' AND (medium IS NULL OR medium = 'GPU') AND on_device = 0
+      AND (shared_store = 1 OR no_startup = 1) AND chain_fp IS NOT NULL AND salt IS NOT NULL
+      AND position IS NOT NULL AND num_tokens IS NOT NULL
+      AND instance NOT IN (SELECT instance FROM host_publishers)
+), device_events AS (
+    -- one device store event: its first page, the tokens up to its last page, its last page (the event's leaf)
+    SELECT instance, ts, salt, source_file, batch, seq, min(position) AS first_position,
+           max(num_tokens) AS block_tokens, (max(position) + 1) * max(num_tokens) AS end_tokens,
+           max(CASE WHEN from_end = 1 THEN block_hash END) AS leaf
+    FROM device_pages
+    GROUP BY instance, ts, salt, source_file, batch, seq
+), device_claims AS (
+    -- the request each such event stored the prompt of: one of its namespace on the instance, from $load_window_s
+    -- before it to $clock_skew_s after, that the engine worked on (not refused), whose prompt holds the event's
+    -- pages; the last to arrive before it, else (clocks apart) the first after it
+    SELECT d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq, d.leaf, r.cached_tokens,
+           row_number() OVER (PARTITION BY d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq
+                              ORDER BY CASE WHEN r.prompt_tokens IS NULL OR r.prompt_tokens >= d.end_tokens
+                                            THEN 0 ELSE 1 END,
+                                       CASE WHEN r.ts <= d.ts THEN 0 ELSE 1 END,
+                                       abs({{ epoch_us(d.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
+                                       r.request_id NULLS LAST) AS pick
+    FROM device_events d
+    JOIN requests r ON r.prefill_instance = d.instance AND r.cache_salt = d.salt
+                   AND r.ts >= {{ add_milliseconds(d.ts, -1000 * $load_window_s) }}
+                   AND r.ts <= {{ add_milliseconds(d.ts, 1000 * $clock_skew_s) }}
+                   AND (r.status IS NULL OR r.status NOT BETWEEN 400 AND 498)
+), device_claimed AS (
+    -- each claimed event's pages; for a request that logs no cached_tokens (a client that disconnected, a streamed
+    -- response without usage), whether the store held the page's content then: stored before the event on an
+    -- instance whose start-up had the store (the store keeps what is written to it, as the owners below assume)
+    SELECT p.instance, p.ts, p.salt, p.source_file, p.batch, p.seq, c.leaf, p.position, p.num_tokens, p.chain_fp,
+           p.model, c.cached_tokens,
+           CASE WHEN c.cached_tokens IS NOT NULL THEN NULL
+                WHEN EXISTS (SELECT 1 FROM held w
+                             WHERE w.chain_fp = p.chain_fp AND w.kind = 'stored' AND w.ts < p.ts
+                               AND (w.shared_store = 1 OR w.no_startup = 1)
+                               AND (w.model = p.model OR w.model IS NULL OR p.model IS NULL)) THEN 1
+                ELSE 0 END AS in_store
+    FROM device_pages p
+    JOIN device_claims c ON c.instance = p.instance AND c.ts = p.ts AND c.salt = p.salt
+                        AND c.source_file = p.source_file AND c.batch = p.batch AND c.seq = p.seq AND c.pick = 1
+), device_unsized_ends AS (
+    -- where the store's prefix of such an event ends: its first page the store did not hold
+    SELECT instance, ts, salt, source_file, batch, seq, min(CASE WHEN in_store = 0 THEN position END) AS first_missing
+    FROM device_claimed WHERE cached_tokens IS NULL
+    GROUP BY instance, ts, salt, source_file, batch, seq
+), device_loads AS (
+    -- the pages of each claimed event its request had cached, loaded from the store; for a request that logs no
+    -- cached_tokens, the event's leading pages the store held (the engine asks the store for the longest prefix
+    -- it holds before it computes)
+    SELECT p.instance, p.ts, p.salt, p.leaf, p.position, p.num_tokens, p.chain_fp, p.model
+    FROM device_claimed p
+    LEFT JOIN device_unsized_ends e ON e.instance = p.instance AND e.ts = p.ts AND e.salt = p.salt
+                                   AND e.source_file = p.source_file AND e.batch = p.batch AND e.seq = p.seq
+    WHERE (p.position + 1) * p.num_tokens <= p.cached_tokens
+       OR (p.cached_tokens IS NULL AND (e.first_missing IS NULL OR p.position < e.first_missing))
 ), load_links AS (
     SELECT DISTINCT instance, ts, salt, block_hash, parent_block_hash, position FROM load_pages
 ), load_paths AS (
@@ -91,16 +166,20 @@ ordered AS (
     SELECT DISTINCT l.instance, l.ts, l.salt, p.leaf, l.position, l.num_tokens, l.chain_fp, l.model
     FROM load_pages l
     JOIN load_paths p ON p.instance = l.instance AND p.ts = l.ts AND p.salt = l.salt AND p.block_hash = l.block_hash
+    UNION ALL
+    SELECT instance, ts, salt, leaf, position, num_tokens, chain_fp, model FROM device_loads
 ), writes AS (
     -- pages the namespace computed (a device store of a page not in host memory) or backed up (a host
     -- store of a page on the device), on instances whose start-up had a shared store: pages put in the
     -- store. A device store of a page in host memory is a load (from host memory, or the second step of a
-    -- load from the store), no computation.
+    -- load from the store), no computation; so is a device store's page its response had cached (device_loads).
     SELECT h.instance, h.ts, h.salt, h.chain_fp, h.model
     FROM held h
     WHERE h.kind = 'stored' AND h.chain_fp IS NOT NULL AND (h.shared_store = 1 OR h.no_startup = 1)
       AND ((h.medium = 'CPU_PINNED' AND h.on_device = 1)
            OR ((h.medium IS NULL OR h.medium <> 'CPU_PINNED') AND h.in_host = 0))
+      AND NOT EXISTS (SELECT 1 FROM device_loads d
+                      WHERE d.instance = h.instance AND d.ts = h.ts AND d.salt = h.salt AND d.chain_fp = h.chain_fp)
 ), first_writes AS (
     -- per content (and model), each namespace's first write, and where it was made
     SELECT chain_fp, model, salt, ts, instance

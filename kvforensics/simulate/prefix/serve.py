@@ -10,8 +10,11 @@ instance keys blocks by a few bits, so different blocks collide (``prefix-collis
 
 Ground truth per request: the reused blocks whose cache entry another account stored, where neither
 the requesting account nor an internal account had sent that prefix before (a prefix the tenant sent
-itself, or the provider's own system prompt, tells it nothing new), and every reuse of a colliding
-entry (other tokens under an equal hash) stored by another account.
+itself, or the provider's own system prompt, tells it nothing new), every reuse of a colliding
+entry (other tokens under an equal hash) stored by another account, and every block loaded from the L3
+store whose entry another account, not an internal one, wrote there: the store keeps a key's first write,
+so the response was computed on that account's KV whatever the requester had sent before (as a load from a
+salt-blind store is judged in the reference incidents, tests/hicache_reference and tests/vllm_reference).
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def serve(
                 l3.move_to_end(contents[j])
                 hits.append(entry)
                 loaded += 1
-        _attribute(served, hits, contents, sent_by, internal)
+        _attribute(served, hits, contents, sent_by, internal, gpu_hits)
         new = [(keys[j], Entry(rid, r.account, contents[j], j)) for j in range(gpu_hits, len(blocks))]
         if new:
             cache.store(
@@ -210,14 +213,21 @@ def _route(rng: random.Random, caches: dict[str, Cache], instances: list[str], a
 
 
 def _attribute(
-    served: Served, hits: list[Entry], contents: list[int], sent_by: dict[int, set[str]], internal: set[str]
+    served: Served,
+    hits: list[Entry],
+    contents: list[int],
+    sent_by: dict[int, set[str]],
+    internal: set[str],
+    local_hits: int,
 ) -> None:
+    """The sources of *served*'s reused blocks: *hits*, its instance's own cache's first (*local_hits* of them),
+    then those loaded from the L3 store."""
     account = served.request.account
     for j, entry in enumerate(hits):
         if entry.account == account or entry.account in internal:
             continue
         collided = entry.content != contents[j]
-        if not collided and sent_by.get(contents[j], set()) & ({account} | internal):
+        if j < local_hits and not collided and sent_by.get(contents[j], set()) & ({account} | internal):
             continue  # a prefix this tenant, or the provider, had sent itself
         served.collision = served.collision or collided
         last = served.sources[-1] if served.sources else None

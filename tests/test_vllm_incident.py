@@ -1,0 +1,98 @@
+"""The prefix_reuse mechanism judged on a second incident it was not tuned on: vLLM 0.33 instances with a
+salt-blind LMCache store (LMCacheConnectorV1) added and removed by rolling restarts, written from the engines'
+documented behaviour by tests/vllm_reference/generate.py (its README cites the upstream sources), scored by
+tests/vllm_reference/score.py against the generator's own truth.
+
+vLLM publishes no host store: a load from the connector's store is cached with the blocks the step computed, in
+one device store of the requester's namespace. Before the rule read such a store by the request's cached_tokens,
+this incident gave no affected response (exit 3, prefix_window_unseen) and, with the prompts' token ids, named
+the wrong sources for 106 of 116 responses (the earliest sender of the prefix on any instance, before the store
+existed)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from reference_judges import (
+    assert_conclusive_at_size,
+    assert_prober_found_alone,
+    assert_windows_within_a_minute,
+    judge,
+)
+from reference_judges import judged as judge_incident
+from reference_judges import run as _run
+
+generate, score = judge("vllm_reference")
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory) -> tuple[int, dict[str, Any], dict[str, Any], Path]:
+    return judge_incident(generate, score, tmp_path_factory.mktemp("vllm"), seed=3, requests=5000)
+
+
+def test_the_run_is_conclusive(judged):
+    assert_conclusive_at_size(judged)
+
+
+@pytest.mark.parametrize("what", ["affected", "recipients", "source_accounts", "sources"])
+def test_responses_recipients_and_sources_are_right(judged, what):
+    got = judged[1][what]
+    assert got["precision"] >= 0.98 and got["recall"] >= 0.98, got
+
+
+def test_responses_the_client_gave_up_on_are_found_without_their_cached_tokens(judged):
+    """A 499 carries no usage: its loaded pages are the leading ones the store held (written there before)."""
+    _, result, truth, out = judged
+    undelivered = set(truth["affected_undelivered"])
+    assert undelivered
+    found = {line.split(",")[0] for line in (out / "affected_requests.csv").read_text().splitlines()[1:]}
+    assert undelivered <= found
+
+
+def test_each_instance_has_its_window_within_a_minute(judged):
+    assert_windows_within_a_minute(judged[1], judged[2])
+
+
+def test_the_prober_is_found_and_no_look_alike_is_flagged(judged):
+    assert_prober_found_alone(judged[1])
+
+
+def test_the_lost_messages_are_found(judged):
+    gaps = judged[1]["seq_gaps"]
+    assert gaps["available"] and gaps["precision"] == 1.0 and gaps["recall"] == 1.0
+
+
+def test_with_the_prompts_token_ids_the_sources_are_the_stores_writers(tmp_path):
+    """The content source cuts prompts into blocks: the content-based rules run too, and the sources stay the
+    namespaces that wrote the pages to the store, not the earliest senders of the prefix anywhere."""
+    generate.generate(tmp_path / "incident", seed=7, requests=3000, with_content=True)
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 0
+    result = score.score(tmp_path / "out", tmp_path / "incident" / "truth.json")
+    for what in ("affected", "recipients", "source_accounts", "sources"):
+        assert result[what]["precision"] >= 0.98 and result[what]["recall"] >= 0.98, (what, result[what])
+
+
+def test_a_gateway_that_does_not_log_cached_tokens_cannot_tell_loads_from_computation(tmp_path):
+    """Without cached_tokens the mechanism has nothing to judge a hit by: inconclusive, never "none affected"."""
+    generate.generate(tmp_path / "incident", seed=7, requests=2000)
+    for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
+        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
+        for r in records:
+            (r.get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
+        path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
+    assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
+
+
+def test_the_events_of_an_instance_lost_leave_its_window_unanswered(tmp_path):
+    """One instance's KV-event archive missing: its loads cannot be seen, so the run must not say none happened
+    there."""
+    generate.generate(tmp_path / "incident", seed=7, requests=2000)
+    archives = sorted((tmp_path / "incident" / "kv-events").glob("*.jsonl.gz"))
+    shutil.move(archives[0], tmp_path / archives[0].name)
+    code = _run(tmp_path / "incident" / "incident.toml", tmp_path / "out")
+    assert code == 3, code
