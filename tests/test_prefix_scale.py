@@ -70,10 +70,14 @@ def _account_classes(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def _assert_sources_match(con: duckdb.DuckDBPyConnection) -> int:
-    """Record the three rules' findings, attribute them with sql/prefix_sources.sql and compare its
-    block_fingerprints rows with the reference; the number of those rows."""
+    """Record the content rules' findings, attribute them with sql/prefix_sources.sql and compare its
+    block_fingerprints rows with the reference; the number of those rows. The KV-event rule's findings are left
+    out: a response it flags is attributed by its loads, so the content path would have nothing to attribute on
+    an incident whose every load the events show."""
     con.execute("DELETE FROM findings").fetchall()
     for rule in RULES.values():
+        if rule.id == "cross_tenant_store_load":
+            continue
         for rid in run_rule(con, rule, rule.parameters)["request_id"]:
             con.execute(
                 "INSERT INTO findings (request_id, rule_id, rule_version, confidence) "

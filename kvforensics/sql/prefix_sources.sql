@@ -55,15 +55,19 @@ WITH flagged AS (
     FROM flagged f JOIN requests r ON r.request_id = f.request_id
 ), {{ fragment('prefix_paths') }}, stores AS (
     -- through the paths open on the recipient's instance (as the rules judge): the earliest send on its own
-    -- cache (instance and salt) when that cache crossed tenants, else on any instance of the model when a
-    -- store whose keys drop the salt was in force. A response the KV events show loading pages from a shared
-    -- store is attributed by those loads (shared_store_pages below), which name the store's writer.
+    -- cache (instance and salt) when that cache crossed tenants, else, when a store whose keys drop the salt was
+    -- in force, the store's entry: the earliest send on an instance that then had the store. A response the KV
+    -- events show loading pages from a shared store is attributed by those loads (shared_store_pages below),
+    -- which name the store's writer.
     SELECT s.request_id, s.position, 'block_fingerprints' AS basis,
-           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_id ELSE s.first_id END AS sender_id,
-           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_account ELSE s.first_account END
-               AS sender_account
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_id
+                WHEN p.store_path = 1 THEN s.store_id ELSE s.first_id END AS sender_id,
+           CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.local_account
+                WHEN p.store_path = 1 THEN s.store_account ELSE s.first_account END AS sender_account
     FROM block_senders s JOIN request_paths p ON p.request_id = s.request_id
-    WHERE s.benign = 0 AND (p.local_path = 1 OR p.store_path = 1)
+    WHERE CASE WHEN s.any_local = 1 AND p.local_path = 1 THEN s.benign = 0
+               WHEN p.store_path = 1 THEN s.store_id IS NOT NULL AND s.store_benign = 0 AND s.any_local = 0
+               ELSE p.local_path = 1 AND s.benign = 0 END
       AND s.request_id NOT IN (SELECT request_id FROM findings WHERE rule_id = 'cross_tenant_store_load')
 ), collided AS (
     -- the block stored under the hash the recipient matched (the parent of its own first stored block)

@@ -37,6 +37,14 @@ WITH internal AS (
            e.ts AS sender_ts,
            CASE WHEN e.prefill_instance = u.prefill_instance AND e.cache_salt IS NOT DISTINCT FROM u.cache_salt
                 THEN 1 ELSE 0 END AS local_send,
+           CASE WHEN NOT EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = e.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= e.ts)
+                                   AND (w.valid_to IS NULL OR e.ts < w.valid_to))
+                  OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.instance = e.prefill_instance
+                                   AND (w.valid_from IS NULL OR w.valid_from <= e.ts)
+                                   AND (w.valid_to IS NULL OR e.ts < w.valid_to)
+                                   AND w.reach IN ('shared_store', 'any'))
+                THEN 1 ELSE 0 END AS store_send,
            CASE WHEN e.account_id = u.account_id OR i.account_id IS NOT NULL
                   OR EXISTS (SELECT 1 FROM prefix_shared_namespaces n
                              WHERE {{ glob_match(e.cache_salt, n.pattern) }}) THEN 1 ELSE 0 END AS benign_send
@@ -53,19 +61,27 @@ WITH internal AS (
     {{ direct_paths }}
 ), stores AS (
     -- the earliest send on the requester's own cache when that cache crossed tenants (and no shared store is
-    -- assumed), else the earliest on any instance when a store dropping the salt could have served it
-    SELECT s.request_id, s.position, s.sender_id, s.sender_account,
-           CASE WHEN b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN 1 ELSE 0 END AS any_local,
+    -- assumed); else, through a store whose keys drop the salt, the store's entry: the earliest send on an
+    -- instance that then had the store, foreign unless its account is the requester's, internal or a shared
+    -- namespace, and never when the requester's namespace had sent the block on its own instance; else the
+    -- earliest send on any instance
+    SELECT s.request_id, s.position, s.sender_id, s.sender_account, s.benign_send, b.benign, b.any_local AS own_local,
+           CASE WHEN b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN 'local'
+                WHEN p.store_path = 1 OR $shared_store THEN 'store' ELSE 'any' END AS branch,
            row_number() OVER (PARTITION BY s.request_id, s.position
                               ORDER BY s.sender_ts NULLS LAST, s.sender_id NULLS LAST) AS earliest
     FROM sent s JOIN per_block b ON b.request_id = s.request_id AND b.position = s.position
     JOIN paths p ON p.request_id = s.request_id
-    WHERE b.benign = 0 AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
-      AND (s.local_send = 1 OR NOT (b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store))
+    WHERE CASE WHEN b.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN s.local_send = 1
+               WHEN p.store_path = 1 OR $shared_store THEN s.store_send = 1
+               ELSE p.local_path = 1 END
+), chosen AS (
+    SELECT *, CASE WHEN branch = 'local' THEN 1 ELSE 0 END AS any_local FROM stores
+    WHERE earliest = 1 AND CASE WHEN branch = 'store' THEN benign_send = 0 AND own_local = 0 ELSE benign = 0 END
 ), foreign_blocks AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, max(position) AS last_position,
            count(DISTINCT sender_account) AS source_accounts, min(any_local) AS all_local
-    FROM stores WHERE earliest = 1 GROUP BY request_id
+    FROM chosen GROUP BY request_id
 ), explained AS (
     SELECT request_id FROM per_block GROUP BY request_id
 ), strong AS (

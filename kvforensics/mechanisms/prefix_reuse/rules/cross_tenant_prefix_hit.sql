@@ -4,7 +4,9 @@
 -- prefix up to that block (equal chain_fp) and neither the requester's own account nor one of the
 -- provider's internal accounts ([scope] internal_accounts: a shared system prompt) had sent it before.
 -- The store it came from: the earliest such request on the request's own instance under the same salt
--- (its own cache), else (a hit nothing there explains, or $shared_store) on any instance of the model.
+-- (its own cache), else (a hit nothing there explains, or $shared_store) the store whose keys drop the salt: its
+-- entry is the earliest send on an instance that then had it, foreign when another account's (not internal, not a
+-- shared namespace) and the requester's namespace had not sent the block on its own instance.
 -- Weak, from cached_tokens alone: a hit of at least $min_cached_tokens on a request whose blocks
 -- are unknown or unexplained, whose account never sent a prompt that long on the model before, that
 -- no internal account could have stored, and whose length fewer than $shared_length_accounts
@@ -37,12 +39,19 @@ WITH internal AS (
     -- the earliest send on its own cache (instance and salt) when that cache crossed tenants, else (nothing
     -- there explains it, or $shared_store) the earliest on any instance of the model when a store whose
     -- keys drop the salt was in force
+    -- (through a store whose keys drop the salt, the block is the store's entry: its first writer's, the earliest
+    -- send on an instance that had the store, foreign unless that is the requester's account, an internal one or a
+    -- shared namespace; never when the requester's own namespace had sent it on that instance, its own cache)
     SELECT s.request_id, s.position,
            CASE WHEN s.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN 1 ELSE 0 END AS any_local,
            CASE WHEN s.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN s.local_account
+                WHEN p.store_path = 1 OR $shared_store THEN s.store_account
                 ELSE s.first_account END AS sender_account
     FROM block_senders s JOIN request_paths p ON p.request_id = s.request_id
-    WHERE s.benign = 0 AND (p.local_path = 1 OR p.store_path = 1 OR $shared_store)
+    WHERE CASE WHEN s.any_local = 1 AND p.local_path = 1 AND NOT $shared_store THEN s.benign = 0
+               WHEN p.store_path = 1 OR $shared_store
+               THEN s.store_id IS NOT NULL AND s.store_benign = 0 AND s.any_local = 0
+               ELSE p.local_path = 1 AND s.benign = 0 END
 ), foreign_blocks AS (
     SELECT request_id, count(*) AS blocks, min(position) AS first_position, max(position) AS last_position,
            count(DISTINCT sender_account) AS source_accounts, min(any_local) AS all_local
