@@ -91,29 +91,55 @@ ordered AS (
       AND (shared_store = 1 OR no_startup = 1) AND chain_fp IS NOT NULL AND salt IS NOT NULL
       AND position IS NOT NULL AND num_tokens IS NOT NULL
       AND instance NOT IN (SELECT instance FROM host_publishers)
+), instance_steps AS (
+    -- each moment an instance published at, and the one before it: a scheduler step and the step before
+    SELECT instance, ts, lag(ts) OVER (PARTITION BY instance ORDER BY ts) AS prev_ts
+    FROM (SELECT DISTINCT instance, ts FROM kv_events WHERE ts IS NOT NULL) t
 ), device_events AS (
-    -- one device store event: its first page, the tokens up to its last page, its last page (the event's leaf)
-    SELECT instance, ts, salt, source_file, batch, seq, min(position) AS first_position,
-           max(num_tokens) AS block_tokens, (max(position) + 1) * max(num_tokens) AS end_tokens,
-           max(CASE WHEN from_end = 1 THEN block_hash END) AS leaf
-    FROM device_pages
-    GROUP BY instance, ts, salt, source_file, batch, seq
+    -- one device store event: its first page, the tokens up to its last page, its last page (the event's leaf),
+    -- its rank among its namespace's events of that moment, and the moment the instance published before
+    SELECT e.*, st.prev_ts
+    FROM (SELECT instance, ts, salt, source_file, batch, seq, min(position) AS first_position,
+                 max(num_tokens) AS block_tokens, (max(position) + 1) * max(num_tokens) AS end_tokens,
+                 max(CASE WHEN from_end = 1 THEN block_hash END) AS leaf,
+                 row_number() OVER (PARTITION BY instance, ts, salt
+                                    ORDER BY source_file NULLS LAST, batch NULLS LAST, seq NULLS LAST) AS ev_rank
+          FROM device_pages
+          GROUP BY instance, ts, salt, source_file, batch, seq) e
+    LEFT JOIN instance_steps st ON st.instance = e.instance AND st.ts = e.ts
+), device_candidates AS (
+    -- the requests of its namespace on the instance, from $load_window_s before each event to $clock_skew_s after,
+    -- that the engine worked on (not refused); those that arrived since the instance's previous moment are new
+    -- in its step, numbered by arrival (a step takes its new requests in order: the n-th event of a namespace
+    -- in a step is most likely its n-th new request's)
+    SELECT c.*,
+           CASE WHEN c.is_new = 1
+                THEN sum(c.is_new) OVER (PARTITION BY c.instance, c.ts, c.salt, c.source_file, c.batch, c.seq
+                                         ORDER BY c.arrived NULLS LAST, c.request_id NULLS LAST
+                                         ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) END AS new_rank
+    FROM (SELECT d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq, d.leaf, d.first_position, d.block_tokens,
+                 d.end_tokens, d.ev_rank, r.request_id, r.ts AS arrived, r.cached_tokens, r.prompt_tokens,
+                 CASE WHEN r.ts <= d.ts AND (d.prev_ts IS NULL OR r.ts > d.prev_ts) THEN 1 ELSE 0 END AS is_new
+          FROM device_events d
+          JOIN requests r ON r.prefill_instance = d.instance AND r.cache_salt = d.salt
+                         AND r.ts >= {{ add_milliseconds(d.ts, -1000 * $load_window_s) }}
+                         AND r.ts <= {{ add_milliseconds(d.ts, 1000 * $clock_skew_s) }}
+                         AND (r.status IS NULL OR r.status NOT BETWEEN 400 AND 498)) c
 ), device_claims AS (
-    -- the request each such event stored the prompt of: one of its namespace on the instance, from $load_window_s
-    -- before it to $clock_skew_s after, that the engine worked on (not refused), whose prompt holds the event's
-    -- pages; the last to arrive before it, else (clocks apart) the first after it
-    SELECT d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq, d.leaf, r.cached_tokens,
-           row_number() OVER (PARTITION BY d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq
-                              ORDER BY CASE WHEN r.prompt_tokens IS NULL OR r.prompt_tokens >= d.end_tokens
-                                            THEN 0 ELSE 1 END,
-                                       CASE WHEN r.ts <= d.ts THEN 0 ELSE 1 END,
-                                       abs({{ epoch_us(d.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
-                                       r.request_id NULLS LAST) AS pick
-    FROM device_events d
-    JOIN requests r ON r.prefill_instance = d.instance AND r.cache_salt = d.salt
-                   AND r.ts >= {{ add_milliseconds(d.ts, -1000 * $load_window_s) }}
-                   AND r.ts <= {{ add_milliseconds(d.ts, 1000 * $clock_skew_s) }}
-                   AND (r.status IS NULL OR r.status NOT BETWEEN 400 AND 498)
+    -- the request each such event stored the prompt of, by preference: its cached_tokens cover the pages before
+    -- the event's first (held, so they were hits); new in the event's step, the one whose number among them is
+    -- the event's among its namespace's events there; its prompt holds the event's pages; the last to arrive
+    -- before the event, else (clocks apart) the first after it
+    SELECT instance, ts, salt, source_file, batch, seq, leaf, cached_tokens,
+           row_number() OVER (PARTITION BY instance, ts, salt, source_file, batch, seq
+                              ORDER BY CASE WHEN cached_tokens < first_position * block_tokens THEN 1 ELSE 0 END,
+                                       CASE WHEN is_new = 1 THEN 0 ELSE 1 END,
+                                       abs(coalesce(new_rank, 0) - ev_rank),
+                                       CASE WHEN prompt_tokens IS NULL OR prompt_tokens >= end_tokens THEN 0 ELSE 1 END,
+                                       CASE WHEN arrived <= ts THEN 0 ELSE 1 END,
+                                       abs({{ epoch_us(ts) }} - {{ epoch_us(arrived) }}) NULLS LAST,
+                                       request_id NULLS LAST) AS pick
+    FROM device_candidates
 ), device_claimed AS (
     -- each claimed event's pages; for a request that logs no cached_tokens (a client that disconnected, a streamed
     -- response without usage), whether the store held the page's content then: stored before the event on an
