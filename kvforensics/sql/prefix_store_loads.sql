@@ -109,9 +109,10 @@ ordered AS (
     LEFT JOIN instance_steps st ON st.instance = e.instance AND st.ts = e.ts
 ), device_candidates AS (
     -- the requests of its namespace on the instance, from $load_window_s before each event to $clock_skew_s after,
-    -- that the engine worked on (not refused); those that arrived since the instance's previous moment are new
-    -- in its step, numbered by arrival (a step takes its new requests in order: the n-th event of a namespace
-    -- in a step is most likely its n-th new request's)
+    -- that the engine worked on (not refused); those that arrived since the instance's previous moment and had a
+    -- full block of their prompt to compute (a request whose cached_tokens cover every full block stores
+    -- nothing) are new in its step, numbered by arrival (a step takes its new requests in order: the n-th event
+    -- of a namespace in a step is most likely its n-th new request's)
     SELECT c.*,
            CASE WHEN c.is_new = 1
                 THEN sum(c.is_new) OVER (PARTITION BY c.instance, c.ts, c.salt, c.source_file, c.batch, c.seq
@@ -119,7 +120,10 @@ ordered AS (
                                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) END AS new_rank
     FROM (SELECT d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq, d.leaf, d.first_position, d.block_tokens,
                  d.end_tokens, d.ev_rank, r.request_id, r.ts AS arrived, r.cached_tokens, r.prompt_tokens,
-                 CASE WHEN r.ts <= d.ts AND (d.prev_ts IS NULL OR r.ts > d.prev_ts) THEN 1 ELSE 0 END AS is_new
+                 CASE WHEN r.ts <= d.ts AND (d.prev_ts IS NULL OR r.ts > d.prev_ts)
+                           AND (r.cached_tokens IS NULL OR r.prompt_tokens IS NULL
+                                OR r.cached_tokens < floor(r.prompt_tokens / d.block_tokens) * d.block_tokens)
+                      THEN 1 ELSE 0 END AS is_new
           FROM device_events d
           JOIN requests r ON r.prefill_instance = d.instance AND r.cache_salt = d.salt
                          AND r.ts >= {{ add_milliseconds(d.ts, -1000 * $load_window_s) }}
