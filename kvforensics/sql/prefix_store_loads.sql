@@ -120,6 +120,7 @@ ordered AS (
                                          ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) END AS new_rank
     FROM (SELECT d.instance, d.ts, d.salt, d.source_file, d.batch, d.seq, d.leaf, d.first_position, d.block_tokens,
                  d.end_tokens, d.ev_rank, r.request_id, r.ts AS arrived, r.cached_tokens, r.prompt_tokens,
+                 r.completion_tokens,
                  CASE WHEN r.ts <= d.ts AND (d.prev_ts IS NULL OR r.ts > d.prev_ts)
                            AND (r.cached_tokens IS NULL OR r.prompt_tokens IS NULL
                                 OR r.cached_tokens < floor(r.prompt_tokens / d.block_tokens) * d.block_tokens)
@@ -131,15 +132,17 @@ ordered AS (
                          AND (r.status IS NULL OR r.status NOT BETWEEN 400 AND 498)) c
 ), device_claims AS (
     -- the request each such event stored the prompt of, by preference: its cached_tokens cover the pages before
-    -- the event's first (held, so they were hits); new in the event's step, the one whose number among them is
-    -- the event's among its namespace's events there; its prompt holds the event's pages; the last to arrive
-    -- before the event, else (clocks apart) the first after it
-    SELECT instance, ts, salt, source_file, batch, seq, leaf, cached_tokens,
+    -- the event's first (held, so they were hits); its prompt (and output: a finished request's pages) holds the
+    -- event's pages; new in the event's step, the one whose number among them is the event's among its
+    -- namespace's events there; the last to arrive before the event, else (clocks apart) the first after it
+    SELECT instance, ts, salt, source_file, batch, seq, leaf, cached_tokens, request_id,
            row_number() OVER (PARTITION BY instance, ts, salt, source_file, batch, seq
                               ORDER BY CASE WHEN cached_tokens < first_position * block_tokens THEN 1 ELSE 0 END,
+                                       CASE WHEN prompt_tokens IS NULL
+                                                 OR prompt_tokens + coalesce(completion_tokens, 0) >= end_tokens
+                                            THEN 0 ELSE 1 END,
                                        CASE WHEN is_new = 1 THEN 0 ELSE 1 END,
                                        abs(coalesce(new_rank, 0) - ev_rank),
-                                       CASE WHEN prompt_tokens IS NULL OR prompt_tokens >= end_tokens THEN 0 ELSE 1 END,
                                        CASE WHEN arrived <= ts THEN 0 ELSE 1 END,
                                        abs({{ epoch_us(ts) }} - {{ epoch_us(arrived) }}) NULLS LAST,
                                        request_id NULLS LAST) AS pick
@@ -149,7 +152,7 @@ ordered AS (
     -- response without usage), whether the store held the page's content then: stored before the event on an
     -- instance whose start-up had the store (the store keeps what is written to it, as the owners below assume)
     SELECT p.instance, p.ts, p.salt, p.source_file, p.batch, p.seq, c.leaf, p.position, p.num_tokens, p.chain_fp,
-           p.model, c.cached_tokens,
+           p.model, c.cached_tokens, c.request_id,
            CASE WHEN c.cached_tokens IS NOT NULL THEN NULL
                 WHEN EXISTS (SELECT 1 FROM held w
                              WHERE w.chain_fp = p.chain_fp AND w.kind = 'stored' AND w.ts < p.ts
@@ -167,8 +170,8 @@ ordered AS (
 ), device_loads AS (
     -- the pages of each claimed event its request had cached, loaded from the store; for a request that logs no
     -- cached_tokens, the event's leading pages the store held (the engine asks the store for the longest prefix
-    -- it holds before it computes)
-    SELECT p.instance, p.ts, p.salt, p.leaf, p.position, p.num_tokens, p.chain_fp, p.model
+    -- it holds before it computes); the request claimed it
+    SELECT p.instance, p.ts, p.salt, p.leaf, p.position, p.num_tokens, p.chain_fp, p.model, p.request_id AS claimed
     FROM device_claimed p
     LEFT JOIN device_unsized_ends e ON e.instance = p.instance AND e.ts = p.ts AND e.salt = p.salt
                                    AND e.source_file = p.source_file AND e.batch = p.batch AND e.seq = p.seq
@@ -192,12 +195,13 @@ ordered AS (
                      AND l.block_hash = p.parent_block_hash AND l.position = p.position - 1
 ), loads AS (
     -- each loaded page once per load it is on (every page is on one: the top of its chain is a leaf, and a
-    -- page without a position is a leaf of its own)
-    SELECT DISTINCT l.instance, l.ts, l.salt, p.leaf, l.position, l.num_tokens, l.chain_fp, l.model
+    -- page without a position is a leaf of its own); a device store's load keeps the request that claimed it
+    SELECT DISTINCT l.instance, l.ts, l.salt, p.leaf, l.position, l.num_tokens, l.chain_fp, l.model,
+           CAST(NULL AS STRING) AS claimed
     FROM load_pages l
     JOIN load_paths p ON p.instance = l.instance AND p.ts = l.ts AND p.salt = l.salt AND p.block_hash = l.block_hash
     UNION ALL
-    SELECT instance, ts, salt, leaf, position, num_tokens, chain_fp, model FROM device_loads
+    SELECT instance, ts, salt, leaf, position, num_tokens, chain_fp, model, claimed FROM device_loads
 ), writes AS (
     -- pages the namespace computed (a device store of a page not in host memory) or backed up (a host
     -- store of a page on the device), on instances whose start-up had a shared store: pages put in the
@@ -240,13 +244,14 @@ ordered AS (
     -- what each load put in host memory, foreign or not: the request it served had at least those tokens
     -- cached, and exactly the tokens up to its last page when the load ended its cached prefix
     SELECT instance, ts, salt, leaf, sum(num_tokens) AS loaded_tokens,
-           (max(position) + 1) * max(num_tokens) AS prefix_tokens
+           (max(position) + 1) * max(num_tokens) AS prefix_tokens, max(claimed) AS claimed
     FROM loads GROUP BY instance, ts, salt, leaf
 ), load_groups AS (
     -- the foreign pages of each load
     SELECT f.instance, f.ts, f.salt, f.leaf, count(*) AS pages, max(f.position) AS last_position,
            sum(f.num_tokens) AS tokens, count(DISTINCT f.owner_salt) AS owners,
-           any_value(e.loaded_tokens) AS loaded_tokens, any_value(e.prefix_tokens) AS prefix_tokens
+           any_value(e.loaded_tokens) AS loaded_tokens, any_value(e.prefix_tokens) AS prefix_tokens,
+           any_value(e.claimed) AS claimed
     FROM foreign_pages f
     JOIN load_extents e ON e.instance = f.instance AND e.ts = f.ts AND e.salt = f.salt AND e.leaf = f.leaf
     GROUP BY f.instance, f.ts, f.salt, f.leaf
@@ -260,9 +265,11 @@ ordered AS (
            sum(CASE WHEN r.cached_tokens IS NULL AND r.status BETWEEN 200 AND 299 THEN 1 ELSE 0 END)
                OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS unsized,
            row_number() OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf
-                              -- a request whose cached prefix ends with the load, then the last to arrive
-                              -- before the load, else (clocks apart) the first after it
-                              ORDER BY CASE WHEN r.cached_tokens = g.prefix_tokens THEN 0 ELSE 1 END,
+                              -- the request a device store's load was claimed by (device_claims), then one
+                              -- whose cached prefix ends with the load, then the last to arrive before the
+                              -- load, else (clocks apart) the first after it
+                              ORDER BY CASE WHEN r.request_id = g.claimed THEN 0 ELSE 1 END,
+                                       CASE WHEN r.cached_tokens = g.prefix_tokens THEN 0 ELSE 1 END,
                                        CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
                                        abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
                                        r.request_id NULLS LAST) AS nearest
