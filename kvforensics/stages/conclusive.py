@@ -60,8 +60,9 @@ RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
     # without a request salt, a block's hash is looked for under every salt its content was stored with
     "block_hash_collision": ("cache_salt", "prefill_instance"),
     # a load from a shared store is a response's when a request of the loading namespace (cache_salt) arrived on
-    # that instance just before it; loads no request explains are reason prefix_store_loads_unmatched
-    "cross_tenant_store_load": ("cache_salt", "prefill_instance"),
+    # that instance just before it; loads no request explains are reason prefix_store_loads_unmatched; a device
+    # store goes to a request whose prompt and output hold its pages (completion_tokens taken as 0 when missing)
+    "cross_tenant_store_load": ("cache_salt", "prefill_instance", "completion_tokens"),
 }
 _PREFIX_RULES = "cross_tenant_prefix_hit, prefix_salt_mismatch and block_hash_collision"
 _MAP_FIELD = "map the field in the requests source's columns (or a preset), or check its null tokens"
