@@ -55,7 +55,7 @@ RULE_FIELDS_WITH_FALLBACK: dict[str, tuple[str, ...]] = {
     "prompt_exceeds_kv_pool": ("prefill_instance", "decode_instance"),  # the model's prefill pools then
     # prefix_reuse (its mechanism requires cached_tokens): without an instance the model's instances are
     # read as one shared cache; without a request salt the KV events' salt is compared
-    "cross_tenant_prefix_hit": ("cache_salt", "prefill_instance"),
+    "cross_tenant_prefix_hit": ("cache_salt", "prefill_instance", "completion_tokens"),  # 0 when missing
     "prefix_salt_mismatch": ("cache_salt", "prefill_instance"),
     # without a request salt, a block's hash is looked for under every salt its content was stored with
     "block_hash_collision": ("cache_salt", "prefill_instance"),

@@ -8,7 +8,7 @@
 -- The store it came from: the earliest such request on the request's own instance under the same salt
 -- (its own cache), else (a hit nothing there explains, or $shared_store) on any instance of the model.
 -- Weak, from cached_tokens alone: a hit of at least $min_cached_tokens on a request whose blocks
--- are unknown or unexplained, whose account never sent a prompt that long on the model before, that
+-- are unknown or unexplained, whose account never sent a prompt and output that long on the model before, that
 -- no internal account could have stored, and whose length fewer than $shared_length_accounts
 -- accounts' unexplained hits share (a prefix every tenant gets from the cache is a shared one).
 -- Output: request_id, strength ('strong' | 'weak'), evidence (JSON). One row per request.
@@ -101,9 +101,11 @@ WITH internal AS (
     FROM unexplained u
     WHERE NOT EXISTS (SELECT 1 FROM requests o
                       WHERE o.account_id = u.account_id AND o.model = u.model AND o.ts < u.ts
-                        AND o.prompt_tokens >= u.cached_tokens AND o.request_id <> u.request_id)
+                        AND o.prompt_tokens + coalesce(o.completion_tokens, 0) >= u.cached_tokens
+                        AND o.request_id <> u.request_id)
       AND NOT EXISTS (SELECT 1 FROM requests o JOIN internal i ON i.account_id = o.account_id
-                      WHERE o.model = u.model AND o.ts < u.ts AND o.prompt_tokens >= u.cached_tokens)
+                      WHERE o.model = u.model AND o.ts < u.ts
+                        AND o.prompt_tokens + coalesce(o.completion_tokens, 0) >= u.cached_tokens)
 ), lengths AS (
     SELECT model, cached_tokens, count(DISTINCT account_id) AS accounts FROM first_time GROUP BY model, cached_tokens
 ), weak AS (

@@ -8,7 +8,8 @@
 -- entry is the earliest send on an instance that then had it, foreign when another account's (not internal, not a
 -- shared namespace) and the requester's namespace had not sent the block on its own instance.
 -- Weak, from cached_tokens alone: a hit of at least $min_cached_tokens on a request whose blocks
--- are unknown or unexplained, whose account never sent a prompt that long on the model before, that
+-- are unknown or unexplained, whose account never had that many tokens in the model's cache before (a prompt and
+-- its output: an engine caches both when a request finishes, and a conversation's next turn hits them), that
 -- no internal account could have stored, and whose length fewer than $shared_length_accounts
 -- accounts' unexplained hits share (a prefix every tenant gets from the cache is a shared one).
 -- Only through a path across tenants open on the request's instance when it was served (prefix_windows,
@@ -74,15 +75,15 @@ WITH internal AS (
     -- per account, model and arrival time, the longest prompt the account sent on the model strictly before
     -- it: the running maximum over the earlier arrival times (one row per time, so requests that arrived
     -- together are not each other's "before"); a correlated NOT EXISTS on the time was quadratic in the
-    -- account's requests
+    -- account's requests. A prompt's length counts with its output's (completion_tokens, 0 when not logged)
     SELECT account_id, model, ts,
            max(longest) OVER (PARTITION BY account_id, model ORDER BY ts NULLS LAST
                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS longest_before
-    FROM (SELECT account_id, model, ts, max(prompt_tokens) AS longest
+    FROM (SELECT account_id, model, ts, max(prompt_tokens + coalesce(completion_tokens, 0)) AS longest
           FROM requests WHERE ts IS NOT NULL GROUP BY account_id, model, ts) t
 ), internal_times AS (
     -- per model, the internal accounts' longest prompt at each time, beside the unexplained hits' times
-    SELECT o.model, o.ts, max(o.prompt_tokens) AS longest
+    SELECT o.model, o.ts, max(o.prompt_tokens + coalesce(o.completion_tokens, 0)) AS longest
     FROM requests o JOIN internal i ON i.account_id = o.account_id
     WHERE o.ts IS NOT NULL GROUP BY o.model, o.ts
     UNION ALL
@@ -94,8 +95,8 @@ WITH internal AS (
                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS longest_before
     FROM (SELECT model, ts, max(longest) AS longest FROM internal_times GROUP BY model, ts) t
 ), first_time AS (
-    -- a hit whose account never sent a prompt that long on the model before, and that no internal account
-    -- could have stored (no internal prompt that long on the model before it)
+    -- a hit whose account never had that many tokens cached on the model before (prompt and output), and that no
+    -- internal account could have stored (no internal prompt and output that long on the model before it)
     SELECT u.request_id, u.account_id, u.model, u.cached_tokens
     FROM unexplained u
     LEFT JOIN earlier_own e ON e.account_id = u.account_id AND e.model = u.model AND e.ts = u.ts
