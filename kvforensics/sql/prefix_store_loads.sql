@@ -266,11 +266,14 @@ ordered AS (
                OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS unsized,
            row_number() OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf
                               -- the request a device store's load was claimed by (device_claims), then one
-                              -- whose cached prefix ends with the load, then the last to arrive before the
-                              -- load, else (clocks apart) the first after it
+                              -- whose cached prefix ends with the load (of several that arrived before it, the
+                              -- first: it asked for the pages, the later ones hit the copy it brought in), then
+                              -- the last to arrive before the load, else (clocks apart) the first after it
                               ORDER BY CASE WHEN r.request_id = g.claimed THEN 0 ELSE 1 END,
                                        CASE WHEN r.cached_tokens = g.prefix_tokens THEN 0 ELSE 1 END,
                                        CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
+                                       CASE WHEN r.cached_tokens = g.prefix_tokens AND r.ts <= g.ts
+                                            THEN {{ epoch_us(r.ts) }} END NULLS LAST,
                                        abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
                                        r.request_id NULLS LAST) AS nearest
     FROM load_groups g

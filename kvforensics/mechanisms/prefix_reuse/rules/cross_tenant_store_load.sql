@@ -20,8 +20,9 @@
 --   * the response is a request of the loading namespace on that instance, from $load_window_s before the
 --     load to $clock_skew_s after it, with cached_tokens covering every page of the load, or none logged (a
 --     client that disconnected gets no usage): for a device store's load (an engine without host stores), the
---     request the store was given to; else the one whose cached_tokens end exactly with the load's last page,
---     else the one whose arrival is nearest the load; requests.cache_salt names the namespace.
+--     request the store was given to; else the one whose cached_tokens end exactly with the load's last page
+--     (of several before the load, the first: the later ones hit the copy it brought in), else the one whose
+--     arrival is nearest the load; requests.cache_salt names the namespace.
 -- Output: request_id, strength ('strong'), evidence (JSON). One row per request.
 WITH RECURSIVE internal AS (
     SELECT DISTINCT a.account_id
