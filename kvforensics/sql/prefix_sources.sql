@@ -31,11 +31,7 @@ SELECT f.instance, f.ts, f.salt, f.leaf, f.position, f.num_tokens, f.owner_salt,
        c.request_id, c.matched_by, c.candidates, c.unsized
 FROM foreign_pages f
 LEFT JOIN load_requests c ON c.instance = f.instance AND c.ts = f.ts AND c.salt = f.salt AND c.leaf = f.leaf
-                         AND c.nearest = 1
-UNION ALL
-SELECT instance, ts, salt, leaf, position, num_tokens, owner_salt, owner_instance, written,
-       request_id, 'inner_page' AS matched_by, CAST(NULL AS BIGINT) AS candidates, CAST(0 AS BIGINT) AS unsized
-FROM inner_pages;
+                         AND c.nearest = 1;
 
 CREATE OR REPLACE TABLE prefix_sources AS
 WITH flagged AS (

@@ -22,11 +22,7 @@
 --   load_requests (instance, ts, salt, leaf, pages, last_position, tokens, owners, request_id,
 --     cached_tokens, matched_by, candidates, unsized, nearest): the requests of the loading namespace near
 --     each load (matched_by: 'prefix_end' or 'arrival'; candidates: how many; unsized: the successful ones
---     among them without cached_tokens); nearest = 1 on the one it served;
---   inner_pages (the columns of foreign_pages, request_id, cached_tokens): the foreign pages a load served to a
---     request of its namespace whose cached prefix ends at an inner page of it;
---   served (instance, ts, salt, leaf, request_id, cached_tokens, pages, tokens, owners, served_by): every request
---     a load served ('load': its nearest; 'inner_page').
+--     among them without cached_tokens); nearest = 1 on the one it served.
 ordered AS (
     -- every event of an instance in publication order
     SELECT instance, ts, kind, block_hash, parent_block_hash, medium, salt, position, num_tokens, chain_fp,
@@ -286,59 +282,4 @@ ordered AS (
                    AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
                    AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
                    AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.loaded_tokens)
-), namespace_steps AS (
-    -- each moment a namespace published events at on an instance, and its moment before
-    SELECT instance, salt, ts, lag(ts) OVER (PARTITION BY instance, salt ORDER BY ts) AS prev_ts
-    FROM (SELECT DISTINCT instance, salt, ts FROM kv_events WHERE salt IS NOT NULL AND ts IS NOT NULL) t
-), continued AS (
-    -- pages of a host load its namespace then continued on the instance with a page of other content than the
-    -- moment loaded (a request's own pages computed on the loaded prefix)
-    SELECT DISTINCT lp.instance, lp.ts, lp.salt, lp.position, lp.chain_fp
-    FROM load_pages lp
-    JOIN kv_events k ON k.instance = lp.instance AND k.salt = lp.salt AND k.parent_block_hash = lp.block_hash
-                    AND k.position = lp.position + 1 AND k.kind = 'stored' AND k.ts >= lp.ts
-                    AND k.ts <= {{ add_milliseconds(lp.ts, 1000 * $load_window_s) }}
-    LEFT JOIN load_pages nx ON nx.instance = lp.instance AND nx.ts = lp.ts AND nx.salt = lp.salt
-                           AND nx.chain_fp = k.chain_fp
-    WHERE nx.chain_fp IS NULL
-), inner_cuts AS (
-    -- a load published at one moment can serve several requests of its namespace: the shorter prefix of two that
-    -- share a chain (two probes of one step) ends at an inner page of the longer one's load. Such a request, that
-    -- arrived before the load and after its namespace's previous moment on the instance (else its own pages, or
-    -- an earlier load, served it), whose cached_tokens end exactly at that page and that no load was given to,
-    -- was served the load's pages up to it (its earliest such load), when its namespace then stored on the
-    -- instance a page that continues the chain from that page with other content (the shorter prompt's own
-    -- pages). Host loads only: a device store is one request's (device_claims)
-    SELECT instance, ts, salt, leaf, request_id, cached_tokens, cut
-    FROM (SELECT g.instance, g.ts, g.salt, g.leaf, r.request_id, r.cached_tokens, l.position AS cut,
-                 row_number() OVER (PARTITION BY r.request_id
-                                    ORDER BY g.ts NULLS LAST, g.leaf NULLS LAST) AS first_load
-          FROM load_groups g
-          JOIN loads l ON l.instance = g.instance AND l.ts = g.ts AND l.salt = g.salt AND l.leaf = g.leaf
-          JOIN load_extents e ON e.instance = g.instance AND e.ts = g.ts AND e.salt = g.salt AND e.leaf = g.leaf
-          JOIN continued cn ON cn.instance = g.instance AND cn.ts = g.ts AND cn.salt = g.salt
-                           AND cn.position = l.position AND cn.chain_fp = l.chain_fp
-          LEFT JOIN namespace_steps n ON n.instance = g.instance AND n.salt = g.salt AND n.ts = g.ts
-          JOIN requests r ON r.prefill_instance = g.instance AND r.cache_salt = g.salt
-                         AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }} AND r.ts <= g.ts
-                         AND (n.prev_ts IS NULL OR r.ts > n.prev_ts)
-                         AND r.cached_tokens = (l.position + 1) * l.num_tokens
-          WHERE (l.position + 1) * l.num_tokens < e.prefix_tokens AND g.claimed IS NULL
-            AND NOT EXISTS (SELECT 1 FROM load_requests n WHERE n.request_id = r.request_id AND n.nearest = 1)) c
-    WHERE first_load = 1
-), inner_pages AS (
-    -- the foreign pages each such request was served
-    SELECT f.*, c.request_id, c.cached_tokens
-    FROM inner_cuts c
-    JOIN foreign_pages f ON f.instance = c.instance AND f.ts = c.ts AND f.salt = c.salt AND f.leaf = c.leaf
-                        AND f.position <= c.cut
-), served AS (
-    -- every request a load served, with the foreign pages it received from it
-    SELECT instance, ts, salt, leaf, request_id, cached_tokens, pages, tokens, owners, 'load' AS served_by
-    FROM load_requests WHERE nearest = 1
-    UNION ALL
-    SELECT instance, ts, salt, leaf, request_id, max(cached_tokens) AS cached_tokens, count(*) AS pages,
-           sum(num_tokens) AS tokens, count(DISTINCT owner_salt) AS owners, 'inner_page' AS served_by
-    FROM inner_pages
-    GROUP BY instance, ts, salt, leaf, request_id
 )

@@ -22,10 +22,7 @@
 --     client that disconnected gets no usage): for a device store's load (an engine without host stores), the
 --     request the store was given to; else the one whose cached_tokens end exactly with the load's last page
 --     (of several before the load, the first: the later ones hit the copy it brought in), else the one whose
---     arrival is nearest the load; requests.cache_salt names the namespace. A load can serve more than one: a
---     request of the namespace, before it and given no load, whose cached_tokens end at an inner page of a host
---     load (two requests of one step whose prefixes share a chain), its own pages continuing from that page,
---     received its pages up to that one.
+--     arrival is nearest the load; requests.cache_salt names the namespace.
 -- Output: request_id, strength ('strong'), evidence (JSON). One row per request.
 WITH RECURSIVE internal AS (
     SELECT DISTINCT a.account_id
@@ -37,5 +34,6 @@ SELECT request_id, 'strong' AS strength,
        {{ json_object('basis', 'foreign_pages_loaded_from_shared_store', 'instance', min(instance),
                       'cached_tokens', max(cached_tokens), 'pages_loaded', sum(pages),
                       'tokens_loaded', sum(tokens), 'owner_namespaces', max(owners)) }} AS evidence
-FROM served
+FROM load_requests
+WHERE nearest = 1
 GROUP BY request_id
