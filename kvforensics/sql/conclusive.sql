@@ -695,6 +695,67 @@ SELECT format('exposure window of {} ({}, model ''{}'', KV pool {:,} < context {
 FROM unjudged
 ORDER BY valid_from, instance;
 
+-- reason: cache_salt_unlogged
+-- with prefix_reuse investigated and some requests logging a cache_salt: successful requests logging none that
+-- computed at least one page (prompt_tokens beyond cached_tokens by the least page of the instance's stores that
+-- hour), on an instance whose KV events hold stores then, yet no unsalted store on that instance from
+-- $clock_skew_s before to $load_window_s after their arrival (the cross_tenant_store_load rule's window): the
+-- engine stored their pages under a salt the gateway log does not show (a field the export drops on some
+-- records, or a value blanked). Loads from a shared store are given to the requests of the loading namespace
+-- (cache_salt), so a request without one can never be given a load: the recipients are not shown when a hit
+-- logging no cache_salt arrived in the window before a foreign load on its instance, or when the requests shown to
+-- have lost their salt are more than $max_cache_salt_unlogged_fraction of the requests judged
+WITH logged AS (
+    SELECT count(*) > 0 AS any_salt FROM analysed_requests WHERE cache_salt IS NOT NULL
+), pages AS (
+    SELECT instance, date_trunc('hour', ts) AS hour, min(num_tokens) AS page_tokens
+    FROM kv_events WHERE kind = 'stored' AND num_tokens > 0
+    GROUP BY 1, 2
+), judged AS (
+    SELECT r.request_id, r.ts, r.prefill_instance AS instance,
+           r.cache_salt IS NULL AND r.prompt_tokens - r.cached_tokens >= p.page_tokens AS computed_unsalted
+    FROM analysed_requests r
+    JOIN pages p ON p.instance = r.prefill_instance AND p.hour = date_trunc('hour', r.ts)
+    WHERE r.status BETWEEN 200 AND 299 AND r.cached_tokens IS NOT NULL
+      AND (SELECT any_salt FROM logged)
+      AND EXISTS (SELECT 1 FROM mechanisms m WHERE m.id = 'prefix_reuse' AND m.selected)
+), unlogged AS (
+    SELECT j.request_id, j.ts, j.instance
+    FROM judged j
+    WHERE j.computed_unsalted
+      AND NOT EXISTS (SELECT 1 FROM kv_events e
+                      WHERE e.instance = j.instance AND e.kind = 'stored' AND e.salt IS NULL
+                        AND e.ts >= j.ts - to_seconds($clock_skew_s) AND e.ts <= j.ts + to_seconds($load_window_s))
+), near_loads AS (
+    -- hits logging no cache_salt in the window before a load of foreign pages on their instance: each may be the
+    -- load's response (asked only when some request is shown to have lost its salt)
+    SELECT DISTINCT r.request_id
+    FROM analysed_requests r
+    JOIN (SELECT DISTINCT instance, ts FROM prefix_store_loads) l
+      ON l.instance = r.prefill_instance AND r.ts >= l.ts - to_seconds($load_window_s)
+     AND r.ts <= l.ts + to_seconds($clock_skew_s)
+    WHERE r.cache_salt IS NULL AND r.cached_tokens > 0 AND r.status BETWEEN 200 AND 299
+      AND EXISTS (SELECT 1 FROM unlogged)
+), counted AS (
+    SELECT (SELECT count(*) FROM judged) AS judged, count(*) AS unlogged,
+           (SELECT count(*) FROM near_loads) AS near_loads,
+           list(request_id ORDER BY ts, request_id)[1:10] AS examples,
+           list(DISTINCT instance ORDER BY instance) AS instances, min(ts) AS first, max(ts) AS last
+    FROM unlogged
+)
+SELECT format('cache_salt: {:,} of the {:,} successful requests on instances whose KV events were salted log no '
+              || 'cache_salt although they computed pages and their instance stored no unsalted page then ({:.1f}%; '
+              || '{:,} hit(s) logging none arrived just before a load of another namespace''s pages from the shared store; '
+              || 'instances {}, {} to {}; e.g. {}): the engine stored their pages under a salt the gateway log does '
+              || 'not show, so the loads cannot be given to the right requests and the recipients may be wrong; map '
+              || 'requests.cache_salt for every record (check the export for a field it drops or blanks)',
+              unlogged, judged, 100.0 * unlogged / judged, near_loads, gate_names(instances), gate_ts(first),
+              gate_ts(last), gate_names(examples)) AS message,
+       unlogged AS requests, judged, near_loads, round(unlogged / judged, 4) AS fraction,
+       $max_cache_salt_unlogged_fraction AS max_fraction, examples
+FROM counted
+WHERE unlogged > 0 AND (near_loads > 0 OR unlogged > $max_cache_salt_unlogged_fraction * judged);
+
 -- reason: startup_value_refused
 -- a start-up value no engine can have (a KV pool or context length of 0, a number beyond 2^40 tokens:
 -- kvforensics/sources/engine_logs/startup_bounds.py) was refused, its line quarantined: the start-up's pool or context is

@@ -43,6 +43,11 @@ MAX_CACHED_TOKENS_DISAGREE_FRACTION = 0.01
 # does not explain (no abort, no other finding), beyond the tolerance of the rule that compares the two
 MAX_PROMPT_TOKENS_DISAGREE_FRACTION = 0.01
 TOKEN_COUNT_RULE = "engine_token_count_mismatch"
+# cache_salt_unlogged: the share of the successful requests on instances with KV events that may log no cache_salt
+# although their instance stored their pages under one, when none of them arrived just before a foreign load (the
+# window is the store-load rule's: STORE_LOAD_RULE's load_window_s and clock_skew_s)
+MAX_CACHE_SALT_UNLOGGED_FRACTION = 0.01
+STORE_LOAD_RULE = "cross_tenant_store_load"
 
 # Optional canonical request fields each rule needs: one tuple per need, satisfied by any of its
 # fields. Fields a rule reads with a fallback are listed in RULE_FIELDS_WITH_FALLBACK instead
@@ -167,6 +172,8 @@ def parameters(
     rules = load_rules()
     [rule] = [r for r in rules if r.id == TOKEN_COUNT_RULE]
     tolerance = rule_parameters(rule, (rule_overrides or {}).get(TOKEN_COUNT_RULE))
+    [store_rule] = [r for r in rules if r.id == STORE_LOAD_RULE]
+    store_window = rule_parameters(store_rule, (rule_overrides or {}).get(STORE_LOAD_RULE))
     limits = {
         kind: float((max_quarantine_fractions or {}).get(kind, max_quarantine_fraction)) for kind in QUARANTINE_FIXES
     }
@@ -182,6 +189,9 @@ def parameters(
         "max_prompt_tokens_disagree_fraction": MAX_PROMPT_TOKENS_DISAGREE_FRACTION,
         "token_min_abs_diff": int(tolerance["min_abs_diff"]),
         "token_max_rel_diff": float(tolerance["max_rel_diff"]),
+        "max_cache_salt_unlogged_fraction": MAX_CACHE_SALT_UNLOGGED_FRACTION,
+        "load_window_s": float(store_window["load_window_s"]),
+        "clock_skew_s": float(store_window["clock_skew_s"]),
         "prefix_needs": [dict(n) for n in PREFIX_NEEDS],
     }
 
