@@ -61,6 +61,10 @@ def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_share
     stale = next(x for x in sections if x.startswith("Stale KV pages"))
     prefix = next(x for x in sections if x.startswith("Prefix-cache blocks reused across tenants"))
     assert "**In this evidence:** its rules flagged no affected response." in stale
+    # a mechanism that found nothing is one line: none of its method, which would read as a claim about this
+    # deployment (no disaggregated-prefill path, no turnover horizon here)
+    assert "disaggregated" not in stale and "Whose data it could have been" not in stale, stale
+    assert len([line for line in stale.splitlines()[1:] if line.strip()]) == 1, stale
     affected = json.loads((out / "scope.json").read_text(encoding="utf-8"))["affected_responses"]
     # what the rules found, in their own words: every affected response loaded another tenant's pages from the
     # salt-blind store; the breach is stated as that, not as the mechanism's list of every way it can arise

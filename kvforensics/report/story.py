@@ -43,6 +43,8 @@ class Story:
     operator_checks: tuple[str, ...]  # derived: the audit checks that fail
     # derived: per mechanism investigated (its id), what its rules found in this evidence
     found: dict[str, str]
+    # derived: the mechanisms whose rules flagged affected responses (the others get one line: nothing was found)
+    flagged: frozenset[str]
     possible_bases: tuple[str, ...]
     # derived: the sentence above the exposure-window table (check 1), true of the windows the table lists
     windows_note: str
@@ -134,15 +136,21 @@ def _rule_phrases(rules: list[dict[str, Any]], mechanism: str) -> str:
     )
 
 
-def _found(con: duckdb.DuckDBPyConnection, mechanisms: list[Any], rules: list[dict[str, Any]]) -> dict[str, str]:
-    """Per mechanism investigated: how many affected responses its rules flagged and what each rule found (a
-    finding without a mechanism is a stale_pages rule's, as _nature reads them), or that they flagged none."""
-    counts = dict(
+def _flagged(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Per mechanism whose rules flagged affected responses, how many (a finding without a mechanism is a stale_pages
+    rule's)."""
+    return dict(
         con.execute(
             """SELECT coalesce(f.mechanism, 'stale_pages'), count(DISTINCT a.request_id) FROM findings f
                JOIN affected_responses a USING (request_id) GROUP BY 1"""
         ).fetchall()
     )
+
+
+def _found(con: duckdb.DuckDBPyConnection, mechanisms: list[Any], rules: list[dict[str, Any]]) -> dict[str, str]:
+    """Per mechanism investigated: how many affected responses its rules flagged and what each rule found, or that
+    they flagged none."""
+    counts = _flagged(con)
     out = {}
     for m in mechanisms:
         if not counts.get(m.id):
@@ -177,13 +185,7 @@ def _nature(
     if n:
         first = min(w["first"] for w in s["windows"])
         last = max(w["last"] for w in s["windows"])
-        flagged = {
-            m
-            for (m,) in con.execute(
-                """SELECT DISTINCT coalesce(f.mechanism, 'stale_pages') FROM findings f
-               JOIN affected_responses a USING (request_id)"""
-            ).fetchall()
-        }
+        flagged = _flagged(con)
         # what the evidence shows of each mechanism found, in its rules' words; the mechanism's summary (which
         # lists every way it can arise) stays in "How the data was exposed"
         how = " ".join(
@@ -313,6 +315,7 @@ def incident_story(
         ended=facts.ended,
         operator_checks=_operator_checks(audit) if audit.verdicts else (),
         found=_found(con, mechanisms, rules),
+        flagged=frozenset(_flagged(con)),
         possible_bases=_possible_bases(con),
         windows_note=_windows_note(s),
         notice_missing=facts.missing,
