@@ -117,3 +117,15 @@ def test_a_gateway_that_drops_cache_salt_on_some_records_is_inconclusive(tmp_pat
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())
     assert [r["code"] for r in scope["inconclusive_reasons"]] == ["cache_salt_unlogged"], scope["inconclusive_reasons"]
+
+
+def test_the_report_tells_files_of_one_name_apart(judged):
+    """Every instance's engine log is vllm.log.gz in its own folder: the data-quality and provenance tables name
+    each by its folder too, so a hash can be traced to its file."""
+    md = (judged[3] / "report.md").read_text(encoding="utf-8")
+    rows = [line for line in md.splitlines() if line.startswith("| engines |")]
+    labels = [line.split("|")[2].strip() for line in rows]
+    assert labels and all(label.endswith("/vllm.log.gz") for label in labels), labels
+    assert len(set(labels)) * 2 == len(labels)  # once in the data-quality table, once in provenance
+    # a grammatical count of the probing accounts
+    assert "1 accounts" not in md

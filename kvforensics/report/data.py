@@ -11,6 +11,7 @@ import duckdb
 import pandas as pd
 
 from kvforensics.config import Incident
+from kvforensics.report.templating import file_labels
 from kvforensics.stages.detect import AFFECTED_TIERS, load_rules
 from kvforensics.stages.scope import iso, summarise
 
@@ -339,6 +340,7 @@ def build(con: duckdb.DuckDBPyConnection, incident: Incident, out_dir: Path) -> 
         "SELECT source, kind, file, records_read, loaded, quarantined, duplicates, sha256, notes "
         "FROM load_report ORDER BY source, file",
     )
+    load_report["label"] = file_labels(load_report["file"])  # a file's name, with its folders where names repeat
     qreasons = _df(con, "SELECT source, reason, count(*) AS records FROM quarantine GROUP BY 1, 2 ORDER BY 3 DESC")
     capacity = _df(
         con,

@@ -264,7 +264,7 @@ def _operator_checks(audit: Any) -> tuple[str, ...]:
         instances = (", ".join(names[:5]) + f" and {len(names) - 5:,} more") if len(names) > 5 else words(names)
         out.append(
             f"Check {check}, {failing[0].check_name}: fails on {plural(len(failing), 'start-up')} "
-            f"({instances}), {live:,} still in force; the audit table below says what to set."
+            f"({instances}), {live:,} still in force; the deployment exposure audit (How the data was exposed) says what to set."
         )
     return tuple(out)
 

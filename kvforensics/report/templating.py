@@ -118,6 +118,19 @@ def plural(count: Any, word: str) -> str:
     return f"{n:,} {word if n == 1 else _PLURALS.get(word, word + 's')}"
 
 
+def file_labels(paths: Any) -> list[str]:
+    """Each path as its shortest trailing part no other path of *paths* ends with: ``vllm-0/vllm.log.gz`` where
+    every instance's log is ``vllm.log.gz``, the bare file name where it is unique."""
+    parts = [str(p).replace("\\", "/").split("/") for p in paths]
+    labels = []
+    for mine in parts:
+        n = 1
+        while n < len(mine) and sum(1 for other in parts if other[-n:] == mine[-n:]) > 1:
+            n += 1
+        labels.append("/".join(mine[-n:]))
+    return labels
+
+
 def words(items: Any) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     items = [str(i) for i in items]
