@@ -255,6 +255,13 @@ ordered AS (
     FROM foreign_pages f
     JOIN load_extents e ON e.instance = f.instance AND e.ts = f.ts AND e.salt = f.salt AND e.leaf = f.leaf
     GROUP BY f.instance, f.ts, f.salt, f.leaf
+), load_moments AS (
+    -- each moment a namespace's loads were published at on an instance, and its moment before there (its previous
+    -- stores: a request of the namespace that arrived before that was served in an earlier step)
+    SELECT g.instance, g.ts, g.salt, max(e.ts) AS prev_ts
+    FROM (SELECT DISTINCT instance, ts, salt FROM load_groups) g
+    LEFT JOIN kv_events e ON e.instance = g.instance AND e.salt = g.salt AND e.kind = 'stored' AND e.ts < g.ts
+    GROUP BY g.instance, g.ts, g.salt
 ), load_requests AS (
     SELECT g.*, r.request_id, r.cached_tokens,
            -- how a response would be picked: its cached_tokens end with the load, else by arrival (the order below)
@@ -266,12 +273,16 @@ ordered AS (
                OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf) AS unsized,
            row_number() OVER (PARTITION BY g.instance, g.ts, g.salt, g.leaf
                               -- the request a device store's load was claimed by (device_claims), then one
-                              -- whose cached prefix ends with the load (of several that arrived before it, the
-                              -- first: it asked for the pages, the later ones hit the copy it brought in), then
-                              -- the last to arrive before the load, else (clocks apart) the first after it
+                              -- whose cached prefix ends with the load (of several that arrived before it, one
+                              -- that arrived since its namespace's previous stores there, else served in an
+                              -- earlier step; of those the first: it asked for the pages, the later ones hit the
+                              -- copy it brought in), then the last to arrive before the load, else (clocks
+                              -- apart) the first after it
                               ORDER BY CASE WHEN r.request_id = g.claimed THEN 0 ELSE 1 END,
                                        CASE WHEN r.cached_tokens = g.prefix_tokens THEN 0 ELSE 1 END,
                                        CASE WHEN r.ts <= g.ts THEN 0 ELSE 1 END,
+                                       CASE WHEN r.cached_tokens = g.prefix_tokens AND r.ts <= g.ts
+                                                 AND (m.prev_ts IS NULL OR r.ts > m.prev_ts) THEN 0 ELSE 1 END,
                                        CASE WHEN r.cached_tokens = g.prefix_tokens AND r.ts <= g.ts
                                             THEN {{ epoch_us(r.ts) }} END NULLS LAST,
                                        abs({{ epoch_us(g.ts) }} - {{ epoch_us(r.ts) }}) NULLS LAST,
@@ -282,4 +293,5 @@ ordered AS (
                    AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
                    AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
                    AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.loaded_tokens)
+    JOIN load_moments m ON m.instance = g.instance AND m.ts = g.ts AND m.salt = g.salt
 )

@@ -21,8 +21,9 @@
 --     load to $clock_skew_s after it, with cached_tokens covering every page of the load, or none logged (a
 --     client that disconnected gets no usage): for a device store's load (an engine without host stores), the
 --     request the store was given to; else the one whose cached_tokens end exactly with the load's last page
---     (of several before the load, the first: the later ones hit the copy it brought in), else the one whose
---     arrival is nearest the load; requests.cache_salt names the namespace.
+--     (of several before the load, one that arrived after the namespace's previous stores on the instance, else
+--     an earlier step served it; of those the first: the later ones hit the copy it brought in), else the one
+--     whose arrival is nearest the load; requests.cache_salt names the namespace.
 -- Output: request_id, strength ('strong'), evidence (JSON). One row per request.
 WITH RECURSIVE internal AS (
     SELECT DISTINCT a.account_id
