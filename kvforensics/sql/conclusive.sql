@@ -756,6 +756,57 @@ SELECT format('cache_salt: {:,} of the {:,} successful requests on instances who
 FROM counted
 WHERE unlogged > 0 AND (near_loads > 0 OR unlogged > $max_cache_salt_unlogged_fraction * judged);
 
+-- reason: gateway_requests_missing
+-- with prefix_reuse investigated: device stores (GPU) of a salted namespace on an instance the requests name, inside
+-- the analysed period, that no request of that namespace on that instance can have made: none arrived before it
+-- (up to $clock_skew_s after), or every one that did had ended more than $load_window_s before it (arrival plus
+-- latency_ms, when logged). An engine stores a request's pages while it runs, so the gateway log lacks requests the
+-- engines served (lines lost, another gateway, a filter): a response that received foreign pages may be missing
+-- from the answer, and a load can be given to another request of its namespace. More than
+-- $max_orphan_store_fraction of those stores
+WITH period AS (
+    SELECT min(ts) AS lo, max(ts) AS hi FROM analysed_requests
+), served AS (
+    -- per namespace and instance, in arrival order: until when one of its requests that arrived by then ran
+    SELECT prefill_instance AS instance, cache_salt AS salt, ts AS arrived,
+           max(ts + to_milliseconds(coalesce(CAST(latency_ms AS BIGINT), 0)))
+               OVER (PARTITION BY prefill_instance, cache_salt ORDER BY ts
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS busy_until
+    FROM analysed_requests
+    WHERE cache_salt IS NOT NULL AND prefill_instance IS NOT NULL
+      AND (status IS NULL OR status NOT BETWEEN 400 AND 498)
+), stores AS (
+    SELECT DISTINCT e.instance, e.ts, e.salt
+    FROM kv_events e CROSS JOIN period p
+    WHERE e.kind = 'stored' AND e.salt IS NOT NULL AND (e.medium IS NULL OR e.medium = 'GPU')
+      AND e.ts BETWEEN p.lo AND p.hi
+      AND e.instance IN (SELECT DISTINCT prefill_instance FROM analysed_requests)
+      AND EXISTS (SELECT 1 FROM mechanisms m WHERE m.id = 'prefix_reuse' AND m.selected)
+), judged AS (
+    SELECT s.instance, s.ts,
+           r.arrived IS NULL OR r.busy_until + to_seconds($load_window_s) < s.ts AS orphan
+    FROM stores s
+    ASOF LEFT JOIN served r ON r.instance = s.instance AND r.salt = s.salt
+                           AND s.ts + to_seconds($clock_skew_s) >= r.arrived
+), counted AS (
+    SELECT count(*) AS stores, count(*) FILTER (WHERE orphan) AS orphans,
+           list(DISTINCT instance ORDER BY instance) FILTER (WHERE orphan) AS instances,
+           min(ts) FILTER (WHERE orphan) AS first, max(ts) FILTER (WHERE orphan) AS last
+    FROM judged
+)
+SELECT format('KV events: {:,} of the {:,} device stores of salted namespaces on instances the requests name ({:.1f}%, '
+              || 'above {:.1f}%; instances {}, {} to {}) have no request of their namespace on that instance that '
+              || 'could have made them (none arrived before, or all had ended {:,} s before): the gateway log lacks '
+              || 'requests the engines served (lost lines, another gateway, a filter), so responses that received '
+              || 'another tenant''s pages may be missing and loads given to the wrong request; add the missing '
+              || 'gateway records (or map cache_salt and the instance for them)', orphans, stores,
+              100.0 * orphans / stores, 100.0 * $max_orphan_store_fraction, gate_names(instances), gate_ts(first),
+              gate_ts(last), $load_window_s) AS message,
+       orphans AS stores_unexplained, stores, round(orphans / stores, 4) AS fraction,
+       $max_orphan_store_fraction AS max_fraction, first, last
+FROM counted
+WHERE stores > 0 AND orphans > $max_orphan_store_fraction * stores;
+
 -- reason: startup_value_refused
 -- a start-up value no engine can have (a KV pool or context length of 0, a number beyond 2^40 tokens:
 -- kvforensics/sources/engine_logs/startup_bounds.py) was refused, its line quarantined: the start-up's pool or context is

@@ -47,6 +47,9 @@ TOKEN_COUNT_RULE = "engine_token_count_mismatch"
 # although their instance stored their pages under one, when none of them arrived just before a foreign load (the
 # window is the store-load rule's: STORE_LOAD_RULE's load_window_s and clock_skew_s)
 MAX_CACHE_SALT_UNLOGGED_FRACTION = 0.01
+# gateway_requests_missing: the share of the salted device stores on the instances the requests name that may have no
+# request of their namespace there that could have made them (the window is the store-load rule's too)
+MAX_ORPHAN_STORE_FRACTION = 0.01
 STORE_LOAD_RULE = "cross_tenant_store_load"
 
 # Optional canonical request fields each rule needs: one tuple per need, satisfied by any of its
@@ -190,6 +193,7 @@ def parameters(
         "token_min_abs_diff": int(tolerance["min_abs_diff"]),
         "token_max_rel_diff": float(tolerance["max_rel_diff"]),
         "max_cache_salt_unlogged_fraction": MAX_CACHE_SALT_UNLOGGED_FRACTION,
+        "max_orphan_store_fraction": MAX_ORPHAN_STORE_FRACTION,
         "load_window_s": float(store_window["load_window_s"]),
         "clock_skew_s": float(store_window["clock_skew_s"]),
         "prefix_needs": [dict(n) for n in PREFIX_NEEDS],
