@@ -90,6 +90,12 @@ def test_the_report_says_what_each_mechanism_found_and_the_audit_calls_the_share
     # nor does the consequences list say their text was found in responses: no text was compared
     assert f"prefix-cache blocks stored from the requests of {confirmed:,} account" in md
     assert "was found in responses sent to other accounts" not in md
+    # the loads matched on their tokens: the responses carry nothing of another account's text (no colliding block),
+    # what they disclosed is that the text had been sent; the report and the notices say that, not "fragments"
+    consequences = next(x for x in sections if x.startswith("Likely consequences"))
+    assert "may contain fragments" not in consequences and "for the same leading text" in consequences, consequences
+    notices = list((out / "notices").rglob("*.md"))
+    assert notices and not any("may contain fragments" in p.read_text(encoding="utf-8") for p in notices)
 
 
 def test_the_lost_messages_are_found(judged):

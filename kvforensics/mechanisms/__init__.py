@@ -34,6 +34,7 @@ _INPUT = re.compile(r"^([a-z_]+)(?:\.([a-z_][a-z0-9_]*))?$")
 _KEYS = {"id", "title", "summary", "explanation", "inputs", "attribution", "audit_checks", "exploitation", "notice"}
 _TEXT_KEYS = ("id", "title", "summary", "explanation", "attribution", "exploitation")
 _INPUT_KEYS = {"required", "any_of", "strengthens"}
+_NOTICE_SECTION_KEYS = {"title", "text", "data", "consequence"}
 _NOTICE_ROLES = ("received", "exposed", "possible")  # possible: only a mechanism whose attribution has possible sources
 _BASIS = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -44,6 +45,10 @@ class NoticeSection:
 
     title: str
     text: str
+    # what the data concerned may hold, and the likely consequences for the account, where the notice's generic
+    # sentences would not be true of this mechanism (None: the generic ones)
+    data: str | None = None
+    consequence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,10 +132,16 @@ def _inputs(meta: Mapping[str, Any], key: str, where: str) -> tuple[str, ...]:
 
 def _notice_section(raw: Mapping[str, Any], role: str, where: str) -> NoticeSection:
     section = raw.get(role)
-    if not isinstance(section, Mapping) or set(section) != {"title", "text"}:
-        raise ConfigError(f"notice.{role} must be a mapping of title and text", location=where)
+    if not isinstance(section, Mapping) or not {"title", "text"} <= set(section) <= _NOTICE_SECTION_KEYS:
+        raise ConfigError(
+            f"notice.{role} must be a mapping of title and text, optionally data and consequence", location=where
+        )
+    at = f"{where}: notice.{role}"
     return NoticeSection(
-        _text(section, "title", f"{where}: notice.{role}"), _text(section, "text", f"{where}: notice.{role}")
+        _text(section, "title", at),
+        _text(section, "text", at),
+        _text(section, "data", at) if "data" in section else None,
+        _text(section, "consequence", at) if "consequence" in section else None,
     )
 
 

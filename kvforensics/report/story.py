@@ -31,6 +31,10 @@ POSSIBLE_BASES = {
 }
 
 
+# the prefix_reuse rule whose matched block can hold other content than the recipient's prompt (a hash collision)
+COLLISION_RULE = "block_hash_collision"
+
+
 @dataclass(frozen=True)
 class Story:
     """The sentences the report prints in its Impact, How, Measures and Notification sections."""
@@ -224,10 +228,30 @@ def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[st
     if not s["affected_responses"]:
         return ()
     src = s["source_accounts"]
-    lines = [
-        f"{plural(s['affected_accounts'], 'account')} received responses that may contain fragments of other "
-        "accounts' prompts or generated text, possibly personal data or confidential information."
-    ]
+    # a response computed on another account's content (stale pages, a colliding block) may carry it; one computed
+    # on another account's cached blocks of the same text (every other prefix_reuse rule: the blocks matched on
+    # their tokens) carries nothing of theirs, but its speed showed that the text had been sent
+    foreign, same_text = con.execute(
+        f"""SELECT count(DISTINCT account_id) FILTER (WHERE foreign_content),
+                  count(DISTINCT account_id) FILTER (WHERE NOT foreign_content)
+           FROM (SELECT a.request_id, any_value(a.account_id) AS account_id,
+                        bool_or(coalesce(f.mechanism, 'stale_pages') <> 'prefix_reuse'
+                                OR f.rule_id = '{COLLISION_RULE}') AS foreign_content
+                 FROM affected_responses a JOIN findings f USING (request_id) GROUP BY a.request_id)"""
+    ).fetchone()
+    lines = []
+    if foreign:
+        lines.append(
+            f"{plural(foreign, 'account')} received responses that may contain fragments of other accounts' "
+            "prompts or generated text, possibly personal data or confidential information."
+        )
+    if same_text:
+        lines.append(
+            f"{plural(same_text, 'account')} received responses computed on prefix-cache blocks another account "
+            f"had stored for the same leading text as their prompts{' (no colliding block)' if not foreign else ''}: "
+            "what those responses say is what their own prompts would have given, but how fast they came back (and "
+            "the cached tokens their usage counts) showed that another account had sent that text."
+        )
     by_text = min(_confirmed_by_text(con, src["confirmed"]), src["confirmed"])
     if by_text:
         lines.append(
@@ -237,8 +261,13 @@ def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[st
     if src["confirmed"] > by_text:
         lines.append(
             f"Responses sent to other accounts were computed on prefix-cache blocks stored from the requests of "
-            f"{plural(src['confirmed'] - by_text, 'more account' if by_text else 'account')}: those responses were "
-            "conditioned on their text, which was disclosed to that extent."
+            f"{plural(src['confirmed'] - by_text, 'more account' if by_text else 'account')}: "
+            + (
+                "those responses were conditioned on their text, which was disclosed to that extent."
+                if foreign
+                else "the recipients' prompts held the same text, so what was disclosed to them is that these "
+                "accounts had sent it, by the speed of the responses."
+            )
         )
     if src["possible"]:
         lines.append(
