@@ -199,7 +199,13 @@ def _nature(
         )
         return (
             f"A confidentiality breach: {plural(n, 'response')} sent to {plural(s['affected_accounts'], 'account')} "
-            f"{prose_span(first, last)} may carry other accounts' data. {how}"
+            f"{prose_span(first, last)} "
+            + (
+                "may carry other accounts' data. "
+                if _content_split(con)[0]
+                else "were computed on prefix-cache blocks other accounts had stored for the same leading text. "
+            )
+            + how
         )
     if s["conclusive"]:
         return (
@@ -224,14 +230,12 @@ def _confirmed_by_text(con: duckdb.DuckDBPyConnection, confirmed: int) -> int:
     ).fetchall()[0][0]
 
 
-def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[str, ...]:
-    if not s["affected_responses"]:
-        return ()
-    src = s["source_accounts"]
-    # a response computed on another account's content (stale pages, a colliding block) may carry it; one computed
-    # on another account's cached blocks of the same text (every other prefix_reuse rule: the blocks matched on
-    # their tokens) carries nothing of theirs, but its speed showed that the text had been sent
-    foreign, same_text = con.execute(
+def _content_split(con: duckdb.DuckDBPyConnection) -> tuple[int, int]:
+    """Of the accounts that received affected responses: how many received one computed on another account's content
+    (stale pages, a colliding block), which may carry it, and how many one computed on another account's cached blocks
+    of the same text (every other prefix_reuse rule: the blocks matched on their tokens), which carries nothing of
+    theirs but whose speed showed that the text had been sent."""
+    return con.execute(
         f"""SELECT count(DISTINCT account_id) FILTER (WHERE foreign_content),
                   count(DISTINCT account_id) FILTER (WHERE NOT foreign_content)
            FROM (SELECT a.request_id, any_value(a.account_id) AS account_id,
@@ -239,6 +243,13 @@ def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[st
                                 OR f.rule_id = '{COLLISION_RULE}') AS foreign_content
                  FROM affected_responses a JOIN findings f USING (request_id) GROUP BY a.request_id)"""
     ).fetchone()
+
+
+def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[str, ...]:
+    if not s["affected_responses"]:
+        return ()
+    src = s["source_accounts"]
+    foreign, same_text = _content_split(con)
     lines = []
     if foreign:
         lines.append(
