@@ -293,5 +293,6 @@ ordered AS (
                    AND r.ts >= {{ add_milliseconds(g.ts, -1000 * $load_window_s) }}
                    AND r.ts <= {{ add_milliseconds(g.ts, 1000 * $clock_skew_s) }}
                    AND (r.cached_tokens IS NULL OR r.cached_tokens >= g.loaded_tokens)
+                   AND (r.status IS NULL OR r.status NOT BETWEEN 400 AND 498)  -- refused: the engine never ran it
     JOIN load_moments m ON m.instance = g.instance AND m.ts = g.ts AND m.salt = g.salt
 )

@@ -17,8 +17,8 @@
 --   * a load is one chain of the pages one namespace loaded at one moment on one instance (a page no
 --     other of them names as its parent, and its parents among them): an engine that publishes two
 --     requests' loads in one batch (one scheduler step) shows two loads;
---   * the response is a request of the loading namespace on that instance, from $load_window_s before the
---     load to $clock_skew_s after it, with cached_tokens covering every page of the load, or none logged (a
+--   * the response is a request of the loading namespace on that instance (not refused: 400-498), from
+--     $load_window_s before the load to $clock_skew_s after it, with cached_tokens covering every page of the load, or none logged (a
 --     client that disconnected gets no usage): for a device store's load (an engine without host stores), the
 --     request the store was given to; else the one whose cached_tokens end exactly with the load's last page
 --     (of several before the load, one that arrived after the namespace's previous stores on the instance, else
