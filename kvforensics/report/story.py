@@ -235,14 +235,16 @@ def _content_split(con: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     (stale pages, a colliding block), which may carry it, and how many one computed on another account's cached blocks
     of the same text (every other prefix_reuse rule: the blocks matched on their tokens), which carries nothing of
     theirs but whose speed showed that the text had been sent."""
-    return con.execute(
-        f"""SELECT count(DISTINCT account_id) FILTER (WHERE foreign_content),
+    [(foreign, same_text)] = con.execute(
+        """SELECT count(DISTINCT account_id) FILTER (WHERE foreign_content),
                   count(DISTINCT account_id) FILTER (WHERE NOT foreign_content)
            FROM (SELECT a.request_id, any_value(a.account_id) AS account_id,
                         bool_or(coalesce(f.mechanism, 'stale_pages') <> 'prefix_reuse'
-                                OR f.rule_id = '{COLLISION_RULE}') AS foreign_content
-                 FROM affected_responses a JOIN findings f USING (request_id) GROUP BY a.request_id)"""
-    ).fetchone()
+                                OR f.rule_id = $collision) AS foreign_content
+                 FROM affected_responses a JOIN findings f USING (request_id) GROUP BY a.request_id)""",
+        {"collision": COLLISION_RULE},
+    ).fetchall()
+    return foreign, same_text
 
 
 def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[str, ...]:
