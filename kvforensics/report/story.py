@@ -183,7 +183,11 @@ def _windows_note(s: dict[str, Any]) -> str:
 
 
 def _nature(
-    con: duckdb.DuckDBPyConnection, s: dict[str, Any], mechanisms: list[Any], rules: list[dict[str, Any]]
+    con: duckdb.DuckDBPyConnection,
+    s: dict[str, Any],
+    mechanisms: list[Any],
+    rules: list[dict[str, Any]],
+    split: tuple[int, int],
 ) -> str:
     n = s["affected_responses"]
     if n:
@@ -202,7 +206,7 @@ def _nature(
             f"{prose_span(first, last)} "
             + (
                 "may carry other accounts' data. "
-                if _content_split(con)[0]
+                if split[0]
                 else "were computed on prefix-cache blocks other accounts had stored for the same leading text. "
             )
             + how
@@ -247,11 +251,11 @@ def _content_split(con: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     return foreign, same_text
 
 
-def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any]) -> tuple[str, ...]:
+def _consequences(con: duckdb.DuckDBPyConnection, s: dict[str, Any], split: tuple[int, int]) -> tuple[str, ...]:
     if not s["affected_responses"]:
         return ()
     src = s["source_accounts"]
-    foreign, same_text = _content_split(con)
+    foreign, same_text = split
     lines = []
     if foreign:
         lines.append(
@@ -349,10 +353,11 @@ def incident_story(
     audit: Any,
 ) -> Story:
     facts = incident_facts(con, incident)
+    split = _content_split(con)  # accounts that received foreign content, and those that received their own text
     return Story(
-        nature=_nature(con, s, mechanisms, rules),
+        nature=_nature(con, s, mechanisms, rules, split),
         deployment=_deployment(con, {m.id for m in mechanisms}, audit),
-        consequences=_consequences(con, s),
+        consequences=_consequences(con, s, split),
         measures=facts.measures,
         ended=facts.ended,
         operator_checks=_operator_checks(audit) if audit.verdicts else (),
