@@ -15,7 +15,7 @@ import gzip
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from reference_judges import (
@@ -28,6 +28,20 @@ from reference_judges import judged as judge_incident
 from reference_judges import run as _run
 
 generate, score = judge("vllm_reference")
+
+
+def _rewrite_gateway(incident: Path, change: Callable[[int, dict], dict | None]) -> None:
+    """Rewrite the incident's gateway files record by record: *change* gets each record's number across the files
+    (in file order) and the record, and returns it changed, or None to drop it."""
+    n = 0
+    for path in sorted((incident / "gateway").glob("*.jsonl.gz")):
+        kept = []
+        for line in gzip.decompress(path.read_bytes()).splitlines():
+            record = change(n, json.loads(line))
+            n += 1
+            if record is not None:
+                kept.append(json.dumps(record).encode() + b"\n")
+        path.write_bytes(gzip.compress(b"".join(kept)))
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +94,12 @@ def test_with_the_prompts_token_ids_the_sources_are_the_stores_writers(tmp_path)
 def test_a_gateway_that_does_not_log_cached_tokens_cannot_tell_loads_from_computation(tmp_path):
     """Without cached_tokens the mechanism has nothing to judge a hit by: inconclusive, never "none affected"."""
     generate.generate(tmp_path / "incident", seed=7, requests=2000)
-    for path in (tmp_path / "incident" / "gateway").glob("*.jsonl.gz"):
-        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
-        for r in records:
-            (r.get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
-        path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
+
+    def without_cached_tokens(_: int, r: dict) -> dict:
+        (r.get("usage") or {}).get("prompt_tokens_details", {}).pop("cached_tokens", None)
+        return r
+
+    _rewrite_gateway(tmp_path / "incident", without_cached_tokens)
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
 
 
@@ -106,14 +121,13 @@ def test_a_gateway_that_drops_cache_salt_on_some_records_is_inconclusive(tmp_pat
     with one in 50, 129. The engine stored those requests' pages under a salt (no unsalted store near them), so
     the gate says the log lost it."""
     generate.generate(tmp_path / "incident", seed=7, requests=4000, step_s=0.5)
-    n = 0
-    for path in sorted((tmp_path / "incident" / "gateway").glob("*.jsonl.gz")):
-        records = [json.loads(line) for line in gzip.decompress(path.read_bytes()).splitlines()]
-        for r in records:
-            if n % every == 0:
-                r.pop("cache_salt", None)
-            n += 1
-        path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records)))
+
+    def salt_blanked(n: int, r: dict) -> dict:
+        if n % every == 0:
+            r.pop("cache_salt", None)
+        return r
+
+    _rewrite_gateway(tmp_path / "incident", salt_blanked)
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())
     # the requests whose salt is blank made stores no request of their namespace explains, too
@@ -125,14 +139,7 @@ def test_a_gateway_log_that_lost_a_tenth_of_its_records_is_inconclusive(tmp_path
     their loads went to other requests of their namespaces (117 of 131 found, two of them wrong, with exit 0). The
     engines stored pages for namespaces no logged request explains, so the gate says records are missing."""
     generate.generate(tmp_path / "incident", seed=7, requests=3000, step_s=0.5)
-    n = 0
-    for path in sorted((tmp_path / "incident" / "gateway").glob("*.jsonl.gz")):
-        kept = []
-        for line in gzip.decompress(path.read_bytes()).splitlines():
-            if n % 10 != 3:
-                kept.append(line + b"\n")
-            n += 1
-        path.write_bytes(gzip.compress(b"".join(kept)))
+    _rewrite_gateway(tmp_path / "incident", lambda n, r: None if n % 10 == 3 else r)
     assert _run(tmp_path / "incident" / "incident.toml", tmp_path / "out") == 3
     scope = json.loads((tmp_path / "out" / "scope.json").read_text())
     assert [r["code"] for r in scope["inconclusive_reasons"]] == ["gateway_requests_missing"], scope[
