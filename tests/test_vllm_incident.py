@@ -157,3 +157,14 @@ def test_the_report_tells_files_of_one_name_apart(judged):
     assert len(set(labels)) * 2 == len(labels)  # once in the data-quality table, once in provenance
     # a grammatical count of the probing accounts
     assert "1 accounts" not in md
+
+
+def test_a_gateway_source_whose_instance_is_mapped_to_a_missing_key_is_inconclusive(tmp_path):
+    """prefill_instance mapped to a key the records lack: the loads, seen per instance in the KV events, can be given
+    to no request, so the run found none and must not call that an all-clear."""
+    generate.generate(tmp_path / "incident", seed=7, requests=2000)
+    toml = tmp_path / "incident" / "incident.toml"
+    toml.write_text(toml.read_text().replace('prefill_instance = "upstream"', 'prefill_instance = "upstream_host"'))
+    assert _run(toml, tmp_path / "out") == 3
+    reasons = json.loads((tmp_path / "out" / "scope.json").read_text())["inconclusive_reasons"]
+    assert any(r["code"] == "rule_field_missing" and "prefill_instance" in r["message"] for r in reasons), reasons

@@ -59,6 +59,7 @@ WITH event_hours AS (
     SELECT r.model, coalesce(r.cached_tokens, 0) > 0 AS hit,
            list_filter([CASE WHEN r.cached_tokens IS NOT NULL THEN 'cached_tokens' END,
                         CASE WHEN r.cache_salt IS NOT NULL THEN 'cache_salt' END,
+                        CASE WHEN r.prefill_instance IS NOT NULL THEN 'prefill_instance' END,
                         CASE WHEN r.ttft_ms IS NOT NULL THEN 'ttft_ms' END,
                         CASE WHEN r.latency_ms IS NOT NULL THEN 'latency_ms' END,
                         CASE WHEN r.request_id IN (SELECT request_id FROM request_blocks) THEN 'request_blocks' END,
@@ -204,7 +205,7 @@ WITH per_model AS (
     SELECT unnest($prefix_needs) AS n
 ), prefix AS (
     SELECT p.n.rule AS rule, p.n.fields AS fields, p.n.hits_only AS hits_only, p.n.min_share AS min_share,
-           p.n.when_logged AS when_logged, p.n.consequence AS consequence, g.model,
+           p.n.when_logged AS when_logged, p.n.when_store AS when_store, p.n.consequence AS consequence, g.model,
            sum(g.requests) AS requests,
            coalesce(sum(g.requests) FILTER (WHERE list_has_any(g.present, p.n.fields)), 0) AS with_fields
     FROM prefix_needs p JOIN gate_prefix_requests g ON g.hit OR NOT p.n.hits_only
@@ -221,6 +222,7 @@ FROM prefix
 WHERE requests > 0 AND (with_fields = 0 OR with_fields < min_share * requests)
   AND (NOT when_logged
        OR EXISTS (SELECT 1 FROM gate_prefix_requests x WHERE list_has_any(x.present, fields)))
+  AND (NOT when_store OR EXISTS (SELECT 1 FROM prefix_windows w WHERE w.path = 'salt_blind_store'))
 ORDER BY model, rule;
 
 -- reason: unknown_instances

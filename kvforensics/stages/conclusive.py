@@ -78,7 +78,8 @@ _MAP_FIELD = "map the field in the requests source's columns (or a preset), or c
 # read every successful request of the analysed period, not only exposure windows): `fields` (any of
 # them) on the successful requests, or with `hits_only` on its prefix-cache hits; missing for a model
 # when empty for all of them or present for fewer than `min_share`; with `when_logged`, only when some
-# request carries one of them. The reason's message is "<fields> empty for N of its M <requests> in the
+# request carries one of them; with `when_store`, only when a start-up had a store that drops the salt
+# (prefix_windows path salt_blind_store). The reason's message is "<fields> empty for N of its M <requests> in the
 # analysed period, so <consequence>".
 PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
     {
@@ -87,6 +88,7 @@ PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
         "hits_only": False,
         "min_share": 0.5,
         "when_logged": False,
+        "when_store": False,
         "consequence": f"rules {_PREFIX_RULES} cannot tell which of them reused another tenant's prefix-cache "
         f"blocks; {_MAP_FIELD} (OpenAI-style usage: prompt_tokens_details.cached_tokens)",
     },
@@ -96,6 +98,7 @@ PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
         "hits_only": True,
         "min_share": 0.0,
         "when_logged": True,
+        "when_store": False,
         "consequence": "rule prefix_salt_mismatch cannot compare their salts with the storing requests' although "
         f"other requests carry one; {_MAP_FIELD}",
     },
@@ -105,9 +108,20 @@ PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
         "hits_only": True,
         "min_share": 0.5,
         "when_logged": False,
+        "when_store": False,
         "consequence": f"rules {_PREFIX_RULES} can flag them from cached_tokens alone, weakly, and name no source; "
         "add the content source with prompt_token_ids (or a [prefix_cache] table for blocks of words) "
         "or the engines' KV events (kind = \"kv_events\") for that period",
+    },
+    {
+        "rule": "cross_tenant_store_load",
+        "fields": ["prefill_instance"],
+        "hits_only": True,
+        "min_share": 0.5,
+        "when_logged": False,
+        "when_store": True,
+        "consequence": "a load from the shared store, which the KV events show per instance, cannot be given to the "
+        f"request it served, and none of them can be found; {_MAP_FIELD}",
     },
     {
         "rule": "prefix_probing",
@@ -115,6 +129,7 @@ PREFIX_NEEDS: tuple[dict[str, Any], ...] = (
         "hits_only": False,
         "min_share": 0.0,
         "when_logged": False,
+        "when_store": False,
         "consequence": f"the prefix-cache probing assessment cannot see the timing read back; {_MAP_FIELD}",
     },
 )
@@ -173,10 +188,10 @@ def parameters(
     source kind (``[quarantine]``) where it is not *max_quarantine_fraction*."""
     needs = [{"rule": rule, "fields": list(group)} for rule, groups in sorted(RULE_FIELDS.items()) for group in groups]
     rules = load_rules()
-    [rule] = [r for r in rules if r.id == TOKEN_COUNT_RULE]
-    tolerance = rule_parameters(rule, (rule_overrides or {}).get(TOKEN_COUNT_RULE))
-    [store_rule] = [r for r in rules if r.id == STORE_LOAD_RULE]
-    store_window = rule_parameters(store_rule, (rule_overrides or {}).get(STORE_LOAD_RULE))
+    by_id = {r.id: r for r in rules}
+    tolerance, store_window = (
+        rule_parameters(by_id[rid], (rule_overrides or {}).get(rid)) for rid in (TOKEN_COUNT_RULE, STORE_LOAD_RULE)
+    )
     limits = {
         kind: float((max_quarantine_fractions or {}).get(kind, max_quarantine_fraction)) for kind in QUARANTINE_FIXES
     }
